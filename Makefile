@@ -1,0 +1,32 @@
+# The README's commands. `make test` and `make demo` each set up .venv first:
+# the pinned CPU torch wheel, then the package (an unpinned torch would pull CUDA).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+
+.PHONY: venv test test-all demo bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: venv
+	$(PY) -m pytest -q
+
+demo: venv
+	$(PY) examples/quickstart.py
+
+bench: venv
+	$(PY) benchmarks/gmm_speedup.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build dist src/*.egg-info

@@ -1,0 +1,130 @@
+"""The closed-form Gaussian-mixture target (paper Sec. 5.1).
+
+For data ``x_0 ~ sum_k w_k N(mu_k, s_k^2 I)`` on the linear path
+``x_sigma = (1 - sigma) x_0 + sigma xi``, component ``k`` gives
+``x_sigma ~ N(a mu_k, var_k I)`` with ``a = 1 - sigma`` and
+``var_k = a^2 s_k^2 + sigma^2``, and ``(x_0, xi, x_sigma)`` is jointly Gaussian.
+The exact velocity ``v = E[xi - x_0 | x_sigma]`` is therefore
+
+    v(x, sigma) = sum_k r_k(x) [ (sigma - a s_k^2) (x - a mu_k) / var_k - mu_k ],
+
+with posterior responsibilities ``r_k``; it is finite on all of [0, 1]
+(``v(x, 0) = -x``, ``v(x, 1) = x - sum_k w_k mu_k``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["GaussianMixture"]
+
+
+class GaussianMixture:
+    """Isotropic Gaussian mixture with its exact linear-path velocity.
+
+    Args:
+        means: ``(C, d)`` component means.
+        stds: ``(C,)`` component standard deviations, > 0.
+        weights: ``(C,)`` mixture weights (normalized here); uniform if omitted.
+
+    Calling the instance, ``gmm(x, sigma)``, returns the velocity:
+    ``x: (M, d)``, ``sigma: (M,)`` or scalar -> ``(M, d)``, in ``x``'s dtype
+    (computed in float64 internally when ``x`` is float64).
+    """
+
+    def __init__(
+        self, means: torch.Tensor, stds: torch.Tensor, weights: Optional[torch.Tensor] = None
+    ) -> None:
+        means = torch.as_tensor(means, dtype=torch.float64)
+        stds = torch.as_tensor(stds, dtype=torch.float64).reshape(-1)
+        if means.ndim != 2 or means.shape[0] < 1 or means.shape[1] < 1:
+            raise ValueError(f"means must have shape (components, dim), got {tuple(means.shape)}")
+        C = means.shape[0]
+        if stds.shape != (C,) or not (stds > 0).all() or not torch.isfinite(stds).all():
+            raise ValueError(f"stds must be {C} finite positive numbers")
+        if weights is None:
+            weights = torch.full((C,), 1.0 / C, dtype=torch.float64)
+        weights = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
+        if weights.shape != (C,) or (weights < 0).any() or weights.sum() <= 0:
+            raise ValueError(f"weights must be {C} non-negative numbers with a positive sum")
+        self.means = means
+        self.stds = stds
+        self.weights = weights / weights.sum()
+        self._cache: dict = {}
+
+    @classmethod
+    def paper(
+        cls,
+        dim: int = 500,
+        components: int = 5,
+        seed: int = 0,
+        mean_range: float = 2.0,
+        std_range: tuple[float, float] = (0.10, 0.25),
+    ) -> "GaussianMixture":
+        """The paper's mixture: means ``U([-2, 2]^d)``, stds ``U([0.10, 0.25])``.
+
+        Drawn once from ``seed`` (a CPU ``torch.Generator``), so the same seed
+        gives the same mixture on every machine.
+        """
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+        if isinstance(components, bool) or not isinstance(components, int) or components < 1:
+            raise ValueError(f"components must be an int >= 1, got {components!r}")
+        g = torch.Generator().manual_seed(int(seed))
+        means = (torch.rand(components, dim, generator=g, dtype=torch.float64) * 2 - 1) * mean_range
+        lo, hi = std_range
+        stds = lo + (hi - lo) * torch.rand(components, generator=g, dtype=torch.float64)
+        return cls(means, stds)
+
+    @property
+    def dim(self) -> int:
+        return self.means.shape[1]
+
+    @property
+    def num_components(self) -> int:
+        return self.means.shape[0]
+
+    def _params(self, dtype, device):
+        key = (dtype, device)
+        if key not in self._cache:
+            m = self.means.to(device, dtype)
+            self._cache[key] = (m, (m * m).sum(1), self.stds.to(device, dtype) ** 2,
+                                self.weights.to(device, dtype).log())
+        return self._cache[key]
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor | float) -> torch.Tensor:
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"x must have shape (M, {self.dim}), got {tuple(x.shape)}")
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xw = x.to(work)
+        mu, mu2, s2, logw = self._params(work, x.device)
+        sig = torch.as_tensor(sigma, dtype=work, device=x.device).reshape(-1, 1).expand(x.shape[0], 1)
+        a = 1.0 - sig  # (M, 1)
+        var = a * a * s2[None, :] + sig * sig  # (M, C)
+        x2 = (xw * xw).sum(1, keepdim=True)
+        dist2 = x2 - 2.0 * a * (xw @ mu.T) + a * a * mu2[None, :]
+        logits = logw[None, :] - 0.5 * dist2 / var - 0.5 * self.dim * torch.log(var)
+        r = torch.softmax(logits, dim=1)  # (M, C)
+        c = r * (sig - a * s2[None, :]) / var  # (M, C)
+        # sum_k c_k (x - a mu_k) - r_k mu_k
+        v = c.sum(1, keepdim=True) * xw - (c * a + r) @ mu
+        return v.to(x.dtype)
+
+    def sample(self, n: int, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw ``n`` data points; returns ``(x (n, d) float64, component (n,) long)``."""
+        k = torch.multinomial(self.weights, n, replacement=True, generator=generator)
+        z = torch.randn(n, self.dim, generator=generator, dtype=torch.float64)
+        return self.means[k] + self.stds[k, None] * z, k
+
+    def assign(self, x: torch.Tensor) -> torch.Tensor:
+        """``(n,)`` most likely component of each data point ``x: (n, d)``."""
+        x = x.to(torch.float64)
+        d2 = torch.cdist(x, self.means) ** 2
+        ll = self.weights.log()[None] - 0.5 * d2 / self.stds[None] ** 2 - self.dim * torch.log(self.stds)[None]
+        return ll.argmax(1)
+
+    def __repr__(self) -> str:
+        return f"GaussianMixture(components={self.num_components}, dim={self.dim})"
+

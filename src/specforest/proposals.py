@@ -1,0 +1,174 @@
+"""Proposals: how drafted states are drawn (paper eq. 7, Appendix C.1).
+
+A proposal gives the draft transition mean ``m^p(y)`` at any state and step;
+its scale is always the target's (eq. 37), which is what the couplings need.
+
+* :class:`FrozenPrediction` -- the self-speculative *delayed drift*: one target
+  evaluation, made at some earlier node ``(y*, sigma*)`` (the prefetched root
+  drift), is frozen in a chosen parameterization and every exactly known part
+  is recomputed at each drafted state and step.
+* :class:`DraftModel` -- an independent cheap model with the target's
+  signature, evaluated at every drafted parent.
+
+Any proposal keeps the sampler exact: the couplings correct whatever mean the
+draft uses. The proposal only moves the acceptance rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .sde import ReverseSDE
+
+__all__ = ["DRAFT_KINDS", "DraftModel", "FrozenPrediction", "Prefetch", "Proposal", "get_proposal"]
+
+DRAFT_KINDS = ("velocity", "drift", "x0", "eps")
+"""Parameterizations a frozen prediction can be held fixed in."""
+
+VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Prefetch:
+    """Per-trajectory target evaluation reused by the next round's draft.
+
+    Attributes:
+        y: ``(B, D)`` state at which the target was evaluated.
+        v: ``(B, D)`` the target velocity there.
+        step: ``(B,)`` long step index of that evaluation.
+    """
+
+    y: torch.Tensor
+    v: torch.Tensor
+    step: torch.Tensor
+
+
+class Proposal:
+    """Base class: ``mean(y, step)`` of the draft transition.
+
+    Attributes:
+        needs_prefetch: True if the proposal needs a target evaluation per
+            round (then the sampler prefetches it, see ``prefetch`` in
+            :func:`specforest.sample`).
+        name: short name recorded in results.
+    """
+
+    needs_prefetch: bool = True
+    name: str = "proposal"
+
+    def mean(
+        self,
+        sde: ReverseSDE,
+        y: torch.Tensor,
+        step: torch.Tensor,
+        pre: Optional[Prefetch],
+        shape: tuple[int, ...],
+    ) -> torch.Tensor:
+        """Draft means at drafted parents.
+
+        Args:
+            sde: the discretized reverse SDE.
+            y: ``(n, Bs, D)`` parent states (flattened), ``n`` nodes of each of
+                ``Bs`` trajectories (node-major).
+            step: ``(Bs,)`` long step index of these parents.
+            pre: the trajectories' prefetched evaluations (``Bs`` rows).
+            shape: the per-sample state shape (``prod(shape) = D``).
+
+        Returns:
+            ``(n, Bs, D)`` draft transition means.
+        """
+        raise NotImplementedError
+
+
+class FrozenPrediction(Proposal):
+    """Delayed drift: freeze one target prediction and recompute the rest.
+
+    With ``(y*, sigma*, v*)`` the prefetched evaluation and ``(y, sigma)`` the
+    drafted parent, the draft velocity is, per ``kind``:
+
+    * ``velocity``: ``v*`` (the paper's protocol, Sec. 5 and the authors' code);
+    * ``drift``: the whole reverse drift ``b(y*)`` of eq. (35) (Appendix C.1),
+      so ``m^p(y) = y + gamma b(y*)``;
+    * ``x0``: the clean-data prediction ``x0* = y* - sigma* v*``, so
+      ``v = (y - x0*) / sigma``;
+    * ``eps``: the noise prediction ``xi* = y* + (1 - sigma*) v*``, so
+      ``v = (xi* - y) / (1 - sigma)``.
+
+    Args:
+        kind: one of :data:`DRAFT_KINDS`.
+    """
+
+    def __init__(self, kind: str = "velocity") -> None:
+        if kind not in DRAFT_KINDS:
+            raise ValueError(f"draft must be one of {DRAFT_KINDS} or a callable, got {kind!r}")
+        self.kind = kind
+        self.name = kind
+
+    def mean(self, sde, y, step, pre, shape):
+        if pre is None:
+            raise ValueError("a frozen-prediction draft needs a prefetched evaluation")
+        ys, vs = pre.y, pre.v
+        if self.kind == "velocity":
+            return sde.mean_from_velocity(y, vs, step)
+        if self.kind == "drift":
+            b = sde.drift(ys, vs, pre.step)
+            return sde.mean_from_drift(y, b, step)
+        sig_src = sde.sigmas.to(y.device, y.dtype)[pre.step][:, None]
+        sig = sde.sigmas.to(y.device, y.dtype)[step][:, None]
+        if self.kind == "x0":
+            x0 = ys - sig_src * vs
+            v = (y - x0) / sig
+        else:
+            xi = ys + (1.0 - sig_src) * vs
+            v = (xi - y) / (1.0 - sig)
+        return sde.mean_from_velocity(y, v, step)
+
+    def __repr__(self) -> str:
+        return f"FrozenPrediction(kind={self.kind!r})"
+
+
+class DraftModel(Proposal):
+    """An independent draft model ``v_draft(x, sigma)`` with the target's signature.
+
+    It is evaluated at every drafted parent (its calls are counted apart from the
+    target's NFE); no prefetching is needed.
+
+    Args:
+        fn: callable ``(x: (M, *shape), sigma: (M,)) -> (M, *shape)`` velocity.
+    """
+
+    needs_prefetch = False
+    name = "model"
+
+    def __init__(self, fn: VelocityFn) -> None:
+        if not callable(fn):
+            raise TypeError("draft model must be callable as fn(x, sigma)")
+        self.fn = fn
+        self.calls = 0
+
+    def mean(self, sde, y, step, pre, shape):
+        n, Bs, D = y.shape
+        sig = sde.sigmas.to(y.device)[step].repeat(n)
+        v = self.fn(y.reshape(n * Bs, *shape), sig.to(y.dtype))
+        self.calls += 1
+        v = v.reshape(n, Bs, D).to(y.dtype)
+        if not torch.isfinite(v).all():
+            raise FloatingPointError("the draft model returned NaN or inf")
+        return sde.mean_from_velocity(y, v, step)
+
+    def __repr__(self) -> str:
+        return f"DraftModel({self.fn!r})"
+
+
+def get_proposal(draft: "str | Proposal | VelocityFn") -> Proposal:
+    """Resolve ``draft``: a kind name, a :class:`Proposal`, or a draft-model callable."""
+    if isinstance(draft, Proposal):
+        return draft
+    if isinstance(draft, str):
+        return FrozenPrediction(draft)
+    if callable(draft):
+        return DraftModel(draft)
+    raise TypeError(f"draft must be one of {DRAFT_KINDS}, a Proposal or a callable, got {draft!r}")

@@ -1,0 +1,509 @@
+"""The round loop of Algorithm 1, batched over trajectories.
+
+Each round, every unfinished trajectory contributes rows to **one** batched
+target call and advances by what that call buys it:
+
+* on a deterministic step (ERRATA 6) it takes the plain Euler step;
+* on a stochastic step without a prefetched evaluation (the run's first
+  speculative round) it only evaluates its root, which the next round drafts
+  from (``fetch``);
+* otherwise it drafts its tree layer by layer, has the root and the internal
+  nodes (or every node, ``verify="drafted"``) evaluated, walks down from the
+  root with the coupling until the first rejection, commits, and keeps one
+  evaluation of this round as the next round's prefetched drift.
+
+The standard Euler-Maruyama sampler is the same loop with no tree: every
+stochastic round evaluates the state and draws the exact transition.
+
+Trajectories run at their own steps; a trajectory that has finished takes no
+rows. The loop knows neither the coupling's nor the proposal's internals.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from .couplings import Coupling, get_coupling
+from .proposals import Prefetch, Proposal, get_proposal
+from .sde import ReverseSDE, flow_match_grid, uniform_grid
+from .trees import VERIFY_MODES, DraftTree
+
+__all__ = ["PREFETCH_POLICIES", "SampleResult", "SampleStats", "sample", "standard_sample"]
+
+PREFETCH_POLICIES = ("nearest", "parent")
+"""Which evaluation of a round the next round's draft reuses after a rejection.
+
+``parent``: the node whose children were rejected (one step before the new
+state). ``nearest``: among the nodes evaluated this round at the new state's
+own step, the one nearest (Euclidean) to it; after a reflection that is the
+rejected child itself. Both fall back to the parent when no node at that step
+was evaluated. After a fully accepted round both use the committed node's own
+evaluation when it exists (``verify="drafted"``), else its parent's.
+"""
+
+GRIDS = ("flow_match", "uniform")
+
+VelocityFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class SampleStats:
+    """Per-trajectory statistics of a run. ``B`` trajectories, tree depth ``L``.
+
+    Attributes:
+        nfe: ``(B,)`` target calls each trajectory took part in (its sequential NFE).
+        rounds: ``(B,)`` speculative rounds (rounds that drafted a tree).
+        spec_steps: ``(B,)`` steps committed by speculative rounds.
+        attempts: ``(B, L)`` verification problems met at each depth.
+        accepts: ``(B, L)`` of which a drafted child was accepted.
+        delta_sum: ``(B, L)`` float64 sum of the observed ``delta`` at each depth.
+        commits: ``(B, L + 1)`` rounds that committed ``j`` steps (column ``j``).
+        rows: ``(B,)`` states each trajectory had evaluated by the target.
+        calls: batched target calls of the whole run (the batch's NFE).
+        draft_calls: calls of an independent draft model (0 for frozen drafts).
+        steps: number of steps ``T`` of the grid.
+        wall_seconds: wall-clock time of the run.
+    """
+
+    nfe: torch.Tensor
+    rounds: torch.Tensor
+    spec_steps: torch.Tensor
+    attempts: torch.Tensor
+    accepts: torch.Tensor
+    delta_sum: torch.Tensor
+    commits: torch.Tensor
+    rows: torch.Tensor
+    calls: int = 0
+    draft_calls: int = 0
+    steps: int = 0
+    wall_seconds: float = 0.0
+
+    @property
+    def accept_rate_per_depth(self) -> torch.Tensor:
+        """``(L,)`` pooled acceptance rate at each depth (NaN where never reached)."""
+        a = self.attempts.sum(0).double()
+        return self.accepts.sum(0).double() / a
+
+    @property
+    def delta_per_depth(self) -> torch.Tensor:
+        """``(L,)`` mean observed ``delta`` at each depth (NaN where never reached)."""
+        return self.delta_sum.sum(0) / self.attempts.sum(0).double()
+
+    @property
+    def speedup(self) -> torch.Tensor:
+        """``(B,)`` float64 ``T / nfe``: speedup over the standard sampler's ``T`` calls."""
+        return self.steps / self.nfe.double()
+
+    @property
+    def steps_per_round(self) -> torch.Tensor:
+        """``(B,)`` mean steps committed per speculative round."""
+        return self.spec_steps.double() / self.rounds.double()
+
+
+@dataclass
+class SampleResult:
+    """What :func:`sample` returns.
+
+    Attributes:
+        samples: ``(B, *shape)`` final states at ``sigma = 0``.
+        stats: the run's :class:`SampleStats`.
+        config: the options that produced it (names as in :func:`sample`).
+    """
+
+    samples: torch.Tensor
+    stats: SampleStats
+    config: dict = field(default_factory=dict)
+
+
+def _make_sde(steps, sigmas, grid, shift, churn) -> ReverseSDE:
+    if sigmas is None:
+        if steps is None:
+            raise ValueError("give steps (an int >= 1) or sigmas (a (T + 1,) tensor)")
+        if grid not in GRIDS:
+            raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
+        sigmas = flow_match_grid(steps, shift=shift) if grid == "flow_match" else uniform_grid(steps, shift=shift)
+    elif steps is not None and int(steps) != len(sigmas) - 1:
+        raise ValueError(f"steps={steps} disagrees with len(sigmas) - 1 = {len(sigmas) - 1}")
+    return ReverseSDE(torch.as_tensor(sigmas, dtype=torch.float64), churn)
+
+
+def _randn(shape, generator, dtype, device) -> torch.Tensor:
+    gdev = generator.device
+    return torch.randn(shape, generator=generator, dtype=dtype, device=gdev).to(device)
+
+
+def _normal_into(out: torch.Tensor, generator: torch.Generator) -> None:
+    """Fill ``out`` with standard normals from ``generator`` (in place when devices match)."""
+    if out.device == generator.device:
+        out.normal_(generator=generator)
+    else:
+        out.copy_(_randn(out.shape, generator, out.dtype, out.device))
+
+
+class _Target:
+    """Wraps the user's velocity with shape/dtype checks and call accounting."""
+
+    def __init__(self, fn: VelocityFn, shape, dtype, max_rows: Optional[int], kwargs: dict):
+        self.fn, self.shape, self.dtype, self.max_rows, self.kwargs = fn, shape, dtype, max_rows, kwargs
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        M, D = x.shape
+        self.calls += 1
+        chunk = self.max_rows or M
+        outs = []
+        for i in range(0, M, chunk):
+            xi = x[i : i + chunk].reshape(-1, *self.shape)
+            out = self.fn(xi, sigma[i : i + chunk].to(x.dtype), **self.kwargs)
+            if not isinstance(out, torch.Tensor) or out.shape != xi.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(
+                    f"model must return a tensor of the input's shape {tuple(xi.shape)}, got {got}"
+                )
+            outs.append(out.reshape(-1, D).to(x.dtype))
+        v = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if not torch.isfinite(v).all():
+            bad = (~torch.isfinite(v)).any(1)
+            s = sigma[bad]
+            raise FloatingPointError(
+                f"model returned NaN or inf for {int(bad.sum())} of {M} states "
+                f"(sigma in [{s.min().item():.4g}, {s.max().item():.4g}]); refusing to continue"
+            )
+        return v
+
+
+def sample(
+    model: VelocityFn,
+    x: torch.Tensor,
+    *,
+    steps: Optional[int] = None,
+    churn: float,
+    sigmas: Optional[torch.Tensor] = None,
+    grid: str = "flow_match",
+    shift: float = 1.0,
+    tree: Optional[DraftTree] = None,
+    coupling: "str | Coupling" = "grs",
+    draft: "str | Proposal | VelocityFn" = "velocity",
+    prefetch: str = "nearest",
+    verify: str = "internal",
+    generator: Optional[torch.Generator] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    progress: bool = False,
+    max_rows: Optional[int] = None,
+    model_kwargs: Optional[dict] = None,
+) -> SampleResult:
+    """Sample the churned reverse SDE exactly, speculating on a draft tree.
+
+    The output has the law of the standard Euler-Maruyama chain on the same
+    grid (paper eq. 6) for any tree, coupling, draft and prefetch policy;
+    those only change how many sequential target calls (NFE) it takes.
+
+    Args:
+        model: the target velocity ``v(x, sigma, **model_kwargs)`` on the linear
+            path, ``x: (M, *shape)``, ``sigma: (M,)`` -> ``(M, *shape)``.
+        x: ``(B, *shape)`` initial states at ``sigmas[0]`` (pure noise at 1).
+        steps: number of steps ``T >= 1`` on the chosen ``grid``.
+        churn: ``eps`` in (0, 1] (ERRATA 8: 0 makes speculation vacuous).
+        sigmas: an explicit ``(T + 1,)`` grid, decreasing from <= 1 to 0.
+        grid: ``flow_match`` (diffusers' default grid) or ``uniform`` (the paper's text).
+        shift: timestep shift ``kappa`` of eq. (38).
+        tree: draft topology; ``None`` runs the standard sampler.
+        coupling: ``grs`` (D-GRS, Algorithm 3), ``rmc`` (Algorithm 2, chains
+            only) or a :class:`~specforest.couplings.Coupling`.
+        draft: frozen-prediction kind (``velocity``, ``drift``, ``x0``, ``eps``),
+            a :class:`~specforest.proposals.Proposal`, or a draft-model callable.
+        prefetch: ``nearest`` or ``parent``, see :data:`PREFETCH_POLICIES`.
+        verify: ``internal`` (evaluate root and internal nodes) or ``drafted``
+            (every node, leaves included).
+        generator: the only source of randomness. Results are reproducible for a
+            given generator state, batch and ``max_rows``-independent; they do
+            depend on the batch's composition (all trajectories share one stream).
+        callback: called after each round with a dict of named tensors
+            (``round``, ``step``, ``x``, ``committed``).
+        progress: show a progress bar of the slowest trajectory's step.
+        max_rows: split each target call into sub-batches of at most this many
+            states (still one call, one NFE; bounds peak memory of the model).
+        model_kwargs: extra keyword arguments passed to ``model`` (e.g. labels).
+
+    Returns:
+        :class:`SampleResult` with ``samples`` ``(B, *shape)`` and ``stats``.
+
+    Raises:
+        ValueError / TypeError: on invalid arguments, naming the parameter.
+        FloatingPointError: if the model returns NaN or inf.
+    """
+    t0 = time.perf_counter()
+    if not callable(model):
+        raise TypeError("model must be callable as model(x, sigma)")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor of shape (batch, *shape), got {type(x).__name__}")
+    if x.ndim < 2 or x.shape[0] < 1 or x.numel() == 0:
+        raise ValueError(f"x must have shape (batch, *shape) with batch >= 1, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if not torch.isfinite(x).all():
+        raise ValueError("x contains NaN or inf")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
+        raise TypeError(f"steps must be an int >= 1, got {type(steps).__name__}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if prefetch not in PREFETCH_POLICIES:
+        raise ValueError(f"prefetch must be one of {PREFETCH_POLICIES}, got {prefetch!r}")
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
+        raise ValueError(f"max_rows must be None or an int >= 1, got {max_rows!r}")
+    if tree is not None and not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a DraftTree (see specforest.trees) or None, got {type(tree).__name__}")
+    if tree is not None and tree.L < 1:
+        raise ValueError("tree must have depth L >= 1; use tree=None for the standard sampler")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    sde = _make_sde(steps, sigmas, grid, shift, churn)
+    cp = get_coupling(coupling)
+    if tree is not None and cp.max_children is not None and tree.max_children > cp.max_children:
+        raise ValueError(
+            f"coupling {cp.name!r} verifies one child per node but the tree has nodes with "
+            f"{tree.max_children} children; use coupling='grs' or a chain"
+        )
+    proposal = get_proposal(draft)
+    if generator is None:
+        generator = torch.Generator(device="cpu")
+        generator.seed()
+
+    shape = tuple(x.shape[1:])
+    B, D = x.shape[0], math.prod(shape)
+    dev = x.device
+    work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    target = _Target(model, shape, work, max_rows, model_kwargs or {})
+    loop = _Loop(sde, tree, cp, proposal, prefetch, verify, target, generator, shape, dev, work)
+    xs, stats = loop.run(x.reshape(B, D).to(work), callback, progress)
+    if not torch.isfinite(xs).all():
+        raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
+    stats.wall_seconds = time.perf_counter() - t0
+    config = dict(
+        steps=sde.steps, churn=sde.churn, grid=grid if sigmas is None else "custom", shift=shift,
+        tree=None if tree is None else repr(tree), budget=0 if tree is None else tree.budget,
+        coupling=cp.name, draft=proposal.name, prefetch=prefetch, verify=verify,
+    )
+    return SampleResult(xs.reshape(B, *shape).to(x.dtype), stats, config)
+
+
+def standard_sample(model: VelocityFn, x: torch.Tensor, **kwargs: Any) -> SampleResult:
+    """The standard Euler-Maruyama sampler: :func:`sample` with ``tree=None``."""
+    kwargs["tree"] = None
+    return sample(model, x, **kwargs)
+
+
+class _Loop:
+    """State and phases of one run; one instance per :func:`sample` call."""
+
+    def __init__(self, sde, tree, coupling, proposal, prefetch, verify, target, gen, shape, dev, work):
+        self.sde, self.tree, self.coupling, self.proposal = sde, tree, coupling, proposal
+        self.prefetch, self.verify, self.target, self.gen = prefetch, verify, target, gen
+        self.shape, self.dev, self.work = shape, dev, work
+        self.sig = sde.sigmas.to(dev)
+        self.scale = sde.scale.to(dev)
+        self.stoch = sde.stochastic.to(dev)
+        self.run_end = sde.run_end.to(dev)
+        if tree is not None:
+            self.parent = tree.parent.to(dev)
+            self.depth = tree.depth.to(dev)
+            self.children = tree.children.to(dev)
+            self.nchild = tree.num_children.to(dev)
+            self.internal = tree.internal.to(dev)
+
+    # -- driver -------------------------------------------------------------------
+    def run(self, x, callback, progress):
+        B, D = x.shape
+        T, dev = self.sde.steps, self.dev
+        L = self.tree.L if self.tree is not None else 0
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
+        st = SampleStats(
+            nfe=z(B), rounds=z(B), spec_steps=z(B), attempts=z(B, L), accepts=z(B, L),
+            delta_sum=torch.zeros(B, L, dtype=torch.float64, device=dev), commits=z(B, L + 1),
+            rows=z(B), steps=T,
+        )
+        self.st = st
+        step = z(B)
+        has_pre = torch.zeros(B, dtype=torch.bool, device=dev)
+        pre = Prefetch(torch.zeros_like(x), torch.zeros_like(x), z(B))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=T, unit="step", desc="sampling")
+        rnd = 0
+        while True:
+            active = step < T
+            if not active.any():
+                break
+            stoch = self.stoch[step.clamp(max=T - 1)] & active
+            det = active & ~stoch
+            if self.tree is None:
+                exact, fetch, spec = stoch, torch.zeros_like(stoch), torch.zeros_like(stoch)
+            else:
+                exact = torch.zeros_like(stoch)
+                fetch = stoch & ~has_pre if self.proposal.needs_prefetch else torch.zeros_like(stoch)
+                spec = stoch & ~fetch
+            committed = z(B)
+
+            drafted = self._draft(x, step, spec, pre) if spec.any() else None
+            # -- one batched target call for every trajectory ----------------------
+            single = det | exact | fetch
+            ids_1 = single.nonzero()[:, 0]
+            rows_x = [x[ids_1]]
+            rows_s = [self.sig[step[ids_1]]]
+            if drafted is not None:
+                rows_x.append(drafted["Y"][drafted["emask"]])
+                rows_s.append(self.sig[drafted["estep"][drafted["emask"]]])
+            X = torch.cat(rows_x)
+            v_all = self.target(X, torch.cat(rows_s))
+            st.nfe += active.long()
+            st.rows[ids_1] += 1
+            v1 = v_all[: ids_1.numel()]
+
+            # -- single-row trajectories -------------------------------------------
+            if ids_1.numel():
+                s1 = step[ids_1]
+                mean = self.sde.mean_from_velocity(x[ids_1], v1, s1)
+                is_fetch = fetch[ids_1]
+                is_exact = exact[ids_1]
+                noise = _randn((ids_1.numel(), D), self.gen, self.work, dev)
+                new = mean + self.scale[s1].to(self.work)[:, None] * noise * is_exact[:, None]
+                move = ~is_fetch
+                x[ids_1[move]] = new[move]
+                committed[ids_1[move]] = 1
+                f = ids_1[is_fetch]
+                pre.y[f], pre.v[f], pre.step[f] = x[f], v1[is_fetch], step[f]
+                has_pre[f] = True
+
+            # -- speculative trajectories -------------------------------------------
+            if drafted is not None:
+                ids_s = drafted["ids"]
+                st.rows[ids_s] += drafted["emask"].sum(0)
+                self._accept(x, step, committed, pre, drafted, v_all[ids_1.numel():])
+                st.rounds[ids_s] += 1
+                st.spec_steps[ids_s] += committed[ids_s]
+                st.commits[ids_s, committed[ids_s]] += 1
+
+            step += committed
+            rnd += 1
+            if bar is not None:
+                bar.n = int(step.min())
+                bar.refresh()
+            if callback is not None:
+                callback({"round": rnd, "step": step.clone(), "x": x.reshape(B, *self.shape), "committed": committed})
+        if bar is not None:
+            bar.close()
+        st.calls = self.target.calls
+        st.draft_calls = getattr(self.proposal, "calls", 0)
+        return x, st
+
+    # -- phase 1: drafting ------------------------------------------------------------
+    def _draft(self, x, step, spec, pre):
+        tree, dev, T = self.tree, self.dev, self.sde.steps
+        ids = spec.nonzero()[:, 0]
+        Bs, D = ids.numel(), x.shape[1]
+        s0 = step[ids]
+        Ls = torch.minimum(self.run_end[s0] - s0, torch.full_like(s0, tree.L))
+        Lr = int(Ls.max())
+        V = tree.size_at_depth(Lr)
+        # node-major layout: a depth layer is one contiguous block of Y
+        Y = torch.empty(V, Bs, D, dtype=self.work, device=dev)
+        Y[0] = x[ids]
+        sub = Prefetch(pre.y[ids], pre.v[ids], pre.step[ids]) if self.proposal.needs_prefetch else None
+        for level in range(1, Lr + 1):
+            par_layer, lay = tree.layer(level - 1), tree.layer(level)
+            ps = (s0 + level - 1).clamp(max=T - 1)
+            m = self.proposal.mean(self.sde, Y[par_layer], ps, sub, self.shape)
+            out = Y[lay]
+            _normal_into(out, self.gen)
+            out.mul_(self.scale[ps].to(self.work)[:, None])
+            out.add_(torch.repeat_interleave(m, self.nchild[par_layer], dim=0, output_size=lay.stop - lay.start))
+        d = self.depth[:V][:, None]
+        if self.verify == "drafted":
+            emask = d <= Ls[None, :]
+        else:
+            emask = (d < Ls[None, :]) & self.internal[:V][:, None]
+        estep = (s0[None, :] + d).clamp(max=T - 1)
+        row = torch.full((V, Bs), -1, dtype=torch.long, device=dev)
+        row[emask] = torch.arange(int(emask.sum()), device=dev)
+        return dict(ids=ids, s0=s0, Ls=Ls, Lr=Lr, Y=Y, sub=sub, emask=emask, estep=estep, row=row)
+
+    # -- phase 3: acceptance, commit, prefetch --------------------------------------------
+    def _accept(self, x, step, committed, pre, dr, v):
+        st, dev = self.st, self.dev
+        ids, s0, Ls, Y, row, sub = dr["ids"], dr["s0"], dr["Ls"], dr["Y"], dr["row"], dr["sub"]
+        Bs = ids.numel()
+        cur = torch.zeros(Bs, dtype=torch.long, device=dev)
+        alive = torch.ones(Bs, dtype=torch.bool, device=dev)
+        ncom = torch.zeros(Bs, dtype=torch.long, device=dev)
+        new_x = torch.empty(Bs, Y.shape[2], dtype=self.work, device=dev)
+        ar = torch.arange(Bs, device=dev)
+        rej_depth = torch.zeros(Bs, dtype=torch.long, device=dev)
+        rej_node = torch.zeros(Bs, dtype=torch.long, device=dev)
+        for level in range(1, dr["Lr"] + 1):
+            act = alive & (level <= Ls) & (self.nchild[cur] > 0)
+            if not act.any():
+                break
+            a = act.nonzero()[:, 0]
+            u = cur[a]
+            sa = s0[a] + level - 1
+            yu = Y[u, a]
+            mu_q = self.sde.mean_from_velocity(yu, v[row[u, a]], sa)
+            ch = self.children[u]
+            valid = ch >= 0
+            kids = Y[ch.clamp(min=0), a[:, None]]
+            # the draft mean is a deterministic function of the parent: recompute it
+            # here for the visited nodes rather than store it for every node
+            pa = None if sub is None else Prefetch(sub.y[a], sub.v[a], sub.step[a])
+            mu_p = self.proposal.mean(self.sde, yu[None], sa, pa, self.shape)[0]
+            res = self.coupling(mu_p, mu_q, self.scale[sa], kids, valid, self.gen)
+            g = ids[a]
+            st.attempts[g, level - 1] += 1
+            st.accepts[g, level - 1] += res.accepted.long()
+            st.delta_sum[g, level - 1] += res.delta.to(st.delta_sum.dtype)
+            ncom[a] += 1
+            acc = res.accepted
+            cur[a[acc]] = ch[acc, res.index[acc]]
+            rj = a[~acc]
+            new_x[rj] = res.state[~acc].to(self.work)
+            alive[rj] = False
+            rej_depth[rj] = level
+            rej_node[rj] = u[~acc]
+        full = alive.nonzero()[:, 0]
+        new_x[full] = Y[cur[full], full]
+        x[ids] = new_x
+        committed[ids] = ncom
+
+        # -- prefetch: which evaluation the next round drafts from ----------------
+        src = torch.where(alive, cur, rej_node)
+        src_step = s0 + torch.where(alive, self.depth[cur], rej_depth - 1)
+        own = alive & (row[cur, ar] >= 0)
+        # fully accepted without an evaluation at the committed node: its parent
+        nb = alive & ~own
+        src[nb] = self.parent[cur[nb]]
+        src_step[nb] -= 1
+        if self.prefetch == "nearest":
+            for level in torch.unique(rej_depth[~alive]).tolist():
+                r = (~alive & (rej_depth == level)).nonzero()[:, 0]
+                lay = self.tree.layer(level)
+                ok = (row[lay][:, r] >= 0).T  # (n_r, layer size)
+                if not ok.any():
+                    continue
+                dist = (Y[lay][:, r] - new_x[r][None]).square().sum(-1).T
+                dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
+                best = dist.argmin(1)
+                has = ok.any(1)
+                rr = r[has]
+                src[rr] = lay.start + best[has]
+                src_step[rr] = s0[rr] + level
+        pre.y[ids] = Y[src, ar]
+        pre.v[ids] = v[row[src, ar]]
+        pre.step[ids] = src_step

@@ -1,0 +1,245 @@
+"""The reverse SDE on the linear (rectified-flow) path and its time grid.
+
+This module is the one place that defines time conventions; everything else
+uses it.
+
+Conventions
+-----------
+* The *noise level* ``sigma`` is the forward time of the linear path
+  ``x_sigma = (1 - sigma) x_0 + sigma xi``: data at ``sigma = 0``, pure noise at
+  ``sigma = 1``. A model is a velocity ``v(x, sigma) = E[xi - x_0 | x_sigma = x]``.
+* A *time grid* is a decreasing tensor ``sigmas`` of shape ``(T + 1,)`` with
+  ``sigmas[0] <= 1`` and ``sigmas[T] = 0``. Step ``n`` moves the state from
+  ``sigmas[n]`` to ``sigmas[n + 1]``.
+* The paper's reverse time is ``t = 1 - sigma`` and its step size is
+  ``gamma_n = sigmas[n] - sigmas[n + 1]``. With churn ``eps`` the reverse drift
+  (paper eq. 35) and the Euler-Maruyama transition (eqs. 36-37) are::
+
+      b(y)    = -(1 + eps^2) v(y, sigma_n) - eps^2 y / (1 - sigma_n)
+      m(y)    = y + gamma_n b(y)
+      scale_n = eps * sqrt(2 gamma_n sigma_n / (1 - sigma_n))
+
+* A step whose transition would carry no noise is *deterministic*: the step
+  from ``sigma = 1`` (where ``g`` diverges and ``b`` contains ``y / 0``) and the
+  step into ``sigma = 0``. It is a plain Euler step of the probability-flow
+  ODE, ``y + (sigmas[n + 1] - sigmas[n]) v(y, sigmas[n])``, which every sampler
+  takes, counts as one target call, and never speculates on (ERRATA 6, 8).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ReverseSDE",
+    "flow_match_grid",
+    "shift_sigmas",
+    "uniform_grid",
+]
+
+
+def _check_steps(steps: int) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"steps must be an int >= 1, got {type(steps).__name__}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+
+
+def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """Apply the timestep shift of paper eq. (38), ``kappa s / (1 + (kappa - 1) s)``.
+
+    Args:
+        sigmas: noise levels in [0, 1], any shape.
+        shift: ``kappa > 0``; 1 leaves the grid unchanged.
+
+    Returns:
+        The shifted noise levels, same shape; 0 and 1 are fixed points.
+
+    Raises:
+        ValueError: if ``shift`` is not a finite positive number.
+    """
+    if not (isinstance(shift, (int, float)) and math.isfinite(shift) and shift > 0):
+        raise ValueError(f"shift must be a finite number > 0, got {shift!r}")
+    return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
+
+
+def flow_match_grid(
+    steps: int, *, shift: float = 1.0, num_train_timesteps: int = 1000
+) -> torch.Tensor:
+    """The grid of diffusers' ``FlowMatchEulerDiscreteScheduler`` at its defaults.
+
+    Noise levels ``linspace(1, 1/num_train_timesteps, steps)`` (optionally
+    shifted), then 0. The authors' public code runs the Gaussian-mixture
+    experiment on this grid. Its first step (from 1) and last step (into 0) are
+    deterministic.
+
+    Args:
+        steps: number of steps ``T >= 1``.
+        shift: timestep shift ``kappa`` of eq. (38).
+        num_train_timesteps: the scheduler's training horizon (1000 in diffusers).
+
+    Returns:
+        ``sigmas`` of shape ``(T + 1,)``, float64, decreasing from 1 to 0.
+    """
+    _check_steps(steps)
+    if num_train_timesteps < 2:
+        raise ValueError(f"num_train_timesteps must be >= 2, got {num_train_timesteps}")
+    s = torch.linspace(1.0, 1.0 / num_train_timesteps, steps, dtype=torch.float64)
+    s = shift_sigmas(s, shift)
+    return torch.cat([s, s.new_zeros(1)])
+
+
+def uniform_grid(steps: int, *, shift: float = 1.0) -> torch.Tensor:
+    """The paper's uniform grid ``t_n = n / T``, i.e. ``sigma_n = 1 - n / T``.
+
+    Args:
+        steps: number of steps ``T >= 1``.
+        shift: timestep shift ``kappa`` of eq. (38), applied to the noise levels.
+
+    Returns:
+        ``sigmas`` of shape ``(T + 1,)``, float64, from 1 to 0. The first and
+        last steps are deterministic.
+    """
+    _check_steps(steps)
+    s = 1.0 - torch.arange(steps + 1, dtype=torch.float64) / steps
+    return shift_sigmas(s, shift)
+
+
+@dataclass(frozen=True)
+class ReverseSDE:
+    """Euler-Maruyama discretization of the churned reverse SDE on a grid.
+
+    Attributes:
+        sigmas: ``(T + 1,)`` float64 noise levels, decreasing, ``sigmas[T] = 0``.
+        churn: ``eps`` in (0, 1]; 0 would make every transition a point mass.
+
+    Derived per-step tensors (all ``(T,)``, float64) are exposed as properties:
+    ``gamma`` (reverse-time step), ``scale`` (transition std, 0 on deterministic
+    steps) and ``stochastic`` (bool mask).
+    """
+
+    sigmas: torch.Tensor
+    churn: float
+
+    def __post_init__(self) -> None:
+        s = self.sigmas
+        if not isinstance(s, torch.Tensor) or s.ndim != 1 or s.numel() < 2:
+            raise ValueError("sigmas must be a 1-D tensor of T + 1 >= 2 noise levels")
+        s = s.detach().to("cpu", torch.float64)
+        if not torch.isfinite(s).all():
+            raise ValueError("sigmas must be finite")
+        if s[0] > 1.0 or s[-1] != 0.0 or (s[:-1] <= s[1:]).any():
+            raise ValueError(
+                "sigmas must decrease strictly from at most 1 to exactly 0, "
+                f"got first {s[0].item():.6g} and last {s[-1].item():.6g}"
+            )
+        churn = self.churn
+        if isinstance(churn, bool) or not isinstance(churn, (int, float)):
+            raise TypeError(f"churn must be a float in (0, 1], got {type(churn).__name__}")
+        if not (0.0 < churn <= 1.0):
+            raise ValueError(
+                f"churn must be in (0, 1], got {churn}: with churn 0 the transitions "
+                "are point masses, draft and target never coincide and speculation "
+                "accepts nothing (ERRATA 8)"
+            )
+        object.__setattr__(self, "sigmas", s)
+        object.__setattr__(self, "churn", float(churn))
+        gamma = s[:-1] - s[1:]
+        stochastic = (s[:-1] < 1.0) & (s[1:] > 0.0)
+        t = (1.0 - s[:-1]).clamp_min(1e-300)
+        scale = torch.where(
+            stochastic,
+            self.churn * torch.sqrt(2.0 * gamma * s[:-1] / t),
+            torch.zeros_like(gamma),
+        )
+        object.__setattr__(self, "_gamma", gamma)
+        object.__setattr__(self, "_stochastic", stochastic)
+        object.__setattr__(self, "_scale", scale)
+        # run_end[n]: first index >= n of a deterministic step (or T); the
+        # stochastic run containing step n is [n, run_end[n]).
+        T = gamma.numel()
+        run_end = torch.full((T + 1,), T, dtype=torch.long)
+        for n in range(T - 1, -1, -1):
+            run_end[n] = run_end[n + 1] if stochastic[n] else n
+        object.__setattr__(self, "_run_end", run_end)
+
+    @property
+    def steps(self) -> int:
+        """Number of steps ``T``."""
+        return self.sigmas.numel() - 1
+
+    @property
+    def gamma(self) -> torch.Tensor:
+        """``(T,)`` reverse-time step sizes ``sigmas[n] - sigmas[n + 1]``."""
+        return self._gamma
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """``(T,)`` transition std of eq. (37); 0 on deterministic steps."""
+        return self._scale
+
+    @property
+    def stochastic(self) -> torch.Tensor:
+        """``(T,)`` bool, True where the step is a Gaussian transition."""
+        return self._stochastic
+
+    @property
+    def run_end(self) -> torch.Tensor:
+        """``(T + 1,)`` long: the end (exclusive) of the stochastic run at ``n``."""
+        return self._run_end
+
+    def mean_from_velocity(
+        self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor
+    ) -> torch.Tensor:
+        """Transition mean of eq. (36), or the Euler step on deterministic steps.
+
+        ``y - gamma [(1 + eps^2) v + eps^2 y / t]`` on stochastic steps,
+        ``y - gamma v`` on deterministic ones.
+
+        Args:
+            y: ``(..., M, D)`` flattened states at their steps.
+            v: ``(..., M, D)`` velocities ``v(y, sigmas[step])`` (broadcastable).
+            step: ``(M,)`` long step indices in ``[0, T)``.
+
+        Returns:
+            ``(..., M, D)`` next-state means.
+        """
+        a, c = self._affine(step, y)
+        return a * y + c * v
+
+    def mean_from_drift(
+        self, y: torch.Tensor, drift: torch.Tensor, step: torch.Tensor
+    ) -> torch.Tensor:
+        """``y + gamma b`` per row, for a given reverse drift ``b`` (eq. 5)."""
+        g = self._expand(self.gamma.to(y.device)[step], y)
+        return y + g * drift
+
+    def drift(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """Reverse drift ``b`` of eq. (35) on stochastic steps (``-v`` otherwise)."""
+        eps2 = self.churn**2
+        sig = self.sigmas.to(y.device)[step]
+        stoch = self.stochastic.to(y.device)[step]
+        t = (1.0 - sig).clamp_min(1e-300)
+        k = torch.where(stoch, eps2 / t, torch.zeros_like(t))
+        f = torch.where(stoch, torch.full_like(t, 1.0 + eps2), torch.ones_like(t))
+        return -self._expand(f, y) * v - self._expand(k, y) * y
+
+    def _affine(self, step: torch.Tensor, like: torch.Tensor):
+        """Coefficients ``(a, c)`` with ``mean = a y + c v`` for each row."""
+        eps2 = self.churn**2
+        dev = like.device
+        g = self.gamma.to(dev)[step]
+        sig = self.sigmas.to(dev)[step]
+        stoch = self.stochastic.to(dev)[step]
+        t = (1.0 - sig).clamp_min(1e-300)
+        a = torch.where(stoch, 1.0 - g * eps2 / t, torch.ones_like(g))
+        c = torch.where(stoch, -g * (1.0 + eps2), -g)
+        return self._expand(a, like), self._expand(c, like)
+
+    @staticmethod
+    def _expand(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        # states are flattened to (..., M, D): one coefficient per row M
+        return coef.to(like.dtype)[..., None]

@@ -1,0 +1,231 @@
+"""Draft topologies: rooted trees given by a parent array (paper Sec. 3.1).
+
+A node is one candidate realisation of the state at one step; its depth is the
+number of steps past the round's root. Nodes are stored in breadth-first order
+(depth non-decreasing, every parent before its children), so that
+
+* each depth layer is a contiguous index range, and
+* the truncation ``T|_m`` of eq. (11) to depth ``m`` is a prefix of the nodes.
+
+Constructors: :func:`chain` (the RMC lookahead), :func:`uniform` (the paper's
+``(K, L)`` family), :func:`widths` (depth-dependent widths ``[K_1, ..., K_L]``)
+and :func:`from_parents` (any rooted tree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["DraftTree", "chain", "uniform", "widths", "from_parents", "VERIFY_MODES"]
+
+VERIFY_MODES = ("internal", "drafted")
+"""Where the target is evaluated each round: the root and the internal nodes
+(the cheap mode), or every node including the leaves (``drafted``)."""
+
+_MAX_NODES = 50_000_000
+
+
+def _check_int(name: str, value: object, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {lo}, got {type(value).__name__}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return value
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A rooted draft tree in breadth-first order.
+
+    Attributes:
+        parent: ``(V,)`` long, ``parent[0] = -1`` for the root, ``parent[v] < v``.
+        depth: ``(V,)`` long, ``depth[0] = 0``, non-decreasing.
+    """
+
+    parent: torch.Tensor
+    depth: torch.Tensor
+
+    def __post_init__(self) -> None:
+        p, d = self.parent, self.depth
+        if p.ndim != 1 or d.shape != p.shape or p.numel() < 1:
+            raise ValueError("parent and depth must be 1-D tensors of the same length >= 1")
+        if p[0] != -1 or d[0] != 0:
+            raise ValueError("node 0 must be the root (parent -1, depth 0)")
+        if p.numel() > 1:
+            idx = torch.arange(1, p.numel())
+            if ((p[1:] < 0) | (p[1:] >= idx)).any():
+                raise ValueError("parent[v] must be in [0, v) for every non-root node v")
+            if (d[1:] != d[p[1:]] + 1).any() or (d[1:] < d[:-1]).any() or (p[2:] < p[1:-1]).any():
+                raise ValueError(
+                    "nodes must be in breadth-first order (depth = parent depth + 1, "
+                    "parents non-decreasing); build irregular trees with from_parents"
+                )
+        V = p.numel()
+        counts = torch.bincount(p[1:], minlength=V) if V > 1 else torch.zeros(1, dtype=torch.long)
+        kmax = int(counts.max()) if V > 1 else 0
+        # children table, padded with -1, children in index order
+        table = torch.full((V, max(kmax, 1)), -1, dtype=torch.long)
+        if V > 1:
+            child = torch.arange(1, V)
+            par = p[1:]
+            first = torch.zeros(V, dtype=torch.long)
+            first[1:] = torch.cumsum(counts, 0)[:-1]
+            # parents are non-decreasing in BFS order, so rank = index - first child
+            rank = child - 1 - first[par]
+            table[par, rank] = child
+        L = int(d[-1])
+        layer_start = torch.searchsorted(d, torch.arange(L + 2), right=False)
+        object.__setattr__(self, "_num_children", counts)
+        object.__setattr__(self, "_children", table)
+        object.__setattr__(self, "_layer_start", layer_start)
+
+    # -- structure -------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """``|V|``, root included."""
+        return self.parent.numel()
+
+    @property
+    def L(self) -> int:
+        """Depth of the tree (0 for a lone root)."""
+        return int(self.depth[-1])
+
+    @property
+    def budget(self) -> int:
+        """Drafted states per round, ``B = |V| - 1`` (ERRATA 7)."""
+        return self.size - 1
+
+    @property
+    def num_children(self) -> torch.Tensor:
+        """``(V,)`` long number of children of each node."""
+        return self._num_children
+
+    @property
+    def children(self) -> torch.Tensor:
+        """``(V, K_max)`` long children of each node, padded with -1."""
+        return self._children
+
+    @property
+    def max_children(self) -> int:
+        """Largest number of children of any node (1 for a lone root)."""
+        return self._children.shape[1]
+
+    @property
+    def internal(self) -> torch.Tensor:
+        """``(V,)`` bool, True for nodes with children (``I(T)`` of eq. 9)."""
+        return self._num_children > 0
+
+    def layer(self, level: int) -> slice:
+        """Index range of the nodes at depth ``level`` (a slice; empty if none)."""
+        if level < 0 or level > self.L:
+            return slice(0, 0)
+        return slice(int(self._layer_start[level]), int(self._layer_start[level + 1]))
+
+    def verification_budget(self, mode: str = "internal") -> int:
+        """Target evaluations per full round: ``|I|`` or ``|V|`` (eq. 10, 16)."""
+        if mode not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {mode!r}")
+        return int(self.internal.sum()) if mode == "internal" else self.size
+
+    def truncate(self, m: int) -> "DraftTree":
+        """The induced subtree ``T|_m`` of nodes of depth at most ``m`` (eq. 11)."""
+        m = _check_int("m", m, 0)
+        if m >= self.L:
+            return self
+        n = int(self._layer_start[m + 1])
+        return DraftTree(self.parent[:n].clone(), self.depth[:n].clone())
+
+    def size_at_depth(self, m: int) -> int:
+        """``|V_{<= m}|``: number of nodes of ``T|_m``."""
+        m = min(max(m, 0), self.L)
+        return int(self._layer_start[m + 1])
+
+    def __repr__(self) -> str:
+        widths = [self.layer(level).stop - self.layer(level).start for level in range(self.L + 1)]
+        return f"DraftTree(L={self.L}, budget={self.budget}, layer_sizes={widths})"
+
+
+def widths(ks: Sequence[int]) -> DraftTree:
+    """A tree where every node at depth ``l - 1`` has ``ks[l - 1]`` children.
+
+    Args:
+        ks: per-depth widths ``[K_1, ..., K_L]``, each >= 1; empty gives a lone root.
+
+    Returns:
+        The tree with ``prod(ks[:l])`` nodes at depth ``l``.
+    """
+    ks = [_check_int("K", int(k) if not isinstance(k, bool) else k, 1) for k in ks]
+    total, layer = 1, 1
+    for k in ks:
+        layer *= k
+        total += layer
+        if total > _MAX_NODES:
+            raise ValueError(
+                f"the tree would have more than {_MAX_NODES} nodes; reduce K or L"
+            )
+    parents = [torch.tensor([-1])]
+    depths = [torch.tensor([0])]
+    start, count = 0, 1
+    for level, k in enumerate(ks, start=1):
+        par = torch.arange(start, start + count).repeat_interleave(k)
+        parents.append(par)
+        depths.append(torch.full((count * k,), level))
+        start, count = start + count, count * k
+    return DraftTree(torch.cat(parents).long(), torch.cat(depths).long())
+
+
+def uniform(K: int, L: int) -> DraftTree:
+    """The paper's uniform ``(K, L)`` tree: ``B = K + K^2 + ... + K^L``.
+
+    Args:
+        K: children per internal node, >= 1.
+        L: depth (lookahead), >= 1.
+    """
+    _check_int("K", K, 1)
+    _check_int("L", L, 1)
+    return widths([K] * L)
+
+
+def chain(L: int) -> DraftTree:
+    """The RMC chain of ``L`` drafted states (a uniform tree with ``K = 1``)."""
+    _check_int("L", L, 1)
+    return widths([1] * L)
+
+
+def from_parents(parents: Sequence[int]) -> DraftTree:
+    """Any rooted tree, from a parent list with exactly one root (parent -1).
+
+    The nodes are renumbered in breadth-first order (children of a node keep
+    their relative order), so node ids of the result differ from the input's.
+
+    Args:
+        parents: ``parents[v]`` is the parent of node ``v``; one entry is -1.
+    """
+    par = [int(x) for x in parents]
+    V = len(par)
+    roots = [v for v, p in enumerate(par) if p == -1]
+    if len(roots) != 1:
+        raise ValueError(f"parents must contain exactly one root (-1), found {len(roots)}")
+    kids: list[list[int]] = [[] for _ in range(V)]
+    for v, p in enumerate(par):
+        if p != -1:
+            if not 0 <= p < V or p == v:
+                raise ValueError(f"parents[{v}] = {p} is not a node index in [0, {V})")
+            kids[p].append(v)
+    order, depth_of = [roots[0]], {roots[0]: 0}
+    i = 0
+    while i < len(order):
+        u = order[i]
+        for c in kids[u]:
+            depth_of[c] = depth_of[u] + 1
+            order.append(c)
+        i += 1
+    if len(order) != V:
+        raise ValueError("parents does not describe a tree: some nodes are unreachable or in a cycle")
+    new_id = {old: new for new, old in enumerate(order)}
+    new_par = [-1] + [new_id[par[old]] for old in order[1:]]
+    new_depth = [depth_of[old] for old in order]
+    return DraftTree(torch.tensor(new_par, dtype=torch.long), torch.tensor(new_depth, dtype=torch.long))

@@ -1,0 +1,177 @@
+"""Exactness and acceptance of every coupling, and closed forms (Theorem 2)."""
+
+import math
+
+import pytest
+import torch
+from scipy import integrate
+from scipy import stats as sps
+
+from battery import run_battery
+from specforest.couplings import (
+    GRS,
+    RMC,
+    get_coupling,
+    grs_acceptance,
+    grs_levels,
+    rmc_acceptance,
+    sample_grs_residual,
+)
+
+DELTAS = [0.0, 1e-6, 0.5, 1.0, 2.0, 4.0, 8.0]
+DIMS = [1, 3, 64]
+
+# Every coupling and the K it supports: a new coupling adds one line here and
+# inherits the whole battery.
+COUPLINGS = [(RMC, [1]), (GRS, [1, 2, 3, 7])]
+CASES = [
+    (cls, K, delta, d)
+    for cls, ks in COUPLINGS
+    for K in ks
+    for delta in DELTAS
+    for d in DIMS
+]
+
+
+class UnfixedGRS(GRS):
+    """Algorithm 3 as printed: the projection S_k in beta's denominator (ERRATA 1)."""
+
+    def acceptance_weights(self, rho, lam_prev, G, s_hat):
+        excess = (rho - lam_prev).clamp_min(0.0)
+        return (excess / s_hat).clamp(max=1.0)
+
+
+class NoResidualGRS(GRS):
+    """Keeps the first child's projection on rejection instead of sampling the residual."""
+
+    def couple_projections(self, s_hat, delta, valid, generator):
+        s, acc, idx = super().couple_projections(s_hat, delta, valid, generator)
+        return torch.where(acc, s, s_hat[:, 0]), acc, idx
+
+
+class WrongThresholdGRS(GRS):
+    """Samples the residual above ln(lambda)/delta (the centred-coordinate threshold, ERRATA 2)."""
+
+    def couple_projections(self, s_hat, delta, valid, generator):
+        s, acc, idx = super().couple_projections(s_hat, delta, valid, generator)
+        return torch.where(acc, s, s - delta / 2), acc, idx
+
+
+@pytest.mark.parametrize("cls,K,delta,d", CASES, ids=lambda v: getattr(v, "__name__", repr(v)))
+def test_coupling_exact_and_acceptance_matches_closed_form(cls, K, delta, d):
+    rep = run_battery(cls(), delta, K, d, n=100_000, seed=hash((K, delta, d)) % 2**31)
+    assert not rep.failures(), rep.failures()
+
+
+@pytest.mark.parametrize("broken", [UnfixedGRS, NoResidualGRS, WrongThresholdGRS])
+def test_battery_rejects_broken_couplings(broken):
+    failed = []
+    for K in [2, 3]:
+        for delta in [1.0, 2.0]:
+            rep = run_battery(broken(), delta, K, 3, n=100_000, seed=7)
+            failed.append(bool(rep.failures()))
+    assert all(failed), "a deliberately broken coupling passed the exactness battery"
+
+
+def test_rmc_closed_form_is_twice_survival_at_half_delta():
+    d = torch.linspace(0, 10, 41, dtype=torch.float64)
+    ref = torch.tensor([2 * sps.norm.sf(x / 2) for x in d.tolist()], dtype=torch.float64)
+    assert torch.allclose(rmc_acceptance(d), ref, rtol=1e-12, atol=1e-300)
+    assert torch.allclose(grs_acceptance(d, 1), ref, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("delta", [0.3, 1.0, 2.5, 6.0])
+@pytest.mark.parametrize("K", [1, 2, 4, 8])
+def test_grs_remaining_mass_matches_quadrature(delta, K):
+    """G_{k+1} = int (rho - lambda_k)_+ dP (eq. 26), computed independently by quadrature."""
+    lam, G = grs_levels(torch.tensor(delta, dtype=torch.float64), K)
+    for k in range(1, K + 1):
+        lk = float(lam[k])
+
+        def f(s):
+            return max(math.exp(delta * s - delta * delta / 2) - lk, 0.0) * sps.norm.pdf(s)
+
+        ref, _ = integrate.quad(f, -40, 40, points=[math.log(lk) / delta + delta / 2], limit=200)
+        assert float(G[k]) == pytest.approx(ref, rel=1e-8, abs=1e-14)
+
+
+def test_grs_acceptance_increases_with_K_and_decreases_with_delta():
+    d = torch.linspace(0.05, 6, 60, dtype=torch.float64)
+    prev = grs_acceptance(d, 1)
+    for K in [2, 3, 4, 8, 16]:
+        cur = grs_acceptance(d, K)
+        assert (cur >= prev - 1e-12).all()
+        assert (cur[1:] <= cur[:-1] + 1e-12).all()
+        prev = cur
+
+
+@pytest.mark.parametrize("delta", [0.0, 1e-12, 1e-6, 1e-3, 10.0, 30.0, 60.0])
+def test_closed_forms_finite_across_delta(delta):
+    for K in [1, 2, 7, 32]:
+        lam, G = grs_levels(torch.tensor(delta, dtype=torch.float64), K)
+        assert torch.isfinite(lam).all() and torch.isfinite(G).all()
+        assert ((G >= 0) & (G <= 1)).all()
+        acc = float(grs_acceptance(torch.tensor(delta, dtype=torch.float64), K))
+        assert 0.0 <= acc <= 1.0
+    if delta > 0:
+        # small delta: 1 - acceptance ~ delta * phi(0) for K = 1
+        acc1 = float(grs_acceptance(torch.tensor(delta, dtype=torch.float64), 1))
+        assert acc1 == pytest.approx(2 * sps.norm.sf(delta / 2), rel=1e-9, abs=1e-300)
+
+
+@pytest.mark.parametrize("delta", [1e-6, 0.2, 1.0, 3.0, 12.0])
+@pytest.mark.parametrize("K", [1, 3])
+def test_residual_sampler_matches_residual_law(delta, K):
+    """KS against the residual CDF (Phi(s-d) - Phi(tau-d) - lam (Phi(s) - Phi(tau))) / G."""
+    dd = torch.tensor([delta], dtype=torch.float64)
+    lam, G = grs_levels(dd, K)
+    lk, gk = float(lam[0, K]), float(G[0, K])
+    n = 20_000
+    u = 1.0 - torch.rand(n, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    s = sample_grs_residual(dd.expand(n), lam[:, K].expand(n), G[:, K].expand(n), u).numpy()
+    tau = math.log(lk) / delta + delta / 2
+    assert (s >= tau - 1e-9).all()
+
+    def cdf(x):
+        top = sps.norm.sf(tau - delta) - sps.norm.sf(x - delta) - lk * (sps.norm.sf(tau) - sps.norm.sf(x))
+        return top / gk
+
+    assert sps.kstest(s, cdf).pvalue > 1e-4
+
+
+def test_residual_is_finite_for_extreme_uniforms():
+    d = torch.tensor([1e-6, 1.0, 15.0], dtype=torch.float64)
+    lam, G = grs_levels(d, 3)
+    for u in [1e-300, 1e-12, 0.5, 1.0]:
+        s = sample_grs_residual(d, lam[:, 3], G[:, 3], torch.full((3,), u, dtype=torch.float64))
+        assert torch.isfinite(s).all()
+
+
+def test_rmc_refuses_more_than_one_child():
+    with pytest.raises(ValueError, match="at most 1 child"):
+        RMC()(torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2), torch.zeros(2, 2, 3), torch.ones(2, 2, dtype=torch.bool))
+
+
+def test_get_coupling_names_and_errors():
+    assert isinstance(get_coupling("dgrs"), GRS)
+    assert isinstance(get_coupling("RMC"), RMC)
+    with pytest.raises(ValueError, match="coupling must be one of"):
+        get_coupling("nope")
+
+
+def test_grs_with_padded_children_uses_only_valid_ones():
+    """A node with fewer children than the padding width couples as GRS with its own K."""
+    n, d, delta = 100_000, 3, 1.5
+    g = torch.Generator().manual_seed(11)
+    mu_p = torch.zeros(n, d, dtype=torch.float64)
+    mu_q = torch.zeros(n, d, dtype=torch.float64)
+    mu_q[:, 0] = delta
+    children = torch.randn(n, 4, d, generator=g, dtype=torch.float64)
+    children[:, 2:] = 1e6  # padding that must never be chosen
+    valid = torch.zeros(n, 4, dtype=torch.bool)
+    valid[:, :2] = True
+    res = GRS()(mu_p, mu_q, torch.ones(n, dtype=torch.float64), children, valid, g)
+    assert (res.index < 2).all()
+    p = float(grs_acceptance(torch.tensor(delta), 2))
+    assert abs(res.accepted.double().mean() - p) < 4.5 * math.sqrt(p * (1 - p) / n)
+    assert sps.kstest((res.state[:, 0] - delta).numpy(), "norm").pvalue > 1e-4
