@@ -39,10 +39,13 @@ PREFETCH_POLICIES = ("nearest", "parent")
 """Which evaluation of a round the next round's draft reuses after a rejection.
 
 ``parent``: the node whose children were rejected (one step before the new
-state). ``nearest``: among the nodes evaluated this round at the new state's
-own step, the one nearest (Euclidean) to it; after a reflection that is the
-rejected child itself. Both fall back to the parent when no node at that step
-was evaluated. After a fully accepted round both use the committed node's own
+state). ``nearest``: among the evaluated nodes at the new state's own step that
+were drafted from the same parent (its siblings), the one nearest (Euclidean)
+to it; after a reflection that is the rejected child itself. Restricting to
+siblings keeps the lazy cost simulation exact; on the paper's Gaussian mixture
+((3,3) and (5,3) trees, 400 trajectories) the nearest evaluated node of the
+whole layer was a sibling in every round (identical NFE with either rule).
+Both fall back to the parent when no sibling was evaluated. After a fully accepted round both use the committed node's own
 evaluation when it exists (``verify="drafted"``), else its parent's.
 """
 
@@ -137,6 +140,12 @@ def _randn(shape, generator, dtype, device) -> torch.Tensor:
     return torch.randn(shape, generator=generator, dtype=dtype, device=gdev).to(device)
 
 
+def _nearest(dist: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise argmin of ``dist (n, k)`` over entries where ``ok``; and whether any is ok."""
+    dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
+    return dist.argmin(1), ok.any(1)
+
+
 def _normal_into(out: torch.Tensor, generator: torch.Generator) -> None:
     """Fill ``out`` with standard normals from ``generator`` (in place when devices match)."""
     if out.device == generator.device:
@@ -196,6 +205,7 @@ def sample(
     progress: bool = False,
     max_rows: Optional[int] = None,
     model_kwargs: Optional[dict] = None,
+    lazy: bool = False,
 ) -> SampleResult:
     """Sample the churned reverse SDE exactly, speculating on a draft tree.
 
@@ -229,6 +239,11 @@ def sample(
         max_rows: split each target call into sub-batches of at most this many
             states (still one call, one NFE; bounds peak memory of the model).
         model_kwargs: extra keyword arguments passed to ``model`` (e.g. labels).
+        lazy: cost simulation: realize only the nodes the acceptance phase visits
+            (children are i.i.d. given their parent, so drafting them on demand
+            gives the same law of samples, NFE and acceptance at a fraction of
+            the compute). NFE and ``rows`` are accounted as for the full tree;
+            the model is called several times per round with few rows.
 
     Returns:
         :class:`SampleResult` with ``samples`` ``(B, *shape)`` and ``stats``.
@@ -262,6 +277,8 @@ def sample(
         raise TypeError(f"tree must be a DraftTree (see specforest.trees) or None, got {type(tree).__name__}")
     if tree is not None and tree.L < 1:
         raise ValueError("tree must have depth L >= 1; use tree=None for the standard sampler")
+    if not isinstance(lazy, bool):
+        raise TypeError(f"lazy must be a bool, got {type(lazy).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     sde = _make_sde(steps, sigmas, grid, shift, churn)
@@ -281,7 +298,7 @@ def sample(
     dev = x.device
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     target = _Target(model, shape, work, max_rows, model_kwargs or {})
-    loop = _Loop(sde, tree, cp, proposal, prefetch, verify, target, generator, shape, dev, work)
+    loop = _Loop(sde, tree, cp, proposal, prefetch, verify, target, generator, shape, dev, work, lazy)
     xs, stats = loop.run(x.reshape(B, D).to(work), callback, progress)
     if not torch.isfinite(xs).all():
         raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
@@ -290,6 +307,7 @@ def sample(
         steps=sde.steps, churn=sde.churn, grid=grid if sigmas is None else "custom", shift=shift,
         tree=None if tree is None else repr(tree), budget=0 if tree is None else tree.budget,
         coupling=cp.name, draft=proposal.name, prefetch=prefetch, verify=verify,
+        mode="lazy" if lazy else "full",
     )
     return SampleResult(xs.reshape(B, *shape).to(x.dtype), stats, config)
 
@@ -303,8 +321,9 @@ def standard_sample(model: VelocityFn, x: torch.Tensor, **kwargs: Any) -> Sample
 class _Loop:
     """State and phases of one run; one instance per :func:`sample` call."""
 
-    def __init__(self, sde, tree, coupling, proposal, prefetch, verify, target, gen, shape, dev, work):
+    def __init__(self, sde, tree, coupling, proposal, prefetch, verify, target, gen, shape, dev, work, lazy):
         self.sde, self.tree, self.coupling, self.proposal = sde, tree, coupling, proposal
+        self.lazy = lazy
         self.prefetch, self.verify, self.target, self.gen = prefetch, verify, target, gen
         self.shape, self.dev, self.work = shape, dev, work
         self.sig = sde.sigmas.to(dev)
@@ -317,6 +336,11 @@ class _Loop:
             self.children = tree.children.to(dev)
             self.nchild = tree.num_children.to(dev)
             self.internal = tree.internal.to(dev)
+            # rows a round with lookahead m evaluates: |I(T|_m)| or |V(T|_m)|
+            m = torch.arange(tree.L + 1)
+            d = tree.depth[None, :]
+            ev = (d < m[:, None]) & tree.internal[None, :] if verify == "internal" else d <= m[:, None]
+            self.rows_at = ev.sum(1).to(dev)
 
     # -- driver -------------------------------------------------------------------
     def run(self, x, callback, progress):
@@ -353,22 +377,33 @@ class _Loop:
                 spec = stoch & ~fetch
             committed = z(B)
 
-            drafted = self._draft(x, step, spec, pre) if spec.any() else None
-            # -- one batched target call for every trajectory ----------------------
             single = det | exact | fetch
             ids_1 = single.nonzero()[:, 0]
-            rows_x = [x[ids_1]]
-            rows_s = [self.sig[step[ids_1]]]
-            if drafted is not None:
-                rows_x.append(drafted["Y"][drafted["emask"]])
-                rows_s.append(self.sig[drafted["estep"][drafted["emask"]]])
-            X = torch.cat(rows_x)
-            v_all = self.target(X, torch.cat(rows_s))
+            if self.lazy:
+                v1 = self.target(x[ids_1], self.sig[step[ids_1]]) if ids_1.numel() else None
+                if spec.any():
+                    self._speculate_lazy(x, step, spec, pre, committed)
+            else:
+                # -- one batched target call for every trajectory --------------------
+                drafted = self._draft(x, step, spec, pre) if spec.any() else None
+                rows_x, rows_s = [x[ids_1]], [self.sig[step[ids_1]]]
+                if drafted is not None:
+                    rows_x.append(drafted["Y"][drafted["emask"]])
+                    rows_s.append(self.sig[drafted["estep"][drafted["emask"]]])
+                v_all = self.target(torch.cat(rows_x), torch.cat(rows_s))
+                v1 = v_all[: ids_1.numel()]
+                if drafted is not None:
+                    st.rows[drafted["ids"]] += drafted["emask"].sum(0)
+                    self._accept(x, step, committed, pre, drafted, v_all[ids_1.numel():])
             st.nfe += active.long()
             st.rows[ids_1] += 1
-            v1 = v_all[: ids_1.numel()]
+            if spec.any():
+                ids_s = spec.nonzero()[:, 0]
+                st.rounds[ids_s] += 1
+                st.spec_steps[ids_s] += committed[ids_s]
+                st.commits[ids_s, committed[ids_s]] += 1
 
-            # -- single-row trajectories -------------------------------------------
+            # -- single-row trajectories: Euler step, exact step, or root fetch ------
             if ids_1.numel():
                 s1 = step[ids_1]
                 mean = self.sde.mean_from_velocity(x[ids_1], v1, s1)
@@ -383,15 +418,6 @@ class _Loop:
                 pre.y[f], pre.v[f], pre.step[f] = x[f], v1[is_fetch], step[f]
                 has_pre[f] = True
 
-            # -- speculative trajectories -------------------------------------------
-            if drafted is not None:
-                ids_s = drafted["ids"]
-                st.rows[ids_s] += drafted["emask"].sum(0)
-                self._accept(x, step, committed, pre, drafted, v_all[ids_1.numel():])
-                st.rounds[ids_s] += 1
-                st.spec_steps[ids_s] += committed[ids_s]
-                st.commits[ids_s, committed[ids_s]] += 1
-
             step += committed
             rnd += 1
             if bar is not None:
@@ -401,7 +427,7 @@ class _Loop:
                 callback({"round": rnd, "step": step.clone(), "x": x.reshape(B, *self.shape), "committed": committed})
         if bar is not None:
             bar.close()
-        st.calls = self.target.calls
+        st.calls = rnd
         st.draft_calls = getattr(self.proposal, "calls", 0)
         return x, st
 
@@ -491,19 +517,96 @@ class _Loop:
         src[nb] = self.parent[cur[nb]]
         src_step[nb] -= 1
         if self.prefetch == "nearest":
-            for level in torch.unique(rej_depth[~alive]).tolist():
-                r = (~alive & (rej_depth == level)).nonzero()[:, 0]
-                lay = self.tree.layer(level)
-                ok = (row[lay][:, r] >= 0).T  # (n_r, layer size)
-                if not ok.any():
-                    continue
-                dist = (Y[lay][:, r] - new_x[r][None]).square().sum(-1).T
-                dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
-                best = dist.argmin(1)
-                has = ok.any(1)
-                rr = r[has]
-                src[rr] = lay.start + best[has]
-                src_step[rr] = s0[rr] + level
+            rj = (~alive).nonzero()[:, 0]
+            if rj.numel():
+                ch = self.children[rej_node[rj]]  # (n, K_max) the new state's siblings
+                ok = (ch >= 0) & (row[ch.clamp(min=0), rj[:, None]] >= 0)
+                dist = (Y[ch.clamp(min=0), rj[:, None]] - new_x[rj][:, None]).square().sum(-1)
+                pick, has = _nearest(dist, ok)
+                rr = rj[has]
+                src[rr] = ch.gather(1, pick[:, None])[:, 0][has]
+                src_step[rr] = s0[rr] + rej_depth[rr]
         pre.y[ids] = Y[src, ar]
         pre.v[ids] = v[row[src, ar]]
         pre.step[ids] = src_step
+
+    # -- lazy cost simulation -----------------------------------------------------------
+    def _speculate_lazy(self, x, step, spec, pre, committed):
+        """One speculative round that drafts only the children of visited nodes.
+
+        The law of everything observed is that of the full round: the children of
+        a node are i.i.d. given it, nodes off the walked path influence nothing,
+        and the prefetch rules only read the walked path and its siblings.
+        """
+        st, dev, T, tree = self.st, self.dev, self.sde.steps, self.tree
+        ids = spec.nonzero()[:, 0]
+        Bs, D = ids.numel(), x.shape[1]
+        s0 = step[ids]
+        Ls = torch.minimum(self.run_end[s0] - s0, torch.full_like(s0, tree.L))
+        st.rows[ids] += self.rows_at[Ls]
+        sub = Prefetch(pre.y[ids], pre.v[ids], pre.step[ids]) if self.proposal.needs_prefetch else None
+        cur = torch.zeros(Bs, dtype=torch.long, device=dev)  # node id in the tree
+        cur_y = x[ids].clone()
+        alive = torch.ones(Bs, dtype=torch.bool, device=dev)
+        ncom = torch.zeros(Bs, dtype=torch.long, device=dev)
+        new_x = torch.empty_like(cur_y)
+        # the last evaluation on the path: the parent fallback of the prefetch
+        src_y, src_v, src_step = cur_y.clone(), torch.empty_like(cur_y), s0.clone()
+        for level in range(1, int(Ls.max()) + 1):
+            act = alive & (level <= Ls) & (self.nchild[cur] > 0)
+            if not act.any():
+                break
+            a = act.nonzero()[:, 0]
+            sa = s0[a] + level - 1
+            yu = cur_y[a]
+            vu = self.target(yu, self.sig[sa])
+            src_y[a], src_v[a], src_step[a] = yu, vu, sa
+            mu_q = self.sde.mean_from_velocity(yu, vu, sa)
+            pa = None if sub is None else Prefetch(sub.y[a], sub.v[a], sub.step[a])
+            mu_p = self.proposal.mean(self.sde, yu[None], sa, pa, self.shape)[0]
+            ch = self.children[cur[a]]
+            valid = ch >= 0
+            sc = self.scale[sa].to(self.work)
+            kids = mu_p[:, None] + sc[:, None, None] * _randn(ch.shape + (D,), self.gen, self.work, dev)
+            res = self.coupling(mu_p, mu_q, self.scale[sa], kids, valid, self.gen)
+            g = ids[a]
+            st.attempts[g, level - 1] += 1
+            st.accepts[g, level - 1] += res.accepted.long()
+            st.delta_sum[g, level - 1] += res.delta.to(st.delta_sum.dtype)
+            ncom[a] += 1
+            acc = res.accepted
+            pick = torch.where(acc, res.index, torch.zeros_like(res.index))
+            aa = a[acc]
+            cur[aa] = ch[acc, pick[acc]]
+            cur_y[aa] = kids[acc, pick[acc]]
+            rj = a[~acc]
+            new_x[rj] = res.state[~acc].to(self.work)
+            alive[rj] = False
+            if self.prefetch == "nearest" and rj.numel():
+                # siblings at this depth were evaluated iff they are verified nodes
+                chr_ = ch[~acc]
+                d_kid = self.depth[chr_.clamp(min=0)]
+                if self.verify == "drafted":
+                    ev = chr_ >= 0
+                else:
+                    ev = (chr_ >= 0) & self.internal[chr_.clamp(min=0)] & (d_kid < Ls[rj][:, None])
+                if ev.any():
+                    kid_rj = kids[~acc]
+                    dist = (kid_rj - new_x[rj][:, None]).square().sum(-1)
+                    pick_s, has = _nearest(dist, ev)
+                    rh = rj[has]
+                    ys = kid_rj[has, pick_s[has]]
+                    src_y[rh] = ys
+                    src_v[rh] = self.target(ys, self.sig[s0[rh] + level])
+                    src_step[rh] = s0[rh] + level
+        full = alive.nonzero()[:, 0]
+        new_x[full] = cur_y[full]
+        if full.numel() and self.verify == "drafted":
+            # the committed node was evaluated in the round: reuse it exactly
+            sf = s0[full] + ncom[full]
+            src_y[full] = cur_y[full]
+            src_v[full] = self.target(cur_y[full], self.sig[sf.clamp(max=T - 1)])
+            src_step[full] = sf
+        x[ids] = new_x
+        committed[ids] = ncom
+        pre.y[ids], pre.v[ids], pre.step[ids] = src_y, src_v, src_step
