@@ -1,0 +1,288 @@
+"""Whole-chain exactness, determinism, accounting and input validation of the sampler.
+
+With a single-Gaussian data law the velocity is affine in ``x``, so the
+discretized chain is linear-Gaussian: the law of its final state has a closed
+form, computed here step by step from the paper's formulas (eqs. 35-37) and
+independently of ``specforest.sde``.
+"""
+
+import math
+
+import pytest
+import torch
+from scipy import stats as sps
+
+import specforest
+from specforest import trees
+from specforest.couplings import GRS
+from specforest.models import GaussianMixture
+from specforest.sde import flow_match_grid, uniform_grid
+
+MU0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
+S0 = 0.3
+GAUSS = GaussianMixture(MU0[None], torch.tensor([S0]))
+Z_TOL = 4.5
+
+
+def chain_law(sigmas: torch.Tensor, churn: float, mu0=MU0, s0=S0):
+    """Mean (d,) and per-coordinate variance of the final state of the EM chain from N(0, I)."""
+    mean = torch.zeros_like(mu0)
+    var = torch.ones(())
+    eps2 = churn**2
+    for n in range(len(sigmas) - 1):
+        s, s_next = float(sigmas[n]), float(sigmas[n + 1])
+        gamma = s - s_next
+        a = 1.0 - s
+        v_var = a * a * s0 * s0 + s * s
+        alpha = (s - a * s0 * s0) / v_var  # v = alpha x + beta
+        beta = -alpha * a * mu0 - mu0
+        if s < 1.0 and s_next > 0.0:  # stochastic step, eq. 36-37
+            t = 1.0 - s
+            A = 1.0 - gamma * eps2 / t - gamma * (1 + eps2) * alpha
+            c = -gamma * (1 + eps2) * beta
+            scale2 = eps2 * 2.0 * gamma * s / t
+        else:  # deterministic Euler step
+            A, c, scale2 = 1.0 - gamma * alpha, -gamma * beta, 0.0
+        mean = A * mean + c
+        var = A * A * var + scale2
+    return mean, float(var)
+
+
+def check_law(samples: torch.Tensor, sigmas, churn) -> list[str]:
+    mean, var = chain_law(sigmas, churn)
+    n = samples.shape[0]
+    x = samples.double()
+    out = []
+    zm = (x.mean(0) - mean) / math.sqrt(var / n)
+    if zm.abs().max() > Z_TOL:
+        out.append(f"mean z={zm.tolist()}")
+    zv = (x.var(0) - var) / (var * math.sqrt(2.0 / (n - 1)))
+    if zv.abs().max() > Z_TOL:
+        out.append(f"variance z={zv.tolist()}")
+    for j in range(x.shape[1]):
+        p = sps.kstest(((x[:, j] - mean[j]) / math.sqrt(var)).numpy(), "norm").pvalue
+        if p < 1e-4:
+            out.append(f"KS coordinate {j} p={p:.1e}")
+    return out
+
+
+N = 6000
+CHURN = 0.6
+CONFIGS = {
+    "standard": dict(tree=None),
+    "rmc_chain": dict(tree=trees.chain(4), coupling="rmc"),
+    "grs_chain": dict(tree=trees.chain(3), coupling="grs"),
+    "grs_tree_internal": dict(tree=trees.uniform(2, 3)),
+    "grs_tree_drafted": dict(tree=trees.uniform(3, 2), verify="drafted"),
+    "grs_tree_parent": dict(tree=trees.uniform(2, 3), prefetch="parent"),
+    "grs_widths_drift": dict(tree=trees.widths([3, 2, 1]), draft="drift"),
+    "grs_irregular_x0": dict(tree=trees.from_parents([-1, 0, 0, 0, 1, 1, 4, 2]), draft="x0"),
+    "grs_tree_eps_drafted_parent": dict(tree=trees.uniform(2, 2), draft="eps", verify="drafted", prefetch="parent"),
+    "draft_model": dict(tree=trees.uniform(2, 3), draft=lambda x, s: 0.9 * GAUSS(x, s)),
+    "lazy_tree": dict(tree=trees.uniform(3, 3), lazy=True),
+    "lazy_drafted_parent": dict(tree=trees.uniform(2, 3), lazy=True, verify="drafted", prefetch="parent"),
+    "lazy_chain_rmc": dict(tree=trees.chain(5), coupling="rmc", lazy=True),
+}
+
+
+@pytest.mark.parametrize("grid", ["uniform", "flow_match"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_whole_chain_matches_linear_gaussian_law(name, grid):
+    steps = 12
+    sigmas = uniform_grid(steps) if grid == "uniform" else flow_match_grid(steps)
+    x = torch.randn(N, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out = specforest.sample(
+        GAUSS, x, steps=steps, churn=CHURN, grid=grid, generator=torch.Generator().manual_seed(2),
+        **CONFIGS[name],
+    )
+    assert not check_law(out.samples, sigmas, CHURN)
+    if CONFIGS[name]["tree"] is not None:
+        # speculation happened: fewer NFE than the standard sampler on average
+        assert out.stats.nfe.double().mean() < steps
+
+
+def test_whole_chain_rejects_broken_coupling():
+    class Unfixed(GRS):
+        def acceptance_weights(self, rho, lam_prev, G, s_hat):
+            return ((rho - lam_prev).clamp_min(0.0) / s_hat).clamp(max=1.0)
+
+    steps = 12
+    x = torch.randn(N, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out = specforest.sample(
+        GAUSS, x, steps=steps, churn=CHURN, grid="uniform", tree=trees.uniform(3, 3),
+        coupling=Unfixed(), generator=torch.Generator().manual_seed(2),
+    )
+    assert check_law(out.samples, uniform_grid(steps), CHURN)
+
+
+def test_speculative_and_standard_agree_in_law():
+    x = torch.randn(N, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    kw = dict(steps=10, churn=0.4, generator=None)
+    a = specforest.sample(GAUSS, x, **{**kw, "generator": torch.Generator().manual_seed(4)}).samples
+    b = specforest.sample(
+        GAUSS, x, tree=trees.uniform(3, 3), **{**kw, "generator": torch.Generator().manual_seed(5)}
+    ).samples
+    for j in range(3):
+        assert sps.ks_2samp(a[:, j].numpy(), b[:, j].numpy()).pvalue > 1e-4
+
+
+def test_acceptance_rate_matches_theorem_2_for_observed_delta():
+    """Sampler-level check: accepts at depth 1 agree with the mean closed form over rounds."""
+    gmm = GaussianMixture.paper(dim=50, components=3, seed=0)
+    x = torch.randn(400, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    deltas, accepts = [], []
+
+    class Recording(GRS):
+        def __call__(self, *args, **kwargs):
+            res = super().__call__(*args, **kwargs)
+            deltas.append(res.delta)
+            accepts.append(res.accepted)
+            return res
+
+    specforest.sample(gmm, x, steps=20, churn=0.2, tree=trees.uniform(3, 2), coupling=Recording(),
+                      prefetch="parent", generator=torch.Generator().manual_seed(1))
+    d, acc = torch.cat(deltas), torch.cat(accepts).double()
+    p = specforest.couplings.grs_acceptance(d, 3)
+    z = (acc.sum() - p.sum()) / torch.sqrt((p * (1 - p)).sum())
+    assert abs(float(z)) < Z_TOL
+
+
+def _run(**kw):
+    x = torch.randn(40, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    base = dict(steps=10, churn=0.5, tree=trees.uniform(2, 3), generator=torch.Generator().manual_seed(9))
+    base.update(kw)
+    return specforest.sample(GAUSS, x, **base)
+
+
+def test_same_seed_same_result_and_different_seed_differs():
+    a, b = _run(), _run()
+    assert torch.equal(a.samples, b.samples) and torch.equal(a.stats.nfe, b.stats.nfe)
+    c = _run(generator=torch.Generator().manual_seed(10))
+    assert not torch.equal(a.samples, c.samples)
+
+
+def test_max_rows_chunking_changes_nothing():
+    a, b = _run(), _run(max_rows=7)
+    assert torch.equal(a.samples, b.samples)
+
+
+def test_input_not_modified_and_dtype_kept():
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    x0 = x.clone()
+    out = specforest.sample(GAUSS, x, steps=6, churn=0.5, tree=trees.uniform(2, 2), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x, x0)
+    assert out.samples.dtype == torch.float32 and out.samples.shape == (8, 3)
+
+
+def test_image_shaped_states_and_model_kwargs():
+    def model(x, sigma, scale):
+        assert x.shape[1:] == (2, 3, 3) and sigma.shape == (x.shape[0],)
+        return scale * x
+
+    x = torch.randn(5, 2, 3, 3, generator=torch.Generator().manual_seed(0))
+    out = specforest.sample(model, x, steps=8, churn=0.3, tree=trees.uniform(2, 2),
+                            model_kwargs={"scale": 0.5}, generator=torch.Generator().manual_seed(0))
+    assert out.samples.shape == x.shape
+
+
+def test_accounting_one_call_per_round():
+    calls = []
+
+    def model(x, sigma):
+        calls.append(x.shape[0])
+        return GAUSS(x, sigma)
+
+    x = torch.randn(30, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = specforest.sample(model, x, steps=12, churn=0.5, tree=trees.uniform(2, 2), generator=torch.Generator().manual_seed(0))
+    st = out.stats
+    assert len(calls) == st.calls == int(st.nfe.max())
+    assert sum(calls) == int(st.rows.sum())
+    assert (st.nfe >= 3).all()  # two Euler steps and one root fetch at least
+    # committed steps add up: 2 Euler steps + speculative steps = T
+    assert ((st.spec_steps + 2) == 12).all()
+    assert (st.accepts <= st.attempts).all()
+    std = specforest.sample(model, x, steps=12, churn=0.5, generator=torch.Generator().manual_seed(0))
+    assert (std.stats.nfe == 12).all() and (std.stats.speedup == 1).all()
+
+
+def test_budget_drafted_states_per_round():
+    counted = []
+
+    def model(x, sigma):
+        counted.append(x.shape[0])
+        return GAUSS(x, sigma)
+
+    x = torch.randn(1, 3, dtype=torch.float64)
+    tree = trees.uniform(2, 3)
+    specforest.sample(model, x, steps=30, churn=0.5, tree=tree, verify="drafted",
+                      generator=torch.Generator().manual_seed(0))
+    # first rounds: Euler step, root fetch, then a full tree: |V| = B + 1 evaluations
+    assert counted[:3] == [1, 1, tree.budget + 1]
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(churn=0.0), ValueError, "churn must be in \\(0, 1\\]"),
+        (dict(churn=-0.1), ValueError, "churn"),
+        (dict(churn=1.5), ValueError, "churn"),
+        (dict(steps=0), ValueError, "steps must be >= 1"),
+        (dict(steps=2.5), TypeError, "steps must be an int"),
+        (dict(prefetch="first"), ValueError, "prefetch must be one of"),
+        (dict(verify="all"), ValueError, "verify must be one of"),
+        (dict(coupling="rmc"), ValueError, "verifies one child per node"),
+        (dict(coupling="xyz"), ValueError, "coupling must be one of"),
+        (dict(draft="mu"), ValueError, "draft must be one of"),
+        (dict(grid="cosine"), ValueError, "grid must be one of"),
+        (dict(tree="uniform"), TypeError, "tree must be a DraftTree"),
+        (dict(max_rows=0), ValueError, "max_rows"),
+        (dict(lazy="yes"), TypeError, "lazy must be a bool"),
+    ],
+)
+def test_bad_input_names_the_parameter(kwargs, exc, match):
+    base = dict(steps=5, churn=0.5, tree=trees.uniform(2, 2))
+    base.update(kwargs)
+    with pytest.raises(exc, match=match):
+        specforest.sample(GAUSS, torch.zeros(2, 3), **base)
+
+
+@pytest.mark.parametrize(
+    "fn,match",
+    [
+        (lambda: trees.uniform(0, 2), "K must be >= 1"),
+        (lambda: trees.uniform(2, 0), "L must be >= 1"),
+        (lambda: trees.chain(0), "L must be >= 1"),
+        (lambda: trees.widths([2, 0]), "K must be >= 1"),
+    ],
+)
+def test_bad_tree_parameters(fn, match):
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def test_bad_states_and_model_outputs():
+    with pytest.raises(ValueError, match="shape \\(batch, \\*shape\\)"):
+        specforest.sample(GAUSS, torch.zeros(3), steps=5, churn=0.5)
+    with pytest.raises(TypeError, match="floating-point"):
+        specforest.sample(GAUSS, torch.zeros(2, 3, dtype=torch.long), steps=5, churn=0.5)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        specforest.sample(GAUSS, torch.full((2, 3), float("nan")), steps=5, churn=0.5)
+    with pytest.raises(ValueError, match="model must return a tensor of the input's shape"):
+        specforest.sample(lambda x, s: x[:, :2], torch.zeros(2, 3), steps=5, churn=0.5)
+    with pytest.raises(ValueError, match="shape \\(M, 3\\)"):
+        specforest.sample(GAUSS, torch.zeros(2, 4), steps=5, churn=0.5)
+
+    def nan_model(x, sigma):
+        out = GAUSS(x, sigma)
+        out[sigma < 0.5] = float("nan")
+        return out
+
+    with pytest.raises(FloatingPointError, match="NaN or inf"):
+        specforest.sample(nan_model, torch.zeros(2, 3), steps=5, churn=0.5, tree=trees.uniform(2, 2))
+
+
+def test_progress_and_callback():
+    seen = []
+    _run(callback=lambda d: seen.append((d["round"], d["step"].clone())), progress=True)
+    assert seen and seen[-1][1].eq(10).all()
+    assert [r for r, _ in seen] == list(range(1, len(seen) + 1))
