@@ -299,7 +299,7 @@ def sample(
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     target = _Target(model, shape, work, max_rows, model_kwargs or {})
     loop = _Loop(sde, tree, cp, proposal, prefetch, verify, target, generator, shape, dev, work, lazy)
-    xs, stats = loop.run(x.reshape(B, D).to(work), callback, progress)
+    xs, stats = loop.run(x.reshape(B, D).to(work, copy=True), callback, progress)
     if not torch.isfinite(xs).all():
         raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
     stats.wall_seconds = time.perf_counter() - t0
