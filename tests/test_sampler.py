@@ -185,6 +185,29 @@ def test_image_shaped_states_and_model_kwargs():
     assert out.samples.shape == x.shape
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_per_trajectory_conditioning_follows_rows(lazy):
+    """Labels (B,) in model_kwargs reach each state of that trajectory, tree nodes included."""
+    centers = torch.tensor([[-5.0, 0.0, 0.0], [5.0, 0.0, 0.0]], dtype=torch.float64)
+    comps = [GaussianMixture(c[None], torch.tensor([0.2])) for c in centers]
+
+    def model(x, sigma, label):
+        assert label.shape == (x.shape[0],)
+        return torch.where((label == 0)[:, None], comps[0](x, sigma), comps[1](x, sigma))
+
+    label = torch.tensor([0, 1] * 50)
+    x = torch.randn(100, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = specforest.sample(model, x, steps=10, churn=0.5, tree=trees.uniform(2, 3), lazy=lazy,
+                            model_kwargs={"label": label}, generator=torch.Generator().manual_seed(1))
+    assert torch.equal((out.samples[:, 0] > 0).long(), label)
+    # a draft model gets the same per-row conditioning
+    out = specforest.sample(model, x, steps=10, churn=0.5, tree=trees.uniform(2, 3), lazy=lazy,
+                            draft=lambda x, s, label: 0.9 * model(x, s, label),
+                            model_kwargs={"label": label}, generator=torch.Generator().manual_seed(1))
+    assert torch.equal((out.samples[:, 0] > 0).long(), label)
+    assert out.stats.nfe.double().mean() < 10
+
+
 def test_accounting_one_call_per_round():
     calls = []
 

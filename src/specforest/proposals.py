@@ -66,6 +66,7 @@ class Proposal:
         step: torch.Tensor,
         pre: Optional[Prefetch],
         shape: tuple[int, ...],
+        cond: Optional[dict] = None,
     ) -> torch.Tensor:
         """Draft means at drafted parents.
 
@@ -76,6 +77,8 @@ class Proposal:
             step: ``(Bs,)`` long step index of these parents.
             pre: the trajectories' prefetched evaluations (``Bs`` rows).
             shape: the per-sample state shape (``prod(shape) = D``).
+            cond: the model's keyword arguments for these ``Bs`` trajectories
+                (per-trajectory tensors already indexed, ``(Bs, ...)``).
 
         Returns:
             ``(n, Bs, D)`` draft transition means.
@@ -107,7 +110,7 @@ class FrozenPrediction(Proposal):
         self.kind = kind
         self.name = kind
 
-    def mean(self, sde, y, step, pre, shape):
+    def mean(self, sde, y, step, pre, shape, cond=None):
         if pre is None:
             raise ValueError("a frozen-prediction draft needs a prefetched evaluation")
         ys, vs = pre.y, pre.v
@@ -131,13 +134,14 @@ class FrozenPrediction(Proposal):
 
 
 class DraftModel(Proposal):
-    """An independent draft model ``v_draft(x, sigma)`` with the target's signature.
+    """An independent draft model ``v_draft(x, sigma, **model_kwargs)`` with the target's signature.
 
     It is evaluated at every drafted parent (its calls are counted apart from the
-    target's NFE); no prefetching is needed.
+    target's NFE) and receives the same conditioning as the target, per-trajectory
+    tensors indexed per row; no prefetching is needed.
 
     Args:
-        fn: callable ``(x: (M, *shape), sigma: (M,)) -> (M, *shape)`` velocity.
+        fn: callable ``(x: (M, *shape), sigma: (M,), **model_kwargs) -> (M, *shape)`` velocity.
     """
 
     needs_prefetch = False
@@ -149,10 +153,15 @@ class DraftModel(Proposal):
         self.fn = fn
         self.calls = 0
 
-    def mean(self, sde, y, step, pre, shape):
+    def mean(self, sde, y, step, pre, shape, cond=None):
         n, Bs, D = y.shape
         sig = sde.sigmas.to(y.device)[step].repeat(n)
-        v = self.fn(y.reshape(n * Bs, *shape), sig.to(y.dtype))
+        # node-major rows: row i * Bs + b belongs to trajectory b
+        kw = {
+            k: (v.repeat(n, *([1] * (v.ndim - 1))) if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == Bs else v)
+            for k, v in (cond or {}).items()
+        }
+        v = self.fn(y.reshape(n * Bs, *shape), sig.to(y.dtype), **kw)
         self.calls += 1
         v = v.reshape(n, Bs, D).to(y.dtype)
         if not torch.isfinite(v).all():

@@ -155,20 +155,30 @@ def _normal_into(out: torch.Tensor, generator: torch.Generator) -> None:
 
 
 class _Target:
-    """Wraps the user's velocity with shape/dtype checks and call accounting."""
+    """Wraps the user's velocity with shape/dtype checks and per-row conditioning.
 
-    def __init__(self, fn: VelocityFn, shape, dtype, max_rows: Optional[int], kwargs: dict):
-        self.fn, self.shape, self.dtype, self.max_rows, self.kwargs = fn, shape, dtype, max_rows, kwargs
-        self.calls = 0
+    A tensor in ``model_kwargs`` whose first dimension is the batch size ``B`` is
+    per-trajectory conditioning (e.g. class labels): each call receives its rows
+    indexed by the trajectory each state belongs to. Anything else is passed as is.
+    """
 
-    def __call__(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    def __init__(self, fn: VelocityFn, shape, dtype, max_rows: Optional[int], kwargs: dict, batch: int):
+        self.fn, self.shape, self.dtype, self.max_rows = fn, shape, dtype, max_rows
+        self.per_row = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch}
+        self.shared = {k: v for k, v in kwargs.items() if k not in self.per_row}
+
+    def cond(self, traj: torch.Tensor) -> dict:
+        """The conditioning of trajectories ``traj (n,)``: per-row tensors indexed, the rest as is."""
+        return {**self.shared, **{k: v[traj.to(v.device)] for k, v in self.per_row.items()}}
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
         M, D = x.shape
-        self.calls += 1
         chunk = self.max_rows or M
         outs = []
         for i in range(0, M, chunk):
             xi = x[i : i + chunk].reshape(-1, *self.shape)
-            out = self.fn(xi, sigma[i : i + chunk].to(x.dtype), **self.kwargs)
+            rows = {k: v[traj[i : i + chunk].to(v.device)] for k, v in self.per_row.items()}
+            out = self.fn(xi, sigma[i : i + chunk].to(x.dtype), **self.shared, **rows)
             if not isinstance(out, torch.Tensor) or out.shape != xi.shape:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(
@@ -238,7 +248,10 @@ def sample(
         progress: show a progress bar of the slowest trajectory's step.
         max_rows: split each target call into sub-batches of at most this many
             states (still one call, one NFE; bounds peak memory of the model).
-        model_kwargs: extra keyword arguments passed to ``model`` (e.g. labels).
+        model_kwargs: extra keyword arguments passed to ``model``. A tensor whose
+            first dimension is ``B`` is per-trajectory conditioning (e.g. class
+            labels ``(B,)``): every call gets the rows of the trajectories its
+            states belong to.
         lazy: cost simulation: realize only the nodes the acceptance phase visits
             (children are i.i.d. given their parent, so drafting them on demand
             gives the same law of samples, NFE and acceptance at a fraction of
@@ -297,7 +310,9 @@ def sample(
     B, D = x.shape[0], math.prod(shape)
     dev = x.device
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    target = _Target(model, shape, work, max_rows, model_kwargs or {})
+    if model_kwargs is not None and not isinstance(model_kwargs, dict):
+        raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
+    target = _Target(model, shape, work, max_rows, model_kwargs or {}, B)
     loop = _Loop(sde, tree, cp, proposal, prefetch, verify, target, generator, shape, dev, work, lazy)
     xs, stats = loop.run(x.reshape(B, D).to(work, copy=True), callback, progress)
     if not torch.isfinite(xs).all():
@@ -380,17 +395,19 @@ class _Loop:
             single = det | exact | fetch
             ids_1 = single.nonzero()[:, 0]
             if self.lazy:
-                v1 = self.target(x[ids_1], self.sig[step[ids_1]]) if ids_1.numel() else None
+                v1 = self.target(x[ids_1], self.sig[step[ids_1]], ids_1) if ids_1.numel() else None
                 if spec.any():
                     self._speculate_lazy(x, step, spec, pre, committed)
             else:
                 # -- one batched target call for every trajectory --------------------
                 drafted = self._draft(x, step, spec, pre) if spec.any() else None
-                rows_x, rows_s = [x[ids_1]], [self.sig[step[ids_1]]]
+                rows_x, rows_s, rows_t = [x[ids_1]], [self.sig[step[ids_1]]], [ids_1]
                 if drafted is not None:
-                    rows_x.append(drafted["Y"][drafted["emask"]])
-                    rows_s.append(self.sig[drafted["estep"][drafted["emask"]]])
-                v_all = self.target(torch.cat(rows_x), torch.cat(rows_s))
+                    em = drafted["emask"]
+                    rows_x.append(drafted["Y"][em])
+                    rows_s.append(self.sig[drafted["estep"][em]])
+                    rows_t.append(drafted["ids"][None, :].expand_as(em)[em])
+                v_all = self.target(torch.cat(rows_x), torch.cat(rows_s), torch.cat(rows_t))
                 v1 = v_all[: ids_1.numel()]
                 if drafted is not None:
                     st.rows[drafted["ids"]] += drafted["emask"].sum(0)
@@ -447,7 +464,7 @@ class _Loop:
         for level in range(1, Lr + 1):
             par_layer, lay = tree.layer(level - 1), tree.layer(level)
             ps = (s0 + level - 1).clamp(max=T - 1)
-            m = self.proposal.mean(self.sde, Y[par_layer], ps, sub, self.shape)
+            m = self.proposal.mean(self.sde, Y[par_layer], ps, sub, self.shape, self.target.cond(ids))
             out = Y[lay]
             _normal_into(out, self.gen)
             out.mul_(self.scale[ps].to(self.work)[:, None])
@@ -489,7 +506,7 @@ class _Loop:
             # the draft mean is a deterministic function of the parent: recompute it
             # here for the visited nodes rather than store it for every node
             pa = None if sub is None else Prefetch(sub.y[a], sub.v[a], sub.step[a])
-            mu_p = self.proposal.mean(self.sde, yu[None], sa, pa, self.shape)[0]
+            mu_p = self.proposal.mean(self.sde, yu[None], sa, pa, self.shape, self.target.cond(ids[a]))[0]
             res = self.coupling(mu_p, mu_q, self.scale[sa], kids, valid, self.gen)
             g = ids[a]
             st.attempts[g, level - 1] += 1
@@ -559,11 +576,11 @@ class _Loop:
             a = act.nonzero()[:, 0]
             sa = s0[a] + level - 1
             yu = cur_y[a]
-            vu = self.target(yu, self.sig[sa])
+            vu = self.target(yu, self.sig[sa], ids[a])
             src_y[a], src_v[a], src_step[a] = yu, vu, sa
             mu_q = self.sde.mean_from_velocity(yu, vu, sa)
             pa = None if sub is None else Prefetch(sub.y[a], sub.v[a], sub.step[a])
-            mu_p = self.proposal.mean(self.sde, yu[None], sa, pa, self.shape)[0]
+            mu_p = self.proposal.mean(self.sde, yu[None], sa, pa, self.shape, self.target.cond(ids[a]))[0]
             ch = self.children[cur[a]]
             valid = ch >= 0
             sc = self.scale[sa].to(self.work)
@@ -597,7 +614,7 @@ class _Loop:
                     rh = rj[has]
                     ys = kid_rj[has, pick_s[has]]
                     src_y[rh] = ys
-                    src_v[rh] = self.target(ys, self.sig[s0[rh] + level])
+                    src_v[rh] = self.target(ys, self.sig[s0[rh] + level], ids[rh])
                     src_step[rh] = s0[rh] + level
         full = alive.nonzero()[:, 0]
         new_x[full] = cur_y[full]
@@ -605,7 +622,7 @@ class _Loop:
             # the committed node was evaluated in the round: reuse it exactly
             sf = s0[full] + ncom[full]
             src_y[full] = cur_y[full]
-            src_v[full] = self.target(cur_y[full], self.sig[sf.clamp(max=T - 1)])
+            src_v[full] = self.target(cur_y[full], self.sig[sf.clamp(max=T - 1)], ids[full])
             src_step[full] = sf
         x[ids] = new_x
         committed[ids] = ncom
