@@ -23,10 +23,14 @@ test-all: venv
 	$(PY) -m pytest -q
 
 demo: venv
-	$(PY) examples/quickstart.py
+	$(VENV)/bin/specforest gmm --method standard --no-progress
+	$(VENV)/bin/specforest gmm --method rmc --L 155 --no-progress
+	$(VENV)/bin/specforest gmm --method dgrs --K 5 --L 3 --no-progress
 
 bench: venv
+	$(PY) benchmarks/coupling_acceptance.py
 	$(PY) benchmarks/gmm_speedup.py
+	$(PY) benchmarks/sampler_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist src/*.egg-info

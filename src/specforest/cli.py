@@ -1,0 +1,306 @@
+"""Command line: ``specforest gmm`` (one configuration) and ``specforest gmm sweep``.
+
+A thin shell over :mod:`specforest.experiments.gmm`: options are parsed and
+range-checked here, everything else happens in the library.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+import numpy as np
+
+from .experiments import gmm as gmm_exp
+from .experiments.io import atomic_write
+from .sampler import GRIDS, PREFETCH_POLICIES
+from .trees import VERIFY_MODES
+
+__all__ = ["main"]
+
+_CHURN = click.FloatRange(0.0, 1.0, min_open=True)
+_POS_FLOAT = click.FloatRange(0.0, min_open=True)
+
+
+def _int_list(name: str, lo: int):
+    def parse(ctx, param, value: str) -> list[int]:
+        try:
+            vals = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"must be a comma-separated list of integers, got {value!r}")
+        if not vals or min(vals) < lo:
+            raise click.BadParameter(f"must list integers >= {lo}, got {value!r}")
+        return sorted(set(vals))
+
+    return parse
+
+
+def _setting_options(f):
+    """Options of the experiment's setting, shared by ``gmm`` and ``gmm sweep``."""
+    opts = [
+        click.option(
+            "--components",
+            type=click.IntRange(1),
+            default=5,
+            show_default=True,
+            help="Mixture components (>= 1).",
+        ),
+        click.option(
+            "--dim", type=click.IntRange(1), default=500, show_default=True, help="Dimension d (>= 1)."
+        ),
+        click.option(
+            "--steps",
+            type=click.IntRange(3),
+            default=30,
+            show_default=True,
+            help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
+        ),
+        click.option(
+            "--churn",
+            type=_CHURN,
+            default=0.1,
+            show_default=True,
+            help="Churn eps in (0, 1] (0 would make speculation accept nothing).",
+        ),
+        click.option(
+            "--trajectories",
+            type=click.IntRange(1),
+            default=100,
+            show_default=True,
+            help="Independent trajectories (>= 1).",
+        ),
+        click.option(
+            "--seed",
+            type=click.IntRange(0),
+            default=0,
+            show_default=True,
+            help="Seed (>= 0) of x_T and the sampling noise; the mixture has its own seed.",
+        ),
+        click.option(
+            "--mixture-seed",
+            type=click.IntRange(0),
+            default=0,
+            show_default=True,
+            help="Seed (>= 0) of the mixture's means U([-2,2]^d) and stds U([0.10,0.25]).",
+        ),
+        click.option(
+            "--grid",
+            type=click.Choice(GRIDS),
+            default="flow_match",
+            show_default=True,
+            help="Time grid: flow_match (diffusers' default, the authors' code) or uniform.",
+        ),
+        click.option(
+            "--prefetch",
+            type=click.Choice(PREFETCH_POLICIES),
+            default="nearest",
+            show_default=True,
+            help="Which evaluated node the next round drafts from after a rejection (ERRATA 9).",
+        ),
+        click.option(
+            "--verify",
+            type=click.Choice(VERIFY_MODES),
+            default="drafted",
+            show_default=True,
+            help="Evaluate every drafted node (drafted: the paper's protocol, B = |V|) or only "
+            "the root and internal nodes (internal: fewer states per call, same NFE or more).",
+        ),
+        click.option(
+            "--memory-gb",
+            type=_POS_FLOAT,
+            default=None,
+            show_default="25% of physical memory, or 4 GB if unknown",
+            help="Memory limit (> 0) that sets how many trajectories run at once.",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _setting(o: dict) -> gmm_exp.GMMSetting:
+    return gmm_exp.GMMSetting(
+        dim=o["dim"],
+        components=o["components"],
+        steps=o["steps"],
+        churn=o["churn"],
+        trajectories=o["trajectories"],
+        grid=o["grid"],
+        mixture_seed=o["mixture_seed"],
+    )
+
+
+def _library_errors(fn):
+    """Turn the library's input and memory errors into clean CLI errors."""
+    try:
+        return fn()
+    except (ValueError, TypeError, MemoryError, NotImplementedError) as e:
+        raise click.ClickException(str(e)) from e
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="specforest")
+def main() -> None:
+    """specforest: exact speculative sampling for diffusion models on draft trees."""
+
+
+@main.group(invoke_without_command=True)
+@click.option(
+    "--method",
+    type=click.Choice(gmm_exp.METHODS),
+    default="dgrs",
+    show_default=True,
+    help="standard (no tree, T NFE), rmc (chain, Algorithm 2) or dgrs (uniform tree, Algorithm 3).",
+)
+@click.option(
+    "--K",
+    "K",
+    type=click.IntRange(1),
+    default=6,
+    show_default=True,
+    help="D-GRS children per node (>= 1); ignored by rmc and standard.",
+)
+@click.option(
+    "--L",
+    "L",
+    type=click.IntRange(1),
+    default=6,
+    show_default=True,
+    help="D-GRS depth (>= 1); for rmc the chain length B (e.g. --method rmc --L 155).",
+)
+@_setting_options
+@click.option(
+    "--lazy",
+    is_flag=True,
+    help="Realize only the visited nodes: same law of samples and NFE, far less memory.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else.")
+@click.option(
+    "--dump-samples",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write the samples to this .npz (array 'samples', (trajectories, dim) float32).",
+)
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@click.pass_context
+def gmm(ctx: click.Context, **o) -> None:
+    """Gaussian-mixture experiment (paper Sec. 5.1): run ONE configuration.
+
+    Defaults are the paper's setting: 5 components in d=500, T=30, churn 0.1,
+    100 trajectories, flow_match grid, D-GRS on the (6, 6) tree. The speedup is
+    reported as T/NFE and in the paper's accounting (T-2)/(NFE-2).
+    """
+    if ctx.invoked_subcommand is not None:
+        given = [
+            p.opts[0]
+            for p in ctx.command.params
+            if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE
+        ]
+        if given:
+            raise click.UsageError(
+                f"options {', '.join(given)} belong to 'gmm' itself; put them after "
+                f"'{ctx.invoked_subcommand}'"
+            )
+        return
+    setting = _library_errors(lambda: _setting(o))
+    run = _library_errors(
+        lambda: gmm_exp.simulate(
+            setting,
+            method=o["method"],
+            K=o["K"],
+            L=o["L"],
+            prefetch=o["prefetch"],
+            verify=o["verify"],
+            seed=o["seed"],
+            lazy=o["lazy"],
+            memory_gb=o["memory_gb"],
+            progress=o["progress"],
+        )
+    )
+    rec = run.record
+    if o["dump_samples"]:
+        meta = json.dumps(rec)
+        samples = run.samples.numpy().astype(np.float32)
+        atomic_write(
+            o["dump_samples"], lambda f: np.savez(f, samples=samples, result=np.array(meta)), binary=True
+        )
+    if o["as_json"]:
+        click.echo(json.dumps(rec, allow_nan=False))
+    else:
+        click.echo(gmm_exp.format_result(rec))
+        if o["dump_samples"]:
+            click.echo(f"  samples written to {o['dump_samples']}")
+
+
+@gmm.command()
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="results/gmm_sweep",
+    show_default=True,
+    help="Directory of results.csv/.json and the figures (resumed if present).",
+)
+@click.option(
+    "--K-values",
+    "K_values",
+    default="1,2,3,4,5,6,7",
+    show_default=True,
+    callback=_int_list("K", 1),
+    help="Comma-separated tree widths K (each >= 1).",
+)
+@click.option(
+    "--L-values",
+    "L_values",
+    default="2,3,4,5,6,7",
+    show_default=True,
+    callback=_int_list("L", 1),
+    help="Comma-separated tree depths L (each >= 1).",
+)
+@_setting_options
+@click.option(
+    "--lazy",
+    is_flag=True,
+    help="Realize only the visited nodes. Strongly recommended for the full grid: "
+    "a full (7, 7) tree has 960,800 nodes per trajectory.",
+)
+@click.option(
+    "--progress/--no-progress",
+    default=True,
+    show_default=True,
+    help="Progress bar over configurations on stderr.",
+)
+def sweep(out_dir: str, K_values: list[int], L_values: list[int], **o) -> None:
+    """The (K, L) sweep of Figures 3 and 7: D-GRS at every (K, L), RMC at each matched
+    budget B = K + ... + K^L. Resumable: configurations already in OUT/results.json are
+    skipped. Writes results.csv, results.json, heatmap.png and speedup_vs_K.png.
+    """
+    setting = _library_errors(lambda: _setting(o))
+
+    def log(line: str) -> None:
+        click.echo(line, err=True)
+
+    res = _library_errors(
+        lambda: gmm_exp.run_sweep(
+            setting,
+            out_dir,
+            K_values=K_values,
+            L_values=L_values,
+            prefetch=o["prefetch"],
+            verify=o["verify"],
+            seed=o["seed"],
+            lazy=o["lazy"],
+            memory_gb=o["memory_gb"],
+            progress=o["progress"],
+            log=log,
+        )
+    )
+    click.echo(gmm_exp.format_summary(res.records))
+    click.echo(f"ran {res.ran} configuration(s), skipped {res.skipped} already done")
+    for p in res.files:
+        click.echo(f"wrote {p}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Benchmark result files: marked sections of ``benchmarks/RESULTS.md``.
+
+Each benchmark script owns one section, delimited by ``<!-- NAME:begin -->`` and
+``<!-- NAME:end -->``; regenerating it replaces that block only and leaves the
+rest of the file as it was. Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from .io import atomic_write_text
+
+__all__ = ["machine_line", "replace_section"]
+
+
+def machine_line() -> str:
+    """Date, machine and library versions, for the header of a results table."""
+    cpu = platform.processor() or platform.machine()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{_dt.date.today().isoformat()}, {platform.system()} {platform.machine()} ({cpu}), "
+        f"{os.cpu_count()} CPUs, {gpu}, Python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def replace_section(path: str | os.PathLike, name: str, heading: str, body: str) -> Path:
+    """Replace (or append) the section ``name`` of the markdown file ``path``.
+
+    Args:
+        path: the results file (created if missing).
+        name: section key used in the begin/end markers.
+        heading: markdown heading line written above the block.
+        body: markdown content of the section.
+    """
+    path = Path(path)
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{heading}\n\n{body.rstrip()}\n{end}"
+    text = path.read_text(encoding="utf-8") if path.exists() else "# specforest benchmark results\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    return atomic_write_text(path, text)

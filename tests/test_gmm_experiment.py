@@ -1,0 +1,364 @@
+"""The Gaussian-mixture experiment: CLI, sweep, result files, and the mixture's law.
+
+Tiny settings (d = 8..20, T ~ 10, few trajectories) keep these fast; the two
+statistical tests use a few thousand trajectories in d = 10..20 and a fixed seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from scipy import stats as sps
+
+from specforest.cli import main
+from specforest.experiments import gmm as gmm_exp
+from specforest.experiments.io import atomic_write, atomic_write_text
+
+TINY = ["--dim", "8", "--steps", "10", "--trajectories", "6", "--no-progress"]
+REQUIRED = {
+    "method",
+    "K",
+    "L",
+    "budget",
+    "trajectories",
+    "nfe_mean",
+    "nfe_sem",
+    "speedup_mean",
+    "speedup_sem",
+    "speedup_paper_mean",
+    "speedup_paper_sem",
+    "accept_rate_per_depth",
+    "delta_per_depth",
+    "accept_rate",
+    "wall_seconds",
+    "grid",
+    "churn",
+    "steps",
+    "dim",
+    "components",
+    "prefetch",
+    "verify",
+    "seed",
+    "mixture_seed",
+    "mode",
+    "chunk_size",
+}
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def run_json(*args: str) -> dict:
+    res = invoke("gmm", *TINY, "--json", *args)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+# -- one configuration ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method,extra", [("standard", []), ("rmc", ["--L", "14"]), ("dgrs", ["--K", "2", "--L", "3"])]
+)
+def test_json_one_object_with_required_keys(method, extra):
+    rec = run_json("--method", method, *extra)
+    assert REQUIRED <= rec.keys()
+    assert rec["method"] == method and rec["trajectories"] == 6 and rec["dim"] == 8
+    assert rec["grid"] == "flow_match" and rec["mode"] == "full"
+    assert 1 <= rec["nfe_mean"] <= 10
+    if method == "standard":
+        assert rec["nfe_mean"] == 10 and rec["speedup_mean"] == 1 and rec["speedup_paper_mean"] == 1
+        assert (rec["K"], rec["L"], rec["budget"]) == (0, 0, 0)
+    elif method == "rmc":
+        assert (rec["K"], rec["L"], rec["budget"]) == (1, 14, 14)
+    else:
+        assert (rec["K"], rec["L"], rec["budget"]) == (2, 3, 14)
+        assert len(rec["accept_rate_per_depth"]) == 3 and 0 < rec["accept_rate"] < 1
+
+
+def test_speedup_accountings_are_consistent():
+    setting = gmm_exp.GMMSetting(dim=8, steps=10, trajectories=1)
+    rec = gmm_exp.run_config(setting, method="dgrs", K=2, L=3)
+    nfe = rec["nfe_mean"]
+    assert rec["speedup_mean"] == pytest.approx(10 / nfe)
+    assert rec["speedup_paper_mean"] == pytest.approx(8 / (nfe - 2))
+    assert rec["nfe_sem"] is None  # one trajectory has no standard error
+
+
+def test_uniform_grid_is_recorded():
+    rec = run_json("--grid", "uniform", "--method", "rmc", "--L", "3")
+    assert rec["grid"] == "uniform" and rec["deterministic_steps"] == 2
+
+
+def test_json_stdout_stays_clean_with_progress():
+    res = invoke(
+        "gmm", "--dim", "8", "--steps", "10", "--trajectories", "3", "--K", "2", "--L", "2", "--json"
+    )
+    assert res.exit_code == 0
+    assert json.loads(res.stdout)["method"] == "dgrs"
+
+
+def test_lazy_mode_is_recorded():
+    rec = run_json("--lazy", "--K", "2", "--L", "3")
+    assert rec["mode"] == "lazy" and 1 <= rec["nfe_mean"] <= 10
+    assert rec["bytes_per_trajectory"] == (1 + 2 * 3) * 8 * 12
+    # nothing to realize lazily without a tree
+    assert run_json("--lazy", "--method", "standard")["mode"] == "full"
+
+
+def test_human_summary_without_json():
+    res = invoke("gmm", *TINY, "--K", "2", "--L", "2")
+    assert res.exit_code == 0
+    assert "D-GRS, K=2 L=2 (B=6)" in res.stdout and "speedup" in res.stdout
+
+
+def test_dump_samples(tmp_path):
+    path = tmp_path / "s.npz"
+    rec = run_json("--dump-samples", str(path), "--K", "2", "--L", "2")
+    with np.load(path) as z:
+        assert z["samples"].shape == (6, 8) and z["samples"].dtype == np.float32
+        assert np.isfinite(z["samples"]).all()
+        assert json.loads(str(z["result"]))["speedup_mean"] == rec["speedup_mean"]
+    assert [p.name for p in tmp_path.iterdir()] == ["s.npz"]
+
+
+def test_seed_changes_noise_not_mixture(tmp_path):
+    a, b, c = (tmp_path / f"{n}.npz" for n in "abc")
+    small = ["--K", "2", "--L", "2"]
+    ra = run_json("--seed", "1", "--dump-samples", str(a), *small)
+    rb = run_json("--seed", "2", "--dump-samples", str(b), *small)
+    run_json("--seed", "1", "--dump-samples", str(c), *small)
+    assert ra["mixture_fingerprint"] == rb["mixture_fingerprint"]
+    assert not np.array_equal(np.load(a)["samples"], np.load(b)["samples"])
+    assert np.array_equal(np.load(a)["samples"], np.load(c)["samples"])
+    assert run_json("--mixture-seed", "3", *small)["mixture_fingerprint"] != ra["mixture_fingerprint"]
+    s1 = gmm_exp.GMMSetting(dim=8, mixture_seed=0).mixture()
+    s2 = gmm_exp.GMMSetting(dim=8, mixture_seed=0, trajectories=3).mixture()
+    assert torch.equal(s1.means, s2.means)
+
+
+@pytest.mark.parametrize(
+    "args,name",
+    [
+        (["--K", "0"], "--K"),
+        (["--L", "-1"], "--L"),
+        (["--churn", "0"], "--churn"),
+        (["--churn", "1.5"], "--churn"),
+        (["--method", "magic"], "--method"),
+        (["--grid", "cosine"], "--grid"),
+        (["--trajectories", "0"], "--trajectories"),
+        (["--steps", "2"], "--steps"),
+        (["--prefetch", "child"], "--prefetch"),
+        (["--verify", "all"], "--verify"),
+        (["--memory-gb", "0"], "--memory-gb"),
+        (["--seed", "-3"], "--seed"),
+    ],
+)
+def test_bad_values_exit_nonzero_naming_the_option(args, name):
+    res = CliRunner().invoke(main, ["gmm", *TINY, *args])
+    assert res.exit_code != 0
+    assert name in res.output
+
+
+def test_sweep_rejects_bad_lists(tmp_path):
+    res = CliRunner().invoke(main, ["gmm", "sweep", "--out", str(tmp_path), "--K-values", "0,2"])
+    assert res.exit_code != 0 and "--K-values" in res.output
+    res = CliRunner().invoke(main, ["gmm", "sweep", "--out", str(tmp_path), "--L-values", "a"])
+    assert res.exit_code != 0 and "--L-values" in res.output
+
+
+def test_group_options_before_subcommand_are_refused(tmp_path):
+    res = CliRunner().invoke(main, ["gmm", "--K", "3", "sweep", "--out", str(tmp_path)])
+    assert res.exit_code != 0 and "--K" in res.output
+
+
+# -- chunking and memory --------------------------------------------------------------------
+
+
+def test_chunked_run_is_valid():
+    setting = gmm_exp.GMMSetting(dim=8, steps=10, trajectories=7)
+    per = gmm_exp.bytes_per_trajectory(gmm_exp.make_tree("dgrs", 2, 2, 10), 8)
+    assert per == 7 * 8 * 12
+    rec = gmm_exp.run_config(setting, method="dgrs", K=2, L=2, memory_gb=2.5 * per / 1e9)
+    assert rec["chunk_size"] == 2 and rec["chunks"] == 4
+    assert rec["trajectories"] == 7 and 1 <= rec["nfe_mean"] <= 10 and rec["speedup_sem"] > 0
+    run = gmm_exp.simulate(setting, method="dgrs", K=2, L=2, memory_gb=2.5 * per / 1e9)
+    assert run.samples.shape == (7, 8) and torch.isfinite(run.samples).all()
+    # the CLI takes the same path
+    rec2 = run_json("--K", "2", "--L", "2", "--memory-gb", f"{2.5 * per / 1e9:.12f}")
+    assert rec2["chunks"] == 3 and rec2["trajectories"] == 6
+
+
+def test_chunk_size_is_balanced_and_refuses_what_cannot_fit():
+    assert gmm_exp.chunk_size(10, 100, 170e-9) == 17
+    assert gmm_exp.chunk_size(10, 10, 1.0) == 10
+    assert gmm_exp.chunk_size(10, 5, 25e-9) == 2  # 2 fit: 3 chunks of <= 2
+    assert gmm_exp.chunk_size(10, 7, 60e-9) == 4  # 6 fit: 2 balanced chunks of <= 4, not 6 + 1
+    with pytest.raises(MemoryError, match="lazy"):
+        gmm_exp.chunk_size(10, 3, 5e-9)
+    res = CliRunner().invoke(main, ["gmm", *TINY, "--K", "3", "--L", "3", "--memory-gb", "1e-9"])
+    assert res.exit_code != 0 and "--lazy" in res.output
+
+
+def test_default_memory_limit_is_positive():
+    assert gmm_exp.default_memory_gb() > 0
+
+
+# -- sweep ----------------------------------------------------------------------------
+
+
+SWEEP = [
+    "gmm",
+    "sweep",
+    "--dim",
+    "8",
+    "--steps",
+    "8",
+    "--trajectories",
+    "4",
+    "--K-values",
+    "1,2",
+    "--L-values",
+    "2,3",
+    "--no-progress",
+]
+
+
+def test_sweep_writes_files_and_resumes(tmp_path):
+    out = tmp_path / "sweep"
+    res = invoke(*SWEEP, "--out", str(out))
+    assert res.exit_code == 0, res.output
+    # D-GRS at 4 cells + RMC at the distinct budgets {2, 3, 6, 14}
+    assert "ran 8 configuration(s), skipped 0" in res.stdout
+    for name in ("results.csv", "results.json", "heatmap.png", "speedup_vs_K.png"):
+        assert (out / name).stat().st_size > 0
+        assert (out / name).read_bytes()[:4] == b"\x89PNG" or not name.endswith(".png")
+    first = json.loads((out / "results.json").read_text())
+    assert len(first) == 8 and {r["method"] for r in first} == {"rmc", "dgrs"}
+    assert sorted(r["budget"] for r in first if r["method"] == "rmc") == [2, 3, 6, 14]
+    lines = (out / "results.csv").read_text().splitlines()
+    assert len(lines) == 9 and lines[0].startswith("method,K,L,budget")
+    # cheapest first: budgets never shrink along a method's run order
+    dg = [r["budget"] for r in first if r["method"] == "dgrs"]
+    assert dg == sorted(dg)
+
+    res2 = invoke(*SWEEP, "--out", str(out))
+    assert res2.exit_code == 0
+    assert "ran 0 configuration(s), skipped 8" in res2.stdout
+    assert json.loads((out / "results.json").read_text()) == first
+
+    # a different setting in the same directory is a new configuration set
+    res3 = invoke(
+        *[a if a != "4" else "5" for a in SWEEP], "--out", str(out), "--L-values", "2", "--K-values", "1"
+    )
+    assert "ran 2 configuration(s), skipped 0" in res3.stdout
+    assert len(json.loads((out / "results.json").read_text())) == 10
+
+
+def test_sweep_library_call_and_summary(tmp_path):
+    setting = gmm_exp.GMMSetting(dim=8, steps=8, trajectories=3)
+    logged = []
+    res = gmm_exp.run_sweep(setting, tmp_path, K_values=[2], L_values=[2], progress=False, log=logged.append)
+    assert res.ran == 2 and res.skipped == 0 and len(logged) == 2
+    table = gmm_exp.format_summary(res.records)
+    assert " 2  2        6" in table
+
+
+def test_sweep_configs_order_and_dedup():
+    cfg = gmm_exp.sweep_configs([2, 5], [2, 4], steps=30)
+    # (2,4) and (5,2) both have B = 30: one RMC run serves both
+    assert cfg.count(("rmc", 1, 30)) == 1
+    assert len(cfg) == 4 + 3
+    assert cfg.index(("dgrs", 2, 2)) < cfg.index(("dgrs", 5, 2)) < cfg.index(("dgrs", 5, 4))
+
+
+# -- crash safety -----------------------------------------------------------------------
+
+
+def test_interrupted_write_leaves_old_file(tmp_path):
+    path = tmp_path / "results.json"
+    atomic_write_text(path, "old")
+
+    def boom(f):
+        f.write("partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, boom)
+    assert path.read_text() == "old"
+    assert os.listdir(tmp_path) == ["results.json"]
+
+
+def test_sweep_interrupted_while_writing_keeps_valid_results(tmp_path, monkeypatch):
+    setting = gmm_exp.GMMSetting(dim=8, steps=8, trajectories=3)
+    gmm_exp.run_sweep(setting, tmp_path, K_values=[1], L_values=[2], progress=False)
+    before = (tmp_path / "results.json").read_text()
+    real = gmm_exp._csv_text
+
+    def crash(records):
+        if len(records) > 2:
+            raise OSError("disk full")
+        return real(records)
+
+    monkeypatch.setattr(gmm_exp, "_csv_text", crash)
+    with pytest.raises(OSError):
+        gmm_exp.run_sweep(setting, tmp_path, K_values=[1, 2], L_values=[2], progress=False)
+    recs = json.loads((tmp_path / "results.json").read_text())  # still parses
+    assert len(recs) == 3 and json.loads(before) == recs[:2]
+    assert len((tmp_path / "results.csv").read_text().splitlines()) == 3
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    monkeypatch.undo()
+    res = gmm_exp.run_sweep(setting, tmp_path, K_values=[1, 2], L_values=[2], progress=False)
+    assert res.skipped == 3 and res.ran == 1
+
+
+# -- the mixture's law (issue item 4) ----------------------------------------------------------
+
+
+def test_standard_sampler_component_weights():
+    """Samples of the standard sampler fall into each component with its weight."""
+    setting = gmm_exp.GMMSetting(dim=20, steps=30, trajectories=2000, mixture_seed=1)
+    gmm = setting.mixture()
+    run = gmm_exp.simulate(setting, method="standard", seed=0)
+    comp = gmm.assign(run.samples)
+    counts = torch.bincount(comp, minlength=gmm.num_components).numpy()
+    expected = gmm.weights.numpy() * counts.sum()
+    p = sps.chisquare(counts, expected).pvalue
+    assert p > 1e-4, (counts, p)
+    # samples sit at their component's scale: normalized squared distance ~ chi2_d / d
+    # (0.88 here: the Euler-Maruyama chain's own bias at T = 30, not sampling noise)
+    z2 = ((run.samples.double() - gmm.means[comp]) ** 2).sum(1) / (gmm.stds[comp] ** 2 * gmm.dim)
+    assert abs(z2.mean().item() - 1) < 0.25
+
+
+def projection_ks_pvalue(a: torch.Tensor, b: torch.Tensor, n_proj: int = 8, seed: int = 123) -> float:
+    """Bonferroni-corrected min p-value of two-sample KS tests on fixed random projections."""
+    g = torch.Generator().manual_seed(seed)
+    dirs = torch.randn(a.shape[1], n_proj, generator=g, dtype=torch.float64)
+    dirs /= dirs.norm(dim=0, keepdim=True)
+    pa, pb = (a.double() @ dirs).numpy(), (b.double() @ dirs).numpy()
+    p = min(sps.ks_2samp(pa[:, j], pb[:, j]).pvalue for j in range(n_proj))
+    return min(1.0, p * n_proj)
+
+
+def test_speculative_matches_standard_in_law():
+    """D-GRS (3, 3) and the standard sampler are indistinguishable; a biased sample is not."""
+    setting = gmm_exp.GMMSetting(dim=10, steps=20, trajectories=3000, mixture_seed=2)
+    std = gmm_exp.simulate(setting, method="standard", seed=1).samples
+    spec_run = gmm_exp.simulate(setting, method="dgrs", K=3, L=3, seed=2)
+    spec = spec_run.samples
+    assert spec_run.record["speedup_mean"] > 1.1
+    assert projection_ks_pvalue(std, spec) > 1e-4
+    # power check: keeping a third of one component's samples (weight 0.2 -> 0.08) is detected
+    gmm = setting.mixture()
+    comp = gmm.assign(spec)
+    keep = (comp != 0) | (torch.arange(len(comp)) % 3 == 0)
+    assert projection_ks_pvalue(std, spec[keep]) < 1e-4
+    assert math.isfinite(spec_run.record["accept_rate"])
