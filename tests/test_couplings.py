@@ -4,13 +4,16 @@ import math
 
 import pytest
 import torch
+from battery import run_battery
 from scipy import integrate
 from scipy import stats as sps
 
-from battery import run_battery
 from specforest.couplings import (
     GRS,
     RMC,
+    AntitheticCoupling,
+    RankCoupling,
+    _log_mixture_pdf,
     get_coupling,
     grs_acceptance,
     grs_levels,
@@ -23,7 +26,7 @@ DIMS = [1, 3, 64]
 
 # Every coupling and the K it supports: a new coupling adds one line here and
 # inherits the whole battery.
-COUPLINGS = [(RMC, [1]), (GRS, [1, 2, 3, 7])]
+COUPLINGS = [(RMC, [1]), (GRS, [1, 2, 3, 7]), (RankCoupling, [1, 2, 3, 7]), (AntitheticCoupling, [2])]
 CASES = [
     (cls, K, delta, d)
     for cls, ks in COUPLINGS
@@ -57,16 +60,46 @@ class WrongThresholdGRS(GRS):
         return torch.where(acc, s, s - delta / 2), acc, idx
 
 
+class MinDensityRank(RankCoupling):
+    """Selects a random rank but tests acceptance against the minimum's density."""
+
+    def select(self, s_hat, delta, valid, generator):
+        index, _ = super().select(s_hat, delta, valid, generator)
+        K = s_hat.shape[1]
+        log_w = torch.full((K,), -math.inf, dtype=torch.float64)
+        log_w[0] = 0.0
+
+        def log_f(s, rows):
+            return _log_mixture_pdf(s, log_w, K)
+
+        return index, log_f
+
+
+class GreedyAntithetic(AntitheticCoupling):
+    """Always picks the positive member of the pair but keeps the randomized rule's density."""
+
+    def select(self, s_hat, delta, valid, generator):
+        _, log_f = super().select(s_hat, delta, valid, generator)
+        return torch.where(s_hat[:, 0] >= 0, 0, 1), log_f
+
+
+class IidAntithetic(AntitheticCoupling):
+    """The antithetic rule fed i.i.d. children (its sibling structure switched off)."""
+
+    def structure_noise(self, z):
+        return z
+
+
 @pytest.mark.parametrize("cls,K,delta,d", CASES, ids=lambda v: getattr(v, "__name__", repr(v)))
 def test_coupling_exact_and_acceptance_matches_closed_form(cls, K, delta, d):
     rep = run_battery(cls(), delta, K, d, n=100_000, seed=hash((K, delta, d)) % 2**31)
     assert not rep.failures(), rep.failures()
 
 
-@pytest.mark.parametrize("broken", [UnfixedGRS, NoResidualGRS, WrongThresholdGRS])
+@pytest.mark.parametrize("broken", [UnfixedGRS, NoResidualGRS, WrongThresholdGRS, MinDensityRank, GreedyAntithetic, IidAntithetic])
 def test_battery_rejects_broken_couplings(broken):
     failed = []
-    for K in [2, 3]:
+    for K in [2] if issubclass(broken, AntitheticCoupling) else [2, 3]:
         for delta in [1.0, 2.0]:
             rep = run_battery(broken(), delta, K, 3, n=100_000, seed=7)
             failed.append(bool(rep.failures()))
@@ -88,7 +121,7 @@ def test_grs_remaining_mass_matches_quadrature(delta, K):
     for k in range(1, K + 1):
         lk = float(lam[k])
 
-        def f(s):
+        def f(s, lk=lk):
             return max(math.exp(delta * s - delta * delta / 2) - lk, 0.0) * sps.norm.pdf(s)
 
         ref, _ = integrate.quad(f, -40, 40, points=[math.log(lk) / delta + delta / 2], limit=200)

@@ -28,7 +28,7 @@ def _int_list(name: str, lo: int):
         try:
             vals = [int(v) for v in value.split(",") if v.strip()]
         except ValueError:
-            raise click.BadParameter(f"must be a comma-separated list of integers, got {value!r}")
+            raise click.BadParameter(f"must be a comma-separated list of integers, got {value!r}") from None
         if not vals or min(vals) < lo:
             raise click.BadParameter(f"must list integers >= {lo}, got {value!r}")
         return sorted(set(vals))
@@ -151,7 +151,8 @@ def main() -> None:
     type=click.Choice(gmm_exp.METHODS),
     default="dgrs",
     show_default=True,
-    help="standard (no tree, T NFE), rmc (chain, Algorithm 2) or dgrs (uniform tree, Algorithm 3).",
+    help="standard (no tree, T NFE), rmc (chain, Algorithm 2), dgrs (uniform tree, Algorithm 3), "
+    "rank (uniform tree, rank-aware list coupling) or antithetic (uniform K=2 tree of mirrored pairs).",
 )
 @click.option(
     "--K",
@@ -159,7 +160,7 @@ def main() -> None:
     type=click.IntRange(1),
     default=6,
     show_default=True,
-    help="D-GRS children per node (>= 1); ignored by rmc and standard.",
+    help="Children per node of the uniform tree (>= 1; 2 for antithetic); ignored by rmc and standard.",
 )
 @click.option(
     "--L",
@@ -167,7 +168,7 @@ def main() -> None:
     type=click.IntRange(1),
     default=6,
     show_default=True,
-    help="D-GRS depth (>= 1); for rmc the chain length B (e.g. --method rmc --L 155).",
+    help="Tree depth (>= 1); for rmc the chain length B (e.g. --method rmc --L 155).",
 )
 @_setting_options
 @click.option(
@@ -185,7 +186,7 @@ def main() -> None:
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.pass_context
 def gmm(ctx: click.Context, **o) -> None:
-    """Gaussian-mixture experiment (paper Sec. 5.1): run ONE configuration.
+    """Gaussian-mixture experiment of the paper (Section 5.1): one configuration.
 
     Defaults are the paper's setting: 5 components in d=500, T=30, churn 0.1,
     100 trajectories, flow_match grid, D-GRS on the (6, 6) tree. The speedup is
@@ -304,3 +305,70 @@ def sweep(out_dir: str, K_values: list[int], L_values: list[int], **o) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+@main.group()
+def couplings() -> None:
+    """Acceptance of the couplings against the mismatch delta, and the i.i.d. list bound."""
+
+
+def _float_list(value: str) -> list[float]:
+    try:
+        out = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError as err:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from err
+    if not out or any(not (0.0 <= v <= 50.0) for v in out):
+        raise click.BadParameter("every delta must be in [0, 50]")
+    return out
+
+
+@couplings.command("table")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line (delta, K, rmc, grs, rank, antithetic, bound).")
+@click.option("--K-values", "K_values", default="1,2,4,8", show_default=True, help="Comma list of K (>= 1).")
+@click.option(
+    "--deltas", default=",".join(f"{0.25 * i:g}" for i in range(21)), show_default=True,
+    help="Comma list of delta values in [0, 50].",
+)
+def couplings_table(as_json: bool, K_values: str, deltas: str) -> None:
+    """Per-step acceptance of RMC, GRS, rank and antithetic couplings and the bound.
+
+    rmc is the single-proposal maximal coupling (independent of K); antithetic is
+    defined for K = 2 only (null otherwise) and can exceed the bound, which holds
+    for i.i.d. children.
+    """
+    from .landscape import acceptance_table
+
+    Ks = _int_list("K-values", 1)(None, None, K_values)
+    rows = acceptance_table(_float_list(deltas), Ks)
+    if as_json:
+        for r in rows:
+            click.echo(json.dumps(r))
+        return
+    click.echo(f"{'K':>3} {'delta':>6} {'rmc':>8} {'grs':>8} {'rank':>8} {'anti':>8} {'bound':>8}")
+    for r in rows:
+        anti = "-" if r["antithetic"] is None else f"{r['antithetic']:.4f}"
+        click.echo(
+            f"{r['K']:>3} {r['delta']:>6.2f} {r['rmc']:>8.4f} {r['grs']:>8.4f} {r['rank']:>8.4f} {anti:>8} {r['bound']:>8.4f}"
+        )
+
+
+@couplings.command("plot")
+@click.option("--out", type=click.Path(dir_okay=False), default="acceptance_landscape.png", show_default=True,
+              help="PNG file to write.")
+@click.option("--K-values", "K_values", default="1,2,4,8", show_default=True, help="Comma list of K (>= 1).")
+def couplings_plot(out: str, K_values: str) -> None:
+    """Plot per-step acceptance against delta in [0, 5] for each K (one panel per K)."""
+    from .landscape import plot_landscape
+
+    plot_landscape(out, Ks=_int_list("K-values", 1)(None, None, K_values))
+    click.echo(f"wrote {out}")
+
+
+def _register_optional_commands() -> None:
+    """Commands whose modules import heavier dependencies only when run."""
+    from .cli_sd3 import sd3
+
+    main.add_command(sd3)
+
+
+_register_optional_commands()

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 __all__ = [
     "Coupling",
     "CouplingResult",
+    "AntitheticCoupling",
     "GRS",
     "RMC",
+    "RankCoupling",
     "get_coupling",
     "grs_acceptance",
     "grs_levels",
@@ -234,6 +236,15 @@ class Coupling:
         """Closed-form probability of accepting a child, given ``delta`` and ``K``."""
         raise NotImplementedError
 
+    def structure_noise(self, z: torch.Tensor) -> torch.Tensor:
+        """Joint law of siblings: map i.i.d. standard noise ``(n, K, ...)`` of each
+        node's ``K`` children to the noise the rule expects (identity: i.i.d.).
+
+        Every sibling must stay marginally standard normal, so each child (and
+        the subtree drafted below it) keeps the proposal's law.
+        """
+        return z
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -311,11 +322,317 @@ class GRS(Coupling):
         return grs_acceptance(delta, K)
 
 
-_COUPLINGS = {"rmc": RMC, "grs": GRS, "dgrs": GRS}
+
+
+
+# -- list couplings beyond GRS ---------------------------------------------------------
+
+def _log_order_stat_pdf(s: torch.Tensor, K: int) -> torch.Tensor:
+    """``log f_(j)(s)``, ``j = 1..K``, of the order statistics of ``K`` i.i.d. ``N(0, 1)``.
+
+    Args:
+        s: ``(*batch)`` float64 points.
+
+    Returns:
+        ``(*batch, K)`` float64 log densities (``j = K`` is the maximum).
+    """
+    j = torch.arange(1, K + 1, dtype=torch.float64, device=s.device)
+    logc = math.lgamma(K + 1) - torch.lgamma(j) - torch.lgamma(K - j + 1)
+    lp = torch.special.log_ndtr(s)[..., None]
+    lsf = log_sf(s)[..., None]
+    logphi = (-0.5 * s * s - 0.5 * math.log(2 * math.pi))[..., None]
+    return logc + (j - 1) * lp + (K - j) * lsf + logphi
+
+
+def _log_normal_pdf(s: torch.Tensor) -> torch.Tensor:
+    return -0.5 * s * s - 0.5 * math.log(2 * math.pi)
+
+
+def _log_mixture_pdf(s: torch.Tensor, log_w: torch.Tensor, K: int) -> torch.Tensor:
+    """``log sum_j w_j f_(j)(s)`` with ``log_w (*batch, K)`` broadcast against ``s (*batch)``."""
+    return torch.logsumexp(_log_order_stat_pdf(s, K) + log_w, dim=-1)
+
+
+def _quad_grid(delta: float, n: int = 20001) -> torch.Tensor:
+    lo, hi = min(-12.0, delta - 12.0), max(12.0, delta + 12.0)
+    return torch.linspace(lo, hi, n, dtype=torch.float64)
+
+
+def _simpson(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    h = float(x[1] - x[0])
+    w = torch.ones_like(x)
+    w[1:-1:2], w[2:-1:2] = 4.0, 2.0
+    return (y * w).sum(-1) * h / 3.0
+
+
+def _sample_residual_by_rejection(
+    delta: torch.Tensor, log_f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    generator: Optional[torch.Generator], max_batch: int = 4096,
+) -> torch.Tensor:
+    """Exact draws from ``(q - f)_+ / (1 - alpha)`` with ``q = N(delta, 1)``, ``alpha = int min(q, f)``.
+
+    Rejection from ``q``: a candidate ``s`` is kept with probability
+    ``(1 - f(s) / q(s))_+``, so a candidate succeeds with probability
+    ``1 - alpha``. Problems still pending draw twice as many candidates on each
+    pass (up to ``max_batch``). The residual is only needed after a rejection,
+    which happens with probability ``1 - alpha``, so the expected number of
+    candidates per coupling call is bounded (about 2) whatever ``alpha``.
+
+    Args:
+        delta: ``(P,)`` float64.
+        log_f: ``log_f(s (n, m), rows (n,)) -> (n, m)`` log density of the selected child.
+        generator: randomness.
+    """
+    P = delta.numel()
+    out = torch.empty(P, dtype=torch.float64, device=delta.device)
+    todo = torch.arange(P, device=delta.device)
+    m = 4
+    while todo.numel():
+        d = delta[todo]
+        s = d[:, None] + _randn_f64((todo.numel(), m), generator, delta.device)
+        log_ratio = log_f(s, todo) - _log_normal_pdf(s - d[:, None])
+        keep_p = -torch.expm1(log_ratio.clamp(max=0.0))
+        hit = _uniform((todo.numel(), m), generator, delta.device) < keep_p
+        ok = hit.any(1)
+        first = torch.argmax(hit.to(torch.int8), dim=1)
+        out[todo[ok]] = s[ok, first[ok]]
+        todo = todo[~ok]
+        m = min(2 * m, max_batch)
+    return out
+
+
+def _randn_f64(shape, generator, device) -> torch.Tensor:
+    gdev = generator.device if generator is not None else torch.device("cpu")
+    return torch.randn(shape, generator=generator, dtype=torch.float64, device=gdev).to(device)
+
+
+class _SelectThenCouple(Coupling):
+    """Select one child by a rule that uses only the projections, then maximally couple.
+
+    If the selected projection ``X`` has a known density ``f`` (by construction
+    of the rule), accepting ``X`` with probability ``min(1, q(X) / f(X))`` and
+    otherwise drawing from ``(q - f)_+ / (1 - alpha)`` outputs exactly ``q``; the
+    selected child's orthogonal part is independent of every projection, hence
+    of ``X`` and of the selection, and keeps its law. Acceptance
+    ``alpha = int min(q, f)``.
+    """
+
+    def select(self, s_hat, delta, valid, generator):
+        """Return ``(index (P,), log_f)`` where ``log_f(s, rows)`` is the selected law's log density."""
+        raise NotImplementedError
+
+    def couple_projections(self, s_hat, delta, valid, generator):
+        P = s_hat.shape[0]
+        rows = torch.arange(P, device=s_hat.device)
+        index, log_f = self.select(s_hat, delta, valid, generator)
+        x = s_hat[rows, index]
+        log_q = _log_normal_pdf(x - delta)
+        log_acc = (log_q - log_f(x[:, None], rows)[:, 0]).clamp(max=0.0)
+        accepted = torch.log(_uniform((P,), generator, s_hat.device)) <= log_acc
+        s_new = x.clone()
+        need = (~accepted).nonzero()[:, 0]
+        if need.numel():
+
+            def log_f_need(s, r, _need=need):
+                return log_f(s, _need[r])
+
+            s_new[need] = _sample_residual_by_rejection(delta[need], log_f_need, generator)
+        return s_new, accepted, index
+
+
+_RANK_TABLE: dict = {}
+_RANK_DELTAS = torch.linspace(0.0, 8.0, 81, dtype=torch.float64)
+
+
+def rank_weights_lp(delta: float, K: int, n: int = 1500) -> tuple[torch.Tensor, float]:
+    """Mixture weights over the ``K`` order statistics maximizing ``int min(q, f_w)``.
+
+    Solved as a linear program on a grid of ``n`` cells (scipy's HiGHS): maximize
+    ``sum m_i`` subject to ``m_i <= q_i`` and ``m_i <= sum_j w_j f_(j)(s_i)``,
+    ``w`` in the simplex. The objective is concave in ``w``, so the LP optimum
+    is the global one on the grid.
+
+    Returns:
+        ``(w (K,) float64, acceptance on the grid)``.
+    """
+    import numpy as np
+    from scipy.optimize import linprog
+
+    if K == 1:
+        return torch.ones(1, dtype=torch.float64), float(rmc_acceptance(delta))
+    s = torch.linspace(min(-9.0, delta - 9.0), max(9.0, delta + 9.0), n, dtype=torch.float64)
+    ds = float(s[1] - s[0])
+    q = torch.exp(_log_normal_pdf(s - delta)).numpy()
+    F = torch.exp(_log_order_stat_pdf(s, K)).numpy().T  # (K, n)
+    c = np.concatenate([np.zeros(K), -ds * np.ones(n)])
+    A = np.hstack([-F.T, np.eye(n)])
+    a_eq = np.concatenate([np.ones(K), np.zeros(n)])[None]
+    bounds = [(0, None)] * K + [(0, float(qi)) for qi in q]
+    res = linprog(c, A_ub=A, b_ub=np.zeros(n), A_eq=a_eq, b_eq=[1.0], bounds=bounds, method="highs")
+    if not res.success:  # pragma: no cover - HiGHS solves these small LPs
+        raise RuntimeError(f"rank-weight LP failed at delta={delta}, K={K}: {res.message}")
+    w = torch.tensor(np.clip(res.x[:K], 0.0, None), dtype=torch.float64)
+    return w / w.sum(), -float(res.fun)
+
+
+def rank_table(K: int) -> torch.Tensor:
+    """``(len(_RANK_DELTAS), K)`` weights, from the shipped table or computed once."""
+    if K not in _RANK_TABLE:
+        shipped = _load_shipped_rank_table()
+        if str(K) in shipped:
+            _RANK_TABLE[K] = torch.tensor(shipped[str(K)], dtype=torch.float64)
+        else:
+            _RANK_TABLE[K] = torch.stack([rank_weights_lp(float(d), K)[0] for d in _RANK_DELTAS])
+    return _RANK_TABLE[K]
+
+
+def _load_shipped_rank_table() -> dict:
+    import json
+    from importlib import resources
+
+    try:
+        text = resources.files("specforest").joinpath("data/rank_weights.json").read_text()
+    except FileNotFoundError:
+        return {}
+    data = json.loads(text)
+    if data.get("deltas") != [round(float(d), 6) for d in _RANK_DELTAS]:
+        return {}
+    return data["weights"]
+
+
+def rank_weights(delta: torch.Tensor, K: int) -> torch.Tensor:
+    """``(P, K)`` rank weights at each ``delta``, interpolated linearly in the table.
+
+    Any weights keep the coupling exact (the acceptance test uses the same
+    weights as the selection); the table only makes it efficient. Beyond the
+    table's last ``delta`` the last row is used.
+    """
+    tab = rank_table(K).to(delta.device)
+    step = float(_RANK_DELTAS[1] - _RANK_DELTAS[0])
+    pos = (delta / step).clamp(0.0, len(_RANK_DELTAS) - 1.0)
+    i0 = pos.floor().long().clamp(max=len(_RANK_DELTAS) - 2)
+    frac = (pos - i0)[:, None]
+    return (1 - frac) * tab[i0] + frac * tab[i0 + 1]
+
+
+class RankCoupling(_SelectThenCouple):
+    """Rank-aware list coupling: pick the child of a random rank in the projection.
+
+    The rank ``j`` is drawn from weights ``w(delta)`` (tabulated by
+    :func:`rank_weights_lp`, interpolated), so the selected projection has the
+    mixture-of-order-statistics density ``f_w = sum_j w_j f_(j)``, known in
+    closed form; it is then maximally coupled with ``N(delta, 1)`` and the
+    residual drawn exactly by rejection. Children must be i.i.d. from the
+    proposal. With ``K = 1`` it is the maximal coupling (RMC's acceptance).
+    """
+
+    name = "rank"
+
+    def select(self, s_hat, delta, valid, generator):
+        P, Kmax = s_hat.shape
+        k_eff = valid.sum(1)
+        index = torch.zeros(P, dtype=torch.long, device=s_hat.device)
+        log_w_rows = torch.full((P, Kmax), -math.inf, dtype=torch.float64, device=s_hat.device)
+        u = _uniform((P,), generator, s_hat.device)
+        for k in (k_eff.unique().tolist() if not bool((k_eff == Kmax).all()) else [Kmax]):
+            sel = (k_eff == k).nonzero()[:, 0]
+            w = rank_weights(delta[sel], int(k))
+            j = torch.searchsorted(torch.cumsum(w, 1), u[sel, None]).clamp(max=k - 1)[:, 0]
+            order = torch.argsort(s_hat[sel, :k], dim=1)
+            index[sel] = order.gather(1, j[:, None])[:, 0]
+            log_w_rows[sel, :k] = torch.log(w)
+        ks = k_eff
+        uniform_k = bool((k_eff == Kmax).all())
+
+        def log_f(s, rows):
+            if uniform_k:
+                return _log_mixture_pdf(s, log_w_rows[rows, None, :], Kmax)
+            out = torch.empty_like(s)
+            for k in torch.unique(ks[rows]).tolist():
+                m = ks[rows] == k
+                out[m] = _log_mixture_pdf(s[m], log_w_rows[rows[m], None, :k], int(k))
+            return out
+
+        return index, log_f
+
+    def acceptance(self, delta, K):
+        d = torch.as_tensor(delta, dtype=torch.float64).reshape(-1)
+        out = torch.empty_like(d)
+        for i, dv in enumerate(d.tolist()):
+            if K == 1:
+                out[i] = rmc_acceptance(dv)
+                continue
+            s = _quad_grid(dv)
+            log_w = torch.log(rank_weights(torch.tensor([dv], dtype=torch.float64), K))[0]
+            f = _log_mixture_pdf(s, log_w, K)
+            out[i] = _simpson(torch.exp(torch.minimum(f, _log_normal_pdf(s - dv))), s)
+        return out.reshape(torch.as_tensor(delta).shape)
+
+
+class AntitheticCoupling(_SelectThenCouple):
+    """An antithetic pair of children (the second mirrors the first through the
+    proposal mean) with its best exact coupling.
+
+    Children: ``Y_1 = mu_p + s Z`` and ``Y_2 = mu_p - s Z``; each is marginally
+    ``N(mu_p, s^2 I)``, so everything drafted below either child keeps its law.
+    Projections ``S`` and ``-S``: with ``r = |S|`` the pair offers mass ``2 phi(r)``
+    at ``+r`` and ``-r``. The rule picks ``+r`` with probability
+    ``pi(r) = min(1, q(r) / (2 phi(r)))`` (then the selected projection has
+    density ``f(r) = min(q(r), 2 phi(r))`` and ``f(-r) = 2 phi(r) - f(r)``), and
+    the selection is maximally coupled with ``q``. Acceptance
+    ``int_0^inf min(2 phi(r), q(r) + q(-r)) dr``. Requires exactly two children
+    per node.
+    """
+
+    name = "antithetic"
+    max_children = 2
+
+    def structure_noise(self, z: torch.Tensor) -> torch.Tensor:
+        if z.shape[1] != 2:
+            raise ValueError(f"antithetic siblings need exactly 2 children per node, got {z.shape[1]}")
+        return torch.stack([z[:, 0], -z[:, 0]], 1)
+
+    @staticmethod
+    def _log_f(s: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        r = s.abs()
+        log_two_phi = math.log(2.0) + _log_normal_pdf(r)
+        log_qr = _log_normal_pdf(r - delta)
+        log_pos = torch.minimum(log_qr, log_two_phi)
+        # 2 phi(r) - min(q(r), 2 phi(r)) = 2 phi(r) (1 - min(1, q(r) / 2 phi(r)))
+        log_neg = log_two_phi + torch.log(-torch.expm1((log_qr - log_two_phi).clamp(max=0.0)))
+        return torch.where(s >= 0, log_pos, log_neg)
+
+    def select(self, s_hat, delta, valid, generator):
+        if not bool(valid[:, :2].all()) or s_hat.shape[1] != 2:
+            raise ValueError("antithetic coupling needs exactly 2 children per node")
+        r = s_hat[:, 0].abs()
+        pi = torch.exp((_log_normal_pdf(r - delta) - math.log(2.0) - _log_normal_pdf(r)).clamp(max=0.0))
+        take_pos = _uniform(r.shape, generator, s_hat.device) < pi
+        # the child whose projection is +r is child 0 iff S_0 >= 0
+        pos_child = torch.where(s_hat[:, 0] >= 0, 0, 1)
+        index = torch.where(take_pos, pos_child, 1 - pos_child)
+
+        def log_f(s, rows):
+            return self._log_f(s, delta[rows][:, None])
+
+        return index, log_f
+
+    def acceptance(self, delta, K=2):
+        d = torch.as_tensor(delta, dtype=torch.float64).reshape(-1)
+        out = torch.empty_like(d)
+        for i, dv in enumerate(d.tolist()):
+            r = torch.linspace(0.0, max(12.0, dv + 12.0), 20001, dtype=torch.float64)
+            two_phi = 2.0 * torch.exp(_log_normal_pdf(r))
+            qq = torch.exp(_log_normal_pdf(r - dv)) + torch.exp(_log_normal_pdf(r + dv))
+            out[i] = _simpson(torch.minimum(two_phi, qq), r)
+        return out.reshape(torch.as_tensor(delta).shape)
+
+
+_COUPLINGS = {"rmc": RMC, "grs": GRS, "dgrs": GRS, "rank": RankCoupling, "antithetic": AntitheticCoupling}
 
 
 def get_coupling(coupling: "str | Coupling") -> Coupling:
-    """Resolve a coupling name (``rmc``, ``grs``/``dgrs``) or pass an instance through."""
+    """Resolve a coupling name (``rmc``, ``grs``/``dgrs``, ``rank``, ``antithetic``) or pass an instance through."""
     if isinstance(coupling, Coupling):
         return coupling
     if isinstance(coupling, str) and coupling.lower() in _COUPLINGS:

@@ -301,6 +301,13 @@ def sample(
             f"coupling {cp.name!r} verifies one child per node but the tree has nodes with "
             f"{tree.max_children} children; use coupling='grs' or a chain"
         )
+    if tree is not None and type(cp).structure_noise is not Coupling.structure_noise:
+        k = tree.num_children[tree.internal]
+        if (k != k[0]).any():
+            raise ValueError(
+                f"coupling {cp.name!r} draws structured siblings: every internal node of the tree "
+                "needs the same number of children (e.g. trees.uniform(2, L) for antithetic)"
+            )
     proposal = get_proposal(draft)
     if generator is None:
         generator = torch.Generator(device="cpu")
@@ -339,6 +346,7 @@ class _Loop:
     def __init__(self, sde, tree, coupling, proposal, prefetch, verify, target, gen, shape, dev, work, lazy):
         self.sde, self.tree, self.coupling, self.proposal = sde, tree, coupling, proposal
         self.lazy = lazy
+        self.structured = type(coupling).structure_noise is not Coupling.structure_noise
         self.prefetch, self.verify, self.target, self.gen = prefetch, verify, target, gen
         self.shape, self.dev, self.work = shape, dev, work
         self.sig = sde.sigmas.to(dev)
@@ -467,6 +475,9 @@ class _Loop:
             m = self.proposal.mean(self.sde, Y[par_layer], ps, sub, self.shape, self.target.cond(ids))
             out = Y[lay]
             _normal_into(out, self.gen)
+            if self.structured:
+                k = self.tree.max_children
+                out.copy_(self.coupling.structure_noise(out.view(-1, k, *out.shape[1:])).reshape(out.shape))
             out.mul_(self.scale[ps].to(self.work)[:, None])
             out.add_(torch.repeat_interleave(m, self.nchild[par_layer], dim=0, output_size=lay.stop - lay.start))
         d = self.depth[:V][:, None]
@@ -584,7 +595,10 @@ class _Loop:
             ch = self.children[cur[a]]
             valid = ch >= 0
             sc = self.scale[sa].to(self.work)
-            kids = mu_p[:, None] + sc[:, None, None] * _randn(ch.shape + (D,), self.gen, self.work, dev)
+            z = _randn(ch.shape + (D,), self.gen, self.work, dev)
+            if self.structured:
+                z = self.coupling.structure_noise(z)
+            kids = mu_p[:, None] + sc[:, None, None] * z
             res = self.coupling(mu_p, mu_q, self.scale[sa], kids, valid, self.gen)
             g = ids[a]
             st.attempts[g, level - 1] += 1

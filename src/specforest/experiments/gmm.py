@@ -51,6 +51,7 @@ from ..trees import VERIFY_MODES, DraftTree
 from .io import atomic_write, atomic_write_text
 
 __all__ = [
+    "COUPLING_OF",
     "KEY_FIELDS",
     "METHODS",
     "GMMRun",
@@ -74,7 +75,10 @@ __all__ = [
     "write_results",
 ]
 
-METHODS = ("standard", "rmc", "dgrs")
+METHODS = ("standard", "rmc", "dgrs", "rank", "antithetic")
+
+COUPLING_OF = {"rmc": "rmc", "dgrs": "grs", "rank": "rank", "antithetic": "antithetic"}
+"""The coupling each tree method verifies with (rank and antithetic: issue #6)."""
 
 KEY_FIELDS = (
     "method",
@@ -324,7 +328,9 @@ def simulate(
     lazy = bool(lazy) and tree is not None
     if lazy and "lazy" not in inspect.signature(sample).parameters:
         raise NotImplementedError("this version of specforest.sample has no lazy mode; run without lazy")
-    coupling = "rmc" if method == "rmc" else "grs"
+    if method == "antithetic" and K != 2:
+        raise ValueError(f"K must be 2 for the antithetic method (a mirrored pair per node), got {K}")
+    coupling = COUPLING_OF.get(method, "grs")
 
     n, T = setting.trajectories, setting.steps
     per_traj = bytes_per_trajectory(tree, setting.dim, lazy)
@@ -426,9 +432,9 @@ def run_config(setting: GMMSetting, **options) -> dict:
 
     Args:
         setting: the experiment's :class:`GMMSetting`.
-        method: ``standard``, ``rmc`` or ``dgrs`` (default ``dgrs``).
-        K: tree width for ``dgrs`` (ignored otherwise), ``>= 1``.
-        L: tree depth for ``dgrs``; chain length ``B`` for ``rmc``; ``>= 1``.
+        method: ``standard``, ``rmc``, ``dgrs``, ``rank`` or ``antithetic`` (default ``dgrs``).
+        K: tree width for the tree methods (must be 2 for ``antithetic``), ``>= 1``.
+        L: tree depth for the tree methods; chain length ``B`` for ``rmc``; ``>= 1``.
         prefetch: ``nearest`` or ``parent`` (ERRATA 9).
         verify: ``internal`` or ``drafted``.
         seed: seed of ``x_T`` and the sampling noise, ``>= 0``.
@@ -696,7 +702,7 @@ def write_figures(
     fig, axes = plt.subplots(
         1, 2, figsize=(2.0 + 1.1 * len(Ks) * 2, 1.6 + 0.8 * len(Ls)), sharey=True, constrained_layout=True
     )
-    for ax, m, name in zip(axes, ("rmc", "dgrs"), ("RMC (chain of matched B)", "D-GRS")):
+    for ax, m, name in zip(axes, ("rmc", "dgrs"), ("RMC (chain of matched B)", "D-GRS"), strict=True):
         z = g[m][0]
         im = ax.imshow(np.ma.masked_invalid(z), origin="lower", cmap="viridis", norm=norm, aspect="auto")
         for i in range(len(Ls)):

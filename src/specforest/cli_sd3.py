@@ -1,0 +1,240 @@
+"""Command line: ``specforest sd3 --model PATH --prompts FILE`` (paper Sec. 5.3, Figure 5).
+
+A thin shell over :mod:`specforest.experiments.sd3`: options are parsed and
+range-checked here, everything else happens in the library. ``sd3`` is a
+:class:`click.Command`, registered in the main group by :mod:`specforest.cli`.
+"""
+
+from __future__ import annotations
+
+import click
+import torch
+
+from .experiments import sd3 as sd3_exp
+from .sampler import PREFETCH_POLICIES
+from .trees import VERIFY_MODES
+
+__all__ = ["sd3"]
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        vals = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"must be a comma-separated list of integers, got {value!r}") from None
+    if not vals or min(vals) < 1:
+        raise click.BadParameter(f"must list integers >= 1, got {value!r}")
+    return tuple(sorted(set(vals)))
+
+
+def _library_errors(fn):
+    """Turn the library's input, memory and import errors into clean CLI errors."""
+    try:
+        return fn()
+    except (ValueError, TypeError, ImportError, OSError, MemoryError) as e:
+        raise click.ClickException(str(e)) from e
+
+
+@click.command("sd3", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option(
+    "--model",
+    type=click.Path(exists=True, file_okay=False),
+    required=True,
+    help="Local StableDiffusion3Pipeline directory (e.g. a download of "
+    "stabilityai/stable-diffusion-3.5-medium); loaded with local_files_only=True.",
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False),
+    required=True,
+    help="Text file of captions, one per line (empty lines skipped).",
+)
+@click.option(
+    "--num-prompts",
+    type=click.IntRange(1),
+    default=None,
+    show_default="all",
+    help="Use the first N captions (>= 1).",
+)
+@click.option(
+    "--K-values",
+    "K_values",
+    default="2,3,4,5,6,7",
+    show_default=True,
+    callback=_int_list,
+    help="Comma-separated D-GRS widths K (each >= 1); RMC runs a chain of B = K + ... + K^L for each.",
+)
+@click.option("--L", "L", type=click.IntRange(1), default=2, show_default=True, help="D-GRS depth L (>= 1).")
+@click.option(
+    "--steps",
+    type=click.IntRange(3),
+    default=50,
+    show_default=True,
+    help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
+)
+@click.option(
+    "--guidance",
+    type=click.FloatRange(0.0),
+    default=7.0,
+    show_default=True,
+    help="Classifier-free guidance scale (>= 0; <= 1 disables guidance).",
+)
+@click.option(
+    "--churn",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=0.8,
+    show_default=True,
+    help="Churn eps in (0, 1] (0 would make speculation accept nothing).",
+)
+@click.option(
+    "--shift",
+    type=click.FloatRange(0.0, min_open=True),
+    default=3.0,
+    show_default=True,
+    help="Timestep shift kappa (> 0, eq. 38); overrides the scheduler's.",
+)
+@click.option(
+    "--height",
+    type=click.IntRange(1),
+    default=512,
+    show_default=True,
+    help="Image height in pixels (>= 1, divisible by vae_scale_factor x patch_size, 16 for SD3).",
+)
+@click.option(
+    "--width",
+    type=click.IntRange(1),
+    default=512,
+    show_default=True,
+    help="Image width in pixels (>= 1, divisible by vae_scale_factor x patch_size, 16 for SD3).",
+)
+@click.option(
+    "--max-sequence-length",
+    type=click.IntRange(1, 512),
+    default=256,
+    show_default=True,
+    help="T5 prompt tokens (1..512), as in the SD3 pipeline.",
+)
+@click.option(
+    "--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed (>= 0) of latents and noise."
+)
+@click.option(
+    "--verify",
+    type=click.Choice(VERIFY_MODES),
+    default="drafted",
+    show_default=True,
+    help="Evaluate every drafted state (drafted: the paper's protocol, B = |V| per round) or only "
+    "the root and internal nodes (internal: fewer states per call, same NFE or more).",
+)
+@click.option(
+    "--prefetch",
+    type=click.Choice(PREFETCH_POLICIES),
+    default="nearest",
+    show_default=True,
+    help="Which evaluated node the next round drafts from after a rejection (ERRATA 9).",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1),
+    default=None,
+    show_default="all prompts at once",
+    help="Images per sampler call (>= 1).",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="results/sd3",
+    show_default=True,
+    help="Directory of results.json/.csv and speedup_vs_K.png (resumed if present).",
+)
+@click.option(
+    "--clip",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Local CLIP model directory (e.g. openai/clip-vit-large-patch14) for CLIP scores "
+    "(100 x cosine, clipped at 0); none: no CLIP score, images are not decoded.",
+)
+@click.option(
+    "--device",
+    default=None,
+    show_default="cuda if available, else cpu",
+    help="Torch device of the pipeline (cuda, cuda:1, cpu, ...).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(tuple(sd3_exp.DTYPES)),
+    default=None,
+    show_default="float16 on CUDA, float32 otherwise",
+    help="Dtype of the pipeline's models (the sampler itself runs in float32).",
+)
+@click.option(
+    "--max-memory-gb",
+    type=click.FloatRange(0.0, min_open=True),
+    default=None,
+    show_default="free CUDA memory, or 50% of RAM",
+    help="Memory limit in GB (> 0); transformer calls are split to fit it, runs that cannot fit are refused.",
+)
+@click.option(
+    "--lazy",
+    is_flag=True,
+    help="Draft only the visited nodes: same law of images and NFE, far less memory and compute.",
+)
+@click.option("--save-images", is_flag=True, help="Save every image under OUT/images/<configuration>/.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on stderr.")
+def sd3(**o) -> None:
+    """Stable Diffusion 3 experiment of the paper (Section 5.3, Figure 5, Table 1).
+
+    Runs the standard sampler, then for every K: D-GRS on the (K, L) tree and RMC on a
+    chain of the matched budget B = K + ... + K^L, on the same captions and initial
+    latents. Reports NFE speedup T/NFE per image (mean ± SEM) and, with --clip, the CLIP
+    score. Defaults are the paper's: 512x512, T=50, guidance 7, churn 0.8, shift 3, L=2,
+    K=2..7. Writes OUT/results.json, OUT/results.csv and OUT/speedup_vs_K.png.
+    """
+    device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = o["dtype"] or ("float16" if device.startswith("cuda") else "float32")
+
+    def log(line: str) -> None:
+        click.echo(line, err=True)
+
+    setting = _library_errors(
+        lambda: sd3_exp.SD3Setting(
+            height=o["height"],
+            width=o["width"],
+            steps=o["steps"],
+            guidance_scale=o["guidance"],
+            churn=o["churn"],
+            shift=o["shift"],
+            L=o["L"],
+            K_values=o["K_values"],
+            verify=o["verify"],
+            prefetch=o["prefetch"],
+            lazy=o["lazy"],
+            seed=o["seed"],
+            batch_size=o["batch_size"],
+            max_sequence_length=o["max_sequence_length"],
+        )
+    )
+    prompts = _library_errors(lambda: sd3_exp.load_prompts(o["prompts_file"], o["num_prompts"]))
+    log(f"loading {o['model']} ({dtype} on {device})")
+    pipe = _library_errors(lambda: sd3_exp.load_pipeline(o["model"], device=device, dtype=dtype))
+    res = _library_errors(
+        lambda: sd3_exp.run_experiment(
+            pipe,
+            prompts,
+            setting,
+            o["out_dir"],
+            model=str(o["model"]),
+            dtype=dtype,
+            max_memory_gb=o["max_memory_gb"],
+            clip=o["clip"],
+            clip_device=device,
+            save_images=o["save_images"],
+            progress=o["progress"],
+            log=log,
+        )
+    )
+    click.echo(sd3_exp.format_summary(res.records))
+    click.echo(f"ran {res.ran} configuration(s), skipped {res.skipped} already done")
+    for p in res.files:
+        click.echo(f"wrote {p}")
