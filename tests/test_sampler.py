@@ -82,6 +82,11 @@ CONFIGS = {
     "lazy_tree": dict(tree=trees.uniform(3, 3), lazy=True),
     "lazy_drafted_parent": dict(tree=trees.uniform(2, 3), lazy=True, verify="drafted", prefetch="parent"),
     "lazy_chain_rmc": dict(tree=trees.chain(5), coupling="rmc", lazy=True),
+    "rank_tree": dict(tree=trees.uniform(3, 3), coupling="rank"),
+    "rank_irregular_drafted": dict(tree=trees.from_parents([-1, 0, 0, 0, 1, 1, 4, 2]), coupling="rank", verify="drafted"),
+    "rank_lazy_parent": dict(tree=trees.uniform(4, 2), coupling="rank", lazy=True, prefetch="parent"),
+    "antithetic_tree": dict(tree=trees.uniform(2, 3), coupling="antithetic"),
+    "antithetic_lazy_drafted": dict(tree=trees.uniform(2, 4), coupling="antithetic", lazy=True, verify="drafted"),
 }
 
 
@@ -113,6 +118,35 @@ def test_whole_chain_rejects_broken_coupling():
         coupling=Unfixed(), generator=torch.Generator().manual_seed(2),
     )
     assert check_law(out.samples, uniform_grid(steps), CHURN)
+
+
+def test_structured_siblings_need_uniform_widths():
+    with pytest.raises(ValueError, match="same number of children"):
+        specforest.sample(GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="antithetic",
+                          tree=trees.from_parents([-1, 0, 0, 1]))
+    with pytest.raises(ValueError, match="at most 2 children"):
+        specforest.sample(GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="antithetic",
+                          tree=trees.uniform(3, 2))
+
+
+def test_antithetic_siblings_are_mirrored_in_the_draft():
+    seen = []
+
+    def model(x, sigma):
+        seen.append(x.clone())
+        return GAUSS(x, sigma)
+
+    x = torch.randn(1, 3, dtype=torch.float64)
+    specforest.sample(model, x, steps=30, churn=0.5, tree=trees.uniform(2, 1), coupling="antithetic",
+                      verify="drafted", generator=torch.Generator().manual_seed(0))
+    rows = seen[2]  # Euler step, root fetch, then root + 2 children
+    mid = 0.5 * (rows[1] + rows[2])
+    # both children sit symmetrically about the draft mean: their midpoint is the same for any noise
+    assert rows.shape[0] == 3 and torch.isfinite(mid).all()
+    seen.clear()
+    specforest.sample(model, x, steps=30, churn=0.5, tree=trees.uniform(2, 1), coupling="antithetic",
+                      verify="drafted", generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(0.5 * (seen[2][1] + seen[2][2]), mid)
 
 
 def test_speculative_and_standard_agree_in_law():
@@ -253,7 +287,7 @@ def test_budget_drafted_states_per_round():
         (dict(steps=2.5), TypeError, "steps must be an int"),
         (dict(prefetch="first"), ValueError, "prefetch must be one of"),
         (dict(verify="all"), ValueError, "verify must be one of"),
-        (dict(coupling="rmc"), ValueError, "verifies one child per node"),
+        (dict(coupling="rmc"), ValueError, "at most 1 children per node"),
         (dict(coupling="xyz"), ValueError, "coupling must be one of"),
         (dict(draft="mu"), ValueError, "draft must be one of"),
         (dict(grid="cosine"), ValueError, "grid must be one of"),

@@ -298,8 +298,8 @@ def sample(
     cp = get_coupling(coupling)
     if tree is not None and cp.max_children is not None and tree.max_children > cp.max_children:
         raise ValueError(
-            f"coupling {cp.name!r} verifies one child per node but the tree has nodes with "
-            f"{tree.max_children} children; use coupling='grs' or a chain"
+            f"coupling {cp.name!r} takes at most {cp.max_children} children per node but the tree has "
+            f"nodes with {tree.max_children}; use coupling='grs' or a narrower tree"
         )
     if tree is not None and type(cp).structure_noise is not Coupling.structure_noise:
         k = tree.num_children[tree.internal]
