@@ -14,6 +14,7 @@ import numpy as np
 
 from .experiments import gmm as gmm_exp
 from .experiments.io import atomic_write
+from .proposals import DRAFT_KINDS
 from .sampler import GRIDS, PREFETCH_POLICIES
 from .trees import VERIFY_MODES
 
@@ -105,6 +106,15 @@ def _setting_options(f):
             show_default=True,
             help="Evaluate every drafted node (drafted: the paper's protocol, B = |V|) or only "
             "the root and internal nodes (internal: fewer states per call, same NFE or more).",
+        ),
+        click.option(
+            "--draft",
+            type=click.Choice(DRAFT_KINDS),
+            default="velocity",
+            show_default=True,
+            help="What the draft freezes from the prefetched evaluation: the velocity (the paper's "
+            "protocol), the whole drift (App. C.1), the clean-data prediction x0 or the noise "
+            "prediction eps; the exactly known rest is recomputed at each drafted state.",
         ),
         click.option(
             "--memory-gb",
@@ -213,6 +223,7 @@ def gmm(ctx: click.Context, **o) -> None:
             L=o["L"],
             prefetch=o["prefetch"],
             verify=o["verify"],
+            draft=o["draft"],
             seed=o["seed"],
             lazy=o["lazy"],
             memory_gb=o["memory_gb"],
@@ -290,6 +301,7 @@ def sweep(out_dir: str, K_values: list[int], L_values: list[int], **o) -> None:
             L_values=L_values,
             prefetch=o["prefetch"],
             verify=o["verify"],
+            draft=o["draft"],
             seed=o["seed"],
             lazy=o["lazy"],
             memory_gb=o["memory_gb"],

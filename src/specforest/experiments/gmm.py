@@ -45,6 +45,7 @@ import torch
 
 from .. import __version__, sample, trees
 from ..models import GaussianMixture
+from ..proposals import DRAFT_KINDS
 from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..sde import ReverseSDE, flow_match_grid, uniform_grid
 from ..trees import VERIFY_MODES, DraftTree
@@ -86,6 +87,7 @@ KEY_FIELDS = (
     "L",
     "prefetch",
     "verify",
+    "draft",
     "mode",
     "grid",
     "churn",
@@ -308,6 +310,7 @@ def simulate(
     lazy: bool = False,
     memory_gb: float | None = None,
     progress: bool = False,
+    draft: str = "velocity",
 ) -> GMMRun:
     """Run one configuration and keep its samples; see :func:`run_config`."""
     if not isinstance(setting, GMMSetting):
@@ -317,6 +320,7 @@ def simulate(
     L = _check_int("L", L, 1)
     _check_choice("prefetch", prefetch, PREFETCH_POLICIES)
     _check_choice("verify", verify, VERIFY_MODES)
+    _check_choice("draft", draft, DRAFT_KINDS)
     seed = _check_int("seed", seed, 0)
     if memory_gb is None:
         memory_gb = default_memory_gb()
@@ -355,7 +359,7 @@ def simulate(
             grid=setting.grid,
             tree=tree,
             coupling=coupling,
-            draft="velocity",
+            draft=draft,
             prefetch=prefetch,
             verify=verify,
             generator=g,
@@ -410,6 +414,7 @@ def simulate(
         "components": setting.components,
         "prefetch": prefetch,
         "verify": verify,
+        "draft": draft,
         "seed": seed,
         "mixture_seed": setting.mixture_seed,
         "mixture_fingerprint": mixture_fingerprint(gmm),
@@ -437,6 +442,8 @@ def run_config(setting: GMMSetting, **options) -> dict:
         L: tree depth for the tree methods; chain length ``B`` for ``rmc``; ``>= 1``.
         prefetch: ``nearest`` or ``parent`` (ERRATA 9).
         verify: ``internal`` or ``drafted``.
+        draft: frozen prediction of the draft: ``velocity`` (default, the
+            paper's protocol), ``drift``, ``x0`` or ``eps``.
         seed: seed of ``x_T`` and the sampling noise, ``>= 0``.
         lazy: realize only visited nodes (same law of samples and NFE, far less
             memory and time for big trees).
@@ -558,6 +565,7 @@ def run_sweep(
     memory_gb: float | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    draft: str = "velocity",
 ) -> SweepResult:
     """The ``(K, L)`` sweep: D-GRS at each cell, RMC at each matched budget.
 
@@ -580,7 +588,7 @@ def run_sweep(
     out_dir = Path(out_dir)
     Ks, Ls = sorted(set(K_values)), sorted(set(L_values))
     configs = sweep_configs(Ks, Ls, setting.steps)
-    common = {"prefetch": prefetch, "verify": verify, "seed": seed}
+    common = {"prefetch": prefetch, "verify": verify, "seed": seed, "draft": draft}
     json_path = out_dir / "results.json"
     records = load_results(json_path)
     done = {result_key(r): r for r in records if all(k in r for k in KEY_FIELDS)}
