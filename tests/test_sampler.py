@@ -86,6 +86,8 @@ CONFIGS = {
     "rank_irregular_drafted": dict(tree=trees.from_parents([-1, 0, 0, 0, 1, 1, 4, 2]), coupling="rank", verify="drafted"),
     "rank_lazy_parent": dict(tree=trees.uniform(4, 2), coupling="rank", lazy=True, prefetch="parent"),
     "antithetic_tree": dict(tree=trees.uniform(2, 3), coupling="antithetic"),
+    "auto_draft_rank": dict(tree=trees.uniform(2, 4), coupling="rank", draft="auto"),
+    "auto_draft_lazy_chain": dict(tree=trees.chain(6), coupling="rmc", draft="auto", lazy=True),
     "antithetic_lazy_drafted": dict(tree=trees.uniform(2, 4), coupling="antithetic", lazy=True, verify="drafted"),
 }
 

@@ -23,10 +23,13 @@ import torch
 
 from .sde import ReverseSDE
 
-__all__ = ["DRAFT_KINDS", "DraftModel", "FrozenPrediction", "Prefetch", "Proposal", "get_proposal"]
+__all__ = ["DRAFT_KINDS", "FROZEN_KINDS", "AutoDraft", "DraftModel", "FrozenPrediction", "Prefetch", "Proposal", "get_proposal"]
 
-DRAFT_KINDS = ("velocity", "drift", "x0", "eps")
-"""Parameterizations a frozen prediction can be held fixed in."""
+DRAFT_KINDS = ("velocity", "drift", "x0", "eps", "auto")
+"""Parameterizations a frozen prediction can be held fixed in; ``auto`` picks one
+per draft offset from the mismatch observed in earlier rounds (:class:`AutoDraft`)."""
+
+FROZEN_KINDS = DRAFT_KINDS[:4]
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -85,6 +88,24 @@ class Proposal:
         """
         raise NotImplementedError
 
+    def observe(
+        self,
+        sde: ReverseSDE,
+        y: torch.Tensor,
+        mu_q: torch.Tensor,
+        step: torch.Tensor,
+        pre: Optional[Prefetch],
+        scale: torch.Tensor,
+    ) -> None:
+        """Called after each verification with the exact target means it used.
+
+        Args:
+            y: ``(P, D)`` verified parents; mu_q: ``(P, D)`` their target means;
+            step: ``(P,)`` their steps; pre: their trajectories' prefetch;
+            scale: ``(P,)`` transition std. A proposal may learn from these for
+            *later* rounds (never the current one, which keeps it exact).
+        """
+
 
 class FrozenPrediction(Proposal):
     """Delayed drift: freeze one target prediction and recompute the rest.
@@ -105,7 +126,7 @@ class FrozenPrediction(Proposal):
     """
 
     def __init__(self, kind: str = "velocity") -> None:
-        if kind not in DRAFT_KINDS:
+        if kind not in FROZEN_KINDS:
             raise ValueError(f"draft must be one of {DRAFT_KINDS} or a callable, got {kind!r}")
         self.kind = kind
         self.name = kind
@@ -172,10 +193,61 @@ class DraftModel(Proposal):
         return f"DraftModel({self.fn!r})"
 
 
+class AutoDraft(Proposal):
+    """Frozen prediction whose parameterization is chosen online (``draft="auto"``).
+
+    After every verification the sampler reports the exact target mean; for each
+    kind in :data:`FROZEN_KINDS` the draft mean that kind *would* have used is a
+    deterministic function of the same parent and prefetch, so the mismatch
+    ``delta_kind = |m_q - m_p^kind| / sigma`` of every kind is observed at once.
+    Rule: for a parent ``k`` steps after its prefetched evaluation (the draft
+    offset), use the kind with the smallest running mean of ``delta`` at that
+    offset over the rounds so far (``velocity`` until an offset has been seen).
+    The choice only uses earlier rounds, so the draft of a round is fixed given
+    the past and the sampler stays exact. State is per :func:`specforest.sample`
+    call: a fresh instance is made for each run.
+    """
+
+    name = "auto"
+
+    def __init__(self, max_offset: int = 64) -> None:
+        self.kinds = [FrozenPrediction(k) for k in FROZEN_KINDS]
+        self.sum = torch.zeros(max_offset + 1, len(self.kinds), dtype=torch.float64)
+        self.count = torch.zeros(max_offset + 1, dtype=torch.float64)
+
+    def choice(self) -> torch.Tensor:
+        """``(max_offset + 1,)`` index into :data:`FROZEN_KINDS` used at each offset."""
+        mean = self.sum / self.count.clamp_min(1.0)[:, None]
+        return torch.where(self.count > 0, mean.argmin(1), torch.zeros_like(self.count, dtype=torch.long))
+
+    def mean(self, sde, y, step, pre, shape, cond=None):
+        offset = (step - pre.step).clamp(0, self.sum.shape[0] - 1).cpu()
+        pick = self.choice()[offset]  # (Bs,)
+        out = torch.empty_like(y)
+        for k in pick.unique().tolist():
+            cols = (pick == k).nonzero()[:, 0].to(y.device)
+            sub = Prefetch(pre.y[cols], pre.v[cols], pre.step[cols])
+            out[:, cols] = self.kinds[k].mean(sde, y[:, cols], step[cols], sub, shape)
+        return out
+
+    def observe(self, sde, y, mu_q, step, pre, scale):
+        offset = (step - pre.step).clamp(0, self.sum.shape[0] - 1).cpu()
+        for i, kind in enumerate(self.kinds):
+            m = kind.mean(sde, y[None], step, pre, ())[0]
+            d = (torch.linalg.vector_norm((mu_q - m).double(), dim=-1) / scale.double()).cpu()
+            self.sum[:, i].index_add_(0, offset, d)
+        self.count.index_add_(0, offset, torch.ones_like(offset, dtype=torch.float64))
+
+    def __repr__(self) -> str:
+        return "AutoDraft()"
+
+
 def get_proposal(draft: "str | Proposal | VelocityFn") -> Proposal:
     """Resolve ``draft``: a kind name, a :class:`Proposal`, or a draft-model callable."""
     if isinstance(draft, Proposal):
         return draft
+    if draft == "auto":
+        return AutoDraft()
     if isinstance(draft, str):
         return FrozenPrediction(draft)
     if callable(draft):

@@ -519,6 +519,7 @@ class _Loop:
             pa = None if sub is None else Prefetch(sub.y[a], sub.v[a], sub.step[a])
             mu_p = self.proposal.mean(self.sde, yu[None], sa, pa, self.shape, self.target.cond(ids[a]))[0]
             res = self.coupling(mu_p, mu_q, self.scale[sa], kids, valid, self.gen)
+            self.proposal.observe(self.sde, yu, mu_q, sa, pa, self.scale[sa])
             g = ids[a]
             st.attempts[g, level - 1] += 1
             st.accepts[g, level - 1] += res.accepted.long()
@@ -600,6 +601,7 @@ class _Loop:
                 z = self.coupling.structure_noise(z)
             kids = mu_p[:, None] + sc[:, None, None] * z
             res = self.coupling(mu_p, mu_q, self.scale[sa], kids, valid, self.gen)
+            self.proposal.observe(self.sde, yu, mu_q, sa, pa, self.scale[sa])
             g = ids[a]
             st.attempts[g, level - 1] += 1
             st.accepts[g, level - 1] += res.accepted.long()
