@@ -8,8 +8,9 @@ visited nodes are realized: the law of samples and NFE is that of the full tree)
 
 * couplings: RMC chains, D-GRS, rank and antithetic trees at equal budgets B
   (issue #6), velocity draft;
-* drafts: every frozen-prediction kind (velocity, drift, x0, eps) for RMC
-  chains and D-GRS/rank trees at B in {14, 62, 155} (issue #7);
+* drafts: every frozen-prediction kind (velocity, drift, x0, eps, and the
+  online choice ``auto``) for RMC chains and D-GRS/rank trees at B in
+  {14, 62, 155}, and ``auto`` on deeper trees with B <= 155 (issue #7);
 
 plus a dimension check at d = 65,536. Regenerates the ``beyond`` section of
 ``benchmarks/RESULTS.md``.
@@ -18,11 +19,15 @@ plus a dimension check at d = 65,536. Regenerates the ``beyond`` section of
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
+
+import specforest
 
 from specforest.experiments import gmm as gmm_exp
 from specforest.experiments.results import machine_line, replace_section
@@ -39,7 +44,15 @@ DRAFT_ROWS = [
     (62, [("rmc", 1, 62), ("dgrs", 2, 5), ("rank", 2, 5)]),
     (155, [("rmc", 1, 155), ("dgrs", 5, 3), ("rank", 5, 3)]),
 ]
-DRAFTS = ("velocity", "drift", "x0", "eps")
+DRAFTS = ("velocity", "drift", "x0", "eps", "auto")
+# deeper, narrower trees suit drafts that stay accurate far from the prefetched evaluation
+AUTO_TREES = [
+    ("chain B=28", "rmc", 1, 28, None),
+    ("(2, 6)", "rank", 2, 6, None),
+    ("(2, 6)", "antithetic", 2, 6, None),
+    ("widths [2, 2, 2, 1 x 12]", "rank", None, None, [2, 2, 2] + [1] * 12),
+    ("widths [4, 1 x 20]", "rank", None, None, [4] + [1] * 20),
+]
 LABEL = {"rmc": "RMC chain", "dgrs": "D-GRS", "rank": "rank", "antithetic": "antithetic"}
 
 
@@ -66,6 +79,24 @@ def main() -> None:
     def run(method, K, L, draft="velocity", s=setting):
         r = gmm_exp.run_config(s, method=method, K=K, L=L, draft=draft, **common)
         tqdm.write(f"{method} ({K},{L}) {draft} d={s.dim}: {fmt(r)}", file=sys.stderr)
+        return r
+
+    def run_tree(tree, coupling, label):
+        """A tree outside the uniform family, through the engine directly (same setting and x_T)."""
+        gmm = setting.mixture()
+        x = gmm_exp.initial_states(setting.trajectories, setting.dim, args.seed)
+        t = time.perf_counter()
+        out = specforest.sample(gmm, x, steps=setting.steps, churn=setting.churn, grid=setting.grid,
+                                tree=tree, coupling=coupling, draft="auto", prefetch="nearest",
+                                verify="drafted", lazy=True, generator=torch.Generator().manual_seed(args.seed + 1))
+        n = out.stats.nfe.double()
+        sp, spp = setting.steps / n, (setting.steps - 2) / (n - 2)
+        sq = math.sqrt(n.numel())
+        r = dict(nfe_mean=float(n.mean()), nfe_sem=float(n.std() / sq), speedup_mean=float(sp.mean()),
+                 speedup_sem=float(sp.std() / sq), speedup_paper_mean=float(spp.mean()),
+                 speedup_paper_sem=float(spp.std() / sq),
+                 accept_rate=float(out.stats.accepts.sum() / out.stats.attempts.sum()))
+        tqdm.write(f"{label} {coupling} auto: {fmt(r)} ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
         return r
 
     head = "| B | method | (K, L) | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |"
@@ -102,6 +133,14 @@ def main() -> None:
             for dr in DRAFTS:
                 r = run(m, K, L, dr)
                 lines.append(f"| {B} | {LABEL[m]} | ({K}, {L}) | {dr} | {fmt(r)} |")
+    lines += ["", "### The auto draft on deep trees with B <= 155", "",
+              "| B | tree | coupling | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, cp, K, L, ks in AUTO_TREES:
+        tree = specforest.trees.widths(ks) if ks is not None else None
+        r = run_tree(tree, cp, label) if tree is not None else run(cp, K, L, "auto")
+        B = tree.budget if tree is not None else r["budget"]
+        lines.append(f"| {B} | {label} | {cp} | {fmt(r)} |")
     big = gmm_exp.GMMSetting(dim=65536, trajectories=args.big_trajectories)
     lines += ["", f"### Dimension d = 65,536 ({args.big_trajectories} trajectories)", "",
               "| B | method | (K, L) | draft | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |",
