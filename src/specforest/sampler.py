@@ -492,7 +492,7 @@ class _Loop:
 
     # -- phase 3: acceptance, commit, prefetch --------------------------------------------
     def _accept(self, x, step, committed, pre, dr, v):
-        st, dev = self.st, self.dev
+        dev = self.dev
         ids, s0, Ls, Y, row, sub = dr["ids"], dr["s0"], dr["Ls"], dr["Y"], dr["row"], dr["sub"]
         Bs = ids.numel()
         cur = torch.zeros(Bs, dtype=torch.long, device=dev)
@@ -518,12 +518,7 @@ class _Loop:
             # here for the visited nodes rather than store it for every node
             pa = None if sub is None else Prefetch(sub.y[a], sub.v[a], sub.step[a])
             mu_p = self.proposal.mean(self.sde, yu[None], sa, pa, self.shape, self.target.cond(ids[a]))[0]
-            res = self.coupling(mu_p, mu_q, self.scale[sa], kids, valid, self.gen)
-            self.proposal.observe(self.sde, yu, mu_q, sa, pa, self.scale[sa])
-            g = ids[a]
-            st.attempts[g, level - 1] += 1
-            st.accepts[g, level - 1] += res.accepted.long()
-            st.delta_sum[g, level - 1] += res.delta.to(st.delta_sum.dtype)
+            res = self._verify(ids[a], level, yu, mu_p, mu_q, sa, pa, kids, valid)
             ncom[a] += 1
             acc = res.accepted
             cur[a[acc]] = ch[acc, res.index[acc]]
@@ -558,6 +553,16 @@ class _Loop:
         pre.y[ids] = Y[src, ar]
         pre.v[ids] = v[row[src, ar]]
         pre.step[ids] = src_step
+
+    def _verify(self, traj, level, y, mu_p, mu_q, step, pre, kids, valid):
+        """Couple one depth's children with their targets and record the statistics."""
+        st = self.st
+        res = self.coupling(mu_p, mu_q, self.scale[step], kids, valid, self.gen)
+        self.proposal.observe(self.sde, y, mu_q, step, pre, self.scale[step])
+        st.attempts[traj, level - 1] += 1
+        st.accepts[traj, level - 1] += res.accepted.long()
+        st.delta_sum[traj, level - 1] += res.delta.to(st.delta_sum.dtype)
+        return res
 
     # -- lazy cost simulation -----------------------------------------------------------
     def _speculate_lazy(self, x, step, spec, pre, committed):
@@ -600,12 +605,7 @@ class _Loop:
             if self.structured:
                 z = self.coupling.structure_noise(z)
             kids = mu_p[:, None] + sc[:, None, None] * z
-            res = self.coupling(mu_p, mu_q, self.scale[sa], kids, valid, self.gen)
-            self.proposal.observe(self.sde, yu, mu_q, sa, pa, self.scale[sa])
-            g = ids[a]
-            st.attempts[g, level - 1] += 1
-            st.accepts[g, level - 1] += res.accepted.long()
-            st.delta_sum[g, level - 1] += res.delta.to(st.delta_sum.dtype)
+            res = self._verify(ids[a], level, yu, mu_p, mu_q, sa, pa, kids, valid)
             ncom[a] += 1
             acc = res.accepted
             pick = torch.where(acc, res.index, torch.zeros_like(res.index))
