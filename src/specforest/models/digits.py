@@ -1,0 +1,244 @@
+"""The shipped pixel-space model: class-conditional handwritten digits.
+
+Data: scikit-learn's ``load_digits`` (1797 grey-scale ``8 x 8`` images with
+values ``0..16``, bundled with scikit-learn, no download), scaled to ``[-1, 1]``
+as ``x / 8 - 1``; the model works at the native ``1 x 8 x 8`` resolution.
+
+Weights ship with the package as safetensors files under ``models/weights/``
+(no pickle is ever loaded) and ``weights/manifest.json`` records their SHA-256;
+the loaders verify it before reading a byte of the tensors and raise
+:class:`ChecksumError` on a mismatch. They are produced by
+``specforest train digits`` (:mod:`specforest.experiments.train_digits`).
+
+* :func:`load_denoiser` -- the EDM-preconditioned U-Net ``D(x; s, class_labels)``;
+* :func:`load_velocity` -- the same as a linear-path velocity
+  ``v(x, sigma, class_labels=...)`` for :func:`specforest.sample`;
+* :func:`load_classifier` -- a small CNN used to evaluate samples (accuracy
+  against the conditioning label, and its penultimate features for a Frechet
+  distance).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .edm import EDMDenoiserVelocity
+from .unet import EDMPrecond, UNet, UNetConfig
+
+__all__ = [
+    "CLASSIFIER_FILE",
+    "IMAGE_SHAPE",
+    "MANIFEST",
+    "NUM_CLASSES",
+    "UNET_FILE",
+    "WEIGHTS_DIR",
+    "ChecksumError",
+    "DigitsClassifier",
+    "load_classifier",
+    "load_denoiser",
+    "load_digits_data",
+    "load_velocity",
+    "manifest",
+    "read_safetensors",
+    "sha256_file",
+]
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+UNET_FILE = "digits_unet.safetensors"
+CLASSIFIER_FILE = "digits_classifier.safetensors"
+MANIFEST = "manifest.json"
+IMAGE_SHAPE = (1, 8, 8)
+NUM_CLASSES = 10
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class ChecksumError(ValueError):
+    """A weights file does not have the SHA-256 recorded for it."""
+
+
+def load_digits_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """The digits data set, offline (bundled with scikit-learn).
+
+    Returns:
+        ``images (1797, 1, 8, 8)`` float32 in ``[-1, 1]`` and ``labels (1797,)`` long.
+
+    Raises:
+        ImportError: if scikit-learn is not installed.
+    """
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("the digits data need scikit-learn (pip install scikit-learn)") from e
+    d = load_digits()
+    x = torch.as_tensor(d.images, dtype=torch.float32)[:, None] / 8.0 - 1.0
+    return x, torch.as_tensor(d.target, dtype=torch.long)
+
+
+def sha256_file(path: PathLike) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def manifest(weights_dir: PathLike = WEIGHTS_DIR) -> dict:
+    """The weights manifest: ``{file: {"sha256": ..., ...}}``."""
+    p = Path(weights_dir) / MANIFEST
+    if not p.exists():
+        raise FileNotFoundError(f"no weights manifest at {p}; run `specforest train digits`")
+    return json.loads(p.read_text(encoding="utf-8"))
+
+
+def read_safetensors(path: PathLike, sha256: Optional[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a safetensors file after checking its SHA-256.
+
+    Args:
+        path: the file.
+        sha256: expected hex digest; ``None`` skips the check (not used by the loaders).
+
+    Returns:
+        ``(tensors, metadata)``.
+
+    Raises:
+        FileNotFoundError: if the file is missing.
+        ChecksumError: if the digest differs.
+    """
+    from safetensors.torch import load
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"weights file {path} is missing; run `specforest train digits`")
+    data = path.read_bytes()
+    got = hashlib.sha256(data).hexdigest()
+    if sha256 is not None and got != sha256.lower():
+        raise ChecksumError(f"{path.name}: SHA-256 {got} does not match the recorded {sha256}")
+    # the metadata live in the JSON header: 8-byte little-endian length, then the header
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8 : 8 + n].decode("utf-8")).get("__metadata__") or {}
+    return load(data), meta
+
+
+def _resolve(file: str, path: Optional[PathLike], sha256: Optional[str]) -> tuple[Path, str]:
+    if path is None:
+        path = WEIGHTS_DIR / file
+        if sha256 is None:
+            entry = manifest(WEIGHTS_DIR).get(file)
+            if entry is None:
+                raise FileNotFoundError(f"{file} is not listed in {WEIGHTS_DIR / MANIFEST}")
+            sha256 = entry["sha256"]
+    elif sha256 is None:
+        entry = manifest(Path(path).parent).get(Path(path).name)
+        if entry is None:
+            raise ChecksumError(f"no SHA-256 recorded for {path}; pass sha256=")
+        sha256 = entry["sha256"]
+    return Path(path), sha256
+
+
+def load_denoiser(
+    path: Optional[PathLike] = None, *, sha256: Optional[str] = None, device: "str | torch.device" = "cpu"
+) -> EDMPrecond:
+    """The trained EDM denoiser ``D(x: (M, 1, 8, 8), s: (M,), class_labels) -> (M, 1, 8, 8)``.
+
+    Args:
+        path: a safetensors file; the shipped weights by default.
+        sha256: expected digest; by default the one in the manifest next to ``path``.
+        device: where to put the network.
+
+    Returns:
+        An :class:`~specforest.models.unet.EDMPrecond` in eval mode, gradients off.
+
+    Raises:
+        ChecksumError: if the file's digest differs from the recorded one.
+    """
+    path, sha256 = _resolve(UNET_FILE, path, sha256)
+    tensors, meta = read_safetensors(path, sha256)
+    cfg = UNetConfig.from_dict(json.loads(meta["config"]))
+    net = UNet(cfg)
+    net.load_state_dict(tensors)
+    den = EDMPrecond(net, sigma_data=cfg.sigma_data).to(device).eval()
+    den.requires_grad_(False)
+    return den
+
+
+def load_velocity(
+    path: Optional[PathLike] = None,
+    *,
+    sha256: Optional[str] = None,
+    device: "str | torch.device" = "cpu",
+    sigma_min: float = 1e-3,
+    sigma_max: float = 80.0,
+) -> EDMDenoiserVelocity:
+    """The digits model as a linear-path velocity ``v(x, sigma, class_labels=...)``.
+
+    ``class_labels`` may be ``None`` (unconditional), one integer for every row,
+    or a ``(M,)`` tensor; through :func:`specforest.sample` pass a ``(B,)`` tensor
+    in ``model_kwargs`` and each call gets the labels of its rows' trajectories.
+    The EDM noise level is clipped to ``[sigma_min, sigma_max]`` (the paper's
+    ``[1e-3, 80]``). See :func:`load_denoiser` for the other arguments.
+    """
+    return EDMDenoiserVelocity(
+        load_denoiser(path, sha256=sha256, device=device), sigma_min=sigma_min, sigma_max=sigma_max
+    )
+
+
+class DigitsClassifier(nn.Module):
+    """A small CNN classifier of ``1 x 8 x 8`` digits in ``[-1, 1]``.
+
+    Forward: ``x: (M, 1, 8, 8)`` -> logits ``(M, 10)``; :meth:`features` gives
+    the ``(M, feature_dim)`` penultimate activations used for Frechet distances.
+    """
+
+    def __init__(self, width: int = 32, feature_dim: int = 64) -> None:
+        super().__init__()
+        self.width, self.feature_dim = width, feature_dim
+        self.conv0 = nn.Conv2d(1, width, 3, padding=1)
+        self.conv1 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.fc = nn.Linear(2 * width * 16, feature_dim)
+        self.head = nn.Linear(feature_dim, NUM_CLASSES)
+        self.drop = nn.Dropout(0.2)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.conv0(x))
+        h = F.avg_pool2d(F.silu(self.conv1(h)), 2)
+        return F.silu(self.fc(h.flatten(1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.features(x)))
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, batch: int = 4096) -> torch.Tensor:
+        """``(M,)`` predicted labels of images ``x: (M, 1, 8, 8)`` (inputs clipped to ``[-1, 1]``)."""
+        return torch.cat([self(x[i : i + batch].float().clamp(-1, 1)).argmax(1) for i in range(0, x.shape[0], batch)])
+
+    @torch.no_grad()
+    def embed(self, x: torch.Tensor, batch: int = 4096) -> torch.Tensor:
+        """``(M, feature_dim)`` penultimate features (inputs clipped to ``[-1, 1]``)."""
+        return torch.cat([self.features(x[i : i + batch].float().clamp(-1, 1)) for i in range(0, x.shape[0], batch)])
+
+
+def load_classifier(
+    path: Optional[PathLike] = None, *, sha256: Optional[str] = None, device: "str | torch.device" = "cpu"
+) -> DigitsClassifier:
+    """The shipped digits classifier, in eval mode (see :func:`load_denoiser` for the arguments).
+
+    Raises:
+        ChecksumError: if the file's digest differs from the recorded one.
+    """
+    path, sha256 = _resolve(CLASSIFIER_FILE, path, sha256)
+    tensors, meta = read_safetensors(path, sha256)
+    clf = DigitsClassifier(width=int(meta.get("width", 32)), feature_dim=int(meta.get("feature_dim", 64)))
+    clf.load_state_dict(tensors)
+    clf = clf.to(device).eval()
+    clf.requires_grad_(False)
+    return clf
