@@ -28,7 +28,6 @@ import torch
 from tqdm.auto import tqdm
 
 import specforest
-
 from specforest.experiments import gmm as gmm_exp
 from specforest.experiments.results import machine_line, replace_section
 
