@@ -123,7 +123,7 @@ def main() -> None:
             if m in ("rank", "antithetic"):
                 d = dgrs_at[B]
                 saved = 1.0 - r["nfe_mean"] / d["nfe_mean"]
-                lines[-1] = lines[-1][:-1] + f" ({100 * saved:+.1f}% NFE vs D-GRS) |"
+                lines[-1] = lines[-1][:-2] + f" ({-100 * saved:+.1f}% NFE vs D-GRS) |"
     lines += ["", "### Draft kinds (what the draft freezes from the prefetched evaluation)", "",
               "| B | method | (K, L) | draft | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
