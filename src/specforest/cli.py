@@ -108,6 +108,21 @@ def _setting_options(f):
             "the root and internal nodes (internal: fewer states per call, same NFE or more).",
         ),
         click.option(
+            "--tree",
+            "tree_mode",
+            type=click.Choice(["uniform", "optimal"]),
+            default="uniform",
+            show_default=True,
+            help="uniform: the (K, L) tree; optimal: the tree that maximizes expected steps per "
+            "target call for --budget, planned from a short calibration run (K and L are ignored).",
+        ),
+        click.option(
+            "--budget",
+            type=click.IntRange(1),
+            default=None,
+            help="Drafted states per round (>= 1) for --tree optimal.",
+        ),
+        click.option(
             "--draft",
             type=click.Choice(DRAFT_KINDS),
             default="velocity",
@@ -228,6 +243,8 @@ def gmm(ctx: click.Context, **o) -> None:
             lazy=o["lazy"],
             memory_gb=o["memory_gb"],
             progress=o["progress"],
+            tree=o["tree_mode"],
+            budget=o["budget"],
         )
     )
     rec = run.record
@@ -288,6 +305,8 @@ def sweep(out_dir: str, K_values: list[int], L_values: list[int], **o) -> None:
     budget B = K + ... + K^L. Resumable: configurations already in OUT/results.json are
     skipped. Writes results.csv, results.json, heatmap.png and speedup_vs_K.png.
     """
+    if o["tree_mode"] != "uniform" or o["budget"] is not None:
+        raise click.UsageError("the sweep runs the uniform (K, L) grid; --tree optimal and --budget apply to single runs")
     setting = _library_errors(lambda: _setting(o))
 
     def log(line: str) -> None:

@@ -67,6 +67,8 @@ class SampleStats:
         delta_sum: ``(B, L)`` float64 sum of the observed ``delta`` at each depth.
         commits: ``(B, L + 1)`` rounds that committed ``j`` steps (column ``j``).
         rows: ``(B,)`` states each trajectory had evaluated by the target.
+        deltas: with ``record_deltas=True``, ``(n, 2)`` float64 rows ``(depth, delta)``
+            of every verification problem of the run (for calibrating tree plans).
         calls: batched target calls of the whole run (the batch's NFE).
         draft_calls: calls of an independent draft model (0 for frozen drafts).
         steps: number of steps ``T`` of the grid.
@@ -81,6 +83,7 @@ class SampleStats:
     delta_sum: torch.Tensor
     commits: torch.Tensor
     rows: torch.Tensor
+    deltas: Optional[torch.Tensor] = None
     calls: int = 0
     draft_calls: int = 0
     steps: int = 0
@@ -216,6 +219,7 @@ def sample(
     max_rows: Optional[int] = None,
     model_kwargs: Optional[dict] = None,
     lazy: bool = False,
+    record_deltas: bool = False,
 ) -> SampleResult:
     """Sample the churned reverse SDE exactly, speculating on a draft tree.
 
@@ -257,6 +261,7 @@ def sample(
             gives the same law of samples, NFE and acceptance at a fraction of
             the compute). NFE and ``rows`` are accounted as for the full tree;
             the model is called several times per round with few rows.
+        record_deltas: keep every verification's ``(depth, delta)`` in ``stats.deltas``.
 
     Returns:
         :class:`SampleResult` with ``samples`` ``(B, *shape)`` and ``stats``.
@@ -292,6 +297,8 @@ def sample(
         raise ValueError("tree must have depth L >= 1; use tree=None for the standard sampler")
     if not isinstance(lazy, bool):
         raise TypeError(f"lazy must be a bool, got {type(lazy).__name__}")
+    if not isinstance(record_deltas, bool):
+        raise TypeError(f"record_deltas must be a bool, got {type(record_deltas).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     sde = _make_sde(steps, sigmas, grid, shift, churn)
@@ -321,6 +328,7 @@ def sample(
         raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
     target = _Target(model, shape, work, max_rows, model_kwargs or {}, B)
     loop = _Loop(sde, tree, cp, proposal, prefetch, verify, target, generator, shape, dev, work, lazy)
+    loop.recorded = [] if record_deltas else None
     xs, stats = loop.run(x.reshape(B, D).to(work, copy=True), callback, progress)
     if not torch.isfinite(xs).all():
         raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
@@ -346,6 +354,7 @@ class _Loop:
     def __init__(self, sde, tree, coupling, proposal, prefetch, verify, target, gen, shape, dev, work, lazy):
         self.sde, self.tree, self.coupling, self.proposal = sde, tree, coupling, proposal
         self.lazy = lazy
+        self.recorded = None
         self.structured = type(coupling).structure_noise is not Coupling.structure_noise
         self.prefetch, self.verify, self.target, self.gen = prefetch, verify, target, gen
         self.shape, self.dev, self.work = shape, dev, work
@@ -453,6 +462,8 @@ class _Loop:
         if bar is not None:
             bar.close()
         st.calls = rnd
+        if self.recorded is not None:
+            st.deltas = torch.cat(self.recorded) if self.recorded else torch.zeros(0, 2, dtype=torch.float64)
         st.draft_calls = getattr(self.proposal, "calls", 0)
         return x, st
 
@@ -562,6 +573,9 @@ class _Loop:
         st.attempts[traj, level - 1] += 1
         st.accepts[traj, level - 1] += res.accepted.long()
         st.delta_sum[traj, level - 1] += res.delta.to(st.delta_sum.dtype)
+        if self.recorded is not None:
+            d = res.delta.detach().double().cpu()
+            self.recorded.append(torch.stack([torch.full_like(d, float(level)), d], 1))
         return res
 
     # -- lazy cost simulation -----------------------------------------------------------

@@ -15,11 +15,11 @@ and :func:`from_parents` (any rooted tree).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["DraftTree", "chain", "uniform", "widths", "from_parents", "VERIFY_MODES"]
+__all__ = ["DraftTree", "chain", "uniform", "widths", "from_parents", "optimal", "VERIFY_MODES"]
 
 VERIFY_MODES = ("internal", "drafted")
 """Where the target is evaluated each round: the root and the internal nodes
@@ -229,3 +229,68 @@ def from_parents(parents: Sequence[int]) -> DraftTree:
     new_par = [-1] + [new_id[par[old]] for old in order[1:]]
     new_depth = [depth_of[old] for old in order]
     return DraftTree(torch.tensor(new_par, dtype=torch.long), torch.tensor(new_depth, dtype=torch.long))
+
+
+def optimal(
+    acceptance: "Callable[[int, int], float]", budget: int, max_depth: int
+) -> DraftTree:
+    """The tree that maximizes the expected steps committed per round under a budget.
+
+    Model: a node at depth ``l - 1`` whose ``k`` children are verified accepts one
+    of them with probability ``acceptance(l, k)`` (e.g. Theorem 2 at the mismatch
+    ``delta_l`` observed at depth ``l``). A round commits one step per depth it
+    reaches, so with ``V(l, b)`` the expected steps from a node at depth ``l - 1``
+    with ``b`` drafted states below it,
+
+        V(l, 0) = 0,   V(l, b) = max_{k, b'} 1 + acceptance(l, k) V(l + 1, b'),
+        over k >= 1, b' >= 0 with k (1 + b') <= b,
+
+    solved by dynamic programming over ``(l, b)``, in the spirit of Sequoia's
+    tree construction for language models. Every child of a node gets the same
+    subtree, so the result has depth-dependent widths and may stop early (a
+    pruned, irregular tree), using at most ``budget`` drafted states.
+
+    Args:
+        acceptance: ``acceptance(l, k)`` in [0, 1], ``l >= 1`` depth, ``k >= 1`` children.
+        budget: drafted states ``B >= 1``.
+        max_depth: largest depth to consider (e.g. the steps left), ``>= 1``.
+
+    Returns:
+        The optimal tree (breadth-first ordered).
+    """
+    budget = _check_int("budget", budget, 1)
+    max_depth = _check_int("max_depth", max_depth, 1)
+    acc = {}
+    for level in range(1, max_depth + 1):
+        for k in range(1, budget + 1):
+            a = float(acceptance(level, k))
+            if not 0.0 <= a <= 1.0:
+                raise ValueError(f"acceptance({level}, {k}) must be in [0, 1], got {a}")
+            acc[level, k] = a
+    # V[l][b], best[l][b] = (k, b') ; depth max_depth + 1 has no children
+    V = [[0.0] * (budget + 1) for _ in range(max_depth + 2)]
+    best: list[list[tuple[int, int] | None]] = [[None] * (budget + 1) for _ in range(max_depth + 2)]
+    for level in range(max_depth, 0, -1):
+        for b in range(1, budget + 1):
+            top, arg = 0.0, None
+            for k in range(1, b + 1):
+                sub_max = b // k - 1
+                a = acc[level, k]
+                # V[l+1] is non-decreasing in the budget: the largest b' is best
+                val = 1.0 + a * V[level + 1][sub_max]
+                if val > top + 1e-12:
+                    top, arg = val, (k, sub_max)
+            V[level][b], best[level][b] = top, arg
+    parents = [-1]
+    frontier = [(0, 1, budget)]  # (node id, level of its children, budget below it)
+    while frontier:
+        nxt = []
+        for node, level, b in frontier:
+            if b <= 0 or level > max_depth or best[level][b] is None:
+                continue
+            k, sub = best[level][b]
+            for _ in range(k):
+                parents.append(node)
+                nxt.append((len(parents) - 1, level + 1, sub))
+        frontier = nxt
+    return from_parents(parents)

@@ -45,6 +45,7 @@ import torch
 
 from .. import __version__, sample, trees
 from ..models import GaussianMixture
+from ..planning import plan_tree
 from ..proposals import DRAFT_KINDS
 from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..sde import ReverseSDE, flow_match_grid, uniform_grid
@@ -78,6 +79,11 @@ __all__ = [
 
 METHODS = ("standard", "rmc", "dgrs", "rank", "antithetic")
 
+TREE_MODES = ("uniform", "optimal")
+"""``uniform``: the (K, L) tree (a chain for rmc); ``optimal``: the tree of
+:func:`specforest.trees.optimal` for ``budget``, from an acceptance model
+calibrated on a separate short run (:func:`specforest.planning.plan_tree`)."""
+
 COUPLING_OF = {"rmc": "rmc", "dgrs": "grs", "rank": "rank", "antithetic": "antithetic"}
 """The coupling each tree method verifies with (rank and antithetic: issue #6)."""
 
@@ -88,6 +94,7 @@ KEY_FIELDS = (
     "prefetch",
     "verify",
     "draft",
+    "tree",
     "mode",
     "grid",
     "churn",
@@ -311,6 +318,8 @@ def simulate(
     memory_gb: float | None = None,
     progress: bool = False,
     draft: str = "velocity",
+    tree: str = "uniform",
+    budget: int | None = None,
 ) -> GMMRun:
     """Run one configuration and keep its samples; see :func:`run_config`."""
     if not isinstance(setting, GMMSetting):
@@ -327,7 +336,20 @@ def simulate(
     if isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not memory_gb > 0:
         raise ValueError(f"memory_gb must be a number > 0, got {memory_gb!r}")
     K, L = _normalize(method, K, L)
-    tree = make_tree(method, K, L, setting.steps)
+    _check_choice("tree", tree, TREE_MODES)
+    tree_mode = tree
+    if tree_mode == "optimal" and method != "standard":
+        if budget is None:
+            raise ValueError("budget (drafted states per round, >= 1) is required with tree='optimal'")
+        budget = _check_int("budget", budget, 1)
+        tree = plan_tree(
+            setting.mixture(), initial_states(16, setting.dim, _derive_seed(seed, 7)), budget=budget,
+            steps=setting.steps, churn=setting.churn, coupling=COUPLING_OF[method], grid=setting.grid,
+            draft=draft, prefetch=prefetch, verify=verify,
+            generator=torch.Generator().manual_seed(_derive_seed(seed, 8)),
+        )
+    else:
+        tree = make_tree(method, K, L, setting.steps)
     # a tree-less run has nothing to realize lazily
     lazy = bool(lazy) and tree is not None
     if lazy and "lazy" not in inspect.signature(sample).parameters:
@@ -391,7 +413,9 @@ def simulate(
         "method": method,
         "K": K,
         "L": L,
-        "budget": _budget(method, K, L),
+        "budget": tree.budget if tree_mode == "optimal" and tree is not None else _budget(method, K, L),
+        "tree": tree_mode,
+        "tree_layers": None if tree is None else repr(tree),
         "trajectories": n,
         "nfe_mean": nfe_mean,
         "nfe_sem": nfe_sem,
@@ -420,7 +444,6 @@ def simulate(
         "mixture_fingerprint": mixture_fingerprint(gmm),
         "mode": "lazy" if lazy else "full",
         "coupling": coupling if tree is not None else None,
-        "tree": repr(tree) if tree is not None else None,
         "chunk_size": size,
         "chunks": len(starts),
         "memory_gb": float(memory_gb),
@@ -602,6 +625,7 @@ def run_sweep(
                 K=K,
                 L=L,
                 mode="lazy" if lazy and has_tree else "full",
+                tree="uniform",
                 **common,
             )
         )

@@ -1,0 +1,101 @@
+"""The budget-shaped tree optimizer (issue #7): exact DP against brute force, calibration, CLI."""
+
+import itertools
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import specforest
+from specforest import trees
+from specforest.cli import main
+from specforest.couplings import grs_acceptance
+from specforest.models import GaussianMixture
+from specforest.planning import acceptance_model, plan_tree
+
+
+def expected_steps(tree, acc) -> float:
+    """Expected committed steps of a round on ``tree`` under the model (by recursion)."""
+
+    def value(u: int, level: int) -> float:
+        kids = [int(c) for c in tree.children[u] if c >= 0]
+        if not kids:
+            return 0.0
+        a = acc(level, len(kids))
+        # identical children are interchangeable; average their continuation
+        cont = sum(value(c, level + 1) for c in kids) / len(kids)
+        return 1.0 + a * cont
+
+    return value(0, 1)
+
+
+def all_width_trees(budget: int, depth: int):
+    """Every depth-dependent-width tree with at most ``budget`` drafted states."""
+    for L in range(1, depth + 1):
+        for ks in itertools.product(range(1, budget + 1), repeat=L):
+            t, layer = 0, 1
+            for k in ks:
+                layer *= k
+                t += layer
+            if t <= budget:
+                yield trees.widths(list(ks))
+
+
+def model(level, k):
+    d = [0.5, 2.5, 1.5, 3.0][min(level, 4) - 1]
+    return float(grs_acceptance(torch.tensor(d), k))
+
+
+@pytest.mark.parametrize("budget", [1, 3, 6, 10, 14])
+def test_optimal_tree_beats_every_width_tree(budget):
+    best = trees.optimal(model, budget, 4)
+    assert best.budget <= budget
+    v = expected_steps(best, model)
+    for t in all_width_trees(budget, 4):
+        assert expected_steps(t, model) <= v + 1e-9
+
+
+def test_optimal_is_a_chain_when_acceptance_ignores_width():
+    t = trees.optimal(lambda level, k: 0.9, 5, 10)
+    assert t.budget == 5 and t.L == 5 and t.max_children == 1
+
+
+def test_optimal_validates_the_model():
+    with pytest.raises(ValueError, match="acceptance"):
+        trees.optimal(lambda level, k: 1.5, 3, 3)
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        trees.optimal(model, 0, 3)
+
+
+def test_acceptance_model_averages_closed_forms():
+    deltas = torch.tensor([[1.0, 0.5], [1.0, 1.5], [2.0, 3.0]], dtype=torch.float64)
+    a = acceptance_model(deltas, "grs")
+    ref = 0.5 * (float(grs_acceptance(torch.tensor(0.5), 3)) + float(grs_acceptance(torch.tensor(1.5), 3)))
+    assert a(1, 3) == pytest.approx(ref, abs=5e-3)  # deltas binned on a 0.05 grid
+    assert a(5, 2) == a(2, 2)  # deeper than observed: the deepest observed depth
+    with pytest.raises(ValueError, match="deltas"):
+        acceptance_model(torch.zeros(0, 2))
+
+
+def test_planned_tree_is_exact_and_within_budget():
+    gmm = GaussianMixture(torch.tensor([[2.0, -1.0, 0.5]], dtype=torch.float64), torch.tensor([0.3]))
+    x = torch.randn(4000, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tree = plan_tree(gmm, x, budget=12, steps=12, churn=0.6, grid="uniform", generator=torch.Generator().manual_seed(1))
+    assert 1 <= tree.budget <= 12
+    a = specforest.sample(gmm, x, steps=12, churn=0.6, grid="uniform", tree=tree, generator=torch.Generator().manual_seed(2))
+    b = specforest.sample(gmm, x, steps=12, churn=0.6, grid="uniform", generator=torch.Generator().manual_seed(3))
+    from scipy import stats as sps
+
+    for j in range(3):
+        assert sps.ks_2samp(a.samples[:, j].numpy(), b.samples[:, j].numpy()).pvalue > 1e-4
+
+
+def test_cli_optimal_tree():
+    res = CliRunner().invoke(main, ["gmm", "--method", "dgrs", "--tree", "optimal", "--budget", "20", "--dim", "8",
+                                    "--steps", "10", "--trajectories", "20", "--lazy", "--json", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.output)
+    assert rec["tree"] == "optimal" and 1 <= rec["budget"] <= 20
+    res = CliRunner().invoke(main, ["gmm", "--tree", "optimal", "--dim", "8", "--steps", "10", "--no-progress"])
+    assert res.exit_code != 0 and "budget" in res.output
