@@ -300,14 +300,14 @@ def test_sweep_interrupted_while_writing_keeps_valid_results(tmp_path, monkeypat
     setting = gmm_exp.GMMSetting(dim=8, steps=8, trajectories=3)
     gmm_exp.run_sweep(setting, tmp_path, K_values=[1], L_values=[2], progress=False)
     before = (tmp_path / "results.json").read_text()
-    real = gmm_exp._csv_text
+    real = gmm_exp.records_csv
 
     def crash(records):
         if len(records) > 2:
             raise OSError("disk full")
         return real(records)
 
-    monkeypatch.setattr(gmm_exp, "_csv_text", crash)
+    monkeypatch.setattr(gmm_exp, "records_csv", crash)
     with pytest.raises(OSError):
         gmm_exp.run_sweep(setting, tmp_path, K_values=[1, 2], L_values=[2], progress=False)
     recs = json.loads((tmp_path / "results.json").read_text())  # still parses

@@ -27,10 +27,8 @@ batch, samples depend on the chunking (their law does not).
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import inspect
-import io
 import json
 import math
 import os
@@ -50,7 +48,7 @@ from ..proposals import DRAFT_KINDS
 from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..sde import ReverseSDE, flow_match_grid, uniform_grid
 from ..trees import VERIFY_MODES, DraftTree
-from .io import atomic_write, atomic_write_text
+from .io import atomic_write, atomic_write_text, load_records, records_csv
 
 __all__ = [
     "COUPLING_OF",
@@ -522,40 +520,14 @@ def sweep_configs(K_values: Iterable[int], L_values: Iterable[int], steps: int) 
 
 def load_results(path: str | os.PathLike[str]) -> list[dict]:
     """Records of a ``results.json`` (an empty list if it does not exist)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); move it away to start a fresh sweep") from e
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(f"{path} must hold a JSON list of result objects")
-    return data
-
-
-def _csv_text(records: list[dict]) -> str:
-    cols: list[str] = []
-    for r in records:
-        cols += [k for k in r if k not in cols]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
-    w.writeheader()
-    for r in records:
-        w.writerow(
-            {
-                k: json.dumps(v) if isinstance(v, (list, dict)) else ("" if v is None else v)
-                for k, v in r.items()
-            }
-        )
-    return buf.getvalue()
+    return load_records(path)
 
 
 def write_results(out_dir: str | os.PathLike[str], records: list[dict]) -> None:
     """Write ``results.json`` and ``results.csv`` atomically."""
     out_dir = Path(out_dir)
     atomic_write_text(out_dir / "results.json", json.dumps(records, indent=1, allow_nan=False) + "\n")
-    atomic_write_text(out_dir / "results.csv", _csv_text(records))
+    atomic_write_text(out_dir / "results.csv", records_csv(records))
 
 
 @dataclass

@@ -17,10 +17,8 @@ same setting skips what is done.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import hashlib
-import io
 import json
 import math
 import os
@@ -38,7 +36,7 @@ from .. import __version__
 from .. import diffusers as sd
 from ..sampler import PREFETCH_POLICIES
 from ..trees import VERIFY_MODES
-from .io import atomic_write, atomic_write_text
+from .io import atomic_write, atomic_write_text, load_records, records_csv
 
 __all__ = [
     "DTYPES",
@@ -410,41 +408,12 @@ def run_config(
     return record
 
 
-def _csv_text(records: list[dict]) -> str:
-    cols: list[str] = []
-    for r in records:
-        cols += [k for k in r if k not in cols]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
-    w.writeheader()
-    for r in records:
-        w.writerow(
-            {
-                k: json.dumps(v) if isinstance(v, (list, dict)) else ("" if v is None else v)
-                for k, v in r.items()
-            }
-        )
-    return buf.getvalue()
-
-
-def _load_records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); move it away to start afresh") from e
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(f"{path} must hold a JSON list of result objects")
-    return data
-
-
 def write_results(out_dir: str | os.PathLike[str], records: list[dict]) -> list[Path]:
     """``results.json`` and ``results.csv``, written atomically."""
     out_dir = Path(out_dir)
     return [
         atomic_write_text(out_dir / "results.json", json.dumps(records, indent=1, allow_nan=False) + "\n"),
-        atomic_write_text(out_dir / "results.csv", _csv_text(records)),
+        atomic_write_text(out_dir / "results.csv", records_csv(records)),
     ]
 
 
@@ -549,7 +518,7 @@ def run_experiment(
     """
     out_dir = Path(out_dir)
     sid = _setting_id(setting, prompts, model, dtype)
-    old = _load_records(out_dir / "results.json")
+    old = load_records(out_dir / "results.json")
     other = {r.get("setting_id") for r in old} - {sid}
     if other:
         raise ValueError(
