@@ -55,7 +55,7 @@ def main() -> None:
         f"Measured with `benchmarks/coupling_acceptance.py --draws {args.draws}` on {machine_line()}.",
         "",
         "Per-step acceptance: measured (± standard error) next to the closed form; "
-        "z = (measured - closed) / sqrt(closed (1 - closed) / draws).",
+        "z = (measured - closed) / sqrt(max(closed (1 - closed), 1 / draws) / draws).",
         "",
         "| rule | K | delta | measured | closed form | z |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -67,7 +67,7 @@ def main() -> None:
                 p, se = measure(rule, delta, K, args.draws, seed=1000 * K + i)
                 ref = float(rule.acceptance(torch.tensor(delta, dtype=torch.float64), K))
                 # z against the closed form's own binomial standard error
-                z = (p - ref) / math.sqrt(max(ref * (1 - ref), 1e-300) / args.draws)
+                z = (p - ref) / math.sqrt(max(ref * (1 - ref), 1.0 / args.draws) / args.draws)
                 worst = max(worst, abs(z))
                 lines.append(f"| {name} | {K} | {delta:g} | {p:.4f} ± {se:.4f} | {ref:.4f} | {z:+.2f} |")
     lines += ["", f"Largest |z| over the table: {worst:.2f}. Wall time {time.perf_counter() - t0:.1f} s."]
