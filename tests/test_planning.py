@@ -99,3 +99,20 @@ def test_cli_optimal_tree():
     assert rec["tree"] == "optimal" and 1 <= rec["budget"] <= 20
     res = CliRunner().invoke(main, ["gmm", "--tree", "optimal", "--dim", "8", "--steps", "10", "--no-progress"])
     assert res.exit_code != 0 and "budget" in res.output
+
+
+def test_draft_diagnostics_cli(tmp_path):
+    out = tmp_path / "drafts.png"
+    res = CliRunner().invoke(main, ["gmm", "drafts", "--out", str(out), "--trajectories", "4", "--depth", "3"])
+    assert res.exit_code == 0, res.output
+    assert out.stat().st_size > 1000
+    assert all(k in res.output for k in ("velocity", "drift", "x0", "eps", "auto"))
+
+
+def test_auto_draft_fills_unseen_offsets_from_the_nearest_seen_one():
+    from specforest.proposals import AutoDraft
+
+    d = AutoDraft(max_offset=5)
+    d.sum[1] = torch.tensor([3.0, 3.0, 1.0, 3.0], dtype=torch.float64)  # x0 best at offset 1
+    d.count[1] = 1.0
+    assert d.choice().tolist() == [0, 2, 2, 2, 2, 2]

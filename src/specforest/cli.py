@@ -338,6 +338,25 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
+@gmm.command("drafts")
+@click.option("--out", type=click.Path(dir_okay=False), default="drafts.png", show_default=True, help="PNG file to write.")
+@click.option("--model", type=click.Choice(["gmm", "digits"]), default="gmm", show_default=True,
+              help="The paper's Gaussian mixture (d=500, T=30, churn 0.1) or the shipped digits model (T=100, churn 0.3).")
+@click.option("--trajectories", type=click.IntRange(1), default=50, show_default=True, help="Trajectories per draft kind (>= 1).")
+@click.option("--depth", type=click.IntRange(1), default=10, show_default=True, help="Chain length of the lazy runs (>= 1).")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed (>= 0).")
+def gmm_drafts(out: str, model: str, trajectories: int, depth: int, seed: int) -> None:
+    """Plot delta and acceptance per step and per depth for each draft kind (velocity, drift, x0, eps, auto)."""
+    from .experiments.drafts import draft_diagnostics, plot_draft_diagnostics
+
+    res = _library_errors(lambda: draft_diagnostics(model, trajectories=trajectories, depth=depth, seed=seed))
+    plot_draft_diagnostics(res, out, title=f"{model}: chain of {depth}, {trajectories} trajectories, lazy")
+    for kind, r in res.items():
+        click.echo(f"{kind:9s} T/NFE {r['speedup']:.3f}   mean delta per depth "
+                   + " ".join(f"{v:.2f}" for v in r["delta_depth"][1:]))
+    click.echo(f"wrote {out}")
+
+
 @main.group()
 def couplings() -> None:
     """Acceptance of the couplings against the mismatch delta, and the i.i.d. list bound."""

@@ -29,7 +29,7 @@ def acceptance_model(
     """``a(l, k)``: mean closed-form acceptance over the ``delta`` observed at depth ``l``.
 
     Args:
-        deltas: ``(n, 2)`` rows ``(depth, delta)`` (``stats.deltas`` of a run).
+        deltas: ``(n, 2)`` rows ``(depth, delta)`` (columns 0 and 2 of ``stats.deltas``).
         coupling: the coupling whose closed form is averaged; for couplings with a
             sibling structure or a limit on children (antithetic, RMC) ``k`` is capped.
         kmax: largest number of children modelled (larger ``k`` get ``a(l, kmax)``).
@@ -99,5 +99,5 @@ def plan_tree(
         model, x[:calibration_trajectories], steps=steps, churn=churn, tree=chain(depth), coupling="grs",
         lazy=True, record_deltas=True, generator=generator, **sample_kwargs,
     )
-    acc = acceptance_model(cal.stats.deltas, coupling, kmax)
+    acc = acceptance_model(cal.stats.deltas[:, [0, 2]], coupling, kmax)
     return optimal(acc, budget, depth)

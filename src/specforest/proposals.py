@@ -202,7 +202,8 @@ class AutoDraft(Proposal):
     ``delta_kind = |m_q - m_p^kind| / sigma`` of every kind is observed at once.
     Rule: for a parent ``k`` steps after its prefetched evaluation (the draft
     offset), use the kind with the smallest running mean of ``delta`` at that
-    offset over the rounds so far (``velocity`` until an offset has been seen).
+    offset over the rounds so far (an unseen offset takes the choice of the
+    nearest smaller seen one; ``velocity`` before anything is seen).
     The choice only uses earlier rounds, so the draft of a round is fixed given
     the past and the sampler stays exact. State is per :func:`specforest.sample`
     call: a fresh instance is made for each run.
@@ -216,9 +217,20 @@ class AutoDraft(Proposal):
         self.count = torch.zeros(max_offset + 1, dtype=torch.float64)
 
     def choice(self) -> torch.Tensor:
-        """``(max_offset + 1,)`` index into :data:`FROZEN_KINDS` used at each offset."""
+        """``(max_offset + 1,)`` index into :data:`FROZEN_KINDS` used at each offset.
+
+        An offset never observed takes the choice of the nearest smaller observed
+        offset (``velocity`` when there is none).
+        """
         mean = self.sum / self.count.clamp_min(1.0)[:, None]
-        return torch.where(self.count > 0, mean.argmin(1), torch.zeros_like(self.count, dtype=torch.long))
+        pick = mean.argmin(1)
+        out = torch.zeros_like(pick)
+        last = 0
+        for i in range(pick.numel()):
+            if self.count[i] > 0:
+                last = int(pick[i])
+            out[i] = last
+        return out
 
     def mean(self, sde, y, step, pre, shape, cond=None):
         offset = (step - pre.step).clamp(0, self.sum.shape[0] - 1).cpu()

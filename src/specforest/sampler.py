@@ -67,8 +67,10 @@ class SampleStats:
         delta_sum: ``(B, L)`` float64 sum of the observed ``delta`` at each depth.
         commits: ``(B, L + 1)`` rounds that committed ``j`` steps (column ``j``).
         rows: ``(B,)`` states each trajectory had evaluated by the target.
-        deltas: with ``record_deltas=True``, ``(n, 2)`` float64 rows ``(depth, delta)``
-            of every verification problem of the run (for calibrating tree plans).
+        deltas: with ``record_deltas=True``, ``(n, 4)`` float64 rows
+            ``(depth, step, delta, accepted)`` of every verification problem of the
+            run (``step`` is the verified parent's step; for calibrating tree plans
+            and for per-step diagnostics).
         calls: batched target calls of the whole run (the batch's NFE).
         draft_calls: calls of an independent draft model (0 for frozen drafts).
         steps: number of steps ``T`` of the grid.
@@ -261,7 +263,7 @@ def sample(
             gives the same law of samples, NFE and acceptance at a fraction of
             the compute). NFE and ``rows`` are accounted as for the full tree;
             the model is called several times per round with few rows.
-        record_deltas: keep every verification's ``(depth, delta)`` in ``stats.deltas``.
+        record_deltas: keep every verification's ``(depth, step, delta, accepted)`` in ``stats.deltas``.
 
     Returns:
         :class:`SampleResult` with ``samples`` ``(B, *shape)`` and ``stats``.
@@ -463,7 +465,7 @@ class _Loop:
             bar.close()
         st.calls = rnd
         if self.recorded is not None:
-            st.deltas = torch.cat(self.recorded) if self.recorded else torch.zeros(0, 2, dtype=torch.float64)
+            st.deltas = torch.cat(self.recorded) if self.recorded else torch.zeros(0, 4, dtype=torch.float64)
         st.draft_calls = getattr(self.proposal, "calls", 0)
         return x, st
 
@@ -575,7 +577,8 @@ class _Loop:
         st.delta_sum[traj, level - 1] += res.delta.to(st.delta_sum.dtype)
         if self.recorded is not None:
             d = res.delta.detach().double().cpu()
-            self.recorded.append(torch.stack([torch.full_like(d, float(level)), d], 1))
+            cols = [torch.full_like(d, float(level)), step.double().cpu(), d, res.accepted.double().cpu()]
+            self.recorded.append(torch.stack(cols, 1))
         return res
 
     # -- lazy cost simulation -----------------------------------------------------------
