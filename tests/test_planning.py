@@ -116,3 +116,29 @@ def test_auto_draft_fills_unseen_offsets_from_the_nearest_seen_one():
     d.sum[1] = torch.tensor([3.0, 3.0, 1.0, 3.0], dtype=torch.float64)  # x0 best at offset 1
     d.count[1] = 1.0
     assert d.choice().tolist() == [0, 2, 2, 2, 2, 2]
+
+
+def test_adaptive_tree_replans_within_budget_and_validates():
+    from specforest.planning import AdaptiveTree
+
+    seen = []
+    gmm = GaussianMixture(torch.tensor([[2.0, -1.0, 0.5]], dtype=torch.float64), torch.tensor([0.3]))
+
+    def model(x, sigma):
+        seen.append(x.shape[0])
+        return gmm(x, sigma)
+
+    x = torch.randn(50, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = specforest.sample(model, x, steps=20, churn=0.6, tree=AdaptiveTree(10, kmax=3), verify="drafted",
+                            generator=torch.Generator().manual_seed(1))
+    # every round evaluates at most the budget plus the root per trajectory
+    assert max(seen) <= 50 * 11
+    assert out.stats.nfe.double().mean() < 20
+    with pytest.raises(ValueError, match="budget"):
+        AdaptiveTree(0)
+    with pytest.raises(ValueError, match="i.i.d. children"):
+        specforest.sample(gmm, x, steps=5, churn=0.5, tree=AdaptiveTree(6), coupling="antithetic")
+    res = CliRunner().invoke(main, ["gmm", "--method", "rank", "--tree", "adaptive", "--budget", "12", "--dim", "8",
+                                    "--steps", "10", "--trajectories", "10", "--lazy", "--json", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["tree"] == "adaptive"

@@ -16,6 +16,7 @@ import specforest
 from specforest import trees
 from specforest.couplings import GRS
 from specforest.models import GaussianMixture
+from specforest.planning import AdaptiveTree
 from specforest.sde import flow_match_grid, uniform_grid
 
 MU0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
@@ -87,6 +88,8 @@ CONFIGS = {
     "rank_lazy_parent": dict(tree=trees.uniform(4, 2), coupling="rank", lazy=True, prefetch="parent"),
     "antithetic_tree": dict(tree=trees.uniform(2, 3), coupling="antithetic"),
     "auto_draft_rank": dict(tree=trees.uniform(2, 4), coupling="rank", draft="auto"),
+    "adaptive_tree": dict(tree=AdaptiveTree(12, kmax=4), coupling="grs"),
+    "adaptive_tree_lazy_drafted": dict(tree=AdaptiveTree(20, kmax=3), lazy=True, verify="drafted"),
     "auto_draft_lazy_chain": dict(tree=trees.chain(6), coupling="rmc", draft="auto", lazy=True),
     "antithetic_lazy_drafted": dict(tree=trees.uniform(2, 4), coupling="antithetic", lazy=True, verify="drafted"),
 }

@@ -110,17 +110,18 @@ def _setting_options(f):
         click.option(
             "--tree",
             "tree_mode",
-            type=click.Choice(["uniform", "optimal"]),
+            type=click.Choice(["uniform", "optimal", "adaptive"]),
             default="uniform",
             show_default=True,
             help="uniform: the (K, L) tree; optimal: the tree that maximizes expected steps per "
-            "target call for --budget, planned from a short calibration run (K and L are ignored).",
+            "target call for --budget, planned from a short calibration run; adaptive: re-planned "
+            "every round from the run's own statistics (K and L are ignored by both).",
         ),
         click.option(
             "--budget",
             type=click.IntRange(1),
             default=None,
-            help="Drafted states per round (>= 1) for --tree optimal.",
+            help="Drafted states per round (>= 1) for --tree optimal or adaptive.",
         ),
         click.option(
             "--draft",
@@ -306,7 +307,7 @@ def sweep(out_dir: str, K_values: list[int], L_values: list[int], **o) -> None:
     skipped. Writes results.csv, results.json, heatmap.png and speedup_vs_K.png.
     """
     if o["tree_mode"] != "uniform" or o["budget"] is not None:
-        raise click.UsageError("the sweep runs the uniform (K, L) grid; --tree optimal and --budget apply to single runs")
+        raise click.UsageError("the sweep runs the uniform (K, L) grid; --tree and --budget apply to single runs")
     setting = _library_errors(lambda: _setting(o))
 
     def log(line: str) -> None:

@@ -566,7 +566,7 @@ class RankCoupling(_SelectThenCouple):
             log_w = torch.log(rank_weights(torch.tensor([dv], dtype=torch.float64), K))[0]
             f = _log_mixture_pdf(s, log_w, K)
             out[i] = _simpson(torch.exp(torch.minimum(f, _log_normal_pdf(s - dv))), s)
-        return out.reshape(torch.as_tensor(delta).shape)
+        return out.clamp(0.0, 1.0).reshape(torch.as_tensor(delta).shape)
 
 
 class AntitheticCoupling(_SelectThenCouple):
@@ -625,7 +625,7 @@ class AntitheticCoupling(_SelectThenCouple):
             two_phi = 2.0 * torch.exp(_log_normal_pdf(r))
             qq = torch.exp(_log_normal_pdf(r - dv)) + torch.exp(_log_normal_pdf(r + dv))
             out[i] = _simpson(torch.minimum(two_phi, qq), r)
-        return out.reshape(torch.as_tensor(delta).shape)
+        return out.clamp(0.0, 1.0).reshape(torch.as_tensor(delta).shape)
 
 
 _COUPLINGS = {"rmc": RMC, "grs": GRS, "dgrs": GRS, "rank": RankCoupling, "antithetic": AntitheticCoupling}

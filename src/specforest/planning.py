@@ -18,9 +18,20 @@ from .couplings import Coupling, get_coupling
 from .sampler import sample
 from .trees import DraftTree, chain, optimal
 
-__all__ = ["acceptance_model", "plan_tree"]
+__all__ = ["AdaptiveTree", "acceptance_model", "plan_tree"]
 
 _GRID = torch.linspace(0.0, 12.0, 241, dtype=torch.float64)
+
+
+_ACC_GRID: dict = {}
+
+
+def _acceptance_on_grid(cp: Coupling, k: int) -> torch.Tensor:
+    """``(len(_GRID),)`` closed-form acceptance of ``cp`` with ``k`` children, cached per process."""
+    key = (type(cp), k)
+    if key not in _ACC_GRID:
+        _ACC_GRID[key] = cp.acceptance(_GRID, k).reshape(-1).to(torch.float64)
+    return _ACC_GRID[key]
 
 
 def acceptance_model(
@@ -31,7 +42,7 @@ def acceptance_model(
     Args:
         deltas: ``(n, 2)`` rows ``(depth, delta)`` (columns 0 and 2 of ``stats.deltas``).
         coupling: the coupling whose closed form is averaged; for couplings with a
-            sibling structure or a limit on children (antithetic, RMC) ``k`` is capped.
+            limit on children (RMC) ``k`` is capped.
         kmax: largest number of children modelled (larger ``k`` get ``a(l, kmax)``).
 
     Returns:
@@ -43,25 +54,18 @@ def acceptance_model(
         raise ValueError("deltas must be a non-empty (n, 2) tensor of (depth, delta) rows")
     depth = deltas[:, 0].long()
     d = deltas[:, 1].clamp(0.0, float(_GRID[-1]))
-    # histogram of delta per depth on a grid, then the closed forms on the grid
+    # histogram of delta per depth on a grid; the model averages the closed form over it
     idx = torch.bucketize(d, _GRID).clamp(max=len(_GRID) - 1)
     top = int(depth.max())
     hist = torch.zeros(top + 1, len(_GRID), dtype=torch.float64)
     hist.index_put_((depth, idx), torch.ones_like(d), accumulate=True)
+    seen = [lvl for lvl in range(top + 1) if hist[lvl].sum() > 0]
+    weights = hist / hist.sum(1, keepdim=True).clamp_min(1.0)
     cap = min(kmax, cp.max_children or kmax)
-    table = {}
 
     def a(level: int, k: int) -> float:
-        k = min(k, cap)
-        level = min(level, top)
-        while level > 1 and hist[level].sum() == 0:
-            level -= 1
-        if (level, k) not in table:
-            h = hist[level]
-            w = h / h.sum().clamp_min(1.0)
-            acc = torch.stack([cp.acceptance(g, k).reshape(()) for g in _GRID[w > 0]])
-            table[level, k] = float((w[w > 0] * acc).sum())
-        return table[level, k]
+        lvl = max([s for s in seen if s <= min(level, top)] or [seen[0]])
+        return min(max(float(weights[lvl] @ _acceptance_on_grid(cp, min(k, cap))), 0.0), 1.0)
 
     return a
 
@@ -100,4 +104,47 @@ def plan_tree(
         lazy=True, record_deltas=True, generator=generator, **sample_kwargs,
     )
     acc = acceptance_model(cal.stats.deltas[:, [0, 2]], coupling, kmax)
-    return optimal(acc, budget, depth)
+    return optimal(acc, budget, depth, kmax=kmax)
+
+
+class AdaptiveTree:
+    """A draft tree re-planned every round from the statistics gathered so far.
+
+    Pass an instance as ``tree`` to :func:`specforest.sample`. Each round, the
+    mismatches recorded in the earlier rounds of the same run give the
+    acceptance model of :func:`acceptance_model`, and :func:`specforest.trees.optimal`
+    gives the tree for ``budget``. The first speculative round uses ``initial``
+    (default: a chain of ``min(budget, 8)``), which also gathers the first
+    statistics at depth. A round's tree depends only on earlier rounds, so the
+    sampler stays exact.
+
+    Args:
+        budget: drafted states per round ``B >= 1``.
+        kmax: largest number of children per node considered (>= 1).
+        initial: the tree of the rounds before any statistics exist.
+        max_depth: deepest tree considered (default ``budget``; the sampler caps
+            it at the number of steps).
+    """
+
+    def __init__(self, budget: int, kmax: int = 16, initial: Optional[DraftTree] = None,
+                 max_depth: Optional[int] = None) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be an int >= 1, got {budget!r}")
+        if isinstance(kmax, bool) or not isinstance(kmax, int) or kmax < 1:
+            raise ValueError(f"kmax must be an int >= 1, got {kmax!r}")
+        if initial is not None and (not isinstance(initial, DraftTree) or initial.budget > budget or initial.L < 1):
+            raise ValueError("initial must be a DraftTree of depth >= 1 within the budget")
+        self.budget, self.kmax = budget, kmax
+        self.max_depth = budget if max_depth is None else int(max_depth)
+        self.initial = initial if initial is not None else chain(min(budget, 8))
+
+    def plan(self, deltas: Optional[torch.Tensor], coupling: Coupling, max_depth: int) -> DraftTree:
+        """The tree for the next round, from ``(n, 4)`` recorded verifications (or ``None``)."""
+        depth = max(1, min(self.max_depth, max_depth))
+        if deltas is None or deltas.shape[0] == 0:
+            return self.initial.truncate(depth)
+        acc = acceptance_model(deltas[:, [0, 2]], coupling, self.kmax)
+        return optimal(acc, self.budget, depth, kmax=self.kmax)
+
+    def __repr__(self) -> str:
+        return f"AdaptiveTree(budget={self.budget}, kmax={self.kmax})"

@@ -293,8 +293,15 @@ def sample(
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
     if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
         raise ValueError(f"max_rows must be None or an int >= 1, got {max_rows!r}")
-    if tree is not None and not isinstance(tree, DraftTree):
-        raise TypeError(f"tree must be a DraftTree (see specforest.trees) or None, got {type(tree).__name__}")
+    from .planning import AdaptiveTree
+
+    planner = tree if isinstance(tree, AdaptiveTree) else None
+    if tree is not None and not isinstance(tree, (DraftTree, AdaptiveTree)):
+        raise TypeError(
+            f"tree must be a DraftTree (see specforest.trees), a planning.AdaptiveTree or None, got {type(tree).__name__}"
+        )
+    if planner is not None:
+        tree = planner.initial
     if tree is not None and tree.L < 1:
         raise ValueError("tree must have depth L >= 1; use tree=None for the standard sampler")
     if not isinstance(lazy, bool):
@@ -329,15 +336,18 @@ def sample(
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
     target = _Target(model, shape, work, max_rows, model_kwargs or {}, B)
-    loop = _Loop(sde, tree, cp, proposal, prefetch, verify, target, generator, shape, dev, work, lazy)
-    loop.recorded = [] if record_deltas else None
+    if planner is not None and type(cp).structure_noise is not Coupling.structure_noise:
+        raise ValueError(f"coupling {cp.name!r} draws structured siblings; an adaptive tree needs i.i.d. children")
+    loop = _Loop(sde, tree, cp, proposal, prefetch, verify, target, generator, shape, dev, work, lazy, planner)
+    loop.recorded = [] if (record_deltas or planner is not None) else None
     xs, stats = loop.run(x.reshape(B, D).to(work, copy=True), callback, progress)
     if not torch.isfinite(xs).all():
         raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
     stats.wall_seconds = time.perf_counter() - t0
     config = dict(
         steps=sde.steps, churn=sde.churn, grid=grid if sigmas is None else "custom", shift=shift,
-        tree=None if tree is None else repr(tree), budget=0 if tree is None else tree.budget,
+        tree=None if tree is None else repr(planner or tree),
+        budget=0 if tree is None else (planner.budget if planner is not None else tree.budget),
         coupling=cp.name, draft=proposal.name, prefetch=prefetch, verify=verify,
         mode="lazy" if lazy else "full",
     )
@@ -353,9 +363,10 @@ def standard_sample(model: VelocityFn, x: torch.Tensor, **kwargs: Any) -> Sample
 class _Loop:
     """State and phases of one run; one instance per :func:`sample` call."""
 
-    def __init__(self, sde, tree, coupling, proposal, prefetch, verify, target, gen, shape, dev, work, lazy):
-        self.sde, self.tree, self.coupling, self.proposal = sde, tree, coupling, proposal
-        self.lazy = lazy
+    def __init__(self, sde, tree, coupling, proposal, prefetch, verify, target, gen, shape, dev, work, lazy,
+                 planner=None):
+        self.sde, self.coupling, self.proposal = sde, coupling, proposal
+        self.lazy, self.planner = lazy, planner
         self.recorded = None
         self.structured = type(coupling).structure_noise is not Coupling.structure_noise
         self.prefetch, self.verify, self.target, self.gen = prefetch, verify, target, gen
@@ -364,6 +375,11 @@ class _Loop:
         self.scale = sde.scale.to(dev)
         self.stoch = sde.stochastic.to(dev)
         self.run_end = sde.run_end.to(dev)
+        self._set_tree(tree)
+
+    def _set_tree(self, tree):
+        """Topology tensors of the tree the next rounds draft."""
+        self.tree, dev, verify = tree, self.dev, self.verify
         if tree is not None:
             self.parent = tree.parent.to(dev)
             self.depth = tree.depth.to(dev)
@@ -381,6 +397,8 @@ class _Loop:
         B, D = x.shape
         T, dev = self.sde.steps, self.dev
         L = self.tree.L if self.tree is not None else 0
+        if self.planner is not None:
+            L = max(L, min(self.planner.max_depth, T))
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
         st = SampleStats(
             nfe=z(B), rounds=z(B), spec_steps=z(B), attempts=z(B, L), accepts=z(B, L),
@@ -410,6 +428,8 @@ class _Loop:
                 fetch = stoch & ~has_pre if self.proposal.needs_prefetch else torch.zeros_like(stoch)
                 spec = stoch & ~fetch
             committed = z(B)
+            if self.planner is not None and spec.any() and self.recorded:
+                self._set_tree(self.planner.plan(torch.cat(self.recorded), self.coupling, T))
 
             single = det | exact | fetch
             ids_1 = single.nonzero()[:, 0]

@@ -232,7 +232,7 @@ def from_parents(parents: Sequence[int]) -> DraftTree:
 
 
 def optimal(
-    acceptance: "Callable[[int, int], float]", budget: int, max_depth: int
+    acceptance: "Callable[[int, int], float]", budget: int, max_depth: int, kmax: int | None = None
 ) -> DraftTree:
     """The tree that maximizes the expected steps committed per round under a budget.
 
@@ -254,15 +254,17 @@ def optimal(
         acceptance: ``acceptance(l, k)`` in [0, 1], ``l >= 1`` depth, ``k >= 1`` children.
         budget: drafted states ``B >= 1``.
         max_depth: largest depth to consider (e.g. the steps left), ``>= 1``.
+        kmax: largest number of children per node considered (default: ``budget``).
 
     Returns:
         The optimal tree (breadth-first ordered).
     """
     budget = _check_int("budget", budget, 1)
     max_depth = _check_int("max_depth", max_depth, 1)
+    kmax = budget if kmax is None else min(_check_int("kmax", kmax, 1), budget)
     acc = {}
     for level in range(1, max_depth + 1):
-        for k in range(1, budget + 1):
+        for k in range(1, kmax + 1):
             a = float(acceptance(level, k))
             if not 0.0 <= a <= 1.0:
                 raise ValueError(f"acceptance({level}, {k}) must be in [0, 1], got {a}")
@@ -273,7 +275,7 @@ def optimal(
     for level in range(max_depth, 0, -1):
         for b in range(1, budget + 1):
             top, arg = 0.0, None
-            for k in range(1, b + 1):
+            for k in range(1, min(b, kmax) + 1):
                 sub_max = b // k - 1
                 a = acc[level, k]
                 # V[l+1] is non-decreasing in the budget: the largest b' is best

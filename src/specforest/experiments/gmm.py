@@ -43,7 +43,7 @@ import torch
 
 from .. import __version__, sample, trees
 from ..models import GaussianMixture
-from ..planning import plan_tree
+from ..planning import AdaptiveTree, plan_tree
 from ..proposals import DRAFT_KINDS
 from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..sde import ReverseSDE, flow_match_grid, uniform_grid
@@ -77,10 +77,12 @@ __all__ = [
 
 METHODS = ("standard", "rmc", "dgrs", "rank", "antithetic")
 
-TREE_MODES = ("uniform", "optimal")
+TREE_MODES = ("uniform", "optimal", "adaptive")
 """``uniform``: the (K, L) tree (a chain for rmc); ``optimal``: the tree of
 :func:`specforest.trees.optimal` for ``budget``, from an acceptance model
-calibrated on a separate short run (:func:`specforest.planning.plan_tree`)."""
+calibrated on a separate short run (:func:`specforest.planning.plan_tree`);
+``adaptive``: re-planned every round from the run's own statistics
+(:class:`specforest.planning.AdaptiveTree`)."""
 
 COUPLING_OF = {"rmc": "rmc", "dgrs": "grs", "rank": "rank", "antithetic": "antithetic"}
 """The coupling each tree method verifies with (rank and antithetic: issue #6)."""
@@ -241,6 +243,8 @@ def bytes_per_trajectory(tree: DraftTree | None, dim: int, lazy: bool = False) -
     """
     if tree is None:
         nodes = 1
+    elif isinstance(tree, AdaptiveTree):  # any plan has at most budget + 1 nodes
+        nodes = 1 + tree.kmax * tree.max_depth if lazy else tree.budget + 1
     elif lazy:
         nodes = 1 + tree.max_children * tree.L
     else:
@@ -336,10 +340,15 @@ def simulate(
     K, L = _normalize(method, K, L)
     _check_choice("tree", tree, TREE_MODES)
     tree_mode = tree
-    if tree_mode == "optimal" and method != "standard":
+    if tree_mode != "uniform" and method != "standard":
         if budget is None:
-            raise ValueError("budget (drafted states per round, >= 1) is required with tree='optimal'")
+            raise ValueError(f"budget (drafted states per round, >= 1) is required with tree={tree_mode!r}")
         budget = _check_int("budget", budget, 1)
+    if tree_mode == "adaptive" and method != "standard":
+        if method == "antithetic":
+            raise ValueError("tree='adaptive' needs i.i.d. children; use dgrs, rank or rmc")
+        tree = AdaptiveTree(budget)
+    elif tree_mode == "optimal" and method != "standard":
         tree = plan_tree(
             setting.mixture(), initial_states(16, setting.dim, _derive_seed(seed, 7)), budget=budget,
             steps=setting.steps, churn=setting.churn, coupling=COUPLING_OF[method], grid=setting.grid,
@@ -411,7 +420,7 @@ def simulate(
         "method": method,
         "K": K,
         "L": L,
-        "budget": tree.budget if tree_mode == "optimal" and tree is not None else _budget(method, K, L),
+        "budget": tree.budget if tree_mode != "uniform" and tree is not None else _budget(method, K, L),
         "tree": tree_mode,
         "tree_layers": None if tree is None else repr(tree),
         "trajectories": n,
