@@ -8,8 +8,8 @@ visited nodes are realized: the law of samples and NFE is that of the full tree)
 
 * couplings: RMC chains, D-GRS, rank and antithetic trees at equal budgets B
   (issue #6), velocity draft;
-* drafts: every frozen-prediction kind (velocity, drift, x0, eps, and the
-  online choice ``auto``) for RMC chains and D-GRS/rank trees at B in
+* drafts: every frozen-prediction kind (velocity, drift, x0, eps, x0
+  extrapolated in time, and the online choice ``auto``) for RMC chains and D-GRS/rank trees at B in
   {14, 62, 155}, and ``auto`` on deeper trees with B <= 155 (issue #7);
 
 plus a dimension check at d = 65,536. Regenerates the ``beyond`` section of
@@ -43,7 +43,7 @@ DRAFT_ROWS = [
     (62, [("rmc", 1, 62), ("dgrs", 2, 5), ("rank", 2, 5)]),
     (155, [("rmc", 1, 155), ("dgrs", 5, 3), ("rank", 5, 3)]),
 ]
-DRAFTS = ("velocity", "drift", "x0", "eps", "auto")
+DRAFTS = ("velocity", "drift", "x0", "eps", "x0_extrap", "auto")
 # deeper, narrower trees suit drafts that stay accurate far from the prefetched evaluation
 AUTO_TREES = [
     ("chain B=28", "rmc", 1, 28, None),

@@ -113,7 +113,7 @@ def test_auto_draft_fills_unseen_offsets_from_the_nearest_seen_one():
     from specforest.proposals import AutoDraft
 
     d = AutoDraft(max_offset=5)
-    d.sum[1] = torch.tensor([3.0, 3.0, 1.0, 3.0], dtype=torch.float64)  # x0 best at offset 1
+    d.sum[1] = torch.tensor([3.0, 3.0, 1.0, 3.0, 3.0], dtype=torch.float64)  # x0 best at offset 1
     d.count[1] = 1.0
     assert d.choice().tolist() == [0, 2, 2, 2, 2, 2]
 

@@ -88,6 +88,8 @@ CONFIGS = {
     "rank_lazy_parent": dict(tree=trees.uniform(4, 2), coupling="rank", lazy=True, prefetch="parent"),
     "antithetic_tree": dict(tree=trees.uniform(2, 3), coupling="antithetic"),
     "auto_draft_rank": dict(tree=trees.uniform(2, 4), coupling="rank", draft="auto"),
+    "x0_extrap_tree": dict(tree=trees.uniform(2, 3), draft="x0_extrap"),
+    "x0_extrap_lazy_chain_parent": dict(tree=trees.chain(5), coupling="rmc", draft="x0_extrap", lazy=True, prefetch="parent"),
     "adaptive_tree": dict(tree=AdaptiveTree(12, kmax=4), coupling="grs"),
     "adaptive_tree_lazy_drafted": dict(tree=AdaptiveTree(20, kmax=3), lazy=True, verify="drafted"),
     "auto_draft_lazy_chain": dict(tree=trees.chain(6), coupling="rmc", draft="auto", lazy=True),

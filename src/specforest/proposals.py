@@ -25,11 +25,11 @@ from .sde import ReverseSDE
 
 __all__ = ["DRAFT_KINDS", "FROZEN_KINDS", "AutoDraft", "DraftModel", "FrozenPrediction", "Prefetch", "Proposal", "get_proposal"]
 
-DRAFT_KINDS = ("velocity", "drift", "x0", "eps", "auto")
+DRAFT_KINDS = ("velocity", "drift", "x0", "eps", "x0_extrap", "auto")
 """Parameterizations a frozen prediction can be held fixed in; ``auto`` picks one
 per draft offset from the mismatch observed in earlier rounds (:class:`AutoDraft`)."""
 
-FROZEN_KINDS = DRAFT_KINDS[:4]
+FROZEN_KINDS = DRAFT_KINDS[:5]
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -42,11 +42,31 @@ class Prefetch:
         y: ``(B, D)`` state at which the target was evaluated.
         v: ``(B, D)`` the target velocity there.
         step: ``(B,)`` long step index of that evaluation.
+        prev_y, prev_v, prev_step: the evaluation prefetched before it (``None``
+            when not tracked), for drafts that extrapolate in time.
+        has_prev: ``(B,)`` bool, True where ``prev_*`` hold a real evaluation.
     """
 
     y: torch.Tensor
     v: torch.Tensor
     step: torch.Tensor
+    prev_y: Optional[torch.Tensor] = None
+    prev_v: Optional[torch.Tensor] = None
+    prev_step: Optional[torch.Tensor] = None
+    has_prev: Optional[torch.Tensor] = None
+
+    def take(self, idx: torch.Tensor) -> "Prefetch":
+        """The rows ``idx`` of every field."""
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return Prefetch(pick(self.y), pick(self.v), pick(self.step), pick(self.prev_y), pick(self.prev_v),
+                        pick(self.prev_step), pick(self.has_prev))
+
+    def set(self, idx: torch.Tensor, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, keep_prev: bool) -> None:
+        """Store a new evaluation at rows ``idx``; the old one becomes ``prev`` if ``keep_prev``."""
+        if self.prev_y is not None:
+            self.prev_y[idx], self.prev_v[idx], self.prev_step[idx] = self.y[idx], self.v[idx], self.step[idx]
+            self.has_prev[idx] = keep_prev
+        self.y[idx], self.v[idx], self.step[idx] = y, v, step
 
 
 class Proposal:
@@ -88,6 +108,11 @@ class Proposal:
         """
         raise NotImplementedError
 
+    def begin_round(self) -> None:
+        """Called by the sampler before each round's drafting; the draft must not
+        change between this call and the end of the round (the walk recomputes
+        the draft means it verifies against)."""
+
     def observe(
         self,
         sde: ReverseSDE,
@@ -119,7 +144,11 @@ class FrozenPrediction(Proposal):
     * ``x0``: the clean-data prediction ``x0* = y* - sigma* v*``, so
       ``v = (y - x0*) / sigma``;
     * ``eps``: the noise prediction ``xi* = y* + (1 - sigma*) v*``, so
-      ``v = (xi* - y) / (1 - sigma)``.
+      ``v = (xi* - y) / (1 - sigma)``;
+    * ``x0_extrap``: the clean-data prediction extrapolated linearly in the noise
+      level from the last two prefetched evaluations,
+      ``x0(sigma) = x0* + (sigma - sigma*) (x0* - x0_prev) / (sigma* - sigma_prev)``
+      (plain ``x0`` where there is no earlier evaluation).
 
     Args:
         kind: one of :data:`DRAFT_KINDS`.
@@ -142,8 +171,15 @@ class FrozenPrediction(Proposal):
             return sde.mean_from_drift(y, b, step)
         sig_src = sde.sigmas.to(y.device, y.dtype)[pre.step][:, None]
         sig = sde.sigmas.to(y.device, y.dtype)[step][:, None]
-        if self.kind == "x0":
+        if self.kind in ("x0", "x0_extrap"):
             x0 = ys - sig_src * vs
+            if self.kind == "x0_extrap" and pre.has_prev is not None:
+                sig_prev = sde.sigmas.to(y.device, y.dtype)[pre.prev_step][:, None]
+                x0_prev = pre.prev_y - sig_prev * pre.prev_v
+                gap = sig_src - sig_prev
+                ok = pre.has_prev[:, None] & (gap.abs() > 1e-12)
+                slope = torch.where(ok, (x0 - x0_prev) / torch.where(ok, gap, torch.ones_like(gap)), torch.zeros_like(x0))
+                x0 = x0 + (sig - sig_src) * slope
             v = (y - x0) / sig
         else:
             xi = ys + (1.0 - sig_src) * vs
@@ -204,8 +240,9 @@ class AutoDraft(Proposal):
     offset), use the kind with the smallest running mean of ``delta`` at that
     offset over the rounds so far (an unseen offset takes the choice of the
     nearest smaller seen one; ``velocity`` before anything is seen).
-    The choice only uses earlier rounds, so the draft of a round is fixed given
-    the past and the sampler stays exact. State is per :func:`specforest.sample`
+    The choice only uses earlier rounds (observations are merged when the next
+    round begins), so the draft of a round is fixed given the past and the
+    sampler stays exact. State is per :func:`specforest.sample`
     call: a fresh instance is made for each run.
     """
 
@@ -215,6 +252,18 @@ class AutoDraft(Proposal):
         self.kinds = [FrozenPrediction(k) for k in FROZEN_KINDS]
         self.sum = torch.zeros(max_offset + 1, len(self.kinds), dtype=torch.float64)
         self.count = torch.zeros(max_offset + 1, dtype=torch.float64)
+        # observations of the current round, merged at the next round's start so
+        # that a round's drafting and its verification use the same choice
+        self._new_sum = torch.zeros_like(self.sum)
+        self._new_count = torch.zeros_like(self.count)
+        self._pick = self.choice()
+
+    def begin_round(self) -> None:
+        self.sum += self._new_sum
+        self.count += self._new_count
+        self._new_sum.zero_()
+        self._new_count.zero_()
+        self._pick = self.choice()
 
     def choice(self) -> torch.Tensor:
         """``(max_offset + 1,)`` index into :data:`FROZEN_KINDS` used at each offset.
@@ -234,11 +283,11 @@ class AutoDraft(Proposal):
 
     def mean(self, sde, y, step, pre, shape, cond=None):
         offset = (step - pre.step).clamp(0, self.sum.shape[0] - 1).cpu()
-        pick = self.choice()[offset]  # (Bs,)
+        pick = self._pick[offset]  # (Bs,)
         out = torch.empty_like(y)
         for k in pick.unique().tolist():
             cols = (pick == k).nonzero()[:, 0].to(y.device)
-            sub = Prefetch(pre.y[cols], pre.v[cols], pre.step[cols])
+            sub = pre.take(cols)
             out[:, cols] = self.kinds[k].mean(sde, y[:, cols], step[cols], sub, shape)
         return out
 
@@ -247,8 +296,8 @@ class AutoDraft(Proposal):
         for i, kind in enumerate(self.kinds):
             m = kind.mean(sde, y[None], step, pre, ())[0]
             d = (torch.linalg.vector_norm((mu_q - m).double(), dim=-1) / scale.double()).cpu()
-            self.sum[:, i].index_add_(0, offset, d)
-        self.count.index_add_(0, offset, torch.ones_like(offset, dtype=torch.float64))
+            self._new_sum[:, i].index_add_(0, offset, d)
+        self._new_count.index_add_(0, offset, torch.ones_like(offset, dtype=torch.float64))
 
     def __repr__(self) -> str:
         return "AutoDraft()"

@@ -408,7 +408,8 @@ class _Loop:
         self.st = st
         step = z(B)
         has_pre = torch.zeros(B, dtype=torch.bool, device=dev)
-        pre = Prefetch(torch.zeros_like(x), torch.zeros_like(x), z(B))
+        pre = Prefetch(torch.zeros_like(x), torch.zeros_like(x), z(B), torch.zeros_like(x), torch.zeros_like(x),
+                       z(B), torch.zeros(B, dtype=torch.bool, device=dev))
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -428,6 +429,7 @@ class _Loop:
                 fetch = stoch & ~has_pre if self.proposal.needs_prefetch else torch.zeros_like(stoch)
                 spec = stoch & ~fetch
             committed = z(B)
+            self.proposal.begin_round()
             if self.planner is not None and spec.any() and self.recorded:
                 self._set_tree(self.planner.plan(torch.cat(self.recorded), self.coupling, T))
 
@@ -471,7 +473,7 @@ class _Loop:
                 x[ids_1[move]] = new[move]
                 committed[ids_1[move]] = 1
                 f = ids_1[is_fetch]
-                pre.y[f], pre.v[f], pre.step[f] = x[f], v1[is_fetch], step[f]
+                pre.set(f, x[f], v1[is_fetch], step[f], keep_prev=False)
                 has_pre[f] = True
 
             step += committed
@@ -501,7 +503,7 @@ class _Loop:
         # node-major layout: a depth layer is one contiguous block of Y
         Y = torch.empty(V, Bs, D, dtype=self.work, device=dev)
         Y[0] = x[ids]
-        sub = Prefetch(pre.y[ids], pre.v[ids], pre.step[ids]) if self.proposal.needs_prefetch else None
+        sub = pre.take(ids) if self.proposal.needs_prefetch else None
         for level in range(1, Lr + 1):
             par_layer, lay = tree.layer(level - 1), tree.layer(level)
             ps = (s0 + level - 1).clamp(max=T - 1)
@@ -549,7 +551,7 @@ class _Loop:
             kids = Y[ch.clamp(min=0), a[:, None]]
             # the draft mean is a deterministic function of the parent: recompute it
             # here for the visited nodes rather than store it for every node
-            pa = None if sub is None else Prefetch(sub.y[a], sub.v[a], sub.step[a])
+            pa = None if sub is None else sub.take(a)
             mu_p = self.proposal.mean(self.sde, yu[None], sa, pa, self.shape, self.target.cond(ids[a]))[0]
             res = self._verify(ids[a], level, yu, mu_p, mu_q, sa, pa, kids, valid)
             ncom[a] += 1
@@ -583,9 +585,7 @@ class _Loop:
                 rr = rj[has]
                 src[rr] = ch.gather(1, pick[:, None])[:, 0][has]
                 src_step[rr] = s0[rr] + rej_depth[rr]
-        pre.y[ids] = Y[src, ar]
-        pre.v[ids] = v[row[src, ar]]
-        pre.step[ids] = src_step
+        pre.set(ids, Y[src, ar], v[row[src, ar]], src_step, keep_prev=True)
 
     def _verify(self, traj, level, y, mu_p, mu_q, step, pre, kids, valid):
         """Couple one depth's children with their targets and record the statistics."""
@@ -615,7 +615,7 @@ class _Loop:
         s0 = step[ids]
         Ls = torch.minimum(self.run_end[s0] - s0, torch.full_like(s0, tree.L))
         st.rows[ids] += self.rows_at[Ls]
-        sub = Prefetch(pre.y[ids], pre.v[ids], pre.step[ids]) if self.proposal.needs_prefetch else None
+        sub = pre.take(ids) if self.proposal.needs_prefetch else None
         cur = torch.zeros(Bs, dtype=torch.long, device=dev)  # node id in the tree
         cur_y = x[ids].clone()
         alive = torch.ones(Bs, dtype=torch.bool, device=dev)
@@ -633,7 +633,7 @@ class _Loop:
             vu = self.target(yu, self.sig[sa], ids[a])
             src_y[a], src_v[a], src_step[a] = yu, vu, sa
             mu_q = self.sde.mean_from_velocity(yu, vu, sa)
-            pa = None if sub is None else Prefetch(sub.y[a], sub.v[a], sub.step[a])
+            pa = None if sub is None else sub.take(a)
             mu_p = self.proposal.mean(self.sde, yu[None], sa, pa, self.shape, self.target.cond(ids[a]))[0]
             ch = self.children[cur[a]]
             valid = ch >= 0
@@ -679,4 +679,4 @@ class _Loop:
             src_step[full] = sf
         x[ids] = new_x
         committed[ids] = ncom
-        pre.y[ids], pre.v[ids], pre.step[ids] = src_y, src_v, src_step
+        pre.set(ids, src_y, src_v, src_step, keep_prev=True)
