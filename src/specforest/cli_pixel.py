@@ -16,6 +16,7 @@ import numpy as np
 
 from .experiments import pixel as pixel_exp
 from .experiments.io import atomic_write
+from .proposals import DRAFT_KINDS
 from .sampler import GRIDS, PREFETCH_POLICIES
 from .trees import VERIFY_MODES
 
@@ -114,7 +115,16 @@ def _common(f):
     type=click.Choice(pixel_exp.METHODS),
     default="dgrs",
     show_default=True,
-    help="standard (no tree, T NFE), rmc (chain, Algorithm 2) or dgrs (uniform tree, Algorithm 3).",
+    help="standard (no tree, T NFE), rmc (chain, Algorithm 2), dgrs (uniform tree, Algorithm 3), "
+    "rank (uniform tree, rank-aware list coupling) or antithetic (uniform K=2 tree of mirrored pairs).",
+)
+@click.option(
+    "--draft",
+    type=click.Choice(DRAFT_KINDS),
+    default="velocity",
+    show_default=True,
+    help="What the draft freezes from the prefetched evaluation (velocity: the paper's protocol; "
+    "drift, x0, eps, x0_extrap; auto: chosen online per draft offset).",
 )
 @click.option(
     "--K",
@@ -187,6 +197,7 @@ def pixel(ctx: click.Context, **o) -> None:
             verify=o["verify"],
             lazy=o["lazy"],
             progress=o["progress"],
+            draft=o["draft"],
         )
     )
     rec = run.record

@@ -49,9 +49,10 @@ import torch
 
 from .. import __version__, sample
 from ..models.digits import IMAGE_SHAPE, NUM_CLASSES, DigitsClassifier, load_classifier, load_velocity
+from ..proposals import DRAFT_KINDS
 from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..trees import VERIFY_MODES
-from .gmm import make_tree
+from .gmm import COUPLING_OF, make_tree
 from .io import atomic_write, atomic_write_text
 
 __all__ = [
@@ -70,7 +71,7 @@ __all__ = [
     "write_figures",
 ]
 
-METHODS = ("standard", "rmc", "dgrs")
+METHODS = ("standard", "rmc", "dgrs", "rank", "antithetic")
 SWEEP_TREES = ((2, 3), (2, 5), (3, 4), (4, 4))
 """The paper's ``(K, L)`` pairs of Sec. 5.2, budgets 14, 62, 120, 340."""
 SWEEP_CHURNS = (0.1, 0.3, 0.6)
@@ -165,13 +166,14 @@ def simulate(
     verify: str = "internal",
     lazy: bool = False,
     progress: bool = False,
+    draft: str = "velocity",
     model: Optional[Callable[..., torch.Tensor]] = None,
     classifier: Optional[DigitsClassifier] = None,
 ) -> PixelRun:
     """Sample ``samples`` class-conditional digits with one method and summarize.
 
     Args:
-        method: ``standard``, ``rmc`` or ``dgrs``.
+        method: ``standard``, ``rmc``, ``dgrs``, ``rank`` or ``antithetic`` (K = 2).
         K: tree width for ``dgrs`` (ignored otherwise), ``>= 1`` (``>= 0`` for ``standard``).
         L: tree depth for ``dgrs``; chain length ``B`` for ``rmc``; ``>= 1`` (``>= 0`` for ``standard``).
         churn: ``eps`` in (0, 1].
@@ -182,6 +184,8 @@ def simulate(
         prefetch: ``nearest`` or ``parent`` (ERRATA 9).
         verify: ``internal`` or ``drafted``.
         lazy: realize only visited nodes (same law and NFE; wall-clock not comparable).
+        draft: frozen-prediction kind of the draft (``velocity``, ``drift``, ``x0``,
+            ``eps``, ``x0_extrap`` or ``auto``).
         progress: the sampler's progress bar on stderr.
         model: the velocity (default: the shipped digits model).
         classifier: the evaluation classifier (default: the shipped one).
@@ -203,6 +207,9 @@ def simulate(
     _check_choice("grid", grid, GRIDS)
     _check_choice("prefetch", prefetch, PREFETCH_POLICIES)
     _check_choice("verify", verify, VERIFY_MODES)
+    _check_choice("draft", draft, DRAFT_KINDS)
+    if method == "antithetic" and K != 2:
+        raise ValueError(f"K must be 2 for the antithetic method, got {K}")
     if isinstance(churn, bool) or not isinstance(churn, (int, float)) or not 0.0 < churn <= 1.0:
         raise ValueError(f"churn must be a number in (0, 1], got {churn!r}")
     K, L = _normalize(method, K, L)
@@ -220,7 +227,8 @@ def simulate(
         churn=float(churn),
         grid=grid,
         tree=tree,
-        coupling="rmc" if method == "rmc" else "grs",
+        coupling=COUPLING_OF.get(method, "grs"),
+        draft=draft,
         prefetch=prefetch,
         verify=verify,
         generator=g,
@@ -262,7 +270,8 @@ def simulate(
         "prefetch": prefetch,
         "verify": verify,
         "mode": "lazy" if lazy else "full",
-        "coupling": None if tree is None else ("rmc" if method == "rmc" else "grs"),
+        "coupling": None if tree is None else COUPLING_OF[method],
+        "draft": draft,
         "tree": None if tree is None else repr(tree),
         "model": "digits 1x8x8 (EDM U-Net)",
         "specforest_version": __version__,
