@@ -274,3 +274,19 @@ def test_cli_sweep_writes_results_and_figures(tmp_path):
 def test_train_cli_is_registered_without_training():
     res = _invoke(train, "digits", "--help")
     assert "--steps" in res.output and "--max-minutes" in res.output
+
+
+def test_pixel_cli_planned_and_adaptive_trees_and_new_methods():
+    from click.testing import CliRunner
+
+    from specforest.cli import main
+
+    for extra in (["--tree", "optimal", "--budget", "6"], ["--tree", "adaptive", "--budget", "6"],
+                  ["--method", "rank", "--draft", "auto"], ["--method", "antithetic", "--K", "2", "--L", "2"]):
+        args = ["pixel", "--samples", "4", "--steps", "8", "--lazy", "--json", "--no-progress", *extra]
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 0, (extra, res.output)
+        rec = json.loads(res.output)
+        assert rec["nfe_mean"] <= 8
+    res = CliRunner().invoke(main, ["pixel", "--tree", "optimal", "--samples", "4", "--steps", "8", "--no-progress"])
+    assert res.exit_code != 0 and "budget" in res.output

@@ -127,6 +127,17 @@ def _common(f):
     "drift, x0, eps, x0_extrap; auto: chosen online per draft offset).",
 )
 @click.option(
+    "--tree",
+    "tree_mode",
+    type=click.Choice(["uniform", "optimal", "adaptive"]),
+    default="uniform",
+    show_default=True,
+    help="uniform: the (K, L) tree; optimal: planned for --budget from a short calibration run; "
+    "adaptive: re-planned every round (K and L are ignored by both).",
+)
+@click.option("--budget", type=click.IntRange(1), default=None,
+              help="Drafted states per round (>= 1) for --tree optimal or adaptive.")
+@click.option(
     "--K",
     "K",
     type=click.IntRange(1),
@@ -198,6 +209,8 @@ def pixel(ctx: click.Context, **o) -> None:
             lazy=o["lazy"],
             progress=o["progress"],
             draft=o["draft"],
+            tree=o["tree_mode"],
+            budget=o["budget"],
         )
     )
     rec = run.record

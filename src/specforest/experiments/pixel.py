@@ -49,10 +49,11 @@ import torch
 
 from .. import __version__, sample
 from ..models.digits import IMAGE_SHAPE, NUM_CLASSES, DigitsClassifier, load_classifier, load_velocity
+from ..planning import AdaptiveTree, plan_tree
 from ..proposals import DRAFT_KINDS
 from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..trees import VERIFY_MODES
-from .gmm import COUPLING_OF, make_tree
+from .gmm import COUPLING_OF, TREE_MODES, make_tree
 from .io import atomic_write, atomic_write_text
 
 __all__ = [
@@ -167,6 +168,8 @@ def simulate(
     lazy: bool = False,
     progress: bool = False,
     draft: str = "velocity",
+    tree: str = "uniform",
+    budget: Optional[int] = None,
     model: Optional[Callable[..., torch.Tensor]] = None,
     classifier: Optional[DigitsClassifier] = None,
 ) -> PixelRun:
@@ -186,6 +189,9 @@ def simulate(
         lazy: realize only visited nodes (same law and NFE; wall-clock not comparable).
         draft: frozen-prediction kind of the draft (``velocity``, ``drift``, ``x0``,
             ``eps``, ``x0_extrap`` or ``auto``).
+        tree: ``uniform`` (the (K, L) tree), ``optimal`` (planned for ``budget`` from
+            a short calibration run) or ``adaptive`` (re-planned every round).
+        budget: drafted states per round for ``optimal`` / ``adaptive``.
         progress: the sampler's progress bar on stderr.
         model: the velocity (default: the shipped digits model).
         classifier: the evaluation classifier (default: the shipped one).
@@ -213,12 +219,29 @@ def simulate(
     if isinstance(churn, bool) or not isinstance(churn, (int, float)) or not 0.0 < churn <= 1.0:
         raise ValueError(f"churn must be a number in (0, 1], got {churn!r}")
     K, L = _normalize(method, K, L)
-    tree = make_tree(method, K, L, T)
-    lazy = bool(lazy) and tree is not None
+    _check_choice("tree", tree, TREE_MODES)
+    tree_mode = tree
     model = load_velocity() if model is None else model
     classifier = load_classifier() if classifier is None else classifier
-
     x_T, labels = initial_states(n, seed)
+    if tree_mode != "uniform" and method != "standard":
+        if budget is None:
+            raise ValueError(f"budget (drafted states per round, >= 1) is required with tree={tree_mode!r}")
+        budget = _check_int("budget", budget, 1)
+        if tree_mode == "adaptive":
+            if method == "antithetic":
+                raise ValueError("tree='adaptive' needs i.i.d. children; use dgrs, rank or rmc")
+            tree = AdaptiveTree(budget)
+        else:
+            cx, cl = initial_states(16, _derive_seed(seed, 7))
+            tree = plan_tree(model, cx, budget=budget, steps=T, churn=float(churn), coupling=COUPLING_OF[method],
+                             grid=grid, draft=draft, prefetch=prefetch, verify=verify,
+                             model_kwargs={"class_labels": cl},
+                             generator=torch.Generator().manual_seed(_derive_seed(seed, 8)))
+    else:
+        tree = make_tree(method, K, L, T)
+    lazy = bool(lazy) and tree is not None
+
     g = torch.Generator().manual_seed(_derive_seed(seed, _STREAM_NOISE))
     out = sample(
         model,
@@ -248,7 +271,8 @@ def simulate(
         "method": method,
         "K": K,
         "L": L,
-        "budget": budget_of(method, K, L),
+        "budget": budget if tree_mode != "uniform" and method != "standard" else budget_of(method, K, L),
+        "tree": tree_mode,
         "samples": n,
         "churn": float(churn),
         "steps": T,
@@ -272,7 +296,7 @@ def simulate(
         "mode": "lazy" if lazy else "full",
         "coupling": None if tree is None else COUPLING_OF[method],
         "draft": draft,
-        "tree": None if tree is None else repr(tree),
+        "tree_layers": None if tree is None else repr(tree),
         "model": "digits 1x8x8 (EDM U-Net)",
         "specforest_version": __version__,
         "torch_version": torch.__version__,
