@@ -115,8 +115,10 @@ class AdaptiveTree:
     acceptance model of :func:`acceptance_model`, and :func:`specforest.trees.optimal`
     gives the tree for ``budget``. The first speculative round uses ``initial``
     (default: a chain of ``min(budget, 8)``), which also gathers the first
-    statistics at depth. A round's tree depends only on earlier rounds, so the
-    sampler stays exact.
+    statistics at depth. Near the end of the chain, trajectories whose remaining
+    horizon is shorter than the plan's depth get a plan re-optimized for that
+    horizon (drafted in the same target call). A round's trees depend only on
+    earlier rounds, so the sampler stays exact.
 
     Args:
         budget: drafted states per round ``B >= 1``.

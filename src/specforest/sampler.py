@@ -430,29 +430,36 @@ class _Loop:
                 spec = stoch & ~fetch
             committed = z(B)
             self.proposal.begin_round()
-            if self.planner is not None and spec.any() and self.recorded:
-                self._set_tree(self.planner.plan(torch.cat(self.recorded), self.coupling, T))
+            groups = self._tree_groups(spec, step) if spec.any() else []
 
             single = det | exact | fetch
             ids_1 = single.nonzero()[:, 0]
             if self.lazy:
                 v1 = self.target(x[ids_1], self.sig[step[ids_1]], ids_1) if ids_1.numel() else None
-                if spec.any():
-                    self._speculate_lazy(x, step, spec, pre, committed)
+                for mask, tree in groups:
+                    self._set_tree(tree)
+                    self._speculate_lazy(x, step, mask, pre, committed)
             else:
                 # -- one batched target call for every trajectory --------------------
-                drafted = self._draft(x, step, spec, pre) if spec.any() else None
+                drafted = []
+                for mask, tree in groups:
+                    self._set_tree(tree)
+                    drafted.append((tree, self._draft(x, step, mask, pre)))
                 rows_x, rows_s, rows_t = [x[ids_1]], [self.sig[step[ids_1]]], [ids_1]
-                if drafted is not None:
-                    em = drafted["emask"]
-                    rows_x.append(drafted["Y"][em])
-                    rows_s.append(self.sig[drafted["estep"][em]])
-                    rows_t.append(drafted["ids"][None, :].expand_as(em)[em])
+                for _, d in drafted:
+                    em = d["emask"]
+                    rows_x.append(d["Y"][em])
+                    rows_s.append(self.sig[d["estep"][em]])
+                    rows_t.append(d["ids"][None, :].expand_as(em)[em])
                 v_all = self.target(torch.cat(rows_x), torch.cat(rows_s), torch.cat(rows_t))
                 v1 = v_all[: ids_1.numel()]
-                if drafted is not None:
-                    st.rows[drafted["ids"]] += drafted["emask"].sum(0)
-                    self._accept(x, step, committed, pre, drafted, v_all[ids_1.numel():])
+                start = ids_1.numel()
+                for tree, d in drafted:
+                    self._set_tree(tree)
+                    n_rows = int(d["emask"].sum())
+                    st.rows[d["ids"]] += d["emask"].sum(0)
+                    self._accept(x, step, committed, pre, d, v_all[start : start + n_rows])
+                    start += n_rows
             st.nfe += active.long()
             st.rows[ids_1] += 1
             if spec.any():
@@ -490,6 +497,29 @@ class _Loop:
             st.deltas = torch.cat(self.recorded) if self.recorded else torch.zeros(0, 4, dtype=torch.float64)
         st.draft_calls = getattr(self.proposal, "calls", 0)
         return x, st
+
+    def _tree_groups(self, spec, step):
+        """``[(mask, tree)]``: the trajectories drafting each tree this round.
+
+        A fixed tree serves every trajectory (each truncates it to its horizon).
+        An adaptive plan is re-made from the statistics so far and, near the end
+        of the chain, re-optimized for each remaining horizon shorter than it.
+        """
+        if self.planner is None:
+            return [(spec, self.tree)]
+        T = self.sde.steps
+        data = torch.cat(self.recorded) if self.recorded else None
+        base = self.planner.plan(data, self.coupling, T)
+        if data is None:
+            return [(spec, base)]
+        horizon = self.run_end[step.clamp(max=T - 1)] - step
+        groups = []
+        short = spec & (horizon < base.L)
+        if (spec & ~short).any():
+            groups.append((spec & ~short, base))
+        for h in torch.unique(horizon[short]).tolist():
+            groups.append((short & (horizon == h), self.planner.plan(data, self.coupling, int(h))))
+        return groups
 
     # -- phase 1: drafting ------------------------------------------------------------
     def _draft(self, x, step, spec, pre):
