@@ -12,29 +12,15 @@ import sys
 import click
 import numpy as np
 
+from ._cli_options import draft_option, int_list, prefetch_option, tree_options, verify_option
 from .experiments import gmm as gmm_exp
 from .experiments.io import atomic_write
-from .proposals import DRAFT_KINDS
-from .sampler import GRIDS, PREFETCH_POLICIES
-from .trees import VERIFY_MODES
+from .sampler import GRIDS
 
 __all__ = ["main"]
 
 _CHURN = click.FloatRange(0.0, 1.0, min_open=True)
 _POS_FLOAT = click.FloatRange(0.0, min_open=True)
-
-
-def _int_list(name: str, lo: int):
-    def parse(ctx, param, value: str) -> list[int]:
-        try:
-            vals = [int(v) for v in value.split(",") if v.strip()]
-        except ValueError:
-            raise click.BadParameter(f"must be a comma-separated list of integers, got {value!r}") from None
-        if not vals or min(vals) < lo:
-            raise click.BadParameter(f"must list integers >= {lo}, got {value!r}")
-        return sorted(set(vals))
-
-    return parse
 
 
 def _setting_options(f):
@@ -92,46 +78,10 @@ def _setting_options(f):
             show_default=True,
             help="Time grid: flow_match (diffusers' default, the authors' code) or uniform.",
         ),
-        click.option(
-            "--prefetch",
-            type=click.Choice(PREFETCH_POLICIES),
-            default="nearest",
-            show_default=True,
-            help="Which evaluated node the next round drafts from after a rejection (ERRATA 9).",
-        ),
-        click.option(
-            "--verify",
-            type=click.Choice(VERIFY_MODES),
-            default="drafted",
-            show_default=True,
-            help="Evaluate every drafted node (drafted: the paper's protocol, B = |V|) or only "
-            "the root and internal nodes (internal: fewer states per call, same NFE or more).",
-        ),
-        click.option(
-            "--tree",
-            "tree_mode",
-            type=click.Choice(["uniform", "optimal", "adaptive"]),
-            default="uniform",
-            show_default=True,
-            help="uniform: the (K, L) tree; optimal: the tree that maximizes expected steps per "
-            "target call for --budget, planned from a short calibration run; adaptive: re-planned "
-            "every round from the run's own statistics (K and L are ignored by both).",
-        ),
-        click.option(
-            "--budget",
-            type=click.IntRange(1),
-            default=None,
-            help="Drafted states per round (>= 1) for --tree optimal or adaptive.",
-        ),
-        click.option(
-            "--draft",
-            type=click.Choice(DRAFT_KINDS),
-            default="velocity",
-            show_default=True,
-            help="What the draft freezes from the prefetched evaluation: the velocity (the paper's "
-            "protocol), the whole drift (App. C.1), the clean-data prediction x0 or the noise "
-            "prediction eps; the exactly known rest is recomputed at each drafted state.",
-        ),
+        prefetch_option(),
+        verify_option("drafted"),
+        tree_options,
+        draft_option(),
         click.option(
             "--memory-gb",
             type=_POS_FLOAT,
@@ -277,7 +227,7 @@ def gmm(ctx: click.Context, **o) -> None:
     "K_values",
     default="1,2,3,4,5,6,7",
     show_default=True,
-    callback=_int_list("K", 1),
+    callback=int_list("K", 1),
     help="Comma-separated tree widths K (each >= 1).",
 )
 @click.option(
@@ -285,7 +235,7 @@ def gmm(ctx: click.Context, **o) -> None:
     "L_values",
     default="2,3,4,5,6,7",
     show_default=True,
-    callback=_int_list("L", 1),
+    callback=int_list("L", 1),
     help="Comma-separated tree depths L (each >= 1).",
 )
 @_setting_options
@@ -389,7 +339,7 @@ def couplings_table(as_json: bool, K_values: str, deltas: str) -> None:
     """
     from .landscape import acceptance_table
 
-    Ks = _int_list("K-values", 1)(None, None, K_values)
+    Ks = int_list("K-values", 1)(None, None, K_values)
     rows = acceptance_table(_float_list(deltas), Ks)
     if as_json:
         for r in rows:
@@ -411,7 +361,7 @@ def couplings_plot(out: str, K_values: str) -> None:
     """Plot per-step acceptance against delta in [0, 5] for each K (one panel per K)."""
     from .landscape import plot_landscape
 
-    plot_landscape(out, Ks=_int_list("K-values", 1)(None, None, K_values))
+    plot_landscape(out, Ks=int_list("K-values", 1)(None, None, K_values))
     click.echo(f"wrote {out}")
 
 

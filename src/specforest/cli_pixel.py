@@ -14,11 +14,10 @@ from pathlib import Path
 import click
 import numpy as np
 
+from ._cli_options import draft_option, prefetch_option, tree_options, verify_option
 from .experiments import pixel as pixel_exp
 from .experiments.io import atomic_write
-from .proposals import DRAFT_KINDS
-from .sampler import GRIDS, PREFETCH_POLICIES
-from .trees import VERIFY_MODES
+from .sampler import GRIDS
 
 __all__ = ["pixel", "train"]
 
@@ -89,20 +88,8 @@ def _common(f):
             show_default=True,
             help="Time grid: flow_match (noise levels linspace(1, 1e-3, T), then 0) or uniform.",
         ),
-        click.option(
-            "--prefetch",
-            type=click.Choice(PREFETCH_POLICIES),
-            default="nearest",
-            show_default=True,
-            help="Which evaluated node the next round drafts from after a rejection (ERRATA 9).",
-        ),
-        click.option(
-            "--verify",
-            type=click.Choice(VERIFY_MODES),
-            default="internal",
-            show_default=True,
-            help="Evaluate the root and internal nodes (internal) or every drafted node.",
-        ),
+        prefetch_option(),
+        verify_option("internal"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -118,25 +105,8 @@ def _common(f):
     help="standard (no tree, T NFE), rmc (chain, Algorithm 2), dgrs (uniform tree, Algorithm 3), "
     "rank (uniform tree, rank-aware list coupling) or antithetic (uniform K=2 tree of mirrored pairs).",
 )
-@click.option(
-    "--draft",
-    type=click.Choice(DRAFT_KINDS),
-    default="velocity",
-    show_default=True,
-    help="What the draft freezes from the prefetched evaluation (velocity: the paper's protocol; "
-    "drift, x0, eps, x0_extrap; auto: chosen online per draft offset).",
-)
-@click.option(
-    "--tree",
-    "tree_mode",
-    type=click.Choice(["uniform", "optimal", "adaptive"]),
-    default="uniform",
-    show_default=True,
-    help="uniform: the (K, L) tree; optimal: planned for --budget from a short calibration run; "
-    "adaptive: re-planned every round (K and L are ignored by both).",
-)
-@click.option("--budget", type=click.IntRange(1), default=None,
-              help="Drafted states per round (>= 1) for --tree optimal or adaptive.")
+@draft_option()
+@tree_options
 @click.option(
     "--K",
     "K",

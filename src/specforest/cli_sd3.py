@@ -10,21 +10,11 @@ from __future__ import annotations
 import click
 import torch
 
+from ._cli_options import int_list, prefetch_option
 from .experiments import sd3 as sd3_exp
-from .sampler import PREFETCH_POLICIES
 from .trees import VERIFY_MODES
 
 __all__ = ["sd3"]
-
-
-def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
-    try:
-        vals = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"must be a comma-separated list of integers, got {value!r}") from None
-    if not vals or min(vals) < 1:
-        raise click.BadParameter(f"must list integers >= 1, got {value!r}")
-    return tuple(sorted(set(vals)))
 
 
 def _library_errors(fn):
@@ -62,7 +52,7 @@ def _library_errors(fn):
     "K_values",
     default="2,3,4,5,6,7",
     show_default=True,
-    callback=_int_list,
+    callback=int_list("K-values", 1),
     help="Comma-separated D-GRS widths K (each >= 1); RMC runs a chain of B = K + ... + K^L for each.",
 )
 @click.option("--L", "L", type=click.IntRange(1), default=2, show_default=True, help="D-GRS depth L (>= 1).")
@@ -126,13 +116,7 @@ def _library_errors(fn):
     help="Evaluate every drafted state (drafted: the paper's protocol, B = |V| per round) or only "
     "the root and internal nodes (internal: fewer states per call, same NFE or more).",
 )
-@click.option(
-    "--prefetch",
-    type=click.Choice(PREFETCH_POLICIES),
-    default="nearest",
-    show_default=True,
-    help="Which evaluated node the next round drafts from after a rejection (ERRATA 9).",
-)
+@prefetch_option()
 @click.option(
     "--batch-size",
     type=click.IntRange(1),

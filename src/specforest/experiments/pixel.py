@@ -53,7 +53,7 @@ from ..planning import AdaptiveTree, plan_tree
 from ..proposals import DRAFT_KINDS
 from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..trees import VERIFY_MODES
-from .gmm import COUPLING_OF, TREE_MODES, make_tree
+from .gmm import COUPLING_OF, TREE_MODES, _check_choice, _check_int, _derive_seed, make_tree
 from .io import atomic_write, atomic_write_text
 
 __all__ = [
@@ -86,24 +86,6 @@ _T_DET = 2
 _STREAM_INIT, _STREAM_NOISE = 0, 1
 # bounds the rows of one network call (a full (4, 4) round has 85 rows per image)
 _MAX_ROWS = 4096
-
-
-def _check_int(name: str, value: object, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int >= {lo}, got {type(value).__name__}")
-    if value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value}")
-    return int(value)
-
-
-def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    return str(value)
-
-
-def _derive_seed(seed: int, stream: int) -> int:
-    return int(np.random.SeedSequence([seed, stream]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def budget_of(method: str, K: int, L: int) -> int:
