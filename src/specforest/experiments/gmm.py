@@ -28,7 +28,6 @@ batch, samples depend on the chunking (their law does not).
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -359,8 +358,6 @@ def simulate(
         tree = make_tree(method, K, L, setting.steps)
     # a tree-less run has nothing to realize lazily
     lazy = bool(lazy) and tree is not None
-    if lazy and "lazy" not in inspect.signature(sample).parameters:
-        raise NotImplementedError("this version of specforest.sample has no lazy mode; run without lazy")
     if method == "antithetic" and K != 2:
         raise ValueError(f"K must be 2 for the antithetic method (a mirrored pair per node), got {K}")
     coupling = COUPLING_OF.get(method, "grs")
