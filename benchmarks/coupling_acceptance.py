@@ -27,7 +27,7 @@ RULES = [
     ("RMC", RMC(), [1]),
     ("GRS", GRS(), [1, 2, 4, 8]),
     ("rank", RankCoupling(), [2, 4, 8]),
-    ("antithetic", AntitheticCoupling(), [2]),
+    ("antithetic", AntitheticCoupling(), [2, 4, 8]),
 ]
 
 

@@ -34,6 +34,7 @@ from specforest.experiments.results import machine_line, replace_section
 COUPLING_ROWS = [
     (14, [("rmc", 1, 14), ("dgrs", 2, 3), ("rank", 2, 3), ("antithetic", 2, 3)]),
     (62, [("rmc", 1, 62), ("dgrs", 2, 5), ("rank", 2, 5), ("antithetic", 2, 5)]),
+    (84, [("rmc", 1, 84), ("dgrs", 4, 3), ("rank", 4, 3), ("antithetic", 4, 3)]),
     (120, [("rmc", 1, 120), ("dgrs", 3, 4), ("rank", 3, 4)]),
     (155, [("rmc", 1, 155), ("dgrs", 5, 3), ("rank", 5, 3)]),
     (254, [("rmc", 1, 254), ("dgrs", 2, 7), ("rank", 2, 7), ("antithetic", 2, 7)]),

@@ -13,20 +13,20 @@ from specforest.couplings import (
     RMC,
     AntitheticCoupling,
     RankCoupling,
-    _log_mixture_pdf,
     get_coupling,
     grs_acceptance,
     grs_levels,
     rmc_acceptance,
     sample_grs_residual,
 )
+from specforest.rank_rules import CAP_INF, log_rule_pdf, table_rule
 
 DELTAS = [0.0, 1e-6, 0.5, 1.0, 2.0, 4.0, 8.0]
 DIMS = [1, 3, 64]
 
 # Every coupling and the K it supports: a new coupling adds one line here and
 # inherits the whole battery.
-COUPLINGS = [(RMC, [1]), (GRS, [1, 2, 3, 7]), (RankCoupling, [1, 2, 3, 7]), (AntitheticCoupling, [2])]
+COUPLINGS = [(RMC, [1]), (GRS, [1, 2, 3, 7]), (RankCoupling, [1, 2, 3, 7]), (AntitheticCoupling, [2, 4])]
 CASES = [
     (cls, K, delta, d)
     for cls, ks in COUPLINGS
@@ -61,7 +61,7 @@ class WrongThresholdGRS(GRS):
 
 
 class MinDensityRank(RankCoupling):
-    """Selects a random rank but tests acceptance against the minimum's density."""
+    """Selects by the capped rank rule but tests acceptance against the minimum's density."""
 
     def select(self, s_hat, delta, valid, generator):
         index, _ = super().select(s_hat, delta, valid, generator)
@@ -70,7 +70,21 @@ class MinDensityRank(RankCoupling):
         log_w[0] = 0.0
 
         def log_f(s, rows):
-            return _log_mixture_pdf(s, log_w, K)
+            return log_rule_pdf(s, log_w.expand(*s.shape, K), torch.full_like(s, CAP_INF), K)
+
+        return index, log_f
+
+
+class UncappedRank(RankCoupling):
+    """Selects by the capped rule but tests acceptance against the uncapped mixture's density."""
+
+    def select(self, s_hat, delta, valid, generator):
+        index, _ = super().select(s_hat, delta, valid, generator)
+        K = s_hat.shape[1]
+        w, _ = table_rule(delta, K)
+
+        def log_f(s, rows):
+            return log_rule_pdf(s, torch.log(w[rows])[:, None].expand(-1, s.shape[1], -1), torch.full_like(s, CAP_INF), K)
 
         return index, log_f
 
@@ -99,11 +113,36 @@ def test_coupling_exact_and_acceptance_matches_closed_form(cls, K, delta, d):
 @pytest.mark.parametrize("broken", [UnfixedGRS, NoResidualGRS, WrongThresholdGRS, MinDensityRank, GreedyAntithetic, IidAntithetic])
 def test_battery_rejects_broken_couplings(broken):
     failed = []
-    for K in [2] if issubclass(broken, AntitheticCoupling) else [2, 3]:
+    for K in [2, 4] if issubclass(broken, AntitheticCoupling) else [2, 3]:
         for delta in [1.0, 2.0]:
             rep = run_battery(broken(), delta, K, 3, n=100_000, seed=7)
             failed.append(bool(rep.failures()))
     assert all(failed), "a deliberately broken coupling passed the exactness battery"
+
+
+def test_battery_rejects_a_rank_rule_that_forgets_its_cap():
+    # where the table's cap is finite and matters: K = 2 at delta = 0.5, K = 3 at delta = 1
+    for K, delta in [(2, 0.5), (3, 1.0)]:
+        _, cap = table_rule(torch.tensor([delta], dtype=torch.float64), K)
+        assert abs(float(cap)) < 5
+        rep = run_battery(UncappedRank(), delta, K, 3, n=100_000, seed=11)
+        assert rep.failures(), f"an uncapped density passed at K={K}, delta={delta}"
+
+
+def test_antithetic_needs_even_children():
+    with pytest.raises(ValueError, match="even number"):
+        AntitheticCoupling().structure_noise(torch.zeros(4, 3, 2))
+    with pytest.raises(ValueError, match="even number"):
+        AntitheticCoupling().acceptance(1.0, 3)
+
+
+def test_antithetic_pairs_mirror_and_keep_marginals():
+    z = torch.randn(20_000, 4, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = AntitheticCoupling().structure_noise(z)
+    assert torch.equal(out[:, 1::2], -out[:, 0::2]) and torch.equal(out[:, 0::2], z[:, 0::2])
+    # pairs are independent of each other: correlation of child 0 and child 2 is 0
+    c = torch.corrcoef(torch.stack([out[:, 0, 0], out[:, 2, 0]]))[0, 1]
+    assert abs(float(c)) < 4.5 / math.sqrt(20_000)
 
 
 def test_rmc_closed_form_is_twice_survival_at_half_delta():

@@ -94,6 +94,9 @@ CONFIGS = {
     "adaptive_tree_lazy_drafted": dict(tree=AdaptiveTree(20, kmax=3), lazy=True, verify="drafted"),
     "auto_draft_lazy_chain": dict(tree=trees.chain(6), coupling="rmc", draft="auto", lazy=True),
     "antithetic_lazy_drafted": dict(tree=trees.uniform(2, 4), coupling="antithetic", lazy=True, verify="drafted"),
+    "antithetic_pairs_k4": dict(tree=trees.uniform(4, 2), coupling="antithetic"),
+    "antithetic_pairs_k4_lazy_parent": dict(tree=trees.uniform(4, 3), coupling="antithetic", lazy=True,
+                                            prefetch="parent", draft="x0"),
 }
 
 
@@ -131,9 +134,12 @@ def test_structured_siblings_need_uniform_widths():
     with pytest.raises(ValueError, match="same number of children"):
         specforest.sample(GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="antithetic",
                           tree=trees.from_parents([-1, 0, 0, 1]))
-    with pytest.raises(ValueError, match="at most 2 children"):
+    with pytest.raises(ValueError, match="tree: .*even number of children"):
         specforest.sample(GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="antithetic",
                           tree=trees.uniform(3, 2))
+    with pytest.raises(ValueError, match="at most 1 child"):
+        specforest.sample(GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="rmc",
+                          tree=trees.uniform(2, 2))
 
 
 def test_antithetic_siblings_are_mirrored_in_the_draft():
@@ -154,6 +160,22 @@ def test_antithetic_siblings_are_mirrored_in_the_draft():
     specforest.sample(model, x, steps=30, churn=0.5, tree=trees.uniform(2, 1), coupling="antithetic",
                       verify="drafted", generator=torch.Generator().manual_seed(1))
     assert torch.allclose(0.5 * (seen[2][1] + seen[2][2]), mid)
+
+
+def test_four_antithetic_children_are_two_mirrored_pairs():
+    seen = []
+
+    def model(x, sigma):
+        seen.append(x.clone())
+        return GAUSS(x, sigma)
+
+    x = torch.randn(1, 3, dtype=torch.float64)
+    specforest.sample(model, x, steps=30, churn=0.5, tree=trees.uniform(4, 1), coupling="antithetic",
+                      verify="drafted", generator=torch.Generator().manual_seed(0))
+    rows = seen[2]  # root + 4 children
+    assert rows.shape[0] == 5
+    assert torch.allclose(rows[1] + rows[2], rows[3] + rows[4])
+    assert not torch.allclose(rows[1], rows[3])
 
 
 def test_speculative_and_standard_agree_in_law():
@@ -294,7 +316,7 @@ def test_budget_drafted_states_per_round():
         (dict(steps=2.5), TypeError, "steps must be an int"),
         (dict(prefetch="first"), ValueError, "prefetch must be one of"),
         (dict(verify="all"), ValueError, "verify must be one of"),
-        (dict(coupling="rmc"), ValueError, "at most 1 children per node"),
+        (dict(coupling="rmc"), ValueError, "tree: coupling .rmc. takes at most 1 child per node"),
         (dict(coupling="xyz"), ValueError, "coupling must be one of"),
         (dict(draft="mu"), ValueError, "draft must be one of"),
         (dict(grid="cosine"), ValueError, "grid must be one of"),

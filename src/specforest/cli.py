@@ -128,7 +128,7 @@ def main() -> None:
     default="dgrs",
     show_default=True,
     help="standard (no tree, T NFE), rmc (chain, Algorithm 2), dgrs (uniform tree, Algorithm 3), "
-    "rank (uniform tree, rank-aware list coupling) or antithetic (uniform K=2 tree of mirrored pairs).",
+    "rank (uniform tree, capped rank-aware list coupling) or antithetic (uniform tree of K/2 mirrored pairs per node, K even).",
 )
 @click.option(
     "--K",
@@ -136,7 +136,7 @@ def main() -> None:
     type=click.IntRange(1),
     default=6,
     show_default=True,
-    help="Children per node of the uniform tree (>= 1; 2 for antithetic); ignored by rmc and standard.",
+    help="Children per node of the uniform tree (>= 1; even for antithetic); ignored by rmc and standard.",
 )
 @click.option(
     "--L",
@@ -333,9 +333,9 @@ def _float_list(value: str) -> list[float]:
 def couplings_table(as_json: bool, K_values: str, deltas: str) -> None:
     """Per-step acceptance of RMC, GRS, rank and antithetic couplings and the bound.
 
-    rmc is the single-proposal maximal coupling (independent of K); antithetic is
-    defined for K = 2 only (null otherwise) and can exceed the bound, which holds
-    for i.i.d. children.
+    rmc is the single-proposal maximal coupling (independent of K); antithetic
+    (K/2 mirrored pairs) is defined for even K only (null otherwise) and can
+    exceed the bound, which holds for i.i.d. children.
     """
     from .landscape import acceptance_table
 

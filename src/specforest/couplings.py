@@ -20,6 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .rank_rules import CAP_INF, log_rule_pdf, rule_acceptance, table_rule
+
 __all__ = [
     "Coupling",
     "CouplingResult",
@@ -187,11 +189,7 @@ class Coupling:
             A :class:`CouplingResult`.
         """
         P, K, _ = children.shape
-        if self.max_children is not None and K > self.max_children:
-            raise ValueError(
-                f"coupling {self.name!r} takes at most {self.max_children} child per node, "
-                f"got {K}; use a tree with K <= {self.max_children} or another coupling"
-            )
+        self.check_children(K)
         work = children.dtype if children.dtype in (torch.float32, torch.float64) else torch.float32
         mu_p = mu_p.to(work)
         diff = mu_q.to(work) - mu_p
@@ -235,6 +233,14 @@ class Coupling:
     def acceptance(self, delta: torch.Tensor | float, K: int) -> torch.Tensor:
         """Closed-form probability of accepting a child, given ``delta`` and ``K``."""
         raise NotImplementedError
+
+    def check_children(self, K: int) -> None:
+        """Raise ``ValueError`` if a node cannot have ``K`` children under this rule."""
+        if self.max_children is not None and K > self.max_children:
+            raise ValueError(
+                f"coupling {self.name!r} takes at most {self.max_children} child per node, "
+                f"got {K}; use a tree with K <= {self.max_children} or another coupling"
+            )
 
     def structure_noise(self, z: torch.Tensor) -> torch.Tensor:
         """Joint law of siblings: map i.i.d. standard noise ``(n, K, ...)`` of each
@@ -327,42 +333,8 @@ class GRS(Coupling):
 
 # -- list couplings beyond GRS ---------------------------------------------------------
 
-def _log_order_stat_pdf(s: torch.Tensor, K: int) -> torch.Tensor:
-    """``log f_(j)(s)``, ``j = 1..K``, of the order statistics of ``K`` i.i.d. ``N(0, 1)``.
-
-    Args:
-        s: ``(*batch)`` float64 points.
-
-    Returns:
-        ``(*batch, K)`` float64 log densities (``j = K`` is the maximum).
-    """
-    j = torch.arange(1, K + 1, dtype=torch.float64, device=s.device)
-    logc = math.lgamma(K + 1) - torch.lgamma(j) - torch.lgamma(K - j + 1)
-    lp = torch.special.log_ndtr(s)[..., None]
-    lsf = log_sf(s)[..., None]
-    logphi = (-0.5 * s * s - 0.5 * math.log(2 * math.pi))[..., None]
-    return logc + (j - 1) * lp + (K - j) * lsf + logphi
-
-
 def _log_normal_pdf(s: torch.Tensor) -> torch.Tensor:
     return -0.5 * s * s - 0.5 * math.log(2 * math.pi)
-
-
-def _log_mixture_pdf(s: torch.Tensor, log_w: torch.Tensor, K: int) -> torch.Tensor:
-    """``log sum_j w_j f_(j)(s)`` with ``log_w (*batch, K)`` broadcast against ``s (*batch)``."""
-    return torch.logsumexp(_log_order_stat_pdf(s, K) + log_w, dim=-1)
-
-
-def _quad_grid(delta: float, n: int = 20001) -> torch.Tensor:
-    lo, hi = min(-12.0, delta - 12.0), max(12.0, delta + 12.0)
-    return torch.linspace(lo, hi, n, dtype=torch.float64)
-
-
-def _simpson(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    h = float(x[1] - x[0])
-    w = torch.ones_like(x)
-    w[1:-1:2], w[2:-1:2] = 4.0, 2.0
-    return (y * w).sum(-1) * h / 3.0
 
 
 def _sample_residual_by_rejection(
@@ -440,192 +412,159 @@ class _SelectThenCouple(Coupling):
         return s_new, accepted, index
 
 
-_RANK_TABLE: dict = {}
-_RANK_DELTAS = torch.linspace(0.0, 8.0, 81, dtype=torch.float64)
-
-
-def rank_weights_lp(delta: float, K: int, n: int = 1500) -> tuple[torch.Tensor, float]:
-    """Mixture weights over the ``K`` order statistics maximizing ``int min(q, f_w)``.
-
-    Solved as a linear program on a grid of ``n`` cells (scipy's HiGHS): maximize
-    ``sum m_i`` subject to ``m_i <= q_i`` and ``m_i <= sum_j w_j f_(j)(s_i)``,
-    ``w`` in the simplex. The objective is concave in ``w``, so the LP optimum
-    is the global one on the grid.
-
-    Returns:
-        ``(w (K,) float64, acceptance on the grid)``.
-    """
-    import numpy as np
-    from scipy.optimize import linprog
-
-    if K == 1:
-        return torch.ones(1, dtype=torch.float64), float(rmc_acceptance(delta))
-    s = torch.linspace(min(-9.0, delta - 9.0), max(9.0, delta + 9.0), n, dtype=torch.float64)
-    ds = float(s[1] - s[0])
-    q = torch.exp(_log_normal_pdf(s - delta)).numpy()
-    F = torch.exp(_log_order_stat_pdf(s, K)).numpy().T  # (K, n)
-    c = np.concatenate([np.zeros(K), -ds * np.ones(n)])
-    A = np.hstack([-F.T, np.eye(n)])
-    a_eq = np.concatenate([np.ones(K), np.zeros(n)])[None]
-    bounds = [(0, None)] * K + [(0, float(qi)) for qi in q]
-    res = linprog(c, A_ub=A, b_ub=np.zeros(n), A_eq=a_eq, b_eq=[1.0], bounds=bounds, method="highs")
-    if not res.success:  # pragma: no cover - HiGHS solves these small LPs
-        raise RuntimeError(f"rank-weight LP failed at delta={delta}, K={K}: {res.message}")
-    w = torch.tensor(np.clip(res.x[:K], 0.0, None), dtype=torch.float64)
-    return w / w.sum(), -float(res.fun)
-
-
-def rank_table(K: int) -> torch.Tensor:
-    """``(len(_RANK_DELTAS), K)`` weights, from the shipped table or computed once."""
-    if K not in _RANK_TABLE:
-        shipped = _load_shipped_rank_table()
-        if str(K) in shipped:
-            _RANK_TABLE[K] = torch.tensor(shipped[str(K)], dtype=torch.float64)
-        else:
-            _RANK_TABLE[K] = torch.stack([rank_weights_lp(float(d), K)[0] for d in _RANK_DELTAS])
-    return _RANK_TABLE[K]
-
-
-def _load_shipped_rank_table() -> dict:
-    import json
-    from importlib import resources
-
-    try:
-        text = resources.files("specforest").joinpath("data/rank_weights.json").read_text()
-    except FileNotFoundError:
-        return {}
-    data = json.loads(text)
-    if data.get("deltas") != [round(float(d), 6) for d in _RANK_DELTAS]:
-        return {}
-    return data["weights"]
-
-
-def rank_weights(delta: torch.Tensor, K: int) -> torch.Tensor:
-    """``(P, K)`` rank weights at each ``delta``, interpolated linearly in the table.
-
-    Any weights keep the coupling exact (the acceptance test uses the same
-    weights as the selection); the table only makes it efficient. Beyond the
-    table's last ``delta`` the last row is used.
-    """
-    tab = rank_table(K).to(delta.device)
-    step = float(_RANK_DELTAS[1] - _RANK_DELTAS[0])
-    pos = (delta / step).clamp(0.0, len(_RANK_DELTAS) - 1.0)
-    i0 = pos.floor().long().clamp(max=len(_RANK_DELTAS) - 2)
-    frac = (pos - i0)[:, None]
-    return (1 - frac) * tab[i0] + frac * tab[i0 + 1]
-
-
 class RankCoupling(_SelectThenCouple):
-    """Rank-aware list coupling: pick the child of a random rank in the projection.
+    """Rank-aware list coupling: select a child by its rank in the projection.
 
-    The rank ``j`` is drawn from weights ``w(delta)`` (tabulated by
-    :func:`rank_weights_lp`, interpolated), so the selected projection has the
-    mixture-of-order-statistics density ``f_w = sum_j w_j f_(j)``, known in
-    closed form; it is then maximally coupled with ``N(delta, 1)`` and the
-    residual drawn exactly by rejection. Children must be i.i.d. from the
-    proposal. With ``K = 1`` it is the maximal coupling (RMC's acceptance).
+    The capped rank rule of :mod:`specforest.rank_rules`: if the largest
+    projection exceeds the cap ``t(delta)``, select it; otherwise select the
+    ``j``-th smallest with probability ``w_j(delta)``. Cap and weights are
+    tabulated per ``delta`` (shipped, interpolated). The selected projection
+    has a closed-form density ``f`` (order statistics of ``K`` i.i.d.
+    ``N(0, 1)``, restricted by the cap), so it is maximally coupled with
+    ``N(delta, 1)`` and the residual drawn exactly by rejection. The selection
+    uses the projections only, so the selected child's orthogonal part keeps
+    its law. Children must be i.i.d. from the proposal. With ``K = 1`` it is the
+    maximal coupling (RMC's acceptance). The acceptance reaches the i.i.d. list
+    bound (:func:`specforest.landscape.list_bound`) for ``K = 2`` at
+    ``delta >= 0.6`` and is within 0.6 % of it below.
     """
 
     name = "rank"
+
+    @staticmethod
+    def _rule(delta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if k == 1:
+            n = delta.numel()
+            return torch.ones(n, 1, dtype=torch.float64, device=delta.device), torch.full_like(delta, CAP_INF)
+        return table_rule(delta, k, "normal")
 
     def select(self, s_hat, delta, valid, generator):
         P, Kmax = s_hat.shape
         k_eff = valid.sum(1)
         index = torch.zeros(P, dtype=torch.long, device=s_hat.device)
         log_w_rows = torch.full((P, Kmax), -math.inf, dtype=torch.float64, device=s_hat.device)
+        cap_rows = torch.empty(P, dtype=torch.float64, device=s_hat.device)
         u = _uniform((P,), generator, s_hat.device)
-        for k in (k_eff.unique().tolist() if not bool((k_eff == Kmax).all()) else [Kmax]):
-            sel = (k_eff == k).nonzero()[:, 0]
-            w = rank_weights(delta[sel], int(k))
+        groups = [Kmax] if bool((k_eff == Kmax).all()) else k_eff.unique().tolist()
+        for k in groups:
+            sel = torch.arange(P, device=s_hat.device) if len(groups) == 1 else (k_eff == k).nonzero()[:, 0]
+            w, cap = self._rule(delta[sel], int(k))
+            sv = s_hat[sel, :k]
             j = torch.searchsorted(torch.cumsum(w, 1), u[sel, None]).clamp(max=k - 1)[:, 0]
-            order = torch.argsort(s_hat[sel, :k], dim=1)
-            index[sel] = order.gather(1, j[:, None])[:, 0]
+            j = torch.where(sv.max(1).values > cap, k - 1, j)
+            index[sel] = torch.argsort(sv, dim=1).gather(1, j[:, None])[:, 0]
             log_w_rows[sel, :k] = torch.log(w)
-        ks = k_eff
-        uniform_k = bool((k_eff == Kmax).all())
+            cap_rows[sel] = cap
 
         def log_f(s, rows):
-            if uniform_k:
-                return _log_mixture_pdf(s, log_w_rows[rows, None, :], Kmax)
             out = torch.empty_like(s)
-            for k in torch.unique(ks[rows]).tolist():
-                m = ks[rows] == k
-                out[m] = _log_mixture_pdf(s[m], log_w_rows[rows[m], None, :k], int(k))
+            for k in groups:
+                m = slice(None) if len(groups) == 1 else k_eff[rows] == k
+                r = rows[m]
+                out[m] = log_rule_pdf(s[m], log_w_rows[r, None, :k].expand(-1, s.shape[1], -1),
+                                      cap_rows[r, None].expand(-1, s.shape[1]), int(k), "normal")
             return out
 
         return index, log_f
 
     def acceptance(self, delta, K):
-        d = torch.as_tensor(delta, dtype=torch.float64).reshape(-1)
-        out = torch.empty_like(d)
-        for i, dv in enumerate(d.tolist()):
-            if K == 1:
-                out[i] = rmc_acceptance(dv)
-                continue
-            s = _quad_grid(dv)
-            log_w = torch.log(rank_weights(torch.tensor([dv], dtype=torch.float64), K))[0]
-            f = _log_mixture_pdf(s, log_w, K)
-            out[i] = _simpson(torch.exp(torch.minimum(f, _log_normal_pdf(s - dv))), s)
-        return out.clamp(0.0, 1.0).reshape(torch.as_tensor(delta).shape)
+        d = torch.as_tensor(delta, dtype=torch.float64)
+        flat = d.reshape(-1)
+        w, cap = self._rule(flat, int(K))
+        return rule_acceptance(flat, w, cap, "normal").reshape(d.shape)
 
 
 class AntitheticCoupling(_SelectThenCouple):
-    """An antithetic pair of children (the second mirrors the first through the
-    proposal mean) with its best exact coupling.
+    """Antithetic pairs of children (each pair mirrored through the proposal mean)
+    with their best exact rank coupling. ``K`` must be even.
 
-    Children: ``Y_1 = mu_p + s Z`` and ``Y_2 = mu_p - s Z``; each is marginally
-    ``N(mu_p, s^2 I)``, so everything drafted below either child keeps its law.
-    Projections ``S`` and ``-S``: with ``r = |S|`` the pair offers mass ``2 phi(r)``
-    at ``+r`` and ``-r``. The rule picks ``+r`` with probability
-    ``pi(r) = min(1, q(r) / (2 phi(r)))`` (then the selected projection has
-    density ``f(r) = min(q(r), 2 phi(r))`` and ``f(-r) = 2 phi(r) - f(r)``), and
-    the selection is maximally coupled with ``q``. Acceptance
-    ``int_0^inf min(2 phi(r), q(r) + q(-r)) dr``. Requires exactly two children
-    per node.
+    Children ``2i`` and ``2i + 1`` are ``mu_p + s Z_i`` and ``mu_p - s Z_i`` with
+    ``Z_1, ..., Z_{K/2}`` i.i.d. ``N(0, I)``: each child is marginally
+    ``N(mu_p, s^2 I)``, and its subtree is drafted from it with fresh noise, so
+    every node keeps the proposal's law. In any direction the pair's
+    projections are ``+R_i`` and ``-R_i`` with magnitudes ``R_i = |S_i|`` i.i.d.
+    half-normal, whatever the direction (the pair covers both sides of the
+    mean, which i.i.d. children cannot).
+
+    Rule: pick a pair by the capped rank rule on the magnitudes
+    (:mod:`specforest.rank_rules`, ``halfnormal`` base; the selected magnitude has
+    density ``g``), then the member at ``+r`` with probability
+    ``pi(r) = min(1, q(r) / g(r))``, else the one at ``-r``. The selected
+    projection has density ``f(r) = min(q(r), g(r))`` and
+    ``f(-r) = g(r) - f(r)``, known in closed form, and is maximally coupled
+    with ``q``; the residual is drawn exactly. Acceptance
+    ``int_0^inf min(g(r), q(r) + q(-r)) dr``: for ``K = 2`` (``g = 2 phi``) it
+    exceeds the i.i.d. bound for ``delta >= 1``. Nodes must all have the same
+    even number of children.
     """
 
     name = "antithetic"
-    max_children = 2
+
+    def check_children(self, K: int) -> None:
+        if K % 2:
+            raise ValueError(
+                f"coupling 'antithetic' draws mirrored pairs: every node needs an even number of "
+                f"children (2, 4, ...), got {K}"
+            )
 
     def structure_noise(self, z: torch.Tensor) -> torch.Tensor:
-        if z.shape[1] != 2:
-            raise ValueError(f"antithetic siblings need exactly 2 children per node, got {z.shape[1]}")
-        return torch.stack([z[:, 0], -z[:, 0]], 1)
+        self.check_children(z.shape[1])
+        out = z.clone()
+        out[:, 1::2] = -z[:, 0::2]
+        return out
 
     @staticmethod
-    def _log_f(s: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    def _rule(delta: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if M == 1:
+            n = delta.numel()
+            return torch.ones(n, 1, dtype=torch.float64, device=delta.device), torch.full_like(delta, CAP_INF)
+        return table_rule(delta, M, "halfnormal")
+
+    @staticmethod
+    def _log_f(s: torch.Tensor, delta: torch.Tensor, log_w: torch.Tensor, cap: torch.Tensor, M: int) -> torch.Tensor:
         r = s.abs()
-        log_two_phi = math.log(2.0) + _log_normal_pdf(r)
+        log_g = log_rule_pdf(r, log_w, cap, M, "halfnormal")
         log_qr = _log_normal_pdf(r - delta)
-        log_pos = torch.minimum(log_qr, log_two_phi)
-        # 2 phi(r) - min(q(r), 2 phi(r)) = 2 phi(r) (1 - min(1, q(r) / 2 phi(r)))
-        log_neg = log_two_phi + torch.log(-torch.expm1((log_qr - log_two_phi).clamp(max=0.0)))
+        log_pos = torch.minimum(log_qr, log_g)
+        # g(r) - min(q(r), g(r)) = g(r) (1 - min(1, q(r) / g(r)))
+        log_neg = log_g + torch.log(-torch.expm1((log_qr - log_g).clamp(max=0.0)))
         return torch.where(s >= 0, log_pos, log_neg)
 
     def select(self, s_hat, delta, valid, generator):
-        if not bool(valid[:, :2].all()) or s_hat.shape[1] != 2:
-            raise ValueError("antithetic coupling needs exactly 2 children per node")
-        r = s_hat[:, 0].abs()
-        pi = torch.exp((_log_normal_pdf(r - delta) - math.log(2.0) - _log_normal_pdf(r)).clamp(max=0.0))
-        take_pos = _uniform(r.shape, generator, s_hat.device) < pi
-        # the child whose projection is +r is child 0 iff S_0 >= 0
-        pos_child = torch.where(s_hat[:, 0] >= 0, 0, 1)
-        index = torch.where(take_pos, pos_child, 1 - pos_child)
+        P, K = s_hat.shape
+        self.check_children(K)
+        if not bool(valid.all()):
+            raise ValueError("antithetic coupling needs every node's pairs complete (a uniform tree)")
+        M = K // 2
+        rows = torch.arange(P, device=s_hat.device)
+        mag = s_hat[:, 0::2].abs()
+        w, cap = self._rule(delta, M)
+        u = _uniform((P,), generator, s_hat.device)
+        j = torch.searchsorted(torch.cumsum(w, 1), u[:, None]).clamp(max=M - 1)[:, 0]
+        j = torch.where(mag.max(1).values > cap, M - 1, j)
+        pair = torch.argsort(mag, dim=1).gather(1, j[:, None])[:, 0]
+        r = mag[rows, pair]
+        log_w = torch.log(w)
+        log_g = log_rule_pdf(r, log_w, cap, M, "halfnormal")
+        pi = torch.exp((_log_normal_pdf(r - delta) - log_g).clamp(max=0.0))
+        take_pos = _uniform((P,), generator, s_hat.device) < pi
+        # the member at +r is child 2 * pair iff its projection is >= 0; its mirror is the other one
+        pos_child = torch.where(s_hat[rows, 2 * pair] >= 0, 2 * pair, 2 * pair + 1)
+        index = torch.where(take_pos, pos_child, pos_child ^ 1)
 
-        def log_f(s, rows):
-            return self._log_f(s, delta[rows][:, None])
+        def log_f(s, rws):
+            m = s.shape[1]
+            return self._log_f(s, delta[rws][:, None], log_w[rws, None, :].expand(-1, m, -1),
+                               cap[rws, None].expand(-1, m), M)
 
         return index, log_f
 
     def acceptance(self, delta, K=2):
-        d = torch.as_tensor(delta, dtype=torch.float64).reshape(-1)
-        out = torch.empty_like(d)
-        for i, dv in enumerate(d.tolist()):
-            r = torch.linspace(0.0, max(12.0, dv + 12.0), 20001, dtype=torch.float64)
-            two_phi = 2.0 * torch.exp(_log_normal_pdf(r))
-            qq = torch.exp(_log_normal_pdf(r - dv)) + torch.exp(_log_normal_pdf(r + dv))
-            out[i] = _simpson(torch.minimum(two_phi, qq), r)
-        return out.clamp(0.0, 1.0).reshape(torch.as_tensor(delta).shape)
+        self.check_children(int(K))
+        d = torch.as_tensor(delta, dtype=torch.float64)
+        flat = d.reshape(-1)
+        w, cap = self._rule(flat, int(K) // 2)
+        return rule_acceptance(flat, w, cap, "halfnormal").reshape(d.shape)
 
 
 _COUPLINGS = {"rmc": RMC, "grs": GRS, "dgrs": GRS, "rank": RankCoupling, "antithetic": AntitheticCoupling}

@@ -102,9 +102,9 @@ def acceptance_table(
     """One row per ``(delta, K)`` with the acceptance of each coupling and the bound.
 
     Keys: ``delta, K, rmc, grs, rank, antithetic, bound``. ``rmc`` is the single-
-    proposal maximal coupling (it does not depend on ``K``); ``antithetic`` is
-    defined for ``K = 2`` only (``None`` otherwise) and may exceed ``bound``,
-    which holds for i.i.d. children only.
+    proposal maximal coupling (it does not depend on ``K``); ``antithetic`` (``K / 2``
+    mirrored pairs) is defined for even ``K`` only (``None`` otherwise) and may
+    exceed ``bound``, which holds for i.i.d. children only.
     """
     rank, anti = RankCoupling(), AntitheticCoupling()
     out = []
@@ -118,7 +118,7 @@ def acceptance_table(
                     rmc=float(rmc_acceptance(dt)),
                     grs=float(grs_acceptance(dt, int(K))),
                     rank=float(rank.acceptance(dt, int(K))),
-                    antithetic=float(anti.acceptance(dt)) if K == 2 else None,
+                    antithetic=float(anti.acceptance(dt, int(K))) if K % 2 == 0 else None,
                     bound=list_bound(float(d), int(K)),
                 )
             )
@@ -138,7 +138,7 @@ def plot_landscape(path, Ks: Sequence[int] = (1, 2, 4, 8), deltas: Optional[np.n
     rows = acceptance_table(deltas, Ks)
     fig, axes = plt.subplots(1, len(Ks), figsize=(4.0 * len(Ks), 3.6), sharey=True, constrained_layout=True)
     styles = {"rmc": ("RMC (K=1)", "0.5", "--"), "grs": ("GRS", "#1D3557", "-"),
-              "rank": ("rank", "#E76F51", "-"), "antithetic": ("antithetic pair", "#2A9D8F", "-"),
+              "rank": ("rank", "#E76F51", "-"), "antithetic": ("antithetic pairs", "#2A9D8F", "-"),
               "bound": ("i.i.d. bound", "k", ":")}
     for ax, K in zip(np.atleast_1d(axes), Ks, strict=True):
         sub = [r for r in rows if r["K"] == K]

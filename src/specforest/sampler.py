@@ -312,18 +312,21 @@ def sample(
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     sde = _make_sde(steps, sigmas, grid, shift, churn)
     cp = get_coupling(coupling)
-    if tree is not None and cp.max_children is not None and tree.max_children > cp.max_children:
-        raise ValueError(
-            f"coupling {cp.name!r} takes at most {cp.max_children} children per node but the tree has "
-            f"nodes with {tree.max_children}; use coupling='grs' or a narrower tree"
-        )
+    if planner is not None and type(cp).structure_noise is not Coupling.structure_noise:
+        raise ValueError(f"coupling {cp.name!r} draws structured siblings; an adaptive tree needs i.i.d. children")
     if tree is not None and type(cp).structure_noise is not Coupling.structure_noise:
         k = tree.num_children[tree.internal]
         if (k != k[0]).any():
             raise ValueError(
                 f"coupling {cp.name!r} draws structured siblings: every internal node of the tree "
-                "needs the same number of children (e.g. trees.uniform(2, L) for antithetic)"
+                "needs the same number of children (e.g. trees.uniform(4, L) for antithetic)"
             )
+    if tree is not None:
+        for k in tree.num_children[tree.internal].unique().tolist():
+            try:
+                cp.check_children(int(k))
+            except ValueError as err:
+                raise ValueError(f"tree: {err}") from None
     proposal = get_proposal(draft)
     if generator is None:
         generator = torch.Generator(device="cpu")
@@ -336,8 +339,6 @@ def sample(
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
     target = _Target(model, shape, work, max_rows, model_kwargs or {}, B)
-    if planner is not None and type(cp).structure_noise is not Coupling.structure_noise:
-        raise ValueError(f"coupling {cp.name!r} draws structured siblings; an adaptive tree needs i.i.d. children")
     loop = _Loop(sde, tree, cp, proposal, prefetch, verify, target, generator, shape, dev, work, lazy, planner)
     loop.recorded = [] if (record_deltas or planner is not None) else None
     xs, stats = loop.run(x.reshape(B, D).to(work, copy=True), callback, progress)

@@ -343,9 +343,9 @@ def simulate(
         if budget is None:
             raise ValueError(f"budget (drafted states per round, >= 1) is required with tree={tree_mode!r}")
         budget = _check_int("budget", budget, 1)
+    if tree_mode != "uniform" and method == "antithetic":
+        raise ValueError(f"tree={tree_mode!r} plans irregular trees of i.i.d. children; use dgrs, rank or rmc")
     if tree_mode == "adaptive" and method != "standard":
-        if method == "antithetic":
-            raise ValueError("tree='adaptive' needs i.i.d. children; use dgrs, rank or rmc")
         tree = AdaptiveTree(budget)
     elif tree_mode == "optimal" and method != "standard":
         tree = plan_tree(
@@ -358,8 +358,8 @@ def simulate(
         tree = make_tree(method, K, L, setting.steps)
     # a tree-less run has nothing to realize lazily
     lazy = bool(lazy) and tree is not None
-    if method == "antithetic" and K != 2:
-        raise ValueError(f"K must be 2 for the antithetic method (a mirrored pair per node), got {K}")
+    if method == "antithetic" and K % 2:
+        raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     coupling = COUPLING_OF.get(method, "grs")
 
     n, T = setting.trajectories, setting.steps
@@ -465,7 +465,7 @@ def run_config(setting: GMMSetting, **options) -> dict:
     Args:
         setting: the experiment's :class:`GMMSetting`.
         method: ``standard``, ``rmc``, ``dgrs``, ``rank`` or ``antithetic`` (default ``dgrs``).
-        K: tree width for the tree methods (must be 2 for ``antithetic``), ``>= 1``.
+        K: tree width for the tree methods (even for ``antithetic``), ``>= 1``.
         L: tree depth for the tree methods; chain length ``B`` for ``rmc``; ``>= 1``.
         prefetch: ``nearest`` or ``parent`` (ERRATA 9).
         verify: ``internal`` or ``drafted``.

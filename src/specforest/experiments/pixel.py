@@ -158,7 +158,7 @@ def simulate(
     """Sample ``samples`` class-conditional digits with one method and summarize.
 
     Args:
-        method: ``standard``, ``rmc``, ``dgrs``, ``rank`` or ``antithetic`` (K = 2).
+        method: ``standard``, ``rmc``, ``dgrs``, ``rank`` or ``antithetic`` (K even).
         K: tree width for ``dgrs`` (ignored otherwise), ``>= 1`` (``>= 0`` for ``standard``).
         L: tree depth for ``dgrs``; chain length ``B`` for ``rmc``; ``>= 1`` (``>= 0`` for ``standard``).
         churn: ``eps`` in (0, 1].
@@ -196,8 +196,8 @@ def simulate(
     _check_choice("prefetch", prefetch, PREFETCH_POLICIES)
     _check_choice("verify", verify, VERIFY_MODES)
     _check_choice("draft", draft, DRAFT_KINDS)
-    if method == "antithetic" and K != 2:
-        raise ValueError(f"K must be 2 for the antithetic method, got {K}")
+    if method == "antithetic" and K % 2:
+        raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     if isinstance(churn, bool) or not isinstance(churn, (int, float)) or not 0.0 < churn <= 1.0:
         raise ValueError(f"churn must be a number in (0, 1], got {churn!r}")
     K, L = _normalize(method, K, L)
@@ -210,9 +210,9 @@ def simulate(
         if budget is None:
             raise ValueError(f"budget (drafted states per round, >= 1) is required with tree={tree_mode!r}")
         budget = _check_int("budget", budget, 1)
+        if method == "antithetic":
+            raise ValueError(f"tree={tree_mode!r} plans irregular trees of i.i.d. children; use dgrs, rank or rmc")
         if tree_mode == "adaptive":
-            if method == "antithetic":
-                raise ValueError("tree='adaptive' needs i.i.d. children; use dgrs, rank or rmc")
             tree = AdaptiveTree(budget)
         else:
             cx, cl = initial_states(16, _derive_seed(seed, 7))
