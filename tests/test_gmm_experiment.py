@@ -16,6 +16,7 @@ import torch
 from click.testing import CliRunner
 from scipy import stats as sps
 
+from specforest import trees
 from specforest.cli import main
 from specforest.experiments import gmm as gmm_exp
 from specforest.experiments.io import atomic_write, atomic_write_text
@@ -362,3 +363,17 @@ def test_speculative_matches_standard_in_law():
     keep = (comp != 0) | (torch.arange(len(comp)) % 3 == 0)
     assert projection_ks_pvalue(std, spec[keep]) < 1e-4
     assert math.isfinite(spec_run.record["accept_rate"])
+
+
+def test_a_draft_tree_runs_as_given_and_is_recorded_as_custom():
+    setting = gmm_exp.GMMSetting(dim=8, steps=10, trajectories=4)
+    tree = trees.widths([2, 3, 1])
+    run = gmm_exp.simulate(setting, method="rank", tree=tree, lazy=True)
+    r = run.record
+    assert run.tree is tree
+    assert (r["tree"], r["K"], r["L"], r["budget"]) == ("custom", 3, 3, tree.budget)
+    assert r["nfe_mean"] < setting.steps
+    with pytest.raises(ValueError, match="tree method"):
+        gmm_exp.run_config(setting, method="rmc", tree=tree)
+    with pytest.raises(ValueError, match="even number"):
+        gmm_exp.run_config(setting, method="antithetic", tree=trees.uniform(3, 2))

@@ -300,10 +300,13 @@ class GMMRun:
     Attributes:
         record: the flat result dict (see :func:`run_config`).
         samples: ``(trajectories, dim)`` float32 final samples.
+        tree: the draft tree sampled with (``None`` for the standard sampler;
+            an :class:`~specforest.planning.AdaptiveTree` for ``tree='adaptive'``).
     """
 
     record: dict
     samples: torch.Tensor
+    tree: "DraftTree | AdaptiveTree | None" = None
 
 
 def simulate(
@@ -319,7 +322,7 @@ def simulate(
     memory_gb: float | None = None,
     progress: bool = False,
     draft: str = "velocity",
-    tree: str = "uniform",
+    tree: "str | DraftTree" = "uniform",
     budget: int | None = None,
 ) -> GMMRun:
     """Run one configuration and keep its samples; see :func:`run_config`."""
@@ -337,28 +340,34 @@ def simulate(
     if isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not memory_gb > 0:
         raise ValueError(f"memory_gb must be a number > 0, got {memory_gb!r}")
     K, L = _normalize(method, K, L)
-    _check_choice("tree", tree, TREE_MODES)
-    tree_mode = tree
-    if tree_mode != "uniform" and method != "standard":
-        if budget is None:
-            raise ValueError(f"budget (drafted states per round, >= 1) is required with tree={tree_mode!r}")
-        budget = _check_int("budget", budget, 1)
-    if tree_mode != "uniform" and method == "antithetic":
-        raise ValueError(f"tree={tree_mode!r} plans irregular trees of i.i.d. children; use dgrs, rank or rmc")
-    if tree_mode == "adaptive" and method != "standard":
-        tree = AdaptiveTree(budget)
-    elif tree_mode == "optimal" and method != "standard":
-        tree = plan_tree(
-            setting.mixture(), initial_states(16, setting.dim, _derive_seed(seed, 7)), budget=budget,
-            steps=setting.steps, churn=setting.churn, coupling=COUPLING_OF[method], grid=setting.grid,
-            draft=draft, prefetch=prefetch, verify=verify,
-            generator=torch.Generator().manual_seed(_derive_seed(seed, 8)),
-        )
+    if isinstance(tree, DraftTree):
+        if method in ("standard", "rmc"):
+            raise ValueError(f"a DraftTree as tree needs a tree method (dgrs, rank, antithetic), got method={method!r}")
+        tree_mode = "custom"
+        K, L = tree.max_children, tree.L
     else:
-        tree = make_tree(method, K, L, setting.steps)
+        _check_choice("tree", tree, TREE_MODES)
+        tree_mode = tree
+        if tree_mode != "uniform" and method != "standard":
+            if budget is None:
+                raise ValueError(f"budget (drafted states per round, >= 1) is required with tree={tree_mode!r}")
+            budget = _check_int("budget", budget, 1)
+        if tree_mode != "uniform" and method == "antithetic":
+            raise ValueError(f"tree={tree_mode!r} plans irregular trees of i.i.d. children; use dgrs, rank or rmc")
+        if tree_mode == "adaptive" and method != "standard":
+            tree = AdaptiveTree(budget)
+        elif tree_mode == "optimal" and method != "standard":
+            tree = plan_tree(
+                setting.mixture(), initial_states(16, setting.dim, _derive_seed(seed, 7)), budget=budget,
+                steps=setting.steps, churn=setting.churn, coupling=COUPLING_OF[method], grid=setting.grid,
+                draft=draft, prefetch=prefetch, verify=verify,
+                generator=torch.Generator().manual_seed(_derive_seed(seed, 8)),
+            )
+        else:
+            tree = make_tree(method, K, L, setting.steps)
     # a tree-less run has nothing to realize lazily
     lazy = bool(lazy) and tree is not None
-    if method == "antithetic" and K % 2:
+    if method == "antithetic" and tree_mode != "custom" and K % 2:
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     coupling = COUPLING_OF.get(method, "grs")
 
@@ -456,7 +465,7 @@ def simulate(
         "torch_version": torch.__version__,
         "platform": platform.platform(),
     }
-    return GMMRun(record, cat["samples"])
+    return GMMRun(record, cat["samples"], tree)
 
 
 def run_config(setting: GMMSetting, **options) -> dict:
@@ -477,6 +486,10 @@ def run_config(setting: GMMSetting, **options) -> dict:
         memory_gb: memory limit that sets the chunk size (default
             :func:`default_memory_gb`).
         progress: show the sampler's progress bar (stderr).
+        tree: ``uniform``, ``optimal`` or ``adaptive`` (see :data:`TREE_MODES`),
+            or a :class:`~specforest.trees.DraftTree` to sample with as given
+            (recorded as ``custom``, with ``K, L`` its widest node and depth).
+        budget: drafted states per round for ``optimal`` and ``adaptive``.
 
     Returns:
         A JSON-serializable dict (NaN written as ``None``) with the options and
