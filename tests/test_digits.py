@@ -290,3 +290,7 @@ def test_pixel_cli_planned_and_adaptive_trees_and_new_methods():
         assert rec["nfe_mean"] <= 8
     res = CliRunner().invoke(main, ["pixel", "--tree", "optimal", "--samples", "4", "--steps", "8", "--no-progress"])
     assert res.exit_code != 0 and "budget" in res.output
+    for method, title in (("rank", "rank coupling, K=2 L=2"), ("antithetic", "antithetic pairs, K=2 L=2")):
+        args = ["pixel", "--samples", "2", "--steps", "6", "--lazy", "--no-progress", "--method", method, "--K", "2", "--L", "2"]
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 0 and title in res.output, res.output

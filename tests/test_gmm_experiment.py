@@ -114,10 +114,18 @@ def test_lazy_mode_is_recorded():
     assert run_json("--lazy", "--method", "standard")["mode"] == "full"
 
 
-def test_human_summary_without_json():
-    res = invoke("gmm", *TINY, "--K", "2", "--L", "2")
-    assert res.exit_code == 0
-    assert "D-GRS, K=2 L=2 (B=6)" in res.stdout and "speedup" in res.stdout
+@pytest.mark.parametrize("method,extra,title", [
+    ("dgrs", [], "D-GRS, K=2 L=2 (B=6)"),
+    ("rank", [], "rank coupling, K=2 L=2 (B=6)"),
+    ("antithetic", [], "antithetic pairs, K=2 L=2 (B=6)"),
+    ("rmc", [], "RMC, chain B=2"),
+    ("standard", [], "standard sampler"),
+    ("rank", ["--tree", "optimal", "--budget", "4"], "rank coupling, optimal tree DraftTree("),
+])
+def test_human_summary_without_json(method, extra, title):
+    res = invoke("gmm", *TINY, "--method", method, "--K", "2", "--L", "2", *extra)
+    assert res.exit_code == 0, res.output
+    assert title in res.stdout and "speedup" in res.stdout
 
 
 def test_dump_samples(tmp_path):

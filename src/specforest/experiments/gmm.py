@@ -48,6 +48,7 @@ from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..sde import ReverseSDE, flow_match_grid, uniform_grid
 from ..trees import VERIFY_MODES, DraftTree
 from .io import atomic_write, atomic_write_text, load_records, records_csv
+from .results import describe_method
 
 __all__ = [
     "COUPLING_OF",
@@ -800,11 +801,7 @@ def _pm(mean: float | None, sem: float | None, digits: int = 3) -> str:
 
 def format_result(r: dict) -> str:
     """A few human-readable lines describing one record."""
-    what = {
-        "standard": "standard sampler",
-        "rmc": f"RMC, chain B={r['budget']}",
-        "dgrs": f"D-GRS, K={r['K']} L={r['L']} (B={r['budget']})",
-    }[r["method"]]
+    what = describe_method(r)
     per_depth = " ".join("-" if a is None else f"{a:.2f}" for a in r["accept_rate_per_depth"][:10])
     if len(r["accept_rate_per_depth"]) > 10:
         per_depth += " ..."

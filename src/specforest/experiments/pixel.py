@@ -55,6 +55,7 @@ from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..trees import VERIFY_MODES
 from .gmm import COUPLING_OF, TREE_MODES, _check_choice, _check_int, _derive_seed, make_tree
 from .io import atomic_write, atomic_write_text
+from .results import describe_method
 
 __all__ = [
     "METHODS",
@@ -288,11 +289,7 @@ def simulate(
 
 def format_result(r: dict) -> str:
     """A few human-readable lines describing one record."""
-    what = {
-        "standard": "standard sampler",
-        "rmc": f"RMC, chain B={r['budget']}",
-        "dgrs": f"D-GRS, K={r['K']} L={r['L']} (B={r['budget']})",
-    }[r["method"]]
+    what = describe_method(r)
     sd = "" if r["speedup_std"] is None else f" (std {r['speedup_std']:.3f})"
     lines = [
         f"{what}: {r['samples']} digits, T={r['steps']} ({r['grid']}), churn {r['churn']}, {r['mode']} mode",

@@ -16,7 +16,22 @@ import torch
 
 from .io import atomic_write_text
 
-__all__ = ["machine_line", "replace_section"]
+__all__ = ["describe_method", "machine_line", "replace_section"]
+
+_TREE_METHODS = {"dgrs": "D-GRS", "rank": "rank coupling", "antithetic": "antithetic pairs"}
+
+
+def describe_method(r: dict) -> str:
+    """``"D-GRS, K=5 L=3 (B=155)"`` and the like, for a record of any method and tree mode."""
+    method = r["method"]
+    if method == "standard":
+        return "standard sampler"
+    if method == "rmc":
+        return f"RMC, chain B={r['budget']}"
+    name = _TREE_METHODS.get(method, method)
+    if r.get("tree", "uniform") == "uniform":
+        return f"{name}, K={r['K']} L={r['L']} (B={r['budget']})"
+    return f"{name}, {r['tree']} tree {r.get('tree_layers')} (B={r['budget']})"
 
 
 def machine_line() -> str:
