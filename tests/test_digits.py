@@ -231,6 +231,16 @@ def test_cli_rejects_bad_options():
     assert res.exit_code != 0
 
 
+def test_cli_sweep_runs_the_new_couplings_as_methods(tmp_path):
+    out = tmp_path / "sweep"
+    res = _invoke(pixel, "sweep", "--out", str(out), "--trees", "2x2,3x1", "--churns", "0.5", "--samples", "3",
+                  "--steps", "6", "--no-progress", "--methods", "rank,antithetic")
+    recs = json.loads((out / "results.json").read_text())
+    got = sorted((r["method"], r["K"]) for r in recs if r["method"] not in ("standard", "rmc"))
+    assert got == [("antithetic", 2), ("rank", 2), ("rank", 3)]
+    assert "antithetic" in res.output and "rank" in res.output
+
+
 def test_cli_sweep_writes_results_and_figures(tmp_path):
     out = tmp_path / "sweep"
     _invoke(

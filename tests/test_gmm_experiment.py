@@ -385,3 +385,20 @@ def test_a_draft_tree_runs_as_given_and_is_recorded_as_custom():
         gmm_exp.run_config(setting, method="rmc", tree=tree)
     with pytest.raises(ValueError, match="even number"):
         gmm_exp.run_config(setting, method="antithetic", tree=trees.uniform(3, 2))
+
+
+def test_sweep_runs_the_new_couplings_as_methods(tmp_path):
+    configs = gmm_exp.sweep_configs([1, 2, 3], [2], 10, methods=["dgrs", "rank", "antithetic"])
+    assert ("antithetic", 2, 2) in configs and ("antithetic", 3, 2) not in configs and ("antithetic", 1, 2) not in configs
+    assert {("rank", k, 2) for k in (1, 2, 3)} <= set(configs)
+    with pytest.raises(ValueError, match="methods"):
+        gmm_exp.sweep_configs([2], [2], 10, methods=["bogus"])
+    res = invoke("gmm", "sweep", "--methods", "rank,antithetic", "--K-values", "2", "--L-values", "2",
+                 "--dim", "8", "--steps", "10", "--trajectories", "4", "--lazy", "--no-progress",
+                 "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    recs = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(r["method"] for r in recs) == ["antithetic", "rank", "rmc"]
+    assert "rank T/NFE" in res.stdout and "antithetic T/NFE" in res.stdout
+    res = invoke("gmm", "sweep", "--methods", "rank,nope", "--out", str(tmp_path))
+    assert res.exit_code != 0 and "methods" in res.output

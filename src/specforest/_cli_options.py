@@ -11,7 +11,7 @@ from .proposals import DRAFT_KINDS
 from .sampler import PREFETCH_POLICIES
 from .trees import VERIFY_MODES
 
-__all__ = ["draft_option", "int_list", "prefetch_option", "tree_options", "verify_option"]
+__all__ = ["choice_list", "draft_option", "int_list", "prefetch_option", "tree_options", "verify_option"]
 
 
 def int_list(name: str, lo: int) -> Callable[[click.Context, click.Parameter, str], list[int]]:
@@ -25,6 +25,19 @@ def int_list(name: str, lo: int) -> Callable[[click.Context, click.Parameter, st
         if not vals or min(vals) < lo:
             raise click.BadParameter(f"{name} must list integers >= {lo}, got {value!r}")
         return sorted(set(vals))
+
+    return parse
+
+
+def choice_list(name: str, choices: "tuple[str, ...]") -> Callable[[click.Context, click.Parameter, str], list[str]]:
+    """A click callback parsing a comma list of names from ``choices`` (in order, without repeats)."""
+
+    def parse(ctx, param, value: str) -> list[str]:
+        vals = list(dict.fromkeys(v.strip().lower() for v in value.split(",") if v.strip()))
+        bad = [v for v in vals if v not in choices]
+        if not vals or bad:
+            raise click.BadParameter(f"{name} must be a comma-separated list of {', '.join(choices)}; got {value!r}")
+        return vals
 
     return parse
 

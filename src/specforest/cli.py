@@ -12,7 +12,7 @@ import sys
 import click
 import numpy as np
 
-from ._cli_options import draft_option, int_list, prefetch_option, tree_options, verify_option
+from ._cli_options import choice_list, draft_option, int_list, prefetch_option, tree_options, verify_option
 from .experiments import gmm as gmm_exp
 from .experiments.io import atomic_write
 from .sampler import GRIDS
@@ -238,6 +238,13 @@ def gmm(ctx: click.Context, **o) -> None:
     callback=int_list("L", 1),
     help="Comma-separated tree depths L (each >= 1).",
 )
+@click.option(
+    "--methods",
+    default="dgrs",
+    show_default=True,
+    callback=choice_list("methods", gmm_exp.SWEEP_METHODS),
+    help="Comma-separated tree methods run at every (K, L): dgrs, rank, antithetic (even K only).",
+)
 @_setting_options
 @click.option(
     "--lazy",
@@ -251,10 +258,11 @@ def gmm(ctx: click.Context, **o) -> None:
     show_default=True,
     help="Progress bar over configurations on stderr.",
 )
-def sweep(out_dir: str, K_values: list[int], L_values: list[int], **o) -> None:
-    """The (K, L) sweep of Figures 3 and 7: D-GRS at every (K, L), RMC at each matched
-    budget B = K + ... + K^L. Resumable: configurations already in OUT/results.json are
-    skipped. Writes results.csv, results.json, heatmap.png and speedup_vs_K.png.
+def sweep(out_dir: str, K_values: list[int], L_values: list[int], methods: list[str], **o) -> None:
+    """The (K, L) sweep of Figures 3 and 7: each tree method of --methods (D-GRS by
+    default) at every (K, L), RMC at each matched budget B = K + ... + K^L. Resumable:
+    configurations already in OUT/results.json are skipped. Writes results.csv,
+    results.json, heatmap.png (RMC vs D-GRS) and speedup_vs_K.png (every method).
     """
     if o["tree_mode"] != "uniform" or o["budget"] is not None:
         raise click.UsageError("the sweep runs the uniform (K, L) grid; --tree and --budget apply to single runs")
@@ -277,6 +285,7 @@ def sweep(out_dir: str, K_values: list[int], L_values: list[int], **o) -> None:
             memory_gb=o["memory_gb"],
             progress=o["progress"],
             log=log,
+            methods=methods,
         )
     )
     click.echo(gmm_exp.format_summary(res.records))

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ._cli_options import draft_option, prefetch_option, tree_options, verify_option
+from ._cli_options import choice_list, draft_option, prefetch_option, tree_options, verify_option
 from .experiments import pixel as pixel_exp
 from .experiments.io import atomic_write
 from .sampler import GRIDS
@@ -211,9 +211,16 @@ def pixel(ctx: click.Context, **o) -> None:
     "pairs",
     default="2x3,2x5,3x4,4x4",
     show_default=True,
-    help="D-GRS trees KxL; RMC runs at each matched budget K + ... + K^L.",
+    help="Trees KxL of the tree methods; RMC runs at each matched budget K + ... + K^L.",
 )
 @click.option("--churns", default="0.1,0.3,0.6", show_default=True, help="Comma-separated churn levels in (0, 1].")
+@click.option(
+    "--methods",
+    default="dgrs",
+    show_default=True,
+    callback=choice_list("methods", pixel_exp.SWEEP_METHODS),
+    help="Comma-separated tree methods run at each KxL: dgrs, rank, antithetic (even K only).",
+)
 @_common
 @click.option(
     "--lazy/--full",
@@ -227,8 +234,9 @@ def pixel(ctx: click.Context, **o) -> None:
     show_default=True,
     help="Progress bar over configurations on stderr.",
 )
-def sweep(out_dir: str, pairs: str, churns: str, **o) -> None:
-    """Figure 4 / Figure 8: D-GRS at each (K, L) vs RMC at the matched budget, per churn.
+def sweep(out_dir: str, pairs: str, churns: str, methods: list[str], **o) -> None:
+    """Figure 4 / Figure 8: each tree method of --methods (D-GRS by default) at each
+    (K, L) vs RMC at the matched budget, per churn.
 
     Writes OUT/results.json, results.csv, speedup_vs_budget.png (mean ± std per
     churn) and samples_grid.png (RMC vs D-GRS at the largest budget).
@@ -249,6 +257,7 @@ def sweep(out_dir: str, pairs: str, churns: str, **o) -> None:
             lazy=o["lazy"],
             progress=o["progress"],
             log=lambda line: click.echo(line, err=True),
+            methods=methods,
         )
     )
     click.echo(pixel_exp.format_summary(res.records))

@@ -516,10 +516,18 @@ def result_key(record: dict) -> tuple:
 # -- the (K, L) sweep of Figures 3 and 7 ----------------------------------------------
 
 
-def sweep_configs(K_values: Iterable[int], L_values: Iterable[int], steps: int) -> list[tuple[str, int, int]]:
+SWEEP_METHODS = ("dgrs", "rank", "antithetic")
+"""Tree methods a sweep can run at every ``(K, L)`` (antithetic at even ``K`` only)."""
+_METHOD_LABEL = {"dgrs": "D-GRS", "rank": "rank", "antithetic": "antithetic"}
+
+
+def sweep_configs(
+    K_values: Iterable[int], L_values: Iterable[int], steps: int, methods: Sequence[str] = ("dgrs",)
+) -> list[tuple[str, int, int]]:
     """``(method, K, L)`` of the sweep, cheapest first.
 
-    D-GRS at every ``(K, L)`` and RMC at each distinct matched budget
+    Each tree method of ``methods`` (:data:`SWEEP_METHODS`; ``antithetic`` at even
+    ``K`` only) at every ``(K, L)``, and RMC at each distinct matched budget
     ``B = K + ... + K^L`` (recorded as ``(1, B)``). Cost is the number of tree
     nodes a full run realizes.
     """
@@ -527,7 +535,12 @@ def sweep_configs(K_values: Iterable[int], L_values: Iterable[int], steps: int) 
     Ls = sorted({_check_int("L", v, 1) for v in L_values})
     if not Ks or not Ls:
         raise ValueError("K_values and L_values must each name at least one value")
-    configs = {("dgrs", K, L) for K in Ks for L in Ls}
+    methods = list(dict.fromkeys(methods))
+    if not methods:
+        raise ValueError(f"methods must name at least one of {SWEEP_METHODS}")
+    for m in methods:
+        _check_choice("methods", m, SWEEP_METHODS)
+    configs = {(m, K, L) for m in methods for K in Ks for L in Ls if not (m == "antithetic" and K % 2)}
     configs |= {("rmc", 1, _budget("dgrs", K, L)) for K in Ks for L in Ls}
 
     def cost(c):
@@ -581,8 +594,9 @@ def run_sweep(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     draft: str = "velocity",
+    methods: Sequence[str] = ("dgrs",),
 ) -> SweepResult:
-    """The ``(K, L)`` sweep: D-GRS at each cell, RMC at each matched budget.
+    """The ``(K, L)`` sweep: each tree method at each cell, RMC at each matched budget.
 
     Resumable: after each configuration ``results.json`` and ``results.csv`` in
     ``out_dir`` are rewritten atomically; configurations whose
@@ -593,6 +607,8 @@ def run_sweep(
         setting: the experiment's setting.
         out_dir: directory of the results and figures (created if missing).
         K_values, L_values: the grid (paper: K in 1..7, L in 2..7).
+        methods: tree methods run at each cell (:data:`SWEEP_METHODS`; the
+            paper's is ``dgrs``; ``antithetic`` only at even ``K``).
         prefetch, verify, seed, lazy, memory_gb: as in :func:`run_config`.
         progress: progress bar over configurations (stderr).
         log: receives one line per skipped or finished configuration.
@@ -602,7 +618,7 @@ def run_sweep(
     """
     out_dir = Path(out_dir)
     Ks, Ls = sorted(set(K_values)), sorted(set(L_values))
-    configs = sweep_configs(Ks, Ls, setting.steps)
+    configs = sweep_configs(Ks, Ls, setting.steps, methods)
     common = {"prefetch": prefetch, "verify": verify, "seed": seed, "draft": draft}
     json_path = out_dir / "results.json"
     records = load_results(json_path)
@@ -625,7 +641,7 @@ def run_sweep(
     from tqdm.auto import tqdm
 
     say = log or (lambda s: None)
-    biggest = max(1 + _budget(m, K, L) for m, K, L in configs if m == "dgrs")
+    biggest = max(1 + _budget(m, K, L) for m, K, L in configs if m != "rmc")
     if not lazy and biggest > _LAZY_ADVISED_NODES:
         say(
             f"warning: the largest tree has {biggest:,} nodes per trajectory; a full run realizes "
@@ -660,14 +676,15 @@ def run_sweep(
 
 
 def _grids(records: list[dict], Ks: Sequence[int], Ls: Sequence[int]):
-    """``(len(Ls), len(Ks))`` arrays of mean and SEM speedup for RMC and D-GRS."""
-    dg = {(r["K"], r["L"]): r for r in records if r["method"] == "dgrs"}
+    """``(len(Ls), len(Ks))`` arrays of mean and SEM speedup for RMC and each tree method."""
+    tree = {(r["method"], r["K"], r["L"]): r for r in records if r["method"] in SWEEP_METHODS}
     rm = {r["L"]: r for r in records if r["method"] == "rmc"}
     shape = (len(Ls), len(Ks))
-    out = {m: (np.full(shape, np.nan), np.full(shape, np.nan)) for m in ("rmc", "dgrs")}
+    out = {m: (np.full(shape, np.nan), np.full(shape, np.nan)) for m in ("rmc", *SWEEP_METHODS)}
     for i, L in enumerate(Ls):
         for j, K in enumerate(Ks):
-            for m, r in (("dgrs", dg.get((K, L))), ("rmc", rm.get(_budget("dgrs", K, L)))):
+            cells = [(m, tree.get((m, K, L))) for m in SWEEP_METHODS] + [("rmc", rm.get(_budget("dgrs", K, L)))]
+            for m, r in cells:
                 if r is not None:
                     out[m][0][i, j] = np.nan if r["speedup_mean"] is None else r["speedup_mean"]
                     out[m][1][i, j] = np.nan if r["speedup_sem"] is None else r["speedup_sem"]
@@ -778,6 +795,15 @@ def write_figures(
                 label=None if rmc_labelled else "RMC at matched budget B",
             )
             rmc_labelled = True
+    # the other tree methods of the sweep, same colour per L, their own line style
+    present = [m for m in SWEEP_METHODS[1:] if np.isfinite(g[m][0]).any()]
+    for m, style in zip(present, ("^--", "v:"), strict=False):
+        for i, L in enumerate(Ls):
+            mean = g[m][0][i]
+            ok = np.isfinite(mean)
+            if ok.any():
+                ax.plot(x[ok], mean[ok], style, color=cmap(lnorm(L)), ms=4, lw=1.3)
+        ax.plot([], [], style, color="gray", label=_METHOD_LABEL[m])
     ax.plot([], [], "o-", color="gray", label="D-GRS (mean, ±1 SEM band)")
     ax.set_xlabel("K (children per node)")
     ax.set_ylabel("speedup T / NFE")
@@ -827,12 +853,13 @@ def format_result(r: dict) -> str:
 
 
 def format_summary(records: list[dict]) -> str:
-    """A table of a sweep: one line per ``(K, L)`` with D-GRS and RMC at the same budget."""
-    dg = {(r["K"], r["L"]): r for r in records if r["method"] == "dgrs"}
+    """A table of a sweep: one line per ``(K, L)`` with each tree method and RMC at the same budget."""
+    tree = {(r["method"], r["K"], r["L"]): r for r in records if r["method"] in SWEEP_METHODS}
     rm = {r["L"]: r for r in records if r["method"] == "rmc"}
-    head = (
-        f"{'L':>2} {'K':>2} {'B':>8}  {'D-GRS T/NFE':>16} {'paper acct':>10} {'acc':>5}   "
-        f"{'RMC T/NFE':>16} {'paper acct':>10} {'acc':>5}"
+    methods = [m for m in SWEEP_METHODS if any(k[0] == m for k in tree)]
+    labels = [_METHOD_LABEL[m] for m in methods] + ["RMC"]
+    head = f"{'L':>2} {'K':>2} {'B':>8}  " + "   ".join(
+        f"{name + ' T/NFE':>16} {'paper acct':>10} {'acc':>5}" for name in labels
     )
     lines = [head, "-" * len(head)]
 
@@ -843,7 +870,8 @@ def format_summary(records: list[dict]) -> str:
         pp = "-" if r["speedup_paper_mean"] is None else f"{r['speedup_paper_mean']:.3f}"
         return f"{_pm(r['speedup_mean'], r['speedup_sem']):>16} {pp:>10} {acc:>5}"
 
-    for K, L in sorted(dg, key=lambda kl: (kl[1], kl[0])):
+    for K, L in sorted({(k[1], k[2]) for k in tree}, key=lambda kl: (kl[1], kl[0])):
         B = _budget("dgrs", K, L)
-        lines.append(f"{L:>2} {K:>2} {B:>8}  {cells(dg[(K, L)])}   {cells(rm.get(B))}")
+        row = "   ".join(cells(tree.get((m, K, L))) for m in methods)
+        lines.append(f"{L:>2} {K:>2} {B:>8}  {row}   {cells(rm.get(B))}")
     return "\n".join(lines)

@@ -324,13 +324,25 @@ def _samples_name(r: dict) -> str:
     return f"{r['method']}_K{r['K']}_L{r['L']}_churn{r['churn']:g}.npz"
 
 
-def sweep_configs(pairs: Iterable[tuple[int, int]], churns: Iterable[float]) -> list[tuple[str, int, int, float]]:
-    """``(method, K, L, churn)``: standard, then D-GRS and RMC at each matched budget."""
+SWEEP_METHODS = ("dgrs", "rank", "antithetic")
+"""Tree methods a sweep can run at each ``(K, L)`` (antithetic at even ``K`` only)."""
+
+
+def sweep_configs(
+    pairs: Iterable[tuple[int, int]], churns: Iterable[float], methods: Sequence[str] = ("dgrs",)
+) -> list[tuple[str, int, int, float]]:
+    """``(method, K, L, churn)``: standard, then each tree method of ``methods`` at each
+    ``(K, L)`` (antithetic at even ``K`` only) and RMC at each matched budget."""
+    methods = list(dict.fromkeys(methods))
+    if not methods:
+        raise ValueError(f"methods must name at least one of {SWEEP_METHODS}")
+    for m in methods:
+        _check_choice("methods", m, SWEEP_METHODS)
     out = []
     for churn in churns:
         out.append(("standard", 0, 0, float(churn)))
         for K, L in pairs:
-            out.append(("dgrs", K, L, float(churn)))
+            out += [(m, K, L, float(churn)) for m in methods if not (m == "antithetic" and K % 2)]
             out.append(("rmc", 1, budget_of("dgrs", K, L), float(churn)))
     return out
 
@@ -349,8 +361,10 @@ def run_sweep(
     lazy: bool = True,
     progress: bool = True,
     log: Callable[[str], None] = lambda s: None,
+    methods: Sequence[str] = ("dgrs",),
 ) -> SweepResult:
-    """D-GRS at each ``(K, L)`` vs RMC at the matched budget, at each churn (Figure 4).
+    """Each tree method (D-GRS by default) at each ``(K, L)`` vs RMC at the matched
+    budget, at each churn (Figure 4).
 
     Resumable: configurations already in ``OUT/results.json`` are skipped. Each
     run's samples go to ``OUT/samples/*.npz``. Writes ``results.json``,
@@ -358,7 +372,8 @@ def run_sweep(
 
     Args:
         out_dir: output directory.
-        pairs: ``(K, L)`` of the D-GRS trees (the paper's by default).
+        pairs: ``(K, L)`` of the trees (the paper's by default).
+        methods: tree methods run at each ``(K, L)`` (:data:`SWEEP_METHODS`).
         churns: churn levels.
         samples, steps, seed, grid, prefetch, verify, lazy: as in :func:`simulate`
             (lazy by default: identical law and NFE, much faster on a CPU).
@@ -370,7 +385,7 @@ def run_sweep(
     records: list[dict] = json.loads(res_path.read_text()) if res_path.exists() else []
     done = {_key(r) for r in records}
     model, clf = load_velocity(), load_classifier()
-    configs = sweep_configs(pairs, churns)
+    configs = sweep_configs(pairs, churns, methods)
     result = SweepResult(records)
     bar = None
     if progress:
@@ -506,7 +521,8 @@ def write_figures(records: list[dict], out_dir: str | Path) -> list[Path]:
         return files
     fig, axes = plt.subplots(1, len(churns), figsize=(4.2 * len(churns), 3.6), squeeze=False, sharey=True)
     for ax, churn in zip(axes[0], churns, strict=True):
-        for method, label, marker in (("rmc", "RMC", "s"), ("dgrs", "D-GRS", "o")):
+        for method, label, marker in (("rmc", "RMC", "s"), ("dgrs", "D-GRS", "o"), ("rank", "rank", "^"),
+                                      ("antithetic", "antithetic", "v")):
             rs = sorted(
                 (r for r in records if r["method"] == method and r["churn"] == churn),
                 key=lambda r: r["budget"],
@@ -564,7 +580,7 @@ def write_figures(records: list[dict], out_dir: str | Path) -> list[Path]:
 
 
 def format_summary(records: list[dict]) -> str:
-    """A table: speedup mean ± std of D-GRS and RMC at each churn and budget."""
+    """A table: speedup mean ± std of each method at each churn and budget, and classifier accuracy."""
 
     def cell(r: Optional[dict]) -> str:
         return "-" if r is None else f"{r['speedup_mean']:.2f} ± {r['speedup_std'] or 0:.2f}"
@@ -572,12 +588,16 @@ def format_summary(records: list[dict]) -> str:
     def acc(r: Optional[dict]) -> str:
         return "-" if r is None else f"{r['classifier_accuracy']:.3f}"
 
-    lines = [f"{'churn':>5} {'B':>4} {'(K,L)':>6}  {'D-GRS':>15} {'RMC':>15}  {'acc D-GRS':>9} {'acc RMC':>8}"]
+    names = {"dgrs": "D-GRS", "rank": "rank", "antithetic": "antithetic", "rmc": "RMC"}
+    methods = [m for m in names if any(r["method"] == m for r in records)]
+    head = f"{'churn':>5} {'B':>4} {'(K,L)':>6}  " + " ".join(f"{names[m]:>15}" for m in methods)
+    lines = [head + "  " + " ".join(f"{'acc ' + names[m]:>14}" for m in methods)]
     for churn in sorted({r["churn"] for r in records}):
-        dg = {r["budget"]: r for r in records if r["method"] == "dgrs" and r["churn"] == churn}
-        rm = {r["budget"]: r for r in records if r["method"] == "rmc" and r["churn"] == churn}
-        for B in sorted(set(dg) | set(rm)):
-            d, m = dg.get(B), rm.get(B)
-            kl = f"({d['K']},{d['L']})" if d else ""
-            lines.append(f"{churn:>5g} {B:>4} {kl:>6}  {cell(d):>15} {cell(m):>15}  {acc(d):>9} {acc(m):>8}")
+        by = {m: {r["budget"]: r for r in records if r["method"] == m and r["churn"] == churn} for m in methods}
+        for B in sorted(set().union(*by.values())):
+            rows = [by[m].get(B) for m in methods]
+            tree = next((r for r in rows if r is not None and r["method"] != "rmc"), None)
+            kl = f"({tree['K']},{tree['L']})" if tree else ""
+            lines.append(f"{churn:>5g} {B:>4} {kl:>6}  " + " ".join(f"{cell(r):>15}" for r in rows)
+                         + "  " + " ".join(f"{acc(r):>14}" for r in rows))
     return "\n".join(lines)
