@@ -6,7 +6,7 @@ At the paper's GMM setting (d = 500, T = 30, churn 0.1, prefetch nearest,
 verify drafted, lazy mode), for the paper's frozen-velocity draft and for the
 ``auto`` draft:
 
-* measured: D-GRS and the capped rank coupling on the paper's (5, 3) tree and
+* measured: D-GRS and the rank coupling on the paper's (5, 3) tree and
   on the tree planned for B = 155 (``--tree optimal``), NFE mean ± standard
   error, and the change against D-GRS on (5, 3);
 * modelled: the expected steps committed per round of each tree under the

@@ -19,7 +19,7 @@ from specforest.couplings import (
     rmc_acceptance,
     sample_grs_residual,
 )
-from specforest.rank_rules import CAP_INF, log_rule_pdf, table_rule
+from specforest.rank_rules import log_rule_pdf, n_cells, table_rule
 
 DELTAS = [0.0, 1e-6, 0.5, 1.0, 2.0, 4.0, 8.0]
 DIMS = [1, 3, 64]
@@ -61,30 +61,31 @@ class WrongThresholdGRS(GRS):
 
 
 class MinDensityRank(RankCoupling):
-    """Selects by the capped rank rule but tests acceptance against the minimum's density."""
+    """Selects by the rank rule but tests acceptance against the minimum's density."""
 
     def select(self, s_hat, delta, valid, generator):
         index, _ = super().select(s_hat, delta, valid, generator)
         K = s_hat.shape[1]
-        log_w = torch.full((K,), -math.inf, dtype=torch.float64)
-        log_w[0] = 0.0
+        W = torch.zeros(n_cells("normal"), K, dtype=torch.float64)
+        W[:, 0] = 1.0
 
         def log_f(s, rows):
-            return log_rule_pdf(s, log_w.expand(*s.shape, K), torch.full_like(s, CAP_INF), K)
+            return log_rule_pdf(s, W, K)
 
         return index, log_f
 
 
-class UncappedRank(RankCoupling):
-    """Selects by the capped rule but tests acceptance against the uncapped mixture's density."""
+class CellBlindRank(RankCoupling):
+    """Selects by the max-conditioned rule but tests acceptance as if the weights
+    did not depend on the maximum's cell (the cell-averaged weights)."""
 
     def select(self, s_hat, delta, valid, generator):
         index, _ = super().select(s_hat, delta, valid, generator)
         K = s_hat.shape[1]
-        w, _ = table_rule(delta, K)
+        W = table_rule(delta, K).mean(1, keepdim=True).expand(-1, n_cells("normal"), -1)
 
         def log_f(s, rows):
-            return log_rule_pdf(s, torch.log(w[rows])[:, None].expand(-1, s.shape[1], -1), torch.full_like(s, CAP_INF), K)
+            return log_rule_pdf(s, W[rows][:, None], K)
 
         return index, log_f
 
@@ -120,13 +121,13 @@ def test_battery_rejects_broken_couplings(broken):
     assert all(failed), "a deliberately broken coupling passed the exactness battery"
 
 
-def test_battery_rejects_a_rank_rule_that_forgets_its_cap():
-    # where the table's cap is finite and matters: K = 2 at delta = 0.5, K = 3 at delta = 1
+def test_battery_rejects_a_rank_rule_blind_to_the_maximum_cell():
+    # where the table's weights differ across cells: K = 2 at delta = 0.5, K = 3 at delta = 1
     for K, delta in [(2, 0.5), (3, 1.0)]:
-        _, cap = table_rule(torch.tensor([delta], dtype=torch.float64), K)
-        assert abs(float(cap)) < 5
-        rep = run_battery(UncappedRank(), delta, K, 3, n=100_000, seed=11)
-        assert rep.failures(), f"an uncapped density passed at K={K}, delta={delta}"
+        W = table_rule(torch.tensor([delta], dtype=torch.float64), K)[0]
+        assert float((W - W.mean(0)).abs().max()) > 0.2
+        rep = run_battery(CellBlindRank(), delta, K, 3, n=100_000, seed=11)
+        assert rep.failures(), f"a cell-blind density passed at K={K}, delta={delta}"
 
 
 def test_antithetic_needs_even_children():

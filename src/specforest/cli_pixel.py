@@ -103,7 +103,7 @@ def _common(f):
     default="dgrs",
     show_default=True,
     help="standard (no tree, T NFE), rmc (chain, Algorithm 2), dgrs (uniform tree, Algorithm 3), "
-    "rank (uniform tree, capped rank-aware list coupling) or antithetic (uniform tree of K/2 mirrored pairs per node, K even).",
+    "rank (uniform tree, rank-aware list coupling conditioned on the maximum) or antithetic (uniform tree of K/2 mirrored pairs per node, K even).",
 )
 @draft_option()
 @tree_options

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .rank_rules import CAP_INF, log_rule_pdf, rule_acceptance, table_rule
+from .rank_rules import cell_of, log_rule_pdf, n_cells, rule_acceptance, table_acceptance, table_rule
 
 __all__ = [
     "Coupling",
@@ -234,6 +234,10 @@ class Coupling:
         """Closed-form probability of accepting a child, given ``delta`` and ``K``."""
         raise NotImplementedError
 
+    def model_acceptance(self, delta: torch.Tensor | float, K: int) -> torch.Tensor:
+        """A fast approximation of :meth:`acceptance` for planning models (default: the exact one)."""
+        return self.acceptance(delta, K)
+
     def check_children(self, K: int) -> None:
         """Raise ``ValueError`` if a node cannot have ``K`` children under this rule."""
         if self.max_children is not None and K > self.max_children:
@@ -346,7 +350,7 @@ def _sample_residual_by_rejection(
     Rejection from ``q``: a candidate ``s`` is kept with probability
     ``(1 - f(s) / q(s))_+``, so a candidate succeeds with probability
     ``1 - alpha``. Problems still pending draw twice as many candidates on each
-    pass (up to ``max_batch``). The residual is only needed after a rejection,
+    pass, starting from one (up to ``max_batch``). The residual is only needed after a rejection,
     which happens with probability ``1 - alpha``, so the expected number of
     candidates per coupling call is bounded (about 2) whatever ``alpha``.
 
@@ -358,7 +362,7 @@ def _sample_residual_by_rejection(
     P = delta.numel()
     out = torch.empty(P, dtype=torch.float64, device=delta.device)
     todo = torch.arange(P, device=delta.device)
-    m = 4
+    m = 1
     while todo.numel():
         d = delta[todo]
         s = d[:, None] + _randn_f64((todo.numel(), m), generator, delta.device)
@@ -412,57 +416,66 @@ class _SelectThenCouple(Coupling):
         return s_new, accepted, index
 
 
-class RankCoupling(_SelectThenCouple):
-    """Rank-aware list coupling: select a child by its rank in the projection.
+def _rule(delta: torch.Tensor, M: int, base: str) -> torch.Tensor:
+    """``(P, C, M)`` table weights (all ones for a single value)."""
+    if M == 1:
+        return torch.ones(delta.numel(), n_cells(base), 1, dtype=torch.float64, device=delta.device)
+    return table_rule(delta, M, base)
 
-    The capped rank rule of :mod:`specforest.rank_rules`: if the largest
-    projection exceeds the cap ``t(delta)``, select it; otherwise select the
-    ``j``-th smallest with probability ``w_j(delta)``. Cap and weights are
-    tabulated per ``delta`` (shipped, interpolated). The selected projection
-    has a closed-form density ``f`` (order statistics of ``K`` i.i.d.
-    ``N(0, 1)``, restricted by the cap), so it is maximally coupled with
-    ``N(delta, 1)`` and the residual drawn exactly by rejection. The selection
-    uses the projections only, so the selected child's orthogonal part keeps
-    its law. Children must be i.i.d. from the proposal. With ``K = 1`` it is the
-    maximal coupling (RMC's acceptance). The acceptance reaches the i.i.d. list
-    bound (:func:`specforest.landscape.list_bound`) for ``K = 2`` at
-    ``delta >= 0.6`` and is within 0.6 % of it below.
+
+def _pick_by_rule(values: torch.Tensor, W: torch.Tensor, base: str, generator) -> torch.Tensor:
+    """Index ``(P,)`` of the value chosen by the max-conditioned rank rule with weights ``W (P, C, M)``."""
+    P, M = values.shape
+    rows = torch.arange(P, device=values.device)
+    w = W[rows, cell_of(values.max(1).values, base)]
+    u = _uniform((P,), generator, values.device)
+    j = torch.searchsorted(torch.cumsum(w, 1), u[:, None]).clamp(max=M - 1)[:, 0]
+    return torch.argsort(values, dim=1).gather(1, j[:, None])[:, 0]
+
+
+class RankCoupling(_SelectThenCouple):
+    """Rank-aware list coupling: select a child by its rank in the projection,
+    with rank weights that depend on where the largest projection fell.
+
+    The max-conditioned rank rule of :mod:`specforest.rank_rules`: find the cell
+    of the largest projection, then select the ``j``-th smallest child with
+    probability ``W[c, j](delta)``. The weights are tabulated per ``delta``
+    (shipped, interpolated). The selected projection has a closed-form density
+    ``f`` (order statistics of ``K`` i.i.d. ``N(0, 1)`` jointly with the cell of
+    the maximum). It is maximally coupled with ``N(delta, 1)``, and the residual
+    is drawn exactly by rejection.
+
+    The selection uses the projections only, so the selected child's orthogonal
+    part keeps its law. Children must be i.i.d. from the proposal. With
+    ``K = 1`` it is the maximal coupling (RMC's acceptance). The acceptance is
+    within 0.6 % of the i.i.d. list bound (:func:`specforest.landscape.list_bound`)
+    at every tabulated ``delta`` for ``K <= 16``.
     """
 
     name = "rank"
-
-    @staticmethod
-    def _rule(delta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if k == 1:
-            n = delta.numel()
-            return torch.ones(n, 1, dtype=torch.float64, device=delta.device), torch.full_like(delta, CAP_INF)
-        return table_rule(delta, k, "normal")
 
     def select(self, s_hat, delta, valid, generator):
         P, Kmax = s_hat.shape
         k_eff = valid.sum(1)
         index = torch.zeros(P, dtype=torch.long, device=s_hat.device)
-        log_w_rows = torch.full((P, Kmax), -math.inf, dtype=torch.float64, device=s_hat.device)
-        cap_rows = torch.empty(P, dtype=torch.float64, device=s_hat.device)
-        u = _uniform((P,), generator, s_hat.device)
         groups = [Kmax] if bool((k_eff == Kmax).all()) else k_eff.unique().tolist()
+        weights: dict = {}
         for k in groups:
             sel = torch.arange(P, device=s_hat.device) if len(groups) == 1 else (k_eff == k).nonzero()[:, 0]
-            w, cap = self._rule(delta[sel], int(k))
-            sv = s_hat[sel, :k]
-            j = torch.searchsorted(torch.cumsum(w, 1), u[sel, None]).clamp(max=k - 1)[:, 0]
-            j = torch.where(sv.max(1).values > cap, k - 1, j)
-            index[sel] = torch.argsort(sv, dim=1).gather(1, j[:, None])[:, 0]
-            log_w_rows[sel, :k] = torch.log(w)
-            cap_rows[sel] = cap
+            W = _rule(delta[sel], int(k), "normal")
+            index[sel] = _pick_by_rule(s_hat[sel, :k], W, "normal", generator)
+            weights[k] = (sel, W)
+
+        # position of each problem within its group's weights
+        pos = torch.empty(P, dtype=torch.long, device=s_hat.device)
+        for sel, _ in weights.values():
+            pos[sel] = torch.arange(sel.numel(), device=s_hat.device)
 
         def log_f(s, rows):
             out = torch.empty_like(s)
-            for k in groups:
+            for k, (_, W) in weights.items():
                 m = slice(None) if len(groups) == 1 else k_eff[rows] == k
-                r = rows[m]
-                out[m] = log_rule_pdf(s[m], log_w_rows[r, None, :k].expand(-1, s.shape[1], -1),
-                                      cap_rows[r, None].expand(-1, s.shape[1]), int(k), "normal")
+                out[m] = log_rule_pdf(s[m], W[pos[rows[m]]][:, None], int(k), "normal")
             return out
 
         return index, log_f
@@ -470,8 +483,13 @@ class RankCoupling(_SelectThenCouple):
     def acceptance(self, delta, K):
         d = torch.as_tensor(delta, dtype=torch.float64)
         flat = d.reshape(-1)
-        w, cap = self._rule(flat, int(K))
-        return rule_acceptance(flat, w, cap, "normal").reshape(d.shape)
+        return rule_acceptance(flat, _rule(flat, int(K), "normal"), "normal").reshape(d.shape)
+
+    def model_acceptance(self, delta, K):
+        if K == 1:
+            return rmc_acceptance(delta)
+        d = torch.as_tensor(delta, dtype=torch.float64)
+        return table_acceptance(d.reshape(-1), int(K), "normal").reshape(d.shape)
 
 
 class AntitheticCoupling(_SelectThenCouple):
@@ -486,7 +504,7 @@ class AntitheticCoupling(_SelectThenCouple):
     half-normal, whatever the direction (the pair covers both sides of the
     mean, which i.i.d. children cannot).
 
-    Rule: pick a pair by the capped rank rule on the magnitudes
+    Rule: pick a pair by the max-conditioned rank rule on the magnitudes
     (:mod:`specforest.rank_rules`, ``halfnormal`` base; the selected magnitude has
     density ``g``), then the member at ``+r`` with probability
     ``pi(r) = min(1, q(r) / g(r))``, else the one at ``-r``. The selected
@@ -514,16 +532,9 @@ class AntitheticCoupling(_SelectThenCouple):
         return out
 
     @staticmethod
-    def _rule(delta: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if M == 1:
-            n = delta.numel()
-            return torch.ones(n, 1, dtype=torch.float64, device=delta.device), torch.full_like(delta, CAP_INF)
-        return table_rule(delta, M, "halfnormal")
-
-    @staticmethod
-    def _log_f(s: torch.Tensor, delta: torch.Tensor, log_w: torch.Tensor, cap: torch.Tensor, M: int) -> torch.Tensor:
+    def _log_f(s: torch.Tensor, delta: torch.Tensor, W: torch.Tensor, M: int) -> torch.Tensor:
         r = s.abs()
-        log_g = log_rule_pdf(r, log_w, cap, M, "halfnormal")
+        log_g = log_rule_pdf(r, W, M, "halfnormal")
         log_qr = _log_normal_pdf(r - delta)
         log_pos = torch.minimum(log_qr, log_g)
         # g(r) - min(q(r), g(r)) = g(r) (1 - min(1, q(r) / g(r)))
@@ -538,14 +549,10 @@ class AntitheticCoupling(_SelectThenCouple):
         M = K // 2
         rows = torch.arange(P, device=s_hat.device)
         mag = s_hat[:, 0::2].abs()
-        w, cap = self._rule(delta, M)
-        u = _uniform((P,), generator, s_hat.device)
-        j = torch.searchsorted(torch.cumsum(w, 1), u[:, None]).clamp(max=M - 1)[:, 0]
-        j = torch.where(mag.max(1).values > cap, M - 1, j)
-        pair = torch.argsort(mag, dim=1).gather(1, j[:, None])[:, 0]
+        W = _rule(delta, M, "halfnormal")
+        pair = _pick_by_rule(mag, W, "halfnormal", generator)
         r = mag[rows, pair]
-        log_w = torch.log(w)
-        log_g = log_rule_pdf(r, log_w, cap, M, "halfnormal")
+        log_g = log_rule_pdf(r, W, M, "halfnormal")
         pi = torch.exp((_log_normal_pdf(r - delta) - log_g).clamp(max=0.0))
         take_pos = _uniform((P,), generator, s_hat.device) < pi
         # the member at +r is child 2 * pair iff its projection is >= 0; its mirror is the other one
@@ -553,9 +560,7 @@ class AntitheticCoupling(_SelectThenCouple):
         index = torch.where(take_pos, pos_child, pos_child ^ 1)
 
         def log_f(s, rws):
-            m = s.shape[1]
-            return self._log_f(s, delta[rws][:, None], log_w[rws, None, :].expand(-1, m, -1),
-                               cap[rws, None].expand(-1, m), M)
+            return self._log_f(s, delta[rws][:, None], W[rws][:, None], M)
 
         return index, log_f
 
@@ -563,8 +568,14 @@ class AntitheticCoupling(_SelectThenCouple):
         self.check_children(int(K))
         d = torch.as_tensor(delta, dtype=torch.float64)
         flat = d.reshape(-1)
-        w, cap = self._rule(flat, int(K) // 2)
-        return rule_acceptance(flat, w, cap, "halfnormal").reshape(d.shape)
+        return rule_acceptance(flat, _rule(flat, int(K) // 2, "halfnormal"), "halfnormal").reshape(d.shape)
+
+    def model_acceptance(self, delta, K=2):
+        self.check_children(int(K))
+        if K == 2:
+            return self.acceptance(delta, 2)
+        d = torch.as_tensor(delta, dtype=torch.float64)
+        return table_acceptance(d.reshape(-1), int(K) // 2, "halfnormal").reshape(d.shape)
 
 
 _COUPLINGS = {"rmc": RMC, "grs": GRS, "dgrs": GRS, "rank": RankCoupling, "antithetic": AntitheticCoupling}

@@ -144,7 +144,7 @@ def plot_landscape(path, Ks: Sequence[int] = (1, 2, 4, 8), deltas: Optional[np.n
     fig, axes = plt.subplots(2, len(Ks), figsize=(4.0 * len(Ks), 6.4), sharex=True, sharey="row",
                              constrained_layout=True, squeeze=False, height_ratios=[3, 2])
     styles = {"rmc": ("RMC (K=1)", "0.5", "--"), "grs": ("GRS", "#1D3557", "-"),
-              "rank": ("capped rank", "#E76F51", "-"), "antithetic": ("antithetic pairs", "#2A9D8F", "-"),
+              "rank": ("rank (max-conditioned)", "#E76F51", "-"), "antithetic": ("antithetic pairs", "#2A9D8F", "-"),
               "bound": ("i.i.d. bound", "k", ":")}
     for col, K in enumerate(Ks):
         top, bottom = axes[0, col], axes[1, col]

@@ -30,7 +30,7 @@ def _acceptance_on_grid(cp: Coupling, k: int) -> torch.Tensor:
     """``(len(_GRID),)`` closed-form acceptance of ``cp`` with ``k`` children, cached per process."""
     key = (type(cp), k)
     if key not in _ACC_GRID:
-        _ACC_GRID[key] = cp.acceptance(_GRID, k).reshape(-1).to(torch.float64)
+        _ACC_GRID[key] = cp.model_acceptance(_GRID, k).reshape(-1).to(torch.float64)
     return _ACC_GRID[key]
 
 
