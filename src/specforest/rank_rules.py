@@ -76,34 +76,9 @@ _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 _TABLES: dict = {}
 
 
-def _log_sf(x: torch.Tensor) -> torch.Tensor:
-    return torch.special.log_ndtr(-x)
-
-
 def _log_pdf(s: torch.Tensor, base: Base) -> torch.Tensor:
     out = -0.5 * s * s - _LOG_SQRT_2PI
     return out + math.log(2.0) if base == "halfnormal" else out
-
-
-def _log_cdf(s: torch.Tensor, base: Base) -> torch.Tensor:
-    if base == "normal":
-        return torch.special.log_ndtr(s)
-    # F(r) = erf(r / sqrt 2) on r >= 0; erf is accurate near 0, erfc near 1
-    u = s.clamp_min(0.0) / math.sqrt(2.0)
-    return torch.where(u < 1.0, torch.log(torch.special.erf(u)), torch.log1p(-torch.special.erfc(u)))
-
-
-def _log_cdf_gap(s: torch.Tensor, t: torch.Tensor, base: Base) -> torch.Tensor:
-    """``log(F(t) - F(s))`` for ``s <= t`` (``t`` may be ``+inf``), stable in both tails."""
-    s, t = torch.broadcast_tensors(s, t)
-    # upper tail: F(t) - F(s) = sf(s) - sf(t) (times 2 for the half-normal)
-    ls_sf, lt_sf = _log_sf(s), _log_sf(t)
-    upper = ls_sf + torch.log1p(-torch.exp((lt_sf - ls_sf).clamp(max=0.0)))
-    if base == "halfnormal":
-        return upper + math.log(2.0)
-    lt_cdf, ls_cdf = torch.special.log_ndtr(t), torch.special.log_ndtr(s)
-    lower = lt_cdf + torch.log1p(-torch.exp((ls_cdf - lt_cdf).clamp(max=0.0)))
-    return torch.where(s > 0, upper, lower)
 
 
 def n_cells(base: Base) -> int:

@@ -518,7 +518,18 @@ def result_key(record: dict) -> tuple:
 
 SWEEP_METHODS = ("dgrs", "rank", "antithetic")
 """Tree methods a sweep can run at every ``(K, L)`` (antithetic at even ``K`` only)."""
-_METHOD_LABEL = {"dgrs": "D-GRS", "rank": "rank", "antithetic": "antithetic"}
+METHOD_LABELS = {"standard": "standard", "rmc": "RMC", "dgrs": "D-GRS", "rank": "rank", "antithetic": "antithetic"}
+"""Short names of the methods for tables and legends."""
+
+
+def check_sweep_methods(methods: Sequence[str]) -> list[str]:
+    """``methods`` without repeats, each one of :data:`SWEEP_METHODS` (``ValueError`` otherwise)."""
+    methods = list(dict.fromkeys(methods))
+    if not methods:
+        raise ValueError(f"methods must name at least one of {SWEEP_METHODS}")
+    for m in methods:
+        _check_choice("methods", m, SWEEP_METHODS)
+    return methods
 
 
 def sweep_configs(
@@ -535,11 +546,7 @@ def sweep_configs(
     Ls = sorted({_check_int("L", v, 1) for v in L_values})
     if not Ks or not Ls:
         raise ValueError("K_values and L_values must each name at least one value")
-    methods = list(dict.fromkeys(methods))
-    if not methods:
-        raise ValueError(f"methods must name at least one of {SWEEP_METHODS}")
-    for m in methods:
-        _check_choice("methods", m, SWEEP_METHODS)
+    methods = check_sweep_methods(methods)
     configs = {(m, K, L) for m in methods for K in Ks for L in Ls if not (m == "antithetic" and K % 2)}
     configs |= {("rmc", 1, _budget("dgrs", K, L)) for K in Ks for L in Ls}
 
@@ -803,7 +810,7 @@ def write_figures(
             ok = np.isfinite(mean)
             if ok.any():
                 ax.plot(x[ok], mean[ok], style, color=cmap(lnorm(L)), ms=4, lw=1.3)
-        ax.plot([], [], style, color="gray", label=_METHOD_LABEL[m])
+        ax.plot([], [], style, color="gray", label=METHOD_LABELS[m])
     ax.plot([], [], "o-", color="gray", label="D-GRS (mean, ±1 SEM band)")
     ax.set_xlabel("K (children per node)")
     ax.set_ylabel("speedup T / NFE")
@@ -857,7 +864,7 @@ def format_summary(records: list[dict]) -> str:
     tree = {(r["method"], r["K"], r["L"]): r for r in records if r["method"] in SWEEP_METHODS}
     rm = {r["L"]: r for r in records if r["method"] == "rmc"}
     methods = [m for m in SWEEP_METHODS if any(k[0] == m for k in tree)]
-    labels = [_METHOD_LABEL[m] for m in methods] + ["RMC"]
+    labels = [METHOD_LABELS[m] for m in [*methods, "rmc"]]
     head = f"{'L':>2} {'K':>2} {'B':>8}  " + "   ".join(
         f"{name + ' T/NFE':>16} {'paper acct':>10} {'acc':>5}" for name in labels
     )

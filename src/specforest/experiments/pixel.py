@@ -53,7 +53,17 @@ from ..planning import AdaptiveTree, plan_tree
 from ..proposals import DRAFT_KINDS
 from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..trees import VERIFY_MODES
-from .gmm import COUPLING_OF, TREE_MODES, _check_choice, _check_int, _derive_seed, make_tree
+from .gmm import (
+    COUPLING_OF,
+    METHOD_LABELS,
+    SWEEP_METHODS,
+    TREE_MODES,
+    _check_choice,
+    _check_int,
+    _derive_seed,
+    check_sweep_methods,
+    make_tree,
+)
 from .io import atomic_write, atomic_write_text
 from .results import describe_method
 
@@ -324,20 +334,12 @@ def _samples_name(r: dict) -> str:
     return f"{r['method']}_K{r['K']}_L{r['L']}_churn{r['churn']:g}.npz"
 
 
-SWEEP_METHODS = ("dgrs", "rank", "antithetic")
-"""Tree methods a sweep can run at each ``(K, L)`` (antithetic at even ``K`` only)."""
-
-
 def sweep_configs(
     pairs: Iterable[tuple[int, int]], churns: Iterable[float], methods: Sequence[str] = ("dgrs",)
 ) -> list[tuple[str, int, int, float]]:
     """``(method, K, L, churn)``: standard, then each tree method of ``methods`` at each
     ``(K, L)`` (antithetic at even ``K`` only) and RMC at each matched budget."""
-    methods = list(dict.fromkeys(methods))
-    if not methods:
-        raise ValueError(f"methods must name at least one of {SWEEP_METHODS}")
-    for m in methods:
-        _check_choice("methods", m, SWEEP_METHODS)
+    methods = check_sweep_methods(methods)
     out = []
     for churn in churns:
         out.append(("standard", 0, 0, float(churn)))
@@ -588,10 +590,9 @@ def format_summary(records: list[dict]) -> str:
     def acc(r: Optional[dict]) -> str:
         return "-" if r is None else f"{r['classifier_accuracy']:.3f}"
 
-    names = {"dgrs": "D-GRS", "rank": "rank", "antithetic": "antithetic", "rmc": "RMC"}
-    methods = [m for m in names if any(r["method"] == m for r in records)]
-    head = f"{'churn':>5} {'B':>4} {'(K,L)':>6}  " + " ".join(f"{names[m]:>15}" for m in methods)
-    lines = [head + "  " + " ".join(f"{'acc ' + names[m]:>14}" for m in methods)]
+    methods = [m for m in (*SWEEP_METHODS, "rmc") if any(r["method"] == m for r in records)]
+    head = f"{'churn':>5} {'B':>4} {'(K,L)':>6}  " + " ".join(f"{METHOD_LABELS[m]:>15}" for m in methods)
+    lines = [head + "  " + " ".join(f"{'acc ' + METHOD_LABELS[m]:>14}" for m in methods)]
     for churn in sorted({r["churn"] for r in records}):
         by = {m: {r["budget"]: r for r in records if r["method"] == m and r["churn"] == churn} for m in methods}
         for B in sorted(set().union(*by.values())):
