@@ -43,6 +43,7 @@ the rule efficient; it never makes it exact or inexact.
 
 from __future__ import annotations
 
+import functools
 import math
 from importlib import resources
 from typing import Literal, Optional
@@ -257,20 +258,29 @@ def rule_lp(
     return W, -float(res.fun)
 
 
-def _load_shipped(base: Base, M: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+@functools.lru_cache(maxsize=1)
+def _shipped_arrays() -> dict:
+    """Every array of ``data/rank_rules.npz``, read once per process (empty if absent)."""
     import numpy as np
 
     try:
         with resources.files("specforest").joinpath("data/rank_rules.npz").open("rb") as fh:
-            data = np.load(fh)
-            if not np.allclose(data["deltas"], TABLE_DELTAS.numpy()) or f"{base}_{M}" not in data:
-                return None
-            if not np.allclose(data[f"edges_{base}"], EDGES[base].numpy()):
-                return None
-            W = torch.tensor(data[f"{base}_{M}"], dtype=torch.float64).clamp_min(0.0)
-            acc = torch.tensor(data[f"acceptance_{base}_{M}"], dtype=torch.float64)
+            with np.load(fh) as data:
+                return {k: data[k] for k in data.files}
     except FileNotFoundError:
+        return {}
+
+
+def _load_shipped(base: Base, M: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    import numpy as np
+
+    arrays = _shipped_arrays()
+    if f"{base}_{M}" not in arrays or not np.allclose(arrays["deltas"], TABLE_DELTAS.numpy()):
         return None
+    if not np.allclose(arrays[f"edges_{base}"], EDGES[base].numpy()):
+        return None
+    W = torch.tensor(arrays[f"{base}_{M}"], dtype=torch.float64).clamp_min(0.0)
+    acc = torch.tensor(arrays[f"acceptance_{base}_{M}"], dtype=torch.float64)
     return W / W.sum(-1, keepdim=True), acc
 
 
