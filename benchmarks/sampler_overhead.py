@@ -1,101 +1,183 @@
-"""The sampler's own time per round next to the target call it makes.
+"""The sampler's own time per round next to the network call it makes, phase by phase.
 
-    .venv/bin/python benchmarks/sampler_overhead.py
+    .venv/bin/python benchmarks/sampler_overhead.py --before fce9583
 
-A small convolutional network on 3x32x32 states stands in for a target
-denoiser (it is far cheaper than a real one, which makes the comparison
-harsher on the sampler). For each tree, times the whole run, the time spent
-inside target calls, and reports the sampler's own time per round (drafting,
-coupling, bookkeeping) against the mean target call. Regenerates the
-``overhead`` section of ``benchmarks/RESULTS.md``.
+Target: the shipped digits U-Net (1 x 8 x 8, class-conditional), T = 100,
+churn 0.3, one CPU thread (pinned: on a shared machine the default thread
+count makes timings swing by 10x). For every coupling, one image at a time
+and 64 images at once: wall time, time inside the network, and the sampler's
+own time per round (wall minus network, divided by the rounds), median of 3
+runs, with the split over the round engine's phases
+(``SampleStats.phase_seconds``). ``--before REF`` measures the same runs on
+an older commit (checked out in a temporary git worktree) for a before/after
+table; it has no phase split. The GRS residual sampler's cost per call is
+measured in both. Regenerates the ``overhead`` section of
+``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
-from torch import nn
-
-import specforest
-from specforest import trees
-from specforest.experiments.results import machine_line, replace_section
-
-
-class ConvNet(nn.Module):
-    """A 4-layer conv net, 64 channels: a stand-in for a (much larger) denoiser."""
-
-    def __init__(self, ch: int = 64) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(4, ch, 3, padding=1), nn.SiLU(),
-            nn.Conv2d(ch, ch, 3, padding=1), nn.SiLU(),
-            nn.Conv2d(ch, ch, 3, padding=1), nn.SiLU(),
-            nn.Conv2d(ch, 3, 3, padding=1),
-        )
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        s = sigma.reshape(-1, 1, 1, 1).expand(-1, 1, *x.shape[2:])
-        return 0.1 * self.net(torch.cat([x, s], 1)) + x
+CONFIGS = [
+    # (label, images, tree spec, coupling, draft)
+    ("standard", 1, None, "grs", "velocity"),
+    ("RMC chain B=14", 1, ("chain", 14), "rmc", "velocity"),
+    ("D-GRS (2,3)", 1, ("uniform", 2, 3), "grs", "velocity"),
+    ("rank (2,3), draft auto", 1, ("uniform", 2, 3), "rank", "auto"),
+    ("antithetic (2,3)", 1, ("uniform", 2, 3), "antithetic", "velocity"),
+    ("standard", 64, None, "grs", "velocity"),
+    ("D-GRS (2,3)", 64, ("uniform", 2, 3), "grs", "velocity"),
+    ("D-GRS (2,5)", 64, ("uniform", 2, 5), "grs", "velocity"),
+]
 
 
-def run(tree, coupling, batch: int, steps: int, seed: int = 0) -> dict:
-    torch.manual_seed(0)
-    net = ConvNet().eval()
-    model_time = [0.0]
+def _tree(spec):
+    from specforest import trees
 
-    def model(x, sigma):
+    if spec is None:
+        return None
+    return trees.chain(spec[1]) if spec[0] == "chain" else trees.uniform(spec[1], spec[2])
+
+
+def measure(repeats: int, quick: bool) -> dict:
+    """Time every configuration with the ``specforest`` importable here; returns a JSON-able dict."""
+    import torch
+
+    import specforest
+    from specforest.couplings import grs_levels, sample_grs_residual
+    from specforest.models.digits import load_velocity
+
+    torch.set_num_threads(1)
+    vel = load_velocity()
+    inside = [0.0]
+
+    def model(x, sigma, **kw):
         t = time.perf_counter()
-        out = net(x, sigma)
-        model_time[0] += time.perf_counter() - t
+        out = vel(x, sigma, **kw)
+        inside[0] += time.perf_counter() - t
         return out
 
-    x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
-    t0 = time.perf_counter()
-    out = specforest.sample(model, x, steps=steps, churn=0.3, tree=tree, coupling=coupling,
-                            generator=torch.Generator().manual_seed(seed + 1))
-    total = time.perf_counter() - t0
-    calls = out.stats.calls
-    return dict(total=total, model=model_time[0], calls=calls,
-                overhead_per_round=(total - model_time[0]) / calls,
-                model_per_call=model_time[0] / calls, rows=float(out.stats.rows.double().mean()))
+    has_cond = "cond" in inspect.signature(specforest.sample).parameters
+    rows = []
+    for label, n, spec, coupling, draft in CONFIGS:
+        runs = []
+        for rep in range(1 if (n > 1 and spec is not None and spec[-1] == 5) else repeats):
+            g = torch.Generator().manual_seed(rep)
+            x = torch.randn(n, 1, 8, 8, generator=g)
+            labels = torch.randint(0, 10, (n,), generator=g)
+            kw = {"cond": {"class_labels": labels}} if has_cond else {"model_kwargs": {"class_labels": labels}}
+            inside[0] = 0.0
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = specforest.sample(model, x, steps=20 if quick else 100, churn=0.3, tree=_tree(spec),
+                                        coupling=coupling, draft=draft,
+                                        generator=torch.Generator().manual_seed(100 + rep), **kw)
+            wall = time.perf_counter() - t0
+            runs.append(dict(wall=wall, inside=inside[0], calls=out.stats.calls,
+                             nfe=float(out.stats.nfe.double().mean()),
+                             phases=getattr(out.stats, "phase_seconds", None) or {}))
+        runs.sort(key=lambda r: r["wall"] - r["inside"])
+        rows.append(dict(label=label, images=n, **runs[len(runs) // 2]))
+    residual = {}
+    for P in (1, 64):
+        d = torch.full((P,), 0.7, dtype=torch.float64)
+        lam, G = grs_levels(d, 3)
+        u = torch.rand(P, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).clamp_min(1e-12)
+        args = (d, lam[:, 3], G[:, 3], u)
+        sample_grs_residual(*args)
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(50):
+                sample_grs_residual(*args)
+            times.append((time.perf_counter() - t) / 50)
+        residual[str(P)] = statistics.median(times)
+    return dict(rows=rows, residual=residual)
+
+
+def _measure_before(ref: str, repeats: int, quick: bool) -> dict:
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        wt = Path(tmp) / "before"
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(wt), ref], check=True,
+                       capture_output=True)
+        try:
+            env = {**os.environ, "PYTHONPATH": str(wt / "src")}
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--measure-only", "--repeats", str(repeats)]
+            out = subprocess.run(cmd + (["--quick"] if quick else []), check=True, capture_output=True, text=True,
+                                 env=env, cwd=tmp)
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        finally:
+            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(wt)], check=False,
+                           capture_output=True)
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:.2f}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=8, help="trajectories, >= 1")
-    ap.add_argument("--steps", type=int, default=30, help="steps T, >= 3")
+    ap.add_argument("--before", default=None, help="git ref to measure as 'before' (e.g. the commit before the round engine)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (the median is reported)")
+    ap.add_argument("--quick", action="store_true", help="T = 20 instead of 100 (a smoke run, not for the table)")
+    ap.add_argument("--measure-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    configs = [
-        ("standard", None, "grs"),
-        ("RMC chain B=14", trees.chain(14), "rmc"),
-        ("D-GRS (2,3) B=14", trees.uniform(2, 3), "grs"),
-        ("D-GRS (3,4) B=120", trees.uniform(3, 4), "grs"),
-        ("D-GRS (4,4) B=340", trees.uniform(4, 4), "grs"),
-    ]
+    if args.measure_only:
+        print(json.dumps(measure(args.repeats, args.quick)))
+        return
+    before = _measure_before(args.before, args.repeats, args.quick) if args.before else None
+    after = measure(args.repeats, args.quick)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+    from specforest.experiments.results import machine_line, replace_section
+
+    steps = 20 if args.quick else 100
     lines = [
-        f"Measured with `benchmarks/sampler_overhead.py --batch {args.batch} --steps {args.steps}` on {machine_line()}.",
+        f"Measured with `benchmarks/sampler_overhead.py{' --before ' + args.before if args.before else ''}` "
+        f"on {machine_line()}, one CPU thread.",
         "",
-        f"States 3x32x32, {args.batch} trajectories, churn 0.3; target = a 4-layer 64-channel conv net "
-        "(a stand-in far cheaper than a real denoiser). Sampler time = wall time outside target calls.",
+        f"Target: the shipped digits U-Net (1 x 8 x 8), T = {steps}, churn 0.3; median of {args.repeats} runs "
+        "(one for D-GRS (2,5) at 64 images). Sampler time = wall time outside the network, per round.",
         "",
-        "| configuration | rounds (target calls) | states per call | target time per call (ms) | sampler time per round (ms) | sampler / target |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| configuration | images | rounds | NFE | network per call (ms) | sampler per round (ms) | "
+        + ("before (ms) | " if before else "")
+        + "draft | evaluate | walk | commit (ms per round) | sampler share of wall |",
+        "| --- | --- | --- | --- | --- | --- | " + ("--- | " if before else "") + "--- | --- |",
     ]
-    for name, tree, coupling in configs:
-        r = run(tree, coupling, args.batch, args.steps)
-        per_call_rows = r["rows"] * args.batch / r["calls"]
+    for i, r in enumerate(after["rows"]):
+        c = r["calls"]
+        ph = r["phases"]
+        split = " / ".join(_ms(ph.get(k, 0.0) / c) for k in ("draft", "evaluate", "walk", "commit"))
+        b = ""
+        if before:
+            br = before["rows"][i]
+            b = f"{_ms((br['wall'] - br['inside']) / br['calls'])} | "
         lines.append(
-            f"| {name} | {r['calls']} | {per_call_rows:.0f} | {1e3 * r['model_per_call']:.1f} | "
-            f"{1e3 * r['overhead_per_round']:.1f} | {r['overhead_per_round'] / r['model_per_call']:.2f} |"
+            f"| {r['label']} | {r['images']} | {c} | {r['nfe']:.1f} | {_ms(r['inside'] / c)} | "
+            f"{_ms((r['wall'] - r['inside']) / c)} | {b}{split} | {(r['wall'] - r['inside']) / r['wall']:.0%} |"
         )
         print(lines[-1], flush=True)
-    replace_section(args.out, "overhead", "## Sampler overhead per round", "\n".join(lines))
+    lines += ["", "GRS residual sampler (K = 3, delta = 0.7), time per call:", "",
+              "| problems | " + ("before (ms) | " if before else "") + "now (ms) |",
+              "| --- | " + ("--- | " if before else "") + "--- |"]
+    for P in ("1", "64"):
+        b = f"{_ms(before['residual'][P])} | " if before else ""
+        lines.append(f"| {P} | {b}{_ms(after['residual'][P])} |")
+    print("\n".join(lines[-4:]))
+    if not args.quick:
+        replace_section(args.out, "overhead", "## Sampler overhead per round", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -47,24 +47,22 @@ class UnfixedGRS(GRS):
 class NoResidualGRS(GRS):
     """Keeps the first child's projection on rejection instead of sampling the residual."""
 
-    def couple_projections(self, s_hat, delta, valid, generator):
-        s, acc, idx = super().couple_projections(s_hat, delta, valid, generator)
-        return torch.where(acc, s, s_hat[:, 0]), acc, idx
+    def residual(self, s_hat, delta, valid, index, rng):
+        return s_hat[:, 0]
 
 
 class WrongThresholdGRS(GRS):
     """Samples the residual above ln(lambda)/delta (the centred-coordinate threshold, ERRATA 2)."""
 
-    def couple_projections(self, s_hat, delta, valid, generator):
-        s, acc, idx = super().couple_projections(s_hat, delta, valid, generator)
-        return torch.where(acc, s, s - delta / 2), acc, idx
+    def residual(self, s_hat, delta, valid, index, rng):
+        return super().residual(s_hat, delta, valid, index, rng) - delta / 2
 
 
 class MinDensityRank(RankCoupling):
     """Selects by the rank rule but tests acceptance against the minimum's density."""
 
-    def select(self, s_hat, delta, valid, generator):
-        index, _ = super().select(s_hat, delta, valid, generator)
+    def choose(self, s_hat, delta, valid, rng):
+        index, _ = super().choose(s_hat, delta, valid, rng)
         K = s_hat.shape[1]
         W = torch.zeros(n_cells("normal"), K, dtype=torch.float64)
         W[:, 0] = 1.0
@@ -79,8 +77,8 @@ class CellBlindRank(RankCoupling):
     """Selects by the max-conditioned rule but tests acceptance as if the weights
     did not depend on the maximum's cell (the cell-averaged weights)."""
 
-    def select(self, s_hat, delta, valid, generator):
-        index, _ = super().select(s_hat, delta, valid, generator)
+    def choose(self, s_hat, delta, valid, rng):
+        index, _ = super().choose(s_hat, delta, valid, rng)
         K = s_hat.shape[1]
         W = table_rule(delta, K).mean(1, keepdim=True).expand(-1, n_cells("normal"), -1)
 
@@ -93,8 +91,8 @@ class CellBlindRank(RankCoupling):
 class GreedyAntithetic(AntitheticCoupling):
     """Always picks the positive member of the pair but keeps the randomized rule's density."""
 
-    def select(self, s_hat, delta, valid, generator):
-        _, log_f = super().select(s_hat, delta, valid, generator)
+    def choose(self, s_hat, delta, valid, rng):
+        _, log_f = super().choose(s_hat, delta, valid, rng)
         return torch.where(s_hat[:, 0] >= 0, 0, 1), log_f
 
 

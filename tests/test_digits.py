@@ -98,9 +98,9 @@ class AcceptEveryDraft(Coupling):
 
     name = "accept-all"
 
-    def couple_projections(self, s_hat, delta, valid, generator):
+    def select(self, s_hat, delta, valid, rng):
         P = s_hat.shape[0]
-        return s_hat[:, 0], torch.ones(P, dtype=torch.bool), torch.zeros(P, dtype=torch.long)
+        return torch.ones(P, dtype=torch.bool), torch.zeros(P, dtype=torch.long)
 
 
 N, T, CHURN = 400, 12, 0.6
@@ -118,7 +118,7 @@ def _run(velocity, tree, coupling, seed):
         tree=tree,
         coupling=coupling,
         generator=g,
-        model_kwargs={"class_labels": labels},
+        cond={"class_labels": labels},
         lazy=tree is not None,
     ).samples
 

@@ -112,10 +112,10 @@ def test_draft_diagnostics_cli(tmp_path):
 def test_auto_draft_fills_unseen_offsets_from_the_nearest_seen_one():
     from specforest.proposals import AutoDraft
 
-    d = AutoDraft(max_offset=5)
-    d.sum[1] = torch.tensor([3.0, 3.0, 1.0, 3.0, 3.0], dtype=torch.float64)  # x0 best at offset 1
-    d.count[1] = 1.0
-    assert d.choice().tolist() == [0, 2, 2, 2, 2, 2]
+    total, count = AutoDraft(max_offset=5).init_state(torch.device("cpu"))
+    total[1] = torch.tensor([3.0, 3.0, 1.0, 3.0, 3.0], dtype=torch.float64)  # x0 best at offset 1
+    count[1] = 1.0
+    assert AutoDraft.choice((total, count)).tolist() == [0, 2, 2, 2, 2, 2]
 
 
 def test_adaptive_tree_replans_within_budget_and_validates():

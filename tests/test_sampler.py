@@ -193,18 +193,9 @@ def test_acceptance_rate_matches_theorem_2_for_observed_delta():
     """Sampler-level check: accepts at depth 1 agree with the mean closed form over rounds."""
     gmm = GaussianMixture.paper(dim=50, components=3, seed=0)
     x = torch.randn(400, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    deltas, accepts = [], []
-
-    class Recording(GRS):
-        def __call__(self, *args, **kwargs):
-            res = super().__call__(*args, **kwargs)
-            deltas.append(res.delta)
-            accepts.append(res.accepted)
-            return res
-
-    specforest.sample(gmm, x, steps=20, churn=0.2, tree=trees.uniform(3, 2), coupling=Recording(),
-                      prefetch="parent", generator=torch.Generator().manual_seed(1))
-    d, acc = torch.cat(deltas), torch.cat(accepts).double()
+    out = specforest.sample(gmm, x, steps=20, churn=0.2, tree=trees.uniform(3, 2), coupling="grs",
+                            prefetch="parent", record_deltas=True, generator=torch.Generator().manual_seed(1))
+    d, acc = out.stats.deltas[:, 2], out.stats.deltas[:, 3]
     p = specforest.couplings.grs_acceptance(d, 3)
     z = (acc.sum() - p.sum()) / torch.sqrt((p * (1 - p)).sum())
     assert abs(float(z)) < Z_TOL
@@ -250,7 +241,7 @@ def test_image_shaped_states_and_model_kwargs():
 
 @pytest.mark.parametrize("lazy", [False, True])
 def test_per_trajectory_conditioning_follows_rows(lazy):
-    """Labels (B,) in model_kwargs reach each state of that trajectory, tree nodes included."""
+    """Labels (B,) in cond reach each state of that trajectory, tree nodes included."""
     centers = torch.tensor([[-5.0, 0.0, 0.0], [5.0, 0.0, 0.0]], dtype=torch.float64)
     comps = [GaussianMixture(c[None], torch.tensor([0.2])) for c in centers]
 
@@ -261,12 +252,12 @@ def test_per_trajectory_conditioning_follows_rows(lazy):
     label = torch.tensor([0, 1] * 50)
     x = torch.randn(100, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     out = specforest.sample(model, x, steps=10, churn=0.5, tree=trees.uniform(2, 3), lazy=lazy,
-                            model_kwargs={"label": label}, generator=torch.Generator().manual_seed(1))
+                            cond={"label": label}, generator=torch.Generator().manual_seed(1))
     assert torch.equal((out.samples[:, 0] > 0).long(), label)
     # a draft model gets the same per-row conditioning
     out = specforest.sample(model, x, steps=10, churn=0.5, tree=trees.uniform(2, 3), lazy=lazy,
                             draft=lambda x, s, label: 0.9 * model(x, s, label),
-                            model_kwargs={"label": label}, generator=torch.Generator().manual_seed(1))
+                            cond={"label": label}, generator=torch.Generator().manual_seed(1))
     assert torch.equal((out.samples[:, 0] > 0).long(), label)
     assert out.stats.nfe.double().mean() < 10
 

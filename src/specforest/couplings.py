@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from .rank_rules import cell_of, log_rule_pdf, n_cells, rule_acceptance, table_acceptance, table_rule
+from .streams import Stream
 
 __all__ = [
     "Coupling",
@@ -29,7 +30,10 @@ __all__ = [
     "GRS",
     "RMC",
     "RankCoupling",
+    "available_couplings",
     "get_coupling",
+    "project",
+    "register_coupling",
     "grs_acceptance",
     "grs_levels",
     "log_sf",
@@ -155,16 +159,58 @@ class CouplingResult:
     delta: torch.Tensor
 
 
+def project(
+    z: torch.Tensor, diff: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rank-1 reduction of paper Sec. 3.1 (eqs. 12-13) for a batch of problems.
+
+    Args:
+        z: ``(..., K, D)`` the children's standardized offsets ``(Y - mu_p) / s``.
+        diff: ``(..., D)`` the mean displacement ``mu_q - mu_p``.
+        scale: ``(...)`` float64 transition std ``s > 0``.
+
+    Returns:
+        ``(s_hat, delta, e)``: ``(..., K)`` float64 projections ``e . z``,
+        ``(...)`` float64 ``delta = |diff| / s`` and ``(..., D)`` the unit
+        direction ``e`` in ``diff``'s dtype (zero where ``diff = 0``). Only
+        elementwise ops and reductions over the last axis: every problem's
+        numbers are independent of the batch it is in.
+    """
+    norm = torch.linalg.vector_norm(diff, dim=-1)
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+    e = diff / safe[..., None]
+    s_hat = (z * e[..., None, :]).sum(-1).to(torch.float64)
+    return s_hat, norm.to(torch.float64) / scale, e
+
+
 class Coupling:
     """Base class of verification rules (the ``Verify`` of Algorithm 1).
 
-    Subclasses implement :meth:`couple_projections` on the scalar projections;
-    the rank-1 reduction and reconstruction (eqs. 12-15) live here, so a new
-    rule touches neither them nor the sampler loop.
+    A rule works on the scalar projections of the rank-1 reduction (eqs.
+    12-15, which live here, as does the reconstruction): :meth:`select` decides
+    whether a child is accepted and which one; :meth:`residual` draws the
+    target projection of a rejected problem. The sampler calls :meth:`select`
+    on every verification problem of a round's tree at once and
+    :meth:`residual` only where its walk stopped, so a new rule touches neither
+    the reduction nor the sampler loop.
+
+    Randomness comes from a :class:`~specforest.streams.Stream` (one key per
+    problem); draw with ``rng.uniform(slot, n)`` / ``rng.normal(slot, n)``,
+    one slot per distinct draw of the rule, the same slots in :meth:`select`
+    and :meth:`residual` for a draw they share.
+
+    Declared needs (class attributes, read by the sampler):
+        name: registry name, recorded in results.
+        max_children: largest number of children of a node (``None``: any).
+        structured_siblings: the rule draws a node's children jointly through
+            :meth:`structure_noise` (then every internal node needs the same
+            number of children, and adaptive trees, which assume i.i.d.
+            children, are refused).
     """
 
     name: str = "coupling"
     max_children: Optional[int] = None
+    structured_siblings: bool = False
 
     def __call__(
         self,
@@ -173,17 +219,19 @@ class Coupling:
         scale: torch.Tensor,
         children: torch.Tensor,
         valid: torch.Tensor,
-        generator: Optional[torch.Generator] = None,
+        generator: "Optional[torch.Generator] | Stream" = None,
     ) -> CouplingResult:
-        """Couple each problem's children with its target.
+        """Couple each problem's children with its target (the whole rule, for direct use and tests).
 
         Args:
             mu_p: ``(P, D)`` proposal means.
             mu_q: ``(P, D)`` target means.
             scale: ``(P,)`` shared transition std, > 0.
-            children: ``(P, K, D)`` drafted children, i.i.d. from ``N(mu_p, scale^2 I)``.
+            children: ``(P, K, D)`` drafted children, i.i.d. from ``N(mu_p, scale^2 I)``
+                (or jointly by :meth:`structure_noise`).
             valid: ``(P, K)`` bool, a prefix of True per row (at least one).
-            generator: source of the rule's uniforms.
+            generator: a :class:`~specforest.streams.Stream` with ``P`` keys, or a
+                ``torch.Generator`` from which one is keyed.
 
         Returns:
             A :class:`CouplingResult`.
@@ -191,42 +239,48 @@ class Coupling:
         P, K, _ = children.shape
         self.check_children(K)
         work = children.dtype if children.dtype in (torch.float32, torch.float64) else torch.float32
-        mu_p = mu_p.to(work)
-        diff = mu_q.to(work) - mu_p
-        norm = torch.linalg.vector_norm(diff, dim=-1).to(torch.float64)
+        rng = generator if isinstance(generator, Stream) else Stream.from_generator(P, generator, children.device)
         s64 = scale.to(torch.float64)
-        delta = norm / s64
-        safe = torch.where(norm > 0, norm, torch.ones_like(norm)).to(work)
-        e = diff / safe[:, None]  # the zero vector when delta = 0: nothing to move
-        s_hat = torch.einsum("pkd,pd->pk", children.to(work) - mu_p[:, None], e).to(torch.float64)
-        s_hat = s_hat / s64[:, None]
-        s_new, accepted, index = self.couple_projections(s_hat, delta, valid, generator)
-        base = torch.where(accepted, index, torch.zeros_like(index))
-        chosen = children.to(work)[torch.arange(P, device=children.device), base]
-        s_chosen = s_hat.gather(1, base[:, None])[:, 0]
+        mu_p = mu_p.to(work)
+        z = (children.to(work) - mu_p[:, None]) / s64.to(work)[:, None, None]
+        s_hat, delta, e = project(z, mu_q.to(work) - mu_p, s64)
+        accepted, index = self.select(s_hat, delta, valid, rng)
+        rows = torch.arange(P, device=children.device)
+        s_chosen = s_hat[rows, index]
+        s_new = s_chosen.clone()
+        rej = (~accepted).nonzero()[:, 0]
+        if rej.numel():
+            s_new[rej] = self.residual(s_hat[rej], delta[rej], valid[rej], index[rej], rng.take(rej))
         shift = ((s_new - s_chosen) * s64).to(work)
-        state = chosen + shift[:, None] * e
+        state = children.to(work)[rows, index] + shift[:, None] * e
         return CouplingResult(state, accepted, torch.where(accepted, index, -1), delta)
 
-    def couple_projections(
-        self,
-        s_hat: torch.Tensor,
-        delta: torch.Tensor,
-        valid: torch.Tensor,
-        generator: Optional[torch.Generator],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Map the children's projections to one exact target projection.
+    def select(
+        self, s_hat: torch.Tensor, delta: torch.Tensor, valid: torch.Tensor, rng: Stream
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decide each problem: is a child accepted, and which.
 
         Args:
-            s_hat: ``(P, K)`` float64 projections, i.i.d. ``N(0, 1)``.
-            delta: ``(P,)`` float64.
-            valid: ``(P, K)`` bool prefix mask.
-            generator: source of uniforms.
+            s_hat: ``(P, K)`` float64 projections, i.i.d. ``N(0, 1)`` (or as
+                :meth:`structure_noise` makes them).
+            delta: ``(P,)`` float64 mismatch ``>= 0``.
+            valid: ``(P, K)`` bool prefix mask of real children.
+            rng: the problems' random stream.
 
         Returns:
-            ``(s, accepted, index)``: ``(P,)`` float64 target projection
-            (``N(delta, 1)``), ``(P,)`` bool, ``(P,)`` long accepted child (or, when
-            rejected, the child whose orthogonal part is kept).
+            ``(accepted, index)``: ``(P,)`` bool and ``(P,)`` long, the accepted
+            child, or when rejected the child whose orthogonal part is kept.
+        """
+        raise NotImplementedError
+
+    def residual(
+        self, s_hat: torch.Tensor, delta: torch.Tensor, valid: torch.Tensor, index: torch.Tensor, rng: Stream
+    ) -> torch.Tensor:
+        """The target projection of rejected problems (the same rows' inputs as :meth:`select`).
+
+        Returns:
+            ``(P,)`` float64: together with the accepted children's projections,
+            exactly ``N(delta, 1)``.
         """
         raise NotImplementedError
 
@@ -250,18 +304,14 @@ class Coupling:
         """Joint law of siblings: map i.i.d. standard noise ``(n, K, ...)`` of each
         node's ``K`` children to the noise the rule expects (identity: i.i.d.).
 
-        Every sibling must stay marginally standard normal, so each child (and
-        the subtree drafted below it) keeps the proposal's law.
+        Only used when :attr:`structured_siblings` is True. Every sibling must
+        stay marginally standard normal, so each child (and the subtree drafted
+        below it) keeps the proposal's law.
         """
         return z
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-def _uniform(shape, generator, device) -> torch.Tensor:
-    gdev = generator.device if generator is not None else torch.device("cpu")
-    return torch.rand(shape, generator=generator, dtype=torch.float64, device=gdev).to(device)
 
 
 class RMC(Coupling):
@@ -274,12 +324,13 @@ class RMC(Coupling):
     name = "rmc"
     max_children = 1
 
-    def couple_projections(self, s_hat, delta, valid, generator):
-        s = s_hat[:, 0]
-        log_u = torch.log(_uniform(s.shape, generator, s.device))
-        accepted = log_u <= (delta * s - 0.5 * delta * delta).clamp(max=0.0)
-        s_new = torch.where(accepted, s, delta - s)
-        return s_new, accepted, torch.zeros_like(s, dtype=torch.long)
+    def select(self, s_hat, delta, valid, rng):
+        log_u = torch.log(rng.uniform(0, 1)[:, 0])
+        accepted = log_u <= (delta * s_hat[:, 0] - 0.5 * delta * delta).clamp(max=0.0)
+        return accepted, torch.zeros_like(accepted, dtype=torch.long)
+
+    def residual(self, s_hat, delta, valid, index, rng):
+        return delta - s_hat[:, 0]
 
     def acceptance(self, delta, K=1):
         return rmc_acceptance(delta)
@@ -305,28 +356,21 @@ class GRS(Coupling):
         ratio = torch.where(G > 0, excess / G.clamp_min(1e-300), (excess > 0).to(rho.dtype))
         return ratio.clamp(max=1.0)
 
-    def couple_projections(self, s_hat, delta, valid, generator):
-        P, K = s_hat.shape
+    def select(self, s_hat, delta, valid, rng):
+        K = s_hat.shape[1]
         lam, G = grs_levels(delta, K)  # (P, K+1) each
         log_rho = delta[:, None] * s_hat - 0.5 * (delta * delta)[:, None]
         rho = torch.exp(log_rho.clamp(max=700.0))
         beta = self.acceptance_weights(rho, lam[:, :K], G[:, :K], s_hat)
-        u = _uniform((P, K + 1), generator, s_hat.device)
-        hit = (u[:, :K] < beta) & valid
+        hit = (rng.uniform(0, K) < beta) & valid
         accepted = hit.any(1)
         first = torch.argmax(hit.to(torch.int8), dim=1)
-        k_eff = valid.sum(1)
-        rows = torch.arange(P, device=s_hat.device)
-        lam_k, G_k = lam[rows, k_eff], G[rows, k_eff]
-        need = ~accepted
-        s_res = s_hat[:, 0].clone()
-        if need.any():
-            s_res[need] = sample_grs_residual(
-                delta[need], lam_k[need], G_k[need], 1.0 - u[need, K]
-            )
-        s_new = torch.where(accepted, s_hat[rows, first], s_res)
-        index = torch.where(accepted, first, torch.zeros_like(first))
-        return s_new, accepted, index
+        return accepted, torch.where(accepted, first, torch.zeros_like(first))
+
+    def residual(self, s_hat, delta, valid, index, rng):
+        lam, G = grs_levels(delta, s_hat.shape[1])
+        k_eff = valid.sum(1, keepdim=True)
+        return sample_grs_residual(delta, lam.gather(1, k_eff)[:, 0], G.gather(1, k_eff)[:, 0], rng.uniform(1, 1)[:, 0])
 
     def acceptance(self, delta, K):
         return grs_acceptance(delta, K)
@@ -341,45 +385,46 @@ def _log_normal_pdf(s: torch.Tensor) -> torch.Tensor:
     return -0.5 * s * s - 0.5 * math.log(2 * math.pi)
 
 
+_REJECTION_SLOT = 8
+
+
 def _sample_residual_by_rejection(
     delta: torch.Tensor, log_f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    generator: Optional[torch.Generator], max_batch: int = 4096,
+    rng: Stream, max_batch: int = 4096,
 ) -> torch.Tensor:
     """Exact draws from ``(q - f)_+ / (1 - alpha)`` with ``q = N(delta, 1)``, ``alpha = int min(q, f)``.
 
     Rejection from ``q``: a candidate ``s`` is kept with probability
     ``(1 - f(s) / q(s))_+``, so a candidate succeeds with probability
     ``1 - alpha``. Problems still pending draw twice as many candidates on each
-    pass, starting from one (up to ``max_batch``). The residual is only needed after a rejection,
-    which happens with probability ``1 - alpha``, so the expected number of
-    candidates per coupling call is bounded (about 2) whatever ``alpha``.
+    pass, starting from one (up to ``max_batch``); pass ``t`` draws at its own
+    slots, so a problem's draws do not depend on the others in the batch. The
+    residual is only needed after a rejection, which happens with probability
+    ``1 - alpha``, so the expected number of candidates per rejected problem is
+    bounded (about 2) whatever ``alpha``. One host synchronization per pass.
 
     Args:
         delta: ``(P,)`` float64.
         log_f: ``log_f(s (n, m), rows (n,)) -> (n, m)`` log density of the selected child.
-        generator: randomness.
+        rng: the problems' stream (``P`` keys).
     """
     P = delta.numel()
     out = torch.empty(P, dtype=torch.float64, device=delta.device)
     todo = torch.arange(P, device=delta.device)
-    m = 1
+    m, t = 1, 0
     while todo.numel():
         d = delta[todo]
-        s = d[:, None] + _randn_f64((todo.numel(), m), generator, delta.device)
+        sub = rng.take(todo)
+        s = d[:, None] + sub.normal(_REJECTION_SLOT + 2 * t, m)
         log_ratio = log_f(s, todo) - _log_normal_pdf(s - d[:, None])
         keep_p = -torch.expm1(log_ratio.clamp(max=0.0))
-        hit = _uniform((todo.numel(), m), generator, delta.device) < keep_p
+        hit = sub.uniform(_REJECTION_SLOT + 2 * t + 1, m) < keep_p
         ok = hit.any(1)
         first = torch.argmax(hit.to(torch.int8), dim=1)
         out[todo[ok]] = s[ok, first[ok]]
         todo = todo[~ok]
-        m = min(2 * m, max_batch)
+        m, t = min(2 * m, max_batch), t + 1
     return out
-
-
-def _randn_f64(shape, generator, device) -> torch.Tensor:
-    gdev = generator.device if generator is not None else torch.device("cpu")
-    return torch.randn(shape, generator=generator, dtype=torch.float64, device=gdev).to(device)
 
 
 class _SelectThenCouple(Coupling):
@@ -391,29 +436,28 @@ class _SelectThenCouple(Coupling):
     selected child's orthogonal part is independent of every projection, hence
     of ``X`` and of the selection, and keeps its law. Acceptance
     ``alpha = int min(q, f)``.
+
+    Slots: 0 for the rule's choice, 1 for the acceptance test, 2 for a
+    subclass's second choice draw, 8 and up for the residual's rejection passes.
     """
 
-    def select(self, s_hat, delta, valid, generator):
+    def choose(self, s_hat, delta, valid, rng):
         """Return ``(index (P,), log_f)`` where ``log_f(s, rows)`` is the selected law's log density."""
         raise NotImplementedError
 
-    def couple_projections(self, s_hat, delta, valid, generator):
+    def select(self, s_hat, delta, valid, rng):
         P = s_hat.shape[0]
         rows = torch.arange(P, device=s_hat.device)
-        index, log_f = self.select(s_hat, delta, valid, generator)
+        index, log_f = self.choose(s_hat, delta, valid, rng)
         x = s_hat[rows, index]
-        log_q = _log_normal_pdf(x - delta)
-        log_acc = (log_q - log_f(x[:, None], rows)[:, 0]).clamp(max=0.0)
-        accepted = torch.log(_uniform((P,), generator, s_hat.device)) <= log_acc
-        s_new = x.clone()
-        need = (~accepted).nonzero()[:, 0]
-        if need.numel():
+        log_acc = (_log_normal_pdf(x - delta) - log_f(x[:, None], rows)[:, 0]).clamp(max=0.0)
+        accepted = torch.log(rng.uniform(1, 1)[:, 0]) <= log_acc
+        return accepted, index
 
-            def log_f_need(s, r, _need=need):
-                return log_f(s, _need[r])
-
-            s_new[need] = _sample_residual_by_rejection(delta[need], log_f_need, generator)
-        return s_new, accepted, index
+    def residual(self, s_hat, delta, valid, index, rng):
+        # the choice is a function of the keyed draws: recomputing it gives the same index and density
+        _, log_f = self.choose(s_hat, delta, valid, rng)
+        return _sample_residual_by_rejection(delta, log_f, rng)
 
 
 def _rule(delta: torch.Tensor, M: int, base: str) -> torch.Tensor:
@@ -423,12 +467,11 @@ def _rule(delta: torch.Tensor, M: int, base: str) -> torch.Tensor:
     return table_rule(delta, M, base)
 
 
-def _pick_by_rule(values: torch.Tensor, W: torch.Tensor, base: str, generator) -> torch.Tensor:
+def _pick_by_rule(values: torch.Tensor, W: torch.Tensor, base: str, u: torch.Tensor) -> torch.Tensor:
     """Index ``(P,)`` of the value chosen by the max-conditioned rank rule with weights ``W (P, C, M)``."""
     P, M = values.shape
     rows = torch.arange(P, device=values.device)
     w = W[rows, cell_of(values.max(1).values, base)]
-    u = _uniform((P,), generator, values.device)
     j = torch.searchsorted(torch.cumsum(w, 1), u[:, None]).clamp(max=M - 1)[:, 0]
     return torch.argsort(values, dim=1).gather(1, j[:, None])[:, 0]
 
@@ -454,8 +497,9 @@ class RankCoupling(_SelectThenCouple):
 
     name = "rank"
 
-    def select(self, s_hat, delta, valid, generator):
+    def choose(self, s_hat, delta, valid, rng):
         P, Kmax = s_hat.shape
+        u = rng.uniform(0, 1)[:, 0]
         k_eff = valid.sum(1)
         index = torch.zeros(P, dtype=torch.long, device=s_hat.device)
         groups = [Kmax] if bool((k_eff == Kmax).all()) else k_eff.unique().tolist()
@@ -463,7 +507,7 @@ class RankCoupling(_SelectThenCouple):
         for k in groups:
             sel = torch.arange(P, device=s_hat.device) if len(groups) == 1 else (k_eff == k).nonzero()[:, 0]
             W = _rule(delta[sel], int(k), "normal")
-            index[sel] = _pick_by_rule(s_hat[sel, :k], W, "normal", generator)
+            index[sel] = _pick_by_rule(s_hat[sel, :k], W, "normal", u[sel])
             weights[k] = (sel, W)
 
         # position of each problem within its group's weights
@@ -517,6 +561,7 @@ class AntitheticCoupling(_SelectThenCouple):
     """
 
     name = "antithetic"
+    structured_siblings = True
 
     def check_children(self, K: int) -> None:
         if K % 2:
@@ -541,7 +586,7 @@ class AntitheticCoupling(_SelectThenCouple):
         log_neg = log_g + torch.log(-torch.expm1((log_qr - log_g).clamp(max=0.0)))
         return torch.where(s >= 0, log_pos, log_neg)
 
-    def select(self, s_hat, delta, valid, generator):
+    def choose(self, s_hat, delta, valid, rng):
         P, K = s_hat.shape
         self.check_children(K)
         if not bool(valid.all()):
@@ -550,11 +595,11 @@ class AntitheticCoupling(_SelectThenCouple):
         rows = torch.arange(P, device=s_hat.device)
         mag = s_hat[:, 0::2].abs()
         W = _rule(delta, M, "halfnormal")
-        pair = _pick_by_rule(mag, W, "halfnormal", generator)
+        pair = _pick_by_rule(mag, W, "halfnormal", rng.uniform(0, 1)[:, 0])
         r = mag[rows, pair]
         log_g = log_rule_pdf(r, W, M, "halfnormal")
         pi = torch.exp((_log_normal_pdf(r - delta) - log_g).clamp(max=0.0))
-        take_pos = _uniform((P,), generator, s_hat.device) < pi
+        take_pos = rng.uniform(2, 1)[:, 0] < pi
         # the member at +r is child 2 * pair iff its projection is >= 0; its mirror is the other one
         pos_child = torch.where(s_hat[rows, 2 * pair] >= 0, 2 * pair, 2 * pair + 1)
         index = torch.where(take_pos, pos_child, pos_child ^ 1)
@@ -578,15 +623,47 @@ class AntitheticCoupling(_SelectThenCouple):
         return table_acceptance(d.reshape(-1), int(K) // 2, "halfnormal").reshape(d.shape)
 
 
-_COUPLINGS = {"rmc": RMC, "grs": GRS, "dgrs": GRS, "rank": RankCoupling, "antithetic": AntitheticCoupling}
+_COUPLINGS: dict[str, Callable[[], Coupling]] = {
+    "rmc": RMC, "grs": GRS, "dgrs": GRS, "rank": RankCoupling, "antithetic": AntitheticCoupling,
+}
+
+
+def register_coupling(name: str, factory: Callable[[], Coupling], *, replace: bool = False) -> None:
+    """Make ``coupling=name`` resolve to ``factory()`` everywhere (sampler, CLI, planners).
+
+    Args:
+        name: the registry name (case-insensitive).
+        factory: a zero-argument callable returning a fresh :class:`Coupling` (a subclass works).
+        replace: allow overriding an existing name.
+
+    Raises:
+        ValueError: if ``name`` is taken and ``replace`` is False.
+        TypeError: if ``factory`` is not callable.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+    if name.lower() in _COUPLINGS and not replace:
+        raise ValueError(f"coupling {name!r} is already registered; pass replace=True to override it")
+    _COUPLINGS[name.lower()] = factory
+
+
+def available_couplings() -> list[str]:
+    """The registered coupling names."""
+    return sorted(_COUPLINGS)
 
 
 def get_coupling(coupling: "str | Coupling") -> Coupling:
-    """Resolve a coupling name (``rmc``, ``grs``/``dgrs``, ``rank``, ``antithetic``) or pass an instance through."""
+    """Resolve a registered coupling name (``rmc``, ``grs``/``dgrs``, ``rank``, ``antithetic``, or one
+    added by :func:`register_coupling`) or pass an instance through."""
     if isinstance(coupling, Coupling):
         return coupling
     if isinstance(coupling, str) and coupling.lower() in _COUPLINGS:
-        return _COUPLINGS[coupling.lower()]()
+        cp = _COUPLINGS[coupling.lower()]()
+        if not isinstance(cp, Coupling):
+            raise TypeError(f"the factory registered for {coupling!r} returned {type(cp).__name__}, not a Coupling")
+        return cp
     raise ValueError(
-        f"coupling must be one of {sorted(_COUPLINGS)} or a Coupling instance, got {coupling!r}"
+        f"coupling must be one of {available_couplings()} or a Coupling instance, got {coupling!r}"
     )

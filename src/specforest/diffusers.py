@@ -768,8 +768,10 @@ def sample(
         guidance_scale: classifier-free guidance ``g >= 0`` (``<= 1``: none).
         height, width: image size in pixels, divisible by ``vae_scale_factor x
             patch_size`` (default: the transformer's ``sample_size x vae_scale_factor``).
-        generator: the only source of randomness (latents, then the sampler).
-            The same generator state gives the same images for the same inputs.
+        generator: the only source of randomness (latents, then the sampler's
+            seed). The same generator state gives the same images for the same
+            inputs. A list of one generator per image (diffusers' convention)
+            makes image ``i`` a function of ``generator[i]`` alone.
         num_images_per_prompt: images per caption (``>= 1``); ``B = n x num_images_per_prompt``.
         output_type: ``pil``, ``np``, ``pt`` or ``latent``.
         churn: ``eps`` in (0, 1] (0 makes speculation vacuous, ERRATA 8).
@@ -815,10 +817,13 @@ def sample(
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
     if not isinstance(lazy, bool):
         raise TypeError(f"lazy must be a bool, got {type(lazy).__name__}")
-    if generator is not None and not isinstance(generator, torch.Generator):
+    if isinstance(generator, (list, tuple)):
+        if not generator or not all(isinstance(g, torch.Generator) for g in generator):
+            raise TypeError("generator must be a torch.Generator, a list of them (one per image) or None")
+    elif generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
-            f"generator must be one torch.Generator or None, got {type(generator).__name__} (the "
-            "sampler draws every trajectory's noise from one stream; lists are not supported)"
+            f"generator must be a torch.Generator, a list of them (one per image) or None, "
+            f"got {type(generator).__name__}"
         )
     if max_memory_gb is not None:
         max_memory_gb = _check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
@@ -884,8 +889,11 @@ def sample(
     conds = {"encoder_hidden_states": pe, "pooled_projections": ppe}
     if cfg:
         conds.update(negative_encoder_hidden_states=npe, negative_pooled_projections=nppe)
-    model_kwargs = {k: v.to(device, t_dtype).repeat_interleave(n_img, dim=0) for k, v in conds.items()}
+    cond = {k: v.to(device, t_dtype).repeat_interleave(n_img, dim=0) for k, v in conds.items()}
     B = n * n_img
+    if isinstance(generator, (list, tuple)) and len(generator) != B:
+        raise ValueError(f"a list of generators must hold one per image ({B} = prompts x num_images_per_prompt), "
+                         f"got {len(generator)}")
 
     # -- memory -------------------------------------------------------------------------
     C = int(tcfg.get("in_channels", 16))
@@ -923,7 +931,11 @@ def sample(
     if generator is None:
         generator = torch.Generator(device="cpu")
         generator.seed()
-    x_T = _initial_latents((B, *latent_shape), generator, device)
+    if isinstance(generator, (list, tuple)):
+        # diffusers' convention: image i's latents (and here its sampling noise) from generator[i]
+        x_T = torch.cat([_initial_latents((1, *latent_shape), g, device) for g in generator])
+    else:
+        x_T = _initial_latents((B, *latent_shape), generator, device)
     out = _engine_sample(
         velocity,
         x_T,
@@ -937,7 +949,7 @@ def sample(
         generator=generator,
         progress=progress,
         max_rows=memory.max_rows,
-        model_kwargs=model_kwargs,
+        cond=cond,
         lazy=lazy,
     )
     latents = out.samples

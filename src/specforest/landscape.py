@@ -137,7 +137,7 @@ def plot_landscape(path, Ks: Sequence[int] = (1, 2, 4, 8), deltas: Optional[np.n
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .experiments.io import atomic_write
+    from .atomic import atomic_write
 
     deltas = np.linspace(0.0, 5.0, 51) if deltas is None else deltas
     rows = acceptance_table(deltas, Ks)

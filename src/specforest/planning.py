@@ -16,7 +16,7 @@ import torch
 
 from .couplings import Coupling, get_coupling
 from .sampler import sample
-from .trees import DraftTree, chain, optimal
+from .trees import DraftTree, TreePolicy, chain, optimal
 
 __all__ = ["AdaptiveTree", "acceptance_model", "plan_tree"]
 
@@ -107,7 +107,7 @@ def plan_tree(
     return optimal(acc, budget, depth, kmax=kmax)
 
 
-class AdaptiveTree:
+class AdaptiveTree(TreePolicy):
     """A draft tree re-planned every round from the statistics gathered so far.
 
     Pass an instance as ``tree`` to :func:`specforest.sample`. Each round, the

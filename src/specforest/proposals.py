@@ -16,14 +16,25 @@ draft uses. The proposal only moves the acceptance rate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional
 
 import torch
 
-from .sde import ReverseSDE
+from .sde import StepTables
 
-__all__ = ["DRAFT_KINDS", "FROZEN_KINDS", "AutoDraft", "DraftModel", "FrozenPrediction", "Prefetch", "Proposal", "get_proposal"]
+__all__ = [
+    "DRAFT_KINDS",
+    "FROZEN_KINDS",
+    "AutoDraft",
+    "DraftModel",
+    "FrozenPrediction",
+    "Prefetch",
+    "Proposal",
+    "available_drafts",
+    "get_proposal",
+    "register_draft",
+]
 
 DRAFT_KINDS = ("velocity", "drift", "x0", "eps", "x0_extrap", "auto")
 """Parameterizations a frozen prediction can be held fixed in; ``auto`` picks one
@@ -34,7 +45,7 @@ FROZEN_KINDS = DRAFT_KINDS[:5]
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prefetch:
     """Per-trajectory target evaluation reused by the next round's draft.
 
@@ -42,94 +53,144 @@ class Prefetch:
         y: ``(B, D)`` state at which the target was evaluated.
         v: ``(B, D)`` the target velocity there.
         step: ``(B,)`` long step index of that evaluation.
-        prev_y, prev_v, prev_step: the evaluation prefetched before it (``None``
-            when not tracked), for drafts that extrapolate in time.
+        prev_y, prev_v, prev_step: the evaluation prefetched before it, for
+            drafts that extrapolate in time.
         has_prev: ``(B,)`` bool, True where ``prev_*`` hold a real evaluation.
+        valid: ``(B,)`` bool, True where ``y, v, step`` hold an evaluation.
     """
 
     y: torch.Tensor
     v: torch.Tensor
     step: torch.Tensor
-    prev_y: Optional[torch.Tensor] = None
-    prev_v: Optional[torch.Tensor] = None
-    prev_step: Optional[torch.Tensor] = None
-    has_prev: Optional[torch.Tensor] = None
+    prev_y: torch.Tensor
+    prev_v: torch.Tensor
+    prev_step: torch.Tensor
+    has_prev: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def empty(cls, B: int, D: int, dtype: torch.dtype, device: torch.device) -> "Prefetch":
+        """No evaluation yet for any of ``B`` trajectories."""
+        z = torch.zeros(B, D, dtype=dtype, device=device)
+        zi = torch.zeros(B, dtype=torch.long, device=device)
+        zb = torch.zeros(B, dtype=torch.bool, device=device)
+        return cls(z, z, zi, z, z, zi, zb, zb)
 
     def take(self, idx: torch.Tensor) -> "Prefetch":
         """The rows ``idx`` of every field."""
-        pick = lambda t: None if t is None else t[idx]  # noqa: E731
-        return Prefetch(pick(self.y), pick(self.v), pick(self.step), pick(self.prev_y), pick(self.prev_v),
-                        pick(self.prev_step), pick(self.has_prev))
+        return Prefetch(*(getattr(self, f.name)[idx] for f in fields(self)))
 
-    def set(self, idx: torch.Tensor, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, keep_prev: bool) -> None:
-        """Store a new evaluation at rows ``idx``; the old one becomes ``prev`` if ``keep_prev``."""
-        if self.prev_y is not None:
-            self.prev_y[idx], self.prev_v[idx], self.prev_step[idx] = self.y[idx], self.v[idx], self.step[idx]
-            self.has_prev[idx] = keep_prev
-        self.y[idx], self.v[idx], self.step[idx] = y, v, step
+    def with_rows(self, idx: torch.Tensor, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+                  keep_prev: bool) -> "Prefetch":
+        """A new prefetch with rows ``idx`` replaced by an evaluation; the old one becomes ``prev`` if ``keep_prev``."""
+        put = lambda t, val: t.index_put((idx,), val)  # noqa: E731
+        keep = torch.full_like(idx, keep_prev, dtype=torch.bool) & self.valid[idx]
+        return Prefetch(put(self.y, y), put(self.v, v), put(self.step, step),
+                        put(self.prev_y, self.y[idx]), put(self.prev_v, self.v[idx]), put(self.prev_step, self.step[idx]),
+                        put(self.has_prev, keep), put(self.valid, torch.ones_like(keep)))
 
 
 class Proposal:
-    """Base class: ``mean(y, step)`` of the draft transition.
+    """Base class: the draft transition mean ``m^p(y)`` at drafted parents.
 
-    Attributes:
-        needs_prefetch: True if the proposal needs a target evaluation per
-            round (then the sampler prefetches it, see ``prefetch`` in
-            :func:`specforest.sample`).
+    States are flattened and trajectory-major: ``y (Bs, n, D)`` holds ``n``
+    parents of each of ``Bs`` trajectories, all at the step ``steps (Bs, n)``.
+
+    Declared needs (class attributes, read by the sampler):
+        needs_prefetch: the proposal needs a target evaluation per round (the
+            sampler prefetches it, see ``prefetch`` in :func:`specforest.sample`).
+        affine: the mean is affine in the parent, ``A(step) y + C(prefetch, step)``,
+            given by :meth:`coefficients` (frozen predictions). Otherwise
+            :meth:`mean` is called, once per drafted parent.
+        observes: :meth:`observe` must be called with the exact target means
+            of each round's verified parents.
         name: short name recorded in results.
+
+    A proposal's learnt state (if any) is an explicit value: :meth:`init_state`
+    makes it, :meth:`observe` returns the next one, and a round drafts with the
+    state it started with, so the draft of a round depends only on earlier
+    rounds and the sampler stays exact.
     """
 
     needs_prefetch: bool = True
+    affine: bool = False
+    observes: bool = False
     name: str = "proposal"
 
-    def mean(
-        self,
-        sde: ReverseSDE,
-        y: torch.Tensor,
-        step: torch.Tensor,
-        pre: Optional[Prefetch],
-        shape: tuple[int, ...],
-        cond: Optional[dict] = None,
-    ) -> torch.Tensor:
-        """Draft means at drafted parents.
+    def init_state(self, device: torch.device) -> Any:
+        """The state before any round (``None`` for stateless proposals)."""
+        return None
+
+    def coefficients(
+        self, tab: StepTables, steps: torch.Tensor, pre: Prefetch, state: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, C)`` with ``mean = A * y + C`` (affine proposals only).
 
         Args:
-            sde: the discretized reverse SDE.
-            y: ``(n, Bs, D)`` parent states (flattened), ``n`` nodes of each of
-                ``Bs`` trajectories (node-major).
-            step: ``(Bs,)`` long step index of these parents.
-            pre: the trajectories' prefetched evaluations (``Bs`` rows).
-            shape: the per-sample state shape (``prod(shape) = D``).
-            cond: the model's keyword arguments for these ``Bs`` trajectories
-                (per-trajectory tensors already indexed, ``(Bs, ...)``).
+            tab: the SDE's step tables in the states' dtype.
+            steps: ``(Bs, n)`` long steps of the parents.
+            pre: the ``Bs`` trajectories' prefetched evaluations.
+            state: the proposal's state.
 
         Returns:
-            ``(n, Bs, D)`` draft transition means.
+            ``A (Bs, n, 1)`` and ``C (Bs, n, D)``.
         """
         raise NotImplementedError
 
-    def begin_round(self) -> None:
-        """Called by the sampler before each round's drafting; the draft must not
-        change between this call and the end of the round (the walk recomputes
-        the draft means it verifies against)."""
+    def mean(
+        self, tab: StepTables, y: torch.Tensor, steps: torch.Tensor, pre: Optional[Prefetch], cond: dict,
+        shape: tuple[int, ...], state: Any,
+    ) -> torch.Tensor:
+        """Draft means ``(Bs, n, D)`` at parents ``y (Bs, n, D)`` at ``steps (Bs, n)``.
+
+        ``cond`` holds the ``Bs`` trajectories' per-trajectory conditioning
+        (``(Bs, ...)`` tensors); ``shape`` is the per-sample state shape.
+        """
+        A, C = self.coefficients(tab, steps, pre, state)
+        return torch.addcmul(C, A, y)
 
     def observe(
-        self,
-        sde: ReverseSDE,
-        y: torch.Tensor,
-        mu_q: torch.Tensor,
-        step: torch.Tensor,
-        pre: Optional[Prefetch],
-        scale: torch.Tensor,
-    ) -> None:
-        """Called after each verification with the exact target means it used.
+        self, state: Any, tab: StepTables, y: torch.Tensor, mu_q: torch.Tensor, steps: torch.Tensor,
+        pre: Prefetch, scale: torch.Tensor,
+    ) -> Any:
+        """The next state, given one round's verified parents (only if :attr:`observes`).
 
         Args:
-            y: ``(P, D)`` verified parents; mu_q: ``(P, D)`` their target means;
-            step: ``(P,)`` their steps; pre: their trajectories' prefetch;
-            scale: ``(P,)`` transition std. A proposal may learn from these for
-            *later* rounds (never the current one, which keeps it exact).
+            y: ``(P, D)`` verified parents; mu_q: ``(P, D)`` their exact target
+            means; steps: ``(P,)``; pre: their trajectories' prefetch (``P``
+            rows); scale: ``(P,)`` transition std.
         """
+        return state
+
+
+def _frozen_coefficients(kind: str, tab: StepTables, steps: torch.Tensor, pre: Prefetch):
+    """``(A (Bs, n, 1), C (Bs, n, D))`` of one frozen parameterization (see :class:`FrozenPrediction`)."""
+    a, c = tab.a[steps][..., None], tab.c[steps][..., None]
+    ys, vs = pre.y[:, None], pre.v[:, None]
+    if kind == "velocity":
+        return a, c * vs
+    if kind == "drift":
+        ps = pre.step[:, None]
+        b = -tab.drift_f[ps][..., None] * vs - tab.drift_k[ps][..., None] * ys
+        return torch.ones_like(a), tab.gamma[steps][..., None] * b
+    sig = tab.sig[steps][..., None]
+    sig_src = tab.sig[pre.step][:, None, None]
+    if kind in ("x0", "x0_extrap"):
+        x0 = ys - sig_src * vs
+        if kind == "x0_extrap":
+            sig_prev = tab.sig[pre.prev_step][:, None, None]
+            x0_prev = pre.prev_y[:, None] - sig_prev * pre.prev_v[:, None]
+            gap = sig_src - sig_prev
+            ok = pre.has_prev[:, None, None] & (gap.abs() > 1e-12)
+            slope = torch.where(ok, (x0 - x0_prev) / torch.where(ok, gap, torch.ones_like(gap)), torch.zeros_like(x0))
+            x0 = x0 + (sig - sig_src) * slope
+        # v = (y - x0) / sig
+        k = c / sig
+        return a + k, -k * x0
+    # eps: v = (xi - y) / (1 - sig), xi = y* + (1 - sig*) v*
+    xi = ys + (1.0 - sig_src) * vs
+    k = c / (1.0 - sig)
+    return a - k, k * xi
 
 
 class FrozenPrediction(Proposal):
@@ -150,55 +211,38 @@ class FrozenPrediction(Proposal):
       ``x0(sigma) = x0* + (sigma - sigma*) (x0* - x0_prev) / (sigma* - sigma_prev)``
       (plain ``x0`` where there is no earlier evaluation).
 
+    Each is affine in the parent ``y`` (:meth:`coefficients`).
+
     Args:
-        kind: one of :data:`DRAFT_KINDS`.
+        kind: one of :data:`FROZEN_KINDS`.
     """
+
+    affine = True
 
     def __init__(self, kind: str = "velocity") -> None:
         if kind not in FROZEN_KINDS:
-            raise ValueError(f"draft must be one of {DRAFT_KINDS} or a callable, got {kind!r}")
+            raise ValueError(f"draft must be one of {available_drafts()} or a callable, got {kind!r}")
         self.kind = kind
         self.name = kind
 
-    def mean(self, sde, y, step, pre, shape, cond=None):
+    def coefficients(self, tab, steps, pre, state):
         if pre is None:
             raise ValueError("a frozen-prediction draft needs a prefetched evaluation")
-        ys, vs = pre.y, pre.v
-        if self.kind == "velocity":
-            return sde.mean_from_velocity(y, vs, step)
-        if self.kind == "drift":
-            b = sde.drift(ys, vs, pre.step)
-            return sde.mean_from_drift(y, b, step)
-        sig_src = sde.sigmas.to(y.device, y.dtype)[pre.step][:, None]
-        sig = sde.sigmas.to(y.device, y.dtype)[step][:, None]
-        if self.kind in ("x0", "x0_extrap"):
-            x0 = ys - sig_src * vs
-            if self.kind == "x0_extrap" and pre.has_prev is not None:
-                sig_prev = sde.sigmas.to(y.device, y.dtype)[pre.prev_step][:, None]
-                x0_prev = pre.prev_y - sig_prev * pre.prev_v
-                gap = sig_src - sig_prev
-                ok = pre.has_prev[:, None] & (gap.abs() > 1e-12)
-                slope = torch.where(ok, (x0 - x0_prev) / torch.where(ok, gap, torch.ones_like(gap)), torch.zeros_like(x0))
-                x0 = x0 + (sig - sig_src) * slope
-            v = (y - x0) / sig
-        else:
-            xi = ys + (1.0 - sig_src) * vs
-            v = (xi - y) / (1.0 - sig)
-        return sde.mean_from_velocity(y, v, step)
+        return _frozen_coefficients(self.kind, tab, steps, pre)
 
     def __repr__(self) -> str:
         return f"FrozenPrediction(kind={self.kind!r})"
 
 
 class DraftModel(Proposal):
-    """An independent draft model ``v_draft(x, sigma, **model_kwargs)`` with the target's signature.
+    """An independent draft model ``v_draft(x, sigma, **cond)`` with the target's signature.
 
-    It is evaluated at every drafted parent (its calls are counted apart from the
-    target's NFE) and receives the same conditioning as the target, per-trajectory
-    tensors indexed per row; no prefetching is needed.
+    It is evaluated once per drafted parent (its calls are counted apart from
+    the target's NFE) and receives the same per-trajectory conditioning as the
+    target, indexed per row; no prefetching is needed.
 
     Args:
-        fn: callable ``(x: (M, *shape), sigma: (M,), **model_kwargs) -> (M, *shape)`` velocity.
+        fn: callable ``(x: (M, *shape), sigma: (M,), **cond) -> (M, *shape)`` velocity.
     """
 
     needs_prefetch = False
@@ -208,22 +252,19 @@ class DraftModel(Proposal):
         if not callable(fn):
             raise TypeError("draft model must be callable as fn(x, sigma)")
         self.fn = fn
-        self.calls = 0
 
-    def mean(self, sde, y, step, pre, shape, cond=None):
-        n, Bs, D = y.shape
-        sig = sde.sigmas.to(y.device)[step].repeat(n)
-        # node-major rows: row i * Bs + b belongs to trajectory b
-        kw = {
-            k: (v.repeat(n, *([1] * (v.ndim - 1))) if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == Bs else v)
-            for k, v in (cond or {}).items()
-        }
-        v = self.fn(y.reshape(n * Bs, *shape), sig.to(y.dtype), **kw)
-        self.calls += 1
-        v = v.reshape(n, Bs, D).to(y.dtype)
+    def mean(self, tab, y, steps, pre, cond, shape, state):
+        Bs, n, D = y.shape
+        sig = tab.sig[steps].reshape(-1)
+        # trajectory-major rows: row b * n + i belongs to trajectory b
+        kw = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
+        v = self.fn(y.reshape(Bs * n, *shape), sig, **kw)
+        if not isinstance(v, torch.Tensor) or v.numel() != y.numel():
+            raise ValueError(f"the draft model must return a tensor of shape {(Bs * n, *shape)}")
+        v = v.reshape(Bs, n, D).to(y.dtype)
         if not torch.isfinite(v).all():
             raise FloatingPointError("the draft model returned NaN or inf")
-        return sde.mean_from_velocity(y, v, step)
+        return tab.mean(y, v, steps)
 
     def __repr__(self) -> str:
         return f"DraftModel({self.fn!r})"
@@ -240,77 +281,95 @@ class AutoDraft(Proposal):
     offset), use the kind with the smallest running mean of ``delta`` at that
     offset over the rounds so far (an unseen offset takes the choice of the
     nearest smaller seen one; ``velocity`` before anything is seen).
-    The choice only uses earlier rounds (observations are merged when the next
-    round begins), so the draft of a round is fixed given the past and the
-    sampler stays exact. State is per :func:`specforest.sample`
-    call: a fresh instance is made for each run.
+    The state is the running sums ``(offsets, kinds)`` and counts; a round
+    drafts with the state it started with, so the sampler stays exact.
     """
 
+    affine = True
+    observes = True
     name = "auto"
 
     def __init__(self, max_offset: int = 64) -> None:
-        self.kinds = [FrozenPrediction(k) for k in FROZEN_KINDS]
-        self.sum = torch.zeros(max_offset + 1, len(self.kinds), dtype=torch.float64)
-        self.count = torch.zeros(max_offset + 1, dtype=torch.float64)
-        # observations of the current round, merged at the next round's start so
-        # that a round's drafting and its verification use the same choice
-        self._new_sum = torch.zeros_like(self.sum)
-        self._new_count = torch.zeros_like(self.count)
-        self._pick = self.choice()
+        self.max_offset = max_offset
 
-    def begin_round(self) -> None:
-        self.sum += self._new_sum
-        self.count += self._new_count
-        self._new_sum.zero_()
-        self._new_count.zero_()
-        self._pick = self.choice()
+    def init_state(self, device):
+        n = self.max_offset + 1
+        return (torch.zeros(n, len(FROZEN_KINDS), dtype=torch.float64, device=device),
+                torch.zeros(n, dtype=torch.float64, device=device))
 
-    def choice(self) -> torch.Tensor:
+    @staticmethod
+    def choice(state) -> torch.Tensor:
         """``(max_offset + 1,)`` index into :data:`FROZEN_KINDS` used at each offset.
 
         An offset never observed takes the choice of the nearest smaller observed
         offset (``velocity`` when there is none).
         """
-        mean = self.sum / self.count.clamp_min(1.0)[:, None]
-        pick = mean.argmin(1)
-        out = torch.zeros_like(pick)
-        last = 0
-        for i in range(pick.numel()):
-            if self.count[i] > 0:
-                last = int(pick[i])
-            out[i] = last
-        return out
+        total, count = state
+        pick = (total / count.clamp_min(1.0)[:, None]).argmin(1)
+        ar = torch.arange(count.numel(), device=count.device)
+        last_seen = torch.cummax(torch.where(count > 0, ar, -1), 0).values
+        return torch.where(last_seen >= 0, pick[last_seen.clamp(min=0)], 0)
 
-    def mean(self, sde, y, step, pre, shape, cond=None):
-        offset = (step - pre.step).clamp(0, self.sum.shape[0] - 1).cpu()
-        pick = self._pick[offset]  # (Bs,)
-        out = torch.empty_like(y)
-        for k in pick.unique().tolist():
-            cols = (pick == k).nonzero()[:, 0].to(y.device)
-            sub = pre.take(cols)
-            out[:, cols] = self.kinds[k].mean(sde, y[:, cols], step[cols], sub, shape)
-        return out
+    @staticmethod
+    def _all_kinds(tab, steps, pre):
+        """``A (5, Bs, n, 1)`` and ``C (5, Bs, n, D)`` of every frozen kind."""
+        AC = [_frozen_coefficients(k, tab, steps, pre) for k in FROZEN_KINDS]
+        return torch.stack([A for A, _ in AC]), torch.stack([C for _, C in AC])
 
-    def observe(self, sde, y, mu_q, step, pre, scale):
-        offset = (step - pre.step).clamp(0, self.sum.shape[0] - 1).cpu()
-        for i, kind in enumerate(self.kinds):
-            m = kind.mean(sde, y[None], step, pre, ())[0]
-            d = (torch.linalg.vector_norm((mu_q - m).double(), dim=-1) / scale.double()).cpu()
-            self._new_sum[:, i].index_add_(0, offset, d)
-        self._new_count.index_add_(0, offset, torch.ones_like(offset, dtype=torch.float64))
+    def coefficients(self, tab, steps, pre, state):
+        A, C = self._all_kinds(tab, steps, pre)  # (5, Bs, n, 1), (5, Bs, n, D)
+        offset = (steps - pre.step[:, None]).clamp(0, self.max_offset)
+        pick = self.choice(state)[offset]  # (Bs, n)
+        return A.gather(0, pick[None, ..., None])[0], C.gather(0, pick[None, ..., None].expand_as(C[:1]))[0]
+
+    def observe(self, state, tab, y, mu_q, steps, pre, scale):
+        total, count = state
+        A, C = self._all_kinds(tab, steps[:, None], pre)  # (5, P, 1, *)
+        m = torch.addcmul(C[:, :, 0], A[:, :, 0], y[None])  # (5, P, D)
+        d = torch.linalg.vector_norm((mu_q[None] - m).double(), dim=-1) / scale.double()  # (5, P)
+        offset = (steps - pre.step).clamp(0, self.max_offset)
+        return (total.index_add(0, offset, d.T), count.index_add(0, offset, torch.ones_like(d[0])))
 
     def __repr__(self) -> str:
         return "AutoDraft()"
 
 
+_DRAFTS: dict[str, Callable[[], Proposal]] = {k: (lambda k=k: FrozenPrediction(k)) for k in FROZEN_KINDS}
+_DRAFTS["auto"] = AutoDraft
+
+
+def register_draft(name: str, factory: Callable[[], Proposal], *, replace: bool = False) -> None:
+    """Make ``draft=name`` resolve to ``factory()`` everywhere.
+
+    Raises:
+        ValueError: if ``name`` is taken and ``replace`` is False.
+        TypeError: if ``factory`` is not callable.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+    if name in _DRAFTS and not replace:
+        raise ValueError(f"draft {name!r} is already registered; pass replace=True to override it")
+    _DRAFTS[name] = factory
+
+
+def available_drafts() -> tuple[str, ...]:
+    """The registered draft names."""
+    return tuple(_DRAFTS)
+
+
 def get_proposal(draft: "str | Proposal | VelocityFn") -> Proposal:
-    """Resolve ``draft``: a kind name, a :class:`Proposal`, or a draft-model callable."""
+    """Resolve ``draft``: a registered name, a :class:`Proposal`, or a draft-model callable.
+
+    A name gives a fresh instance (a stateful proposal's state lives in the run anyway).
+    """
     if isinstance(draft, Proposal):
         return draft
-    if draft == "auto":
-        return AutoDraft()
     if isinstance(draft, str):
-        return FrozenPrediction(draft)
+        if draft not in _DRAFTS:
+            raise ValueError(f"draft must be one of {available_drafts()}, a Proposal or a callable, got {draft!r}")
+        return _DRAFTS[draft]()
     if callable(draft):
         return DraftModel(draft)
-    raise TypeError(f"draft must be one of {DRAFT_KINDS}, a Proposal or a callable, got {draft!r}")
+    raise TypeError(f"draft must be one of {available_drafts()}, a Proposal or a callable, got {draft!r}")

@@ -35,6 +35,7 @@ import torch
 
 __all__ = [
     "ReverseSDE",
+    "StepTables",
     "flow_match_grid",
     "shift_sigmas",
     "uniform_grid",
@@ -191,6 +192,14 @@ class ReverseSDE:
         """``(T + 1,)`` long: the end (exclusive) of the stochastic run at ``n``."""
         return self._run_end
 
+    def tables(self, device: "torch.device | str", dtype: torch.dtype) -> "StepTables":
+        """The per-step coefficients on ``device`` in ``dtype``, made once per (device, dtype) and cached."""
+        key = (str(device), dtype)
+        cache = self.__dict__.setdefault("_tables", {})
+        if key not in cache:
+            cache[key] = StepTables.build(self, torch.device(device), dtype)
+        return cache[key]
+
     def mean_from_velocity(
         self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor
     ) -> torch.Tensor:
@@ -200,46 +209,65 @@ class ReverseSDE:
         ``y - gamma v`` on deterministic ones.
 
         Args:
-            y: ``(..., M, D)`` flattened states at their steps.
-            v: ``(..., M, D)`` velocities ``v(y, sigmas[step])`` (broadcastable).
-            step: ``(M,)`` long step indices in ``[0, T)``.
+            y: ``(M, ..., D)`` flattened states at their steps.
+            v: ``(M, ..., D)`` velocities ``v(y, sigmas[step])`` (broadcastable).
+            step: ``(M, ...)`` long step indices in ``[0, T)``, one per state.
 
         Returns:
-            ``(..., M, D)`` next-state means.
+            ``(M, ..., D)`` next-state means.
         """
-        a, c = self._affine(step, y)
-        return a * y + c * v
+        return self.tables(y.device, y.dtype).mean(y, v, step)
 
     def mean_from_drift(
         self, y: torch.Tensor, drift: torch.Tensor, step: torch.Tensor
     ) -> torch.Tensor:
-        """``y + gamma b`` per row, for a given reverse drift ``b`` (eq. 5)."""
-        g = self._expand(self.gamma.to(y.device)[step], y)
-        return y + g * drift
+        """``y + gamma b`` per state, for a given reverse drift ``b`` (eq. 5); shapes as :meth:`mean_from_velocity`."""
+        return y + self.tables(y.device, y.dtype).gamma[step][..., None] * drift
 
     def drift(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """Reverse drift ``b`` of eq. (35) on stochastic steps (``-v`` otherwise)."""
-        eps2 = self.churn**2
-        sig = self.sigmas.to(y.device)[step]
-        stoch = self.stochastic.to(y.device)[step]
-        t = (1.0 - sig).clamp_min(1e-300)
-        k = torch.where(stoch, eps2 / t, torch.zeros_like(t))
-        f = torch.where(stoch, torch.full_like(t, 1.0 + eps2), torch.ones_like(t))
-        return -self._expand(f, y) * v - self._expand(k, y) * y
+        """Reverse drift ``b`` of eq. (35) on stochastic steps (``-v`` otherwise); shapes as :meth:`mean_from_velocity`."""
+        tab = self.tables(y.device, y.dtype)
+        return -tab.drift_f[step][..., None] * v - tab.drift_k[step][..., None] * y
 
-    def _affine(self, step: torch.Tensor, like: torch.Tensor):
-        """Coefficients ``(a, c)`` with ``mean = a y + c v`` for each row."""
-        eps2 = self.churn**2
-        dev = like.device
-        g = self.gamma.to(dev)[step]
-        sig = self.sigmas.to(dev)[step]
-        stoch = self.stochastic.to(dev)[step]
-        t = (1.0 - sig).clamp_min(1e-300)
+
+@dataclass(frozen=True)
+class StepTables:
+    """Per-step coefficients of a :class:`ReverseSDE` on one device, in one dtype.
+
+    Everything the round reads per step, indexed by step ``n`` (``(T,)``, with
+    ``sig`` ``(T + 1,)``): the sampler gathers from these instead of recomputing
+    or copying them. ``mean = a * y + c * v`` is eq. (36) (the Euler step on
+    deterministic steps); the drift is ``b = -drift_f * v - drift_k * y``.
+    """
+
+    sig: torch.Tensor
+    gamma: torch.Tensor
+    scale: torch.Tensor
+    a: torch.Tensor
+    c: torch.Tensor
+    drift_f: torch.Tensor
+    drift_k: torch.Tensor
+    stochastic: torch.Tensor
+    run_end: torch.Tensor
+
+    @classmethod
+    def build(cls, sde: "ReverseSDE", device: torch.device, dtype: torch.dtype) -> "StepTables":
+        eps2 = sde.churn**2
+        s, g, stoch = sde.sigmas[:-1], sde.gamma, sde.stochastic
+        t = (1.0 - s).clamp_min(1e-300)
         a = torch.where(stoch, 1.0 - g * eps2 / t, torch.ones_like(g))
         c = torch.where(stoch, -g * (1.0 + eps2), -g)
-        return self._expand(a, like), self._expand(c, like)
+        f = torch.where(stoch, torch.full_like(t, 1.0 + eps2), torch.ones_like(t))
+        k = torch.where(stoch, eps2 / t, torch.zeros_like(t))
+        to = lambda x: x.to(device, dtype)  # noqa: E731
+        return cls(to(sde.sigmas), to(g), to(sde.scale), to(a), to(c), to(f), to(k), stoch.to(device),
+                   sde.run_end.to(device))
 
-    @staticmethod
-    def _expand(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        # states are flattened to (..., M, D): one coefficient per row M
-        return coef.to(like.dtype)[..., None]
+    def mean(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """``a[step] * y + c[step] * v``: ``y, v (M, ..., D)``, ``step (M, ...)``.
+
+        Written as ``addcmul(c v, a, y)``, the same ops as an affine draft
+        ``addcmul(C, A, y)`` with the velocity frozen: a draft frozen at the
+        state it drafts from gives exactly the target mean (``delta = 0``).
+        """
+        return torch.addcmul(self.c[step][..., None] * v, self.a[step][..., None], y)

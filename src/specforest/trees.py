@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["DraftTree", "chain", "uniform", "widths", "from_parents", "optimal", "VERIFY_MODES"]
+__all__ = ["DraftTree", "TreePolicy", "chain", "uniform", "widths", "from_parents", "optimal", "VERIFY_MODES"]
 
 VERIFY_MODES = ("internal", "drafted")
 """Where the target is evaluated each round: the root and the internal nodes
@@ -296,3 +296,35 @@ def optimal(
                 nxt.append((len(parents) - 1, level + 1, sub))
         frontier = nxt
     return from_parents(parents)
+
+
+class TreePolicy:
+    """A draft tree chosen anew every round from the run's own recorded verifications.
+
+    Pass an instance as ``tree`` to :func:`specforest.sample`
+    (:class:`specforest.planning.AdaptiveTree` is one). The sampler calls
+    :meth:`plan` once per round with the verifications of the earlier rounds
+    only, so a round's tree is fixed given the past and the sampler stays
+    exact. Policies assume i.i.d. children (couplings with structured siblings
+    are refused).
+
+    Attributes:
+        budget: drafted states per round (for reports).
+        max_depth: deepest tree the policy may return.
+        initial: the tree of the rounds before any statistics exist.
+    """
+
+    budget: int
+    max_depth: int
+    initial: DraftTree
+
+    def plan(self, deltas: "torch.Tensor | None", coupling, max_depth: int) -> DraftTree:
+        """The tree for the next round.
+
+        Args:
+            deltas: ``(n, 4)`` float64 rows ``(depth, step, delta, accepted)`` of
+                the run's verifications so far, or ``None`` before any.
+            coupling: the run's :class:`~specforest.couplings.Coupling`.
+            max_depth: the deepest useful tree (the horizon left), ``>= 1``.
+        """
+        raise NotImplementedError

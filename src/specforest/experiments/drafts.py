@@ -58,7 +58,7 @@ def draft_diagnostics(
     for kind in kinds:
         fn, x, kw, steps, churn = _target(model, trajectories, seed)
         res = sample(fn, x, steps=steps, churn=churn, tree=trees.chain(depth), coupling="grs", draft=kind,
-                     lazy=True, record_deltas=True, model_kwargs=kw,
+                     lazy=True, record_deltas=True, cond=kw,
                      generator=torch.Generator().manual_seed(seed + 1))
         d = res.stats.deltas.numpy()
         rows = {}

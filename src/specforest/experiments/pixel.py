@@ -16,7 +16,7 @@ exactly ``T`` NFE), ``rmc`` (Algorithm 2 on a chain of ``B`` drafted states;
 ``K, L`` recorded as ``(1, B)``) and ``dgrs`` (Algorithm 3 on the uniform
 ``(K, L)`` tree, ``B = K + ... + K^L``, ERRATA 7).
 
-Conditioning: the labels are a ``(B,)`` tensor in ``model_kwargs``; the sampler
+Conditioning: the labels are a ``(B,)`` tensor passed as ``cond``; the sampler
 indexes per-trajectory tensors per row, so the nodes of different trajectories
 share one batched call with their own labels, and one :func:`specforest.sample`
 call covers every class.
@@ -229,7 +229,7 @@ def simulate(
             cx, cl = initial_states(16, _derive_seed(seed, 7))
             tree = plan_tree(model, cx, budget=budget, steps=T, churn=float(churn), coupling=COUPLING_OF[method],
                              grid=grid, draft=draft, prefetch=prefetch, verify=verify,
-                             model_kwargs={"class_labels": cl},
+                             cond={"class_labels": cl},
                              generator=torch.Generator().manual_seed(_derive_seed(seed, 8)))
     else:
         tree = make_tree(method, K, L, T)
@@ -249,7 +249,7 @@ def simulate(
         verify=verify,
         generator=g,
         progress=progress,
-        model_kwargs={"class_labels": labels},
+        cond={"class_labels": labels},
         lazy=lazy,
         max_rows=_MAX_ROWS,
     )

@@ -285,7 +285,7 @@ def _sample_accuracy(den: EDMPrecond, clf: DigitsClassifier, n: int, seed: int) 
         churn=0.3,
         grid="flow_match",
         generator=g,
-        model_kwargs={"class_labels": labels},
+        cond={"class_labels": labels},
     )
     return float((clf.predict(out.samples) == labels).float().mean())
 

@@ -183,7 +183,7 @@ def load_velocity(
 
     ``class_labels`` may be ``None`` (unconditional), one integer for every row,
     or a ``(M,)`` tensor; through :func:`specforest.sample` pass a ``(B,)`` tensor
-    in ``model_kwargs`` and each call gets the labels of its rows' trajectories.
+    as ``cond={"class_labels": labels}`` and each call gets the labels of its rows' trajectories.
     The EDM noise level is clipped to ``[sigma_min, sigma_max]`` (the paper's
     ``[1e-3, 80]``). See :func:`load_denoiser` for the other arguments.
     """

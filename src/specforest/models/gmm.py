@@ -103,13 +103,19 @@ class GaussianMixture:
         sig = torch.as_tensor(sigma, dtype=work, device=x.device).reshape(-1, 1).expand(x.shape[0], 1)
         a = 1.0 - sig  # (M, 1)
         var = a * a * s2[None, :] + sig * sig  # (M, C)
+        # row-wise reductions and elementwise ops only, no matmul: a row's velocity is
+        # then bitwise the same in any batch (BLAS blocking depends on the batch size)
         x2 = (xw * xw).sum(1, keepdim=True)
-        dist2 = x2 - 2.0 * a * (xw @ mu.T) + a * a * mu2[None, :]
+        xm = torch.stack([(xw * m).sum(1) for m in mu], 1)  # (M, C)
+        dist2 = x2 - 2.0 * a * xm + a * a * mu2[None, :]
         logits = logw[None, :] - 0.5 * dist2 / var - 0.5 * self.dim * torch.log(var)
         r = torch.softmax(logits, dim=1)  # (M, C)
         c = r * (sig - a * s2[None, :]) / var  # (M, C)
         # sum_k c_k (x - a mu_k) - r_k mu_k
-        v = c.sum(1, keepdim=True) * xw - (c * a + r) @ mu
+        w = c * a + r
+        v = c.sum(1, keepdim=True) * xw
+        for k in range(mu.shape[0]):
+            v = torch.addcmul(v, w[:, k : k + 1], mu[k], value=-1.0)
         return v.to(x.dtype)
 
     def sample(self, n: int, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,814 @@
+"""The round engine of Algorithm 1: an explicit run state and the phases of a round.
+
+A run is a :class:`RunState` (states, steps, prefetched evaluations, counters,
+the proposal's learnt state, recorded verifications) threaded through
+:func:`run_round`, which applies the phases in order, each a function of what
+it is given:
+
+1. :func:`schedule` -- which trajectories take a single-row step (a
+   deterministic Euler step, an exact standard-sampler step, or the fetch of
+   the first root evaluation) and which speculate, on which tree;
+2. :func:`draft` -- the speculating trajectories' trees (all children at once
+   in full mode; only the roots in lazy mode), keeping the draft means;
+3. :func:`evaluate` -- **one** batched target call for every row of the round;
+4. :func:`walk` -- from each root down the tree with the coupling until the
+   first rejection, the residual draw there, and the prefetch rule: one walk
+   for both execution modes, which differ only in how a node is *realized*
+   (:class:`FullTree` looks it up in what was drafted and evaluated;
+   :class:`OnDemand`, the lazy cost simulation, drafts and evaluates the
+   visited nodes as the walk reaches them);
+5. :func:`commit` -- the new run state.
+
+Randomness is addressed, not drawn in sequence (:mod:`specforest.streams`):
+the noise of a drafted node is keyed by (sample, the round's root step, node
+id) and the coupling's draws at a node by the same key folded with
+:data:`~specforest.streams.TAG_COUPLE`. So the full tree and the lazy walk read
+the same numbers, and a sample is the same in any batch.
+
+Host-device synchronizations of one round (each a host read of a tensor the
+next kernel launch depends on):
+
+* :func:`schedule`: the row indices of the single-row and speculating
+  trajectories (``nonzero``) and the deepest lookahead of the round (``max``),
+  the sizes the round's tensors are built with;
+* :func:`evaluate`: the rows to evaluate (a boolean mask of the tree) and the
+  target's finiteness check (no NaN or inf may pass silently);
+* :func:`walk`: one ``any`` per depth to stop when every walk has ended (at
+  most ``L``), the rejected trajectories (``nonzero``), and for couplings
+  whose residual is a rejection sampler (``rank``, ``antithetic``) one per
+  pass of it;
+* an adaptive tree's plan reads the recorded verifications on the host.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import streams
+from .couplings import Coupling, project
+from .proposals import Prefetch, Proposal
+from .sde import StepTables
+from .trees import DraftTree, TreePolicy
+
+__all__ = ["Counters", "RunContext", "RunState", "Target", "init_state", "run_round"]
+
+PREFETCH_POLICIES = ("nearest", "parent")
+PHASES = ("schedule", "draft", "evaluate", "walk", "commit")
+"""The phases of a round, as timed in ``SampleStats.phase_seconds`` (``evaluate`` excludes the
+target call itself, which is ``target_seconds``). Host wall time: on CUDA, kernel launch time."""
+
+
+# -- the target ------------------------------------------------------------------------------
+
+
+class Target:
+    """The user's velocity with shape/dtype checks, per-trajectory conditioning and timing.
+
+    Args:
+        fn: ``v(x (M, *shape), sigma (M,), **cond, **model_kwargs) -> (M, *shape)``.
+        shape: per-sample state shape.
+        dtype: the coupling arithmetic's dtype (outputs are cast to it).
+        max_rows: split each call into sub-batches of at most this many rows.
+        cond: per-trajectory conditioning, tensors ``(B, ...)``: each call gets
+            the rows of the trajectories its states belong to.
+        model_kwargs: passed to every call as they are.
+    """
+
+    def __init__(self, fn: Callable, shape: tuple, dtype: torch.dtype, max_rows: Optional[int],
+                 cond: dict, model_kwargs: dict) -> None:
+        self.fn, self.shape, self.dtype, self.max_rows = fn, shape, dtype, max_rows
+        self.cond, self.kwargs = cond, model_kwargs
+        self.seconds = 0.0
+        self.calls = 0
+        self._events: list = []
+
+    def cond_rows(self, traj: torch.Tensor) -> dict:
+        """The conditioning of trajectories ``traj (n,)``."""
+        return {k: v[traj] for k, v in self.cond.items()}
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
+        """Velocities ``(M, D)`` at flattened states ``x (M, D)``, noise levels ``(M,)``, trajectories ``(M,)``."""
+        M, D = x.shape
+        chunk = self.max_rows or M
+        cuda = x.device.type == "cuda"
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        outs = []
+        for i in range(0, M, chunk):
+            xi = x[i : i + chunk].reshape(-1, *self.shape)
+            rows = {k: v[traj[i : i + chunk]] for k, v in self.cond.items()}
+            out = self.fn(xi, sigma[i : i + chunk].to(x.dtype), **self.kwargs, **rows)
+            if not isinstance(out, torch.Tensor) or out.shape != xi.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"model must return a tensor of the input's shape {tuple(xi.shape)}, got {got}")
+            outs.append(out.reshape(-1, D).to(self.dtype))
+        v = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if cuda:
+            end.record()
+            self._events.append((start, end))
+        else:
+            self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        if not bool(torch.isfinite(v).all()):
+            bad = (~torch.isfinite(v)).any(1)
+            s = sigma[bad]
+            raise FloatingPointError(
+                f"model returned NaN or inf for {int(bad.sum())} of {M} states "
+                f"(sigma in [{s.min().item():.4g}, {s.max().item():.4g}]); refusing to continue"
+            )
+        return v
+
+    def total_seconds(self) -> float:
+        """Time inside target calls so far (on CUDA from events, read once here)."""
+        if self._events:
+            torch.cuda.synchronize()
+            self.seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events = []
+        return self.seconds
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeTables:
+    """A tree's topology on the run's device, with what the round reads of it (made once per tree)."""
+
+    tree: DraftTree
+    parent: torch.Tensor  # (V,)
+    depth: torch.Tensor  # (V,)
+    children: torch.Tensor  # (V, K_max), -1 padded
+    internal: torch.Tensor  # (V,) bool
+    code: torch.Tensor  # (V,) int64: mixed node ids, folded into the round's key
+    valid: torch.Tensor  # (V, K_max) bool: real children (a childless node gets a dummy first one)
+    layers: tuple  # per depth l: (start, stop, k) with k the common number of children or 0 if mixed
+    rows_at: torch.Tensor  # (L + 1,) rows a round with lookahead m evaluates
+
+    @classmethod
+    def build(cls, tree: DraftTree, verify: str, device: torch.device) -> "TreeTables":
+        layers = []
+        for level in range(tree.L + 1):
+            sl = tree.layer(level)
+            k = tree.num_children[sl]
+            layers.append((sl.start, sl.stop, int(k[0]) if bool((k == k[0]).all()) else 0))
+        m = torch.arange(tree.L + 1)
+        d = tree.depth[None, :]
+        ev = (d < m[:, None]) & tree.internal[None, :] if verify == "internal" else d <= m[:, None]
+        code = streams.mix(torch.arange(tree.size, dtype=torch.int64) * 2 + 1)
+        valid = tree.children >= 0
+        # a node without children (a leaf) is never verified: a dummy child keeps its junk problem well-formed
+        valid[:, 0] = True
+        to = lambda t: t.to(device)  # noqa: E731
+        return cls(tree, to(tree.parent), to(tree.depth), to(tree.children), to(tree.internal), to(code),
+                   to(valid), tuple(layers), to(ev.sum(1)))
+
+    @property
+    def L(self) -> int:
+        return self.tree.L
+
+    def size_at(self, m: int) -> int:
+        return self.tree.size_at_depth(m)
+
+
+@dataclass
+class RunContext:
+    """What every round of a run reads and no round changes (plus a cache of tree tables)."""
+
+    tab: StepTables  # the SDE's tables in the working dtype
+    tab64: StepTables  # and in float64 (the coupling's scale)
+    T: int
+    coupling: Coupling
+    proposal: Proposal
+    target: Target
+    verify: str
+    prefetch: str
+    lazy: bool
+    tree: Optional[DraftTree]
+    policy: Optional[TreePolicy]
+    shape: tuple
+    work: torch.dtype
+    device: torch.device
+    step_keys: torch.Tensor  # (B, T) int64: the key of each trajectory at each step
+    record: bool
+    trees: dict
+    phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def tables(self, tree: DraftTree) -> TreeTables:
+        key = id(tree)
+        hit = self.trees.get(key)
+        if hit is None or hit.tree is not tree:
+            hit = TreeTables.build(tree, self.verify, self.device)
+            if len(self.trees) > 256:
+                self.trees.clear()
+            self.trees[key] = hit
+        return hit
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Per-trajectory counters (see :class:`specforest.sampler.SampleStats` for their meaning)."""
+
+    nfe: torch.Tensor
+    rounds: torch.Tensor
+    spec_steps: torch.Tensor
+    attempts: torch.Tensor
+    accepts: torch.Tensor
+    delta_sum: torch.Tensor
+    commits: torch.Tensor
+    rows: torch.Tensor
+
+    @classmethod
+    def zeros(cls, B: int, L: int, device: torch.device) -> "Counters":
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
+        return cls(z(B), z(B), z(B), z(B, L), z(B, L), torch.zeros(B, L, dtype=torch.float64, device=device),
+                   z(B, L + 1), z(B))
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The state of a run between rounds.
+
+    Attributes:
+        x: ``(B, D)`` current states (working dtype).
+        step: ``(B,)`` long step of each state (``T`` when finished).
+        pre: the prefetched evaluations.
+        counters: per-trajectory statistics.
+        draft_state: the proposal's learnt state.
+        records: ``(n, 4)`` float64 tensors ``(depth, step, delta, accepted)`` of
+            every verification so far (kept when recording or planning adaptively).
+        rounds: rounds run (the batch's NFE).
+        draft_calls: calls of a non-frozen draft.
+    """
+
+    x: torch.Tensor
+    step: torch.Tensor
+    pre: Prefetch
+    counters: Counters
+    draft_state: Any
+    records: tuple = ()
+    rounds: int = 0
+    draft_calls: int = 0
+
+
+def init_state(ctx: RunContext, x: torch.Tensor, L: int) -> RunState:
+    """The state before the first round: ``x (B, D)`` at step 0."""
+    B, D = x.shape
+    return RunState(x, torch.zeros(B, dtype=torch.long, device=ctx.device),
+                    Prefetch.empty(B, D, ctx.work, ctx.device), Counters.zeros(B, L, ctx.device),
+                    ctx.proposal.init_state(ctx.device))
+
+
+# -- phase 1: schedule -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Who does what this round.
+
+    Attributes:
+        single: ``(n1,)`` trajectories with one row: a deterministic step, an
+            exact step (standard sampler) or the first root fetch.
+        fetch: ``(n1,)`` bool, which of them only fetch their root's evaluation.
+        groups: ``[(ids (Bs,), tree)]`` the speculating trajectories per tree.
+        active: ``(B,)`` bool, unfinished trajectories.
+    """
+
+    single: torch.Tensor
+    fetch: torch.Tensor
+    groups: list
+    active: torch.Tensor
+
+
+def schedule(ctx: RunContext, state: RunState) -> Schedule:
+    T, step = ctx.T, state.step
+    active = step < T
+    stoch = ctx.tab.stochastic[step.clamp(max=T - 1)] & active
+    if ctx.tree is None and ctx.policy is None:
+        single = active.nonzero()[:, 0]
+        return Schedule(single, torch.zeros_like(single, dtype=torch.bool), [], active)
+    fetch = stoch & ~state.pre.valid if ctx.proposal.needs_prefetch else torch.zeros_like(stoch)
+    spec = stoch & ~fetch
+    single = (active & ~spec).nonzero()[:, 0]
+    ids = spec.nonzero()[:, 0]
+    groups = _tree_groups(ctx, state, ids) if ids.numel() else []
+    return Schedule(single, fetch[single], groups, active)
+
+
+def _tree_groups(ctx: RunContext, state: RunState, ids: torch.Tensor) -> list:
+    """``[(ids, tree)]``: a fixed tree serves everyone; an adaptive plan is re-made from the records
+    and, near the end of the chain, re-optimized for each remaining horizon shorter than it."""
+    if ctx.policy is None:
+        return [(ids, ctx.tree)]
+    data = torch.cat(state.records) if state.records else None
+    base = ctx.policy.plan(data, ctx.coupling, ctx.T)
+    if data is None:
+        return [(ids, base)]
+    s = state.step[ids]
+    horizon = ctx.tab.run_end[s] - s
+    groups = []
+    short = horizon < base.L
+    if bool((~short).any()):
+        groups.append((ids[~short], base))
+    for h in torch.unique(horizon[short]).tolist():
+        groups.append((ids[short & (horizon == h)], ctx.policy.plan(data, ctx.coupling, int(h))))
+    return groups
+
+
+# -- phase 2: draft --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One group's drafted trees (trajectory-major: row ``b`` is trajectory ``ids[b]``).
+
+    Attributes:
+        tt: the tree's tables.
+        ids, s0, Ls: ``(Bs,)`` trajectories, root steps and lookaheads.
+        Lr: the deepest lookahead of the group.
+        keys: ``(Bs, V_r)`` int64 node keys.
+        pre: the group's prefetched evaluations.
+        Y: ``(Bs, V_r, D)`` node states (full mode; ``None`` lazy).
+        Z: ``(Bs, V_r - 1, D)`` standard noise of the drafted nodes (full mode).
+        Mp: ``(Bs, V_i, D)`` draft means at the nodes of depth ``< Lr`` (full mode).
+        emask: ``(Bs, V_r)`` bool, the nodes the target evaluates (full mode).
+    """
+
+    tt: TreeTables
+    ids: torch.Tensor
+    s0: torch.Tensor
+    Ls: torch.Tensor
+    Lr: int
+    keys: torch.Tensor
+    pre: Prefetch
+    Y: Optional[torch.Tensor] = None
+    Z: Optional[torch.Tensor] = None
+    Mp: Optional[torch.Tensor] = None
+    emask: Optional[torch.Tensor] = None
+
+
+def _child_noise(ctx: RunContext, keys: torch.Tensor, k: int, D: int) -> torch.Tensor:
+    """Standard noise ``(..., k, D)`` of ``k`` siblings with node keys ``(..., k)``, structured if the coupling says so."""
+    z = streams.normal(keys, D, ctx.work, streams.TAG_DRAFT)
+    if ctx.coupling.structured_siblings:
+        lead = z.shape[:-2]
+        z = ctx.coupling.structure_noise(z.reshape(-1, k, D)).reshape(*lead, k, D)
+    return z
+
+
+def _evaluated(ctx: RunContext, tt: TreeTables, node: torch.Tensor, Ls: torch.Tensor) -> torch.Tensor:
+    """Whether the full round has the target evaluate ``node`` of a trajectory with lookahead ``Ls`` (broadcast)."""
+    d = tt.depth[node]
+    if ctx.verify == "drafted":
+        return d <= Ls
+    return (d < Ls) & tt.internal[node]
+
+
+def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree) -> tuple[Draft, int]:
+    """Draft the trees of trajectories ``ids`` (phase 2). Returns the draft and the draft-model calls made."""
+    tt = ctx.tables(tree)
+    T, tab = ctx.T, ctx.tab
+    s0 = state.step[ids]
+    Ls = torch.minimum(tab.run_end[s0] - s0, torch.full_like(s0, tt.L))
+    Lr = int(Ls.max())
+    Vr = tt.size_at(Lr)
+    keys = streams._mix_(ctx.step_keys[ids, s0][:, None] ^ tt.code[None, :Vr])
+    pre = state.pre.take(ids)
+    if ctx.lazy:
+        return Draft(tt, ids, s0, Ls, Lr, keys, pre), 0
+    Bs, D = ids.numel(), state.x.shape[1]
+    Vi = tt.size_at(Lr - 1)
+    Z = streams.normal(keys[:, 1:], D, ctx.work, streams.TAG_DRAFT)
+    Y = torch.empty(Bs, Vr, D, dtype=ctx.work, device=ctx.device)
+    Y[:, 0] = state.x[ids]
+    Mp = torch.empty(Bs, Vi, D, dtype=ctx.work, device=ctx.device)
+    steps = (s0[:, None] + torch.arange(Lr, device=ctx.device)).clamp(max=T - 1)  # (Bs, Lr) parents' steps
+    sc = tab.scale[steps]
+    prop = ctx.proposal
+    if prop.affine:
+        A, C = prop.coefficients(tab, steps, pre, state.draft_state)
+    calls = 0
+    cond = ctx.target.cond_rows(ids) if not prop.affine else {}
+    for level in range(1, Lr + 1):
+        p0, p1, k = tt.layers[level - 1]
+        c0, c1, _ = tt.layers[level]
+        yp = Y[:, p0:p1]
+        if prop.affine:
+            torch.addcmul(C[:, level - 1 : level], A[:, level - 1 : level], yp, out=Mp[:, p0:p1])
+        else:
+            Mp[:, p0:p1] = prop.mean(tab, yp, steps[:, level - 1 : level].expand(-1, p1 - p0), pre, cond, ctx.shape,
+                                     state.draft_state)
+            calls += 1
+        m = Mp[:, p0:p1]
+        z = Z[:, c0 - 1 : c1 - 1]
+        s = sc[:, level - 1, None, None, None]
+        if k:
+            zk = z.reshape(Bs, p1 - p0, k, D)
+            if ctx.coupling.structured_siblings:
+                zk = ctx.coupling.structure_noise(zk.reshape(-1, k, D)).reshape(zk.shape)
+                Z[:, c0 - 1 : c1 - 1] = zk.reshape(z.shape)
+            Y[:, c0:c1] = torch.addcmul(m[:, :, None], s, zk).reshape(Bs, c1 - c0, D)
+        else:
+            rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
+            Y[:, c0:c1] = torch.addcmul(rep[:, :, None], s, z[:, :, None])[:, :, 0]
+    emask = _evaluated(ctx, tt, torch.arange(Vr, device=ctx.device)[None, :], Ls[:, None])
+    return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, emask), calls
+
+
+# -- phase 3: evaluate -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Evaluations:
+    """The round's target velocities: ``single (n1, D)`` and per draft ``(Bs, V_r, D)`` (``None`` lazy)."""
+
+    single: torch.Tensor
+    trees: list
+
+
+def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) -> Evaluations:
+    """One batched target call for every row of the round (phase 3)."""
+    ids1 = sched.single
+    xs, sig, traj = [state.x[ids1]], [ctx.tab.sig[state.step[ids1]]], [ids1]
+    sizes = []
+    for d in drafts:
+        if d.Y is None:
+            continue
+        xs.append(d.Y[d.emask])
+        sizes.append(xs[-1].shape[0])
+        sig.append(ctx.tab.sig[(d.s0[:, None] + d.tt.depth[None, : d.Y.shape[1]]).clamp(max=ctx.T - 1)][d.emask])
+        traj.append(d.ids[:, None].expand_as(d.emask)[d.emask])
+    if len(xs) == 1 and ids1.numel() == 0:
+        return Evaluations(state.x[:0], [None] * len(drafts))
+    v = ctx.target(torch.cat(xs), torch.cat(sig), torch.cat(traj)) if len(xs) > 1 else ctx.target(xs[0], sig[0], traj[0])
+    n1 = ids1.numel()
+    out, start, sizes = [], n1, iter(sizes)
+    for d in drafts:
+        if d.Y is None:
+            out.append(None)
+            continue
+        n = next(sizes)
+        V = torch.zeros_like(d.Y)
+        V[d.emask] = v[start : start + n]
+        start += n
+        out.append(V)
+    return Evaluations(v[:n1], out)
+
+
+# -- phase 4: walk ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Level:
+    """What the walk learns at one depth for every trajectory of a group (``(Bs,)`` each; rows not active are junk)."""
+
+    accepted: torch.Tensor
+    next: torch.Tensor
+    delta: torch.Tensor
+    y: Optional[torch.Tensor] = None  # (Bs, D) verified parent, when the proposal observes
+    mu_q: Optional[torch.Tensor] = None
+
+
+def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys):
+    """Projections, mismatches, directions and decisions of a batch of problems (any leading shape)."""
+    s_hat, delta, e = project(zk, mu_q - mu_p, scale)
+    K = valid.shape[-1]
+    lead = valid.shape[:-1]
+    acc, idx = ctx.coupling.select(s_hat.reshape(-1, K), delta.reshape(-1), valid.reshape(-1, K),
+                                   streams.Stream(keys.reshape(-1)))
+    return s_hat, delta, e, valid, acc.reshape(lead), idx.reshape(lead)
+
+
+class FullTree:
+    """Realizer of a fully drafted and evaluated round: every verification problem is decided at once.
+
+    The decisions of every node of depth ``< Lr`` are computed in one coupling
+    call before the walk (the walk then only follows them); the residual is
+    drawn only where a walk stopped.
+    """
+
+    def __init__(self, ctx: RunContext, d: Draft, V: torch.Tensor) -> None:
+        tt, Bs = d.tt, d.ids.numel()
+        Vi = d.Mp.shape[1]
+        self.ctx, self.d, self.V = ctx, d, V
+        nodes = torch.arange(Vi, device=ctx.device)
+        steps = (d.s0[:, None] + tt.depth[None, :Vi]).clamp(max=ctx.T - 1)
+        verified = (tt.depth[None, :Vi] < d.Ls[:, None]) & tt.internal[None, :Vi]
+        mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps)
+        self.mu_q = torch.where(verified[..., None], mu_q, d.Mp)
+        ch = tt.children[:Vi]  # (Vi, K)
+        K = ch.shape[1]
+        Vr = d.Y.shape[1]
+        if Vr - 1 == Vi * K and all(lay[2] == K for lay in tt.layers[: d.Lr]):
+            zk = d.Z.reshape(Bs, Vi, K, -1)
+        else:
+            zk = d.Z[:, (ch.clamp(min=0) - 1).clamp(max=Vr - 2)]
+        # unverified nodes (beyond a trajectory's lookahead, leaves) get a harmless problem: delta 0, scale 1
+        self.scale = torch.where(verified, ctx.tab64.scale[steps], 1.0)
+        self.ckeys = streams.fold(d.keys[:, :Vi], streams.TAG_COUPLE)
+        self.s_hat, self.delta, self.e, self.valid, self.acc, self.idx = _problem_inputs(
+            ctx, zk, d.Mp, self.mu_q, self.scale, tt.valid[None, :Vi].expand(Bs, Vi, K), self.ckeys)
+        self.nxt = ch[nodes[None, :], self.idx]
+        self.rows = torch.arange(Bs, device=ctx.device)
+
+    def level(self, level: int, cur: torch.Tensor, act: torch.Tensor) -> Level:
+        c = cur.clamp(max=self.acc.shape[1] - 1)
+        g = lambda t: t.gather(1, c[:, None])[:, 0]  # noqa: E731
+        if self.ctx.proposal.observes:
+            return Level(g(self.acc), g(self.nxt), g(self.delta), self.d.Y[self.rows, c], self.mu_q[self.rows, c])
+        return Level(g(self.acc), g(self.nxt), g(self.delta))
+
+    def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
+        """The verification problem at ``nodes`` of trajectories ``rows``: inputs of the residual and reconstruction."""
+        r, u = rows, nodes
+        return (self.s_hat[r, u], self.delta[r, u], self.valid[r, u], self.idx[r, u], self.ckeys[r, u],
+                self.e[r, u], self.scale[r, u], self.d.Y[r[:, None], self.d.tt.children[u].clamp(min=0)])
+
+    def state(self, nodes: torch.Tensor) -> torch.Tensor:
+        return self.d.Y[self.rows, nodes]
+
+    def velocity(self, nodes: torch.Tensor) -> torch.Tensor:
+        return self.V[self.rows, nodes]
+
+    def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        return self.d.Y[rows[:, None], self.d.tt.children[nodes].clamp(min=0)]
+
+
+class OnDemand:
+    """Realizer of the lazy cost simulation: drafts and evaluates only the nodes the walk visits.
+
+    The law of everything observed is that of the full round, and with the
+    addressed noise even the numbers are: a node's children are drawn from the
+    same keys as in the full tree, and nodes off the walked path influence
+    nothing. NFE and rows are accounted as for the full tree; the model is
+    called once per depth with the visited rows.
+    """
+
+    def __init__(self, ctx: RunContext, d: Draft, state: RunState) -> None:
+        self.ctx, self.d, self.draft_state = ctx, d, state.draft_state
+        Bs, D = d.ids.numel(), state.x.shape[1]
+        self.rows = torch.arange(Bs, device=ctx.device)
+        self.cur = torch.zeros(Bs, dtype=torch.long, device=ctx.device)
+        self.cur_y = state.x[d.ids].clone()
+        self.cur_v = torch.zeros_like(self.cur_y)
+        self.cur_evaluated = torch.zeros_like(self.cur, dtype=torch.bool)  # cur_v holds cur's velocity
+        self.par = torch.full_like(self.cur, -1)
+        self.par_y, self.par_v = self.cur_y.clone(), torch.zeros_like(self.cur_y)
+        K = d.tt.children.shape[1]
+        self.kids = torch.zeros(Bs, K, D, dtype=ctx.work, device=ctx.device)
+        self.kid_nodes = torch.full((Bs, K), -1, dtype=torch.long, device=ctx.device)
+        self.prob: Optional[list] = None
+        self.draft_calls = 0
+
+    def level(self, level: int, cur: torch.Tensor, act: torch.Tensor) -> Level:
+        ctx, d, tt = self.ctx, self.d, self.d.tt
+        a = act.nonzero()[:, 0]
+        u = cur[a]
+        sa = (d.s0[a] + level - 1).clamp(max=ctx.T - 1)
+        yu = self.cur_y[a]
+        vu = ctx.target(yu, ctx.tab.sig[sa], d.ids[a])
+        self.cur_v[a] = vu
+        self.cur_evaluated[a] = True
+        mu_q = ctx.tab.mean(yu[:, None], vu[:, None], sa[:, None])[:, 0]
+        pre = d.pre.take(a)
+        prop = ctx.proposal
+        if prop.affine:
+            A, C = prop.coefficients(ctx.tab, sa[:, None], pre, self.draft_state)
+            mu_p = torch.addcmul(C, A, yu[:, None])[:, 0]
+        else:
+            mu_p = prop.mean(ctx.tab, yu[:, None], sa[:, None], pre, ctx.target.cond_rows(d.ids[a]), ctx.shape,
+                             self.draft_state)[:, 0]
+            self.draft_calls += 1
+        ch = tt.children[u]  # (P, K)
+        K = ch.shape[1]
+        keys = d.keys[a[:, None], ch.clamp(min=0)]
+        zk = _child_noise(ctx, keys, K, yu.shape[1])
+        sc = ctx.tab.scale[sa]
+        kids = torch.addcmul(mu_p[:, None], sc[:, None, None], zk)
+        scale = ctx.tab64.scale[sa]
+        ckeys = streams.fold(d.keys[a, u], streams.TAG_COUPLE)
+        s_hat, delta, e, valid, acc, idx = _problem_inputs(ctx, zk, mu_p, mu_q, scale, tt.valid[u], ckeys)
+        self.kids[a], self.kid_nodes[a] = kids, ch
+        # the last problem of each row: where a rejected walk stopped
+        if self.prob is None:
+            self.prob = [t.new_zeros((len(self.rows),) + tuple(t.shape[1:])) for t in (s_hat, delta, valid, idx, ckeys,
+                                                                                      e, scale, kids)]
+        for buf, t in zip(self.prob, (s_hat, delta, valid, idx, ckeys, e, scale, kids), strict=True):
+            buf[a] = t
+        # advance the accepted rows to their child
+        take = a[acc]
+        self.par[take], self.par_y[take], self.par_v[take] = u[acc], yu[acc], vu[acc]
+        self.cur_y[take] = kids[acc, idx[acc]]
+        self.cur[take] = ch[acc, idx[acc]]
+        self.cur_evaluated[take] = False
+        nxt = torch.zeros_like(cur)
+        nxt[a] = ch.gather(1, idx[:, None])[:, 0]
+        full = lambda t, fill: torch.full_like(cur, fill, dtype=t.dtype).index_put((a,), t)  # noqa: E731
+        if prop.observes:
+            y_full = torch.zeros_like(self.cur_y).index_put((a,), yu)
+            q_full = torch.zeros_like(self.cur_y).index_put((a,), mu_q)
+            return Level(full(acc, False), nxt, full(delta, 0.0), y_full, q_full)
+        return Level(full(acc, False), nxt, full(delta, 0.0))
+
+    def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
+        return tuple(t[rows] for t in self.prob)
+
+    def state(self, nodes: torch.Tensor) -> torch.Tensor:
+        out = torch.where((nodes == self.par)[:, None], self.par_y, self.cur_y)
+        is_kid = nodes[:, None] == self.kid_nodes
+        k = is_kid.to(torch.int8).argmax(1)
+        kid_y = self.kids[self.rows, k]
+        return torch.where((is_kid.any(1) & (nodes != self.cur))[:, None], kid_y, out)
+
+    def velocity(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Velocities at ``nodes``: the path's evaluations are known; siblings and the committed leaf are evaluated now."""
+        ctx, d = self.ctx, self.d
+        known_par = nodes == self.par
+        known_cur = (nodes == self.cur) & self.cur_evaluated
+        out = torch.where(known_par[:, None], self.par_v, self.cur_v)
+        need = (~known_par & ~known_cur).nonzero()[:, 0]
+        if need.numel():
+            y = self.state(nodes)[need]
+            s = (d.s0[need] + d.tt.depth[nodes[need]]).clamp(max=ctx.T - 1)
+            out[need] = ctx.target(y, ctx.tab.sig[s], d.ids[need])
+        return out
+
+    def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        return self.kids[rows]
+
+
+@dataclass(frozen=True)
+class WalkResult:
+    """One group's outcome: new states, commits, prefetch, statistics and observations."""
+
+    ids: torch.Tensor
+    x: torch.Tensor  # (Bs, D)
+    committed: torch.Tensor  # (Bs,)
+    pre_y: torch.Tensor
+    pre_v: torch.Tensor
+    pre_step: torch.Tensor
+    act: torch.Tensor  # (Bs, Lw) bool: verification met at depth l
+    acc: torch.Tensor  # (Bs, Lw) bool
+    delta: torch.Tensor  # (Bs, Lw) float64
+    observed: Optional[tuple] = None  # (y, mu_q, steps, rows) of the verified parents
+    draft_calls: int = 0
+
+
+def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
+    """From each root down to the first rejection, the residual there, and the prefetch rule (phase 4)."""
+    tt, dev = d.tt, ctx.device
+    Bs = d.ids.numel()
+    cur = torch.zeros(Bs, dtype=torch.long, device=dev)
+    alive = torch.ones(Bs, dtype=torch.bool, device=dev)
+    acts, accs, deltas, obs = [], [], [], []
+    for level in range(1, d.Lr + 1):
+        # a walk goes on while every child so far was accepted, within its lookahead, above a leaf
+        act = alive & (level <= d.Ls) & tt.internal[cur]
+        if not bool(act.any()):
+            break
+        lv = R.level(level, cur, act)
+        alive = lv.accepted & act
+        # a rejected walk stays at the node whose children it rejected
+        cur = torch.where(alive, lv.next, cur)
+        acts.append(act)
+        accs.append(alive)
+        deltas.append(lv.delta)
+        if lv.y is not None:
+            obs.append((act, lv.y, lv.mu_q, level))
+    act_t, acc_t = torch.stack(acts, 1), torch.stack(accs, 1)
+    rejected = (act_t & ~acc_t).any(1)
+    ncom = act_t.sum(1)
+    rej_node = cur
+    new_x = R.state(cur)
+    r = rejected.nonzero()[:, 0]
+    if r.numel():
+        s_hat, delta, valid, idx, ckeys, e, scale, kids = R.problem(r, rej_node[r])
+        s_new = ctx.coupling.residual(s_hat, delta, valid, idx, streams.Stream(ckeys))
+        ar = torch.arange(r.numel(), device=dev)
+        s_chosen = s_hat[ar, idx]
+        shift = ((s_new - s_chosen) * scale).to(ctx.work)
+        new_x = new_x.index_put((r,), torch.addcmul(kids[ar, idx], shift[:, None], e))
+
+    # -- prefetch: which evaluation the next round drafts from ----------------------------------
+    own = ~rejected & _evaluated(ctx, tt, cur, d.Ls)
+    src = torch.where(rejected, rej_node, torch.where(own, cur, tt.parent[cur].clamp(min=0)))
+    if ctx.prefetch == "nearest" and r.numel():
+        ch = tt.children[rej_node[r]]
+        ok = (ch >= 0) & _evaluated(ctx, tt, ch.clamp(min=0), d.Ls[r][:, None])
+        dist = (R.children_states(r, rej_node[r]) - new_x[r][:, None]).square().sum(-1)
+        dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
+        pick, has = dist.argmin(1), ok.any(1)
+        src = src.index_put((r,), torch.where(has, ch.gather(1, pick[:, None])[:, 0], src[r]))
+    pre_y, pre_v = R.state(src), R.velocity(src)
+    pre_step = d.s0 + tt.depth[src]
+    observed = None
+    if obs:
+        act_o = torch.cat([o[0] for o in obs])
+        rows = torch.arange(Bs, device=dev).repeat(len(obs))[act_o]
+        steps = torch.cat([d.s0 + o[3] - 1 for o in obs])[act_o]
+        observed = (torch.cat([o[1] for o in obs])[act_o], torch.cat([o[2] for o in obs])[act_o], steps, rows)
+    return WalkResult(d.ids, new_x, ncom, pre_y, pre_v, pre_step, act_t, acc_t, torch.stack(deltas, 1), observed,
+                      getattr(R, "draft_calls", 0))
+
+
+# -- phase 5: commit -------------------------------------------------------------------------
+
+
+def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, walks: list,
+           draft_calls: int) -> RunState:
+    """The run state after the round (phase 5)."""
+    x, step, pre, c = state.x, state.step, state.pre, state.counters
+    ids1 = sched.single
+    if ctx.tree is None and ctx.policy is None:
+        # the standard sampler: every unfinished trajectory takes its exact transition
+        # (scale 0 on deterministic steps); nothing else happens in the round
+        s1 = step[ids1]
+        mean = ctx.tab.mean(x[ids1], ev.single, s1)
+        noise = streams.normal(ctx.step_keys[ids1, s1], x.shape[1], ctx.work, streams.TAG_EXACT)
+        ones = torch.ones_like(ids1)
+        counters = replace(c, nfe=c.nfe.index_add(0, ids1, ones), rows=c.rows.index_add(0, ids1, ones))
+        return replace(state, x=x.index_put((ids1,), torch.addcmul(mean, ctx.tab.scale[s1][:, None], noise)),
+                       step=step.index_add(0, ids1, ones), counters=counters, rounds=state.rounds + 1)
+    committed = torch.zeros_like(step)
+    if ids1.numel():
+        s1 = step[ids1]
+        mean = ctx.tab.mean(x[ids1], ev.single, s1)
+        move = ~sched.fetch
+        x = x.index_put((ids1,), torch.where(move[:, None], mean, x[ids1]))
+        committed = committed.index_put((ids1,), move.long())
+        if bool(sched.fetch.any()):
+            f = sched.fetch.nonzero()[:, 0]
+            pre = pre.with_rows(ids1[f], state.x[ids1[f]], ev.single[f], s1[f], keep_prev=False)
+    attempts, accepts, delta_sum = c.attempts, c.accepts, c.delta_sum
+    rounds, spec_steps, commits, rows = c.rounds, c.spec_steps, c.commits, c.rows.index_add(
+        0, ids1, torch.ones_like(ids1))
+    records = state.records
+    dstate = state.draft_state
+    for w, (ids, tree) in zip(walks, sched.groups, strict=True):
+        tt = ctx.tables(tree)
+        x = x.index_put((ids,), w.x)
+        committed = committed.index_put((ids,), w.committed)
+        pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True)
+        Lw = w.act.shape[1]
+        attempts = attempts.index_put((ids[:, None], torch.arange(Lw, device=ctx.device)[None]), w.act.long(),
+                                      accumulate=True)
+        accepts = accepts.index_put((ids[:, None], torch.arange(Lw, device=ctx.device)[None]), w.acc.long(),
+                                    accumulate=True)
+        delta_sum = delta_sum.index_put((ids[:, None], torch.arange(Lw, device=ctx.device)[None]),
+                                        torch.where(w.act, w.delta, 0.0), accumulate=True)
+        rounds = rounds.index_add(0, ids, torch.ones_like(ids))
+        spec_steps = spec_steps.index_add(0, ids, w.committed)
+        commits = commits.index_put((ids, w.committed), torch.ones_like(ids), accumulate=True)
+        s0 = step[ids]
+        Ls = torch.minimum(ctx.tab.run_end[s0] - s0, torch.full_like(s0, tt.L))
+        rows = rows.index_add(0, ids, tt.rows_at[Ls])
+        if ctx.record or ctx.policy is not None:
+            lv = torch.arange(1, Lw + 1, device=ctx.device, dtype=torch.float64)[None].expand(ids.numel(), Lw)
+            st = (s0[:, None] + torch.arange(Lw, device=ctx.device)[None]).double()
+            rec = torch.stack([lv, st, w.delta, w.acc.double()], -1)[w.act]
+            records = records + (rec.cpu(),)
+        if w.observed is not None:
+            y, mu_q, steps_o, rws = w.observed
+            dstate = ctx.proposal.observe(dstate, ctx.tab, y, mu_q, steps_o, state.pre.take(ids[rws]),
+                                          ctx.tab64.scale[steps_o])
+    nfe = c.nfe + sched.active.long()
+    counters = Counters(nfe, rounds, spec_steps, attempts, accepts, delta_sum, commits, rows)
+    return RunState(x, step + committed, pre, counters, dstate, records, state.rounds + 1,
+                    state.draft_calls + draft_calls + sum(w.draft_calls for w in walks))
+
+
+def run_round(ctx: RunContext, state: RunState) -> RunState:
+    """One round: schedule, draft, evaluate (one target call), walk, commit."""
+    clock, ph = time.perf_counter, ctx.phase_seconds
+    t0 = clock()
+    sched = schedule(ctx, state)
+    t1 = clock()
+    drafts, calls = [], 0
+    for ids, tree in sched.groups:
+        d, n = draft(ctx, state, ids, tree)
+        drafts.append(d)
+        calls += n
+    t2 = clock()
+    inside = ctx.target.seconds
+    ev = evaluate(ctx, state, sched, drafts)
+    t3 = clock()
+    inside = ctx.target.seconds - inside
+    walks = []
+    for d, V in zip(drafts, ev.trees, strict=True):
+        R = OnDemand(ctx, d, state) if d.Y is None else FullTree(ctx, d, V)
+        walks.append(walk(ctx, d, R))
+    t4 = clock()
+    out = commit(ctx, state, sched, ev, walks, calls)
+    t5 = clock()
+    # the lazy walk's own target calls are inside ``walk``; on CUDA ``inside`` is 0 here
+    ph["schedule"] += t1 - t0
+    ph["draft"] += t2 - t1
+    ph["evaluate"] += t3 - t2 - inside
+    ph["walk"] += t4 - t3
+    ph["commit"] += t5 - t4
+    return out
