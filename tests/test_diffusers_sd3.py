@@ -537,8 +537,9 @@ def test_a_list_of_generators_makes_each_image_its_own(pipe):
     kw = dict(num_inference_steps=6, K=2, L=2, **BASE)
     three = sd.sample(pipe, PROMPT, generator=[gen(20), gen(21), gen(22)], num_images_per_prompt=3, **kw)
     one = sd.sample(pipe, PROMPT, generator=[gen(21)], num_images_per_prompt=1, **kw)
-    # a float32 transformer's results change in the last bits with its batch: relative 1e-5 of |latents| ~ 2
-    torch.testing.assert_close(one.latents[0], three.latents[1], rtol=1e-5, atol=1e-5)
+    # a float32 transformer's results change in the last bits with its batch, and six steps
+    # of a tree compound them (here up to 1.4e-5 on latents of order 1)
+    torch.testing.assert_close(one.latents[0], three.latents[1], rtol=1e-4, atol=1e-4)
     assert torch.equal(one.stats.nfe[0], three.stats.nfe[1])
 
 
