@@ -188,6 +188,7 @@ REQUIRED = {
     "accept_rate_per_depth",
     "delta_per_depth",
     "wall_seconds",
+    "target_seconds",
     "classifier_accuracy",
 }
 

@@ -38,6 +38,7 @@ REQUIRED = {
     "delta_per_depth",
     "accept_rate",
     "wall_seconds",
+    "target_seconds",
     "grid",
     "churn",
     "steps",

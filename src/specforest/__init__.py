@@ -3,17 +3,15 @@
 Quick start::
 
     import torch, specforest
-    g = torch.Generator().manual_seed(0)
-    x_T = torch.randn(16, 500, generator=g)
-    out = specforest.sample(velocity_fn, x_T, steps=30, churn=0.1,
-                            tree=specforest.trees.uniform(K=4, L=4),
-                            coupling="grs", generator=g)
+    x_T = specforest.streams.randn(0, torch.arange(16), (500,))
+    out = specforest.sample(velocity_fn, x_T, steps=30, churn=0.1, seed=0,
+                            tree=specforest.trees.uniform(K=4, L=4), coupling="grs")
     out.samples, out.stats.nfe
 """
 
-from . import couplings, proposals, sde, trees
-from .couplings import GRS, RMC, Coupling
-from .proposals import DraftModel, FrozenPrediction
+from . import couplings, engine, proposals, sde, streams, trees
+from .couplings import GRS, RMC, Coupling, register_coupling
+from .proposals import DraftModel, FrozenPrediction, register_draft
 from .sampler import SampleResult, SampleStats, sample, standard_sample
 from .sde import ReverseSDE, flow_match_grid, uniform_grid
 
@@ -29,11 +27,15 @@ __all__ = [
     "SampleResult",
     "SampleStats",
     "couplings",
+    "engine",
     "flow_match_grid",
     "proposals",
+    "register_coupling",
+    "register_draft",
     "sample",
     "sde",
     "standard_sample",
+    "streams",
     "trees",
     "uniform_grid",
 ]

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from .rank_rules import cell_of, log_rule_pdf, n_cells, rule_acceptance, table_acceptance, table_rule
+from .residuals import log_sf, sample_grs_residual, tail_mass
 from .streams import Stream
 
 __all__ = [
@@ -41,29 +42,10 @@ __all__ = [
     "sample_grs_residual",
 ]
 
-_BISECT_ITERS = 80
-
-
-def log_sf(x: torch.Tensor) -> torch.Tensor:
-    """``log Phibar(x)``, the log standard-normal survival function, stable in both tails."""
-    return torch.special.log_ndtr(-x)
-
-
 def rmc_acceptance(delta: torch.Tensor | float) -> torch.Tensor:
     """Acceptance of the maximal coupling, ``2 Phibar(delta / 2)`` (eq. 20)."""
     d = torch.as_tensor(delta, dtype=torch.float64)
     return 2.0 * torch.exp(log_sf(d / 2.0))
-
-
-def _tail_mass(s: torch.Tensor, delta: torch.Tensor, log_lam: torch.Tensor) -> torch.Tensor:
-    """``log [Phibar(s - delta) - lam Phibar(s)]`` for ``s`` in the super-level set.
-
-    Written as ``log Phibar(s - delta) + log(1 - lam Phibar(s) / Phibar(s - delta))``
-    so that neither tail nor a small ``delta`` loses precision.
-    """
-    a = log_sf(s - delta)
-    inner = (log_lam + log_sf(s) - a).clamp(max=0.0)
-    return a + torch.log(-torch.expm1(inner))
 
 
 def grs_levels(delta: torch.Tensor | float, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,14 +65,16 @@ def grs_levels(delta: torch.Tensor | float, K: int) -> tuple[torch.Tensor, torch
     """
     d = torch.as_tensor(delta, dtype=torch.float64)
     pos = d > 0
-    dd = torch.where(pos, d, torch.ones_like(d))
-    lam = [torch.zeros_like(d)]
-    G = [torch.ones_like(d)]
-    for _ in range(K):
+    dd = torch.where(pos, d, 1.0)
+    one = torch.ones_like(d)
+    # the first level in closed form: lambda_1 = 1, tau_1 = delta / 2, G_2 = 1 - 2 Phibar(delta / 2)
+    lam = [torch.zeros_like(d), one]
+    G = [one, torch.where(pos, torch.erf(d * (0.5 / math.sqrt(2.0))), 0.0)]
+    for _ in range(K - 1):
         lam_k = lam[-1] + G[-1]
         log_lam = torch.log(lam_k)
         tau = log_lam / dd + dd / 2.0
-        g = torch.exp(_tail_mass(tau, dd, log_lam))
+        g = torch.exp(tail_mass(tau, dd, log_lam))
         lam.append(lam_k)
         G.append(torch.where(pos, g.clamp(0.0, 1.0), torch.zeros_like(g)))
     return torch.stack(lam, -1), torch.stack(G, -1)
@@ -109,37 +93,6 @@ def grs_acceptance(delta: torch.Tensor | float, K: int) -> torch.Tensor:
     tau = torch.log(lam) / dd + dd / 2.0
     acc = torch.exp(torch.special.log_ndtr(tau - dd)) + lam * torch.exp(log_sf(tau))
     return torch.where(pos, acc.clamp(max=1.0), torch.ones_like(acc))
-
-
-def sample_grs_residual(
-    delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor, u: torch.Tensor
-) -> torch.Tensor:
-    """Exact draw of ``S`` from the GRS residual ``(q - lam p)_+ / G`` (eq. 17, ERRATA 4).
-
-    Inverts the closed-form tail ``H(s) = Phibar(s - delta) - lam Phibar(s)`` on the
-    half-line ``s > tau = ln(lam) / delta + delta / 2`` by bisection in log space to
-    float64 resolution: ``H(s) = u G`` with ``H(tau) = G``.
-
-    Args:
-        delta: ``(P,)`` float64, > 0.
-        lam: ``(P,)`` float64 level ``lambda_K >= 1``.
-        G: ``(P,)`` float64 remaining mass ``G_{K+1} > 0``.
-        u: ``(P,)`` float64 uniforms in (0, 1].
-
-    Returns:
-        ``(P,)`` float64 residual draws in the projection coordinate.
-    """
-    log_lam = torch.log(lam)
-    lo = log_lam / delta + delta / 2.0
-    log_target = torch.log(u) + torch.log(G)
-    # Phibar(hi - delta) = u G bounds H(hi) <= u G from above, so [lo, hi] brackets.
-    hi = torch.maximum(delta - torch.special.ndtri(torch.exp(log_target)), lo)
-    for _ in range(_BISECT_ITERS):
-        mid = 0.5 * (lo + hi)
-        above = _tail_mass(mid, delta, log_lam) > log_target
-        lo = torch.where(above, mid, lo)
-        hi = torch.where(above, hi, mid)
-    return 0.5 * (lo + hi)
 
 
 @dataclass
@@ -176,11 +129,11 @@ def project(
         elementwise ops and reductions over the last axis: every problem's
         numbers are independent of the batch it is in.
     """
-    norm = torch.linalg.vector_norm(diff, dim=-1)
-    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
-    e = diff / safe[..., None]
+    norm = torch.linalg.vector_norm(diff, dim=-1, keepdim=True)
+    # diff / max(norm, tiny) is the zero vector where diff is
+    e = diff / norm.clamp_min(torch.finfo(diff.dtype).tiny)
     s_hat = (z * e[..., None, :]).sum(-1).to(torch.float64)
-    return s_hat, norm.to(torch.float64) / scale, e
+    return s_hat, norm[..., 0].to(torch.float64) / scale, e
 
 
 class Coupling:
@@ -351,23 +304,28 @@ class GRS(Coupling):
     def acceptance_weights(
         self, rho: torch.Tensor, lam_prev: torch.Tensor, G: torch.Tensor, s_hat: torch.Tensor
     ) -> torch.Tensor:
-        """``beta_k = min(1, (rho_k - lambda_{k-1})_+ / G_k)``, all ``(P, K)`` float64."""
-        excess = (rho - lam_prev).clamp_min(0.0)
-        ratio = torch.where(G > 0, excess / G.clamp_min(1e-300), (excess > 0).to(rho.dtype))
-        return ratio.clamp(max=1.0)
+        """``beta_k = min(1, (rho_k - lambda_{k-1})_+ / G_k)``, all ``(P, K)`` float64.
+
+        ``G_k = 0`` only at ``delta = 0`` past the first proposal, which is then accepted surely.
+        """
+        return ((rho - lam_prev).clamp_min(0.0) / G.clamp_min(1e-300)).clamp(max=1.0)
 
     def select(self, s_hat, delta, valid, rng):
         K = s_hat.shape[1]
         lam, G = grs_levels(delta, K)  # (P, K+1) each
-        log_rho = delta[:, None] * s_hat - 0.5 * (delta * delta)[:, None]
-        rho = torch.exp(log_rho.clamp(max=700.0))
+        d = delta[:, None]
+        rho = torch.exp((d * (s_hat - 0.5 * d)).clamp(max=700.0))
         beta = self.acceptance_weights(rho, lam[:, :K], G[:, :K], s_hat)
         hit = (rng.uniform(0, K) < beta) & valid
-        accepted = hit.any(1)
-        first = torch.argmax(hit.to(torch.int8), dim=1)
-        return accepted, torch.where(accepted, first, torch.zeros_like(first))
+        # the first hit; argmax of a row without one is 0, the child whose orthogonal part is kept
+        return hit.any(1), torch.argmax(hit.to(torch.int8), dim=1)
 
     def residual(self, s_hat, delta, valid, index, rng):
+        # below delta = 1e-6 (the range the residual sampler is validated on) the residual is
+        # reached with probability G < 1e-6 and its law moves by O(delta): drawing it at 1e-6
+        # changes the chain's law by less than 1e-12 per verification, where the exact inversion
+        # would be NaN at delta ~ 1e-16
+        delta = delta.clamp_min(1e-6)
         lam, G = grs_levels(delta, s_hat.shape[1])
         k_eff = valid.sum(1, keepdim=True)
         return sample_grs_residual(delta, lam.gather(1, k_eff)[:, 0], G.gather(1, k_eff)[:, 0], rng.uniform(1, 1)[:, 0])

@@ -21,8 +21,8 @@ it is given:
 
 Randomness is addressed, not drawn in sequence (:mod:`specforest.streams`):
 the noise of a drafted node is keyed by (sample, the round's root step, node
-id) and the coupling's draws at a node by the same key folded with
-:data:`~specforest.streams.TAG_COUPLE`. So the full tree and the lazy walk read
+id) and the coupling's draws at a node by the same key at slots from
+:data:`~specforest.streams.SLOT_COUPLE` on. So the full tree and the lazy walk read
 the same numbers, and a sample is the same in any batch.
 
 Host-device synchronizations of one round (each a host read of a tensor the
@@ -95,25 +95,27 @@ class Target:
         M, D = x.shape
         chunk = self.max_rows or M
         cuda = x.device.type == "cuda"
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
         outs = []
         for i in range(0, M, chunk):
             xi = x[i : i + chunk].reshape(-1, *self.shape)
+            si = sigma[i : i + chunk].to(x.dtype)
             rows = {k: v[traj[i : i + chunk]] for k, v in self.cond.items()}
-            out = self.fn(xi, sigma[i : i + chunk].to(x.dtype), **self.kwargs, **rows)
+            # only the network call itself is timed: the rest is the sampler's own time
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            out = self.fn(xi, si, **self.kwargs, **rows)
+            if cuda:
+                end.record()
+                self._events.append((start, end))
+            else:
+                self.seconds += time.perf_counter() - t0
             if not isinstance(out, torch.Tensor) or out.shape != xi.shape:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(f"model must return a tensor of the input's shape {tuple(xi.shape)}, got {got}")
             outs.append(out.reshape(-1, D).to(self.dtype))
         v = torch.cat(outs) if len(outs) > 1 else outs[0]
-        if cuda:
-            end.record()
-            self._events.append((start, end))
-        else:
-            self.seconds += time.perf_counter() - t0
         self.calls += 1
         if not bool(torch.isfinite(v).all()):
             bad = (~torch.isfinite(v)).any(1)
@@ -149,6 +151,9 @@ class TreeTables:
     valid: torch.Tensor  # (V, K_max) bool: real children (a childless node gets a dummy first one)
     layers: tuple  # per depth l: (start, stop, k) with k the common number of children or 0 if mixed
     rows_at: torch.Tensor  # (L + 1,) rows a round with lookahead m evaluates
+    eval_at: torch.Tensor  # (L + 1, V) bool: the nodes a round with lookahead m evaluates
+    verify_at: torch.Tensor  # (L + 1, V) bool: the nodes whose children a round with lookahead m verifies
+    step_of: torch.Tensor  # (V,) long: the step offset of the noise that drafts a node (its parent's depth)
 
     @classmethod
     def build(cls, tree: DraftTree, verify: str, device: torch.device) -> "TreeTables":
@@ -166,7 +171,12 @@ class TreeTables:
         valid[:, 0] = True
         to = lambda t: t.to(device)  # noqa: E731
         return cls(tree, to(tree.parent), to(tree.depth), to(tree.children), to(tree.internal), to(code),
-                   to(valid), tuple(layers), to(ev.sum(1)))
+                   to(valid), tuple(layers), to(ev.sum(1)), to(ev), to((d < m[:, None]) & tree.internal[None, :]),
+                   to((tree.depth - 1).clamp(min=0)))
+
+    def sizes(self, m: int) -> list:
+        """Layer sizes of the tree truncated to depth ``m``."""
+        return [b - a for a, b, _ in self.layers[: m + 1]]
 
     @property
     def L(self) -> int:
@@ -198,6 +208,17 @@ class RunContext:
     record: bool
     trees: dict
     phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    depth_cols: torch.Tensor = None  # (L,) arange, made once
+    one_row: torch.Tensor = None  # (1, 3) [0, 0, 1]: one evaluated row
+
+    rows_all: torch.Tensor = None  # (B,) arange
+    no_fetch: torch.Tensor = None  # (B,) False
+
+    def __post_init__(self) -> None:
+        self.depth_cols = torch.arange(max(self.T, 1), device=self.device)
+        self.one_row = torch.tensor([[0, 0, 1]], device=self.device)
+        self.rows_all = torch.arange(self.step_keys.shape[0], device=self.device)
+        self.no_fetch = torch.zeros_like(self.rows_all, dtype=torch.bool)
 
     def tables(self, tree: DraftTree) -> TreeTables:
         key = id(tree)
@@ -212,22 +233,26 @@ class RunContext:
 
 @dataclass(frozen=True)
 class Counters:
-    """Per-trajectory counters (see :class:`specforest.sampler.SampleStats` for their meaning)."""
+    """Per-trajectory counters, packed so that a round updates them in few ops.
+
+    Attributes:
+        nfe: ``(B,)`` target calls each trajectory took part in.
+        per_traj: ``(B, 3)`` long: speculative rounds, steps they committed, evaluated rows.
+        per_depth: ``(B, L, 3)`` float64: verifications met, accepted, summed ``delta`` at each depth.
+        commits: ``(B, L + 1)`` long: rounds that committed ``j`` steps.
+
+    See :class:`specforest.sampler.SampleStats` for their meaning.
+    """
 
     nfe: torch.Tensor
-    rounds: torch.Tensor
-    spec_steps: torch.Tensor
-    attempts: torch.Tensor
-    accepts: torch.Tensor
-    delta_sum: torch.Tensor
+    per_traj: torch.Tensor
+    per_depth: torch.Tensor
     commits: torch.Tensor
-    rows: torch.Tensor
 
     @classmethod
     def zeros(cls, B: int, L: int, device: torch.device) -> "Counters":
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
-        return cls(z(B), z(B), z(B), z(B, L), z(B, L), torch.zeros(B, L, dtype=torch.float64, device=device),
-                   z(B, L + 1), z(B))
+        return cls(z(B), z(B, 3), torch.zeros(B, L, 3, dtype=torch.float64, device=device), z(B, L + 1))
 
 
 @dataclass(frozen=True)
@@ -283,6 +308,7 @@ class Schedule:
     fetch: torch.Tensor
     groups: list
     active: torch.Tensor
+    everyone: bool = False  # single is every trajectory, in order
 
 
 def schedule(ctx: RunContext, state: RunState) -> Schedule:
@@ -290,8 +316,8 @@ def schedule(ctx: RunContext, state: RunState) -> Schedule:
     active = step < T
     stoch = ctx.tab.stochastic[step.clamp(max=T - 1)] & active
     if ctx.tree is None and ctx.policy is None:
-        single = active.nonzero()[:, 0]
-        return Schedule(single, torch.zeros_like(single, dtype=torch.bool), [], active)
+        # the standard sampler moves every trajectory one step a round: all run in lockstep
+        return Schedule(ctx.rows_all, ctx.no_fetch, [], active, everyone=True)
     fetch = stoch & ~state.pre.valid if ctx.proposal.needs_prefetch else torch.zeros_like(stoch)
     spec = stoch & ~fetch
     single = (active & ~spec).nonzero()[:, 0]
@@ -352,6 +378,18 @@ class Draft:
     emask: Optional[torch.Tensor] = None
 
 
+def _structure(ctx: RunContext, tt: TreeTables, Z: torch.Tensor, Lr: int) -> torch.Tensor:
+    """Apply the coupling's sibling structure to the noise ``Z (Bs, V_r - 1, D)`` of each node's children."""
+    Bs, _, D = Z.shape
+    parts = []
+    for level in range(1, Lr + 1):
+        p0, p1, k = tt.layers[level - 1]
+        c0, c1, _ = tt.layers[level]
+        z = Z[:, c0 - 1 : c1 - 1]
+        parts.append(ctx.coupling.structure_noise(z.reshape(-1, k, D)).reshape(z.shape))
+    return torch.cat(parts, 1)
+
+
 def _child_noise(ctx: RunContext, keys: torch.Tensor, k: int, D: int) -> torch.Tensor:
     """Standard noise ``(..., k, D)`` of ``k`` siblings with node keys ``(..., k)``, structured if the coupling says so."""
     z = streams.normal(keys, D, ctx.work, streams.TAG_DRAFT)
@@ -359,14 +397,6 @@ def _child_noise(ctx: RunContext, keys: torch.Tensor, k: int, D: int) -> torch.T
         lead = z.shape[:-2]
         z = ctx.coupling.structure_noise(z.reshape(-1, k, D)).reshape(*lead, k, D)
     return z
-
-
-def _evaluated(ctx: RunContext, tt: TreeTables, node: torch.Tensor, Ls: torch.Tensor) -> torch.Tensor:
-    """Whether the full round has the target evaluate ``node`` of a trajectory with lookahead ``Ls`` (broadcast)."""
-    d = tt.depth[node]
-    if ctx.verify == "drafted":
-        return d <= Ls
-    return (d < Ls) & tt.internal[node]
 
 
 def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree) -> tuple[Draft, int]:
@@ -378,45 +408,46 @@ def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree) 
     Lr = int(Ls.max())
     Vr = tt.size_at(Lr)
     keys = streams._mix_(ctx.step_keys[ids, s0][:, None] ^ tt.code[None, :Vr])
-    pre = state.pre.take(ids)
+    pre = state.pre.take(ids, history=ctx.proposal.uses_history)
     if ctx.lazy:
         return Draft(tt, ids, s0, Ls, Lr, keys, pre), 0
     Bs, D = ids.numel(), state.x.shape[1]
     Vi = tt.size_at(Lr - 1)
-    Z = streams.normal(keys[:, 1:], D, ctx.work, streams.TAG_DRAFT)
+    Z = streams.normal(keys[:, 1:], D, ctx.work, streams.TAG_DRAFT)  # (Bs, Vr - 1, D): nodes 1..Vr-1
+    if ctx.coupling.structured_siblings:
+        Z = _structure(ctx, tt, Z, Lr)
+    # every drafted node's noise times its transition scale, in one op (the lazy walk does the same per node)
+    SZ = tab.scale[(s0[:, None] + tt.step_of[None, 1:Vr]).clamp(max=T - 1)][..., None] * Z
     Y = torch.empty(Bs, Vr, D, dtype=ctx.work, device=ctx.device)
     Y[:, 0] = state.x[ids]
     Mp = torch.empty(Bs, Vi, D, dtype=ctx.work, device=ctx.device)
     steps = (s0[:, None] + torch.arange(Lr, device=ctx.device)).clamp(max=T - 1)  # (Bs, Lr) parents' steps
-    sc = tab.scale[steps]
     prop = ctx.proposal
+    calls = 0
+    sizes = tt.sizes(Lr)
+    # per-layer views, made in one call each
+    Yl, SZl, Mpl = Y.split(sizes, 1), SZ.split(sizes[1:], 1), Mp.split(sizes[:-1], 1)
     if prop.affine:
         A, C = prop.coefficients(tab, steps, pre, state.draft_state)
-    calls = 0
-    cond = ctx.target.cond_rows(ids) if not prop.affine else {}
+        Al, Cl = A.split(1, 1), C.split(1, 1)
+    else:
+        cond = ctx.target.cond_rows(ids)
     for level in range(1, Lr + 1):
         p0, p1, k = tt.layers[level - 1]
         c0, c1, _ = tt.layers[level]
-        yp = Y[:, p0:p1]
         if prop.affine:
-            torch.addcmul(C[:, level - 1 : level], A[:, level - 1 : level], yp, out=Mp[:, p0:p1])
+            m = torch.addcmul(Cl[level - 1], Al[level - 1], Yl[level - 1], out=Mpl[level - 1])
         else:
-            Mp[:, p0:p1] = prop.mean(tab, yp, steps[:, level - 1 : level].expand(-1, p1 - p0), pre, cond, ctx.shape,
-                                     state.draft_state)
+            m = Mpl[level - 1]
+            m.copy_(prop.mean(tab, Yl[level - 1], steps[:, level - 1 : level].expand(-1, p1 - p0), pre, cond,
+                              ctx.shape, state.draft_state))
             calls += 1
-        m = Mp[:, p0:p1]
-        z = Z[:, c0 - 1 : c1 - 1]
-        s = sc[:, level - 1, None, None, None]
         if k:
-            zk = z.reshape(Bs, p1 - p0, k, D)
-            if ctx.coupling.structured_siblings:
-                zk = ctx.coupling.structure_noise(zk.reshape(-1, k, D)).reshape(zk.shape)
-                Z[:, c0 - 1 : c1 - 1] = zk.reshape(z.shape)
-            Y[:, c0:c1] = torch.addcmul(m[:, :, None], s, zk).reshape(Bs, c1 - c0, D)
+            torch.add(m[:, :, None], SZl[level - 1].view(Bs, p1 - p0, k, D), out=Yl[level].view(Bs, p1 - p0, k, D))
         else:
             rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
-            Y[:, c0:c1] = torch.addcmul(rep[:, :, None], s, z[:, :, None])[:, :, 0]
-    emask = _evaluated(ctx, tt, torch.arange(Vr, device=ctx.device)[None, :], Ls[:, None])
+            torch.add(rep, SZl[level - 1], out=Yl[level])
+    emask = tt.eval_at[Ls][:, :Vr]
     return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, emask), calls
 
 
@@ -434,7 +465,10 @@ class Evaluations:
 def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) -> Evaluations:
     """One batched target call for every row of the round (phase 3)."""
     ids1 = sched.single
-    xs, sig, traj = [state.x[ids1]], [ctx.tab.sig[state.step[ids1]]], [ids1]
+    if sched.everyone:
+        xs, sig, traj = [state.x], [ctx.tab.sig.take(state.step)], [ids1]
+    else:
+        xs, sig, traj = [state.x[ids1]], [ctx.tab.sig[state.step[ids1]]], [ids1]
     sizes = []
     for d in drafts:
         if d.Y is None:
@@ -467,8 +501,9 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
 class Level:
     """What the walk learns at one depth for every trajectory of a group (``(Bs,)`` each; rows not active are junk)."""
 
-    accepted: torch.Tensor
-    next: torch.Tensor
+    verified: torch.Tensor  # a verification problem met at this depth
+    accepted: torch.Tensor  # ... and a child accepted (implies verified)
+    next: torch.Tensor  # the accepted child
     delta: torch.Tensor
     y: Optional[torch.Tensor] = None  # (Bs, D) verified parent, when the proposal observes
     mu_q: Optional[torch.Tensor] = None
@@ -480,7 +515,7 @@ def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys):
     K = valid.shape[-1]
     lead = valid.shape[:-1]
     acc, idx = ctx.coupling.select(s_hat.reshape(-1, K), delta.reshape(-1), valid.reshape(-1, K),
-                                   streams.Stream(keys.reshape(-1)))
+                                   streams.Stream(keys.reshape(-1), streams.SLOT_COUPLE))
     return s_hat, delta, e, valid, acc.reshape(lead), idx.reshape(lead)
 
 
@@ -496,11 +531,10 @@ class FullTree:
         tt, Bs = d.tt, d.ids.numel()
         Vi = d.Mp.shape[1]
         self.ctx, self.d, self.V = ctx, d, V
-        nodes = torch.arange(Vi, device=ctx.device)
         steps = (d.s0[:, None] + tt.depth[None, :Vi]).clamp(max=ctx.T - 1)
-        verified = (tt.depth[None, :Vi] < d.Ls[:, None]) & tt.internal[None, :Vi]
-        mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps)
-        self.mu_q = torch.where(verified[..., None], mu_q, d.Mp)
+        # nodes a walk never verifies (leaves, beyond a trajectory's lookahead) get junk but finite
+        # problems: their velocity is 0 and their scale at least positive (``scale_safe``)
+        self.mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps)
         ch = tt.children[:Vi]  # (Vi, K)
         K = ch.shape[1]
         Vr = d.Y.shape[1]
@@ -508,20 +542,28 @@ class FullTree:
             zk = d.Z.reshape(Bs, Vi, K, -1)
         else:
             zk = d.Z[:, (ch.clamp(min=0) - 1).clamp(max=Vr - 2)]
-        # unverified nodes (beyond a trajectory's lookahead, leaves) get a harmless problem: delta 0, scale 1
-        self.scale = torch.where(verified, ctx.tab64.scale[steps], 1.0)
-        self.ckeys = streams.fold(d.keys[:, :Vi], streams.TAG_COUPLE)
-        self.s_hat, self.delta, self.e, self.valid, self.acc, self.idx = _problem_inputs(
+        self.scale = ctx.tab64.scale_safe[steps]
+        self.ckeys = d.keys[:, :Vi]
+        self.s_hat, self.delta, self.e, self.valid, acc, self.idx = _problem_inputs(
             ctx, zk, d.Mp, self.mu_q, self.scale, tt.valid[None, :Vi].expand(Bs, Vi, K), self.ckeys)
-        self.nxt = ch[nodes[None, :], self.idx]
-        self.rows = torch.arange(Bs, device=ctx.device)
+        # what a walk at each node does: go to the accepted child (>= 0), stop rejected (-2), or
+        # stop because the node is not verified (-1: a leaf, or beyond the trajectory's lookahead)
+        child = ch.expand(Bs, Vi, K).gather(2, self.idx[..., None])[..., 0]
+        self.go = torch.where(tt.verify_at[d.Ls][:, :Vi], torch.where(acc, child, -2), -1)
+        self.rows = ctx.depth_cols[:Bs] if Bs <= ctx.depth_cols.numel() else torch.arange(Bs, device=ctx.device)
 
-    def level(self, level: int, cur: torch.Tensor, act: torch.Tensor) -> Level:
-        c = cur.clamp(max=self.acc.shape[1] - 1)
-        g = lambda t: t.gather(1, c[:, None])[:, 0]  # noqa: E731
+    def level(self, level: int, cur: torch.Tensor, alive: torch.Tensor) -> Optional[Level]:
+        c = cur.clamp(max=self.go.shape[1] - 1)[:, None]
+        nxt = self.go.gather(1, c)[:, 0]
+        verified = alive & (nxt != -1)
+        if not bool(verified.any()):
+            return None
+        delta = self.delta.gather(1, c)[:, 0]
+        accepted = alive & (nxt >= 0)
         if self.ctx.proposal.observes:
-            return Level(g(self.acc), g(self.nxt), g(self.delta), self.d.Y[self.rows, c], self.mu_q[self.rows, c])
-        return Level(g(self.acc), g(self.nxt), g(self.delta))
+            c = c[:, 0]
+            return Level(verified, accepted, nxt, delta, self.d.Y[self.rows, c], self.mu_q[self.rows, c])
+        return Level(verified, accepted, nxt, delta)
 
     def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
         """The verification problem at ``nodes`` of trajectories ``rows``: inputs of the residual and reconstruction."""
@@ -565,9 +607,12 @@ class OnDemand:
         self.prob: Optional[list] = None
         self.draft_calls = 0
 
-    def level(self, level: int, cur: torch.Tensor, act: torch.Tensor) -> Level:
+    def level(self, level: int, cur: torch.Tensor, alive: torch.Tensor) -> Optional[Level]:
         ctx, d, tt = self.ctx, self.d, self.d.tt
+        act = alive & tt.verify_at[d.Ls, cur]
         a = act.nonzero()[:, 0]
+        if a.numel() == 0:
+            return None
         u = cur[a]
         sa = (d.s0[a] + level - 1).clamp(max=ctx.T - 1)
         yu = self.cur_y[a]
@@ -588,10 +633,9 @@ class OnDemand:
         K = ch.shape[1]
         keys = d.keys[a[:, None], ch.clamp(min=0)]
         zk = _child_noise(ctx, keys, K, yu.shape[1])
-        sc = ctx.tab.scale[sa]
-        kids = torch.addcmul(mu_p[:, None], sc[:, None, None], zk)
+        kids = mu_p[:, None] + ctx.tab.scale[sa][:, None, None] * zk
         scale = ctx.tab64.scale[sa]
-        ckeys = streams.fold(d.keys[a, u], streams.TAG_COUPLE)
+        ckeys = d.keys[a, u]
         s_hat, delta, e, valid, acc, idx = _problem_inputs(ctx, zk, mu_p, mu_q, scale, tt.valid[u], ckeys)
         self.kids[a], self.kid_nodes[a] = kids, ch
         # the last problem of each row: where a rejected walk stopped
@@ -612,8 +656,8 @@ class OnDemand:
         if prop.observes:
             y_full = torch.zeros_like(self.cur_y).index_put((a,), yu)
             q_full = torch.zeros_like(self.cur_y).index_put((a,), mu_q)
-            return Level(full(acc, False), nxt, full(delta, 0.0), y_full, q_full)
-        return Level(full(acc, False), nxt, full(delta, 0.0))
+            return Level(act, full(acc, False), nxt, full(delta, 0.0), y_full, q_full)
+        return Level(act, full(acc, False), nxt, full(delta, 0.0))
 
     def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
         return tuple(t[rows] for t in self.prob)
@@ -667,19 +711,19 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
     alive = torch.ones(Bs, dtype=torch.bool, device=dev)
     acts, accs, deltas, obs = [], [], [], []
     for level in range(1, d.Lr + 1):
-        # a walk goes on while every child so far was accepted, within its lookahead, above a leaf
-        act = alive & (level <= d.Ls) & tt.internal[cur]
-        if not bool(act.any()):
+        # a walk goes on while every child so far was accepted, within its lookahead, above a leaf;
+        # the realizer says which nodes are verified (None: no walk goes on)
+        lv = R.level(level, cur, alive)
+        if lv is None:
             break
-        lv = R.level(level, cur, act)
-        alive = lv.accepted & act
+        alive = lv.accepted
         # a rejected walk stays at the node whose children it rejected
         cur = torch.where(alive, lv.next, cur)
-        acts.append(act)
+        acts.append(lv.verified)
         accs.append(alive)
         deltas.append(lv.delta)
         if lv.y is not None:
-            obs.append((act, lv.y, lv.mu_q, level))
+            obs.append((lv.verified, lv.y, lv.mu_q, level))
     act_t, acc_t = torch.stack(acts, 1), torch.stack(accs, 1)
     rejected = (act_t & ~acc_t).any(1)
     ncom = act_t.sum(1)
@@ -688,18 +732,18 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
     r = rejected.nonzero()[:, 0]
     if r.numel():
         s_hat, delta, valid, idx, ckeys, e, scale, kids = R.problem(r, rej_node[r])
-        s_new = ctx.coupling.residual(s_hat, delta, valid, idx, streams.Stream(ckeys))
+        s_new = ctx.coupling.residual(s_hat, delta, valid, idx, streams.Stream(ckeys, streams.SLOT_COUPLE))
         ar = torch.arange(r.numel(), device=dev)
         s_chosen = s_hat[ar, idx]
         shift = ((s_new - s_chosen) * scale).to(ctx.work)
         new_x = new_x.index_put((r,), torch.addcmul(kids[ar, idx], shift[:, None], e))
 
     # -- prefetch: which evaluation the next round drafts from ----------------------------------
-    own = ~rejected & _evaluated(ctx, tt, cur, d.Ls)
+    own = ~rejected & tt.eval_at[d.Ls, cur]
     src = torch.where(rejected, rej_node, torch.where(own, cur, tt.parent[cur].clamp(min=0)))
     if ctx.prefetch == "nearest" and r.numel():
         ch = tt.children[rej_node[r]]
-        ok = (ch >= 0) & _evaluated(ctx, tt, ch.clamp(min=0), d.Ls[r][:, None])
+        ok = (ch >= 0) & tt.eval_at[d.Ls[r][:, None], ch.clamp(min=0)]
         dist = (R.children_states(r, rej_node[r]) - new_x[r][:, None]).square().sum(-1)
         dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
         pick, has = dist.argmin(1), ok.any(1)
@@ -719,7 +763,7 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
 # -- phase 5: commit -------------------------------------------------------------------------
 
 
-def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, walks: list,
+def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, drafts: list, walks: list,
            draft_calls: int) -> RunState:
     """The run state after the round (phase 5)."""
     x, step, pre, c = state.x, state.step, state.pre, state.counters
@@ -727,13 +771,11 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, w
     if ctx.tree is None and ctx.policy is None:
         # the standard sampler: every unfinished trajectory takes its exact transition
         # (scale 0 on deterministic steps); nothing else happens in the round
-        s1 = step[ids1]
-        mean = ctx.tab.mean(x[ids1], ev.single, s1)
-        noise = streams.normal(ctx.step_keys[ids1, s1], x.shape[1], ctx.work, streams.TAG_EXACT)
-        ones = torch.ones_like(ids1)
-        counters = replace(c, nfe=c.nfe.index_add(0, ids1, ones), rows=c.rows.index_add(0, ids1, ones))
-        return replace(state, x=x.index_put((ids1,), torch.addcmul(mean, ctx.tab.scale[s1][:, None], noise)),
-                       step=step.index_add(0, ids1, ones), counters=counters, rounds=state.rounds + 1)
+        mean = ctx.tab.mean(x, ev.single, step)
+        noise = streams.normal(ctx.step_keys.gather(1, step[:, None])[:, 0], x.shape[1], ctx.work, streams.TAG_EXACT)
+        counters = replace(c, nfe=c.nfe + 1, per_traj=c.per_traj + ctx.one_row)
+        return replace(state, x=torch.addcmul(mean, ctx.tab.scale[step][:, None], noise), step=step + 1,
+                       counters=counters, rounds=state.rounds + 1)
     committed = torch.zeros_like(step)
     if ids1.numel():
         s1 = step[ids1]
@@ -743,41 +785,35 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, w
         committed = committed.index_put((ids1,), move.long())
         if bool(sched.fetch.any()):
             f = sched.fetch.nonzero()[:, 0]
-            pre = pre.with_rows(ids1[f], state.x[ids1[f]], ev.single[f], s1[f], keep_prev=False)
-    attempts, accepts, delta_sum = c.attempts, c.accepts, c.delta_sum
-    rounds, spec_steps, commits, rows = c.rounds, c.spec_steps, c.commits, c.rows.index_add(
-        0, ids1, torch.ones_like(ids1))
+            pre = pre.with_rows(ids1[f], state.x[ids1[f]], ev.single[f], s1[f], keep_prev=False,
+                                history=ctx.proposal.uses_history)
+    per_traj, per_depth, commits = c.per_traj, c.per_depth, c.commits
+    if ids1.numel():
+        per_traj = per_traj.index_add(0, ids1, ctx.one_row.expand(ids1.numel(), 3))
     records = state.records
     dstate = state.draft_state
-    for w, (ids, tree) in zip(walks, sched.groups, strict=True):
+    hist = ctx.proposal.uses_history
+    for w, (ids, tree), d in zip(walks, sched.groups, drafts, strict=True):
         tt = ctx.tables(tree)
         x = x.index_put((ids,), w.x)
         committed = committed.index_put((ids,), w.committed)
-        pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True)
+        pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True, history=hist)
         Lw = w.act.shape[1]
-        attempts = attempts.index_put((ids[:, None], torch.arange(Lw, device=ctx.device)[None]), w.act.long(),
-                                      accumulate=True)
-        accepts = accepts.index_put((ids[:, None], torch.arange(Lw, device=ctx.device)[None]), w.acc.long(),
-                                    accumulate=True)
-        delta_sum = delta_sum.index_put((ids[:, None], torch.arange(Lw, device=ctx.device)[None]),
-                                        torch.where(w.act, w.delta, 0.0), accumulate=True)
-        rounds = rounds.index_add(0, ids, torch.ones_like(ids))
-        spec_steps = spec_steps.index_add(0, ids, w.committed)
+        cols = ctx.depth_cols[:Lw]
+        per_depth = per_depth.index_put((ids[:, None], cols[None]), torch.stack(
+            [w.act.double(), w.acc.double(), torch.where(w.act, w.delta, 0.0)], -1), accumulate=True)
+        per_traj = per_traj.index_add(0, ids, torch.stack([torch.ones_like(ids), w.committed, tt.rows_at[d.Ls]], 1))
         commits = commits.index_put((ids, w.committed), torch.ones_like(ids), accumulate=True)
-        s0 = step[ids]
-        Ls = torch.minimum(ctx.tab.run_end[s0] - s0, torch.full_like(s0, tt.L))
-        rows = rows.index_add(0, ids, tt.rows_at[Ls])
         if ctx.record or ctx.policy is not None:
-            lv = torch.arange(1, Lw + 1, device=ctx.device, dtype=torch.float64)[None].expand(ids.numel(), Lw)
-            st = (s0[:, None] + torch.arange(Lw, device=ctx.device)[None]).double()
+            lv = (cols + 1).double()[None].expand(ids.numel(), Lw)
+            st = (d.s0[:, None] + cols[None]).double()
             rec = torch.stack([lv, st, w.delta, w.acc.double()], -1)[w.act]
             records = records + (rec.cpu(),)
         if w.observed is not None:
             y, mu_q, steps_o, rws = w.observed
             dstate = ctx.proposal.observe(dstate, ctx.tab, y, mu_q, steps_o, state.pre.take(ids[rws]),
                                           ctx.tab64.scale[steps_o])
-    nfe = c.nfe + sched.active.long()
-    counters = Counters(nfe, rounds, spec_steps, attempts, accepts, delta_sum, commits, rows)
+    counters = Counters(c.nfe + sched.active, per_traj, per_depth, commits)
     return RunState(x, step + committed, pre, counters, dstate, records, state.rounds + 1,
                     state.draft_calls + draft_calls + sum(w.draft_calls for w in walks))
 
@@ -803,7 +839,7 @@ def run_round(ctx: RunContext, state: RunState) -> RunState:
         R = OnDemand(ctx, d, state) if d.Y is None else FullTree(ctx, d, V)
         walks.append(walk(ctx, d, R))
     t4 = clock()
-    out = commit(ctx, state, sched, ev, walks, calls)
+    out = commit(ctx, state, sched, ev, drafts, walks, calls)
     t5 = clock()
     # the lazy walk's own target calls are inside ``walk``; on CUDA ``inside`` is 0 here
     ph["schedule"] += t1 - t0

@@ -16,7 +16,7 @@ draft uses. The proposal only moves the acceptance rate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -76,18 +76,25 @@ class Prefetch:
         zb = torch.zeros(B, dtype=torch.bool, device=device)
         return cls(z, z, zi, z, z, zi, zb, zb)
 
-    def take(self, idx: torch.Tensor) -> "Prefetch":
-        """The rows ``idx`` of every field."""
-        return Prefetch(*(getattr(self, f.name)[idx] for f in fields(self)))
+    def take(self, idx: torch.Tensor, history: bool = True) -> "Prefetch":
+        """The rows ``idx`` of every field (of ``y, v, step, valid`` only unless ``history``)."""
+        if history:
+            return Prefetch(*(getattr(self, f.name)[idx] for f in fields(self)))
+        return Prefetch(self.y[idx], self.v[idx], self.step[idx], self.prev_y, self.prev_v, self.prev_step,
+                        self.has_prev, self.valid[idx])
 
     def with_rows(self, idx: torch.Tensor, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
-                  keep_prev: bool) -> "Prefetch":
-        """A new prefetch with rows ``idx`` replaced by an evaluation; the old one becomes ``prev`` if ``keep_prev``."""
+                  keep_prev: bool, history: bool = True) -> "Prefetch":
+        """A new prefetch with rows ``idx`` replaced by an evaluation; the old one becomes ``prev`` if
+        ``keep_prev`` (``prev`` is only tracked with ``history``)."""
         put = lambda t, val: t.index_put((idx,), val)  # noqa: E731
+        valid = self.valid.index_fill(0, idx, True)
+        if not history:
+            return replace(self, y=put(self.y, y), v=put(self.v, v), step=put(self.step, step), valid=valid)
         keep = torch.full_like(idx, keep_prev, dtype=torch.bool) & self.valid[idx]
         return Prefetch(put(self.y, y), put(self.v, v), put(self.step, step),
                         put(self.prev_y, self.y[idx]), put(self.prev_v, self.v[idx]), put(self.prev_step, self.step[idx]),
-                        put(self.has_prev, keep), put(self.valid, torch.ones_like(keep)))
+                        put(self.has_prev, keep), valid)
 
 
 class Proposal:
@@ -104,6 +111,8 @@ class Proposal:
             :meth:`mean` is called, once per drafted parent.
         observes: :meth:`observe` must be called with the exact target means
             of each round's verified parents.
+        uses_history: the proposal reads the evaluation prefetched before the
+            last one (``Prefetch.prev_*``); otherwise the sampler does not track it.
         name: short name recorded in results.
 
     A proposal's learnt state (if any) is an explicit value: :meth:`init_state`
@@ -115,6 +124,7 @@ class Proposal:
     needs_prefetch: bool = True
     affine: bool = False
     observes: bool = False
+    uses_history: bool = False
     name: str = "proposal"
 
     def init_state(self, device: torch.device) -> Any:
@@ -224,6 +234,7 @@ class FrozenPrediction(Proposal):
             raise ValueError(f"draft must be one of {available_drafts()} or a callable, got {kind!r}")
         self.kind = kind
         self.name = kind
+        self.uses_history = kind == "x0_extrap"
 
     def coefficients(self, tab, steps, pre, state):
         if pre is None:
@@ -287,6 +298,7 @@ class AutoDraft(Proposal):
 
     affine = True
     observes = True
+    uses_history = True
     name = "auto"
 
     def __init__(self, max_offset: int = 64) -> None:

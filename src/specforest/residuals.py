@@ -54,18 +54,18 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 # switch), where the subtraction loses under two digits.
 _SMALL_DELTA = 1e-2
 
-# Newton steps on the Rayleigh score, from measured worst cases over
-# delta in [1e-6, 12], K in 1..16 and u in [1e-300, 1] (about 10^4 points, against
-# a 60-digit reference): after two steps the error reaches 7e4 times the
-# tolerance 1e-10 (1 + |s|), after three 6e-2 times it, after four 1e-3 times it
-# (the rounding floor). The slowest cases are delta < 1e-4 with K near 16 and u
-# in 1e-20..1e-2, where the start is about one unit off.
+# Newton steps on the Rayleigh score, fixed from measured worst cases over
+# delta in [1e-6, 12], K in 1..16 and u in [1e-300, 1] (10^4 points against a
+# 60-digit reference): the largest error is 7e4 times the tolerance
+# 1e-10 (1 + |s|) after two steps, 6e-2 times it after three and 1e-3 times it
+# (the rounding floor) after four. The slowest cases are delta < 1e-4 with K
+# near 16 and u in 1e-20..1e-2, where the start is about one unit off.
 _NEWTON_STEPS = 3
 
-# The root is below the 10 % point of the residual (u > 0.9) where C, not H, is
-# the small quantity: there ln(H / H(tau)) comes from the quadrature of C.
-# Twelve Gauss-Legendre nodes keep the quadrature error under 1e-3 of the
-# tolerance up to that point for every delta up to 12 (ten reach 2e-2 of it).
+# Below the residual's 10 % point (u > 0.9) C, not H, is the small quantity, and
+# ln(H / H(tau)) comes from the quadrature of C. Twelve Gauss-Legendre nodes
+# keep its error under 1e-3 of the tolerance up to that point for every delta
+# up to 12; ten reach 2e-2 of it, and at the median sixteen would be needed.
 _NEAR = 0.9
 _GL_NODES = 12
 
@@ -73,11 +73,15 @@ _GL_NODES = 12
 # is finite; tau + _X_MIN rounds to tau.
 _X_MIN = 1e-280
 # A Newton step never shrinks s - tau by more than this factor, so that an
-# overshoot past tau (possible where the score is not concave) cannot stall the
-# iteration at tau.
+# overshoot past tau, possible where the score is not concave, cannot stall the
+# iteration at tau. It never acts on the measured grid.
 _SHRINK = 1e-3
-# exp(-700) is a normal float64; the start's normal quantile is taken no deeper.
+# exp(-700) is a normal float64: the start's normal quantile is taken no deeper.
 _LOG_TINY = -700.0
+# The Newton step's factor H / (phi(s - delta) (1 - exp(-delta (s - tau)))) is
+# capped at exp(700): at s = tau + _X_MIN (u = 1) it overflows for delta above
+# ~30 while psi = 0, and 0 * inf would be nan.
+_LOG_HUGE = 700.0
 
 
 def log_sf(x: torch.Tensor) -> torch.Tensor:
@@ -102,9 +106,11 @@ def tail_mass(s: torch.Tensor, delta: torch.Tensor | float, log_lam: torch.Tenso
     ``[s - delta, s]``, comes from the midpoint rule with its second-order term,
     ``delta (h(m) + delta^2 h''(m) / 24)`` with ``m = s - delta / 2`` and
     ``h'' = h ((h - m)(2 h - m) - 1)``, instead of from a subtraction that
-    cancels: at ``delta = 1e-6`` the subtraction leaves ~1e-10 relative error in
-    ``H`` (and in ``grs_levels``' ``G``), the midpoint form ~1e-15. For
-    ``delta >= 1e-2`` the result is bit-identical to the plain formula.
+    cancels. Against a 40-digit reference the subtraction is off by up to 6e-9
+    relative at ``delta = 1e-6`` (3e-9 in ``G_{K+1} = H(tau)``, as ``grs_levels``
+    computes it today), the midpoint form by under 1e-14 at ``tau`` and 5e-13
+    where ``log H ~ -700``. For ``delta >= 1e-2`` the result is bit-identical to
+    the plain formula.
 
     Args:
         s: ``(*batch)`` float64 points with ``s >= ln(lam) / delta + delta / 2``.
@@ -124,13 +130,13 @@ def _log_tail(
     """:func:`tail_mass` given ``s - delta``, with the small-``delta`` form only if ``midpoint``.
 
     Newton steps before the last one only have to get close, and the plain
-    formula's ~1e-10 relative error does not matter to them.
+    formula's error does not matter to them.
     """
     a = log_sf(s_minus_delta)
     inner = log_lam + log_sf(s) - a
     if midpoint:
         m = s - 0.5 * delta
-        # phi(m) / Phibar(m) = sqrt(2 / pi) / erfcx(m / sqrt 2), without exp(m^2 / 2) overflow
+        # phi(m) / Phibar(m) = sqrt(2 / pi) / erfcx(m / sqrt 2), without overflowing exp(m^2 / 2)
         h = _SQRT_2_OVER_PI / torch.special.erfcx(m * (1.0 / math.sqrt(2.0)))
         q = h - m
         h = h * (1.0 + (delta * delta / 24.0) * (q * (h + q) - 1.0))
@@ -142,18 +148,19 @@ def _log_tail(
 def _gauss_legendre(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Gauss-Legendre rule on ``[0, 1]`` for ``C``, float64, built once per device.
 
-    Returns nodes divided by ``sqrt 2`` and weights times ``1 / sqrt(2 pi)``,
-    so that ``-C(tau + x) / x = (exp(-z^2) * expm1(-delta x t)) @ weights`` with
+    Returns the nodes divided by ``sqrt 2`` and the logs of the weights divided
+    by ``sqrt(2 pi)``, so that
+    ``-C(tau + x) / x = sum(exp(log_w - z^2) * expm1(-delta x t))`` with
     ``z = (x t + tau - delta) / sqrt 2`` at the nodes ``t`` of ``[0, 1]``.
     """
     nodes, weights = np.polynomial.legendre.leggauss(_GL_NODES)
     t = torch.tensor((nodes + 1.0) / 2.0 / math.sqrt(2.0), dtype=torch.float64, device=device)
-    w = torch.tensor(weights / 2.0 / math.sqrt(2.0 * math.pi), dtype=torch.float64, device=device)
-    return t, w
+    log_w = torch.tensor(np.log(weights / 2.0) - _LOG_SQRT_2PI, dtype=torch.float64, device=device)
+    return t, log_w
 
 
 def _check_args(**tensors: torch.Tensor) -> None:
-    """Type, dtype and device checks; values are not checked, as that would synchronize."""
+    """Type, dtype, device and shape checks; values are not checked, as that would synchronize."""
     device = None
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor):
@@ -164,49 +171,52 @@ def _check_args(**tensors: torch.Tensor) -> None:
             device = value.device
         elif value.device != device:
             raise ValueError(f"{name} is on {value.device}, the other arguments on {device}")
+    try:
+        torch.broadcast_shapes(*(value.shape for value in tensors.values()))
+    except RuntimeError as err:
+        shapes = ", ".join(f"{name} {tuple(value.shape)}" for name, value in tensors.items())
+        raise ValueError(f"delta, lam, G and u must have broadcastable shapes, got {shapes}") from err
 
 
-def sample_grs_residual(
-    delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor, u: torch.Tensor
-) -> torch.Tensor:
+def sample_grs_residual(delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Exact draw of ``S`` from the GRS residual ``(q - lam p)_+ / G`` (eq. 17, ERRATA 4).
 
     Returns the root ``S >= tau`` of ``H(S) = u H(tau)``, the residual's inverse
-    tail at ``u`` (module docstring). Algorithm:
+    tail at ``u`` (module docstring):
 
     1. ``tau``, ``ln H(tau)`` (:func:`tail_mass`) and the target score
        ``sqrt(-2 ln u)``.
-    2. Start at the smaller of the tangent at ``tau``,
+    2. Start at the smaller of the tangent to the score at ``tau``,
        ``tau + sqrt(-2 ln u) / psi'(tau)`` with
        ``psi'(tau) = sqrt(delta phi(tau - delta) / H(tau))`` (left of the root
        where the score is concave, right of it where it is convex), and the
        normal-tail bound ``delta - Phi^{-1}(u H(tau))`` (right of the root, and
        close to it where ``lam Phibar(s) << Phibar(s - delta)``).
     3. Three Newton steps on ``psi(s) = sqrt(-2 ln u)``, with
-       ``psi' = r / (psi H / G)``; ``ln(H / H(tau))`` is
+       ``psi' = r / (psi H / G)`` for the density ``r``. ``ln(H / H(tau))`` is
        ``log1p(-C / H(tau))`` from a 12-node Gauss-Legendre rule on
-       ``[tau, s]`` where ``u > 0.9`` and :func:`tail_mass` elsewhere.
+       ``[tau, s]`` where ``u > 0.9``, and :func:`tail_mass` elsewhere.
 
-    The step count is fixed from measured worst cases (:data:`_NEWTON_STEPS`):
-    over ``delta`` in [1e-6, 12], ``K`` in 1..16 and ``u`` in [1e-300, 1],
-    including ``1 - 2^-53`` and 1, the draw is within ``6e-12 (1 + |S|)`` of a
-    60-digit reference, and ``S >= tau`` always. ``delta`` above 12 keeps the
-    draw finite and ``>= tau``, with a quadrature error that grows with
-    ``delta``.
+    The step count is fixed from measured worst cases: over ``delta`` in
+    [1e-6, 12], ``K`` in 1..16 and ``u`` in [1e-300, 1], including ``1 - 2^-53``
+    and 1, the draw is within ``6e-12 (1 + |S|)`` of a 60-digit reference, and
+    ``S >= tau`` always. Beyond that range it stays finite and ``>= tau``; the
+    error is 7e-11 (1 + |S|) at ``K = 40`` and grows with ``delta`` past 12, to
+    1e-9 (1 + |S|) at 20 and 1e-6 at 30 (the quadrature).
 
-    The cost is a fixed ~210 vectorized tensor operations whatever the batch
-    size: no loop over data, no host-device synchronization, no data-dependent
-    branch, and each draw depends only on its own inputs, so chunking the batch
-    does not change it.
+    The cost is a fixed ~220 tensor operations whatever the batch size: no
+    loop over data, no host-device synchronization, no data-dependent branch.
+    Each draw depends only on its own inputs; on CPU it is the same bit for bit
+    in any batch.
 
     Args:
         delta: ``(P,)`` float64 normalized mean mismatch, > 0.
         lam: ``(P,)`` float64 level ``lambda_K >= 1``.
-        G: ``(P,)`` float64 remaining mass ``G_{K+1} = H(tau) > 0``. The draw is
-            normalized by ``H(tau)`` recomputed with :func:`tail_mass`, not by
-            ``G``: ``grs_levels`` gets ``G`` only to ~2e-9 relative at
-            ``delta = 1e-6``, which would move draws by up to ~25 times the
-            accuracy above. ``G`` is checked for type only.
+        G: ``(P,)`` float64 remaining mass ``G_{K+1} = H(tau) > 0``, checked for
+            type only: the draw is normalized by ``H(tau)`` recomputed with
+            :func:`tail_mass`. ``grs_levels`` currently gets ``G`` to only 3e-9
+            relative at ``delta = 1e-6``, which would move draws by up to 25
+            times the accuracy above.
         u: ``(P,)`` float64 uniforms in (0, 1]; ``u = 1`` gives ``tau``.
 
     Returns:
@@ -214,7 +224,8 @@ def sample_grs_residual(
 
     Raises:
         TypeError: if an argument is not a float64 tensor.
-        ValueError: if the arguments are on different devices.
+        ValueError: if the arguments are on different devices or their shapes
+            do not broadcast.
     """
     _check_args(delta=delta, lam=lam, G=G, u=u)
     delta, lam, u = torch.broadcast_tensors(delta, lam, u)
@@ -230,25 +241,26 @@ def sample_grs_residual(
     log_slope = 0.5 * (torch.log(delta) - 0.5 * a * a - _LOG_SQRT_2PI - log_G)
     x = torch.minimum(x_tail, psi_target * torch.exp(-log_slope)).clamp(min=_X_MIN)
 
-    nodes, weights = _gauss_legendre(delta.device)
+    nodes, log_weights = _gauss_legendre(delta.device)
     a_col = (a * (1.0 / math.sqrt(2.0))).unsqueeze(-1)
     neg_delta = -delta
     node_rate = (neg_delta * math.sqrt(2.0)).unsqueeze(-1) * nodes  # -delta t at x = 1
     G_int = torch.exp(log_G)
-    log_G_phi = log_G + _LOG_SQRT_2PI  # the density below omits phi's constant
+    log_G_phi = log_G + _LOG_SQRT_2PI  # log_density below omits phi's constant
     for step_index in range(_NEWTON_STEPS):
         s = tau + x
         s_minus_delta = x + a
         x_col = x.unsqueeze(-1)
         z = torch.addcmul(a_col, x_col, nodes)
-        minus_c_over_x = (torch.exp(-z.square()) * torch.expm1(x_col * node_rate)) @ weights
+        # a row sum, not a matrix-vector product, whose rounding would depend on the batch size
+        integrand = torch.exp(torch.addcmul(log_weights, z, z, value=-1.0)) * torch.expm1(x_col * node_rate)
         log_ratio = torch.where(
             near,
-            torch.log1p(x * minus_c_over_x / G_int),
+            torch.log1p(x * integrand.sum(-1) / G_int),
             _log_tail(s, s_minus_delta, delta, log_lam, midpoint=step_index == _NEWTON_STEPS - 1) - log_G,
         ).clamp(max=0.0)
         log_density = torch.add(torch.log(-torch.expm1(neg_delta * x)), s_minus_delta.square(), alpha=-0.5)
         psi = torch.sqrt(-2.0 * log_ratio)
-        step = (psi - psi_target) * psi * torch.exp(log_G_phi + log_ratio - log_density)
+        step = (psi - psi_target) * psi * torch.exp((log_G_phi + log_ratio - log_density).clamp(max=_LOG_HUGE))
         x = torch.maximum(x - step, x * _SHRINK)
     return tau + x

@@ -383,9 +383,9 @@ def sample(
         raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
     c = state.counters
     stats = SampleStats(
-        nfe=c.nfe, rounds=c.rounds, spec_steps=c.spec_steps, attempts=c.attempts, accepts=c.accepts,
-        delta_sum=c.delta_sum, commits=c.commits, rows=c.rows, calls=state.rounds, draft_calls=state.draft_calls,
-        steps=T,
+        nfe=c.nfe, rounds=c.per_traj[:, 0], spec_steps=c.per_traj[:, 1], attempts=c.per_depth[..., 0].long(),
+        accepts=c.per_depth[..., 1].long(), delta_sum=c.per_depth[..., 2], commits=c.commits, rows=c.per_traj[:, 2],
+        calls=state.rounds, draft_calls=state.draft_calls, steps=T,
     )
     if record_deltas:
         stats.deltas = torch.cat(state.records) if state.records else torch.zeros(0, 4, dtype=torch.float64)

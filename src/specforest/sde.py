@@ -237,12 +237,14 @@ class StepTables:
     Everything the round reads per step, indexed by step ``n`` (``(T,)``, with
     ``sig`` ``(T + 1,)``): the sampler gathers from these instead of recomputing
     or copying them. ``mean = a * y + c * v`` is eq. (36) (the Euler step on
-    deterministic steps); the drift is ``b = -drift_f * v - drift_k * y``.
+    deterministic steps); the drift is ``b = -drift_f * v - drift_k * y``;
+    ``scale_safe`` is ``scale`` with 1 on deterministic steps.
     """
 
     sig: torch.Tensor
     gamma: torch.Tensor
     scale: torch.Tensor
+    scale_safe: torch.Tensor
     a: torch.Tensor
     c: torch.Tensor
     drift_f: torch.Tensor
@@ -260,7 +262,9 @@ class StepTables:
         f = torch.where(stoch, torch.full_like(t, 1.0 + eps2), torch.ones_like(t))
         k = torch.where(stoch, eps2 / t, torch.zeros_like(t))
         to = lambda x: x.to(device, dtype)  # noqa: E731
-        return cls(to(sde.sigmas), to(g), to(sde.scale), to(a), to(c), to(f), to(k), stoch.to(device),
+        # the scale with 1 on deterministic steps: for problems that are never verified but must stay finite
+        safe = torch.where(sde.scale > 0, sde.scale, torch.ones_like(sde.scale))
+        return cls(to(sde.sigmas), to(g), to(sde.scale), to(safe), to(a), to(c), to(f), to(k), stoch.to(device),
                    sde.run_end.to(device))
 
     def mean(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ __all__ = [
     "TAG_DRAFT",
     "TAG_EXACT",
     "TAG_INIT",
+    "SLOT_COUPLE",
     "fold",
     "key_from_generator",
     "mix",
@@ -67,6 +68,8 @@ TAG_DRAFT = 3
 """The noise of a drafted child (node of a round's tree)."""
 TAG_COUPLE = 4
 """The coupling's draws at a verified node."""
+SLOT_COUPLE = 1 << 20
+"""First slot of the coupling's draws under a node's key (its drafting noise is at :data:`TAG_DRAFT`)."""
 
 
 def mix(z: torch.Tensor) -> torch.Tensor:
@@ -86,7 +89,7 @@ _CONST: dict = {}
 
 def _consts(device: torch.device) -> tuple:
     """The mixer's shifts, masks and multipliers as 0-d tensors on ``device`` (cheaper than Python ints)."""
-    key = str(device)
+    key = device
     c = _CONST.get(key)
     if c is None:
         t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
@@ -138,7 +141,7 @@ _CONSTANTS: dict = {}
 
 def _mixed_constant(data: int, device: torch.device) -> torch.Tensor:
     """``mix(data * golden + golden)`` as a 0-d tensor, cached (folds by a tag or slot are hot)."""
-    key = (data, str(device))
+    key = (data, device)
     c = _CONSTANTS.get(key)
     if c is None:
         word = _signed(((data + 1) * 0x9E3779B97F4A7C15) % (1 << 64))
@@ -154,7 +157,7 @@ _COUNTERS: dict = {}
 
 def _counters(n: int, slot: int, device: torch.device) -> torch.Tensor:
     """``(n,)`` mixed counters of the elements of draw ``slot``, cached per device (the hot path reuses them)."""
-    key = (n, slot, str(device))
+    key = (n, slot, device)
     c = _COUNTERS.get(key)
     if c is None:
         j = torch.arange(n, dtype=torch.int64, device=device)
@@ -257,9 +260,12 @@ class Stream:
 
     Attributes:
         keys: ``(P,)`` int64.
+        base: added to every slot: the sampler keys a node's coupling draws with
+            the node's own key at ``base = SLOT_COUPLE``, apart from its noise.
     """
 
     keys: torch.Tensor
+    base: int = 0
 
     @classmethod
     def from_generator(cls, n: int, generator: Optional[torch.Generator], device) -> "Stream":
@@ -268,15 +274,15 @@ class Stream:
 
     def take(self, rows: torch.Tensor) -> "Stream":
         """The stream of rows ``rows`` (indices or a bool mask)."""
-        return Stream(self.keys[rows])
+        return Stream(self.keys[rows], self.base)
 
     def uniform(self, slot: int, n: int = 1) -> torch.Tensor:
         """``(P, n)`` float64 uniforms in (0, 1) at ``slot``."""
-        return uniform(self.keys, n, slot)
+        return uniform(self.keys, n, self.base + slot)
 
     def normal(self, slot: int, n: int = 1) -> torch.Tensor:
         """``(P, n)`` float64 standard normals at ``slot``."""
-        return normal(self.keys, n, torch.float64, slot)
+        return normal(self.keys, n, torch.float64, self.base + slot)
 
     def __len__(self) -> int:
         return self.keys.shape[0]

@@ -382,7 +382,7 @@ def simulate(
     parts: dict[str, list] = {
         k: [] for k in ("samples", "nfe", "attempts", "accepts", "delta_sum", "rows", "rounds", "spec_steps")
     }
-    calls = 0
+    calls, target_seconds = 0, 0.0
     extra = {"lazy": True} if lazy else {}
     starts = list(range(0, n, size))
     for i, start in enumerate(starts):
@@ -407,6 +407,7 @@ def simulate(
         for name in ("nfe", "attempts", "accepts", "delta_sum", "rows", "rounds", "spec_steps"):
             parts[name].append(getattr(s, name).cpu())
         calls += int(s.calls)
+        target_seconds += s.target_seconds
     wall = time.perf_counter() - t0
     cat = {k: torch.cat(v) for k, v in parts.items()}
 
@@ -444,6 +445,7 @@ def simulate(
         "rows_mean": _finite(cat["rows"].double().mean().item()),
         "calls": calls,
         "wall_seconds": wall,
+        "target_seconds": target_seconds,
         "grid": setting.grid,
         "churn": setting.churn,
         "steps": T,

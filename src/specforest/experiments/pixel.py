@@ -279,6 +279,7 @@ def simulate(
         "accept_rate_per_depth": [_finite(a) for a in (acc / att).tolist()],
         "delta_per_depth": [_finite(d) for d in (s.delta_sum.sum(0) / att).tolist()],
         "wall_seconds": float(s.wall_seconds),
+        "target_seconds": float(s.target_seconds),
         "classifier_accuracy": accuracy,
         "calls": int(s.calls),
         "rows_mean": float(s.rows.double().mean()),

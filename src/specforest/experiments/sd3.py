@@ -330,7 +330,7 @@ def run_config(
         k: [] for k in ("nfe", "attempts", "accepts", "delta_sum", "rounds", "spec_steps", "rows")
     }
     images: list = []
-    calls, max_rows, memory = 0, [], None
+    calls, max_rows, memory, target_seconds = 0, [], None, 0.0
     t0 = time.perf_counter()
     for i, start in enumerate(range(0, n, size)):
         sl = slice(start, start + size)
@@ -358,6 +358,7 @@ def run_config(
         for name, part in parts.items():
             part.append(getattr(s, name).cpu())
         calls += int(s.calls)
+        target_seconds += s.target_seconds
         max_rows.append(res.memory.max_rows)
         memory = res.memory
         if want_images:
@@ -395,6 +396,7 @@ def run_config(
         "memory_per_round_gb": memory.round_bytes / 1e9,
         "memory_peak_gb": memory.total_bytes / 1e9,
         "wall_seconds": wall,
+        "target_seconds": target_seconds,
         "clip_mean": None,
         "clip_sem": None,
     }
