@@ -25,19 +25,24 @@ id) and the coupling's draws at a node by the same key at slots from
 :data:`~specforest.streams.SLOT_COUPLE` on. So the full tree and the lazy walk read
 the same numbers, and a sample is the same in any batch.
 
-Host-device synchronizations of one round (each a host read of a tensor the
-next kernel launch depends on):
+Host-device synchronizations of one round in full mode, at most ``L + 2``
+(``tests/test_syncs.py`` counts them):
 
-* :func:`schedule`: the row indices of the single-row and speculating
-  trajectories (``nonzero``) and the deepest lookahead of the round (``max``),
-  the sizes the round's tensors are built with;
-* :func:`evaluate`: the rows to evaluate (a boolean mask of the tree) and the
-  target's finiteness check (no NaN or inf may pass silently);
-* :func:`walk`: one ``any`` per depth to stop when every walk has ended (at
-  most ``L``), the rejected trajectories (``nonzero``), and for couplings
-  whose residual is a rejection sampler (``rank``, ``antithetic``) one per
-  pass of it;
-* an adaptive tree's plan reads the recorded verifications on the host.
+* :func:`schedule`: **one** :func:`host_read` of the round's sizes (how many
+  trajectories take a single row, speculate, fetch; the deepest lookahead; the
+  rows the trees evaluate) together with the target's finiteness flag of the
+  earlier calls: tensor shapes depend on them. Index tensors are then made with
+  ``nonzero_static`` and need no further read;
+* :func:`walk`: one ``any`` per depth, to stop when every walk has ended (at
+  most ``L``), and the rejected trajectories (``nonzero``), whose residual
+  draws have a data-dependent size.
+
+The standard sampler has none: its trajectories run in lockstep for exactly
+``T`` rounds. Options that read more: the ``rank`` coupling groups problems by
+their number of children (one read), rejection-sampled residuals (``rank``,
+``antithetic``) read once per pass, ``draft="auto"`` and ``record_deltas``
+gather the verified problems, an adaptive tree plans on the host, and the lazy
+cost simulation makes one call per depth.
 """
 
 from __future__ import annotations
@@ -79,12 +84,13 @@ class Target:
     """
 
     def __init__(self, fn: Callable, shape: tuple, dtype: torch.dtype, max_rows: Optional[int],
-                 cond: dict, model_kwargs: dict) -> None:
+                 cond: dict, model_kwargs: dict, device: "torch.device | str" = "cpu") -> None:
         self.fn, self.shape, self.dtype, self.max_rows = fn, shape, dtype, max_rows
         self.cond, self.kwargs = cond, model_kwargs
         self.seconds = 0.0
         self.calls = 0
         self._events: list = []
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)  # some output was NaN or inf
 
     def cond_rows(self, traj: torch.Tensor) -> dict:
         """The conditioning of trajectories ``traj (n,)``."""
@@ -117,14 +123,19 @@ class Target:
             outs.append(out.reshape(-1, D).to(self.dtype))
         v = torch.cat(outs) if len(outs) > 1 else outs[0]
         self.calls += 1
-        if not bool(torch.isfinite(v).all()):
-            bad = (~torch.isfinite(v)).any(1)
-            s = sigma[bad]
-            raise FloatingPointError(
-                f"model returned NaN or inf for {int(bad.sum())} of {M} states "
-                f"(sigma in [{s.min().item():.4g}, {s.max().item():.4g}]); refusing to continue"
-            )
+        # checked at the round's one host read (``check_finite``): NaN or inf never passes silently
+        self.bad = self.bad | ~torch.isfinite(v).all()
         return v
+
+    def check_finite(self) -> None:
+        """Raise if any call so far returned NaN or inf (a host read)."""
+        if bool(self.bad):
+            self.raise_not_finite()
+
+    def raise_not_finite(self) -> None:
+        raise FloatingPointError(
+            f"model returned NaN or inf (within its first {self.calls} calls); refusing to continue"
+        )
 
     def total_seconds(self) -> float:
         """Time inside target calls so far (on CUDA from events, read once here)."""
@@ -154,6 +165,7 @@ class TreeTables:
     eval_at: torch.Tensor  # (L + 1, V) bool: the nodes a round with lookahead m evaluates
     verify_at: torch.Tensor  # (L + 1, V) bool: the nodes whose children a round with lookahead m verifies
     step_of: torch.Tensor  # (V,) long: the step offset of the noise that drafts a node (its parent's depth)
+    L: int = 0  # depth, as a Python int (the round reads it often; no host read of a tensor)
 
     @classmethod
     def build(cls, tree: DraftTree, verify: str, device: torch.device) -> "TreeTables":
@@ -172,18 +184,15 @@ class TreeTables:
         to = lambda t: t.to(device)  # noqa: E731
         return cls(tree, to(tree.parent), to(tree.depth), to(tree.children), to(tree.internal), to(code),
                    to(valid), tuple(layers), to(ev.sum(1)), to(ev), to((d < m[:, None]) & tree.internal[None, :]),
-                   to((tree.depth - 1).clamp(min=0)))
+                   to((tree.depth - 1).clamp(min=0)), tree.L)
 
     def sizes(self, m: int) -> list:
         """Layer sizes of the tree truncated to depth ``m``."""
         return [b - a for a, b, _ in self.layers[: m + 1]]
 
-    @property
-    def L(self) -> int:
-        return self.tree.L
-
     def size_at(self, m: int) -> int:
-        return self.tree.size_at_depth(m)
+        """Nodes of the tree truncated to depth ``m``."""
+        return self.layers[min(max(m, 0), self.L)][1]
 
 
 @dataclass
@@ -213,12 +222,14 @@ class RunContext:
 
     rows_all: torch.Tensor = None  # (B,) arange
     no_fetch: torch.Tensor = None  # (B,) False
+    all_active: torch.Tensor = None  # (B,) True
 
     def __post_init__(self) -> None:
         self.depth_cols = torch.arange(max(self.T, 1), device=self.device)
         self.one_row = torch.tensor([[0, 0, 1]], device=self.device)
         self.rows_all = torch.arange(self.step_keys.shape[0], device=self.device)
         self.no_fetch = torch.zeros_like(self.rows_all, dtype=torch.bool)
+        self.all_active = torch.ones_like(self.no_fetch)
 
     def tables(self, tree: DraftTree) -> TreeTables:
         key = id(tree)
@@ -292,6 +303,12 @@ def init_state(ctx: RunContext, x: torch.Tensor, L: int) -> RunState:
 # -- phase 1: schedule -----------------------------------------------------------------------
 
 
+def host_read(t: torch.Tensor) -> list:
+    """The values of a small tensor on the host: the round's one planned synchronization."""
+    return t.tolist()
+
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Who does what this round.
@@ -300,7 +317,8 @@ class Schedule:
         single: ``(n1,)`` trajectories with one row: a deterministic step, an
             exact step (standard sampler) or the first root fetch.
         fetch: ``(n1,)`` bool, which of them only fetch their root's evaluation.
-        groups: ``[(ids (Bs,), tree)]`` the speculating trajectories per tree.
+        groups: ``[(ids (Bs,), tree, Ls (Bs,), Lr, rows)]`` the speculating trajectories per
+            tree, their lookaheads, the deepest one and the rows their trees evaluate.
         active: ``(B,)`` bool, unfinished trajectories.
     """
 
@@ -309,40 +327,76 @@ class Schedule:
     groups: list
     active: torch.Tensor
     everyone: bool = False  # single is every trajectory, in order
+    n_fetch: int = 0
 
 
-def schedule(ctx: RunContext, state: RunState) -> Schedule:
+def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
+    """Who does what this round (phase 1), or ``None`` when every trajectory has finished.
+
+    The round's sizes (how many trajectories of each kind, the deepest
+    lookahead, the rows to evaluate) and the target's finiteness flag of the
+    previous round come to the host in **one** read; the index tensors are then
+    made without further synchronization (``nonzero_static``).
+    """
     T, step = ctx.T, state.step
-    active = step < T
-    stoch = ctx.tab.stochastic[step.clamp(max=T - 1)] & active
     if ctx.tree is None and ctx.policy is None:
         # the standard sampler moves every trajectory one step a round: all run in lockstep
-        return Schedule(ctx.rows_all, ctx.no_fetch, [], active, everyone=True)
+        # for exactly T rounds, so nothing needs to be read back
+        if state.rounds >= T:
+            return None
+        return Schedule(ctx.rows_all, ctx.no_fetch, [], ctx.all_active, everyone=True)
+    active = step < T
+    stoch = ctx.tab.stochastic[step.clamp(max=T - 1)] & active
     fetch = stoch & ~state.pre.valid if ctx.proposal.needs_prefetch else torch.zeros_like(stoch)
     spec = stoch & ~fetch
-    single = (active & ~spec).nonzero()[:, 0]
-    ids = spec.nonzero()[:, 0]
-    groups = _tree_groups(ctx, state, ids) if ids.numel() else []
-    return Schedule(single, fetch[single], groups, active)
+    single = active & ~spec
+    if ctx.policy is not None:
+        # an adaptive plan reads the records on the host anyway
+        ctx.target.check_finite()
+        if not bool(active.any()):
+            return None
+        ids1 = single.nonzero()[:, 0]
+        ids = spec.nonzero()[:, 0]
+        groups = _tree_groups(ctx, state, ids) if ids.numel() else []
+        return Schedule(ids1, fetch[ids1], groups, active, n_fetch=int(fetch.sum()))
+    tt = ctx.tables(ctx.tree)
+    s0 = step.clamp(max=T - 1)
+    Ls = torch.where(spec, torch.clamp(ctx.tab.run_end[s0] - s0, max=tt.L), 0)
+    counts = host_read(torch.stack([active.sum(), single.sum(), spec.sum(), fetch.sum(), Ls.max(),
+                                    tt.rows_at[Ls].sum() - tt.rows_at[0] * (~spec).sum(), ctx.target.bad.long()]))
+    n_active, n1, ns, nf, Lr, rows, bad = counts
+    if bad:
+        ctx.target.raise_not_finite()
+    if n_active == 0:
+        return None
+    ids1 = torch.nonzero_static(single, size=n1)[:, 0]
+    ids = torch.nonzero_static(spec, size=ns)[:, 0]
+    groups = [(ids, ctx.tree, Ls[ids], Lr, rows)] if ns else []
+    return Schedule(ids1, fetch[ids1], groups, active, n_fetch=nf)
 
 
 def _tree_groups(ctx: RunContext, state: RunState, ids: torch.Tensor) -> list:
-    """``[(ids, tree)]``: a fixed tree serves everyone; an adaptive plan is re-made from the records
-    and, near the end of the chain, re-optimized for each remaining horizon shorter than it."""
-    if ctx.policy is None:
-        return [(ids, ctx.tree)]
+    """``[(ids, tree, Ls, Lr, rows)]`` of an adaptive plan, re-made from the records and, near the
+    end of the chain, re-optimized for each remaining horizon shorter than it."""
     data = torch.cat(state.records) if state.records else None
     base = ctx.policy.plan(data, ctx.coupling, ctx.T)
     if data is None:
-        return [(ids, base)]
-    s = state.step[ids]
-    horizon = ctx.tab.run_end[s] - s
+        trees = [(ids, base)]
+    else:
+        s = state.step[ids]
+        horizon = ctx.tab.run_end[s] - s
+        trees = []
+        short = horizon < base.L
+        if bool((~short).any()):
+            trees.append((ids[~short], base))
+        for h in torch.unique(horizon[short]).tolist():
+            trees.append((ids[short & (horizon == h)], ctx.policy.plan(data, ctx.coupling, int(h))))
     groups = []
-    short = horizon < base.L
-    if bool((~short).any()):
-        groups.append((ids[~short], base))
-    for h in torch.unique(horizon[short]).tolist():
-        groups.append((ids[short & (horizon == h)], ctx.policy.plan(data, ctx.coupling, int(h))))
+    for g, tree in trees:
+        tt = ctx.tables(tree)
+        s0 = state.step[g]
+        Ls = torch.clamp(ctx.tab.run_end[s0] - s0, max=tt.L)
+        groups.append((g, tree, Ls, int(Ls.max()), int(tt.rows_at[Ls].sum())))
     return groups
 
 
@@ -362,7 +416,7 @@ class Draft:
         Y: ``(Bs, V_r, D)`` node states (full mode; ``None`` lazy).
         Z: ``(Bs, V_r - 1, D)`` standard noise of the drafted nodes (full mode).
         Mp: ``(Bs, V_i, D)`` draft means at the nodes of depth ``< Lr`` (full mode).
-        emask: ``(Bs, V_r)`` bool, the nodes the target evaluates (full mode).
+        emask: ``(2, n)`` long ``(row, node)`` pairs the target evaluates (full mode).
     """
 
     tt: TreeTables
@@ -399,13 +453,15 @@ def _child_noise(ctx: RunContext, keys: torch.Tensor, k: int, D: int) -> torch.T
     return z
 
 
-def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree) -> tuple[Draft, int]:
-    """Draft the trees of trajectories ``ids`` (phase 2). Returns the draft and the draft-model calls made."""
+def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree, Ls: torch.Tensor, Lr: int,
+          rows: int) -> tuple[Draft, int]:
+    """Draft the trees of trajectories ``ids`` with lookaheads ``Ls`` (phase 2).
+
+    Returns the draft and the draft-model calls made.
+    """
     tt = ctx.tables(tree)
     T, tab = ctx.T, ctx.tab
     s0 = state.step[ids]
-    Ls = torch.minimum(tab.run_end[s0] - s0, torch.full_like(s0, tt.L))
-    Lr = int(Ls.max())
     Vr = tt.size_at(Lr)
     keys = streams._mix_(ctx.step_keys[ids, s0][:, None] ^ tt.code[None, :Vr])
     pre = state.pre.take(ids, history=ctx.proposal.uses_history)
@@ -447,7 +503,8 @@ def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree) 
         else:
             rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
             torch.add(rep, SZl[level - 1], out=Yl[level])
-    emask = tt.eval_at[Ls][:, :Vr]
+    # the (trajectory, node) pairs the target evaluates, without a synchronization: their number is known
+    emask = torch.nonzero_static(tt.eval_at[Ls][:, :Vr], size=rows).T
     return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, emask), calls
 
 
@@ -473,10 +530,11 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
     for d in drafts:
         if d.Y is None:
             continue
-        xs.append(d.Y[d.emask])
+        b, u = d.emask
+        xs.append(d.Y[b, u])
         sizes.append(xs[-1].shape[0])
-        sig.append(ctx.tab.sig[(d.s0[:, None] + d.tt.depth[None, : d.Y.shape[1]]).clamp(max=ctx.T - 1)][d.emask])
-        traj.append(d.ids[:, None].expand_as(d.emask)[d.emask])
+        sig.append(ctx.tab.sig[(d.s0[b] + d.tt.depth[u]).clamp(max=ctx.T - 1)])
+        traj.append(d.ids[b])
     if len(xs) == 1 and ids1.numel() == 0:
         return Evaluations(state.x[:0], [None] * len(drafts))
     v = ctx.target(torch.cat(xs), torch.cat(sig), torch.cat(traj)) if len(xs) > 1 else ctx.target(xs[0], sig[0], traj[0])
@@ -487,8 +545,7 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
             out.append(None)
             continue
         n = next(sizes)
-        V = torch.zeros_like(d.Y)
-        V[d.emask] = v[start : start + n]
+        V = torch.zeros_like(d.Y).index_put(tuple(d.emask), v[start : start + n])
         start += n
         out.append(V)
     return Evaluations(v[:n1], out)
@@ -783,8 +840,8 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
         move = ~sched.fetch
         x = x.index_put((ids1,), torch.where(move[:, None], mean, x[ids1]))
         committed = committed.index_put((ids1,), move.long())
-        if bool(sched.fetch.any()):
-            f = sched.fetch.nonzero()[:, 0]
+        if sched.n_fetch:
+            f = torch.nonzero_static(sched.fetch, size=sched.n_fetch)[:, 0]
             pre = pre.with_rows(ids1[f], state.x[ids1[f]], ev.single[f], s1[f], keep_prev=False,
                                 history=ctx.proposal.uses_history)
     per_traj, per_depth, commits = c.per_traj, c.per_depth, c.commits
@@ -793,7 +850,7 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
     records = state.records
     dstate = state.draft_state
     hist = ctx.proposal.uses_history
-    for w, (ids, tree), d in zip(walks, sched.groups, drafts, strict=True):
+    for w, (ids, tree, *_), d in zip(walks, sched.groups, drafts, strict=True):
         tt = ctx.tables(tree)
         x = x.index_put((ids,), w.x)
         committed = committed.index_put((ids,), w.committed)
@@ -818,15 +875,17 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
                     state.draft_calls + draft_calls + sum(w.draft_calls for w in walks))
 
 
-def run_round(ctx: RunContext, state: RunState) -> RunState:
-    """One round: schedule, draft, evaluate (one target call), walk, commit."""
+def run_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
+    """One round: schedule, draft, evaluate (one target call), walk, commit; ``None`` once all have finished."""
     clock, ph = time.perf_counter, ctx.phase_seconds
     t0 = clock()
     sched = schedule(ctx, state)
+    if sched is None:
+        return None
     t1 = clock()
     drafts, calls = [], 0
-    for ids, tree in sched.groups:
-        d, n = draft(ctx, state, ids, tree)
+    for ids, tree, Ls, Lr, rows in sched.groups:
+        d, n = draft(ctx, state, ids, tree, Ls, Lr, rows)
         drafts.append(d)
         calls += n
     t2 = clock()

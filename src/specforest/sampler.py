@@ -350,7 +350,7 @@ def sample(
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     keys = _sample_keys(generator, seed, sample_index, B, dev)
     cond = _check_cond(cond, B, dev)
-    target = engine.Target(model, shape, work, max_rows, cond, model_kwargs or {})
+    target = engine.Target(model, shape, work, max_rows, cond, model_kwargs or {}, dev)
     T = sde.steps
     ctx = engine.RunContext(
         tab=sde.tables(dev, work), tab64=sde.tables(dev, torch.float64), T=T, coupling=cp, proposal=proposal,
@@ -361,15 +361,20 @@ def sample(
     L = fixed.L if fixed is not None else (min(policy.max_depth, T) if policy is not None else 0)
     if policy is not None:
         L = max(L, policy.initial.L)
+    if fixed is not None:
+        ctx.tables(fixed)  # the tree's device tables, made once before the rounds
     state = engine.init_state(ctx, x.reshape(B, D).to(work, copy=True), L)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=T, unit="step", desc="sampling")
-    while bool((state.step < T).any()):
+    while True:
         prev = state.step
-        state = engine.run_round(ctx, state)
+        nxt = engine.run_round(ctx, state)
+        if nxt is None:
+            break
+        state = nxt
         if bar is not None:
             bar.n = int(state.step.min())
             bar.refresh()
@@ -379,6 +384,7 @@ def sample(
     if bar is not None:
         bar.close()
     xs = state.x
+    target.check_finite()
     if not torch.isfinite(xs).all():
         raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
     c = state.counters

@@ -1,0 +1,73 @@
+"""Host-device synchronizations per round: at most L + 2 in full mode (one schedule read,
+one per depth of the walk, one for the rejected walks), counted here on CPU.
+
+A synchronization is a host read of a tensor's values: ``item``/``bool`` (the
+``_local_scalar_dense`` op), ``nonzero`` (its output size depends on the data;
+``nonzero_static`` does not), and the engine's planned ``host_read``. The same
+counter sees a coupling that adds one.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import specforest
+from specforest import engine, trees
+from specforest.couplings import GRS
+from specforest.models import GaussianMixture
+
+GMM = GaussianMixture.paper(dim=8, components=3, seed=0)
+X = torch.randn(6, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+class _Syncs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if name.startswith("_local_scalar_dense") or name.split(".")[0] == "nonzero":
+            self.count[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _syncs_per_round(monkeypatch, **kw):
+    """Synchronizations inside rounds (not the run's set-up and final checks), per round."""
+    spy, reads, rounds = _Syncs(), [], []
+    real_read, real_round = engine.host_read, engine.run_round
+
+    def counted_round(ctx, state):
+        rounds.append(1)
+        with spy:
+            return real_round(ctx, state)
+
+    monkeypatch.setattr(engine, "host_read", lambda t: reads.append(1) or real_read(t))
+    monkeypatch.setattr(engine, "run_round", counted_round)
+    specforest.sample(GMM, X, steps=20, churn=0.4, seed=0, **kw)
+    return (sum(spy.count.values()) + len(reads)) / len(rounds), spy.count
+
+
+@pytest.mark.parametrize("tree,coupling", [(trees.uniform(2, 3), "grs"), (trees.chain(5), "rmc"),
+                                           (trees.widths([3, 2, 1]), "grs")])
+def test_at_most_L_plus_2_synchronizations_per_round(monkeypatch, tree, coupling):
+    per_round, seen = _syncs_per_round(monkeypatch, tree=tree, coupling=coupling)
+    assert per_round <= tree.L + 2, (per_round, seen)
+
+
+def test_standard_sampler_synchronizes_never_inside_a_round(monkeypatch):
+    per_round, seen = _syncs_per_round(monkeypatch, tree=None)
+    assert per_round == 0, seen
+
+
+def test_the_counter_sees_an_extra_synchronization(monkeypatch):
+    class Chatty(GRS):
+        def select(self, s_hat, delta, valid, rng):
+            for _ in range(8):
+                float(delta.sum())  # a host read per call: what the budget forbids
+            return super().select(s_hat, delta, valid, rng)
+
+    per_round, _ = _syncs_per_round(monkeypatch, tree=trees.uniform(2, 3), coupling=Chatty())
+    assert per_round > 3 + 2
