@@ -369,7 +369,11 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         ctx.target.raise_not_finite()
     if n_active == 0:
         return None
-    ids1 = torch.nonzero_static(single, size=n1)[:, 0]
+    # (nonzero_static is slow for an empty result: skip it)
+    ids1 = torch.nonzero_static(single, size=n1)[:, 0] if n1 else ctx.rows_all[:0]
+    if ns == len(ctx.rows_all):
+        # every trajectory speculates (one image, or a batch in step): no row selection at all
+        return Schedule(ids1, ctx.no_fetch[:0], [(ctx.rows_all, ctx.tree, Ls, Lr, rows)], active, n_fetch=nf)
     ids = torch.nonzero_static(spec, size=ns)[:, 0]
     groups = [(ids, ctx.tree, Ls[ids], Lr, rows)] if ns else []
     return Schedule(ids1, fetch[ids1], groups, active, n_fetch=nf)
@@ -461,10 +465,15 @@ def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree, 
     """
     tt = ctx.tables(tree)
     T, tab = ctx.T, ctx.tab
-    s0 = state.step[ids]
+    everyone = ids is ctx.rows_all
+    if everyone:
+        s0, pre, x0 = state.step, state.pre, state.x
+        keys = ctx.step_keys.gather(1, s0[:, None])
+    else:
+        s0, pre, x0 = state.step[ids], state.pre.take(ids, history=ctx.proposal.uses_history), state.x[ids]
+        keys = ctx.step_keys[ids, s0][:, None]
     Vr = tt.size_at(Lr)
-    keys = streams._mix_(ctx.step_keys[ids, s0][:, None] ^ tt.code[None, :Vr])
-    pre = state.pre.take(ids, history=ctx.proposal.uses_history)
+    keys = streams._mix_(keys ^ tt.code[None, :Vr])
     if ctx.lazy:
         return Draft(tt, ids, s0, Ls, Lr, keys, pre), 0
     Bs, D = ids.numel(), state.x.shape[1]
@@ -475,7 +484,7 @@ def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree, 
     # every drafted node's noise times its transition scale, in one op (the lazy walk does the same per node)
     SZ = tab.scale[(s0[:, None] + tt.step_of[None, 1:Vr]).clamp(max=T - 1)][..., None] * Z
     Y = torch.empty(Bs, Vr, D, dtype=ctx.work, device=ctx.device)
-    Y[:, 0] = state.x[ids]
+    Y[:, 0] = x0
     Mp = torch.empty(Bs, Vi, D, dtype=ctx.work, device=ctx.device)
     steps = (s0[:, None] + torch.arange(Lr, device=ctx.device)).clamp(max=T - 1)  # (Bs, Lr) parents' steps
     prop = ctx.proposal
@@ -522,9 +531,10 @@ class Evaluations:
 def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) -> Evaluations:
     """One batched target call for every row of the round (phase 3)."""
     ids1 = sched.single
+    xs, sig, traj = [], [], []
     if sched.everyone:
         xs, sig, traj = [state.x], [ctx.tab.sig.take(state.step)], [ids1]
-    else:
+    elif ids1.numel():
         xs, sig, traj = [state.x[ids1]], [ctx.tab.sig[state.step[ids1]]], [ids1]
     sizes = []
     for d in drafts:
@@ -535,9 +545,10 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
         sizes.append(xs[-1].shape[0])
         sig.append(ctx.tab.sig[(d.s0[b] + d.tt.depth[u]).clamp(max=ctx.T - 1)])
         traj.append(d.ids[b])
-    if len(xs) == 1 and ids1.numel() == 0:
+    if not xs:
         return Evaluations(state.x[:0], [None] * len(drafts))
-    v = ctx.target(torch.cat(xs), torch.cat(sig), torch.cat(traj)) if len(xs) > 1 else ctx.target(xs[0], sig[0], traj[0])
+    cat = (lambda t: torch.cat(t)) if len(xs) > 1 else (lambda t: t[0])  # noqa: E731
+    v = ctx.target(cat(xs), cat(sig), cat(traj))
     n1 = ids1.numel()
     out, start, sizes = [], n1, iter(sizes)
     for d in drafts:
@@ -852,9 +863,13 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
     hist = ctx.proposal.uses_history
     for w, (ids, tree, *_), d in zip(walks, sched.groups, drafts, strict=True):
         tt = ctx.tables(tree)
-        x = x.index_put((ids,), w.x)
-        committed = committed.index_put((ids,), w.committed)
-        pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True, history=hist)
+        if ids is ctx.rows_all:
+            x, committed = w.x, w.committed
+            pre = pre.replaced(w.pre_y, w.pre_v, w.pre_step, history=hist)
+        else:
+            x = x.index_put((ids,), w.x)
+            committed = committed.index_put((ids,), w.committed)
+            pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True, history=hist)
         Lw = w.act.shape[1]
         cols = ctx.depth_cols[:Lw]
         per_depth = per_depth.index_put((ids[:, None], cols[None]), torch.stack(

@@ -83,6 +83,13 @@ class Prefetch:
         return Prefetch(self.y[idx], self.v[idx], self.step[idx], self.prev_y, self.prev_v, self.prev_step,
                         self.has_prev, self.valid[idx])
 
+    def replaced(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, history: bool = True) -> "Prefetch":
+        """Every row replaced by a new evaluation, the old one kept as ``prev`` (``with_rows`` of all rows)."""
+        valid = torch.ones_like(self.valid)
+        if not history:
+            return replace(self, y=y, v=v, step=step, valid=valid)
+        return Prefetch(y, v, step, self.y, self.v, self.step, self.valid, valid)
+
     def with_rows(self, idx: torch.Tensor, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
                   keep_prev: bool, history: bool = True) -> "Prefetch":
         """A new prefetch with rows ``idx`` replaced by an evaluation; the old one becomes ``prev`` if
