@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from battery import run_battery
 from scipy import integrate
 from scipy import stats as sps
 
@@ -20,6 +19,7 @@ from specforest.couplings import (
     sample_grs_residual,
 )
 from specforest.rank_rules import log_rule_pdf, n_cells, table_rule
+from specforest.testing import run_case as run_battery
 
 DELTAS = [0.0, 1e-6, 0.5, 1.0, 2.0, 4.0, 8.0]
 DIMS = [1, 3, 64]
