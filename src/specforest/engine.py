@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -57,93 +57,15 @@ from . import streams
 from .couplings import Coupling, project
 from .proposals import Prefetch, Proposal
 from .sde import StepTables
+from .target import Target
 from .trees import DraftTree, TreePolicy
 
-__all__ = ["Counters", "RunContext", "RunState", "Target", "init_state", "run_round"]
+__all__ = ["PHASES", "Counters", "RunContext", "RunState", "host_read", "init_state", "run_round"]
 
 PREFETCH_POLICIES = ("nearest", "parent")
 PHASES = ("schedule", "draft", "evaluate", "walk", "commit")
 """The phases of a round, as timed in ``SampleStats.phase_seconds`` (``evaluate`` excludes the
 target call itself, which is ``target_seconds``). Host wall time: on CUDA, kernel launch time."""
-
-
-# -- the target ------------------------------------------------------------------------------
-
-
-class Target:
-    """The user's velocity with shape/dtype checks, per-trajectory conditioning and timing.
-
-    Args:
-        fn: ``v(x (M, *shape), sigma (M,), **cond, **model_kwargs) -> (M, *shape)``.
-        shape: per-sample state shape.
-        dtype: the coupling arithmetic's dtype (outputs are cast to it).
-        max_rows: split each call into sub-batches of at most this many rows.
-        cond: per-trajectory conditioning, tensors ``(B, ...)``: each call gets
-            the rows of the trajectories its states belong to.
-        model_kwargs: passed to every call as they are.
-    """
-
-    def __init__(self, fn: Callable, shape: tuple, dtype: torch.dtype, max_rows: Optional[int],
-                 cond: dict, model_kwargs: dict, device: "torch.device | str" = "cpu") -> None:
-        self.fn, self.shape, self.dtype, self.max_rows = fn, shape, dtype, max_rows
-        self.cond, self.kwargs = cond, model_kwargs
-        self.seconds = 0.0
-        self.calls = 0
-        self._events: list = []
-        self.bad = torch.zeros((), dtype=torch.bool, device=device)  # some output was NaN or inf
-
-    def cond_rows(self, traj: torch.Tensor) -> dict:
-        """The conditioning of trajectories ``traj (n,)``."""
-        return {k: v[traj] for k, v in self.cond.items()}
-
-    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
-        """Velocities ``(M, D)`` at flattened states ``x (M, D)``, noise levels ``(M,)``, trajectories ``(M,)``."""
-        M, D = x.shape
-        chunk = self.max_rows or M
-        cuda = x.device.type == "cuda"
-        outs = []
-        for i in range(0, M, chunk):
-            xi = x[i : i + chunk].reshape(-1, *self.shape)
-            si = sigma[i : i + chunk].to(x.dtype)
-            rows = {k: v[traj[i : i + chunk]] for k, v in self.cond.items()}
-            # only the network call itself is timed: the rest is the sampler's own time
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            out = self.fn(xi, si, **self.kwargs, **rows)
-            if cuda:
-                end.record()
-                self._events.append((start, end))
-            else:
-                self.seconds += time.perf_counter() - t0
-            if not isinstance(out, torch.Tensor) or out.shape != xi.shape:
-                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(f"model must return a tensor of the input's shape {tuple(xi.shape)}, got {got}")
-            outs.append(out.reshape(-1, D).to(self.dtype))
-        v = torch.cat(outs) if len(outs) > 1 else outs[0]
-        self.calls += 1
-        # checked at the round's one host read (``check_finite``): NaN or inf never passes silently
-        self.bad = self.bad | ~torch.isfinite(v).all()
-        return v
-
-    def check_finite(self) -> None:
-        """Raise if any call so far returned NaN or inf (a host read)."""
-        if bool(self.bad):
-            self.raise_not_finite()
-
-    def raise_not_finite(self) -> None:
-        raise FloatingPointError(
-            f"model returned NaN or inf (within its first {self.calls} calls); refusing to continue"
-        )
-
-    def total_seconds(self) -> float:
-        """Time inside target calls so far (on CUDA from events, read once here)."""
-        if self._events:
-            torch.cuda.synchronize()
-            self.seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
-            self._events = []
-        return self.seconds
 
 
 # -- the run ---------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from .couplings import Coupling, get_coupling
 from .engine import PREFETCH_POLICIES
 from .proposals import Proposal, get_proposal
 from .sde import ReverseSDE, flow_match_grid, uniform_grid
+from .target import Target
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 
 __all__ = ["PREFETCH_POLICIES", "SampleResult", "SampleStats", "sample", "standard_sample"]
@@ -235,6 +236,13 @@ def sample(
     run), see :mod:`specforest.streams`. Sample ``i`` is therefore the same
     whatever the batch it runs in, the order of the samples, ``max_rows`` and
     ``lazy`` (bitwise when the model's own results do not depend on its batch).
+    ``draft="auto"`` and adaptive trees learn from the whole batch, so with
+    them a sample depends on its batch companions (its law does not).
+
+    Host-device synchronizations: at most ``L + 2`` per full-mode round (one
+    read of the round's sizes, one per depth of the walk, one for the rejected
+    walks), none in the standard sampler; the list, and the options that add
+    some, is in :mod:`specforest.engine`.
 
     Args:
         model: the target velocity ``v(x, sigma, **cond, **model_kwargs)`` on the
@@ -350,7 +358,7 @@ def sample(
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     keys = _sample_keys(generator, seed, sample_index, B, dev)
     cond = _check_cond(cond, B, dev)
-    target = engine.Target(model, shape, work, max_rows, cond, model_kwargs or {}, dev)
+    target = Target(model, shape, work, max_rows, cond, model_kwargs or {}, dev)
     T = sde.steps
     ctx = engine.RunContext(
         tab=sde.tables(dev, work), tab64=sde.tables(dev, torch.float64), T=T, coupling=cp, proposal=proposal,
