@@ -142,3 +142,18 @@ def test_adaptive_tree_replans_within_budget_and_validates():
                                     "--steps", "10", "--trajectories", "10", "--lazy", "--json", "--no-progress"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["tree"] == "adaptive"
+
+
+def test_plan_tree_takes_the_calibration_rows_of_cond():
+    from specforest.planning import plan_tree
+
+    gmm = GaussianMixture.paper(dim=5, components=2, seed=0)
+    seen = []
+
+    def model(x, sigma, label):
+        seen.append(label.shape[0] == x.shape[0])
+        return gmm(x, sigma)
+
+    x = torch.randn(40, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tree = plan_tree(model, x, budget=12, steps=12, churn=0.4, cond={"label": torch.arange(40)}, seed=3)
+    assert tree.budget <= 12 and seen and all(seen)

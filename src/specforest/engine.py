@@ -63,6 +63,20 @@ from .trees import DraftTree, TreePolicy
 __all__ = ["PHASES", "Counters", "RunContext", "RunState", "host_read", "init_state", "run_round"]
 
 PREFETCH_POLICIES = ("nearest", "parent")
+"""Which evaluation of a round the next round's draft reuses after a rejection.
+
+``parent``: the node whose children were rejected (one step before the new
+state). ``nearest``: among the evaluated nodes at the new state's own step that
+were drafted from the same parent (its siblings), the one nearest (Euclidean)
+to it; after a reflection that is the rejected child itself. Restricting to
+siblings keeps the lazy cost simulation exact; on the paper's Gaussian mixture
+((3,3) and (5,3) trees, 400 trajectories) the nearest evaluated node of the
+whole layer was a sibling in every round (identical NFE with either rule).
+Both fall back to the parent when no sibling was evaluated. After a fully
+accepted round both use the committed node's own evaluation when it exists
+(``verify="drafted"``), else its parent's.
+"""
+
 PHASES = ("schedule", "draft", "evaluate", "walk", "commit")
 """The phases of a round, as timed in ``SampleStats.phase_seconds`` (``evaluate`` excludes the
 target call itself, which is ``target_seconds``). Host wall time: on CUDA, kernel launch time."""

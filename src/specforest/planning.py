@@ -93,14 +93,20 @@ def plan_tree(
         coupling: the coupling the planned tree will be verified with.
         generator: randomness of the calibration run (independent of the real run).
         sample_kwargs: further options of :func:`specforest.sample` (grid, draft,
-            prefetch, verify, model_kwargs, ...), used as in the real run.
+            prefetch, verify, cond, model_kwargs, ...), used as in the real run
+            (``cond`` rows are taken for the calibration trajectories).
 
     Returns:
         The :func:`specforest.trees.optimal` tree with at most ``budget`` drafted states.
     """
     depth = min(budget, steps)
+    cond = sample_kwargs.pop("cond", None)
+    if cond is not None:
+        if not isinstance(cond, dict):
+            raise TypeError(f"cond must be a dict of tensors with one row per trajectory, got {type(cond).__name__}")
+        cond = {k: v[:calibration_trajectories] for k, v in cond.items()}
     cal = sample(
-        model, x[:calibration_trajectories], steps=steps, churn=churn, tree=chain(depth), coupling="grs",
+        model, x[:calibration_trajectories], steps=steps, churn=churn, tree=chain(depth), coupling="grs", cond=cond,
         lazy=True, record_deltas=True, generator=generator, **sample_kwargs,
     )
     acc = acceptance_model(cal.stats.deltas[:, [0, 2]], coupling, kmax)

@@ -40,19 +40,6 @@ from .trees import VERIFY_MODES, DraftTree, TreePolicy
 
 __all__ = ["PREFETCH_POLICIES", "SampleResult", "SampleStats", "sample", "standard_sample"]
 
-PREFETCH_DOC = """Which evaluation of a round the next round's draft reuses after a rejection.
-
-``parent``: the node whose children were rejected (one step before the new
-state). ``nearest``: among the evaluated nodes at the new state's own step that
-were drafted from the same parent (its siblings), the one nearest (Euclidean)
-to it; after a reflection that is the rejected child itself. Restricting to
-siblings keeps the lazy cost simulation exact; on the paper's Gaussian mixture
-((3,3) and (5,3) trees, 400 trajectories) the nearest evaluated node of the
-whole layer was a sibling in every round (identical NFE with either rule).
-Both fall back to the parent when no sibling was evaluated. After a fully accepted round both use the committed node's own
-evaluation when it exists (``verify="drafted"``), else its parent's.
-"""
-
 GRIDS = ("flow_match", "uniform")
 
 VelocityFn = Callable[..., torch.Tensor]
@@ -264,7 +251,7 @@ def sample(
         draft: a registered draft name (``velocity``, ``drift``, ``x0``, ``eps``,
             ``x0_extrap``, ``auto``), a :class:`~specforest.proposals.Proposal`,
             or a draft-model callable.
-        prefetch: ``nearest`` or ``parent``, see :data:`PREFETCH_DOC`.
+        prefetch: ``nearest`` or ``parent``, see :data:`specforest.engine.PREFETCH_POLICIES`.
         verify: ``internal`` (evaluate root and internal nodes) or ``drafted``
             (every node, leaves included).
         generator: the run's seed is one draw from it (so a given generator
