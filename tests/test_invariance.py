@@ -31,6 +31,7 @@ CONFIGS = {
     "grs_irregular_x0": dict(tree=trees.from_parents([-1, 0, 0, 0, 1, 1, 4, 2]), draft="x0"),
     "rank_tree": dict(tree=trees.uniform(3, 2), coupling="rank"),
     "antithetic": dict(tree=trees.uniform(2, 3), coupling="antithetic"),
+    "antithetic_pruned": dict(tree=trees.from_parents([-1, 0, 0, 1, 1, 3, 3]), coupling="antithetic"),
     "x0_extrap_drift": dict(tree=trees.widths([3, 2, 1]), draft="x0_extrap"),
     "draft_model": dict(tree=trees.uniform(2, 2), draft=lambda x, s: 0.9 * GMM(x, s)),
 }

@@ -57,6 +57,8 @@ CONFIGS = {
     "auto_draft_lazy_chain": dict(tree=trees.chain(6), coupling="rmc", draft="auto", lazy=True),
     "antithetic_lazy_drafted": dict(tree=trees.uniform(2, 4), coupling="antithetic", lazy=True, verify="drafted"),
     "antithetic_pairs_k4": dict(tree=trees.uniform(4, 2), coupling="antithetic"),
+    # pruned: a leaf beside an internal node at depth 1 (pairs complete wherever there are children)
+    "antithetic_pruned": dict(tree=trees.from_parents([-1, 0, 0, 1, 1, 3, 3]), coupling="antithetic"),
     "antithetic_pairs_k4_lazy_parent": dict(tree=trees.uniform(4, 3), coupling="antithetic", lazy=True,
                                             prefetch="parent", draft="x0"),
 }

@@ -95,7 +95,7 @@ class TreeTables:
     children: torch.Tensor  # (V, K_max), -1 padded
     internal: torch.Tensor  # (V,) bool
     code: torch.Tensor  # (V,) int64: mixed node ids, folded into the round's key
-    valid: torch.Tensor  # (V, K_max) bool: real children (a childless node gets a dummy first one)
+    valid: torch.Tensor  # (V, K_max) bool: real children (a leaf gets a full row of dummy ones)
     layers: tuple  # per depth l: (start, stop, k) with k the common number of children or 0 if mixed
     rows_at: torch.Tensor  # (L + 1,) rows a round with lookahead m evaluates
     eval_at: torch.Tensor  # (L + 1, V) bool: the nodes a round with lookahead m evaluates
@@ -115,8 +115,9 @@ class TreeTables:
         ev = (d < m[:, None]) & tree.internal[None, :] if verify == "internal" else d <= m[:, None]
         code = streams.mix(torch.arange(tree.size, dtype=torch.int64) * 2 + 1)
         valid = tree.children >= 0
-        # a node without children (a leaf) is never verified: a dummy child keeps its junk problem well-formed
-        valid[:, 0] = True
+        # a node without children (a leaf) is never verified, but the full round decides every node
+        # at once: a full row of dummy children keeps its junk problem well-formed for any rule
+        valid[tree.num_children == 0] = True
         to = lambda t: t.to(device)  # noqa: E731
         return cls(tree, to(tree.parent), to(tree.depth), to(tree.children), to(tree.internal), to(code),
                    to(valid), tuple(layers), to(ev.sum(1)), to(ev), to((d < m[:, None]) & tree.internal[None, :]),
@@ -372,24 +373,17 @@ class Draft:
     emask: Optional[torch.Tensor] = None
 
 
-def _structure(ctx: RunContext, tt: TreeTables, Z: torch.Tensor, Lr: int) -> torch.Tensor:
-    """Apply the coupling's sibling structure to the noise ``Z (Bs, V_r - 1, D)`` of each node's children."""
-    Bs, _, D = Z.shape
-    parts = []
-    for level in range(1, Lr + 1):
-        p0, p1, k = tt.layers[level - 1]
-        c0, c1, _ = tt.layers[level]
-        z = Z[:, c0 - 1 : c1 - 1]
-        parts.append(ctx.coupling.structure_noise(z.reshape(-1, k, D)).reshape(z.shape))
-    return torch.cat(parts, 1)
+def _sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
+    """Standard noise ``(..., n, D)`` of nodes with keys ``(..., n)``, ``n`` a multiple of ``K``.
 
-
-def _child_noise(ctx: RunContext, keys: torch.Tensor, k: int, D: int) -> torch.Tensor:
-    """Standard noise ``(..., k, D)`` of ``k`` siblings with node keys ``(..., k)``, structured if the coupling says so."""
+    The nodes come in blocks of ``K`` siblings (every internal node of a tree a
+    coupling with structured siblings accepts has ``K`` children, stored
+    together), so the coupling's sibling structure applies block by block; the
+    full tree and the lazy walk both draw through here.
+    """
     z = streams.normal(keys, D, ctx.work, streams.TAG_DRAFT)
     if ctx.coupling.structured_siblings:
-        lead = z.shape[:-2]
-        z = ctx.coupling.structure_noise(z.reshape(-1, k, D)).reshape(*lead, k, D)
+        z = ctx.coupling.structure_noise(z.reshape(-1, K, D)).reshape(z.shape)
     return z
 
 
@@ -414,9 +408,7 @@ def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree, 
         return Draft(tt, ids, s0, Ls, Lr, keys, pre), 0
     Bs, D = ids.numel(), state.x.shape[1]
     Vi = tt.size_at(Lr - 1)
-    Z = streams.normal(keys[:, 1:], D, ctx.work, streams.TAG_DRAFT)  # (Bs, Vr - 1, D): nodes 1..Vr-1
-    if ctx.coupling.structured_siblings:
-        Z = _structure(ctx, tt, Z, Lr)
+    Z = _sibling_noise(ctx, keys[:, 1:], tt.children.shape[1], D)  # (Bs, Vr - 1, D): nodes 1..Vr-1
     # every drafted node's noise times its transition scale, in one op (the lazy walk does the same per node)
     SZ = tab.scale[(s0[:, None] + tt.step_of[None, 1:Vr]).clamp(max=T - 1)][..., None] * Z
     Y = torch.empty(Bs, Vr, D, dtype=ctx.work, device=ctx.device)
@@ -636,7 +628,7 @@ class OnDemand:
         ch = tt.children[u]  # (P, K)
         K = ch.shape[1]
         keys = d.keys[a[:, None], ch.clamp(min=0)]
-        zk = _child_noise(ctx, keys, K, yu.shape[1])
+        zk = _sibling_noise(ctx, keys, K, yu.shape[1])
         kids = mu_p[:, None] + ctx.tab.scale[sa][:, None, None] * zk
         scale = ctx.tab64.scale[sa]
         ckeys = d.keys[a, u]
