@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from .rank_rules import cell_of, log_rule_pdf, n_cells, rule_acceptance, table_acceptance, table_rule
+from .registry import Registry
 from .residuals import log_sf, sample_grs_residual, tail_mass
 from .streams import Stream
 
@@ -198,15 +199,31 @@ class Coupling:
         z = (children.to(work) - mu_p[:, None]) / s64.to(work)[:, None, None]
         s_hat, delta, e = project(z, mu_q.to(work) - mu_p, s64)
         accepted, index = self.select(s_hat, delta, valid, rng)
-        rows = torch.arange(P, device=children.device)
-        s_chosen = s_hat[rows, index]
-        s_new = s_chosen.clone()
+        children = children.to(work)
+        state = children[torch.arange(P, device=children.device), index]
         rej = (~accepted).nonzero()[:, 0]
         if rej.numel():
-            s_new[rej] = self.residual(s_hat[rej], delta[rej], valid[rej], index[rej], rng.take(rej))
-        shift = ((s_new - s_chosen) * s64).to(work)
-        state = children.to(work)[rows, index] + shift[:, None] * e
+            state[rej] = self.rejected_state(s_hat[rej], delta[rej], valid[rej], index[rej], rng.take(rej),
+                                             children[rej], s64[rej], e[rej])
         return CouplingResult(state, accepted, torch.where(accepted, index, -1), delta)
+
+    def rejected_state(
+        self, s_hat: torch.Tensor, delta: torch.Tensor, valid: torch.Tensor, index: torch.Tensor, rng: Stream,
+        children: torch.Tensor, scale: torch.Tensor, e: torch.Tensor,
+    ) -> torch.Tensor:
+        """The target states ``(P, D)`` of rejected problems (eq. 15): the kept child ``index``
+        with its projection replaced by the :meth:`residual` draw, along ``e``.
+
+        Args:
+            s_hat, delta, valid, index, rng: as for :meth:`residual`.
+            children: ``(P, K, D)`` the problems' children.
+            scale: ``(P,)`` float64 transition std.
+            e: ``(P, D)`` unit mean displacement (``children``' dtype).
+        """
+        rows = torch.arange(s_hat.shape[0], device=s_hat.device)
+        s_new = self.residual(s_hat, delta, valid, index, rng)
+        shift = ((s_new - s_hat[rows, index]) * scale).to(children.dtype)
+        return torch.addcmul(children[rows, index], shift[:, None], e)
 
     def select(
         self, s_hat: torch.Tensor, delta: torch.Tensor, valid: torch.Tensor, rng: Stream
@@ -581,9 +598,9 @@ class AntitheticCoupling(_SelectThenCouple):
         return table_acceptance(d.reshape(-1), int(K) // 2, "halfnormal").reshape(d.shape)
 
 
-_COUPLINGS: dict[str, Callable[[], Coupling]] = {
+_COUPLINGS: Registry[Coupling] = Registry("coupling", {
     "rmc": RMC, "grs": GRS, "dgrs": GRS, "rank": RankCoupling, "antithetic": AntitheticCoupling,
-}
+}, case_insensitive=True)
 
 
 def register_coupling(name: str, factory: Callable[[], Coupling], *, replace: bool = False) -> None:
@@ -598,18 +615,12 @@ def register_coupling(name: str, factory: Callable[[], Coupling], *, replace: bo
         ValueError: if ``name`` is taken and ``replace`` is False.
         TypeError: if ``factory`` is not callable.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty str, got {name!r}")
-    if not callable(factory):
-        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
-    if name.lower() in _COUPLINGS and not replace:
-        raise ValueError(f"coupling {name!r} is already registered; pass replace=True to override it")
-    _COUPLINGS[name.lower()] = factory
+    _COUPLINGS.register(name, factory, replace=replace)
 
 
 def available_couplings() -> list[str]:
     """The registered coupling names."""
-    return sorted(_COUPLINGS)
+    return sorted(_COUPLINGS.names())
 
 
 def get_coupling(coupling: "str | Coupling") -> Coupling:
@@ -617,8 +628,8 @@ def get_coupling(coupling: "str | Coupling") -> Coupling:
     added by :func:`register_coupling`) or pass an instance through."""
     if isinstance(coupling, Coupling):
         return coupling
-    if isinstance(coupling, str) and coupling.lower() in _COUPLINGS:
-        cp = _COUPLINGS[coupling.lower()]()
+    if coupling in _COUPLINGS:
+        cp = _COUPLINGS.make(coupling)
         if not isinstance(cp, Coupling):
             raise TypeError(f"the factory registered for {coupling!r} returned {type(cp).__name__}, not a Coupling")
         return cp

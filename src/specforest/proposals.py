@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .registry import Registry
 from .sde import StepTables
 
 __all__ = [
@@ -353,8 +354,9 @@ class AutoDraft(Proposal):
         return "AutoDraft()"
 
 
-_DRAFTS: dict[str, Callable[[], Proposal]] = {k: (lambda k=k: FrozenPrediction(k)) for k in FROZEN_KINDS}
-_DRAFTS["auto"] = AutoDraft
+_DRAFTS: Registry[Proposal] = Registry(
+    "draft", {**{k: (lambda k=k: FrozenPrediction(k)) for k in FROZEN_KINDS}, "auto": AutoDraft}
+)
 
 
 def register_draft(name: str, factory: Callable[[], Proposal], *, replace: bool = False) -> None:
@@ -364,18 +366,12 @@ def register_draft(name: str, factory: Callable[[], Proposal], *, replace: bool 
         ValueError: if ``name`` is taken and ``replace`` is False.
         TypeError: if ``factory`` is not callable.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty str, got {name!r}")
-    if not callable(factory):
-        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
-    if name in _DRAFTS and not replace:
-        raise ValueError(f"draft {name!r} is already registered; pass replace=True to override it")
-    _DRAFTS[name] = factory
+    _DRAFTS.register(name, factory, replace=replace)
 
 
 def available_drafts() -> tuple[str, ...]:
     """The registered draft names."""
-    return tuple(_DRAFTS)
+    return tuple(_DRAFTS.names())
 
 
 def get_proposal(draft: "str | Proposal | VelocityFn") -> Proposal:
@@ -388,7 +384,7 @@ def get_proposal(draft: "str | Proposal | VelocityFn") -> Proposal:
     if isinstance(draft, str):
         if draft not in _DRAFTS:
             raise ValueError(f"draft must be one of {available_drafts()}, a Proposal or a callable, got {draft!r}")
-        return _DRAFTS[draft]()
+        return _DRAFTS.make(draft)
     if callable(draft):
         return DraftModel(draft)
     raise TypeError(f"draft must be one of {available_drafts()}, a Proposal or a callable, got {draft!r}")
