@@ -110,9 +110,11 @@ class TreeTables:
             sl = tree.layer(level)
             k = tree.num_children[sl]
             layers.append((sl.start, sl.stop, int(k[0]) if bool((k == k[0]).all()) else 0))
-        m = torch.arange(tree.L + 1)
+        m = torch.arange(tree.L + 1)[:, None]
         d = tree.depth[None, :]
-        ev = (d < m[:, None]) & tree.internal[None, :] if verify == "internal" else d <= m[:, None]
+        # with lookahead m: the nodes whose children are verified, and the nodes the target evaluates
+        verified = (d < m) & tree.internal[None, :]
+        ev = verified if verify == "internal" else d <= m
         code = streams.mix(torch.arange(tree.size, dtype=torch.int64) * 2 + 1)
         valid = tree.children >= 0
         # a node without children (a leaf) is never verified, but the full round decides every node
@@ -120,8 +122,8 @@ class TreeTables:
         valid[tree.num_children == 0] = True
         to = lambda t: t.to(device)  # noqa: E731
         return cls(tree, to(tree.parent), to(tree.depth), to(tree.children), to(tree.internal), to(code),
-                   to(valid), tuple(layers), to(ev.sum(1)), to(ev), to((d < m[:, None]) & tree.internal[None, :]),
-                   to((tree.depth - 1).clamp(min=0)), tree.L)
+                   to(valid), tuple(layers), to(ev.sum(1)), to(ev), to(verified), to((tree.depth - 1).clamp(min=0)),
+                   tree.L)
 
     def sizes(self, m: int) -> list:
         """Layer sizes of the tree truncated to depth ``m``."""
@@ -156,7 +158,6 @@ class RunContext:
     phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     depth_cols: torch.Tensor = None  # (L,) arange, made once
     one_row: torch.Tensor = None  # (1, 3) [0, 0, 1]: one evaluated row
-
     rows_all: torch.Tensor = None  # (B,) arange
     no_fetch: torch.Tensor = None  # (B,) False
     all_active: torch.Tensor = None  # (B,) True
@@ -245,7 +246,6 @@ def host_read(t: torch.Tensor) -> list:
     return t.tolist()
 
 
-
 @dataclass(frozen=True)
 class Schedule:
     """Who does what this round.
@@ -299,8 +299,9 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
     tt = ctx.tables(ctx.tree)
     s0 = step.clamp(max=T - 1)
     Ls = torch.where(spec, torch.clamp(ctx.tab.run_end[s0] - s0, max=tt.L), 0)
-    counts = host_read(torch.stack([active.sum(), single.sum(), spec.sum(), fetch.sum(), Ls.max(),
-                                    tt.rows_at[Ls].sum() - tt.rows_at[0] * (~spec).sum(), ctx.target.bad.long()]))
+    rows = torch.where(spec, tt.rows_at[Ls], 0).sum()
+    counts = host_read(torch.stack([active.sum(), single.sum(), spec.sum(), fetch.sum(), Ls.max(), rows,
+                                    ctx.target.bad.long()]))
     n_active, n1, ns, nf, Lr, rows, bad = counts
     if bad:
         ctx.target.raise_not_finite()
@@ -512,7 +513,7 @@ def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys):
     lead = valid.shape[:-1]
     acc, idx = ctx.coupling.select(s_hat.reshape(-1, K), delta.reshape(-1), valid.reshape(-1, K),
                                    streams.Stream(keys.reshape(-1), streams.SLOT_COUPLE))
-    return s_hat, delta, e, valid, acc.reshape(lead), idx.reshape(lead)
+    return s_hat, delta, e, acc.reshape(lead), idx.reshape(lead)
 
 
 class FullTree:
@@ -540,13 +541,14 @@ class FullTree:
             zk = d.Z[:, (ch.clamp(min=0) - 1).clamp(max=Vr - 2)]
         self.scale = ctx.tab64.scale_safe[steps]
         self.ckeys = d.keys[:, :Vi]
-        self.s_hat, self.delta, self.e, self.valid, acc, self.idx = _problem_inputs(
-            ctx, zk, d.Mp, self.mu_q, self.scale, tt.valid[None, :Vi].expand(Bs, Vi, K), self.ckeys)
+        self.valid = tt.valid[None, :Vi].expand(Bs, Vi, K)
+        self.s_hat, self.delta, self.e, acc, self.idx = _problem_inputs(
+            ctx, zk, d.Mp, self.mu_q, self.scale, self.valid, self.ckeys)
         # what a walk at each node does: go to the accepted child (>= 0), stop rejected (-2), or
         # stop because the node is not verified (-1: a leaf, or beyond the trajectory's lookahead)
         child = ch.expand(Bs, Vi, K).gather(2, self.idx[..., None])[..., 0]
         self.go = torch.where(tt.verify_at[d.Ls][:, :Vi], torch.where(acc, child, -2), -1)
-        self.rows = ctx.depth_cols[:Bs] if Bs <= ctx.depth_cols.numel() else torch.arange(Bs, device=ctx.device)
+        self.rows = ctx.rows_all[:Bs]
 
     def level(self, level: int, cur: torch.Tensor, alive: torch.Tensor) -> Optional[Level]:
         c = cur.clamp(max=self.go.shape[1] - 1)[:, None]
@@ -590,7 +592,7 @@ class OnDemand:
     def __init__(self, ctx: RunContext, d: Draft, state: RunState) -> None:
         self.ctx, self.d, self.draft_state = ctx, d, state.draft_state
         Bs, D = d.ids.numel(), state.x.shape[1]
-        self.rows = torch.arange(Bs, device=ctx.device)
+        self.rows = ctx.rows_all[:Bs]
         self.cur = torch.zeros(Bs, dtype=torch.long, device=ctx.device)
         self.cur_y = state.x[d.ids].clone()
         self.cur_v = torch.zeros_like(self.cur_y)
@@ -632,7 +634,8 @@ class OnDemand:
         kids = mu_p[:, None] + ctx.tab.scale[sa][:, None, None] * zk
         scale = ctx.tab64.scale[sa]
         ckeys = d.keys[a, u]
-        s_hat, delta, e, valid, acc, idx = _problem_inputs(ctx, zk, mu_p, mu_q, scale, tt.valid[u], ckeys)
+        valid = tt.valid[u]
+        s_hat, delta, e, acc, idx = _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, ckeys)
         self.kids[a], self.kid_nodes[a] = kids, ch
         # the last problem of each row: where a rejected walk stopped
         if self.prob is None:
@@ -684,9 +687,9 @@ class OnDemand:
 
 @dataclass(frozen=True)
 class WalkResult:
-    """One group's outcome: new states, commits, prefetch, statistics and observations."""
+    """One group's outcome (rows as in its :class:`Draft`): new states, commits, prefetch, statistics
+    and observations."""
 
-    ids: torch.Tensor
     x: torch.Tensor  # (Bs, D)
     committed: torch.Tensor  # (Bs,)
     pre_y: torch.Tensor
@@ -728,11 +731,8 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
     r = rejected.nonzero()[:, 0]
     if r.numel():
         s_hat, delta, valid, idx, ckeys, e, scale, kids = R.problem(r, rej_node[r])
-        s_new = ctx.coupling.residual(s_hat, delta, valid, idx, streams.Stream(ckeys, streams.SLOT_COUPLE))
-        ar = torch.arange(r.numel(), device=dev)
-        s_chosen = s_hat[ar, idx]
-        shift = ((s_new - s_chosen) * scale).to(ctx.work)
-        new_x = new_x.index_put((r,), torch.addcmul(kids[ar, idx], shift[:, None], e))
+        new_x = new_x.index_put((r,), ctx.coupling.rejected_state(
+            s_hat, delta, valid, idx, streams.Stream(ckeys, streams.SLOT_COUPLE), kids, scale, e))
 
     # -- prefetch: which evaluation the next round drafts from ----------------------------------
     own = ~rejected & tt.eval_at[d.Ls, cur]
@@ -752,7 +752,7 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
         rows = torch.arange(Bs, device=dev).repeat(len(obs))[act_o]
         steps = torch.cat([d.s0 + o[3] - 1 for o in obs])[act_o]
         observed = (torch.cat([o[1] for o in obs])[act_o], torch.cat([o[2] for o in obs])[act_o], steps, rows)
-    return WalkResult(d.ids, new_x, ncom, pre_y, pre_v, pre_step, act_t, acc_t, torch.stack(deltas, 1), observed,
+    return WalkResult(new_x, ncom, pre_y, pre_v, pre_step, act_t, acc_t, torch.stack(deltas, 1), observed,
                       getattr(R, "draft_calls", 0))
 
 
@@ -773,7 +773,9 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
         return replace(state, x=torch.addcmul(mean, ctx.tab.scale[step][:, None], noise), step=step + 1,
                        counters=counters, rounds=state.rounds + 1)
     committed = torch.zeros_like(step)
+    per_traj, per_depth, commits = c.per_traj, c.per_depth, c.commits
     if ids1.numel():
+        per_traj = per_traj.index_add(0, ids1, ctx.one_row.expand(ids1.numel(), 3))
         s1 = step[ids1]
         mean = ctx.tab.mean(x[ids1], ev.single, s1)
         move = ~sched.fetch
@@ -783,14 +785,11 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
             f = torch.nonzero_static(sched.fetch, size=sched.n_fetch)[:, 0]
             pre = pre.with_rows(ids1[f], state.x[ids1[f]], ev.single[f], s1[f], keep_prev=False,
                                 history=ctx.proposal.uses_history)
-    per_traj, per_depth, commits = c.per_traj, c.per_depth, c.commits
-    if ids1.numel():
-        per_traj = per_traj.index_add(0, ids1, ctx.one_row.expand(ids1.numel(), 3))
     records = state.records
     dstate = state.draft_state
     hist = ctx.proposal.uses_history
-    for w, (ids, tree, *_), d in zip(walks, sched.groups, drafts, strict=True):
-        tt = ctx.tables(tree)
+    for w, d in zip(walks, drafts, strict=True):
+        ids = d.ids
         if ids is ctx.rows_all:
             x, committed = w.x, w.committed
             pre = pre.replaced(w.pre_y, w.pre_v, w.pre_step, history=hist)
@@ -802,7 +801,7 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
         cols = ctx.depth_cols[:Lw]
         per_depth = per_depth.index_put((ids[:, None], cols[None]), torch.stack(
             [w.act.double(), w.acc.double(), torch.where(w.act, w.delta, 0.0)], -1), accumulate=True)
-        per_traj = per_traj.index_add(0, ids, torch.stack([torch.ones_like(ids), w.committed, tt.rows_at[d.Ls]], 1))
+        per_traj = per_traj.index_add(0, ids, torch.stack([torch.ones_like(ids), w.committed, d.tt.rows_at[d.Ls]], 1))
         commits = commits.index_put((ids, w.committed), torch.ones_like(ids), accumulate=True)
         if ctx.record or ctx.policy is not None:
             lv = (cols + 1).double()[None].expand(ids.numel(), Lw)

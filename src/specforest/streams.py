@@ -26,6 +26,7 @@ results may change in the last bits with its batch, and the samples follow it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -34,7 +35,6 @@ import torch
 
 __all__ = [
     "Stream",
-    "TAG_COUPLE",
     "TAG_DRAFT",
     "TAG_EXACT",
     "TAG_INIT",
@@ -66,8 +66,6 @@ TAG_EXACT = 2
 """The exact Euler-Maruyama transition of the standard sampler at a step."""
 TAG_DRAFT = 3
 """The noise of a drafted child (node of a round's tree)."""
-TAG_COUPLE = 4
-"""The coupling's draws at a verified node."""
 SLOT_COUPLE = 1 << 20
 """First slot of the coupling's draws under a node's key (its drafting noise is at :data:`TAG_DRAFT`)."""
 
@@ -84,18 +82,11 @@ def mix(z: torch.Tensor) -> torch.Tensor:
     return _mix_(z.clone())
 
 
-_CONST: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _consts(device: torch.device) -> tuple:
     """The mixer's shifts, masks and multipliers as 0-d tensors on ``device`` (cheaper than Python ints)."""
-    key = device
-    c = _CONST.get(key)
-    if c is None:
-        t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-        c = tuple((t(k), t(_MASK[k]), None if m is None else t(m)) for k, m in ((30, _M1), (27, _M2), (31, None)))
-        _CONST[key] = c
-    return c
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    return tuple((t(k), t(_MASK[k]), None if m is None else t(m)) for k, m in ((30, _M1), (27, _M2), (31, None)))
 
 
 def _mix_(z: torch.Tensor) -> torch.Tensor:
@@ -136,36 +127,18 @@ def fold(keys: torch.Tensor, data: "torch.Tensor | int") -> torch.Tensor:
     return _mix_(keys ^ d)
 
 
-_CONSTANTS: dict = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def _mixed_constant(data: int, device: torch.device) -> torch.Tensor:
     """``mix(data * golden + golden)`` as a 0-d tensor, cached (folds by a tag or slot are hot)."""
-    key = (data, device)
-    c = _CONSTANTS.get(key)
-    if c is None:
-        word = _signed(((data + 1) * 0x9E3779B97F4A7C15) % (1 << 64))
-        c = _mix_(torch.tensor(word, dtype=torch.int64, device=device))
-        if len(_CONSTANTS) > 4096:
-            _CONSTANTS.clear()
-        _CONSTANTS[key] = c
-    return c
+    word = _signed(((data + 1) * 0x9E3779B97F4A7C15) % (1 << 64))
+    return _mix_(torch.tensor(word, dtype=torch.int64, device=device))
 
 
-_COUNTERS: dict = {}
-
-
+@functools.lru_cache(maxsize=256)
 def _counters(n: int, slot: int, device: torch.device) -> torch.Tensor:
     """``(n,)`` mixed counters of the elements of draw ``slot``, cached per device (the hot path reuses them)."""
-    key = (n, slot, device)
-    c = _COUNTERS.get(key)
-    if c is None:
-        j = torch.arange(n, dtype=torch.int64, device=device)
-        c = _mix_(_mix_(j * _GOLDEN + _M2) ^ _mixed_constant(slot, device))
-        if len(_COUNTERS) > 256:
-            _COUNTERS.clear()
-        _COUNTERS[key] = c
-    return c
+    j = torch.arange(n, dtype=torch.int64, device=device)
+    return _mix_(_mix_(j * _GOLDEN + _M2) ^ _mixed_constant(slot, device))
 
 
 def _bits_to_unit(h: torch.Tensor) -> torch.Tensor:
