@@ -154,7 +154,7 @@ class RunContext:
     device: torch.device
     step_keys: torch.Tensor  # (B, T) int64: the key of each trajectory at each step
     record: bool
-    trees: dict
+    trees: dict = field(default_factory=dict)  # id(tree) -> TreeTables
     phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     depth_cols: torch.Tensor = None  # (L,) arange, made once
     one_row: torch.Tensor = None  # (1, 3) [0, 0, 1]: one evaluated row

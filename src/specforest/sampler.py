@@ -172,18 +172,16 @@ def _sample_keys(generator, seed, sample_index, B: int, device) -> torch.Tensor:
     return streams.sample_keys(seed, index.long())
 
 
-def _check_cond(cond, B: int, device) -> dict:
+def _check_cond(cond, B: int) -> dict:
     if cond is None:
         return {}
     if not isinstance(cond, dict):
         raise TypeError(f"cond must be a dict of tensors with one row per trajectory or None, got {type(cond).__name__}")
-    out = {}
     for k, v in cond.items():
         if not isinstance(v, torch.Tensor) or v.ndim < 1 or v.shape[0] != B:
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(f"cond[{k!r}] must be a tensor with one row per trajectory ({B}, ...), got {got}")
-        out[k] = v
-    return out
+    return dict(cond)
 
 
 @torch.no_grad()
@@ -344,14 +342,14 @@ def sample(
     dev = x.device
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     keys = _sample_keys(generator, seed, sample_index, B, dev)
-    cond = _check_cond(cond, B, dev)
+    cond = _check_cond(cond, B)
     target = Target(model, shape, work, max_rows, cond, model_kwargs or {}, dev)
     T = sde.steps
     ctx = engine.RunContext(
         tab=sde.tables(dev, work), tab64=sde.tables(dev, torch.float64), T=T, coupling=cp, proposal=proposal,
         target=target, verify=verify, prefetch=prefetch, lazy=lazy, tree=fixed, policy=policy, shape=shape,
         work=work, device=dev, step_keys=streams.fold(keys[:, None], torch.arange(T, device=dev)[None]),
-        record=record_deltas, trees={},
+        record=record_deltas,
     )
     L = fixed.L if fixed is not None else (min(policy.max_depth, T) if policy is not None else 0)
     if policy is not None:

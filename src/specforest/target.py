@@ -43,7 +43,8 @@ class Target:
 
     def cond_rows(self, traj: torch.Tensor) -> dict:
         """The conditioning of trajectories ``traj (n,)``."""
-        return {k: v[traj] for k, v in self.cond.items()}
+        # conditioning stays on its own device (labels on the CPU next to a CUDA model, say)
+        return {k: v[traj.to(v.device)] for k, v in self.cond.items()}
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
         """Velocities ``(M, D)`` at flattened states ``x (M, D)``, noise levels ``(M,)``, trajectories ``(M,)``."""
@@ -54,7 +55,7 @@ class Target:
         for i in range(0, M, chunk):
             xi = x[i : i + chunk].reshape(-1, *self.shape)
             si = sigma[i : i + chunk].to(x.dtype)
-            rows = {k: v[traj[i : i + chunk]] for k, v in self.cond.items()}
+            rows = self.cond_rows(traj[i : i + chunk])
             # only the network call itself is timed: the rest is the sampler's own time
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
