@@ -27,13 +27,7 @@ DIMS = [1, 3, 64]
 # Every coupling and the K it supports: a new coupling adds one line here and
 # inherits the whole battery.
 COUPLINGS = [(RMC, [1]), (GRS, [1, 2, 3, 7]), (RankCoupling, [1, 2, 3, 7]), (AntitheticCoupling, [2, 4])]
-CASES = [
-    (cls, K, delta, d)
-    for cls, ks in COUPLINGS
-    for K in ks
-    for delta in DELTAS
-    for d in DIMS
-]
+CASES = [(cls, K, delta, d) for cls, ks in COUPLINGS for K in ks for delta in DELTAS for d in DIMS]
 
 
 class UnfixedGRS(GRS):
@@ -109,7 +103,9 @@ def test_coupling_exact_and_acceptance_matches_closed_form(cls, K, delta, d):
     assert not rep.failures(), rep.failures()
 
 
-@pytest.mark.parametrize("broken", [UnfixedGRS, NoResidualGRS, WrongThresholdGRS, MinDensityRank, GreedyAntithetic, IidAntithetic])
+@pytest.mark.parametrize(
+    "broken", [UnfixedGRS, NoResidualGRS, WrongThresholdGRS, MinDensityRank, GreedyAntithetic, IidAntithetic]
+)
 def test_battery_rejects_broken_couplings(broken):
     failed = []
     for K in [2, 4] if issubclass(broken, AntitheticCoupling) else [2, 3]:
@@ -220,7 +216,9 @@ def test_residual_is_finite_for_extreme_uniforms():
 
 def test_rmc_refuses_more_than_one_child():
     with pytest.raises(ValueError, match="at most 1 child"):
-        RMC()(torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2), torch.zeros(2, 2, 3), torch.ones(2, 2, dtype=torch.bool))
+        RMC()(
+            torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2), torch.zeros(2, 2, 3), torch.ones(2, 2, dtype=torch.bool)
+        )
 
 
 def test_get_coupling_names_and_errors():

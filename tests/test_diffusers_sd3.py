@@ -75,9 +75,7 @@ def _t5_tokenizer(tmp):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import T5TokenizerFast
 
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [
-        ("\u2581" + w, -1.0) for w in WORDS
-    ]
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [("\u2581" + w, -1.0) for w in WORDS]
     tok = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
     tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
@@ -242,15 +240,9 @@ def test_grid_override_and_the_pipelines_config(pipe):
     # the pipeline's own scheduler, on a copy so that the fixture stays untouched
     sched = copy.deepcopy(pipe.scheduler)
     sched.set_timesteps(50)
-    torch.testing.assert_close(
-        sd.scheduler_sigmas(pipe.scheduler.config, 50), sched.sigmas.double(), atol=2e-7, rtol=0
-    )
+    torch.testing.assert_close(sd.scheduler_sigmas(pipe.scheduler.config, 50), sched.sigmas.double(), atol=2e-7, rtol=0)
     # diffusers shifts the smallest level twice: not specforest.flow_match_grid(T, shift)
-    gap = (
-        (sd.scheduler_sigmas(pipe.scheduler.config, 50) - specforest.flow_match_grid(50, shift=3.0))
-        .abs()
-        .max()
-    )
+    gap = (sd.scheduler_sigmas(pipe.scheduler.config, 50) - specforest.flow_match_grid(50, shift=3.0)).abs().max()
     assert gap > 1e-3
 
 
@@ -268,9 +260,7 @@ def test_grid_rejects_other_families():
 
 def _embeds(pipe, n=3):
     with torch.no_grad():
-        return pipe.encode_prompt(
-            ["a photo of a cat", "a red car", "a tree"][:n], None, None, max_sequence_length=SEQ
-        )
+        return pipe.encode_prompt(["a photo of a cat", "a red car", "a tree"][:n], None, None, max_sequence_length=SEQ)
 
 
 def _count_calls(module):
@@ -476,9 +466,7 @@ def test_speculative_samplers_agree_in_law_with_the_standard_one(pipe):
     N, T = 2000, 8
 
     def features(seed, **kw):
-        r = sd.sample(
-            sharp, PROMPT, num_inference_steps=T, num_images_per_prompt=N, generator=gen(seed), **BASE, **kw
-        )
+        r = sd.sample(sharp, PROMPT, num_inference_steps=T, num_images_per_prompt=N, generator=gen(seed), **BASE, **kw)
         return _features(r.latents.reshape(N, -1)), r.stats
 
     ref, _ = features(10)
@@ -499,28 +487,21 @@ def test_speculative_samplers_agree_in_law_with_the_standard_one(pipe):
 
 
 def test_output_types(pipe):
-    common = dict(
-        num_inference_steps=4, num_images_per_prompt=2, K=2, L=2, **{**BASE, "height": 16, "width": 16}
-    )
-    outs = {
-        ot: sd.sample(pipe, PROMPT, generator=gen(6), **{**common, "output_type": ot})
-        for ot in sd.OUTPUT_TYPES
-    }
+    common = dict(num_inference_steps=4, num_images_per_prompt=2, K=2, L=2, **{**BASE, "height": 16, "width": 16})
+    outs = {ot: sd.sample(pipe, PROMPT, generator=gen(6), **{**common, "output_type": ot}) for ot in sd.OUTPUT_TYPES}
     from PIL import Image
 
     assert isinstance(outs["pil"].images, list) and len(outs["pil"].images) == 2
     assert all(isinstance(im, Image.Image) and im.size == (16, 16) for im in outs["pil"].images)
     assert outs["np"].images.shape == (2, 16, 16, 3) and outs["np"].images.dtype.name == "float32"
     assert isinstance(outs["pt"].images, torch.Tensor) and outs["pt"].images.shape == (2, 3, 16, 16)
-    assert (
-        outs["latent"].images.shape == (2, 4, 8, 8) and outs["latent"].images.dtype == pipe.transformer.dtype
-    )
+    assert outs["latent"].images.shape == (2, 4, 8, 8) and outs["latent"].images.dtype == pipe.transformer.dtype
     for r in outs.values():
         assert r.latents.dtype == torch.float32 and r.latents.shape == (2, 4, 8, 8)
         assert torch.equal(r.latents, outs["latent"].latents)  # decoding draws nothing
     torch.testing.assert_close(outs["pt"].images.permute(0, 2, 3, 1), torch.from_numpy(outs["np"].images))
     assert isinstance(outs["np"].stats, specforest.SampleStats)
-    assert outs["np"].config["K"] == 2 and outs["np"].memory.states_per_round > 0
+    assert outs["np"].config["K"] == 2 and outs["np"].memory.rows_per_call > 0
 
 
 def test_generator_is_honoured(pipe):
@@ -592,7 +573,7 @@ def test_memory_sizing_chunks_transformer_calls_without_changing_results(pipe):
     whole = sd.sample(pipe, PROMPT, generator=gen(12), **kw)
     assert whole.memory.max_rows is None
     m = whole.memory
-    limit = (m.sampler_bytes + 4.5 * m.state_bytes) / 1e9
+    limit = (m.sampler_bytes + 4.5 * m.row_bytes) / 1e9
     rows, handle = _count_calls(pipe.transformer)
     try:
         split = sd.sample(pipe, PROMPT, generator=gen(12), max_memory_gb=limit, **kw)
@@ -608,9 +589,7 @@ def test_memory_sizing_chunks_transformer_calls_without_changing_results(pipe):
 
 
 def test_memory_refusal_is_a_clear_error(pipe):
-    with pytest.raises(
-        ValueError, match=r"does not fit the memory limit.*states x 64 latent elements.*lazy=True"
-    ):
+    with pytest.raises(MemoryError, match=r"does not fit the memory limit.*states x 64 elements.*lazy=True"):
         sd.sample(pipe, PROMPT, num_inference_steps=5, K=3, L=2, max_memory_gb=1e-6, **BASE)
 
 
@@ -633,8 +612,8 @@ def test_argument_errors_name_the_parameter(pipe):
         (dict(prompt=[PROMPT, "a dog"], negative_prompt=["x", "y", "z"]), "negative_prompt has 3"),
         (dict(prompt=PROMPT, churn=0.0), "churn"),
         (dict(prompt=PROMPT, churn=1.5), "churn"),
-        (dict(prompt=PROMPT, K=0, L=2), "K must be >= 1"),
-        (dict(prompt=PROMPT, K=2, L=0), "L must be >= 1"),
+        (dict(prompt=PROMPT, K=0, L=2), "K must be None or an int >= 1"),
+        (dict(prompt=PROMPT, K=2, L=0), "L must be None or an int >= 1"),
         (dict(prompt=PROMPT, K=2), "both K and L"),
         (dict(prompt=PROMPT, K=3, L=2, coupling="rmc"), "coupling='rmc'"),
         (dict(prompt=PROMPT, tree=trees.chain(2), L=2), "either tree or K/L"),
@@ -658,13 +637,6 @@ def test_argument_errors_name_the_parameter(pipe):
         sd.sample(pipe, PROMPT, generator=[gen(0), gen(1)], **base)
     with pytest.raises(TypeError, match="StableDiffusion3Pipeline"):
         sd.sample(object(), PROMPT, **base)
-
-
-def test_make_tree():
-    assert sd.make_tree() is None
-    assert sd.make_tree(K=2, L=3).budget == 14
-    assert sd.make_tree(L=56, coupling="rmc", steps=50).budget == 50  # rounds never outrun the grid
-    assert sd.make_tree(L=6, coupling="rmc").budget == 6
 
 
 # -- the experiment and its CLI ----------------------------------------------------------------------
@@ -773,9 +745,7 @@ def tiny_clip(tmp_path_factory):
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8))
-    proc = CLIPProcessor(
-        image_processor=CLIPImageProcessor(size={"shortest_edge": 8}, crop_size=8), tokenizer=tok
-    )
+    proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 8}, crop_size=8), tokenizer=tok)
     model.save_pretrained(str(tmp / "clip"))
     proc.save_pretrained(str(tmp / "clip"))
     return tmp / "clip"
@@ -791,8 +761,7 @@ def test_clip_score_of_a_tiny_local_clip(tiny_clip):
 
 def test_run_config_scores_images_with_clip(pipe, tiny_clip):
     setting = sd3_exp.SD3Setting(height=16, width=16, steps=4, K_values=(2,), max_sequence_length=SEQ)
-    rec = sd3_exp.run_config(
-        pipe, ["a photo of a cat", "a red car"], setting, "dgrs", 2, 2, clip=str(tiny_clip)
-    )
+    rec = sd3_exp.run_config(pipe, ["a photo of a cat", "a red car"], setting, "dgrs", 2, 2, clip=str(tiny_clip))
     assert 0 <= rec["clip_mean"] <= 100 and rec["clip_sem"] is not None
-    assert rec["budget"] == 6 and len(rec["nfe_per_image"]) == 2 and rec["memory_per_round_gb"] > 0
+    assert rec["budget"] == 6 and len(rec["nfe_per_image"]) == 2
+    assert rec["memory_peak_gb"] > 0 and rec["rows_per_call"] == 2 * 7  # two images x the (2, 2) tree, drafted

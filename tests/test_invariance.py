@@ -156,8 +156,15 @@ def test_no_autograd_graph_and_flat_memory():
     net = _Net()
     assert net.lin.weight.requires_grad
     counts = []
-    out = specforest.sample(net, X.float(), steps=40, churn=0.4, tree=trees.uniform(2, 2), seed=0,
-                            callback=lambda info: counts.append(_tensor_count()))
+    out = specforest.sample(
+        net,
+        X.float(),
+        steps=40,
+        churn=0.4,
+        tree=trees.uniform(2, 2),
+        seed=0,
+        callback=lambda info: counts.append(_tensor_count()),
+    )
     assert out.samples.grad_fn is None and not out.samples.requires_grad
     # live tensors do not grow with the rounds (a kept graph would hold every round's tensors)
     assert max(counts[len(counts) // 2 :]) <= counts[2] + 5
@@ -179,8 +186,16 @@ def test_cond_is_explicit_and_validated():
         return GMM(x, sigma)
 
     label = torch.arange(B)
-    specforest.sample(model, X, steps=6, churn=0.4, tree=trees.uniform(2, 2), seed=0, cond={"label": label},
-                      model_kwargs={"scale": 2.0})
+    specforest.sample(
+        model,
+        X,
+        steps=6,
+        churn=0.4,
+        tree=trees.uniform(2, 2),
+        seed=0,
+        cond={"label": label},
+        model_kwargs={"scale": 2.0},
+    )
     with pytest.raises(ValueError, match=r"cond\['label'\] must be a tensor with one row per trajectory"):
         specforest.sample(model, X, steps=6, churn=0.4, seed=0, cond={"label": label[:3]})
 
@@ -196,6 +211,7 @@ def test_registries_extend_couplings_and_drafts():
     register_draft("velocity-test", lambda: FrozenPrediction("velocity"), replace=True)
     assert "velocity-test" in available_drafts()
     assert isinstance(get_proposal("velocity-test"), FrozenPrediction)
-    out = specforest.sample(GMM, X, steps=8, churn=0.4, tree=trees.uniform(2, 2), coupling="mine-test",
-                            draft="velocity-test", seed=0)
+    out = specforest.sample(
+        GMM, X, steps=8, churn=0.4, tree=trees.uniform(2, 2), coupling="mine-test", draft="velocity-test", seed=0
+    )
     assert out.config["coupling"] == "mine"

@@ -1,4 +1,4 @@
-"""The list-coupling bound and the acceptance table (issue #6)."""
+"""The list-coupling bound and the acceptance table."""
 
 import json
 
@@ -43,7 +43,7 @@ def test_rank_rule_attains_the_iid_bound_on_the_table():
 
 
 def test_best_two_child_rule_is_within_two_percent_of_the_bound():
-    """Issue #6's target on delta in [0.5, 3], between table nodes too (interpolated rules)."""
+    """The rank target on delta in [0.5, 3], between table nodes too (interpolated rules)."""
     d = torch.linspace(0.5, 3.0, 51, dtype=torch.float64)
     rank = RankCoupling().acceptance(d, 2)
     anti = AntitheticCoupling().acceptance(d, 2)

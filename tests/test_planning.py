@@ -1,4 +1,4 @@
-"""The budget-shaped tree optimizer (issue #7): exact DP against brute force, calibration, CLI."""
+"""The budget-shaped tree optimizer: exact DP against brute force, calibration, CLI."""
 
 import itertools
 import json
@@ -12,7 +12,7 @@ from specforest import trees
 from specforest.cli import main
 from specforest.couplings import grs_acceptance
 from specforest.models import GaussianMixture
-from specforest.planning import acceptance_model, plan_tree
+from specforest.planning import AdaptiveTree, acceptance_model, make_tree, plan_tree
 
 
 def expected_steps(tree, acc) -> float:
@@ -64,7 +64,7 @@ def test_optimal_is_a_chain_when_acceptance_ignores_width():
 def test_optimal_validates_the_model():
     with pytest.raises(ValueError, match="acceptance"):
         trees.optimal(lambda level, k: 1.5, 3, 3)
-    with pytest.raises(ValueError, match="budget must be >= 1"):
+    with pytest.raises(ValueError, match="budget must be an int >= 1"):
         trees.optimal(model, 0, 3)
 
 
@@ -83,7 +83,9 @@ def test_planned_tree_is_exact_and_within_budget():
     x = torch.randn(4000, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     tree = plan_tree(gmm, x, budget=12, steps=12, churn=0.6, grid="uniform", generator=torch.Generator().manual_seed(1))
     assert 1 <= tree.budget <= 12
-    a = specforest.sample(gmm, x, steps=12, churn=0.6, grid="uniform", tree=tree, generator=torch.Generator().manual_seed(2))
+    a = specforest.sample(
+        gmm, x, steps=12, churn=0.6, grid="uniform", tree=tree, generator=torch.Generator().manual_seed(2)
+    )
     b = specforest.sample(gmm, x, steps=12, churn=0.6, grid="uniform", generator=torch.Generator().manual_seed(3))
     from scipy import stats as sps
 
@@ -92,8 +94,27 @@ def test_planned_tree_is_exact_and_within_budget():
 
 
 def test_cli_optimal_tree():
-    res = CliRunner().invoke(main, ["gmm", "--method", "dgrs", "--tree", "optimal", "--budget", "20", "--dim", "8",
-                                    "--steps", "10", "--trajectories", "20", "--lazy", "--json", "--no-progress"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "gmm",
+            "--method",
+            "dgrs",
+            "--tree",
+            "optimal",
+            "--budget",
+            "20",
+            "--dim",
+            "8",
+            "--steps",
+            "10",
+            "--trajectories",
+            "20",
+            "--lazy",
+            "--json",
+            "--no-progress",
+        ],
+    )
     assert res.exit_code == 0, res.output
     rec = json.loads(res.output)
     assert rec["tree"] == "optimal" and 1 <= rec["budget"] <= 20
@@ -129,8 +150,15 @@ def test_adaptive_tree_replans_within_budget_and_validates():
         return gmm(x, sigma)
 
     x = torch.randn(50, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    out = specforest.sample(model, x, steps=20, churn=0.6, tree=AdaptiveTree(10, kmax=3), verify="drafted",
-                            generator=torch.Generator().manual_seed(1))
+    out = specforest.sample(
+        model,
+        x,
+        steps=20,
+        churn=0.6,
+        tree=AdaptiveTree(10, kmax=3),
+        verify="drafted",
+        generator=torch.Generator().manual_seed(1),
+    )
     # every round evaluates at most the budget plus the root per trajectory
     assert max(seen) <= 50 * 11
     assert out.stats.nfe.double().mean() < 20
@@ -138,8 +166,27 @@ def test_adaptive_tree_replans_within_budget_and_validates():
         AdaptiveTree(0)
     with pytest.raises(ValueError, match="i.i.d. children"):
         specforest.sample(gmm, x, steps=5, churn=0.5, tree=AdaptiveTree(6), coupling="antithetic")
-    res = CliRunner().invoke(main, ["gmm", "--method", "rank", "--tree", "adaptive", "--budget", "12", "--dim", "8",
-                                    "--steps", "10", "--trajectories", "10", "--lazy", "--json", "--no-progress"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "gmm",
+            "--method",
+            "rank",
+            "--tree",
+            "adaptive",
+            "--budget",
+            "12",
+            "--dim",
+            "8",
+            "--steps",
+            "10",
+            "--trajectories",
+            "10",
+            "--lazy",
+            "--json",
+            "--no-progress",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["tree"] == "adaptive"
 
@@ -157,3 +204,54 @@ def test_plan_tree_takes_the_calibration_rows_of_cond():
     x = torch.randn(40, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     tree = plan_tree(model, x, budget=12, steps=12, churn=0.4, cond={"label": torch.arange(40)}, seed=3)
     assert tree.budget <= 12 and seen and all(seen)
+
+
+def test_make_tree_is_the_one_tree_of_every_command():
+    assert make_tree() is None
+    assert make_tree(K=2, L=3).budget == 14
+    assert make_tree(L=56, coupling="rmc", steps=50).budget == 50  # rounds never outrun the grid
+    assert make_tree(L=6, coupling="rmc").budget == 6
+    assert repr(make_tree(K=1, L=6, coupling="rmc")) == repr(trees.chain(6))
+    given = trees.uniform(2, 2)
+    assert make_tree(tree=given) is given
+    with pytest.raises(ValueError, match="K=3"):
+        make_tree(K=3, L=6, coupling="rmc")
+    with pytest.raises(ValueError, match="give both K and L"):
+        make_tree(K=3)
+    with pytest.raises(ValueError, match="either tree or K/L"):
+        make_tree(K=2, L=2, tree=given)
+    with pytest.raises(TypeError, match="K must be None or an int"):
+        make_tree(K=2.0, L=2)
+    with pytest.raises(ValueError, match="L must be None or an int >= 1"):
+        make_tree(K=2, L=0)
+
+
+def test_memory_estimate_chunks_trajectories_and_rows_to_fit():
+    from specforest import memory
+
+    tree = trees.uniform(2, 2)
+    D = 8
+    nodes, rows = memory.tree_footprint(tree)
+    assert (nodes, rows) == (tree.size, tree.verification_budget("internal"))
+    per = D * 4 * (nodes + 2 * rows + 5)
+    row = 3 * D * 4
+    # everything fits: one chunk, whole calls
+    m = memory.estimate(trajectories=10, state_numel=D, tree=tree, limit_bytes=10 * per + 10 * rows * row)
+    assert (m.chunk, m.chunks, m.max_rows) == (10, 1, None)
+    assert m.total_bytes <= m.limit_bytes
+    # 4 trajectories fit beside one row: 3 balanced chunks of <= 4, not 4 + 4 + 2
+    m = memory.estimate(trajectories=10, state_numel=D, tree=tree, limit_bytes=4 * per + row)
+    assert (m.chunk, m.chunks, m.max_rows) == (4, 3, 1)
+    # without chunking the rows of a call are split instead
+    m = memory.estimate(trajectories=10, state_numel=D, tree=tree, limit_bytes=10 * per + 5 * row, chunked=False)
+    assert (m.chunk, m.max_rows) == (10, 5)
+    with pytest.raises(MemoryError, match="does not fit the memory limit.*lazy=True"):
+        memory.estimate(trajectories=10, state_numel=D, tree=tree, limit_bytes=9 * per + row, chunked=False)
+    with pytest.raises(MemoryError, match="does not fit"):
+        memory.estimate(trajectories=1, state_numel=D, tree=tree, limit_bytes=per)
+    # lazy runs hold the children of one node per depth and call with one row
+    assert memory.tree_footprint(tree, lazy=True) == (1 + 2 * 2, 1)
+    assert memory.tree_footprint(AdaptiveTree(10), lazy=False) == (11, 11)
+    assert memory.tree_footprint(None) == (1, 1)
+    limit, source = memory.default_memory_limit("cpu")
+    assert limit > 0 and source

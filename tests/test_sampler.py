@@ -6,7 +6,6 @@ form, computed here step by step from the paper's formulas (eqs. 35-37) and
 independently of ``specforest.sde``.
 """
 
-
 import pytest
 import torch
 from scipy import stats as sps
@@ -46,12 +45,16 @@ CONFIGS = {
     "lazy_drafted_parent": dict(tree=trees.uniform(2, 3), lazy=True, verify="drafted", prefetch="parent"),
     "lazy_chain_rmc": dict(tree=trees.chain(5), coupling="rmc", lazy=True),
     "rank_tree": dict(tree=trees.uniform(3, 3), coupling="rank"),
-    "rank_irregular_drafted": dict(tree=trees.from_parents([-1, 0, 0, 0, 1, 1, 4, 2]), coupling="rank", verify="drafted"),
+    "rank_irregular_drafted": dict(
+        tree=trees.from_parents([-1, 0, 0, 0, 1, 1, 4, 2]), coupling="rank", verify="drafted"
+    ),
     "rank_lazy_parent": dict(tree=trees.uniform(4, 2), coupling="rank", lazy=True, prefetch="parent"),
     "antithetic_tree": dict(tree=trees.uniform(2, 3), coupling="antithetic"),
     "auto_draft_rank": dict(tree=trees.uniform(2, 4), coupling="rank", draft="auto"),
     "x0_extrap_tree": dict(tree=trees.uniform(2, 3), draft="x0_extrap"),
-    "x0_extrap_lazy_chain_parent": dict(tree=trees.chain(5), coupling="rmc", draft="x0_extrap", lazy=True, prefetch="parent"),
+    "x0_extrap_lazy_chain_parent": dict(
+        tree=trees.chain(5), coupling="rmc", draft="x0_extrap", lazy=True, prefetch="parent"
+    ),
     "adaptive_tree": dict(tree=AdaptiveTree(12, kmax=4), coupling="grs"),
     "adaptive_tree_lazy_drafted": dict(tree=AdaptiveTree(20, kmax=3), lazy=True, verify="drafted"),
     "auto_draft_lazy_chain": dict(tree=trees.chain(6), coupling="rmc", draft="auto", lazy=True),
@@ -59,8 +62,9 @@ CONFIGS = {
     "antithetic_pairs_k4": dict(tree=trees.uniform(4, 2), coupling="antithetic"),
     # pruned: a leaf beside an internal node at depth 1 (pairs complete wherever there are children)
     "antithetic_pruned": dict(tree=trees.from_parents([-1, 0, 0, 1, 1, 3, 3]), coupling="antithetic"),
-    "antithetic_pairs_k4_lazy_parent": dict(tree=trees.uniform(4, 3), coupling="antithetic", lazy=True,
-                                            prefetch="parent", draft="x0"),
+    "antithetic_pairs_k4_lazy_parent": dict(
+        tree=trees.uniform(4, 3), coupling="antithetic", lazy=True, prefetch="parent", draft="x0"
+    ),
 }
 
 
@@ -71,7 +75,12 @@ def test_whole_chain_matches_linear_gaussian_law(name, grid):
     sigmas = uniform_grid(steps) if grid == "uniform" else flow_match_grid(steps)
     x = torch.randn(N, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     out = specforest.sample(
-        GAUSS, x, steps=steps, churn=CHURN, grid=grid, generator=torch.Generator().manual_seed(2),
+        GAUSS,
+        x,
+        steps=steps,
+        churn=CHURN,
+        grid=grid,
+        generator=torch.Generator().manual_seed(2),
         **CONFIGS[name],
     )
     assert not check_law(out.samples, sigmas, CHURN)
@@ -88,22 +97,27 @@ def test_whole_chain_rejects_broken_coupling():
     steps = 12
     x = torch.randn(N, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     out = specforest.sample(
-        GAUSS, x, steps=steps, churn=CHURN, grid="uniform", tree=trees.uniform(3, 3),
-        coupling=Unfixed(), generator=torch.Generator().manual_seed(2),
+        GAUSS,
+        x,
+        steps=steps,
+        churn=CHURN,
+        grid="uniform",
+        tree=trees.uniform(3, 3),
+        coupling=Unfixed(),
+        generator=torch.Generator().manual_seed(2),
     )
     assert check_law(out.samples, uniform_grid(steps), CHURN)
 
 
 def test_structured_siblings_need_uniform_widths():
     with pytest.raises(ValueError, match="same number of children"):
-        specforest.sample(GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="antithetic",
-                          tree=trees.from_parents([-1, 0, 0, 1]))
+        specforest.sample(
+            GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="antithetic", tree=trees.from_parents([-1, 0, 0, 1])
+        )
     with pytest.raises(ValueError, match="tree: .*even number of children"):
-        specforest.sample(GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="antithetic",
-                          tree=trees.uniform(3, 2))
+        specforest.sample(GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="antithetic", tree=trees.uniform(3, 2))
     with pytest.raises(ValueError, match="at most 1 child"):
-        specforest.sample(GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="rmc",
-                          tree=trees.uniform(2, 2))
+        specforest.sample(GAUSS, torch.zeros(2, 3), steps=5, churn=0.5, coupling="rmc", tree=trees.uniform(2, 2))
 
 
 def test_antithetic_siblings_are_mirrored_in_the_draft():
@@ -114,15 +128,31 @@ def test_antithetic_siblings_are_mirrored_in_the_draft():
         return GAUSS(x, sigma)
 
     x = torch.randn(1, 3, dtype=torch.float64)
-    specforest.sample(model, x, steps=30, churn=0.5, tree=trees.uniform(2, 1), coupling="antithetic",
-                      verify="drafted", generator=torch.Generator().manual_seed(0))
+    specforest.sample(
+        model,
+        x,
+        steps=30,
+        churn=0.5,
+        tree=trees.uniform(2, 1),
+        coupling="antithetic",
+        verify="drafted",
+        generator=torch.Generator().manual_seed(0),
+    )
     rows = seen[2]  # Euler step, root fetch, then root + 2 children
     mid = 0.5 * (rows[1] + rows[2])
     # both children sit symmetrically about the draft mean: their midpoint is the same for any noise
     assert rows.shape[0] == 3 and torch.isfinite(mid).all()
     seen.clear()
-    specforest.sample(model, x, steps=30, churn=0.5, tree=trees.uniform(2, 1), coupling="antithetic",
-                      verify="drafted", generator=torch.Generator().manual_seed(1))
+    specforest.sample(
+        model,
+        x,
+        steps=30,
+        churn=0.5,
+        tree=trees.uniform(2, 1),
+        coupling="antithetic",
+        verify="drafted",
+        generator=torch.Generator().manual_seed(1),
+    )
     assert torch.allclose(0.5 * (seen[2][1] + seen[2][2]), mid)
 
 
@@ -134,8 +164,16 @@ def test_four_antithetic_children_are_two_mirrored_pairs():
         return GAUSS(x, sigma)
 
     x = torch.randn(1, 3, dtype=torch.float64)
-    specforest.sample(model, x, steps=30, churn=0.5, tree=trees.uniform(4, 1), coupling="antithetic",
-                      verify="drafted", generator=torch.Generator().manual_seed(0))
+    specforest.sample(
+        model,
+        x,
+        steps=30,
+        churn=0.5,
+        tree=trees.uniform(4, 1),
+        coupling="antithetic",
+        verify="drafted",
+        generator=torch.Generator().manual_seed(0),
+    )
     rows = seen[2]  # root + 4 children
     assert rows.shape[0] == 5
     assert torch.allclose(rows[1] + rows[2], rows[3] + rows[4])
@@ -153,20 +191,33 @@ def test_speculative_and_standard_agree_in_law():
         assert sps.ks_2samp(a[:, j].numpy(), b[:, j].numpy()).pvalue > 1e-4
 
 
-@pytest.mark.parametrize("coupling,tree,lazy", [
-    ("grs", trees.uniform(3, 2), False),
-    ("rank", trees.uniform(3, 2), False),
-    ("rank", trees.uniform(2, 4), True),
-    ("antithetic", trees.uniform(2, 3), False),
-    ("rmc", trees.chain(4), False),
-])
+@pytest.mark.parametrize(
+    "coupling,tree,lazy",
+    [
+        ("grs", trees.uniform(3, 2), False),
+        ("rank", trees.uniform(3, 2), False),
+        ("rank", trees.uniform(2, 4), True),
+        ("antithetic", trees.uniform(2, 3), False),
+        ("rmc", trees.chain(4), False),
+    ],
+)
 def test_acceptance_rate_matches_the_closed_form_for_observed_delta(coupling, tree, lazy):
     """Sampler-level check: every verification's acceptance agrees with the coupling's closed form
     at the mismatch observed there (Theorem 2 for GRS), pooled over the run."""
     gmm = GaussianMixture.paper(dim=50, components=3, seed=0)
     x = torch.randn(400, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    out = specforest.sample(gmm, x, steps=20, churn=0.2, tree=tree, coupling=coupling, lazy=lazy,
-                            prefetch="parent", record_deltas=True, generator=torch.Generator().manual_seed(1))
+    out = specforest.sample(
+        gmm,
+        x,
+        steps=20,
+        churn=0.2,
+        tree=tree,
+        coupling=coupling,
+        lazy=lazy,
+        prefetch="parent",
+        record_deltas=True,
+        generator=torch.Generator().manual_seed(1),
+    )
     d, acc = out.stats.deltas[:, 2], out.stats.deltas[:, 3]
     # the closed form (a quadrature for rank and antithetic) on a fine grid, interpolated: its error
     # (~1e-4) is far below the test's resolution (~0.006 per verification at these sizes)
@@ -187,8 +238,17 @@ def test_the_acceptance_check_sees_an_over_accepting_rule():
 
     gmm = GaussianMixture.paper(dim=50, components=3, seed=0)
     x = torch.randn(400, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    out = specforest.sample(gmm, x, steps=20, churn=0.2, tree=trees.uniform(3, 2), coupling=Generous(),
-                            prefetch="parent", record_deltas=True, generator=torch.Generator().manual_seed(1))
+    out = specforest.sample(
+        gmm,
+        x,
+        steps=20,
+        churn=0.2,
+        tree=trees.uniform(3, 2),
+        coupling=Generous(),
+        prefetch="parent",
+        record_deltas=True,
+        generator=torch.Generator().manual_seed(1),
+    )
     d, acc = out.stats.deltas[:, 2], out.stats.deltas[:, 3]
     p = specforest.couplings.grs_acceptance(d, 3)
     assert (acc.sum() - p.sum()) / torch.sqrt((p * (1 - p)).sum()) > Z_TOL
@@ -216,7 +276,9 @@ def test_max_rows_chunking_changes_nothing():
 def test_input_not_modified_and_dtype_kept():
     x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
     x0 = x.clone()
-    out = specforest.sample(GAUSS, x, steps=6, churn=0.5, tree=trees.uniform(2, 2), generator=torch.Generator().manual_seed(0))
+    out = specforest.sample(
+        GAUSS, x, steps=6, churn=0.5, tree=trees.uniform(2, 2), generator=torch.Generator().manual_seed(0)
+    )
     assert torch.equal(x, x0)
     assert out.samples.dtype == torch.float32 and out.samples.shape == (8, 3)
 
@@ -227,8 +289,15 @@ def test_image_shaped_states_and_model_kwargs():
         return scale * x
 
     x = torch.randn(5, 2, 3, 3, generator=torch.Generator().manual_seed(0))
-    out = specforest.sample(model, x, steps=8, churn=0.3, tree=trees.uniform(2, 2),
-                            model_kwargs={"scale": 0.5}, generator=torch.Generator().manual_seed(0))
+    out = specforest.sample(
+        model,
+        x,
+        steps=8,
+        churn=0.3,
+        tree=trees.uniform(2, 2),
+        model_kwargs={"scale": 0.5},
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.samples.shape == x.shape
 
 
@@ -244,13 +313,29 @@ def test_per_trajectory_conditioning_follows_rows(lazy):
 
     label = torch.tensor([0, 1] * 50)
     x = torch.randn(100, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    out = specforest.sample(model, x, steps=10, churn=0.5, tree=trees.uniform(2, 3), lazy=lazy,
-                            cond={"label": label}, generator=torch.Generator().manual_seed(1))
+    out = specforest.sample(
+        model,
+        x,
+        steps=10,
+        churn=0.5,
+        tree=trees.uniform(2, 3),
+        lazy=lazy,
+        cond={"label": label},
+        generator=torch.Generator().manual_seed(1),
+    )
     assert torch.equal((out.samples[:, 0] > 0).long(), label)
     # a draft model gets the same per-row conditioning
-    out = specforest.sample(model, x, steps=10, churn=0.5, tree=trees.uniform(2, 3), lazy=lazy,
-                            draft=lambda x, s, label: 0.9 * model(x, s, label),
-                            cond={"label": label}, generator=torch.Generator().manual_seed(1))
+    out = specforest.sample(
+        model,
+        x,
+        steps=10,
+        churn=0.5,
+        tree=trees.uniform(2, 3),
+        lazy=lazy,
+        draft=lambda x, s, label: 0.9 * model(x, s, label),
+        cond={"label": label},
+        generator=torch.Generator().manual_seed(1),
+    )
     assert torch.equal((out.samples[:, 0] > 0).long(), label)
     assert out.stats.nfe.double().mean() < 10
 
@@ -263,7 +348,9 @@ def test_accounting_one_call_per_round():
         return GAUSS(x, sigma)
 
     x = torch.randn(30, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    out = specforest.sample(model, x, steps=12, churn=0.5, tree=trees.uniform(2, 2), generator=torch.Generator().manual_seed(0))
+    out = specforest.sample(
+        model, x, steps=12, churn=0.5, tree=trees.uniform(2, 2), generator=torch.Generator().manual_seed(0)
+    )
     st = out.stats
     assert len(calls) == st.calls == int(st.nfe.max())
     assert sum(calls) == int(st.rows.sum())
@@ -284,8 +371,9 @@ def test_budget_drafted_states_per_round():
 
     x = torch.randn(1, 3, dtype=torch.float64)
     tree = trees.uniform(2, 3)
-    specforest.sample(model, x, steps=30, churn=0.5, tree=tree, verify="drafted",
-                      generator=torch.Generator().manual_seed(0))
+    specforest.sample(
+        model, x, steps=30, churn=0.5, tree=tree, verify="drafted", generator=torch.Generator().manual_seed(0)
+    )
     # first rounds: Euler step, root fetch, then a full tree: |V| = B + 1 evaluations
     assert counted[:3] == [1, 1, tree.budget + 1]
 
@@ -319,10 +407,10 @@ def test_bad_input_names_the_parameter(kwargs, exc, match):
 @pytest.mark.parametrize(
     "fn,match",
     [
-        (lambda: trees.uniform(0, 2), "K must be >= 1"),
-        (lambda: trees.uniform(2, 0), "L must be >= 1"),
-        (lambda: trees.chain(0), "L must be >= 1"),
-        (lambda: trees.widths([2, 0]), "K must be >= 1"),
+        (lambda: trees.uniform(0, 2), "K must be an int >= 1"),
+        (lambda: trees.uniform(2, 0), "L must be an int >= 1"),
+        (lambda: trees.chain(0), "L must be an int >= 1"),
+        (lambda: trees.widths([2, 0]), "K must be an int >= 1"),
     ],
 )
 def test_bad_tree_parameters(fn, match):

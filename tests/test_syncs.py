@@ -50,8 +50,9 @@ def _syncs_per_round(monkeypatch, **kw):
     return (sum(spy.count.values()) + len(reads)) / len(rounds), spy.count
 
 
-@pytest.mark.parametrize("tree,coupling", [(trees.uniform(2, 3), "grs"), (trees.chain(5), "rmc"),
-                                           (trees.widths([3, 2, 1]), "grs")])
+@pytest.mark.parametrize(
+    "tree,coupling", [(trees.uniform(2, 3), "grs"), (trees.chain(5), "rmc"), (trees.widths([3, 2, 1]), "grs")]
+)
 def test_at_most_L_plus_2_synchronizations_per_round(monkeypatch, tree, coupling):
     per_round, seen = _syncs_per_round(monkeypatch, tree=tree, coupling=coupling)
     assert per_round <= tree.L + 2, (per_round, seen)

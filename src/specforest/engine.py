@@ -11,12 +11,13 @@ it is given:
 2. :func:`draft` -- the speculating trajectories' trees (all children at once
    in full mode; only the roots in lazy mode), keeping the draft means;
 3. :func:`evaluate` -- **one** batched target call for every row of the round;
-4. :func:`walk` -- from each root down the tree with the coupling until the
-   first rejection, the residual draw there, and the prefetch rule: one walk
-   for both execution modes, which differ only in how a node is *realized*
-   (:class:`FullTree` looks it up in what was drafted and evaluated;
-   :class:`OnDemand`, the lazy cost simulation, drafts and evaluates the
-   visited nodes as the walk reaches them);
+4. :func:`~specforest.walk.walk` (:mod:`specforest.walk`) -- from each root
+   down the tree with the coupling until the first rejection, the residual draw
+   there, and the prefetch rule: one walk for both execution modes, which differ
+   only in how a node is *realized* (:class:`~specforest.walk.FullTree` looks it
+   up in what was drafted and evaluated; :class:`~specforest.walk.OnDemand`, the
+   lazy cost simulation, drafts and evaluates the visited nodes as the walk
+   reaches them);
 5. :func:`commit` -- the new run state.
 
 Randomness is addressed, not drawn in sequence (:mod:`specforest.streams`):
@@ -33,9 +34,9 @@ Host-device synchronizations of one round in full mode, at most ``L + 2``
   rows the trees evaluate) together with the target's finiteness flag of the
   earlier calls: tensor shapes depend on them. Index tensors are then made with
   ``nonzero_static`` and need no further read;
-* :func:`walk`: one ``any`` per depth, to stop when every walk has ended (at
-  most ``L``), and the rejected trajectories (``nonzero``), whose residual
-  draws have a data-dependent size.
+* :func:`~specforest.walk.walk`: one ``any`` per depth, to stop when every
+  walk has ended (at most ``L``), and the rejected trajectories (``nonzero``),
+  whose residual draws have a data-dependent size.
 
 The standard sampler has none: its trajectories run in lockstep for exactly
 ``T`` rounds. Options that read more: the ``rank`` coupling groups problems by
@@ -54,11 +55,12 @@ from typing import Any, Optional
 import torch
 
 from . import streams
-from .couplings import Coupling, project
+from .couplings import Coupling
 from .proposals import Prefetch, Proposal
 from .sde import StepTables
 from .target import Target
-from .trees import DraftTree, TreePolicy
+from .trees import DraftTree, TreePolicy, TreeTables
+from .walk import FullTree, OnDemand, sibling_noise, walk
 
 __all__ = ["PHASES", "Counters", "RunContext", "RunState", "host_read", "init_state", "run_round"]
 
@@ -83,55 +85,6 @@ target call itself, which is ``target_seconds``). Host wall time: on CUDA, kerne
 
 
 # -- the run ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TreeTables:
-    """A tree's topology on the run's device, with what the round reads of it (made once per tree)."""
-
-    tree: DraftTree
-    parent: torch.Tensor  # (V,)
-    depth: torch.Tensor  # (V,)
-    children: torch.Tensor  # (V, K_max), -1 padded
-    internal: torch.Tensor  # (V,) bool
-    code: torch.Tensor  # (V,) int64: mixed node ids, folded into the round's key
-    valid: torch.Tensor  # (V, K_max) bool: real children (a leaf gets a full row of dummy ones)
-    layers: tuple  # per depth l: (start, stop, k) with k the common number of children or 0 if mixed
-    rows_at: torch.Tensor  # (L + 1,) rows a round with lookahead m evaluates
-    eval_at: torch.Tensor  # (L + 1, V) bool: the nodes a round with lookahead m evaluates
-    verify_at: torch.Tensor  # (L + 1, V) bool: the nodes whose children a round with lookahead m verifies
-    step_of: torch.Tensor  # (V,) long: the step offset of the noise that drafts a node (its parent's depth)
-    L: int = 0  # depth, as a Python int (the round reads it often; no host read of a tensor)
-
-    @classmethod
-    def build(cls, tree: DraftTree, verify: str, device: torch.device) -> "TreeTables":
-        layers = []
-        for level in range(tree.L + 1):
-            sl = tree.layer(level)
-            k = tree.num_children[sl]
-            layers.append((sl.start, sl.stop, int(k[0]) if bool((k == k[0]).all()) else 0))
-        m = torch.arange(tree.L + 1)[:, None]
-        d = tree.depth[None, :]
-        # with lookahead m: the nodes whose children are verified, and the nodes the target evaluates
-        verified = (d < m) & tree.internal[None, :]
-        ev = verified if verify == "internal" else d <= m
-        code = streams.mix(torch.arange(tree.size, dtype=torch.int64) * 2 + 1)
-        valid = tree.children >= 0
-        # a node without children (a leaf) is never verified, but the full round decides every node
-        # at once: a full row of dummy children keeps its junk problem well-formed for any rule
-        valid[tree.num_children == 0] = True
-        to = lambda t: t.to(device)  # noqa: E731
-        return cls(tree, to(tree.parent), to(tree.depth), to(tree.children), to(tree.internal), to(code),
-                   to(valid), tuple(layers), to(ev.sum(1)), to(ev), to(verified), to((tree.depth - 1).clamp(min=0)),
-                   tree.L)
-
-    def sizes(self, m: int) -> list:
-        """Layer sizes of the tree truncated to depth ``m``."""
-        return [b - a for a, b, _ in self.layers[: m + 1]]
-
-    def size_at(self, m: int) -> int:
-        """Nodes of the tree truncated to depth ``m``."""
-        return self.layers[min(max(m, 0), self.L)][1]
 
 
 @dataclass
@@ -233,9 +186,13 @@ class RunState:
 def init_state(ctx: RunContext, x: torch.Tensor, L: int) -> RunState:
     """The state before the first round: ``x (B, D)`` at step 0."""
     B, D = x.shape
-    return RunState(x, torch.zeros(B, dtype=torch.long, device=ctx.device),
-                    Prefetch.empty(B, D, ctx.work, ctx.device), Counters.zeros(B, L, ctx.device),
-                    ctx.proposal.init_state(ctx.device))
+    return RunState(
+        x,
+        torch.zeros(B, dtype=torch.long, device=ctx.device),
+        Prefetch.empty(B, D, ctx.work, ctx.device),
+        Counters.zeros(B, L, ctx.device),
+        ctx.proposal.init_state(ctx.device),
+    )
 
 
 # -- phase 1: schedule -----------------------------------------------------------------------
@@ -300,8 +257,9 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
     s0 = step.clamp(max=T - 1)
     Ls = torch.where(spec, torch.clamp(ctx.tab.run_end[s0] - s0, max=tt.L), 0)
     rows = torch.where(spec, tt.rows_at[Ls], 0).sum()
-    counts = host_read(torch.stack([active.sum(), single.sum(), spec.sum(), fetch.sum(), Ls.max(), rows,
-                                    ctx.target.bad.long()]))
+    counts = host_read(
+        torch.stack([active.sum(), single.sum(), spec.sum(), fetch.sum(), Ls.max(), rows, ctx.target.bad.long()])
+    )
     n_active, n1, ns, nf, Lr, rows, bad = counts
     if bad:
         ctx.target.raise_not_finite()
@@ -374,22 +332,9 @@ class Draft:
     emask: Optional[torch.Tensor] = None
 
 
-def _sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
-    """Standard noise ``(..., n, D)`` of nodes with keys ``(..., n)``, ``n`` a multiple of ``K``.
-
-    The nodes come in blocks of ``K`` siblings (every internal node of a tree a
-    coupling with structured siblings accepts has ``K`` children, stored
-    together), so the coupling's sibling structure applies block by block; the
-    full tree and the lazy walk both draw through here.
-    """
-    z = streams.normal(keys, D, ctx.work, streams.TAG_DRAFT)
-    if ctx.coupling.structured_siblings:
-        z = ctx.coupling.structure_noise(z.reshape(-1, K, D)).reshape(z.shape)
-    return z
-
-
-def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree, Ls: torch.Tensor, Lr: int,
-          rows: int) -> tuple[Draft, int]:
+def draft(
+    ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree, Ls: torch.Tensor, Lr: int, rows: int
+) -> tuple[Draft, int]:
     """Draft the trees of trajectories ``ids`` with lookaheads ``Ls`` (phase 2).
 
     Returns the draft and the draft-model calls made.
@@ -409,7 +354,7 @@ def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree, 
         return Draft(tt, ids, s0, Ls, Lr, keys, pre), 0
     Bs, D = ids.numel(), state.x.shape[1]
     Vi = tt.size_at(Lr - 1)
-    Z = _sibling_noise(ctx, keys[:, 1:], tt.children.shape[1], D)  # (Bs, Vr - 1, D): nodes 1..Vr-1
+    Z = sibling_noise(ctx, keys[:, 1:], tt.children.shape[1], D)  # (Bs, Vr - 1, D): nodes 1..Vr-1
     # every drafted node's noise times its transition scale, in one op (the lazy walk does the same per node)
     SZ = tab.scale[(s0[:, None] + tt.step_of[None, 1:Vr]).clamp(max=T - 1)][..., None] * Z
     Y = torch.empty(Bs, Vr, D, dtype=ctx.work, device=ctx.device)
@@ -433,8 +378,17 @@ def draft(ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree, 
             m = torch.addcmul(Cl[level - 1], Al[level - 1], Yl[level - 1], out=Mpl[level - 1])
         else:
             m = Mpl[level - 1]
-            m.copy_(prop.mean(tab, Yl[level - 1], steps[:, level - 1 : level].expand(-1, p1 - p0), pre, cond,
-                              ctx.shape, state.draft_state))
+            m.copy_(
+                prop.mean(
+                    tab,
+                    Yl[level - 1],
+                    steps[:, level - 1 : level].expand(-1, p1 - p0),
+                    pre,
+                    cond,
+                    ctx.shape,
+                    state.draft_state,
+                )
+            )
             calls += 1
         if k:
             torch.add(m[:, :, None], SZl[level - 1].view(Bs, p1 - p0, k, D), out=Yl[level].view(Bs, p1 - p0, k, D))
@@ -491,276 +445,12 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
     return Evaluations(v[:n1], out)
 
 
-# -- phase 4: walk ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Level:
-    """What the walk learns at one depth for every trajectory of a group (``(Bs,)`` each; rows not active are junk)."""
-
-    verified: torch.Tensor  # a verification problem met at this depth
-    accepted: torch.Tensor  # ... and a child accepted (implies verified)
-    next: torch.Tensor  # the accepted child
-    delta: torch.Tensor
-    y: Optional[torch.Tensor] = None  # (Bs, D) verified parent, when the proposal observes
-    mu_q: Optional[torch.Tensor] = None
-
-
-def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys):
-    """Projections, mismatches, directions and decisions of a batch of problems (any leading shape)."""
-    s_hat, delta, e = project(zk, mu_q - mu_p, scale)
-    K = valid.shape[-1]
-    lead = valid.shape[:-1]
-    acc, idx = ctx.coupling.select(s_hat.reshape(-1, K), delta.reshape(-1), valid.reshape(-1, K),
-                                   streams.Stream(keys.reshape(-1), streams.SLOT_COUPLE))
-    return s_hat, delta, e, acc.reshape(lead), idx.reshape(lead)
-
-
-class FullTree:
-    """Realizer of a fully drafted and evaluated round: every verification problem is decided at once.
-
-    The decisions of every node of depth ``< Lr`` are computed in one coupling
-    call before the walk (the walk then only follows them); the residual is
-    drawn only where a walk stopped.
-    """
-
-    def __init__(self, ctx: RunContext, d: Draft, V: torch.Tensor) -> None:
-        tt, Bs = d.tt, d.ids.numel()
-        Vi = d.Mp.shape[1]
-        self.ctx, self.d, self.V = ctx, d, V
-        steps = (d.s0[:, None] + tt.depth[None, :Vi]).clamp(max=ctx.T - 1)
-        # nodes a walk never verifies (leaves, beyond a trajectory's lookahead) get junk but finite
-        # problems: their velocity is 0 and their scale at least positive (``scale_safe``)
-        self.mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps)
-        ch = tt.children[:Vi]  # (Vi, K)
-        K = ch.shape[1]
-        Vr = d.Y.shape[1]
-        if Vr - 1 == Vi * K and all(lay[2] == K for lay in tt.layers[: d.Lr]):
-            zk = d.Z.reshape(Bs, Vi, K, -1)
-        else:
-            zk = d.Z[:, (ch.clamp(min=0) - 1).clamp(max=Vr - 2)]
-        self.scale = ctx.tab64.scale_safe[steps]
-        self.ckeys = d.keys[:, :Vi]
-        self.valid = tt.valid[None, :Vi].expand(Bs, Vi, K)
-        self.s_hat, self.delta, self.e, acc, self.idx = _problem_inputs(
-            ctx, zk, d.Mp, self.mu_q, self.scale, self.valid, self.ckeys)
-        # what a walk at each node does: go to the accepted child (>= 0), stop rejected (-2), or
-        # stop because the node is not verified (-1: a leaf, or beyond the trajectory's lookahead)
-        child = ch.expand(Bs, Vi, K).gather(2, self.idx[..., None])[..., 0]
-        self.go = torch.where(tt.verify_at[d.Ls][:, :Vi], torch.where(acc, child, -2), -1)
-        self.rows = ctx.rows_all[:Bs]
-
-    def level(self, level: int, cur: torch.Tensor, alive: torch.Tensor) -> Optional[Level]:
-        c = cur.clamp(max=self.go.shape[1] - 1)[:, None]
-        nxt = self.go.gather(1, c)[:, 0]
-        verified = alive & (nxt != -1)
-        if not bool(verified.any()):
-            return None
-        delta = self.delta.gather(1, c)[:, 0]
-        accepted = alive & (nxt >= 0)
-        if self.ctx.proposal.observes:
-            c = c[:, 0]
-            return Level(verified, accepted, nxt, delta, self.d.Y[self.rows, c], self.mu_q[self.rows, c])
-        return Level(verified, accepted, nxt, delta)
-
-    def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
-        """The verification problem at ``nodes`` of trajectories ``rows``: inputs of the residual and reconstruction."""
-        r, u = rows, nodes
-        return (self.s_hat[r, u], self.delta[r, u], self.valid[r, u], self.idx[r, u], self.ckeys[r, u],
-                self.e[r, u], self.scale[r, u], self.d.Y[r[:, None], self.d.tt.children[u].clamp(min=0)])
-
-    def state(self, nodes: torch.Tensor) -> torch.Tensor:
-        return self.d.Y[self.rows, nodes]
-
-    def velocity(self, nodes: torch.Tensor) -> torch.Tensor:
-        return self.V[self.rows, nodes]
-
-    def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        return self.d.Y[rows[:, None], self.d.tt.children[nodes].clamp(min=0)]
-
-
-class OnDemand:
-    """Realizer of the lazy cost simulation: drafts and evaluates only the nodes the walk visits.
-
-    The law of everything observed is that of the full round, and with the
-    addressed noise even the numbers are: a node's children are drawn from the
-    same keys as in the full tree, and nodes off the walked path influence
-    nothing. NFE and rows are accounted as for the full tree; the model is
-    called once per depth with the visited rows.
-    """
-
-    def __init__(self, ctx: RunContext, d: Draft, state: RunState) -> None:
-        self.ctx, self.d, self.draft_state = ctx, d, state.draft_state
-        Bs, D = d.ids.numel(), state.x.shape[1]
-        self.rows = ctx.rows_all[:Bs]
-        self.cur = torch.zeros(Bs, dtype=torch.long, device=ctx.device)
-        self.cur_y = state.x[d.ids].clone()
-        self.cur_v = torch.zeros_like(self.cur_y)
-        self.cur_evaluated = torch.zeros_like(self.cur, dtype=torch.bool)  # cur_v holds cur's velocity
-        self.par = torch.full_like(self.cur, -1)
-        self.par_y, self.par_v = self.cur_y.clone(), torch.zeros_like(self.cur_y)
-        K = d.tt.children.shape[1]
-        self.kids = torch.zeros(Bs, K, D, dtype=ctx.work, device=ctx.device)
-        self.kid_nodes = torch.full((Bs, K), -1, dtype=torch.long, device=ctx.device)
-        self.prob: Optional[list] = None
-        self.draft_calls = 0
-
-    def level(self, level: int, cur: torch.Tensor, alive: torch.Tensor) -> Optional[Level]:
-        ctx, d, tt = self.ctx, self.d, self.d.tt
-        act = alive & tt.verify_at[d.Ls, cur]
-        a = act.nonzero()[:, 0]
-        if a.numel() == 0:
-            return None
-        u = cur[a]
-        sa = (d.s0[a] + level - 1).clamp(max=ctx.T - 1)
-        yu = self.cur_y[a]
-        vu = ctx.target(yu, ctx.tab.sig[sa], d.ids[a])
-        self.cur_v[a] = vu
-        self.cur_evaluated[a] = True
-        mu_q = ctx.tab.mean(yu[:, None], vu[:, None], sa[:, None])[:, 0]
-        pre = d.pre.take(a)
-        prop = ctx.proposal
-        if prop.affine:
-            A, C = prop.coefficients(ctx.tab, sa[:, None], pre, self.draft_state)
-            mu_p = torch.addcmul(C, A, yu[:, None])[:, 0]
-        else:
-            mu_p = prop.mean(ctx.tab, yu[:, None], sa[:, None], pre, ctx.target.cond_rows(d.ids[a]), ctx.shape,
-                             self.draft_state)[:, 0]
-            self.draft_calls += 1
-        ch = tt.children[u]  # (P, K)
-        K = ch.shape[1]
-        keys = d.keys[a[:, None], ch.clamp(min=0)]
-        zk = _sibling_noise(ctx, keys, K, yu.shape[1])
-        kids = mu_p[:, None] + ctx.tab.scale[sa][:, None, None] * zk
-        scale = ctx.tab64.scale[sa]
-        ckeys = d.keys[a, u]
-        valid = tt.valid[u]
-        s_hat, delta, e, acc, idx = _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, ckeys)
-        self.kids[a], self.kid_nodes[a] = kids, ch
-        # the last problem of each row: where a rejected walk stopped
-        if self.prob is None:
-            self.prob = [t.new_zeros((len(self.rows),) + tuple(t.shape[1:])) for t in (s_hat, delta, valid, idx, ckeys,
-                                                                                      e, scale, kids)]
-        for buf, t in zip(self.prob, (s_hat, delta, valid, idx, ckeys, e, scale, kids), strict=True):
-            buf[a] = t
-        # advance the accepted rows to their child
-        take = a[acc]
-        self.par[take], self.par_y[take], self.par_v[take] = u[acc], yu[acc], vu[acc]
-        self.cur_y[take] = kids[acc, idx[acc]]
-        self.cur[take] = ch[acc, idx[acc]]
-        self.cur_evaluated[take] = False
-        nxt = torch.zeros_like(cur)
-        nxt[a] = ch.gather(1, idx[:, None])[:, 0]
-        full = lambda t, fill: torch.full_like(cur, fill, dtype=t.dtype).index_put((a,), t)  # noqa: E731
-        if prop.observes:
-            y_full = torch.zeros_like(self.cur_y).index_put((a,), yu)
-            q_full = torch.zeros_like(self.cur_y).index_put((a,), mu_q)
-            return Level(act, full(acc, False), nxt, full(delta, 0.0), y_full, q_full)
-        return Level(act, full(acc, False), nxt, full(delta, 0.0))
-
-    def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
-        return tuple(t[rows] for t in self.prob)
-
-    def state(self, nodes: torch.Tensor) -> torch.Tensor:
-        out = torch.where((nodes == self.par)[:, None], self.par_y, self.cur_y)
-        is_kid = nodes[:, None] == self.kid_nodes
-        k = is_kid.to(torch.int8).argmax(1)
-        kid_y = self.kids[self.rows, k]
-        return torch.where((is_kid.any(1) & (nodes != self.cur))[:, None], kid_y, out)
-
-    def velocity(self, nodes: torch.Tensor) -> torch.Tensor:
-        """Velocities at ``nodes``: the path's evaluations are known; siblings and the committed leaf are evaluated now."""
-        ctx, d = self.ctx, self.d
-        known_par = nodes == self.par
-        known_cur = (nodes == self.cur) & self.cur_evaluated
-        out = torch.where(known_par[:, None], self.par_v, self.cur_v)
-        need = (~known_par & ~known_cur).nonzero()[:, 0]
-        if need.numel():
-            y = self.state(nodes)[need]
-            s = (d.s0[need] + d.tt.depth[nodes[need]]).clamp(max=ctx.T - 1)
-            out[need] = ctx.target(y, ctx.tab.sig[s], d.ids[need])
-        return out
-
-    def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        return self.kids[rows]
-
-
-@dataclass(frozen=True)
-class WalkResult:
-    """One group's outcome (rows as in its :class:`Draft`): new states, commits, prefetch, statistics
-    and observations."""
-
-    x: torch.Tensor  # (Bs, D)
-    committed: torch.Tensor  # (Bs,)
-    pre_y: torch.Tensor
-    pre_v: torch.Tensor
-    pre_step: torch.Tensor
-    act: torch.Tensor  # (Bs, Lw) bool: verification met at depth l
-    acc: torch.Tensor  # (Bs, Lw) bool
-    delta: torch.Tensor  # (Bs, Lw) float64
-    observed: Optional[tuple] = None  # (y, mu_q, steps, rows) of the verified parents
-    draft_calls: int = 0
-
-
-def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
-    """From each root down to the first rejection, the residual there, and the prefetch rule (phase 4)."""
-    tt, dev = d.tt, ctx.device
-    Bs = d.ids.numel()
-    cur = torch.zeros(Bs, dtype=torch.long, device=dev)
-    alive = torch.ones(Bs, dtype=torch.bool, device=dev)
-    acts, accs, deltas, obs = [], [], [], []
-    for level in range(1, d.Lr + 1):
-        # a walk goes on while every child so far was accepted, within its lookahead, above a leaf;
-        # the realizer says which nodes are verified (None: no walk goes on)
-        lv = R.level(level, cur, alive)
-        if lv is None:
-            break
-        alive = lv.accepted
-        # a rejected walk stays at the node whose children it rejected
-        cur = torch.where(alive, lv.next, cur)
-        acts.append(lv.verified)
-        accs.append(alive)
-        deltas.append(lv.delta)
-        if lv.y is not None:
-            obs.append((lv.verified, lv.y, lv.mu_q, level))
-    act_t, acc_t = torch.stack(acts, 1), torch.stack(accs, 1)
-    rejected = (act_t & ~acc_t).any(1)
-    ncom = act_t.sum(1)
-    rej_node = cur
-    new_x = R.state(cur)
-    r = rejected.nonzero()[:, 0]
-    if r.numel():
-        s_hat, delta, valid, idx, ckeys, e, scale, kids = R.problem(r, rej_node[r])
-        new_x = new_x.index_put((r,), ctx.coupling.rejected_state(
-            s_hat, delta, valid, idx, streams.Stream(ckeys, streams.SLOT_COUPLE), kids, scale, e))
-
-    # -- prefetch: which evaluation the next round drafts from ----------------------------------
-    own = ~rejected & tt.eval_at[d.Ls, cur]
-    src = torch.where(rejected, rej_node, torch.where(own, cur, tt.parent[cur].clamp(min=0)))
-    if ctx.prefetch == "nearest" and r.numel():
-        ch = tt.children[rej_node[r]]
-        ok = (ch >= 0) & tt.eval_at[d.Ls[r][:, None], ch.clamp(min=0)]
-        dist = (R.children_states(r, rej_node[r]) - new_x[r][:, None]).square().sum(-1)
-        dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
-        pick, has = dist.argmin(1), ok.any(1)
-        src = src.index_put((r,), torch.where(has, ch.gather(1, pick[:, None])[:, 0], src[r]))
-    pre_y, pre_v = R.state(src), R.velocity(src)
-    pre_step = d.s0 + tt.depth[src]
-    observed = None
-    if obs:
-        act_o = torch.cat([o[0] for o in obs])
-        rows = torch.arange(Bs, device=dev).repeat(len(obs))[act_o]
-        steps = torch.cat([d.s0 + o[3] - 1 for o in obs])[act_o]
-        observed = (torch.cat([o[1] for o in obs])[act_o], torch.cat([o[2] for o in obs])[act_o], steps, rows)
-    return WalkResult(new_x, ncom, pre_y, pre_v, pre_step, act_t, acc_t, torch.stack(deltas, 1), observed,
-                      getattr(R, "draft_calls", 0))
-
-
 # -- phase 5: commit -------------------------------------------------------------------------
 
 
-def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, drafts: list, walks: list,
-           draft_calls: int) -> RunState:
+def commit(
+    ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, drafts: list, walks: list, draft_calls: int
+) -> RunState:
     """The run state after the round (phase 5)."""
     x, step, pre, c = state.x, state.step, state.pre, state.counters
     ids1 = sched.single
@@ -770,8 +460,13 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
         mean = ctx.tab.mean(x, ev.single, step)
         noise = streams.normal(ctx.step_keys.gather(1, step[:, None])[:, 0], x.shape[1], ctx.work, streams.TAG_EXACT)
         counters = replace(c, nfe=c.nfe + 1, per_traj=c.per_traj + ctx.one_row)
-        return replace(state, x=torch.addcmul(mean, ctx.tab.scale[step][:, None], noise), step=step + 1,
-                       counters=counters, rounds=state.rounds + 1)
+        return replace(
+            state,
+            x=torch.addcmul(mean, ctx.tab.scale[step][:, None], noise),
+            step=step + 1,
+            counters=counters,
+            rounds=state.rounds + 1,
+        )
     committed = torch.zeros_like(step)
     per_traj, per_depth, commits = c.per_traj, c.per_depth, c.commits
     if ids1.numel():
@@ -783,8 +478,9 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
         committed = committed.index_put((ids1,), move.long())
         if sched.n_fetch:
             f = torch.nonzero_static(sched.fetch, size=sched.n_fetch)[:, 0]
-            pre = pre.with_rows(ids1[f], state.x[ids1[f]], ev.single[f], s1[f], keep_prev=False,
-                                history=ctx.proposal.uses_history)
+            pre = pre.with_rows(
+                ids1[f], state.x[ids1[f]], ev.single[f], s1[f], keep_prev=False, history=ctx.proposal.uses_history
+            )
     records = state.records
     dstate = state.draft_state
     hist = ctx.proposal.uses_history
@@ -799,8 +495,11 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
             pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True, history=hist)
         Lw = w.act.shape[1]
         cols = ctx.depth_cols[:Lw]
-        per_depth = per_depth.index_put((ids[:, None], cols[None]), torch.stack(
-            [w.act.double(), w.acc.double(), torch.where(w.act, w.delta, 0.0)], -1), accumulate=True)
+        per_depth = per_depth.index_put(
+            (ids[:, None], cols[None]),
+            torch.stack([w.act.double(), w.acc.double(), torch.where(w.act, w.delta, 0.0)], -1),
+            accumulate=True,
+        )
         per_traj = per_traj.index_add(0, ids, torch.stack([torch.ones_like(ids), w.committed, d.tt.rows_at[d.Ls]], 1))
         commits = commits.index_put((ids, w.committed), torch.ones_like(ids), accumulate=True)
         if ctx.record or ctx.policy is not None:
@@ -810,11 +509,20 @@ def commit(ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, d
             records = records + (rec.cpu(),)
         if w.observed is not None:
             y, mu_q, steps_o, rws = w.observed
-            dstate = ctx.proposal.observe(dstate, ctx.tab, y, mu_q, steps_o, state.pre.take(ids[rws]),
-                                          ctx.tab64.scale[steps_o])
+            dstate = ctx.proposal.observe(
+                dstate, ctx.tab, y, mu_q, steps_o, state.pre.take(ids[rws]), ctx.tab64.scale[steps_o]
+            )
     counters = Counters(c.nfe + sched.active, per_traj, per_depth, commits)
-    return RunState(x, step + committed, pre, counters, dstate, records, state.rounds + 1,
-                    state.draft_calls + draft_calls + sum(w.draft_calls for w in walks))
+    return RunState(
+        x,
+        step + committed,
+        pre,
+        counters,
+        dstate,
+        records,
+        state.rounds + 1,
+        state.draft_calls + draft_calls + sum(w.draft_calls for w in walks),
+    )
 
 
 def run_round(ctx: RunContext, state: RunState) -> Optional[RunState]:

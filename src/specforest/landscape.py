@@ -79,8 +79,13 @@ def lp_bound(delta: float, K: int, cells: int = 400, max_rounds: int = 50) -> fl
         add(mask)
     value = float("nan")
     for _ in range(max_rounds):
-        res = linprog(-np.ones(n), A_ub=np.array(rows), b_ub=np.array(rhs),
-                      bounds=list(zip(np.zeros(n), q, strict=True)), method="highs")
+        res = linprog(
+            -np.ones(n),
+            A_ub=np.array(rows),
+            b_ub=np.array(rhs),
+            bounds=list(zip(np.zeros(n), q, strict=True)),
+            method="highs",
+        )
         if not res.success:  # pragma: no cover
             raise RuntimeError(f"bound LP failed: {res.message}")
         m, value = res.x, -res.fun
@@ -96,9 +101,7 @@ def lp_bound(delta: float, K: int, cells: int = 400, max_rounds: int = 50) -> fl
     return float(value)
 
 
-def acceptance_table(
-    deltas: Sequence[float], Ks: Sequence[int]
-) -> list[dict]:
+def acceptance_table(deltas: Sequence[float], Ks: Sequence[int]) -> list[dict]:
     """One row per ``(delta, K)`` with the acceptance of each coupling and the bound.
 
     Keys: ``delta, K, rmc, grs, rank, antithetic, bound``. ``rmc`` is the single-
@@ -132,20 +135,29 @@ def plot_landscape(path, Ks: Sequence[int] = (1, 2, 4, 8), deltas: Optional[np.n
     in percent (the shaded band is within 2 % of it; structured siblings may
     rise above 0).
     """
-    import matplotlib
+    from .plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .atomic import atomic_write
+    plt = pyplot()
 
     deltas = np.linspace(0.0, 5.0, 51) if deltas is None else deltas
     rows = acceptance_table(deltas, Ks)
-    fig, axes = plt.subplots(2, len(Ks), figsize=(4.0 * len(Ks), 6.4), sharex=True, sharey="row",
-                             constrained_layout=True, squeeze=False, height_ratios=[3, 2])
-    styles = {"rmc": ("RMC (K=1)", "0.5", "--"), "grs": ("GRS", "#1D3557", "-"),
-              "rank": ("rank (max-conditioned)", "#E76F51", "-"), "antithetic": ("antithetic pairs", "#2A9D8F", "-"),
-              "bound": ("i.i.d. bound", "k", ":")}
+    fig, axes = plt.subplots(
+        2,
+        len(Ks),
+        figsize=(4.0 * len(Ks), 6.4),
+        sharex=True,
+        sharey="row",
+        constrained_layout=True,
+        squeeze=False,
+        height_ratios=[3, 2],
+    )
+    styles = {
+        "rmc": ("RMC (K=1)", "0.5", "--"),
+        "grs": ("GRS", "#1D3557", "-"),
+        "rank": ("rank (max-conditioned)", "#E76F51", "-"),
+        "antithetic": ("antithetic pairs", "#2A9D8F", "-"),
+        "bound": ("i.i.d. bound", "k", ":"),
+    }
     for col, K in enumerate(Ks):
         top, bottom = axes[0, col], axes[1, col]
         sub = [r for r in rows if r["K"] == K]
@@ -156,7 +168,9 @@ def plot_landscape(path, Ks: Sequence[int] = (1, 2, 4, 8), deltas: Optional[np.n
                 continue
             top.plot(xs, ys, ls, color=color, label=label, lw=1.6)
             if key != "rmc":
-                rel = [100.0 * (y / r["bound"] - 1.0) if r["bound"] > 1e-9 else 0.0 for y, r in zip(ys, sub, strict=True)]
+                rel = [
+                    100.0 * (y / r["bound"] - 1.0) if r["bound"] > 1e-9 else 0.0 for y, r in zip(ys, sub, strict=True)
+                ]
                 bottom.plot(xs, rel, ls, color=color, lw=1.6)
         top.set_title(f"K = {K}")
         bottom.set_xlabel(r"$\delta = \|m_q - m_p\| / \sigma$")
@@ -167,5 +181,4 @@ def plot_landscape(path, Ks: Sequence[int] = (1, 2, 4, 8), deltas: Optional[np.n
         top.legend(frameon=False, fontsize=7)
     axes[0, 0].set_ylabel("per-step acceptance")
     axes[1, 0].set_ylabel("vs i.i.d. bound (%)")
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=150), binary=True)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -6,6 +6,8 @@ the observed ``delta`` at depth ``l``, of the coupling's closed-form acceptance
 with ``k`` children. :func:`plan_tree` calibrates on a short lazy run of a chain
 (independent randomness) and returns :func:`specforest.trees.optimal` for the
 budget. The plan is fixed before sampling, so the sampler stays exact.
+:func:`make_tree` is the one place where every command turns its ``K``/``L``
+options into a tree.
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ import torch
 
 from .couplings import Coupling, get_coupling
 from .sampler import sample
-from .trees import DraftTree, TreePolicy, chain, optimal
+from .trees import DraftTree, TreePolicy, chain, optimal, uniform
 
-__all__ = ["AdaptiveTree", "acceptance_model", "plan_tree"]
+__all__ = ["TREE_MODES", "AdaptiveTree", "acceptance_model", "make_tree", "plan_tree"]
+
+TREE_MODES = ("uniform", "optimal", "adaptive")
+"""How a command's tree is chosen. ``uniform``: the ``(K, L)`` tree of
+:func:`make_tree` (a chain for couplings with one child per node); ``optimal``:
+:func:`plan_tree` for a budget, from an acceptance model calibrated on a
+separate short run; ``adaptive``: :class:`AdaptiveTree`, re-planned every round
+from the run's own statistics."""
 
 _GRID = torch.linspace(0.0, 12.0, 241, dtype=torch.float64)
 
@@ -70,6 +79,69 @@ def acceptance_model(
     return a
 
 
+def _check_size(name: str, v: object) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        raise TypeError(f"{name} must be None or an int >= 1, got {type(v).__name__}")
+    if v is not None and v < 1:
+        raise ValueError(f"{name} must be None or an int >= 1, got {v}")
+
+
+def make_tree(
+    K: Optional[int] = None,
+    L: Optional[int] = None,
+    *,
+    coupling: "str | Coupling" = "grs",
+    tree: Optional[DraftTree] = None,
+    steps: Optional[int] = None,
+) -> Optional[DraftTree]:
+    """The draft tree a command's ``tree``/``K``/``L``/``coupling`` options ask for.
+
+    ``tree`` is returned as given. Otherwise ``K`` and ``L`` give
+    ``trees.uniform(K, L)``; a coupling that verifies one child per node
+    (``max_children == 1``, e.g. ``rmc``) drafts a chain, and then ``L`` is its
+    budget ``B`` (e.g. ``K + K**2`` to match a ``(K, 2)`` tree) and ``K`` must be
+    ``None`` or 1. Nothing gives ``None``, the standard sampler. A chain longer
+    than ``steps`` is cut to ``steps`` nodes: rounds never outrun the grid, so
+    this changes nothing but memory.
+
+    Args:
+        K: children per node, ``>= 1`` (or ``None``).
+        L: depth, or the chain's length for one-child couplings, ``>= 1`` (or ``None``).
+        coupling: a registered coupling name or a :class:`~specforest.couplings.Coupling`.
+        tree: an explicit :class:`~specforest.trees.DraftTree`; exclusive with ``K``/``L``.
+        steps: grid steps ``T`` (caps a chain's length).
+
+    Returns:
+        A :class:`~specforest.trees.DraftTree`, or ``None`` for the standard sampler.
+
+    Raises:
+        ValueError / TypeError: naming the offending parameter.
+    """
+    _check_size("K", K)
+    _check_size("L", L)
+    if tree is not None:
+        if not isinstance(tree, DraftTree):
+            raise TypeError(f"tree must be a DraftTree (see specforest.trees) or None, got {type(tree).__name__}")
+        if K is not None or L is not None:
+            raise ValueError("give either tree or K/L, not both")
+        return tree
+    if K is None and L is None:
+        return None
+    cp = get_coupling(coupling)
+    if cp.max_children == 1:
+        if L is None:
+            raise ValueError(f"coupling={cp.name!r} drafts a chain: give L (its length B), e.g. L=K+K**2")
+        if K not in (None, 1):
+            raise ValueError(
+                f"coupling={cp.name!r} verifies one child per node, got K={K}; pass L=B (the chain length), "
+                "e.g. the matched budget K + K**2 of a (K, 2) tree"
+            )
+        return chain(min(L, steps) if steps is not None else L)
+    if K is None or L is None:
+        raise ValueError(f"give both K and L for a (K, L) tree, got K={K}, L={L}")
+    return uniform(K, L)
+
+
 def plan_tree(
     model: Callable,
     x: torch.Tensor,
@@ -106,8 +178,17 @@ def plan_tree(
             raise TypeError(f"cond must be a dict of tensors with one row per trajectory, got {type(cond).__name__}")
         cond = {k: v[:calibration_trajectories] for k, v in cond.items()}
     cal = sample(
-        model, x[:calibration_trajectories], steps=steps, churn=churn, tree=chain(depth), coupling="grs", cond=cond,
-        lazy=True, record_deltas=True, generator=generator, **sample_kwargs,
+        model,
+        x[:calibration_trajectories],
+        steps=steps,
+        churn=churn,
+        tree=chain(depth),
+        coupling="grs",
+        cond=cond,
+        lazy=True,
+        record_deltas=True,
+        generator=generator,
+        **sample_kwargs,
     )
     acc = acceptance_model(cal.stats.deltas[:, [0, 2]], coupling, kmax)
     return optimal(acc, budget, depth, kmax=kmax)
@@ -134,8 +215,9 @@ class AdaptiveTree(TreePolicy):
             it at the number of steps).
     """
 
-    def __init__(self, budget: int, kmax: int = 16, initial: Optional[DraftTree] = None,
-                 max_depth: Optional[int] = None) -> None:
+    def __init__(
+        self, budget: int, kmax: int = 16, initial: Optional[DraftTree] = None, max_depth: Optional[int] = None
+    ) -> None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget must be an int >= 1, got {budget!r}")
         if isinstance(kmax, bool) or not isinstance(kmax, int) or kmax < 1:

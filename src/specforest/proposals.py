@@ -81,8 +81,16 @@ class Prefetch:
         """The rows ``idx`` of every field (of ``y, v, step, valid`` only unless ``history``)."""
         if history:
             return Prefetch(*(getattr(self, f.name)[idx] for f in fields(self)))
-        return Prefetch(self.y[idx], self.v[idx], self.step[idx], self.prev_y, self.prev_v, self.prev_step,
-                        self.has_prev, self.valid[idx])
+        return Prefetch(
+            self.y[idx],
+            self.v[idx],
+            self.step[idx],
+            self.prev_y,
+            self.prev_v,
+            self.prev_step,
+            self.has_prev,
+            self.valid[idx],
+        )
 
     def replaced(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, history: bool = True) -> "Prefetch":
         """Every row replaced by a new evaluation, the old one kept as ``prev`` (``with_rows`` of all rows)."""
@@ -91,8 +99,15 @@ class Prefetch:
             return replace(self, y=y, v=v, step=step, valid=valid)
         return Prefetch(y, v, step, self.y, self.v, self.step, self.valid, valid)
 
-    def with_rows(self, idx: torch.Tensor, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
-                  keep_prev: bool, history: bool = True) -> "Prefetch":
+    def with_rows(
+        self,
+        idx: torch.Tensor,
+        y: torch.Tensor,
+        v: torch.Tensor,
+        step: torch.Tensor,
+        keep_prev: bool,
+        history: bool = True,
+    ) -> "Prefetch":
         """A new prefetch with rows ``idx`` replaced by an evaluation; the old one becomes ``prev`` if
         ``keep_prev`` (``prev`` is only tracked with ``history``)."""
         put = lambda t, val: t.index_put((idx,), val)  # noqa: E731
@@ -100,9 +115,16 @@ class Prefetch:
         if not history:
             return replace(self, y=put(self.y, y), v=put(self.v, v), step=put(self.step, step), valid=valid)
         keep = torch.full_like(idx, keep_prev, dtype=torch.bool) & self.valid[idx]
-        return Prefetch(put(self.y, y), put(self.v, v), put(self.step, step),
-                        put(self.prev_y, self.y[idx]), put(self.prev_v, self.v[idx]), put(self.prev_step, self.step[idx]),
-                        put(self.has_prev, keep), valid)
+        return Prefetch(
+            put(self.y, y),
+            put(self.v, v),
+            put(self.step, step),
+            put(self.prev_y, self.y[idx]),
+            put(self.prev_v, self.v[idx]),
+            put(self.prev_step, self.step[idx]),
+            put(self.has_prev, keep),
+            valid,
+        )
 
 
 class Proposal:
@@ -156,8 +178,14 @@ class Proposal:
         raise NotImplementedError
 
     def mean(
-        self, tab: StepTables, y: torch.Tensor, steps: torch.Tensor, pre: Optional[Prefetch], cond: dict,
-        shape: tuple[int, ...], state: Any,
+        self,
+        tab: StepTables,
+        y: torch.Tensor,
+        steps: torch.Tensor,
+        pre: Optional[Prefetch],
+        cond: dict,
+        shape: tuple[int, ...],
+        state: Any,
     ) -> torch.Tensor:
         """Draft means ``(Bs, n, D)`` at parents ``y (Bs, n, D)`` at ``steps (Bs, n)``.
 
@@ -168,8 +196,14 @@ class Proposal:
         return torch.addcmul(C, A, y)
 
     def observe(
-        self, state: Any, tab: StepTables, y: torch.Tensor, mu_q: torch.Tensor, steps: torch.Tensor,
-        pre: Prefetch, scale: torch.Tensor,
+        self,
+        state: Any,
+        tab: StepTables,
+        y: torch.Tensor,
+        mu_q: torch.Tensor,
+        steps: torch.Tensor,
+        pre: Prefetch,
+        scale: torch.Tensor,
     ) -> Any:
         """The next state, given one round's verified parents (only if :attr:`observes`).
 
@@ -314,8 +348,10 @@ class AutoDraft(Proposal):
 
     def init_state(self, device):
         n = self.max_offset + 1
-        return (torch.zeros(n, len(FROZEN_KINDS), dtype=torch.float64, device=device),
-                torch.zeros(n, dtype=torch.float64, device=device))
+        return (
+            torch.zeros(n, len(FROZEN_KINDS), dtype=torch.float64, device=device),
+            torch.zeros(n, dtype=torch.float64, device=device),
+        )
 
     @staticmethod
     def choice(state) -> torch.Tensor:

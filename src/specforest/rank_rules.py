@@ -1,4 +1,4 @@
-"""Selection rules by rank, behind the ``rank`` and ``antithetic`` couplings (issue #6).
+"""Selection rules by rank, behind the ``rank`` and ``antithetic`` couplings.
 
 A list coupling selects one of ``M`` values (the children's projections) using
 only those values, then maximally couples the selected value ``X`` with the
@@ -245,8 +245,16 @@ def rule_lp(
     for r in range(rows):
         a_eq[r, r * M : (r + 1) * M] = 1.0
     bounds = [(0, None)] * nv + [(0, float(qi)) for qi in q]
-    res = linprog(c, A_ub=A, b_ub=np.zeros(n), A_eq=a_eq, b_eq=np.ones(rows), bounds=bounds, method="highs",
-                  options={"time_limit": time_limit})
+    res = linprog(
+        c,
+        A_ub=A,
+        b_ub=np.zeros(n),
+        A_eq=a_eq,
+        b_eq=np.ones(rows),
+        bounds=bounds,
+        method="highs",
+        options={"time_limit": time_limit},
+    )
     if res.x is None or res.status not in (0, 1):
         if not per_cell:  # pragma: no cover - the one-row LP is small and well posed
             raise RuntimeError(f"rank-rule LP failed at delta={delta}, M={M}: {res.message}")

@@ -146,14 +146,14 @@ def _sample_keys(generator, seed, sample_index, B: int, device) -> torch.Tensor:
     """``(B,)`` per-sample keys from a seed, a generator or a list of generators (see :func:`sample`)."""
     if isinstance(generator, (list, tuple)):
         if len(generator) != B or not all(isinstance(g, torch.Generator) for g in generator):
-            raise ValueError(f"a list of generators must hold one torch.Generator per sample ({B}), "
-                             f"got {len(generator)} items")
+            raise ValueError(
+                f"a list of generators must hold one torch.Generator per sample ({B}), got {len(generator)} items"
+            )
         if seed is not None:
             raise ValueError("give seed or a list of generators, not both")
         return streams.keys_from_generators(generator, device)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator, a list of them or None, got {type(generator).__name__}")
+        raise TypeError(f"generator must be a torch.Generator, a list of them or None, got {type(generator).__name__}")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
@@ -176,7 +176,9 @@ def _check_cond(cond, B: int) -> dict:
     if cond is None:
         return {}
     if not isinstance(cond, dict):
-        raise TypeError(f"cond must be a dict of tensors with one row per trajectory or None, got {type(cond).__name__}")
+        raise TypeError(
+            f"cond must be a dict of tensors with one row per trajectory or None, got {type(cond).__name__}"
+        )
     for k, v in cond.items():
         if not isinstance(v, torch.Tensor) or v.ndim < 1 or v.shape[0] != B:
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
@@ -346,9 +348,21 @@ def sample(
     target = Target(model, shape, work, max_rows, cond, model_kwargs or {}, dev)
     T = sde.steps
     ctx = engine.RunContext(
-        tab=sde.tables(dev, work), tab64=sde.tables(dev, torch.float64), T=T, coupling=cp, proposal=proposal,
-        target=target, verify=verify, prefetch=prefetch, lazy=lazy, tree=fixed, policy=policy, shape=shape,
-        work=work, device=dev, step_keys=streams.fold(keys[:, None], torch.arange(T, device=dev)[None]),
+        tab=sde.tables(dev, work),
+        tab64=sde.tables(dev, torch.float64),
+        T=T,
+        coupling=cp,
+        proposal=proposal,
+        target=target,
+        verify=verify,
+        prefetch=prefetch,
+        lazy=lazy,
+        tree=fixed,
+        policy=policy,
+        shape=shape,
+        work=work,
+        device=dev,
+        step_keys=streams.fold(keys[:, None], torch.arange(T, device=dev)[None]),
         record=record_deltas,
     )
     L = fixed.L if fixed is not None else (min(policy.max_depth, T) if policy is not None else 0)
@@ -372,8 +386,14 @@ def sample(
             bar.n = int(state.step.min())
             bar.refresh()
         if callback is not None:
-            callback({"round": state.rounds, "step": state.step.clone(), "x": state.x.reshape(B, *shape),
-                      "committed": state.step - prev})
+            callback(
+                {
+                    "round": state.rounds,
+                    "step": state.step.clone(),
+                    "x": state.x.reshape(B, *shape),
+                    "committed": state.step - prev,
+                }
+            )
     if bar is not None:
         bar.close()
     xs = state.x
@@ -382,9 +402,17 @@ def sample(
         raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
     c = state.counters
     stats = SampleStats(
-        nfe=c.nfe, rounds=c.per_traj[:, 0], spec_steps=c.per_traj[:, 1], attempts=c.per_depth[..., 0].long(),
-        accepts=c.per_depth[..., 1].long(), delta_sum=c.per_depth[..., 2], commits=c.commits, rows=c.per_traj[:, 2],
-        calls=state.rounds, draft_calls=state.draft_calls, steps=T,
+        nfe=c.nfe,
+        rounds=c.per_traj[:, 0],
+        spec_steps=c.per_traj[:, 1],
+        attempts=c.per_depth[..., 0].long(),
+        accepts=c.per_depth[..., 1].long(),
+        delta_sum=c.per_depth[..., 2],
+        commits=c.commits,
+        rows=c.per_traj[:, 2],
+        calls=state.rounds,
+        draft_calls=state.draft_calls,
+        steps=T,
     )
     if record_deltas:
         stats.deltas = torch.cat(state.records) if state.records else torch.zeros(0, 4, dtype=torch.float64)
@@ -392,10 +420,16 @@ def sample(
     stats.phase_seconds = dict(ctx.phase_seconds)
     stats.wall_seconds = time.perf_counter() - t0
     config = dict(
-        steps=sde.steps, churn=sde.churn, grid=grid if sigmas is None else "custom", shift=shift,
+        steps=sde.steps,
+        churn=sde.churn,
+        grid=grid if sigmas is None else "custom",
+        shift=shift,
         tree=None if tree is None else repr(tree),
         budget=0 if tree is None else tree.budget,
-        coupling=cp.name, draft=proposal.name, prefetch=prefetch, verify=verify,
+        coupling=cp.name,
+        draft=proposal.name,
+        prefetch=prefetch,
+        verify=verify,
         mode="lazy" if lazy else "full",
     )
     return SampleResult(xs.reshape(B, *shape).to(x.dtype), stats, config)

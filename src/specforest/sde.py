@@ -67,9 +67,7 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
 
 
-def flow_match_grid(
-    steps: int, *, shift: float = 1.0, num_train_timesteps: int = 1000
-) -> torch.Tensor:
+def flow_match_grid(steps: int, *, shift: float = 1.0, num_train_timesteps: int = 1000) -> torch.Tensor:
     """The grid of diffusers' ``FlowMatchEulerDiscreteScheduler`` at its defaults.
 
     Noise levels ``linspace(1, 1/num_train_timesteps, steps)`` (optionally
@@ -200,9 +198,7 @@ class ReverseSDE:
             cache[key] = StepTables.build(self, torch.device(device), dtype)
         return cache[key]
 
-    def mean_from_velocity(
-        self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor
-    ) -> torch.Tensor:
+    def mean_from_velocity(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """Transition mean of eq. (36), or the Euler step on deterministic steps.
 
         ``y - gamma [(1 + eps^2) v + eps^2 y / t]`` on stochastic steps,
@@ -218,9 +214,7 @@ class ReverseSDE:
         """
         return self.tables(y.device, y.dtype).mean(y, v, step)
 
-    def mean_from_drift(
-        self, y: torch.Tensor, drift: torch.Tensor, step: torch.Tensor
-    ) -> torch.Tensor:
+    def mean_from_drift(self, y: torch.Tensor, drift: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """``y + gamma b`` per state, for a given reverse drift ``b`` (eq. 5); shapes as :meth:`mean_from_velocity`."""
         return y + self.tables(y.device, y.dtype).gamma[step][..., None] * drift
 
@@ -264,8 +258,18 @@ class StepTables:
         to = lambda x: x.to(device, dtype)  # noqa: E731
         # the scale with 1 on deterministic steps: for problems that are never verified but must stay finite
         safe = torch.where(sde.scale > 0, sde.scale, torch.ones_like(sde.scale))
-        return cls(to(sde.sigmas), to(g), to(sde.scale), to(safe), to(a), to(c), to(f), to(k), stoch.to(device),
-                   sde.run_end.to(device))
+        return cls(
+            to(sde.sigmas),
+            to(g),
+            to(sde.scale),
+            to(safe),
+            to(a),
+            to(c),
+            to(f),
+            to(k),
+            stoch.to(device),
+            sde.run_end.to(device),
+        )
 
     def mean(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """``a[step] * y + c[step] * v``: ``y, v (M, ..., D)``, ``step (M, ...)``.

@@ -32,8 +32,16 @@ class Target:
         model_kwargs: passed to every call as they are.
     """
 
-    def __init__(self, fn: Callable, shape: tuple, dtype: torch.dtype, max_rows: Optional[int],
-                 cond: dict, model_kwargs: dict, device: "torch.device | str" = "cpu") -> None:
+    def __init__(
+        self,
+        fn: Callable,
+        shape: tuple,
+        dtype: torch.dtype,
+        max_rows: Optional[int],
+        cond: dict,
+        model_kwargs: dict,
+        device: "torch.device | str" = "cpu",
+    ) -> None:
         self.fn, self.shape, self.dtype, self.max_rows = fn, shape, dtype, max_rows
         self.cond, self.kwargs = cond, model_kwargs
         self.seconds = 0.0

@@ -126,8 +126,14 @@ def run_case(coupling: Coupling, delta: float, K: int, d: int, n: int = 100_000,
     if coupling.structured_siblings:
         z = coupling.structure_noise(z)
     children = mu_p.float() + float(scale) * z
-    res = coupling(mu_p.float().expand(n, d), mu_q.float().expand(n, d), torch.full((n,), scale, dtype=torch.float64),
-                   children, torch.ones(n, K, dtype=torch.bool), g)
+    res = coupling(
+        mu_p.float().expand(n, d),
+        mu_q.float().expand(n, d),
+        torch.full((n,), scale, dtype=torch.float64),
+        children,
+        torch.ones(n, K, dtype=torch.bool),
+        g,
+    )
     y = (res.state.double() - mu_p) / scale
     s = y @ direction
     perp = y - s[:, None] * direction
@@ -328,8 +334,18 @@ def check_chain_law(
     mu0, s0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 0.3
     gauss = GaussianMixture(mu0[None], torch.tensor([s0]))
     x = torch.randn(trajectories, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    out = sample(gauss, x, steps=steps, churn=churn, grid=grid, tree=tree, coupling=coupling, draft=draft,
-                 seed=seed + 1, **sample_kwargs)
+    out = sample(
+        gauss,
+        x,
+        steps=steps,
+        churn=churn,
+        grid=grid,
+        tree=tree,
+        coupling=coupling,
+        draft=draft,
+        seed=seed + 1,
+        **sample_kwargs,
+    )
     sigmas = uniform_grid(steps) if grid == "uniform" else flow_match_grid(steps)
     rep = check_law(out.samples, sigmas, churn, mu0, s0)
     rep.nfe_mean = float(out.stats.nfe.double().mean())

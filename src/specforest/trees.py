@@ -9,7 +9,8 @@ number of steps past the round's root. Nodes are stored in breadth-first order
 
 Constructors: :func:`chain` (the RMC lookahead), :func:`uniform` (the paper's
 ``(K, L)`` family), :func:`widths` (depth-dependent widths ``[K_1, ..., K_L]``)
-and :func:`from_parents` (any rooted tree).
+and :func:`from_parents` (any rooted tree). :class:`TreeTables` holds a tree's
+topology on a run's device, with what a round reads of it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import streams
+from .validation import check_int
+
 __all__ = ["DraftTree", "TreePolicy", "chain", "uniform", "widths", "from_parents", "optimal", "VERIFY_MODES"]
 
 VERIFY_MODES = ("internal", "drafted")
@@ -26,14 +30,6 @@ VERIFY_MODES = ("internal", "drafted")
 (the cheap mode), or every node including the leaves (``drafted``)."""
 
 _MAX_NODES = 50_000_000
-
-
-def _check_int(name: str, value: object, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {lo}, got {type(value).__name__}")
-    if value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    return value
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,7 +128,7 @@ class DraftTree:
 
     def truncate(self, m: int) -> "DraftTree":
         """The induced subtree ``T|_m`` of nodes of depth at most ``m`` (eq. 11)."""
-        m = _check_int("m", m, 0)
+        m = check_int("m", m, 0)
         if m >= self.L:
             return self
         n = int(self._layer_start[m + 1])
@@ -157,15 +153,13 @@ def widths(ks: Sequence[int]) -> DraftTree:
     Returns:
         The tree with ``prod(ks[:l])`` nodes at depth ``l``.
     """
-    ks = [_check_int("K", int(k) if not isinstance(k, bool) else k, 1) for k in ks]
+    ks = [check_int("K", int(k) if not isinstance(k, bool) else k, 1) for k in ks]
     total, layer = 1, 1
     for k in ks:
         layer *= k
         total += layer
         if total > _MAX_NODES:
-            raise ValueError(
-                f"the tree would have more than {_MAX_NODES} nodes; reduce K or L"
-            )
+            raise ValueError(f"the tree would have more than {_MAX_NODES} nodes; reduce K or L")
     parents = [torch.tensor([-1])]
     depths = [torch.tensor([0])]
     start, count = 0, 1
@@ -184,14 +178,14 @@ def uniform(K: int, L: int) -> DraftTree:
         K: children per internal node, >= 1.
         L: depth (lookahead), >= 1.
     """
-    _check_int("K", K, 1)
-    _check_int("L", L, 1)
+    check_int("K", K, 1)
+    check_int("L", L, 1)
     return widths([K] * L)
 
 
 def chain(L: int) -> DraftTree:
     """The RMC chain of ``L`` drafted states (a uniform tree with ``K = 1``)."""
-    _check_int("L", L, 1)
+    check_int("L", L, 1)
     return widths([1] * L)
 
 
@@ -259,9 +253,9 @@ def optimal(
     Returns:
         The optimal tree (breadth-first ordered).
     """
-    budget = _check_int("budget", budget, 1)
-    max_depth = _check_int("max_depth", max_depth, 1)
-    kmax = budget if kmax is None else min(_check_int("kmax", kmax, 1), budget)
+    budget = check_int("budget", budget, 1)
+    max_depth = check_int("max_depth", max_depth, 1)
+    kmax = budget if kmax is None else min(check_int("kmax", kmax, 1), budget)
     acc = {}
     for level in range(1, max_depth + 1):
         for k in range(1, kmax + 1):
@@ -328,3 +322,67 @@ class TreePolicy:
             max_depth: the deepest useful tree (the horizon left), ``>= 1``.
         """
         raise NotImplementedError
+
+
+# -- on the run's device ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeTables:
+    """A tree's topology on the run's device, with what the round reads of it (made once per tree)."""
+
+    tree: DraftTree
+    parent: torch.Tensor  # (V,)
+    depth: torch.Tensor  # (V,)
+    children: torch.Tensor  # (V, K_max), -1 padded
+    internal: torch.Tensor  # (V,) bool
+    code: torch.Tensor  # (V,) int64: mixed node ids, folded into the round's key
+    valid: torch.Tensor  # (V, K_max) bool: real children (a leaf gets a full row of dummy ones)
+    layers: tuple  # per depth l: (start, stop, k) with k the common number of children or 0 if mixed
+    rows_at: torch.Tensor  # (L + 1,) rows a round with lookahead m evaluates
+    eval_at: torch.Tensor  # (L + 1, V) bool: the nodes a round with lookahead m evaluates
+    verify_at: torch.Tensor  # (L + 1, V) bool: the nodes whose children a round with lookahead m verifies
+    step_of: torch.Tensor  # (V,) long: the step offset of the noise that drafts a node (its parent's depth)
+    L: int = 0  # depth, as a Python int (the round reads it often; no host read of a tensor)
+
+    @classmethod
+    def build(cls, tree: DraftTree, verify: str, device: torch.device) -> "TreeTables":
+        layers = []
+        for level in range(tree.L + 1):
+            sl = tree.layer(level)
+            k = tree.num_children[sl]
+            layers.append((sl.start, sl.stop, int(k[0]) if bool((k == k[0]).all()) else 0))
+        m = torch.arange(tree.L + 1)[:, None]
+        d = tree.depth[None, :]
+        # with lookahead m: the nodes whose children are verified, and the nodes the target evaluates
+        verified = (d < m) & tree.internal[None, :]
+        ev = verified if verify == "internal" else d <= m
+        code = streams.mix(torch.arange(tree.size, dtype=torch.int64) * 2 + 1)
+        valid = tree.children >= 0
+        # a node without children (a leaf) is never verified, but the full round decides every node
+        # at once: a full row of dummy children keeps its junk problem well-formed for any rule
+        valid[tree.num_children == 0] = True
+        to = lambda t: t.to(device)  # noqa: E731
+        return cls(
+            tree,
+            to(tree.parent),
+            to(tree.depth),
+            to(tree.children),
+            to(tree.internal),
+            to(code),
+            to(valid),
+            tuple(layers),
+            to(ev.sum(1)),
+            to(ev),
+            to(verified),
+            to((tree.depth - 1).clamp(min=0)),
+            tree.L,
+        )
+
+    def sizes(self, m: int) -> list:
+        """Layer sizes of the tree truncated to depth ``m``."""
+        return [b - a for a, b, _ in self.layers[: m + 1]]
+
+    def size_at(self, m: int) -> int:
+        """Nodes of the tree truncated to depth ``m``."""
+        return self.layers[min(max(m, 0), self.L)][1]

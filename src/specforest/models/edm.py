@@ -50,10 +50,9 @@ with an exact denoiser it returns the exact velocity (tested against the closed
 form of :class:`~specforest.models.GaussianMixture`).
 
 Conditioning. Keyword arguments (for example ``class_labels``) are passed to the
-network unchanged. :func:`specforest.sample` indexes a tensor whose first
-dimension is the number of trajectories per row of each call, so per-sample
-labels ``(B,)`` work for the speculative samplers too; ``class_labels=None`` is
-unconditional use.
+network unchanged. Per-sample labels ``(B,)`` go in :func:`specforest.sample`'s
+``cond={"class_labels": labels}``: every call then receives the labels of the
+trajectories its rows belong to. ``class_labels=None`` is unconditional use.
 """
 
 from __future__ import annotations

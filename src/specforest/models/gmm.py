@@ -34,9 +34,7 @@ class GaussianMixture:
     (computed in float64 internally when ``x`` is float64).
     """
 
-    def __init__(
-        self, means: torch.Tensor, stds: torch.Tensor, weights: Optional[torch.Tensor] = None
-    ) -> None:
+    def __init__(self, means: torch.Tensor, stds: torch.Tensor, weights: Optional[torch.Tensor] = None) -> None:
         means = torch.as_tensor(means, dtype=torch.float64)
         stds = torch.as_tensor(stds, dtype=torch.float64).reshape(-1)
         if means.ndim != 2 or means.shape[0] < 1 or means.shape[1] < 1:
@@ -90,8 +88,12 @@ class GaussianMixture:
         key = (dtype, device)
         if key not in self._cache:
             m = self.means.to(device, dtype)
-            self._cache[key] = (m, (m * m).sum(1), self.stds.to(device, dtype) ** 2,
-                                self.weights.to(device, dtype).log())
+            self._cache[key] = (
+                m,
+                (m * m).sum(1),
+                self.stds.to(device, dtype) ** 2,
+                self.weights.to(device, dtype).log(),
+            )
         return self._cache[key]
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor | float) -> torch.Tensor:
@@ -133,4 +135,3 @@ class GaussianMixture:
 
     def __repr__(self) -> str:
         return f"GaussianMixture(components={self.num_components}, dim={self.dim})"
-

@@ -1,0 +1,217 @@
+"""The contract every verification rule implements: :class:`Coupling`, and the rank-1 projection.
+
+Every rule works on the rank-1 reduction of paper Sec. 3.1: proposal
+``P = N(mu_p, s^2 I)`` and target ``Q = N(mu_q, s^2 I)`` differ only along
+``e = (mu_q - mu_p) / |mu_q - mu_p|``. With ``delta = |mu_q - mu_p| / s`` and the
+projection ``S = e.(Y - mu_p) / s`` (ERRATA 2), ``S ~ N(0, 1)`` under P and
+``N(delta, 1)`` under Q, and ``rho(S) = dQ/dP = exp(delta S - delta^2 / 2)``. A
+rule only replaces the projection of a child; the orthogonal part is kept
+(:func:`project`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..streams import Stream
+
+__all__ = ["Coupling", "CouplingResult", "project"]
+
+
+@dataclass
+class CouplingResult:
+    """Outcome of one batch of verification problems.
+
+    Attributes:
+        state: ``(P, D)`` the exact target draws ``Y ~ Q``.
+        accepted: ``(P,)`` bool, True if ``Y`` is one of the drafted children.
+        index: ``(P,)`` long, which child was accepted (-1 if none).
+        delta: ``(P,)`` float64 normalized mean mismatch of each problem.
+    """
+
+    state: torch.Tensor
+    accepted: torch.Tensor
+    index: torch.Tensor
+    delta: torch.Tensor
+
+
+def project(
+    z: torch.Tensor, diff: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rank-1 reduction of paper Sec. 3.1 (eqs. 12-13) for a batch of problems.
+
+    Args:
+        z: ``(..., K, D)`` the children's standardized offsets ``(Y - mu_p) / s``.
+        diff: ``(..., D)`` the mean displacement ``mu_q - mu_p``.
+        scale: ``(...)`` float64 transition std ``s > 0``.
+
+    Returns:
+        ``(s_hat, delta, e)``: ``(..., K)`` float64 projections ``e . z``,
+        ``(...)`` float64 ``delta = |diff| / s`` and ``(..., D)`` the unit
+        direction ``e`` in ``diff``'s dtype (zero where ``diff = 0``). Only
+        elementwise ops and reductions over the last axis: every problem's
+        numbers are independent of the batch it is in.
+    """
+    norm = torch.linalg.vector_norm(diff, dim=-1, keepdim=True)
+    # diff / max(norm, tiny) is the zero vector where diff is
+    e = diff / norm.clamp_min(torch.finfo(diff.dtype).tiny)
+    s_hat = (z * e[..., None, :]).sum(-1).to(torch.float64)
+    return s_hat, norm[..., 0].to(torch.float64) / scale, e
+
+
+class Coupling:
+    """Base class of verification rules (the ``Verify`` of Algorithm 1).
+
+    A rule works on the scalar projections of the rank-1 reduction (eqs.
+    12-15, which live here, as does the reconstruction): :meth:`select` decides
+    whether a child is accepted and which one; :meth:`residual` draws the
+    target projection of a rejected problem. The sampler calls :meth:`select`
+    on every verification problem of a round's tree at once and
+    :meth:`residual` only where its walk stopped, so a new rule touches neither
+    the reduction nor the sampler loop.
+
+    Randomness comes from a :class:`~specforest.streams.Stream` (one key per
+    problem); draw with ``rng.uniform(slot, n)`` / ``rng.normal(slot, n)``,
+    one slot per distinct draw of the rule, the same slots in :meth:`select`
+    and :meth:`residual` for a draw they share.
+
+    Declared needs (class attributes, read by the sampler):
+        name: registry name, recorded in results.
+        max_children: largest number of children of a node (``None``: any).
+        structured_siblings: the rule draws a node's children jointly through
+            :meth:`structure_noise` (then every internal node needs the same
+            number of children, and adaptive trees, which assume i.i.d.
+            children, are refused).
+    """
+
+    name: str = "coupling"
+    max_children: Optional[int] = None
+    structured_siblings: bool = False
+
+    def __call__(
+        self,
+        mu_p: torch.Tensor,
+        mu_q: torch.Tensor,
+        scale: torch.Tensor,
+        children: torch.Tensor,
+        valid: torch.Tensor,
+        generator: "Optional[torch.Generator] | Stream" = None,
+    ) -> CouplingResult:
+        """Couple each problem's children with its target (the whole rule, for direct use and tests).
+
+        Args:
+            mu_p: ``(P, D)`` proposal means.
+            mu_q: ``(P, D)`` target means.
+            scale: ``(P,)`` shared transition std, > 0.
+            children: ``(P, K, D)`` drafted children, i.i.d. from ``N(mu_p, scale^2 I)``
+                (or jointly by :meth:`structure_noise`).
+            valid: ``(P, K)`` bool, a prefix of True per row (at least one).
+            generator: a :class:`~specforest.streams.Stream` with ``P`` keys, or a
+                ``torch.Generator`` from which one is keyed.
+
+        Returns:
+            A :class:`CouplingResult`.
+        """
+        P, K, _ = children.shape
+        self.check_children(K)
+        work = children.dtype if children.dtype in (torch.float32, torch.float64) else torch.float32
+        rng = generator if isinstance(generator, Stream) else Stream.from_generator(P, generator, children.device)
+        s64 = scale.to(torch.float64)
+        mu_p = mu_p.to(work)
+        z = (children.to(work) - mu_p[:, None]) / s64.to(work)[:, None, None]
+        s_hat, delta, e = project(z, mu_q.to(work) - mu_p, s64)
+        accepted, index = self.select(s_hat, delta, valid, rng)
+        children = children.to(work)
+        state = children[torch.arange(P, device=children.device), index]
+        rej = (~accepted).nonzero()[:, 0]
+        if rej.numel():
+            state[rej] = self.rejected_state(
+                s_hat[rej], delta[rej], valid[rej], index[rej], rng.take(rej), children[rej], s64[rej], e[rej]
+            )
+        return CouplingResult(state, accepted, torch.where(accepted, index, -1), delta)
+
+    def rejected_state(
+        self,
+        s_hat: torch.Tensor,
+        delta: torch.Tensor,
+        valid: torch.Tensor,
+        index: torch.Tensor,
+        rng: Stream,
+        children: torch.Tensor,
+        scale: torch.Tensor,
+        e: torch.Tensor,
+    ) -> torch.Tensor:
+        """The target states ``(P, D)`` of rejected problems (eq. 15): the kept child ``index``
+        with its projection replaced by the :meth:`residual` draw, along ``e``.
+
+        Args:
+            s_hat, delta, valid, index, rng: as for :meth:`residual`.
+            children: ``(P, K, D)`` the problems' children.
+            scale: ``(P,)`` float64 transition std.
+            e: ``(P, D)`` unit mean displacement (``children``' dtype).
+        """
+        rows = torch.arange(s_hat.shape[0], device=s_hat.device)
+        s_new = self.residual(s_hat, delta, valid, index, rng)
+        shift = ((s_new - s_hat[rows, index]) * scale).to(children.dtype)
+        return torch.addcmul(children[rows, index], shift[:, None], e)
+
+    def select(
+        self, s_hat: torch.Tensor, delta: torch.Tensor, valid: torch.Tensor, rng: Stream
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decide each problem: is a child accepted, and which.
+
+        Args:
+            s_hat: ``(P, K)`` float64 projections, i.i.d. ``N(0, 1)`` (or as
+                :meth:`structure_noise` makes them).
+            delta: ``(P,)`` float64 mismatch ``>= 0``.
+            valid: ``(P, K)`` bool prefix mask of real children.
+            rng: the problems' random stream.
+
+        Returns:
+            ``(accepted, index)``: ``(P,)`` bool and ``(P,)`` long, the accepted
+            child, or when rejected the child whose orthogonal part is kept.
+        """
+        raise NotImplementedError
+
+    def residual(
+        self, s_hat: torch.Tensor, delta: torch.Tensor, valid: torch.Tensor, index: torch.Tensor, rng: Stream
+    ) -> torch.Tensor:
+        """The target projection of rejected problems (the same rows' inputs as :meth:`select`).
+
+        Returns:
+            ``(P,)`` float64: together with the accepted children's projections,
+            exactly ``N(delta, 1)``.
+        """
+        raise NotImplementedError
+
+    def acceptance(self, delta: torch.Tensor | float, K: int) -> torch.Tensor:
+        """Closed-form probability of accepting a child, given ``delta`` and ``K``."""
+        raise NotImplementedError
+
+    def model_acceptance(self, delta: torch.Tensor | float, K: int) -> torch.Tensor:
+        """A fast approximation of :meth:`acceptance` for planning models (default: the exact one)."""
+        return self.acceptance(delta, K)
+
+    def check_children(self, K: int) -> None:
+        """Raise ``ValueError`` if a node cannot have ``K`` children under this rule."""
+        if self.max_children is not None and K > self.max_children:
+            raise ValueError(
+                f"coupling {self.name!r} takes at most {self.max_children} child per node, "
+                f"got {K}; use a tree with K <= {self.max_children} or another coupling"
+            )
+
+    def structure_noise(self, z: torch.Tensor) -> torch.Tensor:
+        """Joint law of siblings: map i.i.d. standard noise ``(n, K, ...)`` of each
+        node's ``K`` children to the noise the rule expects (identity: i.i.d.).
+
+        Only used when :attr:`structured_siblings` is True. Every sibling must
+        stay marginally standard normal, so each child (and the subtree drafted
+        below it) keeps the proposal's law.
+        """
+        return z
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,163 @@
+"""A diffusers flow-matching transformer as the library's model contract, ``v(x, sigma, **cond)``.
+
+Stable Diffusion 3 is a rectified flow: its transformer predicts the velocity
+``v = E[xi - x_0 | x_sigma]`` of the linear path ``x_sigma = (1 - sigma) x_0 +
+sigma xi`` at ``timestep = 1000 sigma``. :class:`FlowMatchVelocity` adapts it,
+classifier-free guidance included, in one batched call per round.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["FlowMatchVelocity", "module_dtype_device"]
+
+
+def module_dtype_device(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The ``(dtype, device)`` of a diffusers model (its attributes, else its first parameter)."""
+    dtype = getattr(module, "dtype", None)
+    device = getattr(module, "device", None)
+    if not isinstance(dtype, torch.dtype) or not isinstance(device, torch.device):
+        p = next(module.parameters())
+        dtype, device = p.dtype, p.device
+    return dtype, device
+
+
+class FlowMatchVelocity:
+    """A diffusers flow-matching transformer as a velocity ``v(x, sigma, **cond)``.
+
+    Wraps ``SD3Transformer2DModel`` (and any transformer with its call signature
+    that is used with ``FlowMatchEulerDiscreteScheduler``): the network is
+    called at ``timestep = num_train_timesteps * sigma``, the scheduler's
+    convention, and its output is the velocity of the linear path.
+
+    Classifier-free guidance: with ``guidance_scale > 1`` the unconditional and
+    conditional branches of every row go through **one** batched transformer
+    call (rows ``[uncond; cond]``, as the SD3 pipeline orders them) and
+    ``v = v_uncond + g (v_cond - v_uncond)``, computed in float32. The guided
+    velocity is the target; the sampler treats it like any other model.
+
+    The transformer runs in its own dtype on ``device``; states are cast in and
+    the velocity is returned in float32 on the states' device.
+
+    Args:
+        transformer: the network, called as ``transformer(hidden_states=,
+            timestep=, encoder_hidden_states=, pooled_projections=,
+            return_dict=False)[0]``.
+        guidance_scale: ``g >= 0``; ``g <= 1`` runs the conditional branch only.
+        num_train_timesteps: the scheduler's ``num_train_timesteps`` (1000 for SD3).
+        device: where inputs are sent (default: the transformer's device; pass
+            ``pipe._execution_device`` when the pipeline offloads models).
+        joint_attention_kwargs: passed to the transformer unchanged.
+    """
+
+    def __init__(
+        self,
+        transformer: torch.nn.Module,
+        *,
+        guidance_scale: float = 1.0,
+        num_train_timesteps: int = 1000,
+        device: str | torch.device | None = None,
+        joint_attention_kwargs: dict | None = None,
+    ) -> None:
+        if not callable(transformer):
+            raise TypeError("transformer must be a callable torch module")
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)):
+            raise TypeError(f"guidance_scale must be a number >= 0, got {type(guidance_scale).__name__}")
+        if not (math.isfinite(guidance_scale) and guidance_scale >= 0):
+            raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale}")
+        if isinstance(num_train_timesteps, bool) or not isinstance(num_train_timesteps, int):
+            raise TypeError(f"num_train_timesteps must be an int >= 1, got {type(num_train_timesteps).__name__}")
+        if num_train_timesteps < 1:
+            raise ValueError(f"num_train_timesteps must be >= 1, got {num_train_timesteps}")
+        self.transformer = transformer
+        self.guidance_scale = float(guidance_scale)
+        self.num_train_timesteps = num_train_timesteps
+        self.dtype, own = module_dtype_device(transformer)
+        self.device = torch.device(device) if device is not None else own
+        self.joint_attention_kwargs = joint_attention_kwargs
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        """True when ``guidance_scale > 1`` (diffusers' convention)."""
+        return self.guidance_scale > 1.0
+
+    @property
+    def branches(self) -> int:
+        """Transformer rows per state: 2 with guidance, 1 without."""
+        return 2 if self.do_classifier_free_guidance else 1
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        *,
+        encoder_hidden_states: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        negative_encoder_hidden_states: torch.Tensor | None = None,
+        negative_pooled_projections: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The (guided) velocity.
+
+        Args:
+            x: ``(M, C, h, w)`` latents at noise levels ``sigma``.
+            sigma: ``(M,)`` noise levels in ``[0, 1]``.
+            encoder_hidden_states: ``(M, seq, joint_attention_dim)`` prompt embeddings.
+            pooled_projections: ``(M, pooled_projection_dim)`` pooled embeddings.
+            negative_encoder_hidden_states: ``(M, seq, joint_attention_dim)``,
+                required with guidance.
+            negative_pooled_projections: ``(M, pooled_projection_dim)``, required
+                with guidance.
+
+        Returns:
+            ``(M, C, h, w)`` float32 velocity on ``x``'s device.
+
+        Raises:
+            ValueError: on missing negative embeddings or mismatched row counts.
+        """
+        M = x.shape[0]
+        cond = [encoder_hidden_states, pooled_projections]
+        if self.do_classifier_free_guidance:
+            if negative_encoder_hidden_states is None or negative_pooled_projections is None:
+                raise ValueError(
+                    f"guidance_scale={self.guidance_scale} > 1 needs negative_encoder_hidden_states "
+                    "and negative_pooled_projections"
+                )
+            cond += [negative_encoder_hidden_states, negative_pooled_projections]
+        if sigma.shape != (M,) or any(c.shape[0] != M for c in cond):
+            raise ValueError(
+                f"x has {M} rows but sigma has shape {tuple(sigma.shape)} and the embeddings have "
+                f"{[c.shape[0] for c in cond]} rows"
+            )
+        dev, dt = self.device, self.dtype
+        h = x.to(dev, dt)
+        t = sigma.to(dev, torch.float32) * self.num_train_timesteps
+        enc = encoder_hidden_states.to(dev, dt)
+        pooled = pooled_projections.to(dev, dt)
+        if self.do_classifier_free_guidance:
+            h = torch.cat([h, h])
+            t = torch.cat([t, t])
+            enc = torch.cat([negative_encoder_hidden_states.to(dev, dt), enc])
+            pooled = torch.cat([negative_pooled_projections.to(dev, dt), pooled])
+        kwargs = {} if self.joint_attention_kwargs is None else {"joint_attention_kwargs": self.joint_attention_kwargs}
+        out = self.transformer(
+            hidden_states=h,
+            timestep=t,
+            encoder_hidden_states=enc,
+            pooled_projections=pooled,
+            return_dict=False,
+            **kwargs,
+        )[0].to(torch.float32)
+        if self.do_classifier_free_guidance:
+            v_uncond, v_cond = out.chunk(2)
+            out = v_uncond + self.guidance_scale * (v_cond - v_uncond)
+        return out.to(x.device)
+
+    def __repr__(self) -> str:
+        return (
+            f"FlowMatchVelocity({type(self.transformer).__name__}, guidance_scale={self.guidance_scale}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )

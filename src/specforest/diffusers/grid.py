@@ -1,0 +1,121 @@
+"""The time grid of diffusers' ``FlowMatchEulerDiscreteScheduler``, rebuilt as data.
+
+:func:`scheduler_sigmas` reproduces the scheduler's ``set_timesteps`` from its
+config alone (static or dynamic shift, ``shift_terminal``), so the pipeline's
+scheduler is never touched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["scheduler_sigmas"]
+
+# Scheduler options that replace the shifted linspace by another family of grids.
+_UNSUPPORTED_SCHEDULER_OPTIONS = (
+    "use_karras_sigmas",
+    "use_exponential_sigmas",
+    "use_beta_sigmas",
+    "invert_sigmas",
+)
+
+
+def _calculate_shift(image_seq_len: int, config: Mapping) -> float:
+    """``mu`` of dynamic shifting, as the SD3 pipeline computes it (linear in the sequence length)."""
+    base_len = config.get("base_image_seq_len", 256)
+    max_len = config.get("max_image_seq_len", 4096)
+    base_shift = config.get("base_shift", 0.5)
+    max_shift = config.get("max_shift", 1.16)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * m + base_shift - m * base_len
+
+
+def scheduler_sigmas(
+    config: Mapping,
+    steps: int,
+    *,
+    shift: float | None = None,
+    image_seq_len: int | None = None,
+) -> torch.Tensor:
+    """The grid of a ``FlowMatchEulerDiscreteScheduler`` with this config, in float64.
+
+    Reproduces ``set_timesteps(steps)`` (``mu`` from ``image_seq_len`` under
+    dynamic shifting, as the SD3 pipeline passes it) without touching any
+    scheduler. With a static shift ``kappa`` (eq. 38) diffusers' grid is::
+
+        s_min = kappa (1/N) / (1 + (kappa - 1) / N)          # N = num_train_timesteps
+        sigmas = shift_kappa(linspace(1, s_min, T)), then 0
+
+    i.e. the smallest level is shifted twice (the scheduler shifts its
+    training levels at construction and the inference grid again); for
+    ``kappa = 3``, ``T = 50`` this differs from ``shift_kappa(linspace(1, 1/N, T))``
+    (:func:`specforest.flow_match_grid`) by up to 6e-3.
+
+    Args:
+        config: the scheduler's ``config`` (e.g. ``pipe.scheduler.config``).
+        steps: number of steps ``T >= 1``.
+        shift: a static shift ``kappa > 0`` that overrides the config (as a
+            scheduler built with ``shift=kappa, use_dynamic_shifting=False``);
+            ``None`` uses the config as it is.
+        image_seq_len: image tokens ``(h / p) (w / p)``; needed only when the
+            config uses dynamic shifting.
+
+    Returns:
+        ``(T + 1,)`` float64 noise levels, decreasing from 1 to 0. The first and
+        last steps are deterministic Euler steps in the sampler.
+
+    Raises:
+        ValueError: on invalid arguments, or a config that uses Karras,
+            exponential, beta or inverted sigmas (not a shifted linspace).
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"num_inference_steps must be an int >= 1, got {type(steps).__name__}")
+    if steps < 1:
+        raise ValueError(f"num_inference_steps must be >= 1, got {steps}")
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a mapping (scheduler.config), got {type(config).__name__}")
+    bad = [k for k in _UNSUPPORTED_SCHEDULER_OPTIONS if config.get(k)]
+    if bad:
+        raise ValueError(
+            f"scheduler config sets {', '.join(bad)}; only shifted linear grids (static or dynamic "
+            "shift, shift_terminal) are supported"
+        )
+    N = int(config.get("num_train_timesteps", 1000))
+    if N < 2:
+        raise ValueError(f"scheduler num_train_timesteps must be >= 2, got {N}")
+    dynamic = bool(config.get("use_dynamic_shifting", False)) and shift is None
+    if shift is None:
+        kappa = float(config.get("shift", 1.0))
+    else:
+        if isinstance(shift, bool) or not isinstance(shift, (int, float)):
+            raise TypeError(f"shift must be a number > 0 or None, got {type(shift).__name__}")
+        kappa = float(shift)
+    if not (math.isfinite(kappa) and kappa > 0):
+        raise ValueError(f"shift must be a finite number > 0, got {kappa}")
+
+    def static(s: torch.Tensor) -> torch.Tensor:
+        return kappa * s / (1.0 + (kappa - 1.0) * s)
+
+    s_min = torch.tensor(1.0 / N, dtype=torch.float64)
+    if dynamic:
+        if image_seq_len is None:
+            raise ValueError("the scheduler uses dynamic shifting: image_seq_len is required")
+        mu = _calculate_shift(int(image_seq_len), config)
+        kind = config.get("time_shift_type", "exponential")
+        if kind not in ("exponential", "linear"):
+            raise ValueError(f"scheduler time_shift_type must be 'exponential' or 'linear', got {kind!r}")
+        scale = math.exp(mu) if kind == "exponential" else mu
+        s = torch.linspace(1.0, float(s_min), steps, dtype=torch.float64)
+        s = scale / (scale + (1.0 / s - 1.0))
+    else:
+        s = static(torch.linspace(1.0, float(static(s_min)), steps, dtype=torch.float64))
+    terminal = config.get("shift_terminal")
+    if terminal:
+        if steps < 2:
+            raise ValueError("a scheduler with shift_terminal needs num_inference_steps >= 2 (diffusers gives NaN)")
+        one_minus = 1.0 - s
+        s = 1.0 - one_minus / (one_minus[-1] / (1.0 - float(terminal)))
+    return torch.cat([s, s.new_zeros(1)])

@@ -1,0 +1,498 @@
+"""Stable Diffusion 3 end to end with the exact speculative sampler (paper Sec. 5.3, App. C.3).
+
+The native sampler integrates the probability-flow ODE, whose transitions are
+point masses, so speculation would accept nothing; :func:`sample` samples the
+same marginals with the churned SDE of eqs. (35)-(37), whose Euler-Maruyama
+kernels share a variance and differ only in their means, the structure both
+couplings need. Text encoding, latents and VAE decoding are the pipeline's own;
+only the sampling loop is :func:`specforest.sample`.
+
+diffusers itself is not imported here: everything goes through the pipeline
+object that is passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import memory as _memory
+from ..couplings import Coupling
+from ..planning import make_tree
+from ..sampler import SampleStats
+from ..sampler import sample as _engine_sample
+from ..trees import VERIFY_MODES, DraftTree
+from ..validation import check_int as _check_int
+from ..validation import check_number as _check_number
+from .flow_matching import FlowMatchVelocity, module_dtype_device
+from .grid import scheduler_sigmas
+
+__all__ = ["OUTPUT_TYPES", "SD3Result", "sample", "transformer_row_bytes"]
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+# Heuristic peak activation of one transformer row, in units of
+# tokens x hidden x bytes: the joint blocks hold the two streams, q/k/v,
+# the attention output and a 4x MLP at once. Attention probabilities are
+# counted as if materialised (float32 scores and softmax), which overestimates
+# fused kernels: the estimate errs towards smaller sub-batches, never towards OOM.
+_ACTIVATION_FACTOR = 24
+_DECODE_FACTOR = 16
+
+
+def transformer_row_bytes(
+    *,
+    branches: int,
+    dtype: torch.dtype,
+    image_tokens: int,
+    text_tokens: int,
+    hidden: int,
+    heads: int,
+    cond_numel: int,
+    latent_numel: int,
+) -> int:
+    """Peak bytes one sampler row adds inside a transformer call (all its guidance branches).
+
+    A heuristic upper bound: per branch the activation of the joint blocks
+    (``24 x tokens x hidden`` in the transformer's dtype plus float32 attention
+    scores ``2 x heads x tokens^2``), the gathered conditioning and the input and
+    output latents; plus the float32 guided velocity.
+    """
+    mb = torch.empty((), dtype=dtype).element_size()
+    tokens = image_tokens + text_tokens
+    activation = mb * tokens * hidden * _ACTIVATION_FACTOR + 2 * 4 * heads * tokens * tokens
+    return branches * (activation + 2 * cond_numel * mb + 2 * latent_numel * mb) + 3 * latent_numel * 4
+
+
+@dataclass
+class SD3Result:
+    """What :func:`sample` returns.
+
+    Attributes:
+        images: as the pipeline returns them for ``output_type``: a list of PIL
+            images (``pil``), a ``(B, H, W, 3)`` float array in [0, 1] (``np``),
+            a ``(B, 3, H, W)`` tensor in [0, 1] (``pt``), or the ``(B, C, h, w)``
+            latents in the transformer's dtype (``latent``).
+        latents: ``(B, C, h, w)`` float32 final latents (the sampler's precision).
+        stats: the sampler's :class:`~specforest.sampler.SampleStats`; ``nfe``
+            ``(B,)`` counts sequential transformer calls per image (one call
+            carries both guidance branches), ``speedup`` is ``T / nfe``.
+        memory: the :class:`~specforest.memory.MemoryEstimate` the run was sized with.
+        config: the options that produced the result.
+    """
+
+    images: Any
+    latents: torch.Tensor
+    stats: SampleStats
+    memory: _memory.MemoryEstimate
+    config: dict = field(default_factory=dict)
+
+
+def _check_pipeline(pipe: Any) -> None:
+    missing = [
+        a
+        for a in ("transformer", "vae", "scheduler", "encode_prompt", "image_processor")
+        if getattr(pipe, a, None) is None
+    ]
+    if missing:
+        raise TypeError(f"pipe must be a StableDiffusion3Pipeline-like object; it lacks {', '.join(missing)}")
+    for name in ("transformer", "vae"):
+        if not isinstance(getattr(getattr(pipe, name), "config", None), Mapping):
+            raise TypeError(f"pipe.{name} must be a diffusers model with a config")
+    config = getattr(pipe.scheduler, "config", None)
+    if not isinstance(config, Mapping) or "num_train_timesteps" not in config:
+        raise TypeError(
+            f"pipe.scheduler must be a flow-matching scheduler (FlowMatchEulerDiscreteScheduler), "
+            f"got {type(pipe.scheduler).__name__}"
+        )
+    if "FlowMatch" not in type(pipe.scheduler).__name__:
+        raise TypeError(
+            "pipe.scheduler must be a flow-matching scheduler (the transformer must predict the "
+            f"flow-matching velocity), got {type(pipe.scheduler).__name__}"
+        )
+
+
+def _check_embeds(name: str, t: Any, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != ndim or t.shape[0] < 1:
+        shape = "(batch, seq, dim)" if ndim == 3 else "(batch, dim)"
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if not t.is_floating_point() or not torch.isfinite(t).all():
+        raise ValueError(f"{name} must be a finite floating-point tensor")
+
+
+def _check_prompts(
+    prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, pooled, neg_pooled, tcfg
+) -> tuple[list[str] | None, list[str] | None, int]:
+    """Validate the text inputs; return the prompts and negative prompts as lists, and their number."""
+    if (prompt is None) == (prompt_embeds is None):
+        raise ValueError("give exactly one of prompt (str or list of str) and prompt_embeds")
+    if prompt is not None:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(p, str) for p in prompt):
+            raise TypeError("prompt must be a str or a non-empty list of str")
+        n = len(prompt)
+        if pooled is not None or negative_prompt_embeds is not None or neg_pooled is not None:
+            raise ValueError(
+                "pooled_prompt_embeds / negative_prompt_embeds / negative_pooled_prompt_embeds go with "
+                "prompt_embeds, not with prompt"
+            )
+    else:
+        _check_embeds("prompt_embeds", prompt_embeds, 3)
+        if pooled is None:
+            raise ValueError("prompt_embeds needs pooled_prompt_embeds (from the same text encoders)")
+        _check_embeds("pooled_prompt_embeds", pooled, 2)
+        n = prompt_embeds.shape[0]
+        if pooled.shape[0] != n:
+            raise ValueError(f"pooled_prompt_embeds has {pooled.shape[0]} rows but prompt_embeds has {n}")
+    if negative_prompt is not None and negative_prompt_embeds is not None:
+        raise ValueError("give at most one of negative_prompt and negative_prompt_embeds")
+    negs = None
+    if negative_prompt is not None:
+        negs = [negative_prompt] * n if isinstance(negative_prompt, str) else negative_prompt
+        if not isinstance(negs, (list, tuple)) or not all(isinstance(p, str) for p in negs):
+            raise TypeError("negative_prompt must be a str or a list of str")
+        if len(negs) != n:
+            raise ValueError(f"negative_prompt has {len(negs)} entries but there are {n} prompts")
+        negs = list(negs)
+    if negative_prompt_embeds is not None:
+        if prompt_embeds is None:
+            raise ValueError("negative_prompt_embeds goes with prompt_embeds; with prompt use negative_prompt")
+        _check_embeds("negative_prompt_embeds", negative_prompt_embeds, 3)
+        if negative_prompt_embeds.shape != prompt_embeds.shape:
+            raise ValueError(
+                f"negative_prompt_embeds has shape {tuple(negative_prompt_embeds.shape)} but prompt_embeds "
+                f"has {tuple(prompt_embeds.shape)}; they must match"
+            )
+        if neg_pooled is None:
+            raise ValueError("negative_prompt_embeds needs negative_pooled_prompt_embeds")
+        _check_embeds("negative_pooled_prompt_embeds", neg_pooled, 2)
+        if neg_pooled.shape != pooled.shape:
+            raise ValueError(
+                f"negative_pooled_prompt_embeds has shape {tuple(neg_pooled.shape)} but "
+                f"pooled_prompt_embeds has {tuple(pooled.shape)}; they must match"
+            )
+    elif neg_pooled is not None:
+        raise ValueError("negative_pooled_prompt_embeds goes with negative_prompt_embeds")
+    if prompt_embeds is not None:
+        jd, pd = tcfg.get("joint_attention_dim"), tcfg.get("pooled_projection_dim")
+        if jd is not None and prompt_embeds.shape[-1] != jd:
+            raise ValueError(
+                f"prompt_embeds has last dimension {prompt_embeds.shape[-1]} but the transformer's "
+                f"joint_attention_dim is {jd}"
+            )
+        if pd is not None and pooled.shape[-1] != pd:
+            raise ValueError(
+                f"pooled_prompt_embeds has last dimension {pooled.shape[-1]} but the transformer's "
+                f"pooled_projection_dim is {pd}"
+            )
+    return (None if prompt is None else list(prompt)), negs, n
+
+
+def _initial_latents(shape: tuple, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """``x_T ~ N(0, I)`` in float32, drawn on the generator's device and moved to ``device``."""
+    return torch.randn(shape, generator=generator, dtype=torch.float32, device=generator.device).to(device)
+
+
+def sample(
+    pipe: Any,
+    prompt: str | list[str] | None = None,
+    *,
+    prompt_embeds: torch.Tensor | None = None,
+    negative_prompt: str | list[str] | None = None,
+    negative_prompt_embeds: torch.Tensor | None = None,
+    pooled_prompt_embeds: torch.Tensor | None = None,
+    negative_pooled_prompt_embeds: torch.Tensor | None = None,
+    num_inference_steps: int = 50,
+    guidance_scale: float = 7.0,
+    height: int | None = None,
+    width: int | None = None,
+    generator: torch.Generator | None = None,
+    num_images_per_prompt: int = 1,
+    output_type: str = "pil",
+    churn: float = 0.8,
+    tree: DraftTree | None = None,
+    K: int | None = None,
+    L: int | None = None,
+    coupling: str | Coupling = "grs",
+    draft: Any = "velocity",
+    prefetch: str = "nearest",
+    verify: str = "internal",
+    progress: bool = True,
+    max_memory_gb: float | None = None,
+    lazy: bool = False,
+    shift: float | None = None,
+    max_sequence_length: int = 256,
+) -> SD3Result:
+    """Generate images with a Stable Diffusion 3 pipeline, sampling the churned SDE exactly.
+
+    The pipeline's text encoders, transformer and VAE are used as the SD3
+    pipeline uses them; only the sampling loop differs: the churned
+    Euler-Maruyama chain of eqs. (35)-(37) on the scheduler's grid (the first
+    step, from pure noise, and the last, into ``sigma = 0``, are plain Euler
+    steps), run by :func:`specforest.sample`. Any tree or coupling gives
+    latents with the law of the standard chain (``tree=None``); they change
+    only the number of sequential transformer calls (``stats.nfe``).
+
+    Neither the pipeline nor its scheduler is modified: the grid is computed
+    from ``pipe.scheduler.config`` (:func:`scheduler_sigmas`).
+
+    Args:
+        pipe: a ``StableDiffusion3Pipeline`` (or one with the same components).
+        prompt: a caption or a list of ``n`` captions; or give ``prompt_embeds``.
+        prompt_embeds: ``(n, seq, joint_attention_dim)`` precomputed embeddings.
+        negative_prompt: caption(s) for the unconditional branch (default "").
+        negative_prompt_embeds: ``(n, seq, joint_attention_dim)``, same shape as ``prompt_embeds``.
+        pooled_prompt_embeds: ``(n, pooled_projection_dim)``, required with ``prompt_embeds``.
+        negative_pooled_prompt_embeds: ``(n, pooled_projection_dim)``, with ``negative_prompt_embeds``.
+        num_inference_steps: grid steps ``T >= 1``.
+        guidance_scale: classifier-free guidance ``g >= 0`` (``<= 1``: none).
+        height, width: image size in pixels, divisible by ``vae_scale_factor x
+            patch_size`` (default: the transformer's ``sample_size x vae_scale_factor``).
+        generator: the only source of randomness (latents, then the sampler's
+            seed). The same generator state gives the same images for the same
+            inputs. A list of one generator per image (diffusers' convention)
+            makes image ``i`` a function of ``generator[i]`` alone.
+        num_images_per_prompt: images per caption (``>= 1``); ``B = n x num_images_per_prompt``.
+        output_type: ``pil``, ``np``, ``pt`` or ``latent``.
+        churn: ``eps`` in (0, 1] (0 makes speculation vacuous, ERRATA 8).
+        tree: a draft tree; exclusive with ``K``/``L``.
+        K, L: ``trees.uniform(K, L)``; with ``coupling="rmc"`` only ``L`` (the chain
+            length ``B``). ``tree``, ``K`` and ``L`` all ``None``: the standard sampler.
+        coupling: ``grs`` (D-GRS), ``rmc`` (chains) or a :class:`~specforest.couplings.Coupling`.
+        draft: frozen-prediction kind or a draft velocity (see :func:`specforest.sample`).
+        prefetch: ``nearest`` or ``parent`` (ERRATA 9).
+        verify: ``internal`` or ``drafted`` (``drafted`` is the paper's protocol:
+            ``B = |V|`` states per round).
+        progress: show the sampler's progress bar.
+        max_memory_gb: memory limit in GB (> 0). Default: the free memory of the
+            CUDA device, or 50% of RAM on other devices.
+        lazy: the sampler's cost simulation: draft only the visited nodes (same
+            law of images and NFE, far less memory and compute).
+        shift: static timestep shift ``kappa`` (eq. 38) overriding the scheduler's;
+            ``None`` reads ``pipe.scheduler.config``.
+        max_sequence_length: T5 tokens (<= 512), as in the SD3 pipeline.
+
+    Returns:
+        :class:`SD3Result` with ``images``, ``latents``, ``stats``, ``memory``, ``config``.
+
+    Raises:
+        ValueError / TypeError: on invalid arguments (naming the parameter).
+        MemoryError: if the run would not fit the memory limit (with the numbers
+            and what to change; nothing is allocated for sampling in that case).
+        FloatingPointError: if the transformer returns NaN or inf.
+    """
+    _check_pipeline(pipe)
+    tcfg = pipe.transformer.config
+    sched_cfg = pipe.scheduler.config
+    steps = _check_int("num_inference_steps", num_inference_steps, 1)
+    guidance = _check_number("guidance_scale", guidance_scale, 0.0)
+    churn = _check_number("churn", churn, 0.0, 1.0, lo_open=True)
+    n_img = _check_int("num_images_per_prompt", num_images_per_prompt, 1)
+    max_seq = _check_int("max_sequence_length", max_sequence_length, 1)
+    if max_seq > 512:
+        raise ValueError(f"max_sequence_length must be <= 512, got {max_seq}")
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    if not isinstance(lazy, bool):
+        raise TypeError(f"lazy must be a bool, got {type(lazy).__name__}")
+    if isinstance(generator, (list, tuple)):
+        if not generator or not all(isinstance(g, torch.Generator) for g in generator):
+            raise TypeError("generator must be a torch.Generator, a list of them (one per image) or None")
+    elif generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator, a list of them (one per image) or None, "
+            f"got {type(generator).__name__}"
+        )
+    if max_memory_gb is not None:
+        max_memory_gb = _check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
+    cfg = guidance > 1.0
+    prompts, negatives, n = _check_prompts(
+        prompt,
+        prompt_embeds,
+        negative_prompt,
+        negative_prompt_embeds,
+        pooled_prompt_embeds,
+        negative_pooled_prompt_embeds,
+        tcfg,
+    )
+    vsf = int(getattr(pipe, "vae_scale_factor", 2 ** (len(pipe.vae.config.block_out_channels) - 1)))
+    patch = int(tcfg.get("patch_size", 1) or 1)
+    sample_size = int(tcfg.get("sample_size", 128))
+    height = sample_size * vsf if height is None else _check_int("height", height, 1)
+    width = sample_size * vsf if width is None else _check_int("width", width, 1)
+    mult = vsf * patch
+    for name, v in (("height", height), ("width", width)):
+        if v % mult:
+            raise ValueError(
+                f"{name} must be divisible by vae_scale_factor x patch_size = {mult}, got {v} "
+                f"(nearest below: {v - v % mult or mult})"
+            )
+    h, w = height // vsf, width // vsf
+    max_pos = tcfg.get("pos_embed_max_size")
+    if max_pos is not None and max(h, w) // patch > max_pos:
+        raise ValueError(
+            f"height={height}, width={width} give {h // patch} x {w // patch} patches but the transformer's "
+            f"positional embedding covers at most {max_pos} per side (<= {max_pos * mult} pixels)"
+        )
+    tree = make_tree(K, L, coupling=coupling, tree=tree, steps=steps)
+    sigmas = scheduler_sigmas(sched_cfg, steps, shift=shift, image_seq_len=(h // patch) * (w // patch))
+
+    device = getattr(pipe, "_execution_device", None)
+    t_dtype, t_device = module_dtype_device(pipe.transformer)
+    device = torch.device(device) if device is not None else t_device
+    velocity = FlowMatchVelocity(
+        pipe.transformer,
+        guidance_scale=guidance,
+        num_train_timesteps=int(sched_cfg.get("num_train_timesteps", 1000)),
+        device=device,
+    )
+
+    # -- text ---------------------------------------------------------------------------
+    with torch.no_grad():
+        pe, npe, ppe, nppe = pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=cfg,
+            negative_prompt=negatives,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            pooled_prompt_embeds=pooled_prompt_embeds,
+            negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
+            max_sequence_length=max_seq,
+        )
+    # each caption's rows repeated consecutively, as diffusers repeats them
+    conds = {"encoder_hidden_states": pe, "pooled_projections": ppe}
+    if cfg:
+        conds.update(negative_encoder_hidden_states=npe, negative_pooled_projections=nppe)
+    cond = {k: v.to(device, t_dtype).repeat_interleave(n_img, dim=0) for k, v in conds.items()}
+    B = n * n_img
+    if isinstance(generator, (list, tuple)) and len(generator) != B:
+        raise ValueError(
+            f"a list of generators must hold one per image ({B} = prompts x num_images_per_prompt), "
+            f"got {len(generator)}"
+        )
+
+    # -- memory -------------------------------------------------------------------------
+    C = int(tcfg.get("in_channels", 16))
+    latent_shape = (C, h, w)
+    if max_memory_gb is not None:
+        limit, source = int(max_memory_gb * 1e9), f"max_memory_gb={max_memory_gb:g}"
+    else:
+        limit, source = _memory.default_memory_limit(device)
+    heads = int(tcfg.get("num_attention_heads", 1))
+    vae_dtype, _ = module_dtype_device(pipe.vae)
+    D = math.prod(latent_shape)
+    cond_numel = pe[0].numel() + ppe[0].numel()
+    t_bytes = torch.empty((), dtype=t_dtype).element_size()
+    row_bytes = transformer_row_bytes(
+        branches=velocity.branches,
+        dtype=t_dtype,
+        image_tokens=(h // patch) * (w // patch),
+        text_tokens=pe.shape[1],
+        hidden=heads * int(tcfg.get("attention_head_dim", 64)),
+        heads=heads,
+        cond_numel=cond_numel,
+        latent_numel=D,
+    )
+    decode_bytes = 0
+    if output_type != "latent":
+        vb = torch.empty((), dtype=vae_dtype).element_size()
+        decode_bytes = _DECODE_FACTOR * height * width * int(pipe.vae.config.block_out_channels[0]) * max(vb, 4)
+    if decode_bytes > limit:
+        raise MemoryError(
+            f"one image's VAE decode needs about {decode_bytes / 1e9:.3g} GB but the memory limit is "
+            f"{limit / 1e9:.3g} GB ({source}); use a smaller height/width, output_type='latent', or raise "
+            "max_memory_gb"
+        )
+    # all images sample together: the limit splits the transformer calls, never the batch
+    memory = _memory.estimate(
+        trajectories=B,
+        state_numel=D,
+        tree=tree,
+        verify=verify,
+        lazy=lazy,
+        steps=steps,
+        row_bytes=row_bytes,
+        cond_bytes=velocity.branches * cond_numel * t_bytes,
+        limit_bytes=limit,
+        limit_source=source,
+        chunked=False,
+    )
+    decode_batch = B if decode_bytes == 0 else max(1, min(B, limit // decode_bytes))
+    logger.info(memory.describe())
+
+    # -- sampling -----------------------------------------------------------------------
+    if generator is None:
+        generator = torch.Generator(device="cpu")
+        generator.seed()
+    if isinstance(generator, (list, tuple)):
+        # diffusers' convention: image i's latents (and here its sampling noise) from generator[i]
+        x_T = torch.cat([_initial_latents((1, *latent_shape), g, device) for g in generator])
+    else:
+        x_T = _initial_latents((B, *latent_shape), generator, device)
+    out = _engine_sample(
+        velocity,
+        x_T,
+        sigmas=sigmas,
+        churn=churn,
+        tree=tree,
+        coupling=coupling,
+        draft=draft,
+        prefetch=prefetch,
+        verify=verify,
+        generator=generator,
+        progress=progress,
+        max_rows=memory.max_rows,
+        cond=cond,
+        lazy=lazy,
+    )
+    latents = out.samples
+
+    # -- decoding, as the SD3 pipeline does it ------------------------------------------------
+    if output_type == "latent":
+        images: Any = latents.to(t_dtype)
+    else:
+        vcfg = pipe.vae.config
+        parts = []
+        with torch.no_grad():
+            for i in range(0, B, decode_batch):
+                z = latents[i : i + decode_batch].to(device, vae_dtype)
+                z = z / vcfg.scaling_factor + (vcfg.shift_factor or 0.0)
+                parts.append(pipe.vae.decode(z, return_dict=False)[0])
+        decoded = torch.cat(parts)
+        images = pipe.image_processor.postprocess(decoded, output_type=output_type)
+
+    config = dict(
+        out.config,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        height=height,
+        width=width,
+        num_images=B,
+        num_images_per_prompt=n_img,
+        K=K,
+        L=L,
+        shift=shift,
+        scheduler_shift=sched_cfg.get("shift"),
+        lazy=lazy,
+        max_rows=memory.max_rows,
+        decode_batch=decode_batch,
+        transformer_dtype=str(t_dtype).replace("torch.", ""),
+        device=str(device),
+    )
+    return SD3Result(images=images, latents=latents, stats=out.stats, memory=memory, config=config)

@@ -1,0 +1,363 @@
+"""The walk of a round (phase 4 of Algorithm 1): from each root down the tree until the first rejection.
+
+For every speculating trajectory of a group (``Bs`` of them, the rows of a
+:class:`~specforest.engine.Draft`), :func:`walk` starts at the root (node 0)
+and, depth after depth up to the group's deepest lookahead ``Lr``, meets the
+verification problem at its current node: the ``K`` drafted children
+(``K = K_max``, the tree's widest node; padding marked by ``valid (.., K)``),
+their draft mean ``mu_p (D,)``, the target's mean ``mu_q (D,)`` and the
+transition scale. The coupling accepts one child (the walk moves there) or
+rejects them all (the walk stops, and its new state is the coupling's residual
+draw at that node). A walk also stops at a leaf and at its own lookahead
+``Ls``. Then the prefetch rule (:data:`~specforest.engine.PREFETCH_POLICIES`)
+picks the evaluation the next round drafts from, and the walk returns a
+:class:`WalkResult`: new states ``(Bs, D)``, committed steps ``(Bs,)`` and the
+per-depth statistics ``(Bs, Lw)`` over the ``Lw <= Lr`` depths walked.
+
+There is one walk for both execution strategies of a round; they differ only
+in the *realizer* that the walk asks for a node's decision, state and
+evaluation (``level``, ``problem``, ``state``, ``velocity`` and
+``children_states``):
+
+* :class:`FullTree`: the tree truncated to depth ``Lr`` (``V_r`` nodes) was
+  drafted (``Y (Bs, V_r, D)``) and the nodes the round evaluates were evaluated
+  (``V (Bs, V_r, D)``) before the walk, in the round's one target call. It
+  decides every verification problem (the ``V_i`` nodes of depth ``< Lr``) in
+  **one** coupling call, so the walk only follows the decisions;
+* :class:`OnDemand`, the lazy cost simulation: drafts and evaluates only the
+  nodes the walk reaches, one depth at a time (one target call per depth), and
+  evaluates a prefetch source (a sibling, the committed leaf) only when the
+  full round would have had it evaluated.
+
+The full round's draft (:func:`specforest.engine.draft`) and :class:`OnDemand`
+draw a node's children through :func:`sibling_noise` from the same addressed
+keys (:mod:`specforest.streams`), so the two give the same numbers, not only
+the same law. Acceptance, statistics, the residual's reconstruction and
+the prefetch rule are written once, here.
+
+Host-device synchronizations of a full walk: one ``any`` per depth, to stop
+when every walk has ended (at most ``L``), and the rejected trajectories
+(``nonzero``), whose residual draws have a data-dependent size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from . import streams
+from .couplings import project
+
+if TYPE_CHECKING:
+    from .engine import Draft, RunContext, RunState
+
+__all__ = ["FullTree", "Level", "OnDemand", "WalkResult", "sibling_noise", "walk"]
+
+
+def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
+    """Standard noise ``(..., n, D)`` of nodes with keys ``(..., n)``, ``n`` a multiple of ``K``.
+
+    The nodes come in blocks of ``K`` siblings (every internal node of a tree a
+    coupling with structured siblings accepts has ``K`` children, stored
+    together), so the coupling's sibling structure applies block by block; the
+    full tree (:func:`specforest.engine.draft`) and the lazy walk
+    (:class:`OnDemand`) both draw through here.
+    """
+    z = streams.normal(keys, D, ctx.work, streams.TAG_DRAFT)
+    if ctx.coupling.structured_siblings:
+        z = ctx.coupling.structure_noise(z.reshape(-1, K, D)).reshape(z.shape)
+    return z
+
+
+@dataclass(frozen=True)
+class Level:
+    """What the walk learns at one depth for every trajectory of a group (``(Bs,)`` each; rows not active are junk)."""
+
+    verified: torch.Tensor  # a verification problem met at this depth
+    accepted: torch.Tensor  # ... and a child accepted (implies verified)
+    next: torch.Tensor  # the accepted child
+    delta: torch.Tensor
+    y: Optional[torch.Tensor] = None  # (Bs, D) verified parent, when the proposal observes
+    mu_q: Optional[torch.Tensor] = None
+
+
+def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys):
+    """Projections, mismatches, directions and decisions of a batch of problems (any leading shape)."""
+    s_hat, delta, e = project(zk, mu_q - mu_p, scale)
+    K = valid.shape[-1]
+    lead = valid.shape[:-1]
+    acc, idx = ctx.coupling.select(
+        s_hat.reshape(-1, K),
+        delta.reshape(-1),
+        valid.reshape(-1, K),
+        streams.Stream(keys.reshape(-1), streams.SLOT_COUPLE),
+    )
+    return s_hat, delta, e, acc.reshape(lead), idx.reshape(lead)
+
+
+class FullTree:
+    """Realizer of a fully drafted and evaluated round: every verification problem is decided at once.
+
+    The decisions of every node of depth ``< Lr`` are computed in one coupling
+    call before the walk (the walk then only follows them); the residual is
+    drawn only where a walk stopped.
+    """
+
+    def __init__(self, ctx: RunContext, d: Draft, V: torch.Tensor) -> None:
+        tt, Bs = d.tt, d.ids.numel()
+        Vi = d.Mp.shape[1]
+        self.ctx, self.d, self.V = ctx, d, V
+        steps = (d.s0[:, None] + tt.depth[None, :Vi]).clamp(max=ctx.T - 1)
+        # nodes a walk never verifies (leaves, beyond a trajectory's lookahead) get junk but finite
+        # problems: their velocity is 0 and their scale at least positive (``scale_safe``)
+        self.mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps)
+        ch = tt.children[:Vi]  # (Vi, K)
+        K = ch.shape[1]
+        Vr = d.Y.shape[1]
+        if Vr - 1 == Vi * K and all(lay[2] == K for lay in tt.layers[: d.Lr]):
+            zk = d.Z.reshape(Bs, Vi, K, -1)
+        else:
+            zk = d.Z[:, (ch.clamp(min=0) - 1).clamp(max=Vr - 2)]
+        self.scale = ctx.tab64.scale_safe[steps]
+        self.ckeys = d.keys[:, :Vi]
+        self.valid = tt.valid[None, :Vi].expand(Bs, Vi, K)
+        self.s_hat, self.delta, self.e, acc, self.idx = _problem_inputs(
+            ctx, zk, d.Mp, self.mu_q, self.scale, self.valid, self.ckeys
+        )
+        # what a walk at each node does: go to the accepted child (>= 0), stop rejected (-2), or
+        # stop because the node is not verified (-1: a leaf, or beyond the trajectory's lookahead)
+        child = ch.expand(Bs, Vi, K).gather(2, self.idx[..., None])[..., 0]
+        self.go = torch.where(tt.verify_at[d.Ls][:, :Vi], torch.where(acc, child, -2), -1)
+        self.rows = ctx.rows_all[:Bs]
+
+    def level(self, level: int, cur: torch.Tensor, alive: torch.Tensor) -> Optional[Level]:
+        c = cur.clamp(max=self.go.shape[1] - 1)[:, None]
+        nxt = self.go.gather(1, c)[:, 0]
+        verified = alive & (nxt != -1)
+        if not bool(verified.any()):
+            return None
+        delta = self.delta.gather(1, c)[:, 0]
+        accepted = alive & (nxt >= 0)
+        if self.ctx.proposal.observes:
+            c = c[:, 0]
+            return Level(verified, accepted, nxt, delta, self.d.Y[self.rows, c], self.mu_q[self.rows, c])
+        return Level(verified, accepted, nxt, delta)
+
+    def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
+        """The verification problem at ``nodes`` of trajectories ``rows``: inputs of the residual and reconstruction."""
+        r, u = rows, nodes
+        return (
+            self.s_hat[r, u],
+            self.delta[r, u],
+            self.valid[r, u],
+            self.idx[r, u],
+            self.ckeys[r, u],
+            self.e[r, u],
+            self.scale[r, u],
+            self.d.Y[r[:, None], self.d.tt.children[u].clamp(min=0)],
+        )
+
+    def state(self, nodes: torch.Tensor) -> torch.Tensor:
+        return self.d.Y[self.rows, nodes]
+
+    def velocity(self, nodes: torch.Tensor) -> torch.Tensor:
+        return self.V[self.rows, nodes]
+
+    def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        return self.d.Y[rows[:, None], self.d.tt.children[nodes].clamp(min=0)]
+
+
+class OnDemand:
+    """Realizer of the lazy cost simulation: drafts and evaluates only the nodes the walk visits.
+
+    The law of everything observed is that of the full round, and with the
+    addressed noise even the numbers are: a node's children are drawn from the
+    same keys as in the full tree, and nodes off the walked path influence
+    nothing. NFE and rows are accounted as for the full tree; the model is
+    called once per depth with the visited rows.
+    """
+
+    def __init__(self, ctx: RunContext, d: Draft, state: RunState) -> None:
+        self.ctx, self.d, self.draft_state = ctx, d, state.draft_state
+        Bs, D = d.ids.numel(), state.x.shape[1]
+        self.rows = ctx.rows_all[:Bs]
+        self.cur = torch.zeros(Bs, dtype=torch.long, device=ctx.device)
+        self.cur_y = state.x[d.ids].clone()
+        self.cur_v = torch.zeros_like(self.cur_y)
+        self.cur_evaluated = torch.zeros_like(self.cur, dtype=torch.bool)  # cur_v holds cur's velocity
+        self.par = torch.full_like(self.cur, -1)
+        self.par_y, self.par_v = self.cur_y.clone(), torch.zeros_like(self.cur_y)
+        K = d.tt.children.shape[1]
+        self.kids = torch.zeros(Bs, K, D, dtype=ctx.work, device=ctx.device)
+        self.kid_nodes = torch.full((Bs, K), -1, dtype=torch.long, device=ctx.device)
+        self.prob: Optional[list] = None
+        self.draft_calls = 0
+
+    def level(self, level: int, cur: torch.Tensor, alive: torch.Tensor) -> Optional[Level]:
+        ctx, d, tt = self.ctx, self.d, self.d.tt
+        act = alive & tt.verify_at[d.Ls, cur]
+        a = act.nonzero()[:, 0]
+        if a.numel() == 0:
+            return None
+        u = cur[a]
+        sa = (d.s0[a] + level - 1).clamp(max=ctx.T - 1)
+        yu = self.cur_y[a]
+        vu = ctx.target(yu, ctx.tab.sig[sa], d.ids[a])
+        self.cur_v[a] = vu
+        self.cur_evaluated[a] = True
+        mu_q = ctx.tab.mean(yu[:, None], vu[:, None], sa[:, None])[:, 0]
+        pre = d.pre.take(a)
+        prop = ctx.proposal
+        if prop.affine:
+            A, C = prop.coefficients(ctx.tab, sa[:, None], pre, self.draft_state)
+            mu_p = torch.addcmul(C, A, yu[:, None])[:, 0]
+        else:
+            mu_p = prop.mean(
+                ctx.tab, yu[:, None], sa[:, None], pre, ctx.target.cond_rows(d.ids[a]), ctx.shape, self.draft_state
+            )[:, 0]
+            self.draft_calls += 1
+        ch = tt.children[u]  # (P, K)
+        K = ch.shape[1]
+        keys = d.keys[a[:, None], ch.clamp(min=0)]
+        zk = sibling_noise(ctx, keys, K, yu.shape[1])
+        kids = mu_p[:, None] + ctx.tab.scale[sa][:, None, None] * zk
+        scale = ctx.tab64.scale[sa]
+        ckeys = d.keys[a, u]
+        valid = tt.valid[u]
+        s_hat, delta, e, acc, idx = _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, ckeys)
+        self.kids[a], self.kid_nodes[a] = kids, ch
+        # the last problem of each row: where a rejected walk stopped
+        if self.prob is None:
+            self.prob = [
+                t.new_zeros((len(self.rows),) + tuple(t.shape[1:]))
+                for t in (s_hat, delta, valid, idx, ckeys, e, scale, kids)
+            ]
+        for buf, t in zip(self.prob, (s_hat, delta, valid, idx, ckeys, e, scale, kids), strict=True):
+            buf[a] = t
+        # advance the accepted rows to their child
+        take = a[acc]
+        self.par[take], self.par_y[take], self.par_v[take] = u[acc], yu[acc], vu[acc]
+        self.cur_y[take] = kids[acc, idx[acc]]
+        self.cur[take] = ch[acc, idx[acc]]
+        self.cur_evaluated[take] = False
+        nxt = torch.zeros_like(cur)
+        nxt[a] = ch.gather(1, idx[:, None])[:, 0]
+        full = lambda t, fill: torch.full_like(cur, fill, dtype=t.dtype).index_put((a,), t)  # noqa: E731
+        if prop.observes:
+            y_full = torch.zeros_like(self.cur_y).index_put((a,), yu)
+            q_full = torch.zeros_like(self.cur_y).index_put((a,), mu_q)
+            return Level(act, full(acc, False), nxt, full(delta, 0.0), y_full, q_full)
+        return Level(act, full(acc, False), nxt, full(delta, 0.0))
+
+    def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
+        return tuple(t[rows] for t in self.prob)
+
+    def state(self, nodes: torch.Tensor) -> torch.Tensor:
+        out = torch.where((nodes == self.par)[:, None], self.par_y, self.cur_y)
+        is_kid = nodes[:, None] == self.kid_nodes
+        k = is_kid.to(torch.int8).argmax(1)
+        kid_y = self.kids[self.rows, k]
+        return torch.where((is_kid.any(1) & (nodes != self.cur))[:, None], kid_y, out)
+
+    def velocity(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Velocities at ``nodes``: the path's evaluations are known; siblings and the committed leaf are evaluated now."""
+        ctx, d = self.ctx, self.d
+        known_par = nodes == self.par
+        known_cur = (nodes == self.cur) & self.cur_evaluated
+        out = torch.where(known_par[:, None], self.par_v, self.cur_v)
+        need = (~known_par & ~known_cur).nonzero()[:, 0]
+        if need.numel():
+            y = self.state(nodes)[need]
+            s = (d.s0[need] + d.tt.depth[nodes[need]]).clamp(max=ctx.T - 1)
+            out[need] = ctx.target(y, ctx.tab.sig[s], d.ids[need])
+        return out
+
+    def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        return self.kids[rows]
+
+
+@dataclass(frozen=True)
+class WalkResult:
+    """One group's outcome (rows as in its :class:`Draft`): new states, commits, prefetch, statistics
+    and observations."""
+
+    x: torch.Tensor  # (Bs, D)
+    committed: torch.Tensor  # (Bs,)
+    pre_y: torch.Tensor
+    pre_v: torch.Tensor
+    pre_step: torch.Tensor
+    act: torch.Tensor  # (Bs, Lw) bool: verification met at depth l
+    acc: torch.Tensor  # (Bs, Lw) bool
+    delta: torch.Tensor  # (Bs, Lw) float64
+    observed: Optional[tuple] = None  # (y, mu_q, steps, rows) of the verified parents
+    draft_calls: int = 0
+
+
+def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
+    """From each root down to the first rejection, the residual there, and the prefetch rule (phase 4)."""
+    tt, dev = d.tt, ctx.device
+    Bs = d.ids.numel()
+    cur = torch.zeros(Bs, dtype=torch.long, device=dev)
+    alive = torch.ones(Bs, dtype=torch.bool, device=dev)
+    acts, accs, deltas, obs = [], [], [], []
+    for level in range(1, d.Lr + 1):
+        # a walk goes on while every child so far was accepted, within its lookahead, above a leaf;
+        # the realizer says which nodes are verified (None: no walk goes on)
+        lv = R.level(level, cur, alive)
+        if lv is None:
+            break
+        alive = lv.accepted
+        # a rejected walk stays at the node whose children it rejected
+        cur = torch.where(alive, lv.next, cur)
+        acts.append(lv.verified)
+        accs.append(alive)
+        deltas.append(lv.delta)
+        if lv.y is not None:
+            obs.append((lv.verified, lv.y, lv.mu_q, level))
+    act_t, acc_t = torch.stack(acts, 1), torch.stack(accs, 1)
+    rejected = (act_t & ~acc_t).any(1)
+    ncom = act_t.sum(1)
+    rej_node = cur
+    new_x = R.state(cur)
+    r = rejected.nonzero()[:, 0]
+    if r.numel():
+        s_hat, delta, valid, idx, ckeys, e, scale, kids = R.problem(r, rej_node[r])
+        new_x = new_x.index_put(
+            (r,),
+            ctx.coupling.rejected_state(
+                s_hat, delta, valid, idx, streams.Stream(ckeys, streams.SLOT_COUPLE), kids, scale, e
+            ),
+        )
+
+    # -- prefetch: which evaluation the next round drafts from ----------------------------------
+    own = ~rejected & tt.eval_at[d.Ls, cur]
+    src = torch.where(rejected, rej_node, torch.where(own, cur, tt.parent[cur].clamp(min=0)))
+    if ctx.prefetch == "nearest" and r.numel():
+        ch = tt.children[rej_node[r]]
+        ok = (ch >= 0) & tt.eval_at[d.Ls[r][:, None], ch.clamp(min=0)]
+        dist = (R.children_states(r, rej_node[r]) - new_x[r][:, None]).square().sum(-1)
+        dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
+        pick, has = dist.argmin(1), ok.any(1)
+        src = src.index_put((r,), torch.where(has, ch.gather(1, pick[:, None])[:, 0], src[r]))
+    pre_y, pre_v = R.state(src), R.velocity(src)
+    pre_step = d.s0 + tt.depth[src]
+    observed = None
+    if obs:
+        act_o = torch.cat([o[0] for o in obs])
+        rows = torch.arange(Bs, device=dev).repeat(len(obs))[act_o]
+        steps = torch.cat([d.s0 + o[3] - 1 for o in obs])[act_o]
+        observed = (torch.cat([o[1] for o in obs])[act_o], torch.cat([o[2] for o in obs])[act_o], steps, rows)
+    return WalkResult(
+        new_x,
+        ncom,
+        pre_y,
+        pre_v,
+        pre_step,
+        act_t,
+        acc_t,
+        torch.stack(deltas, 1),
+        observed,
+        getattr(R, "draft_calls", 0),
+    )
