@@ -11,13 +11,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e ".[test,diffusers]"
+	$(PY) -m pip install -q -e ".[all,test]"
 	touch $@
 
 venv: $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest -q -m "not slow"
+
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 test-all: venv
 	$(PY) -m pytest -q
@@ -29,7 +33,12 @@ demo: venv
 
 bench: venv
 	$(PY) benchmarks/coupling_acceptance.py
+	$(PY) benchmarks/coupling_ceiling.py
 	$(PY) benchmarks/gmm_speedup.py
+	$(PY) benchmarks/gmm_beyond.py
+	$(PY) benchmarks/gmm_planning.py
+	$(PY) benchmarks/digits_drafts.py
+	$(PY) benchmarks/pixel_quality.py
 	$(PY) benchmarks/sampler_overhead.py
 
 clean:

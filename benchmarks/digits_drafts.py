@@ -1,4 +1,4 @@
-"""Draft kinds and couplings on the shipped digits model (issues #6, #7).
+"""Draft kinds and couplings on the shipped digits model.
 
     .venv/bin/python benchmarks/digits_drafts.py [--samples 100]
 
@@ -21,8 +21,14 @@ from specforest.experiments.results import machine_line, replace_section
 from specforest.models.digits import load_classifier, load_velocity
 from specforest.proposals import DRAFT_KINDS
 
-CONFIGS = [(14, "rmc", 1, 14), (14, "dgrs", 2, 3), (14, "rank", 2, 3),
-           (62, "rmc", 1, 62), (62, "dgrs", 2, 5), (62, "rank", 2, 5)]
+CONFIGS = [
+    (14, "rmc", 1, 14),
+    (14, "dgrs", 2, 3),
+    (14, "rank", 2, 3),
+    (62, "rmc", 1, 62),
+    (62, "dgrs", 2, 5),
+    (62, "rank", 2, 5),
+]
 
 
 def main() -> None:
@@ -46,15 +52,25 @@ def main() -> None:
     ]
     for B, method, K, L in tqdm(CONFIGS, desc="digits drafts"):
         for draft in DRAFT_KINDS:
-            r = pixel_exp.simulate(method=method, K=K, L=L, churn=0.3, samples=args.samples, steps=100,
-                                   verify="drafted", lazy=True, draft=draft, model=model, classifier=clf).record
+            r = pixel_exp.simulate(
+                method=method,
+                K=K,
+                L=L,
+                churn=0.3,
+                samples=args.samples,
+                steps=100,
+                verify="drafted",
+                lazy=True,
+                draft=draft,
+                model=model,
+                classifier=clf,
+            ).record
             lines.append(
                 f"| {B} | {method} | ({K}, {L}) | {draft} | {r['speedup_mean']:.3f} ± {r['speedup_sem']:.3f} "
                 f"[{r['speedup_paper_mean']:.3f}] | {r['accept_rate']:.3f} | {r['classifier_accuracy']:.3f} |"
             )
     lines += ["", f"Total wall time {(time.perf_counter() - t0) / 60:.1f} min."]
-    replace_section(args.out, "digits_drafts", "## Digits model: draft kinds and couplings (issues #6, #7)",
-                    "\n".join(lines))
+    replace_section(args.out, "digits_drafts", "## Digits model: draft kinds and couplings", "\n".join(lines))
     print("\n".join(lines))
 
 

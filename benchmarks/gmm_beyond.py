@@ -6,11 +6,11 @@ Two tables, both at the paper's setting (d = 500, 5 components, T = 30, churn
 0.1, flow_match grid, prefetch nearest, verify drafted), in lazy mode (only the
 visited nodes are realized: the law of samples and NFE is that of the full tree):
 
-* couplings: RMC chains, D-GRS, rank and antithetic trees at equal budgets B
-  (issue #6), velocity draft;
+* couplings: RMC chains, D-GRS, rank and antithetic trees at equal budgets B,
+  velocity draft;
 * drafts: every frozen-prediction kind (velocity, drift, x0, eps, x0
   extrapolated in time, and the online choice ``auto``) for RMC chains and D-GRS/rank trees at B in
-  {14, 62, 155}, and ``auto`` on deeper trees with B <= 155 (issue #7);
+  {14, 62, 155}, and ``auto`` on deeper trees with B <= 155;
 
 plus a dimension check at d = 65,536. Regenerates the ``beyond`` section of
 ``benchmarks/RESULTS.md``.
@@ -93,16 +93,32 @@ def main() -> None:
         gmm = setting.mixture()
         x = gmm_exp.initial_states(setting.trajectories, setting.dim, args.seed)
         t = time.perf_counter()
-        out = specforest.sample(gmm, x, steps=setting.steps, churn=setting.churn, grid=setting.grid,
-                                tree=tree, coupling=coupling, draft="auto", prefetch="nearest",
-                                verify="drafted", lazy=True, generator=torch.Generator().manual_seed(args.seed + 1))
+        out = specforest.sample(
+            gmm,
+            x,
+            steps=setting.steps,
+            churn=setting.churn,
+            grid=setting.grid,
+            tree=tree,
+            coupling=coupling,
+            draft="auto",
+            prefetch="nearest",
+            verify="drafted",
+            lazy=True,
+            generator=torch.Generator().manual_seed(args.seed + 1),
+        )
         n = out.stats.nfe.double()
         sp, spp = setting.steps / n, (setting.steps - 2) / (n - 2)
         sq = math.sqrt(n.numel())
-        r = dict(nfe_mean=float(n.mean()), nfe_sem=float(n.std() / sq), speedup_mean=float(sp.mean()),
-                 speedup_sem=float(sp.std() / sq), speedup_paper_mean=float(spp.mean()),
-                 speedup_paper_sem=float(spp.std() / sq),
-                 accept_rate=float(out.stats.accepts.sum() / out.stats.attempts.sum()))
+        r = dict(
+            nfe_mean=float(n.mean()),
+            nfe_sem=float(n.std() / sq),
+            speedup_mean=float(sp.mean()),
+            speedup_sem=float(sp.std() / sq),
+            speedup_paper_mean=float(spp.mean()),
+            speedup_paper_sem=float(spp.std() / sq),
+            accept_rate=float(out.stats.accepts.sum() / out.stats.attempts.sum()),
+        )
         tqdm.write(f"{label} {coupling} auto: {fmt(r)} ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
         return r
 
@@ -131,33 +147,44 @@ def main() -> None:
             if m in ("rank", "antithetic"):
                 vs = [f"{rel_change(r, ref_at[B, ref])} vs {LABEL[ref]}" for ref in ("dgrs", "rmc")]
                 lines[-1] = lines[-1][:-2] + f" ({'; '.join(vs)}) |"
-    lines += ["", "### Draft kinds (what the draft freezes from the prefetched evaluation)", "",
-              "| B | method | (K, L) | draft | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "### Draft kinds (what the draft freezes from the prefetched evaluation)",
+        "",
+        "| B | method | (K, L) | draft | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for B, rows in tqdm(DRAFT_ROWS, desc="drafts"):
         for m, K, L in rows:
             for dr in DRAFTS:
                 r = run(m, K, L, dr)
                 lines.append(f"| {B} | {LABEL[m]} | ({K}, {L}) | {dr} | {fmt(r)} |")
-    lines += ["", "### The auto draft on deep trees with B <= 155", "",
-              "| B | tree | coupling | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "### The auto draft on deep trees with B <= 155",
+        "",
+        "| B | tree | coupling | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for label, cp, K, L, ks in AUTO_TREES:
         tree = specforest.trees.widths(ks) if ks is not None else None
         r = run_tree(tree, cp, label) if tree is not None else run(cp, K, L, "auto")
         B = tree.budget if tree is not None else r["budget"]
         lines.append(f"| {B} | {label} | {cp} | {fmt(r)} |")
     big = gmm_exp.GMMSetting(dim=65536, trajectories=args.big_trajectories)
-    lines += ["", f"### Dimension d = 65,536 ({args.big_trajectories} trajectories)", "",
-              "| B | method | (K, L) | draft | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"### Dimension d = 65,536 ({args.big_trajectories} trajectories)",
+        "",
+        "| B | method | (K, L) | draft | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for m, K, L in [("rmc", 1, 155), ("dgrs", 5, 3), ("rank", 5, 3)]:
         for dr in ("velocity", "x0"):
             r = run(m, K, L, dr, big)
             lines.append(f"| 155 | {LABEL[m]} | ({K}, {L}) | {dr} | {fmt(r)} |")
     lines += ["", f"Total wall time {(time.perf_counter() - t0) / 60:.1f} min."]
-    replace_section(args.out, "beyond", "## Gaussian mixture: couplings and drafts beyond D-GRS (issues #6, #7)",
-                    "\n".join(lines))
+    replace_section(args.out, "beyond", "## Gaussian mixture: couplings and drafts beyond D-GRS", "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -70,9 +70,7 @@ def main() -> None:
             )
             tqdm.write(lines[-1])
     lines += ["", f"Total wall time {(time.perf_counter() - t0) / 60:.1f} min."]
-    replace_section(
-        args.out, "planning", "## Gaussian mixture: planned trees against uniform ones (issue #7)", "\n".join(lines)
-    )
+    replace_section(args.out, "planning", "## Gaussian mixture: planned trees against uniform ones", "\n".join(lines))
 
 
 if __name__ == "__main__":

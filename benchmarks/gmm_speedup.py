@@ -50,7 +50,7 @@ def configs() -> list[tuple[str, int, int]]:
 
 
 def nodes(method: str, K: int, L: int, steps: int) -> int:
-    return gmm_exp.make_tree(method, K, L, steps).size if method != "standard" else 1
+    return gmm_exp.method_tree(method, K, L, steps).size if method != "standard" else 1
 
 
 def pm(mean, sem, digits: int = 3) -> str:
@@ -137,9 +137,7 @@ def section(standard: dict, results: dict, setting: gmm_exp.GMMSetting, args, wa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run with 4 trajectories (development only)")
-    ap.add_argument(
-        "--trajectories", type=int, default=None, help="override the number of trajectories (>= 2)"
-    )
+    ap.add_argument("--trajectories", type=int, default=None, help="override the number of trajectories (>= 2)")
     ap.add_argument("--seed", type=int, default=0, help="seed of x_T and the sampling noise (>= 0)")
     ap.add_argument(
         "--lazy-above",
@@ -174,9 +172,7 @@ def main() -> None:
     for prefetch, verify, method, K, L in bar:
         bar.set_postfix_str(f"{method} ({K},{L}) {prefetch}/{verify}")
         lazy = nodes(method, K, L, setting.steps) > args.lazy_above
-        r = gmm_exp.run_config(
-            setting, method=method, K=K, L=L, prefetch=prefetch, verify=verify, lazy=lazy, **common
-        )
+        r = gmm_exp.run_config(setting, method=method, K=K, L=L, prefetch=prefetch, verify=verify, lazy=lazy, **common)
         results[(prefetch, verify, method, K, L)] = r
         tqdm.write(
             f"{method} ({K},{L}) {prefetch}/{verify} [{r['mode']}]: T/NFE {pm(r['speedup_mean'], r['speedup_sem'])}"

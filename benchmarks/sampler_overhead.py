@@ -80,15 +80,29 @@ def measure(repeats: int, quick: bool) -> dict:
             inside[0] = 0.0
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = specforest.sample(model, x, steps=10 if rep < 0 else (20 if quick else 100), churn=0.3, tree=_tree(spec),
-                                        coupling=coupling, draft=draft,
-                                        generator=torch.Generator().manual_seed(100 + max(rep, 0)), **kw)
+                out = specforest.sample(
+                    model,
+                    x,
+                    steps=10 if rep < 0 else (20 if quick else 100),
+                    churn=0.3,
+                    tree=_tree(spec),
+                    coupling=coupling,
+                    draft=draft,
+                    generator=torch.Generator().manual_seed(100 + max(rep, 0)),
+                    **kw,
+                )
             wall = time.perf_counter() - t0
             if rep < 0:
                 continue
-            runs.append(dict(wall=wall, inside=inside[0], calls=out.stats.calls,
-                             nfe=float(out.stats.nfe.double().mean()),
-                             phases=getattr(out.stats, "phase_seconds", None) or {}))
+            runs.append(
+                dict(
+                    wall=wall,
+                    inside=inside[0],
+                    calls=out.stats.calls,
+                    nfe=float(out.stats.nfe.double().mean()),
+                    phases=getattr(out.stats, "phase_seconds", None) or {},
+                )
+            )
         runs.sort(key=lambda r: r["wall"] - r["inside"])
         rows.append(dict(label=label, images=n, **runs[len(runs) // 2]))
     residual = {}
@@ -112,17 +126,20 @@ def _measure_before(ref: str, repeats: int, quick: bool) -> dict:
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         wt = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(wt), ref], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "--detach", str(wt), ref], check=True, capture_output=True
+        )
         try:
             env = {**os.environ, "PYTHONPATH": str(wt / "src")}
             cmd = [sys.executable, str(Path(__file__).resolve()), "--measure-only", "--repeats", str(repeats)]
-            out = subprocess.run(cmd + (["--quick"] if quick else []), check=True, capture_output=True, text=True,
-                                 env=env, cwd=tmp)
+            out = subprocess.run(
+                cmd + (["--quick"] if quick else []), check=True, capture_output=True, text=True, env=env, cwd=tmp
+            )
             return json.loads(out.stdout.strip().splitlines()[-1])
         finally:
-            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(wt)], check=False,
-                           capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(root), "worktree", "remove", "--force", str(wt)], check=False, capture_output=True
+            )
 
 
 def _ms(x: float) -> str:
@@ -131,7 +148,9 @@ def _ms(x: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", default=None, help="git ref to measure as 'before' (e.g. the commit before the round engine)")
+    ap.add_argument(
+        "--before", default=None, help="git ref to measure as 'before' (e.g. the commit before the round engine)"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (the median is reported)")
     ap.add_argument("--quick", action="store_true", help="T = 20 instead of 100 (a smoke run, not for the table)")
     ap.add_argument("--measure-only", action="store_true", help=argparse.SUPPRESS)
@@ -176,9 +195,13 @@ def main() -> None:
             f"{1e3 * r['wall']:.0f} | {standard_wall[r['images']] / r['wall']:.2f}x |"
         )
         print(lines[-1], flush=True)
-    lines += ["", "GRS residual sampler (K = 3, delta = 0.7), time per call:", "",
-              "| problems | " + ("before (ms) | " if before else "") + "now (ms) |",
-              "| --- | " + ("--- | " if before else "") + "--- |"]
+    lines += [
+        "",
+        "GRS residual sampler (K = 3, delta = 0.7), time per call:",
+        "",
+        "| problems | " + ("before (ms) | " if before else "") + "now (ms) |",
+        "| --- | " + ("--- | " if before else "") + "--- |",
+    ]
     for P in ("1", "64"):
         b = f"{_ms(before['residual'][P])} | " if before else ""
         lines.append(f"| {P} | {b}{_ms(after['residual'][P])} |")

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from scipy import stats as sps
 
 import specforest
-from specforest import trees
+from specforest import memory, trees
 from specforest.cli_pixel import pixel, train
 from specforest.couplings import Coupling
 from specforest.experiments import pixel as pixel_exp
@@ -170,6 +170,23 @@ def test_the_same_check_rejects_an_unverified_draft(velocity, real, standard_sta
     assert _min_p(wrong, standard_statistics) < ALPHA / wrong.shape[1]
 
 
+# -- the experiment's library functions ----------------------------------------------------
+
+
+def test_simulate_sizes_the_run_with_the_one_memory_estimator(velocity, classifier):
+    kw = dict(method="dgrs", K=2, L=2, samples=4, steps=6, seed=3, model=velocity, classifier=classifier)
+    rec = pixel_exp.simulate(**kw).record
+    est = memory.estimate(
+        trajectories=4, state_numel=64, tree=trees.uniform(2, 2), steps=6, row_bytes=pixel_exp.ROW_BYTES, chunked=False
+    )
+    assert rec["max_rows"] == est.max_rows and rec["memory_peak_gb"] == est.total_bytes / 1e9
+    assert rec["budget"] == 6 and {"speedup_paper_sem", "steps_per_round", "rows_mean"} <= rec.keys()
+    again = pixel_exp.simulate(**kw)
+    assert {k: v for k, v in again.record.items() if not k.endswith("_seconds")} == {
+        k: v for k, v in rec.items() if not k.endswith("_seconds")
+    }
+
+
 # -- CLI ---------------------------------------------------------------------------------
 
 TINY = ["--samples", "4", "--steps", "6", "--no-progress", "--json"]
@@ -234,8 +251,23 @@ def test_cli_rejects_bad_options():
 
 def test_cli_sweep_runs_the_new_couplings_as_methods(tmp_path):
     out = tmp_path / "sweep"
-    res = _invoke(pixel, "sweep", "--out", str(out), "--trees", "2x2,3x1", "--churns", "0.5", "--samples", "3",
-                  "--steps", "6", "--no-progress", "--methods", "rank,antithetic")
+    res = _invoke(
+        pixel,
+        "sweep",
+        "--out",
+        str(out),
+        "--trees",
+        "2x2,3x1",
+        "--churns",
+        "0.5",
+        "--samples",
+        "3",
+        "--steps",
+        "6",
+        "--no-progress",
+        "--methods",
+        "rank,antithetic",
+    )
     recs = json.loads((out / "results.json").read_text())
     got = sorted((r["method"], r["K"]) for r in recs if r["method"] not in ("standard", "rmc"))
     assert got == [("antithetic", 2), ("rank", 2), ("rank", 3)]
@@ -292,8 +324,12 @@ def test_pixel_cli_planned_and_adaptive_trees_and_new_methods():
 
     from specforest.cli import main
 
-    for extra in (["--tree", "optimal", "--budget", "6"], ["--tree", "adaptive", "--budget", "6"],
-                  ["--method", "rank", "--draft", "auto"], ["--method", "antithetic", "--K", "2", "--L", "2"]):
+    for extra in (
+        ["--tree", "optimal", "--budget", "6"],
+        ["--tree", "adaptive", "--budget", "6"],
+        ["--method", "rank", "--draft", "auto"],
+        ["--method", "antithetic", "--K", "2", "--L", "2"],
+    ):
         args = ["pixel", "--samples", "4", "--steps", "8", "--lazy", "--json", "--no-progress", *extra]
         res = CliRunner().invoke(main, args)
         assert res.exit_code == 0, (extra, res.output)
@@ -302,6 +338,20 @@ def test_pixel_cli_planned_and_adaptive_trees_and_new_methods():
     res = CliRunner().invoke(main, ["pixel", "--tree", "optimal", "--samples", "4", "--steps", "8", "--no-progress"])
     assert res.exit_code != 0 and "budget" in res.output
     for method, title in (("rank", "rank coupling, K=2 L=2"), ("antithetic", "antithetic pairs, K=2 L=2")):
-        args = ["pixel", "--samples", "2", "--steps", "6", "--lazy", "--no-progress", "--method", method, "--K", "2", "--L", "2"]
+        args = [
+            "pixel",
+            "--samples",
+            "2",
+            "--steps",
+            "6",
+            "--lazy",
+            "--no-progress",
+            "--method",
+            method,
+            "--K",
+            "2",
+            "--L",
+            "2",
+        ]
         res = CliRunner().invoke(main, args)
         assert res.exit_code == 0 and title in res.output, res.output

@@ -16,8 +16,9 @@ import torch
 from click.testing import CliRunner
 from scipy import stats as sps
 
-from specforest import trees
+from specforest import memory, trees
 from specforest.cli import main
+from specforest.experiments import common
 from specforest.experiments import gmm as gmm_exp
 from specforest.experiments.io import atomic_write, atomic_write_text
 
@@ -66,9 +67,7 @@ def run_json(*args: str) -> dict:
 # -- one configuration ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "method,extra", [("standard", []), ("rmc", ["--L", "14"]), ("dgrs", ["--K", "2", "--L", "3"])]
-)
+@pytest.mark.parametrize("method,extra", [("standard", []), ("rmc", ["--L", "14"]), ("dgrs", ["--K", "2", "--L", "3"])])
 def test_json_one_object_with_required_keys(method, extra):
     rec = run_json("--method", method, *extra)
     assert REQUIRED <= rec.keys()
@@ -100,9 +99,7 @@ def test_uniform_grid_is_recorded():
 
 
 def test_json_stdout_stays_clean_with_progress():
-    res = invoke(
-        "gmm", "--dim", "8", "--steps", "10", "--trajectories", "3", "--K", "2", "--L", "2", "--json"
-    )
+    res = invoke("gmm", "--dim", "8", "--steps", "10", "--trajectories", "3", "--K", "2", "--L", "2", "--json")
     assert res.exit_code == 0
     assert json.loads(res.stdout)["method"] == "dgrs"
 
@@ -110,19 +107,22 @@ def test_json_stdout_stays_clean_with_progress():
 def test_lazy_mode_is_recorded():
     rec = run_json("--lazy", "--K", "2", "--L", "3")
     assert rec["mode"] == "lazy" and 1 <= rec["nfe_mean"] <= 10
-    assert rec["bytes_per_trajectory"] == (1 + 2 * 3) * 8 * 12
+    assert rec["bytes_per_trajectory"] == (1 + 2 * 3 + 2 * 1 + 5) * 8 * 4  # the visited nodes, one row
     # nothing to realize lazily without a tree
     assert run_json("--lazy", "--method", "standard")["mode"] == "full"
 
 
-@pytest.mark.parametrize("method,extra,title", [
-    ("dgrs", [], "D-GRS, K=2 L=2 (B=6)"),
-    ("rank", [], "rank coupling, K=2 L=2 (B=6)"),
-    ("antithetic", [], "antithetic pairs, K=2 L=2 (B=6)"),
-    ("rmc", [], "RMC, chain B=2"),
-    ("standard", [], "standard sampler"),
-    ("rank", ["--tree", "optimal", "--budget", "4"], "rank coupling, optimal tree DraftTree("),
-])
+@pytest.mark.parametrize(
+    "method,extra,title",
+    [
+        ("dgrs", [], "D-GRS, K=2 L=2 (B=6)"),
+        ("rank", [], "rank coupling, K=2 L=2 (B=6)"),
+        ("antithetic", [], "antithetic pairs, K=2 L=2 (B=6)"),
+        ("rmc", [], "RMC, chain B=2"),
+        ("standard", [], "standard sampler"),
+        ("rank", ["--tree", "optimal", "--budget", "4"], "rank coupling, optimal tree DraftTree("),
+    ],
+)
 def test_human_summary_without_json(method, extra, title):
     res = invoke("gmm", *TINY, "--method", method, "--K", "2", "--L", "2", *extra)
     assert res.exit_code == 0, res.output
@@ -192,33 +192,32 @@ def test_group_options_before_subcommand_are_refused(tmp_path):
 # -- chunking and memory --------------------------------------------------------------------
 
 
-def test_chunked_run_is_valid():
+def _trajectory_bytes(tree, dim):
+    return memory.estimate(trajectories=1, state_numel=dim, tree=tree, limit_bytes=10**12).trajectory_bytes
+
+
+def test_chunked_run_is_valid_and_equals_the_unchunked_run():
     setting = gmm_exp.GMMSetting(dim=8, steps=10, trajectories=7)
-    per = gmm_exp.bytes_per_trajectory(gmm_exp.make_tree("dgrs", 2, 2, 10), 8)
-    assert per == 7 * 8 * 12
-    rec = gmm_exp.run_config(setting, method="dgrs", K=2, L=2, memory_gb=2.5 * per / 1e9)
+    per = _trajectory_bytes(gmm_exp.method_tree("dgrs", 2, 2, 10), 8)
+    assert per == (7 + 2 * 3 + 5) * 8 * 4  # 7 nodes, 3 evaluated rows, x/prefetch/scratch; float32
+    limit = (2.5 * per + 3 * 8 * 4) / 1e9  # two trajectories and one row fit
+    rec = gmm_exp.run_config(setting, method="dgrs", K=2, L=2, memory_gb=limit)
     assert rec["chunk_size"] == 2 and rec["chunks"] == 4
     assert rec["trajectories"] == 7 and 1 <= rec["nfe_mean"] <= 10 and rec["speedup_sem"] > 0
-    run = gmm_exp.simulate(setting, method="dgrs", K=2, L=2, memory_gb=2.5 * per / 1e9)
-    assert run.samples.shape == (7, 8) and torch.isfinite(run.samples).all()
+    run = gmm_exp.simulate(setting, method="dgrs", K=2, L=2, memory_gb=limit)
+    whole = gmm_exp.simulate(setting, method="dgrs", K=2, L=2)
+    assert whole.record["chunks"] == 1
+    # per-sample streams: the memory limit's chunking changes no sample
+    torch.testing.assert_close(run.samples, whole.samples, atol=1e-6, rtol=0)
+    assert run.record["nfe_mean"] == whole.record["nfe_mean"]
     # the CLI takes the same path
-    rec2 = run_json("--K", "2", "--L", "2", "--memory-gb", f"{2.5 * per / 1e9:.12f}")
+    rec2 = run_json("--K", "2", "--L", "2", "--verify", "internal", "--memory-gb", f"{limit:.12f}")
     assert rec2["chunks"] == 3 and rec2["trajectories"] == 6
 
 
-def test_chunk_size_is_balanced_and_refuses_what_cannot_fit():
-    assert gmm_exp.chunk_size(10, 100, 170e-9) == 17
-    assert gmm_exp.chunk_size(10, 10, 1.0) == 10
-    assert gmm_exp.chunk_size(10, 5, 25e-9) == 2  # 2 fit: 3 chunks of <= 2
-    assert gmm_exp.chunk_size(10, 7, 60e-9) == 4  # 6 fit: 2 balanced chunks of <= 4, not 6 + 1
-    with pytest.raises(MemoryError, match="lazy"):
-        gmm_exp.chunk_size(10, 3, 5e-9)
+def test_a_run_that_cannot_fit_is_refused_with_a_clear_error():
     res = CliRunner().invoke(main, ["gmm", *TINY, "--K", "3", "--L", "3", "--memory-gb", "1e-9"])
-    assert res.exit_code != 0 and "--lazy" in res.output
-
-
-def test_default_memory_limit_is_positive():
-    assert gmm_exp.default_memory_gb() > 0
+    assert res.exit_code != 0 and "--lazy" in res.output and "memory limit" in res.output
 
 
 # -- sweep ----------------------------------------------------------------------------
@@ -265,9 +264,7 @@ def test_sweep_writes_files_and_resumes(tmp_path):
     assert json.loads((out / "results.json").read_text()) == first
 
     # a different setting in the same directory is a new configuration set
-    res3 = invoke(
-        *[a if a != "4" else "5" for a in SWEEP], "--out", str(out), "--L-values", "2", "--K-values", "1"
-    )
+    res3 = invoke(*[a if a != "4" else "5" for a in SWEEP], "--out", str(out), "--L-values", "2", "--K-values", "1")
     assert "ran 2 configuration(s), skipped 0" in res3.stdout
     assert len(json.loads((out / "results.json").read_text())) == 10
 
@@ -310,14 +307,14 @@ def test_sweep_interrupted_while_writing_keeps_valid_results(tmp_path, monkeypat
     setting = gmm_exp.GMMSetting(dim=8, steps=8, trajectories=3)
     gmm_exp.run_sweep(setting, tmp_path, K_values=[1], L_values=[2], progress=False)
     before = (tmp_path / "results.json").read_text()
-    real = gmm_exp.records_csv
+    real = common.records_csv
 
     def crash(records):
         if len(records) > 2:
             raise OSError("disk full")
         return real(records)
 
-    monkeypatch.setattr(gmm_exp, "records_csv", crash)
+    monkeypatch.setattr(common, "records_csv", crash)
     with pytest.raises(OSError):
         gmm_exp.run_sweep(setting, tmp_path, K_values=[1, 2], L_values=[2], progress=False)
     recs = json.loads((tmp_path / "results.json").read_text())  # still parses
@@ -390,13 +387,32 @@ def test_a_draft_tree_runs_as_given_and_is_recorded_as_custom():
 
 def test_sweep_runs_the_new_couplings_as_methods(tmp_path):
     configs = gmm_exp.sweep_configs([1, 2, 3], [2], 10, methods=["dgrs", "rank", "antithetic"])
-    assert ("antithetic", 2, 2) in configs and ("antithetic", 3, 2) not in configs and ("antithetic", 1, 2) not in configs
+    assert (
+        ("antithetic", 2, 2) in configs and ("antithetic", 3, 2) not in configs and ("antithetic", 1, 2) not in configs
+    )
     assert {("rank", k, 2) for k in (1, 2, 3)} <= set(configs)
     with pytest.raises(ValueError, match="methods"):
         gmm_exp.sweep_configs([2], [2], 10, methods=["bogus"])
-    res = invoke("gmm", "sweep", "--methods", "rank,antithetic", "--K-values", "2", "--L-values", "2",
-                 "--dim", "8", "--steps", "10", "--trajectories", "4", "--lazy", "--no-progress",
-                 "--out", str(tmp_path))
+    res = invoke(
+        "gmm",
+        "sweep",
+        "--methods",
+        "rank,antithetic",
+        "--K-values",
+        "2",
+        "--L-values",
+        "2",
+        "--dim",
+        "8",
+        "--steps",
+        "10",
+        "--trajectories",
+        "4",
+        "--lazy",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    )
     assert res.exit_code == 0, res.output
     recs = json.loads((tmp_path / "results.json").read_text())
     assert sorted(r["method"] for r in recs) == ["antithetic", "rank", "rmc"]

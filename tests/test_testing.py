@@ -55,9 +55,10 @@ def test_check_chain_law_passes_and_fails():
     assert not testing.check_chain_law(trees.uniform(2, 3), KeepFirst()).passed
 
 
-def test_writing_a_coupling_example_runs():
-    text = (Path(__file__).resolve().parent.parent / "docs" / "writing-a-coupling.md").read_text()
+@pytest.mark.parametrize("doc", ["docs/writing-a-coupling.md", "CONTRIBUTING.md"])
+def test_the_documented_examples_run(doc):
+    text = (Path(__file__).resolve().parent.parent / doc).read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks
     for code in blocks:
-        exec(compile(code, "writing-a-coupling.md", "exec"), {})
+        exec(compile(code, doc, "exec"), {})

@@ -12,15 +12,30 @@ import sys
 import click
 import numpy as np
 
-from ._cli_options import choice_list, draft_option, int_list, prefetch_option, tree_options, verify_option
+from .cli_common import (
+    CONTEXT,
+    POSITIVE,
+    choice_list,
+    churn_option,
+    draft_option,
+    float_list,
+    grid_option,
+    int_list,
+    json_option,
+    library_errors,
+    method_option,
+    prefetch_option,
+    progress_option,
+    seed_option,
+    steps_option,
+    tree_options,
+    tree_size_options,
+    verify_option,
+)
 from .experiments import gmm as gmm_exp
 from .experiments.io import atomic_write
-from .sampler import GRIDS
 
 __all__ = ["main"]
-
-_CHURN = click.FloatRange(0.0, 1.0, min_open=True)
-_POS_FLOAT = click.FloatRange(0.0, min_open=True)
 
 
 def _setting_options(f):
@@ -33,23 +48,9 @@ def _setting_options(f):
             show_default=True,
             help="Mixture components (>= 1).",
         ),
-        click.option(
-            "--dim", type=click.IntRange(1), default=500, show_default=True, help="Dimension d (>= 1)."
-        ),
-        click.option(
-            "--steps",
-            type=click.IntRange(3),
-            default=30,
-            show_default=True,
-            help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
-        ),
-        click.option(
-            "--churn",
-            type=_CHURN,
-            default=0.1,
-            show_default=True,
-            help="Churn eps in (0, 1] (0 would make speculation accept nothing).",
-        ),
+        click.option("--dim", type=click.IntRange(1), default=500, show_default=True, help="Dimension d (>= 1)."),
+        steps_option(30),
+        churn_option(0.1),
         click.option(
             "--trajectories",
             type=click.IntRange(1),
@@ -57,13 +58,7 @@ def _setting_options(f):
             show_default=True,
             help="Independent trajectories (>= 1).",
         ),
-        click.option(
-            "--seed",
-            type=click.IntRange(0),
-            default=0,
-            show_default=True,
-            help="Seed (>= 0) of x_T and the sampling noise; the mixture has its own seed.",
-        ),
+        seed_option("x_T and the sampling noise; the mixture has its own seed"),
         click.option(
             "--mixture-seed",
             type=click.IntRange(0),
@@ -71,23 +66,17 @@ def _setting_options(f):
             show_default=True,
             help="Seed (>= 0) of the mixture's means U([-2,2]^d) and stds U([0.10,0.25]).",
         ),
-        click.option(
-            "--grid",
-            type=click.Choice(GRIDS),
-            default="flow_match",
-            show_default=True,
-            help="Time grid: flow_match (diffusers' default, the authors' code) or uniform.",
-        ),
+        grid_option(),
         prefetch_option(),
         verify_option("drafted"),
         tree_options,
         draft_option(),
         click.option(
             "--memory-gb",
-            type=_POS_FLOAT,
+            type=POSITIVE,
             default=None,
-            show_default="25% of physical memory, or 4 GB if unknown",
-            help="Memory limit (> 0) that sets how many trajectories run at once.",
+            show_default="50% of physical memory, or 8 GB if unknown",
+            help="Memory limit in GB (> 0) that sets how many trajectories run at once and the rows per call.",
         ),
     ]
     for opt in reversed(opts):
@@ -107,59 +96,29 @@ def _setting(o: dict) -> gmm_exp.GMMSetting:
     )
 
 
-def _library_errors(fn):
-    """Turn the library's input and memory errors into clean CLI errors."""
-    try:
-        return fn()
-    except (ValueError, TypeError, MemoryError, NotImplementedError) as e:
-        raise click.ClickException(str(e)) from e
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings=CONTEXT)
 @click.version_option(package_name="specforest")
 def main() -> None:
     """specforest: exact speculative sampling for diffusion models on draft trees."""
 
 
 @main.group(invoke_without_command=True)
-@click.option(
-    "--method",
-    type=click.Choice(gmm_exp.METHODS),
-    default="dgrs",
-    show_default=True,
-    help="standard (no tree, T NFE), rmc (chain, Algorithm 2), dgrs (uniform tree, Algorithm 3), "
-    "rank (uniform tree, rank-aware list coupling conditioned on the maximum) or antithetic (uniform tree of K/2 mirrored pairs per node, K even).",
-)
-@click.option(
-    "--K",
-    "K",
-    type=click.IntRange(1),
-    default=6,
-    show_default=True,
-    help="Children per node of the uniform tree (>= 1; even for antithetic); ignored by rmc and standard.",
-)
-@click.option(
-    "--L",
-    "L",
-    type=click.IntRange(1),
-    default=6,
-    show_default=True,
-    help="Tree depth (>= 1); for rmc the chain length B (e.g. --method rmc --L 155).",
-)
+@method_option(gmm_exp.METHODS)
+@tree_size_options(K=6, L=6)
 @_setting_options
 @click.option(
     "--lazy",
     is_flag=True,
     help="Realize only the visited nodes: same law of samples and NFE, far less memory.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else.")
+@json_option()
 @click.option(
     "--dump-samples",
     type=click.Path(dir_okay=False, writable=True),
     default=None,
     help="Write the samples to this .npz (array 'samples', (trajectories, dim) float32).",
 )
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@progress_option()
 @click.pass_context
 def gmm(ctx: click.Context, **o) -> None:
     """Gaussian-mixture experiment of the paper (Section 5.1): one configuration.
@@ -176,12 +135,11 @@ def gmm(ctx: click.Context, **o) -> None:
         ]
         if given:
             raise click.UsageError(
-                f"options {', '.join(given)} belong to 'gmm' itself; put them after "
-                f"'{ctx.invoked_subcommand}'"
+                f"options {', '.join(given)} belong to 'gmm' itself; put them after '{ctx.invoked_subcommand}'"
             )
         return
-    setting = _library_errors(lambda: _setting(o))
-    run = _library_errors(
+    setting = library_errors(lambda: _setting(o))
+    run = library_errors(
         lambda: gmm_exp.simulate(
             setting,
             method=o["method"],
@@ -202,9 +160,7 @@ def gmm(ctx: click.Context, **o) -> None:
     if o["dump_samples"]:
         meta = json.dumps(rec)
         samples = run.samples.numpy().astype(np.float32)
-        atomic_write(
-            o["dump_samples"], lambda f: np.savez(f, samples=samples, result=np.array(meta)), binary=True
-        )
+        atomic_write(o["dump_samples"], lambda f: np.savez(f, samples=samples, result=np.array(meta)), binary=True)
     if o["as_json"]:
         click.echo(json.dumps(rec, allow_nan=False))
     else:
@@ -266,12 +222,12 @@ def sweep(out_dir: str, K_values: list[int], L_values: list[int], methods: list[
     """
     if o["tree_mode"] != "uniform" or o["budget"] is not None:
         raise click.UsageError("the sweep runs the uniform (K, L) grid; --tree and --budget apply to single runs")
-    setting = _library_errors(lambda: _setting(o))
+    setting = library_errors(lambda: _setting(o))
 
     def log(line: str) -> None:
         click.echo(line, err=True)
 
-    res = _library_errors(
+    res = library_errors(
         lambda: gmm_exp.run_sweep(
             setting,
             out_dir,
@@ -299,21 +255,34 @@ if __name__ == "__main__":  # pragma: no cover
 
 
 @gmm.command("drafts")
-@click.option("--out", type=click.Path(dir_okay=False), default="drafts.png", show_default=True, help="PNG file to write.")
-@click.option("--model", type=click.Choice(["gmm", "digits"]), default="gmm", show_default=True,
-              help="The paper's Gaussian mixture (d=500, T=30, churn 0.1) or the shipped digits model (T=100, churn 0.3).")
-@click.option("--trajectories", type=click.IntRange(1), default=50, show_default=True, help="Trajectories per draft kind (>= 1).")
-@click.option("--depth", type=click.IntRange(1), default=10, show_default=True, help="Chain length of the lazy runs (>= 1).")
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed (>= 0).")
+@click.option(
+    "--out", type=click.Path(dir_okay=False), default="drafts.png", show_default=True, help="PNG file to write."
+)
+@click.option(
+    "--model",
+    type=click.Choice(["gmm", "digits"]),
+    default="gmm",
+    show_default=True,
+    help="The paper's Gaussian mixture (d=500, T=30, churn 0.1) or the shipped digits model (T=100, churn 0.3).",
+)
+@click.option(
+    "--trajectories", type=click.IntRange(1), default=50, show_default=True, help="Trajectories per draft kind (>= 1)."
+)
+@click.option(
+    "--depth", type=click.IntRange(1), default=10, show_default=True, help="Chain length of the lazy runs (>= 1)."
+)
+@seed_option("the trajectories")
 def gmm_drafts(out: str, model: str, trajectories: int, depth: int, seed: int) -> None:
     """Plot delta and acceptance per step and per depth for each draft kind (velocity, drift, x0, eps, auto)."""
     from .experiments.drafts import draft_diagnostics, plot_draft_diagnostics
 
-    res = _library_errors(lambda: draft_diagnostics(model, trajectories=trajectories, depth=depth, seed=seed))
+    res = library_errors(lambda: draft_diagnostics(model, trajectories=trajectories, depth=depth, seed=seed))
     plot_draft_diagnostics(res, out, title=f"{model}: chain of {depth}, {trajectories} trajectories, lazy")
     for kind, r in res.items():
-        click.echo(f"{kind:9s} T/NFE {r['speedup']:.3f}   mean delta per depth "
-                   + " ".join(f"{v:.2f}" for v in r["delta_depth"][1:]))
+        click.echo(
+            f"{kind:9s} T/NFE {r['speedup']:.3f}   mean delta per depth "
+            + " ".join(f"{v:.2f}" for v in r["delta_depth"][1:])
+        )
     click.echo(f"wrote {out}")
 
 
@@ -322,24 +291,19 @@ def couplings() -> None:
     """Acceptance of the couplings against the mismatch delta, and the i.i.d. list bound."""
 
 
-def _float_list(value: str) -> list[float]:
-    try:
-        out = [float(v) for v in value.split(",") if v.strip()]
-    except ValueError as err:
-        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from err
-    if not out or any(not (0.0 <= v <= 50.0) for v in out):
-        raise click.BadParameter("every delta must be in [0, 50]")
-    return out
-
-
 @couplings.command("table")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line (delta, K, rmc, grs, rank, antithetic, bound).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="One JSON object per line (delta, K, rmc, grs, rank, antithetic, bound)."
+)
 @click.option("--K-values", "K_values", default="1,2,4,8", show_default=True, help="Comma list of K (>= 1).")
 @click.option(
-    "--deltas", default=",".join(f"{0.25 * i:g}" for i in range(21)), show_default=True,
+    "--deltas",
+    default=",".join(f"{0.25 * i:g}" for i in range(21)),
+    show_default=True,
+    callback=float_list("deltas", 0.0, 50.0),
     help="Comma list of delta values in [0, 50].",
 )
-def couplings_table(as_json: bool, K_values: str, deltas: str) -> None:
+def couplings_table(as_json: bool, K_values: str, deltas: list[float]) -> None:
     """Per-step acceptance of RMC, GRS, rank and antithetic couplings and the bound.
 
     rmc is the single-proposal maximal coupling (independent of K); antithetic
@@ -349,7 +313,7 @@ def couplings_table(as_json: bool, K_values: str, deltas: str) -> None:
     from .landscape import acceptance_table
 
     Ks = int_list("K-values", 1)(None, None, K_values)
-    rows = acceptance_table(_float_list(deltas), Ks)
+    rows = acceptance_table(deltas, Ks)
     if as_json:
         for r in rows:
             click.echo(json.dumps(r))
@@ -363,8 +327,13 @@ def couplings_table(as_json: bool, K_values: str, deltas: str) -> None:
 
 
 @couplings.command("plot")
-@click.option("--out", type=click.Path(dir_okay=False), default="acceptance_landscape.png", show_default=True,
-              help="PNG file to write.")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default="acceptance_landscape.png",
+    show_default=True,
+    help="PNG file to write.",
+)
 @click.option("--K-values", "K_values", default="1,2,4,8", show_default=True, help="Comma list of K (>= 1).")
 def couplings_plot(out: str, K_values: str) -> None:
     """Plot per-step acceptance against delta in [0, 5] for each K (one panel per K)."""

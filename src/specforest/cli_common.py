@@ -1,17 +1,83 @@
-"""Click options shared by the ``gmm``, ``pixel`` and ``sd3`` commands (one definition each)."""
+"""What every command shares: one error policy, one definition of each shared option.
+
+:func:`library_errors` is the CLI's only error policy: the library's errors on
+bad input, memory, missing files or optional packages and non-finite network
+outputs become a one-line ``Error: ...`` and exit status 1, never a traceback.
+Options that several commands take (``--prefetch``, ``--verify``, ``--draft``,
+``--tree``/``--budget``) and the comma-list parsers are defined here once.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, TypeVar
 
 import click
 
-from .experiments.gmm import TREE_MODES
+from .planning import TREE_MODES
 from .proposals import DRAFT_KINDS
-from .sampler import PREFETCH_POLICIES
+from .sampler import GRIDS, PREFETCH_POLICIES
 from .trees import VERIFY_MODES
 
-__all__ = ["choice_list", "draft_option", "int_list", "prefetch_option", "tree_options", "verify_option"]
+__all__ = [
+    "CHURN",
+    "CONTEXT",
+    "POSITIVE",
+    "LIBRARY_ERRORS",
+    "choice_list",
+    "draft_option",
+    "float_list",
+    "int_list",
+    "library_errors",
+    "prefetch_option",
+    "tree_options",
+    "verify_option",
+]
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+"""Click context settings of every command."""
+
+CHURN = click.FloatRange(0.0, 1.0, min_open=True)
+"""The churn ``eps`` in (0, 1]."""
+
+POSITIVE = click.FloatRange(0.0, min_open=True)
+"""A number > 0."""
+
+LIBRARY_ERRORS = (ValueError, TypeError, MemoryError, NotImplementedError, OSError, ImportError, FloatingPointError)
+"""What the library raises on bad input or an unusable environment (``OSError``
+covers missing files); anything else is a bug and keeps its traceback."""
+
+T = TypeVar("T")
+
+
+def library_errors(fn: Callable[[], T]) -> T:
+    """Run ``fn()`` and turn the library's errors (:data:`LIBRARY_ERRORS`) into clean CLI errors."""
+    try:
+        return fn()
+    except LIBRARY_ERRORS as e:
+        raise click.ClickException(str(e)) from e
+
+
+def float_list(
+    name: str, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False, unique: bool = False
+) -> Callable[[click.Context, click.Parameter, str], list[float]]:
+    """A click callback parsing a comma list of numbers in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``).
+
+    ``unique`` sorts the values and drops repeats; otherwise they keep their order.
+    """
+
+    def parse(ctx, param, value: str) -> list[float]:
+        try:
+            vals = [float(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{name} must be a comma-separated list of numbers, got {value!r}") from None
+        inside = all((v > lo if lo_open else v >= lo) and v <= hi for v in vals)
+        if not vals or not inside:
+            rng = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+            raise click.BadParameter(f"{name} must list numbers in {rng}, got {value!r}")
+        return sorted(set(vals)) if unique else vals
+
+    return parse
 
 
 def int_list(name: str, lo: int) -> Callable[[click.Context, click.Parameter, str], list[int]]:
@@ -94,3 +160,88 @@ def tree_options(f):
         "for --budget, planned from a short calibration run; adaptive: re-planned every round from "
         "the run's own statistics (K and L are ignored by both).",
     )(f)
+
+
+def method_option(methods: "tuple[str, ...]"):
+    """``--method``: the sampler of a run (``dgrs`` by default)."""
+    return click.option(
+        "--method",
+        type=click.Choice(methods),
+        default="dgrs",
+        show_default=True,
+        help="standard (no tree, T NFE), rmc (chain, Algorithm 2), dgrs (uniform tree, Algorithm 3), "
+        "rank (uniform tree, rank-aware list coupling conditioned on the maximum) or antithetic "
+        "(uniform tree of K/2 mirrored pairs per node, K even).",
+    )
+
+
+def tree_size_options(K: int, L: int):
+    """``--K`` and ``--L`` of the uniform ``(K, L)`` tree (``--L`` is the chain length for rmc)."""
+
+    def wrap(f):
+        f = click.option(
+            "--L",
+            "L",
+            type=click.IntRange(1),
+            default=L,
+            show_default=True,
+            help="Tree depth (>= 1); for rmc the chain length B (e.g. --method rmc --L 14).",
+        )(f)
+        return click.option(
+            "--K",
+            "K",
+            type=click.IntRange(1),
+            default=K,
+            show_default=True,
+            help="Children per node of the uniform tree (>= 1; even for antithetic); ignored by rmc and standard.",
+        )(f)
+
+    return wrap
+
+
+def steps_option(default: int):
+    """``--steps``: grid steps ``T >= 3``."""
+    return click.option(
+        "--steps",
+        type=click.IntRange(3),
+        default=default,
+        show_default=True,
+        help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
+    )
+
+
+def churn_option(default: float):
+    """``--churn``: the churn ``eps`` in (0, 1]."""
+    return click.option(
+        "--churn",
+        type=CHURN,
+        default=default,
+        show_default=True,
+        help="Churn eps in (0, 1] (0 would make speculation accept nothing).",
+    )
+
+
+def seed_option(what: str):
+    """``--seed >= 0``; ``what`` says what it seeds."""
+    return click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help=f"Seed (>= 0) of {what}.")
+
+
+def json_option():
+    """``--json``: one JSON object on stdout and nothing else."""
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else.")
+
+
+def progress_option(what: str = "Progress bar on stderr."):
+    """``--progress/--no-progress`` (on by default)."""
+    return click.option("--progress/--no-progress", default=True, show_default=True, help=what)
+
+
+def grid_option():
+    """``--grid flow_match|uniform``: the time grid."""
+    return click.option(
+        "--grid",
+        type=click.Choice(GRIDS),
+        default="flow_match",
+        show_default=True,
+        help="Time grid: flow_match (diffusers' FlowMatchEulerDiscreteScheduler grid, the authors' code) or uniform.",
+    )

@@ -14,33 +14,28 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ._cli_options import choice_list, draft_option, prefetch_option, tree_options, verify_option
+from .cli_common import (
+    CONTEXT,
+    choice_list,
+    churn_option,
+    draft_option,
+    float_list,
+    grid_option,
+    json_option,
+    library_errors,
+    method_option,
+    prefetch_option,
+    progress_option,
+    seed_option,
+    steps_option,
+    tree_options,
+    tree_size_options,
+    verify_option,
+)
 from .experiments import pixel as pixel_exp
 from .experiments.io import atomic_write
-from .sampler import GRIDS
 
 __all__ = ["pixel", "train"]
-
-_CHURN = click.FloatRange(0.0, 1.0, min_open=True)
-_CTX = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-def _library_errors(fn):
-    """Turn the library's input errors and missing weights into clean CLI errors."""
-    try:
-        return fn()
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        raise click.ClickException(str(e)) from e
-
-
-def _float_list(value: str) -> list[float]:
-    try:
-        vals = sorted({float(v) for v in value.split(",") if v.strip()})
-    except ValueError as e:
-        raise click.BadParameter(f"must be a comma-separated list of numbers, got {value!r}") from e
-    if not vals or min(vals) <= 0 or max(vals) > 1:
-        raise click.BadParameter(f"churn values must lie in (0, 1], got {value!r}")
-    return vals
 
 
 def _pairs(value: str) -> list[tuple[int, int]]:
@@ -60,13 +55,7 @@ def _pairs(value: str) -> list[tuple[int, int]]:
 def _common(f):
     """Options shared by ``pixel`` and ``pixel sweep``."""
     opts = [
-        click.option(
-            "--steps",
-            type=click.IntRange(3),
-            default=100,
-            show_default=True,
-            help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
-        ),
+        steps_option(100),
         click.option(
             "--samples",
             type=click.IntRange(1),
@@ -74,20 +63,8 @@ def _common(f):
             show_default=True,
             help="Images per configuration (>= 1), labels uniform over the 10 classes.",
         ),
-        click.option(
-            "--seed",
-            type=click.IntRange(0),
-            default=0,
-            show_default=True,
-            help="Seed (>= 0) of the labels, x_T and the sampling noise.",
-        ),
-        click.option(
-            "--grid",
-            type=click.Choice(GRIDS),
-            default="flow_match",
-            show_default=True,
-            help="Time grid: flow_match (noise levels linspace(1, 1e-3, T), then 0) or uniform.",
-        ),
+        seed_option("the labels, x_T and the sampling noise"),
+        grid_option(),
         prefetch_option(),
         verify_option("internal"),
     ]
@@ -96,54 +73,26 @@ def _common(f):
     return f
 
 
-@click.group(invoke_without_command=True, context_settings=_CTX)
-@click.option(
-    "--method",
-    type=click.Choice(pixel_exp.METHODS),
-    default="dgrs",
-    show_default=True,
-    help="standard (no tree, T NFE), rmc (chain, Algorithm 2), dgrs (uniform tree, Algorithm 3), "
-    "rank (uniform tree, rank-aware list coupling conditioned on the maximum) or antithetic (uniform tree of K/2 mirrored pairs per node, K even).",
-)
+@click.group(invoke_without_command=True, context_settings=CONTEXT)
+@method_option(pixel_exp.METHODS)
 @draft_option()
 @tree_options
-@click.option(
-    "--K",
-    "K",
-    type=click.IntRange(1),
-    default=2,
-    show_default=True,
-    help="D-GRS children per node (>= 1); ignored by rmc and standard.",
-)
-@click.option(
-    "--L",
-    "L",
-    type=click.IntRange(1),
-    default=3,
-    show_default=True,
-    help="D-GRS depth (>= 1); for rmc the chain length B (e.g. --method rmc --L 14).",
-)
-@click.option(
-    "--churn",
-    type=_CHURN,
-    default=0.3,
-    show_default=True,
-    help="Churn eps in (0, 1] (0 would make speculation accept nothing).",
-)
+@tree_size_options(K=2, L=3)
+@churn_option(0.3)
 @_common
 @click.option(
     "--lazy",
     is_flag=True,
     help="Realize only the visited nodes: same law and NFE, less compute; wall-clock not comparable.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else.")
+@json_option()
 @click.option(
     "--dump-samples",
     type=click.Path(dir_okay=False, writable=True),
     default=None,
     help="Write an .npz with 'samples' (N, 1, 8, 8) float32 in [-1, 1] and 'labels' (N,).",
 )
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@progress_option()
 @click.pass_context
 def pixel(ctx: click.Context, **o) -> None:
     """Pixel-space experiment of the paper (Section 5.2) on class-conditional 8x8 digits: ONE configuration.
@@ -164,7 +113,7 @@ def pixel(ctx: click.Context, **o) -> None:
                 f"options {', '.join(given)} belong to 'pixel' itself; put them after '{ctx.invoked_subcommand}'"
             )
         return
-    run = _library_errors(
+    run = library_errors(
         lambda: pixel_exp.simulate(
             method=o["method"],
             K=o["K"],
@@ -197,7 +146,7 @@ def pixel(ctx: click.Context, **o) -> None:
             click.echo(f"  samples written to {o['dump_samples']}")
 
 
-@pixel.command("sweep", context_settings=_CTX)
+@pixel.command("sweep", context_settings=CONTEXT)
 @click.option(
     "--out",
     "out_dir",
@@ -213,7 +162,13 @@ def pixel(ctx: click.Context, **o) -> None:
     show_default=True,
     help="Trees KxL of the tree methods; RMC runs at each matched budget K + ... + K^L.",
 )
-@click.option("--churns", default="0.1,0.3,0.6", show_default=True, help="Comma-separated churn levels in (0, 1].")
+@click.option(
+    "--churns",
+    default="0.1,0.3,0.6",
+    show_default=True,
+    callback=float_list("churns", 0.0, 1.0, lo_open=True, unique=True),
+    help="Comma-separated churn levels in (0, 1].",
+)
 @click.option(
     "--methods",
     default="dgrs",
@@ -234,7 +189,7 @@ def pixel(ctx: click.Context, **o) -> None:
     show_default=True,
     help="Progress bar over configurations on stderr.",
 )
-def sweep(out_dir: str, pairs: str, churns: str, methods: list[str], **o) -> None:
+def sweep(out_dir: str, pairs: str, churns: list[float], methods: list[str], **o) -> None:
     """Figure 4 / Figure 8: each tree method of --methods (D-GRS by default) at each
     (K, L) vs RMC at the matched budget, per churn.
 
@@ -242,12 +197,11 @@ def sweep(out_dir: str, pairs: str, churns: str, methods: list[str], **o) -> Non
     churn) and samples_grid.png (RMC vs D-GRS at the largest budget).
     """
     pair_list = _pairs(pairs)
-    churn_list = _float_list(churns)
-    res = _library_errors(
+    res = library_errors(
         lambda: pixel_exp.run_sweep(
             out_dir,
             pairs=pair_list,
-            churns=churn_list,
+            churns=churns,
             samples=o["samples"],
             steps=o["steps"],
             seed=o["seed"],
@@ -266,12 +220,12 @@ def sweep(out_dir: str, pairs: str, churns: str, methods: list[str], **o) -> Non
         click.echo(f"wrote {p}")
 
 
-@click.group(context_settings=_CTX)
+@click.group(context_settings=CONTEXT)
 def train() -> None:
     """Train the models the experiments ship with."""
 
 
-@train.command("digits", context_settings=_CTX)
+@train.command("digits", context_settings=CONTEXT)
 @click.option(
     "--out",
     "out_dir",
@@ -310,7 +264,7 @@ def train() -> None:
     show_default=True,
     help="torch CPU threads (1 is fastest on a shared 2-core machine).",
 )
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on stderr.")
+@progress_option("Progress bars on stderr.")
 def train_digits(
     out_dir: str,
     weights_dir: str | None,
@@ -329,7 +283,7 @@ def train_digits(
 
     torch.set_num_threads(threads)
     cfg = TrainConfig(steps=steps, max_minutes=max_minutes, seed=seed, eval_samples=eval_samples)
-    _library_errors(
+    library_errors(
         lambda: main_train(
             out_dir,
             weights_dir=Path(weights_dir) if weights_dir else WEIGHTS_DIR,

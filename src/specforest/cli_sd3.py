@@ -10,22 +10,23 @@ from __future__ import annotations
 import click
 import torch
 
-from ._cli_options import int_list, prefetch_option
+from .cli_common import (
+    CONTEXT,
+    churn_option,
+    int_list,
+    library_errors,
+    prefetch_option,
+    progress_option,
+    seed_option,
+    steps_option,
+    verify_option,
+)
 from .experiments import sd3 as sd3_exp
-from .trees import VERIFY_MODES
 
 __all__ = ["sd3"]
 
 
-def _library_errors(fn):
-    """Turn the library's input, memory and import errors into clean CLI errors."""
-    try:
-        return fn()
-    except (ValueError, TypeError, ImportError, OSError, MemoryError) as e:
-        raise click.ClickException(str(e)) from e
-
-
-@click.command("sd3", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.command("sd3", context_settings=CONTEXT)
 @click.option(
     "--model",
     type=click.Path(exists=True, file_okay=False),
@@ -56,13 +57,7 @@ def _library_errors(fn):
     help="Comma-separated D-GRS widths K (each >= 1); RMC runs a chain of B = K + ... + K^L for each.",
 )
 @click.option("--L", "L", type=click.IntRange(1), default=2, show_default=True, help="D-GRS depth L (>= 1).")
-@click.option(
-    "--steps",
-    type=click.IntRange(3),
-    default=50,
-    show_default=True,
-    help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
-)
+@steps_option(50)
 @click.option(
     "--guidance",
     type=click.FloatRange(0.0),
@@ -70,13 +65,7 @@ def _library_errors(fn):
     show_default=True,
     help="Classifier-free guidance scale (>= 0; <= 1 disables guidance).",
 )
-@click.option(
-    "--churn",
-    type=click.FloatRange(0.0, 1.0, min_open=True),
-    default=0.8,
-    show_default=True,
-    help="Churn eps in (0, 1] (0 would make speculation accept nothing).",
-)
+@churn_option(0.8)
 @click.option(
     "--shift",
     type=click.FloatRange(0.0, min_open=True),
@@ -105,17 +94,8 @@ def _library_errors(fn):
     show_default=True,
     help="T5 prompt tokens (1..512), as in the SD3 pipeline.",
 )
-@click.option(
-    "--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed (>= 0) of latents and noise."
-)
-@click.option(
-    "--verify",
-    type=click.Choice(VERIFY_MODES),
-    default="drafted",
-    show_default=True,
-    help="Evaluate every drafted state (drafted: the paper's protocol, B = |V| per round) or only "
-    "the root and internal nodes (internal: fewer states per call, same NFE or more).",
-)
+@seed_option("latents and noise")
+@verify_option("drafted")
 @prefetch_option()
 @click.option(
     "--batch-size",
@@ -165,7 +145,7 @@ def _library_errors(fn):
     help="Draft only the visited nodes: same law of images and NFE, far less memory and compute.",
 )
 @click.option("--save-images", is_flag=True, help="Save every image under OUT/images/<configuration>/.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on stderr.")
+@progress_option("Progress bars on stderr.")
 def sd3(**o) -> None:
     """Stable Diffusion 3 experiment of the paper (Section 5.3, Figure 5, Table 1).
 
@@ -181,7 +161,7 @@ def sd3(**o) -> None:
     def log(line: str) -> None:
         click.echo(line, err=True)
 
-    setting = _library_errors(
+    setting = library_errors(
         lambda: sd3_exp.SD3Setting(
             height=o["height"],
             width=o["width"],
@@ -199,10 +179,10 @@ def sd3(**o) -> None:
             max_sequence_length=o["max_sequence_length"],
         )
     )
-    prompts = _library_errors(lambda: sd3_exp.load_prompts(o["prompts_file"], o["num_prompts"]))
+    prompts = library_errors(lambda: sd3_exp.load_prompts(o["prompts_file"], o["num_prompts"]))
     log(f"loading {o['model']} ({dtype} on {device})")
-    pipe = _library_errors(lambda: sd3_exp.load_pipeline(o["model"], device=device, dtype=dtype))
-    res = _library_errors(
+    pipe = library_errors(lambda: sd3_exp.load_pipeline(o["model"], device=device, dtype=dtype))
+    res = library_errors(
         lambda: sd3_exp.run_experiment(
             pipe,
             prompts,

@@ -1,4 +1,4 @@
-"""Draft diagnostics (issue #7): mismatch and acceptance per step and per depth for each draft kind.
+"""Draft diagnostics: mismatch and acceptance per step and per depth for each draft kind.
 
 For each frozen-prediction kind the target is sampled on a deep chain in lazy
 mode with every verification recorded (``record_deltas``); the figure shows
@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from .. import sample, trees
+from ..plots import pyplot, save_figure
 from ..proposals import DRAFT_KINDS
 from .gmm import GMMSetting, initial_states
-from .io import atomic_write
 
 __all__ = ["MODELS", "draft_diagnostics", "plot_draft_diagnostics"]
 
@@ -57,9 +57,19 @@ def draft_diagnostics(
     out = {}
     for kind in kinds:
         fn, x, kw, steps, churn = _target(model, trajectories, seed)
-        res = sample(fn, x, steps=steps, churn=churn, tree=trees.chain(depth), coupling="grs", draft=kind,
-                     lazy=True, record_deltas=True, cond=kw,
-                     generator=torch.Generator().manual_seed(seed + 1))
+        res = sample(
+            fn,
+            x,
+            steps=steps,
+            churn=churn,
+            tree=trees.chain(depth),
+            coupling="grs",
+            draft=kind,
+            lazy=True,
+            record_deltas=True,
+            cond=kw,
+            generator=torch.Generator().manual_seed(seed + 1),
+        )
         d = res.stats.deltas.numpy()
         rows = {}
         for name, col, n in (("step", 1, steps), ("depth", 0, depth + 1)):
@@ -76,10 +86,7 @@ def draft_diagnostics(
 
 def plot_draft_diagnostics(results: dict, path: str | Path, title: str = "") -> Path:
     """Four panels: delta and acceptance against the step and against the depth."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
     for kind, r in results.items():
@@ -99,6 +106,5 @@ def plot_draft_diagnostics(results: dict, path: str | Path, title: str = "") -> 
     axes[0, 1].legend(frameon=False, fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=130), binary=True)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
     return Path(path)

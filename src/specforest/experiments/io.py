@@ -45,5 +45,7 @@ def records_csv(records: list[dict]) -> str:
     w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
     w.writeheader()
     for r in records:
-        w.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else ("" if v is None else v) for k, v in r.items()})
+        w.writerow(
+            {k: json.dumps(v) if isinstance(v, (list, dict)) else ("" if v is None else v) for k, v in r.items()}
+        )
     return buf.getvalue()

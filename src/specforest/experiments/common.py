@@ -1,0 +1,250 @@
+"""What the paper's experiments share: methods, trees, seeds, summaries and result files.
+
+Every experiment (:mod:`~specforest.experiments.gmm`,
+:mod:`~specforest.experiments.pixel`, :mod:`~specforest.experiments.sd3`) names
+its samplers by *method* (``standard``, ``rmc``, ``dgrs``, ``rank``,
+``antithetic``), turns a method and ``(K, L)`` into a tree with
+:func:`method_tree` (``tree="optimal"``/``"adaptive"`` with :func:`choose_tree`),
+derives its random streams with :func:`derive_seed`, summarizes a run's
+statistics with :func:`summarize` and writes resumable result files with
+:func:`write_records`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..planning import TREE_MODES, AdaptiveTree, make_tree
+from ..plots import pyplot, save_figure
+from ..trees import DraftTree
+from ..validation import check_choice, check_int, check_number
+from .io import atomic_write_text, records_csv
+
+__all__ = [
+    "COUPLING_OF",
+    "METHODS",
+    "METHOD_LABELS",
+    "SWEEP_METHODS",
+    "SweepResult",
+    "budget_of",
+    "check_choice",
+    "check_churn",
+    "check_int",
+    "check_number",
+    "check_sweep_methods",
+    "choose_tree",
+    "derive_seed",
+    "finite",
+    "mean_sem",
+    "method_tree",
+    "normalize",
+    "pm",
+    "pyplot",
+    "record_key",
+    "save_figure",
+    "summarize",
+    "write_records",
+]
+
+METHODS = ("standard", "rmc", "dgrs", "rank", "antithetic")
+"""``standard``: no tree (``T`` NFE); ``rmc``: Algorithm 2 on a chain of ``B``
+drafted states; ``dgrs``: Algorithm 3 on a ``(K, L)`` tree; ``rank`` and
+``antithetic``: the rank coupling and antithetic pairs on the same trees."""
+
+COUPLING_OF = {"rmc": "rmc", "dgrs": "grs", "rank": "rank", "antithetic": "antithetic"}
+"""The coupling each tree method verifies with."""
+
+SWEEP_METHODS = ("dgrs", "rank", "antithetic")
+"""Tree methods a sweep can run at every ``(K, L)`` (antithetic at even ``K`` only)."""
+
+METHOD_LABELS = {"standard": "standard", "rmc": "RMC", "dgrs": "D-GRS", "rank": "rank", "antithetic": "antithetic"}
+"""Short names of the methods for tables and legends."""
+
+
+def check_churn(churn: object) -> float:
+    """``churn`` as a float in (0, 1] (``ValueError`` otherwise)."""
+    if isinstance(churn, bool) or not isinstance(churn, (int, float)) or not 0.0 < churn <= 1.0:
+        raise ValueError(f"churn must be a number in (0, 1], got {churn!r}")
+    return float(churn)
+
+
+def check_sweep_methods(methods: Sequence[str]) -> list[str]:
+    """``methods`` without repeats, each one of :data:`SWEEP_METHODS` (``ValueError`` otherwise)."""
+    methods = list(dict.fromkeys(methods))
+    if not methods:
+        raise ValueError(f"methods must name at least one of {SWEEP_METHODS}")
+    for m in methods:
+        check_choice("methods", m, SWEEP_METHODS)
+    return methods
+
+
+def derive_seed(seed: int, *stream: int) -> int:
+    """A 63-bit seed for the stream ``(seed, *stream)``: numpy's SeedSequence keeps streams well apart."""
+    return int(np.random.SeedSequence([seed, *stream]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def normalize(method: str, K: int, L: int) -> tuple[int, int]:
+    """The ``(K, L)`` recorded for a method: standard ``(0, 0)``; rmc ``(1, B)``; tree methods ``(K, L)``."""
+    if method == "standard":
+        return 0, 0
+    if method == "rmc":
+        return 1, L
+    return K, L
+
+
+def budget_of(method: str, K: int, L: int) -> int:
+    """Drafted states per round: 0, ``B = L`` for ``rmc``, ``K + ... + K^L`` for the tree methods."""
+    if method == "standard":
+        return 0
+    if method == "rmc":
+        return L
+    return sum(K**level for level in range(1, L + 1))
+
+
+def method_tree(method: str, K: int, L: int, steps: int) -> Optional[DraftTree]:
+    """The tree of a method: ``None``, the chain of ``L`` (``rmc``) or the uniform ``(K, L)`` tree.
+
+    One call of :func:`specforest.planning.make_tree`, the tree of every command.
+    """
+    check_choice("method", method, METHODS)
+    if method == "standard":
+        return None
+    return make_tree(None if method == "rmc" else K, L, coupling=COUPLING_OF[method], steps=steps)
+
+
+def choose_tree(
+    method: str,
+    K: int,
+    L: int,
+    steps: int,
+    tree: str,
+    budget: Optional[int],
+    plan: Callable[[int], DraftTree],
+) -> "tuple[DraftTree | AdaptiveTree | None, Optional[int]]":
+    """The tree of a ``tree=uniform|optimal|adaptive`` option (:data:`~specforest.planning.TREE_MODES`).
+
+    Args:
+        method, K, L, steps: as in :func:`method_tree` (``uniform``).
+        tree: the mode.
+        budget: drafted states per round, required by ``optimal`` and ``adaptive``.
+        plan: ``plan(budget)`` runs the experiment's calibration and returns the
+            planned tree (:func:`specforest.planning.plan_tree`), for ``optimal``.
+
+    Returns:
+        ``(tree, budget)``, the budget checked (``None`` for ``uniform``).
+    """
+    check_choice("tree", tree, TREE_MODES)
+    if tree == "uniform" or method == "standard":
+        return method_tree(method, K, L, steps), None
+    if budget is None:
+        raise ValueError(f"budget (drafted states per round, >= 1) is required with tree={tree!r}")
+    budget = check_int("budget", budget, 1)
+    if method == "antithetic":
+        raise ValueError(f"tree={tree!r} plans irregular trees of i.i.d. children; use dgrs, rank or rmc")
+    return (AdaptiveTree(budget) if tree == "adaptive" else plan(budget)), budget
+
+
+def finite(x: float) -> Optional[float]:
+    """``x`` as a float, ``None`` where it is NaN or infinite (JSON has no NaN)."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def mean_sem(x: torch.Tensor) -> tuple[Optional[float], Optional[float]]:
+    """Mean and standard error of the mean of ``x`` (``None`` where undefined)."""
+    x = x.double()
+    n = x.numel()
+    mean = x.mean().item()
+    sem = (x.std(unbiased=True) / math.sqrt(n)).item() if n > 1 else float("nan")
+    return finite(mean), finite(sem)
+
+
+def pm(mean: Optional[float], sem: Optional[float], digits: int = 3) -> str:
+    """``"1.234 ± 0.005"``; ``-`` where the mean is unknown."""
+    if mean is None:
+        return "-"
+    return f"{mean:.{digits}f}" + ("" if sem is None else f" ± {sem:.{digits}f}")
+
+
+def summarize(
+    *,
+    nfe: torch.Tensor,
+    attempts: torch.Tensor,
+    accepts: torch.Tensor,
+    delta_sum: torch.Tensor,
+    spec_steps: torch.Tensor,
+    rounds: torch.Tensor,
+    rows: torch.Tensor,
+    steps: int,
+    deterministic_steps: int,
+) -> dict:
+    """The statistics every experiment records, from per-trajectory counters.
+
+    Args:
+        nfe, spec_steps, rounds, rows: ``(n,)`` per trajectory (see :class:`specforest.SampleStats`).
+        attempts, accepts, delta_sum: ``(n, L)`` per trajectory and depth.
+        steps: grid steps ``T``.
+        deterministic_steps: steps taken as plain Euler steps ``T_det``.
+
+    Returns:
+        ``nfe_mean``/``nfe_sem``, ``speedup_mean``/``speedup_sem`` (``T / NFE``),
+        ``speedup_paper_mean``/``speedup_paper_sem`` (``(T - T_det) / (NFE - T_det)``,
+        the paper's accounting), ``accept_rate`` (accepts / verification problems),
+        ``accept_rate_per_depth``, ``delta_per_depth``, ``steps_per_round``, ``rows_mean``.
+    """
+    nfe = nfe.double()
+    att, acc = attempts.sum(0).double(), accepts.sum(0).double()
+    n_att = att.sum().item()
+    n_rounds = rounds.sum().item()
+    out = {}
+    out["nfe_mean"], out["nfe_sem"] = mean_sem(nfe)
+    out["speedup_mean"], out["speedup_sem"] = mean_sem(steps / nfe)
+    out["speedup_paper_mean"], out["speedup_paper_sem"] = mean_sem(
+        (steps - deterministic_steps) / (nfe - deterministic_steps)
+    )
+    out["accept_rate"] = finite(acc.sum().item() / n_att) if n_att else None
+    out["accept_rate_per_depth"] = [finite(a) for a in (acc / att).tolist()]
+    out["delta_per_depth"] = [finite(d) for d in (delta_sum.sum(0).double() / att).tolist()]
+    out["steps_per_round"] = finite(spec_steps.sum().item() / n_rounds) if n_rounds else None
+    out["rows_mean"] = finite(rows.double().mean().item())
+    return out
+
+
+def record_key(record: dict, fields: Sequence[str]) -> tuple:
+    """The identity of a configuration in a results file: its ``fields`` (``churn`` as a float)."""
+    return tuple(float(record[k]) if k == "churn" else record[k] for k in fields)
+
+
+@dataclass
+class SweepResult:
+    """What a sweep returns.
+
+    Attributes:
+        records: the sweep's records, in run order (resumed ones included).
+        ran: configurations run now.
+        skipped: configurations found in the results file and not rerun.
+        files: paths written.
+    """
+
+    records: list[dict]
+    ran: int = 0
+    skipped: int = 0
+    files: list[Path] = field(default_factory=list)
+
+
+def write_records(out_dir: "str | os.PathLike[str]", records: list[dict]) -> list[Path]:
+    """Write ``results.json`` and ``results.csv`` in ``out_dir`` atomically; return their paths."""
+    out_dir = Path(out_dir)
+    return [
+        atomic_write_text(out_dir / "results.json", json.dumps(records, indent=1, allow_nan=False) + "\n"),
+        atomic_write_text(out_dir / "results.csv", records_csv(records)),
+    ]

@@ -1,0 +1,251 @@
+"""One configuration of the Gaussian-mixture experiment: run it, summarize it.
+
+Randomness: ``seed`` drives ``x_T`` and the sampling noise, ``mixture_seed`` only
+the mixture. ``x_T`` is drawn once for all trajectories from a stream derived
+from ``seed``, so every method sees the same initial states at a seed; the
+sampling noise comes from the engine's per-sample streams keyed by a second
+stream of ``seed`` and the trajectory's index, so a trajectory's sample does not
+depend on the memory limit's chunking.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ... import __version__, memory, sample
+from ...planning import AdaptiveTree, plan_tree
+from ...proposals import DRAFT_KINDS
+from ...sampler import PREFETCH_POLICIES
+from ...trees import VERIFY_MODES, DraftTree
+from ..common import (
+    COUPLING_OF,
+    METHODS,
+    budget_of,
+    check_choice,
+    check_int,
+    check_number,
+    choose_tree,
+    derive_seed,
+    normalize,
+    summarize,
+)
+from .setting import (
+    STREAM_CALIBRATION_NOISE,
+    STREAM_CALIBRATION_X,
+    GMMSetting,
+    initial_states,
+    mixture_fingerprint,
+)
+
+__all__ = ["GMMRun", "run_config", "simulate"]
+
+STREAM_NOISE = 1
+
+
+@dataclass
+class GMMRun:
+    """One configuration's outcome.
+
+    Attributes:
+        record: the flat result dict (see :func:`run_config`).
+        samples: ``(trajectories, dim)`` float32 final samples.
+        tree: the draft tree sampled with (``None`` for the standard sampler;
+            an :class:`~specforest.planning.AdaptiveTree` for ``tree='adaptive'``).
+    """
+
+    record: dict
+    samples: torch.Tensor
+    tree: "DraftTree | AdaptiveTree | None" = None
+
+
+def simulate(
+    setting: GMMSetting,
+    *,
+    method: str = "dgrs",
+    K: int = 6,
+    L: int = 6,
+    prefetch: str = "nearest",
+    verify: str = "internal",
+    seed: int = 0,
+    lazy: bool = False,
+    memory_gb: float | None = None,
+    progress: bool = False,
+    draft: str = "velocity",
+    tree: "str | DraftTree" = "uniform",
+    budget: int | None = None,
+) -> GMMRun:
+    """Run one configuration and keep its samples; see :func:`run_config`."""
+    if not isinstance(setting, GMMSetting):
+        raise TypeError(f"setting must be a GMMSetting, got {type(setting).__name__}")
+    check_choice("method", method, METHODS)
+    K = check_int("K", K, 1)
+    L = check_int("L", L, 1)
+    check_choice("prefetch", prefetch, PREFETCH_POLICIES)
+    check_choice("verify", verify, VERIFY_MODES)
+    check_choice("draft", draft, DRAFT_KINDS)
+    seed = check_int("seed", seed, 0)
+    if memory_gb is not None:
+        memory_gb = check_number("memory_gb", memory_gb, 0.0, lo_open=True)
+    K, L = normalize(method, K, L)
+    if isinstance(tree, DraftTree):
+        if method in ("standard", "rmc"):
+            raise ValueError(f"a DraftTree as tree needs a tree method (dgrs, rank, antithetic), got method={method!r}")
+        tree_mode = "custom"
+        K, L = tree.max_children, tree.L
+    else:
+        tree_mode = tree
+
+        def plan(b: int) -> DraftTree:
+            return plan_tree(
+                setting.mixture(),
+                initial_states(16, setting.dim, derive_seed(seed, STREAM_CALIBRATION_X)),
+                budget=b,
+                steps=setting.steps,
+                churn=setting.churn,
+                coupling=COUPLING_OF[method],
+                grid=setting.grid,
+                draft=draft,
+                prefetch=prefetch,
+                verify=verify,
+                seed=derive_seed(seed, STREAM_CALIBRATION_NOISE),
+            )
+
+        tree, budget = choose_tree(method, K, L, setting.steps, tree_mode, budget, plan)
+    # a tree-less run has nothing to realize lazily
+    lazy = bool(lazy) and tree is not None
+    if method == "antithetic" and tree_mode != "custom" and K % 2:
+        raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
+    coupling = COUPLING_OF.get(method, "grs")
+
+    n, T = setting.trajectories, setting.steps
+    limit = None if memory_gb is None else int(memory_gb * 1e9)
+    mem = memory.estimate(
+        trajectories=n,
+        state_numel=setting.dim,
+        tree=tree,
+        verify=verify,
+        lazy=lazy,
+        steps=T,
+        limit_bytes=limit,
+        limit_source=f"memory_gb={memory_gb:g}" if memory_gb is not None else "",
+    )
+    gmm = setting.mixture()
+    x_T = initial_states(n, setting.dim, seed)
+    noise_seed = derive_seed(seed, STREAM_NOISE)
+
+    t0 = time.perf_counter()
+    names = ("nfe", "attempts", "accepts", "delta_sum", "rows", "rounds", "spec_steps")
+    parts: dict[str, list] = {k: [] for k in ("samples", *names)}
+    calls, target_seconds = 0, 0.0
+    extra = {"lazy": True} if lazy else {}
+    starts = list(range(0, n, mem.chunk))
+    for start in starts:
+        stop = min(start + mem.chunk, n)
+        # per-sample streams: trajectory i's noise depends on (seed, i) only, not on the chunking
+        out = sample(
+            gmm,
+            x_T[start:stop],
+            steps=T,
+            churn=setting.churn,
+            grid=setting.grid,
+            tree=tree,
+            coupling=coupling,
+            draft=draft,
+            prefetch=prefetch,
+            verify=verify,
+            seed=noise_seed,
+            sample_index=torch.arange(start, stop),
+            max_rows=mem.max_rows,
+            progress=progress,
+            **extra,
+        )
+        s = out.stats
+        parts["samples"].append(out.samples.to(torch.float32))
+        for name in names:
+            parts[name].append(getattr(s, name).cpu())
+        calls += int(s.calls)
+        target_seconds += s.target_seconds
+    wall = time.perf_counter() - t0
+    cat = {k: torch.cat(v) for k, v in parts.items()}
+
+    t_det = setting.deterministic_steps
+    summary = summarize(**{k: cat[k] for k in names}, steps=T, deterministic_steps=t_det)
+    record = {
+        "method": method,
+        "K": K,
+        "L": L,
+        "budget": tree.budget if tree_mode != "uniform" and tree is not None else budget_of(method, K, L),
+        "tree": tree_mode,
+        "tree_layers": None if tree is None else repr(tree),
+        "trajectories": n,
+        **summary,
+        "calls": calls,
+        "wall_seconds": wall,
+        "target_seconds": target_seconds,
+        "grid": setting.grid,
+        "churn": setting.churn,
+        "steps": T,
+        "deterministic_steps": t_det,
+        "dim": setting.dim,
+        "components": setting.components,
+        "prefetch": prefetch,
+        "verify": verify,
+        "draft": draft,
+        "seed": seed,
+        "mixture_seed": setting.mixture_seed,
+        "mixture_fingerprint": mixture_fingerprint(gmm),
+        "mode": "lazy" if lazy else "full",
+        "coupling": coupling if tree is not None else None,
+        "chunk_size": mem.chunk,
+        "chunks": len(starts),
+        "max_rows": mem.max_rows,
+        "memory_gb": mem.limit_bytes / 1e9,
+        "bytes_per_trajectory": mem.trajectory_bytes,
+        "specforest_version": __version__,
+        "torch_version": torch.__version__,
+        "platform": platform.platform(),
+    }
+    return GMMRun(record, cat["samples"], tree)
+
+
+def run_config(setting: GMMSetting, **options) -> dict:
+    """Run one configuration of the experiment and summarize it.
+
+    Args:
+        setting: the experiment's :class:`GMMSetting`.
+        method: ``standard``, ``rmc``, ``dgrs``, ``rank`` or ``antithetic`` (default ``dgrs``).
+        K: tree width for the tree methods (even for ``antithetic``), ``>= 1``.
+        L: tree depth for the tree methods; chain length ``B`` for ``rmc``; ``>= 1``.
+        prefetch: ``nearest`` or ``parent`` (ERRATA 9).
+        verify: ``internal`` or ``drafted``.
+        draft: frozen prediction of the draft: ``velocity`` (default, the
+            paper's protocol), ``drift``, ``x0`` or ``eps``.
+        seed: seed of ``x_T`` and the sampling noise, ``>= 0``.
+        lazy: realize only visited nodes (same law of samples and NFE, far less
+            memory and time for big trees).
+        memory_gb: memory limit that sets the chunk size and ``max_rows`` (default
+            :func:`specforest.memory.default_memory_limit`: 50% of RAM).
+        progress: show the sampler's progress bar (stderr).
+        tree: ``uniform``, ``optimal`` or ``adaptive`` (see :data:`specforest.planning.TREE_MODES`),
+            or a :class:`~specforest.trees.DraftTree` to sample with as given
+            (recorded as ``custom``, with ``K, L`` its widest node and depth).
+        budget: drafted states per round for ``optimal`` and ``adaptive``.
+
+    Returns:
+        A JSON-serializable dict (NaN written as ``None``) with the options and
+        ``budget``, ``nfe_mean``/``nfe_sem``, ``speedup_mean``/``speedup_sem``
+        (``T / NFE``), ``speedup_paper_mean``/``speedup_paper_sem``
+        (``(T - 2) / (NFE - 2)``), ``accept_rate`` (pooled per-step acceptance:
+        accepts / verification problems), ``accept_rate_per_depth``,
+        ``delta_per_depth``, ``wall_seconds``, ``mode``, ``chunk_size`` and more.
+        ``K, L`` are recorded as ``(0, 0)`` for ``standard`` and ``(1, B)`` for ``rmc``.
+
+    Raises:
+        ValueError / TypeError: on invalid options, naming the option.
+        MemoryError: if one trajectory does not fit ``memory_gb`` (use ``lazy``).
+    """
+    return simulate(setting, **options).record

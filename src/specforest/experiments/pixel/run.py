@@ -1,0 +1,240 @@
+"""One configuration of the pixel experiment: sample class-conditional digits, summarize.
+
+Randomness: the labels and ``x_T`` come from one stream of ``seed``
+(:func:`~.setting.initial_states`), the sampling noise from one generator seeded
+from another, so every method sees the same labels and initial states at a
+seed. All trajectories run in one :func:`specforest.sample` call: with one
+generator a sample would change with the chunking, so the memory limit only
+splits the network's calls into sub-batches (``max_rows``), never the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ... import __version__, memory, sample
+from ...models.digits import IMAGE_SHAPE, DigitsClassifier, load_classifier, load_velocity
+from ...planning import plan_tree
+from ...proposals import DRAFT_KINDS
+from ...sampler import GRIDS, PREFETCH_POLICIES
+from ...trees import VERIFY_MODES, DraftTree
+from ..common import (
+    COUPLING_OF,
+    METHODS,
+    budget_of,
+    check_choice,
+    check_churn,
+    check_int,
+    choose_tree,
+    derive_seed,
+    finite,
+    normalize,
+    summarize,
+)
+from .setting import (
+    DETERMINISTIC_STEPS,
+    MODEL_NAME,
+    STREAM_CALIBRATION_NOISE,
+    STREAM_CALIBRATION_X,
+    STREAM_NOISE,
+    initial_states,
+)
+
+__all__ = ["ROW_BYTES", "PixelRun", "simulate"]
+
+ROW_BYTES = 10**6
+"""Peak bytes one row adds inside a call of the digits U-Net, for
+:func:`specforest.memory.estimate`: a heuristic of 1 MB. The float32 network
+measures about 0.14 MB per row at its peak on a CPU (inference mode, 2048 rows);
+the margin covers allocator slack and other devices."""
+
+
+@dataclass
+class PixelRun:
+    """One configuration's outcome.
+
+    Attributes:
+        record: flat JSON-serializable summary (see :func:`simulate`).
+        samples: ``(n, 1, 8, 8)`` float32 samples (not clipped).
+        labels: ``(n,)`` long conditioning labels.
+    """
+
+    record: dict
+    samples: torch.Tensor
+    labels: torch.Tensor
+
+
+def simulate(
+    *,
+    method: str = "dgrs",
+    K: int = 2,
+    L: int = 3,
+    churn: float = 0.3,
+    samples: int = 100,
+    steps: int = 100,
+    seed: int = 0,
+    grid: str = "flow_match",
+    prefetch: str = "nearest",
+    verify: str = "internal",
+    lazy: bool = False,
+    progress: bool = False,
+    draft: str = "velocity",
+    tree: str = "uniform",
+    budget: Optional[int] = None,
+    model: Optional[Callable[..., torch.Tensor]] = None,
+    classifier: Optional[DigitsClassifier] = None,
+) -> PixelRun:
+    """Sample ``samples`` class-conditional digits with one method and summarize.
+
+    Args:
+        method: ``standard``, ``rmc``, ``dgrs``, ``rank`` or ``antithetic`` (K even).
+        K: tree width of the tree methods (ignored otherwise), ``>= 1`` (``>= 0`` for ``standard``).
+        L: tree depth of the tree methods; chain length ``B`` for ``rmc``; ``>= 1`` (``>= 0`` for ``standard``).
+        churn: ``eps`` in (0, 1].
+        samples: number of images ``>= 1``.
+        steps: grid steps ``T >= 3``.
+        seed: seed of the labels, ``x_T`` and the sampling noise, ``>= 0``.
+        grid: ``flow_match`` or ``uniform``.
+        prefetch: ``nearest`` or ``parent`` (ERRATA 9).
+        verify: ``internal`` or ``drafted``.
+        lazy: realize only visited nodes (same law and NFE; wall-clock not comparable).
+        draft: frozen-prediction kind of the draft (``velocity``, ``drift``, ``x0``,
+            ``eps``, ``x0_extrap`` or ``auto``).
+        tree: ``uniform`` (the (K, L) tree), ``optimal`` (planned for ``budget`` from
+            a short calibration run) or ``adaptive`` (re-planned every round); see
+            :func:`specforest.experiments.common.choose_tree`.
+        budget: drafted states per round for ``optimal`` / ``adaptive``.
+        progress: the sampler's progress bar on stderr.
+        model: the velocity (default: the shipped digits model).
+        classifier: the evaluation classifier (default: the shipped one).
+
+    Returns:
+        A :class:`PixelRun`; its record holds the options and ``budget``, the
+        statistics of :func:`specforest.experiments.common.summarize`
+        (``nfe_mean``/``nfe_sem``, ``speedup_mean``/``speedup_sem`` (``T / NFE``
+        per image), ``speedup_paper_mean``/``speedup_paper_sem``
+        (``(T - 2) / (NFE - 2)``), ``accept_rate``, ``accept_rate_per_depth``,
+        ``delta_per_depth`` (``None`` where a depth was never reached), ...),
+        ``speedup_std``, ``wall_seconds``, ``max_rows``, ``memory_peak_gb`` and
+        ``classifier_accuracy``.
+
+    Raises:
+        ValueError / TypeError: on invalid options, naming the option.
+        MemoryError: if the run does not fit the memory limit
+            (:func:`specforest.memory.estimate`).
+    """
+    check_choice("method", method, METHODS)
+    lo = 0 if method == "standard" else 1  # standard ignores K and L
+    K, L = check_int("K", K, lo), check_int("L", L, lo)
+    n, T, seed = check_int("samples", samples, 1), check_int("steps", steps, 3), check_int("seed", seed, 0)
+    check_choice("grid", grid, GRIDS)
+    check_choice("prefetch", prefetch, PREFETCH_POLICIES)
+    check_choice("verify", verify, VERIFY_MODES)
+    check_choice("draft", draft, DRAFT_KINDS)
+    if method == "antithetic" and K % 2:
+        raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
+    churn = check_churn(churn)
+    K, L = normalize(method, K, L)
+    tree_mode = tree
+    model = load_velocity() if model is None else model
+    classifier = load_classifier() if classifier is None else classifier
+    x_T, labels = initial_states(n, seed)
+
+    def plan(b: int) -> DraftTree:
+        cx, cl = initial_states(16, derive_seed(seed, STREAM_CALIBRATION_X))
+        return plan_tree(
+            model,
+            cx,
+            budget=b,
+            steps=T,
+            churn=churn,
+            coupling=COUPLING_OF[method],
+            grid=grid,
+            draft=draft,
+            prefetch=prefetch,
+            verify=verify,
+            cond={"class_labels": cl},
+            generator=torch.Generator().manual_seed(derive_seed(seed, STREAM_CALIBRATION_NOISE)),
+        )
+
+    tree, budget = choose_tree(method, K, L, T, tree_mode, budget, plan)
+    lazy = bool(lazy) and tree is not None
+    mem = memory.estimate(
+        trajectories=n,
+        state_numel=math.prod(IMAGE_SHAPE),
+        tree=tree,
+        verify=verify,
+        lazy=lazy,
+        steps=T,
+        row_bytes=ROW_BYTES,
+        device=x_T.device,
+        chunked=False,
+    )
+
+    g = torch.Generator().manual_seed(derive_seed(seed, STREAM_NOISE))
+    out = sample(
+        model,
+        x_T,
+        steps=T,
+        churn=churn,
+        grid=grid,
+        tree=tree,
+        coupling=COUPLING_OF.get(method, "grs"),
+        draft=draft,
+        prefetch=prefetch,
+        verify=verify,
+        generator=g,
+        progress=progress,
+        cond={"class_labels": labels},
+        lazy=lazy,
+        max_rows=mem.max_rows,
+    )
+    s = out.stats
+    speedup = T / s.nfe.double()
+    with torch.no_grad():
+        accuracy = float((classifier.predict(out.samples) == labels).float().mean())
+    record = {
+        "method": method,
+        "K": K,
+        "L": L,
+        "budget": budget_of(method, K, L) if budget is None else budget,
+        "tree": tree_mode,
+        "samples": n,
+        "churn": churn,
+        "steps": T,
+        **summarize(
+            nfe=s.nfe,
+            attempts=s.attempts,
+            accepts=s.accepts,
+            delta_sum=s.delta_sum,
+            spec_steps=s.spec_steps,
+            rounds=s.rounds,
+            rows=s.rows,
+            steps=T,
+            deterministic_steps=DETERMINISTIC_STEPS,
+        ),
+        "speedup_std": finite(speedup.std().item()) if n > 1 else None,
+        "wall_seconds": float(s.wall_seconds),
+        "target_seconds": float(s.target_seconds),
+        "classifier_accuracy": accuracy,
+        "calls": int(s.calls),
+        "grid": grid,
+        "seed": seed,
+        "prefetch": prefetch,
+        "verify": verify,
+        "mode": "lazy" if lazy else "full",
+        "coupling": None if tree is None else COUPLING_OF[method],
+        "draft": draft,
+        "tree_layers": None if tree is None else repr(tree),
+        "max_rows": mem.max_rows,
+        "memory_peak_gb": mem.total_bytes / 1e9,
+        "model": MODEL_NAME,
+        "specforest_version": __version__,
+        "torch_version": torch.__version__,
+    }
+    return PixelRun(record, out.samples.to(torch.float32), labels)
