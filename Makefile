@@ -40,6 +40,7 @@ bench: venv
 	$(PY) benchmarks/digits_drafts.py
 	$(PY) benchmarks/pixel_quality.py
 	$(PY) benchmarks/sampler_overhead.py
+	$(PY) benchmarks/distributed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist src/*.egg-info

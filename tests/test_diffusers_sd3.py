@@ -15,6 +15,7 @@ import json
 import math
 
 import diffusers
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -23,6 +24,7 @@ from scipy import stats as sps
 import specforest
 from specforest import diffusers as sd
 from specforest import trees
+from specforest.cli import main
 from specforest.cli_sd3 import sd3 as sd3_command
 from specforest.couplings import GRS
 from specforest.experiments import sd3 as sd3_exp
@@ -765,3 +767,58 @@ def test_run_config_scores_images_with_clip(pipe, tiny_clip):
     assert 0 <= rec["clip_mean"] <= 100 and rec["clip_sem"] is not None
     assert rec["budget"] == 6 and len(rec["nfe_per_image"]) == 2
     assert rec["memory_peak_gb"] > 0 and rec["rows_per_call"] == 2 * 7  # two images x the (2, 2) tree, drafted
+
+
+def test_generate_sd3_writes_one_png_per_index_whatever_the_batch(pipe, tmp_path):
+    from PIL import Image
+
+    model = tmp_path / "tiny-sd3"
+    pipe.save_pretrained(str(model))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a cat\na red car on the street\n")
+    common = [
+        "generate",
+        "sd3",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--steps",
+        "6",
+        "--K",
+        "2",
+        "--L",
+        "2",
+        "--height",
+        "16",
+        "--width",
+        "16",
+        "--max-sequence-length",
+        str(SEQ),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--no-progress",
+        "--count",
+        "3",
+        "--seed",
+        "4",
+    ]
+    outs = []
+    for batch in ("1", "3"):
+        out = tmp_path / f"images{batch}"
+        res = CliRunner().invoke(main, [*common, "--batch", batch, "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        assert sorted(p.name for p in out.iterdir()) == ["000000.png", "000001.png", "000002.png"]
+        meta = json.loads((tmp_path / f"images{batch}.json").read_text())
+        assert len(meta["nfe"]) == 3 and meta["options"]["model_options"]["prompts_sha256"]
+        outs.append((out, meta))
+    for i in range(3):
+        a, b = (np.asarray(Image.open(o / f"{i:06d}.png"), dtype=np.int16) for o, _ in outs)
+        assert a.shape == (16, 16, 3) and np.abs(a - b).max() <= 1  # the same image from (seed, i)
+    assert outs[0][1]["nfe"] == outs[1][1]["nfe"]
+    # changed captions are refused on resume
+    prompts.write_text("a green tree\n")
+    res = CliRunner().invoke(main, [*common, "--batch", "3", "--out", str(outs[1][0]), "--resume"])
+    assert res.exit_code != 0 and "options that differ" in res.output

@@ -11,6 +11,7 @@ Quick start::
 
 from . import couplings, engine, proposals, sde, streams, trees
 from .couplings import GRS, RMC, Coupling, register_coupling
+from .generation import Finished, Generation, generate
 from .proposals import DraftModel, FrozenPrediction, register_draft
 from .sampler import SampleResult, SampleStats, sample, standard_sample
 from .sde import ReverseSDE, flow_match_grid, uniform_grid
@@ -22,6 +23,8 @@ __all__ = [
     "RMC",
     "Coupling",
     "DraftModel",
+    "Finished",
+    "Generation",
     "FrozenPrediction",
     "ReverseSDE",
     "SampleResult",
@@ -29,6 +32,7 @@ __all__ = [
     "couplings",
     "engine",
     "flow_match_grid",
+    "generate",
     "proposals",
     "register_coupling",
     "register_draft",

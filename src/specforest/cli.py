@@ -345,12 +345,14 @@ def couplings_plot(out: str, K_values: str) -> None:
 
 def _register_optional_commands() -> None:
     """Commands whose modules import heavier dependencies only when run."""
+    from .cli_generate import generate
     from .cli_pixel import pixel, train
     from .cli_sd3 import sd3
 
     main.add_command(pixel)
     main.add_command(train)
     main.add_command(sd3)
+    main.add_command(generate)
 
 
 _register_optional_commands()

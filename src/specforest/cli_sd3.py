@@ -23,31 +23,89 @@ from .cli_common import (
 )
 from .experiments import sd3 as sd3_exp
 
-__all__ = ["sd3"]
+__all__ = ["pipeline_options", "sd3"]
+
+
+def pipeline_options(f):
+    """The pipeline, captions and image options of every SD3 command (``sd3`` and ``generate sd3``)."""
+    opts = [
+        click.option(
+            "--model",
+            type=click.Path(exists=True, file_okay=False),
+            required=True,
+            help="Local StableDiffusion3Pipeline directory (e.g. a download of "
+            "stabilityai/stable-diffusion-3.5-medium); loaded with local_files_only=True.",
+        ),
+        click.option(
+            "--prompts",
+            "prompts_file",
+            type=click.Path(exists=True, dir_okay=False),
+            required=True,
+            help="Text file of captions, one per line (empty lines skipped).",
+        ),
+        click.option(
+            "--num-prompts",
+            type=click.IntRange(1),
+            default=None,
+            show_default="all",
+            help="Use the first N captions (>= 1).",
+        ),
+        click.option(
+            "--guidance",
+            type=click.FloatRange(0.0),
+            default=7.0,
+            show_default=True,
+            help="Classifier-free guidance scale (>= 0; <= 1 disables guidance).",
+        ),
+        click.option(
+            "--shift",
+            type=click.FloatRange(0.0, min_open=True),
+            default=3.0,
+            show_default=True,
+            help="Timestep shift kappa (> 0, eq. 38); overrides the scheduler's.",
+        ),
+        click.option(
+            "--height",
+            type=click.IntRange(1),
+            default=512,
+            show_default=True,
+            help="Image height in pixels (>= 1, divisible by vae_scale_factor x patch_size, 16 for SD3).",
+        ),
+        click.option(
+            "--width",
+            type=click.IntRange(1),
+            default=512,
+            show_default=True,
+            help="Image width in pixels (>= 1, divisible by vae_scale_factor x patch_size, 16 for SD3).",
+        ),
+        click.option(
+            "--max-sequence-length",
+            type=click.IntRange(1, 512),
+            default=256,
+            show_default=True,
+            help="T5 prompt tokens (1..512), as in the SD3 pipeline.",
+        ),
+        click.option(
+            "--device",
+            default=None,
+            show_default="cuda if available, else cpu",
+            help="Torch device of the pipeline (cuda, cuda:1, cpu, ...).",
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(tuple(sd3_exp.DTYPES)),
+            default=None,
+            show_default="float16 on CUDA, float32 otherwise",
+            help="Dtype of the pipeline's models (the sampler itself runs in float32).",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
 
 
 @click.command("sd3", context_settings=CONTEXT)
-@click.option(
-    "--model",
-    type=click.Path(exists=True, file_okay=False),
-    required=True,
-    help="Local StableDiffusion3Pipeline directory (e.g. a download of "
-    "stabilityai/stable-diffusion-3.5-medium); loaded with local_files_only=True.",
-)
-@click.option(
-    "--prompts",
-    "prompts_file",
-    type=click.Path(exists=True, dir_okay=False),
-    required=True,
-    help="Text file of captions, one per line (empty lines skipped).",
-)
-@click.option(
-    "--num-prompts",
-    type=click.IntRange(1),
-    default=None,
-    show_default="all",
-    help="Use the first N captions (>= 1).",
-)
+@pipeline_options
 @click.option(
     "--K-values",
     "K_values",
@@ -58,42 +116,7 @@ __all__ = ["sd3"]
 )
 @click.option("--L", "L", type=click.IntRange(1), default=2, show_default=True, help="D-GRS depth L (>= 1).")
 @steps_option(50)
-@click.option(
-    "--guidance",
-    type=click.FloatRange(0.0),
-    default=7.0,
-    show_default=True,
-    help="Classifier-free guidance scale (>= 0; <= 1 disables guidance).",
-)
 @churn_option(0.8)
-@click.option(
-    "--shift",
-    type=click.FloatRange(0.0, min_open=True),
-    default=3.0,
-    show_default=True,
-    help="Timestep shift kappa (> 0, eq. 38); overrides the scheduler's.",
-)
-@click.option(
-    "--height",
-    type=click.IntRange(1),
-    default=512,
-    show_default=True,
-    help="Image height in pixels (>= 1, divisible by vae_scale_factor x patch_size, 16 for SD3).",
-)
-@click.option(
-    "--width",
-    type=click.IntRange(1),
-    default=512,
-    show_default=True,
-    help="Image width in pixels (>= 1, divisible by vae_scale_factor x patch_size, 16 for SD3).",
-)
-@click.option(
-    "--max-sequence-length",
-    type=click.IntRange(1, 512),
-    default=256,
-    show_default=True,
-    help="T5 prompt tokens (1..512), as in the SD3 pipeline.",
-)
 @seed_option("latents and noise")
 @verify_option("drafted")
 @prefetch_option()
@@ -118,19 +141,6 @@ __all__ = ["sd3"]
     default=None,
     help="Local CLIP model directory (e.g. openai/clip-vit-large-patch14) for CLIP scores "
     "(100 x cosine, clipped at 0); none: no CLIP score, images are not decoded.",
-)
-@click.option(
-    "--device",
-    default=None,
-    show_default="cuda if available, else cpu",
-    help="Torch device of the pipeline (cuda, cuda:1, cpu, ...).",
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(tuple(sd3_exp.DTYPES)),
-    default=None,
-    show_default="float16 on CUDA, float32 otherwise",
-    help="Dtype of the pipeline's models (the sampler itself runs in float32).",
 )
 @click.option(
     "--max-memory-gb",

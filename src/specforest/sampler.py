@@ -38,7 +38,7 @@ from .sde import ReverseSDE, flow_match_grid, uniform_grid
 from .target import Target
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 
-__all__ = ["PREFETCH_POLICIES", "SampleResult", "SampleStats", "sample", "standard_sample"]
+__all__ = ["PREFETCH_POLICIES", "RunSpec", "SampleResult", "SampleStats", "prepare", "sample", "standard_sample"]
 
 GRIDS = ("flow_match", "uniform")
 
@@ -186,6 +186,171 @@ def _check_cond(cond, B: int) -> dict:
     return dict(cond)
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """The validated options of a run, shared by :func:`sample` and :func:`specforest.generate`."""
+
+    sde: ReverseSDE
+    coupling: Coupling
+    proposal: Proposal
+    tree: Optional[DraftTree]  # a fixed tree (None: standard sampler or a policy)
+    policy: Optional[TreePolicy]
+    L: int  # the deepest round
+    prefetch: str
+    verify: str
+    lazy: bool
+    record: bool
+    max_rows: Optional[int]
+    model_kwargs: dict
+    config: dict
+
+    def context(
+        self,
+        model: VelocityFn,
+        shape: tuple,
+        work: torch.dtype,
+        device: torch.device,
+        keys: torch.Tensor,
+        cond: dict,
+        group: Any = None,
+    ) -> engine.RunContext:
+        """The engine's context for trajectories with per-sample ``keys (B,)`` and conditioning ``cond``."""
+        T = self.sde.steps
+        target = Target(model, shape, work, self.max_rows, cond, self.model_kwargs, device, group=group)
+        ctx = engine.RunContext(
+            tab=self.sde.tables(device, work),
+            tab64=self.sde.tables(device, torch.float64),
+            T=T,
+            coupling=self.coupling,
+            proposal=self.proposal,
+            target=target,
+            verify=self.verify,
+            prefetch=self.prefetch,
+            lazy=self.lazy,
+            tree=self.tree,
+            policy=self.policy,
+            shape=shape,
+            work=work,
+            device=device,
+            step_keys=step_keys(keys, T),
+            record=self.record,
+        )
+        if self.tree is not None:
+            ctx.tables(self.tree)  # the tree's device tables, made once before the rounds
+        return ctx
+
+
+def step_keys(keys: torch.Tensor, T: int) -> torch.Tensor:
+    """``(B, T)`` int64 key of each trajectory at each step, from its sample key ``keys (B,)``."""
+    return streams.fold(keys[:, None], torch.arange(T, device=keys.device)[None])
+
+
+def prepare(
+    *,
+    steps: Optional[int],
+    churn: float,
+    sigmas: Optional[torch.Tensor],
+    grid: str,
+    shift: float,
+    tree: "Optional[DraftTree | TreePolicy]",
+    coupling: "str | Coupling",
+    draft: "str | Proposal | VelocityFn",
+    prefetch: str,
+    verify: str,
+    max_rows: Optional[int],
+    model_kwargs: Optional[dict],
+    lazy: bool,
+    record_deltas: bool,
+) -> RunSpec:
+    """Validate the options of :func:`sample` (all but the states and randomness) into a :class:`RunSpec`.
+
+    Raises:
+        ValueError / TypeError: naming the parameter.
+    """
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
+        raise TypeError(f"steps must be an int >= 1, got {type(steps).__name__}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if prefetch not in PREFETCH_POLICIES:
+        raise ValueError(f"prefetch must be one of {PREFETCH_POLICIES}, got {prefetch!r}")
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+        raise ValueError(f"max_rows must be None or an int >= 1, got {max_rows!r}")
+    policy = tree if isinstance(tree, TreePolicy) else None
+    if tree is not None and not isinstance(tree, (DraftTree, TreePolicy)):
+        raise TypeError(
+            f"tree must be a DraftTree (see specforest.trees), a TreePolicy (planning.AdaptiveTree) or None, "
+            f"got {type(tree).__name__}"
+        )
+    fixed = None if policy is not None else tree
+    if fixed is not None and fixed.L < 1:
+        raise ValueError("tree must have depth L >= 1; use tree=None for the standard sampler")
+    if not isinstance(lazy, bool):
+        raise TypeError(f"lazy must be a bool, got {type(lazy).__name__}")
+    if not isinstance(record_deltas, bool):
+        raise TypeError(f"record_deltas must be a bool, got {type(record_deltas).__name__}")
+    sde = _make_sde(steps, sigmas, grid, shift, churn)
+    cp = get_coupling(coupling)
+    if policy is not None and cp.structured_siblings:
+        raise ValueError(f"coupling {cp.name!r} draws structured siblings; an adaptive tree needs i.i.d. children")
+    if fixed is not None and cp.structured_siblings:
+        k = fixed.num_children[fixed.internal]
+        if (k != k[0]).any():
+            raise ValueError(
+                f"coupling {cp.name!r} draws structured siblings: every internal node of the tree "
+                "needs the same number of children (e.g. trees.uniform(4, L) for antithetic)"
+            )
+    if fixed is not None:
+        for k in fixed.num_children[fixed.internal].unique().tolist():
+            try:
+                cp.check_children(int(k))
+            except ValueError as err:
+                raise ValueError(f"tree: {err}") from None
+    proposal = get_proposal(draft)
+    if model_kwargs is not None and not isinstance(model_kwargs, dict):
+        raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
+
+    L = fixed.L if fixed is not None else (min(policy.max_depth, sde.steps) if policy is not None else 0)
+    if policy is not None:
+        L = max(L, policy.initial.L)
+    config = dict(
+        steps=sde.steps,
+        churn=sde.churn,
+        grid=grid if sigmas is None else "custom",
+        shift=shift,
+        tree=None if tree is None else repr(tree),
+        budget=0 if tree is None else tree.budget,
+        coupling=cp.name,
+        draft=proposal.name,
+        prefetch=prefetch,
+        verify=verify,
+        mode="lazy" if lazy else "full",
+    )
+    return RunSpec(
+        sde, cp, proposal, fixed, policy, L, prefetch, verify, lazy, record_deltas, max_rows, model_kwargs or {}, config
+    )
+
+
+def stats_of(state: engine.RunState, target: Target, ctx: engine.RunContext, T: int, rows: Any = None) -> SampleStats:
+    """The :class:`SampleStats` of a run's final ``state`` (rows ``rows`` of it, default all)."""
+    c = state.counters
+    sel = (lambda t: t) if rows is None else (lambda t: t[rows])
+    return SampleStats(
+        nfe=sel(c.nfe),
+        rounds=sel(c.per_traj[:, 0]),
+        spec_steps=sel(c.per_traj[:, 1]),
+        attempts=sel(c.per_depth[..., 0].long()),
+        accepts=sel(c.per_depth[..., 1].long()),
+        delta_sum=sel(c.per_depth[..., 2]),
+        commits=sel(c.commits),
+        rows=sel(c.per_traj[:, 2]),
+        calls=state.rounds,
+        draft_calls=state.draft_calls,
+        steps=T,
+    )
+
+
 @torch.no_grad()
 def sample(
     model: VelocityFn,
@@ -211,6 +376,7 @@ def sample(
     model_kwargs: Optional[dict] = None,
     lazy: bool = False,
     record_deltas: bool = False,
+    process_group: Any = None,
 ) -> SampleResult:
     """Sample the churned reverse SDE exactly, speculating on a draft tree.
 
@@ -276,6 +442,11 @@ def sample(
             the compute). NFE and ``rows`` are accounted as for the full tree;
             the model is called several times per round with few rows.
         record_deltas: keep every verification's ``(depth, step, delta, accepted)`` in ``stats.deltas``.
+        process_group: tree-parallel verification over a ``torch.distributed``
+            process group: every process runs the same call with the same
+            states and seed; each round's target rows are split across the
+            group's processes and the velocities gathered, so every process
+            commits the same states. ``None``: one process.
 
     Returns:
         :class:`SampleResult` with ``samples`` ``(B, *shape)`` and ``stats``.
@@ -295,82 +466,31 @@ def sample(
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     if not torch.isfinite(x).all():
         raise ValueError("x contains NaN or inf")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
-        raise TypeError(f"steps must be an int >= 1, got {type(steps).__name__}")
-    if steps is not None and steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if prefetch not in PREFETCH_POLICIES:
-        raise ValueError(f"prefetch must be one of {PREFETCH_POLICIES}, got {prefetch!r}")
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
-        raise ValueError(f"max_rows must be None or an int >= 1, got {max_rows!r}")
-    policy = tree if isinstance(tree, TreePolicy) else None
-    if tree is not None and not isinstance(tree, (DraftTree, TreePolicy)):
-        raise TypeError(
-            f"tree must be a DraftTree (see specforest.trees), a TreePolicy (planning.AdaptiveTree) or None, "
-            f"got {type(tree).__name__}"
-        )
-    fixed = None if policy is not None else tree
-    if fixed is not None and fixed.L < 1:
-        raise ValueError("tree must have depth L >= 1; use tree=None for the standard sampler")
-    if not isinstance(lazy, bool):
-        raise TypeError(f"lazy must be a bool, got {type(lazy).__name__}")
-    if not isinstance(record_deltas, bool):
-        raise TypeError(f"record_deltas must be a bool, got {type(record_deltas).__name__}")
-    sde = _make_sde(steps, sigmas, grid, shift, churn)
-    cp = get_coupling(coupling)
-    if policy is not None and cp.structured_siblings:
-        raise ValueError(f"coupling {cp.name!r} draws structured siblings; an adaptive tree needs i.i.d. children")
-    if fixed is not None and cp.structured_siblings:
-        k = fixed.num_children[fixed.internal]
-        if (k != k[0]).any():
-            raise ValueError(
-                f"coupling {cp.name!r} draws structured siblings: every internal node of the tree "
-                "needs the same number of children (e.g. trees.uniform(4, L) for antithetic)"
-            )
-    if fixed is not None:
-        for k in fixed.num_children[fixed.internal].unique().tolist():
-            try:
-                cp.check_children(int(k))
-            except ValueError as err:
-                raise ValueError(f"tree: {err}") from None
-    proposal = get_proposal(draft)
-    if model_kwargs is not None and not isinstance(model_kwargs, dict):
-        raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
-
+    spec = prepare(
+        steps=steps,
+        churn=churn,
+        sigmas=sigmas,
+        grid=grid,
+        shift=shift,
+        tree=tree,
+        coupling=coupling,
+        draft=draft,
+        prefetch=prefetch,
+        verify=verify,
+        max_rows=max_rows,
+        model_kwargs=model_kwargs,
+        lazy=lazy,
+        record_deltas=record_deltas,
+    )
     shape = tuple(x.shape[1:])
     B, D = x.shape[0], math.prod(shape)
     dev = x.device
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     keys = _sample_keys(generator, seed, sample_index, B, dev)
     cond = _check_cond(cond, B)
-    target = Target(model, shape, work, max_rows, cond, model_kwargs or {}, dev)
-    T = sde.steps
-    ctx = engine.RunContext(
-        tab=sde.tables(dev, work),
-        tab64=sde.tables(dev, torch.float64),
-        T=T,
-        coupling=cp,
-        proposal=proposal,
-        target=target,
-        verify=verify,
-        prefetch=prefetch,
-        lazy=lazy,
-        tree=fixed,
-        policy=policy,
-        shape=shape,
-        work=work,
-        device=dev,
-        step_keys=streams.fold(keys[:, None], torch.arange(T, device=dev)[None]),
-        record=record_deltas,
-    )
-    L = fixed.L if fixed is not None else (min(policy.max_depth, T) if policy is not None else 0)
-    if policy is not None:
-        L = max(L, policy.initial.L)
-    if fixed is not None:
-        ctx.tables(fixed)  # the tree's device tables, made once before the rounds
-    state = engine.init_state(ctx, x.reshape(B, D).to(work, copy=True), L)
+    ctx = spec.context(model, shape, work, dev, keys, cond, group=process_group)
+    target, T = ctx.target, spec.sde.steps
+    state = engine.init_state(ctx, x.reshape(B, D).to(work, copy=True), spec.L)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -400,39 +520,13 @@ def sample(
     target.check_finite()
     if not torch.isfinite(xs).all():
         raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
-    c = state.counters
-    stats = SampleStats(
-        nfe=c.nfe,
-        rounds=c.per_traj[:, 0],
-        spec_steps=c.per_traj[:, 1],
-        attempts=c.per_depth[..., 0].long(),
-        accepts=c.per_depth[..., 1].long(),
-        delta_sum=c.per_depth[..., 2],
-        commits=c.commits,
-        rows=c.per_traj[:, 2],
-        calls=state.rounds,
-        draft_calls=state.draft_calls,
-        steps=T,
-    )
+    stats = stats_of(state, target, ctx, T)
     if record_deltas:
         stats.deltas = torch.cat(state.records) if state.records else torch.zeros(0, 4, dtype=torch.float64)
     stats.target_seconds = target.total_seconds()
     stats.phase_seconds = dict(ctx.phase_seconds)
     stats.wall_seconds = time.perf_counter() - t0
-    config = dict(
-        steps=sde.steps,
-        churn=sde.churn,
-        grid=grid if sigmas is None else "custom",
-        shift=shift,
-        tree=None if tree is None else repr(tree),
-        budget=0 if tree is None else tree.budget,
-        coupling=cp.name,
-        draft=proposal.name,
-        prefetch=prefetch,
-        verify=verify,
-        mode="lazy" if lazy else "full",
-    )
-    return SampleResult(xs.reshape(B, *shape).to(x.dtype), stats, config)
+    return SampleResult(xs.reshape(B, *shape).to(x.dtype), stats, dict(spec.config))
 
 
 def standard_sample(model: VelocityFn, x: torch.Tensor, **kwargs: Any) -> SampleResult:

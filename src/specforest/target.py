@@ -7,12 +7,19 @@ per-trajectory conditioning of its rows' trajectories, splits a call into
 accumulates a device-side flag for NaN or inf outputs (read with the round's
 one host read, so that no call synchronizes), and times the network calls
 themselves (CUDA events on a GPU, read once at the end of the run).
+
+Tree-parallel verification: with a ``torch.distributed`` process group, the
+rows of each call are split into one equal share per process (padded with
+copies of the last row), every process evaluates its own share, and the
+shares are gathered (``all_gather``), so every process holds every velocity of
+the round. The sampler, run identically on every process with the same
+random streams, then commits the same states everywhere.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -30,6 +37,9 @@ class Target:
         cond: per-trajectory conditioning, tensors ``(B, ...)``: each call gets
             the rows of the trajectories its states belong to.
         model_kwargs: passed to every call as they are.
+        device: where the NaN flag lives (the states' device).
+        group: a ``torch.distributed`` process group to split each call's rows
+            over (tree-parallel verification), or ``None``.
     """
 
     def __init__(
@@ -41,8 +51,10 @@ class Target:
         cond: dict,
         model_kwargs: dict,
         device: "torch.device | str" = "cpu",
+        group: Any = None,
     ) -> None:
         self.fn, self.shape, self.dtype, self.max_rows = fn, shape, dtype, max_rows
+        self.group = group
         self.cond, self.kwargs = cond, model_kwargs
         self.seconds = 0.0
         self.calls = 0
@@ -54,8 +66,47 @@ class Target:
         # conditioning stays on its own device (labels on the CPU next to a CUDA model, say)
         return {k: v[traj.to(v.device)] for k, v in self.cond.items()}
 
+    def set_rows(self, traj: torch.Tensor, cond: dict) -> None:
+        """Replace the conditioning of trajectories ``traj (n,)`` by ``cond`` (one row each), between rounds.
+
+        Continuous batching (:func:`specforest.generate`) gives a finished slot to a new sample.
+        """
+        if set(cond) != set(self.cond):
+            raise ValueError(f"conditioning keys changed: {sorted(cond)} != {sorted(self.cond)}")
+        self.cond = {
+            k: v.index_copy(0, traj.to(v.device), cond[k].to(device=v.device, dtype=v.dtype))
+            for k, v in self.cond.items()
+        }
+
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
         """Velocities ``(M, D)`` at flattened states ``x (M, D)``, noise levels ``(M,)``, trajectories ``(M,)``."""
+        if self.group is not None:
+            return self._split(x, sigma, traj)
+        return self._local(x, sigma, traj)
+
+    def _split(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
+        """Tree-parallel: this process evaluates its share of the rows; the shares are gathered."""
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        M = x.shape[0]
+        share = -(-M // world)
+        pad = share * world - M
+        if pad:
+            # copies of the last row: finite inputs, results dropped
+            x = torch.cat([x, x[-1:].expand(pad, -1)])
+            sigma = torch.cat([sigma, sigma[-1:].expand(pad)])
+            traj = torch.cat([traj, traj[-1:].expand(pad)])
+        mine = slice(rank * share, (rank + 1) * share)
+        v = self._local(x[mine].contiguous(), sigma[mine], traj[mine])
+        parts = [torch.empty_like(v) for _ in range(world)]
+        dist.all_gather(parts, v.contiguous(), group=self.group)
+        v = torch.cat(parts)[:M]
+        # every process sees every share's flag: the NaN check raises everywhere at once
+        self.bad = self.bad | ~torch.isfinite(v).all()
+        return v
+
+    def _local(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
         M, D = x.shape
         chunk = self.max_rows or M
         cuda = x.device.type == "cuda"

@@ -17,7 +17,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -32,7 +32,15 @@ from ..validation import check_number as _check_number
 from .flow_matching import FlowMatchVelocity, module_dtype_device
 from .grid import scheduler_sigmas
 
-__all__ = ["OUTPUT_TYPES", "SD3Result", "sample", "transformer_row_bytes"]
+__all__ = [
+    "OUTPUT_TYPES",
+    "SD3Result",
+    "cond_from_embeds",
+    "decode",
+    "sample",
+    "transformer_row_bytes",
+    "velocity_and_grid",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +211,114 @@ def _initial_latents(shape: tuple, generator: torch.Generator, device: torch.dev
     return torch.randn(shape, generator=generator, dtype=torch.float32, device=generator.device).to(device)
 
 
+def velocity_and_grid(
+    pipe: Any,
+    *,
+    num_inference_steps: int,
+    guidance_scale: float,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    shift: Optional[float] = None,
+) -> "tuple[FlowMatchVelocity, torch.Tensor, tuple, torch.device]":
+    """What :func:`specforest.sample` needs of an SD3 pipeline: the velocity, the grid, the latents' shape.
+
+    Args:
+        pipe: a ``StableDiffusion3Pipeline`` (or one with the same components).
+        num_inference_steps: grid steps ``T >= 1``.
+        guidance_scale: classifier-free guidance ``g >= 0``.
+        height, width: image size in pixels (default: the transformer's native size).
+        shift: static timestep shift overriding the scheduler's (``None``: its config).
+
+    Returns:
+        ``(velocity, sigmas (T + 1,) float64, latent_shape (C, h, w), device)``; the
+        velocity's ``image_size`` is ``(height, width)``.
+
+    Raises:
+        ValueError / TypeError: naming the parameter.
+    """
+    _check_pipeline(pipe)
+    tcfg = pipe.transformer.config
+    sched_cfg = pipe.scheduler.config
+    steps = _check_int("num_inference_steps", num_inference_steps, 1)
+    guidance = _check_number("guidance_scale", guidance_scale, 0.0)
+    vsf = int(getattr(pipe, "vae_scale_factor", 2 ** (len(pipe.vae.config.block_out_channels) - 1)))
+    patch = int(tcfg.get("patch_size", 1) or 1)
+    sample_size = int(tcfg.get("sample_size", 128))
+    height = sample_size * vsf if height is None else _check_int("height", height, 1)
+    width = sample_size * vsf if width is None else _check_int("width", width, 1)
+    mult = vsf * patch
+    for name, v in (("height", height), ("width", width)):
+        if v % mult:
+            raise ValueError(
+                f"{name} must be divisible by vae_scale_factor x patch_size = {mult}, got {v} "
+                f"(nearest below: {v - v % mult or mult})"
+            )
+    h, w = height // vsf, width // vsf
+    max_pos = tcfg.get("pos_embed_max_size")
+    if max_pos is not None and max(h, w) // patch > max_pos:
+        raise ValueError(
+            f"height={height}, width={width} give {h // patch} x {w // patch} patches but the transformer's "
+            f"positional embedding covers at most {max_pos} per side (<= {max_pos * mult} pixels)"
+        )
+    sigmas = scheduler_sigmas(sched_cfg, steps, shift=shift, image_seq_len=(h // patch) * (w // patch))
+
+    device = getattr(pipe, "_execution_device", None)
+    t_dtype, t_device = module_dtype_device(pipe.transformer)
+    device = torch.device(device) if device is not None else t_device
+    velocity = FlowMatchVelocity(
+        pipe.transformer,
+        guidance_scale=guidance,
+        num_train_timesteps=int(sched_cfg.get("num_train_timesteps", 1000)),
+        device=device,
+    )
+
+    velocity.image_size = (height, width)
+    return velocity, sigmas, (int(tcfg.get("in_channels", 16)), h, w), device
+
+
+def cond_from_embeds(
+    prompt_embeds: torch.Tensor,
+    pooled_prompt_embeds: torch.Tensor,
+    negative_prompt_embeds: Optional[torch.Tensor],
+    negative_pooled_prompt_embeds: Optional[torch.Tensor],
+    velocity: FlowMatchVelocity,
+    device: torch.device,
+) -> dict:
+    """The per-trajectory conditioning :class:`FlowMatchVelocity` reads, one row per embedding row.
+
+    The negative embeddings are used with guidance (``velocity.branches == 2``) only.
+    """
+    cond = {"encoder_hidden_states": prompt_embeds, "pooled_projections": pooled_prompt_embeds}
+    if velocity.branches == 2:
+        cond.update(
+            negative_encoder_hidden_states=negative_prompt_embeds,
+            negative_pooled_projections=negative_pooled_prompt_embeds,
+        )
+    return {k: v.to(device, velocity.dtype) for k, v in cond.items()}
+
+
+def decode(pipe: Any, latents: torch.Tensor, output_type: str = "pil", batch: Optional[int] = None) -> Any:
+    """Latents ``(B, C, h, w)`` to images, as the SD3 pipeline decodes them, ``batch`` images per VAE call.
+
+    Returns:
+        What the pipeline returns for ``output_type`` (``pil``, ``np`` or ``pt``).
+    """
+    if output_type not in OUTPUT_TYPES or output_type == "latent":
+        raise ValueError(f"output_type must be one of pil, np, pt to decode, got {output_type!r}")
+    vae_dtype, vae_device = module_dtype_device(pipe.vae)
+    device = getattr(pipe, "_execution_device", None) or vae_device
+    vcfg = pipe.vae.config
+    B = latents.shape[0]
+    batch = B if batch is None else max(1, int(batch))
+    parts = []
+    with torch.no_grad():
+        for i in range(0, B, batch):
+            z = latents[i : i + batch].to(device, vae_dtype)
+            z = z / vcfg.scaling_factor + (vcfg.shift_factor or 0.0)
+            parts.append(pipe.vae.decode(z, return_dict=False)[0])
+    return pipe.image_processor.postprocess(torch.cat(parts), output_type=output_type)
+
+
 def sample(
     pipe: Any,
     prompt: str | list[str] | None = None,
@@ -327,37 +443,14 @@ def sample(
         negative_pooled_prompt_embeds,
         tcfg,
     )
-    vsf = int(getattr(pipe, "vae_scale_factor", 2 ** (len(pipe.vae.config.block_out_channels) - 1)))
-    patch = int(tcfg.get("patch_size", 1) or 1)
-    sample_size = int(tcfg.get("sample_size", 128))
-    height = sample_size * vsf if height is None else _check_int("height", height, 1)
-    width = sample_size * vsf if width is None else _check_int("width", width, 1)
-    mult = vsf * patch
-    for name, v in (("height", height), ("width", width)):
-        if v % mult:
-            raise ValueError(
-                f"{name} must be divisible by vae_scale_factor x patch_size = {mult}, got {v} "
-                f"(nearest below: {v - v % mult or mult})"
-            )
-    h, w = height // vsf, width // vsf
-    max_pos = tcfg.get("pos_embed_max_size")
-    if max_pos is not None and max(h, w) // patch > max_pos:
-        raise ValueError(
-            f"height={height}, width={width} give {h // patch} x {w // patch} patches but the transformer's "
-            f"positional embedding covers at most {max_pos} per side (<= {max_pos * mult} pixels)"
-        )
     tree = make_tree(K, L, coupling=coupling, tree=tree, steps=steps)
-    sigmas = scheduler_sigmas(sched_cfg, steps, shift=shift, image_seq_len=(h // patch) * (w // patch))
-
-    device = getattr(pipe, "_execution_device", None)
-    t_dtype, t_device = module_dtype_device(pipe.transformer)
-    device = torch.device(device) if device is not None else t_device
-    velocity = FlowMatchVelocity(
-        pipe.transformer,
-        guidance_scale=guidance,
-        num_train_timesteps=int(sched_cfg.get("num_train_timesteps", 1000)),
-        device=device,
+    velocity, sigmas, latent_shape, device = velocity_and_grid(
+        pipe, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width, shift=shift
     )
+    t_dtype = velocity.dtype
+    _, h, w = latent_shape
+    patch = int(tcfg.get("patch_size", 1) or 1)
+    height, width = velocity.image_size
 
     # -- text ---------------------------------------------------------------------------
     with torch.no_grad():
@@ -376,10 +469,8 @@ def sample(
             max_sequence_length=max_seq,
         )
     # each caption's rows repeated consecutively, as diffusers repeats them
-    conds = {"encoder_hidden_states": pe, "pooled_projections": ppe}
-    if cfg:
-        conds.update(negative_encoder_hidden_states=npe, negative_pooled_projections=nppe)
-    cond = {k: v.to(device, t_dtype).repeat_interleave(n_img, dim=0) for k, v in conds.items()}
+    conds = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
+    cond = {k: v.repeat_interleave(n_img, dim=0) for k, v in conds.items()}
     B = n * n_img
     if isinstance(generator, (list, tuple)) and len(generator) != B:
         raise ValueError(
@@ -388,8 +479,6 @@ def sample(
         )
 
     # -- memory -------------------------------------------------------------------------
-    C = int(tcfg.get("in_channels", 16))
-    latent_shape = (C, h, w)
     if max_memory_gb is not None:
         limit, source = int(max_memory_gb * 1e9), f"max_memory_gb={max_memory_gb:g}"
     else:
@@ -467,15 +556,7 @@ def sample(
     if output_type == "latent":
         images: Any = latents.to(t_dtype)
     else:
-        vcfg = pipe.vae.config
-        parts = []
-        with torch.no_grad():
-            for i in range(0, B, decode_batch):
-                z = latents[i : i + decode_batch].to(device, vae_dtype)
-                z = z / vcfg.scaling_factor + (vcfg.shift_factor or 0.0)
-                parts.append(pipe.vae.decode(z, return_dict=False)[0])
-        decoded = torch.cat(parts)
-        images = pipe.image_processor.postprocess(decoded, output_type=output_type)
+        images = decode(pipe, latents, output_type, decode_batch)
 
     config = dict(
         out.config,

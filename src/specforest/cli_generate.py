@@ -1,0 +1,194 @@
+"""Command line: ``specforest generate gmm|pixel|sd3``: a data set of samples, resumable, on one process or many.
+
+A thin shell over :func:`specforest.experiments.generate.run_job`. Run it as
+is, or with ``torchrun --nproc_per_node=N -m specforest generate ...`` (and
+torchrun's usual ``--nnodes``/``--rdzv-endpoint`` across nodes): each process
+samples every N-th index with continuous batching, or, with
+``--tree-parallel``, all processes share each round's rows.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+
+import click
+
+from . import distributed
+from .cli_common import (
+    CONTEXT,
+    churn_option,
+    draft_option,
+    grid_option,
+    library_errors,
+    method_option,
+    prefetch_option,
+    progress_option,
+    steps_option,
+    tree_size_options,
+    verify_option,
+)
+from .cli_sd3 import pipeline_options
+from .experiments import generate as gen_exp
+from .experiments.common import METHODS
+
+__all__ = ["generate"]
+
+
+def _job_options(K: int, L: int, steps: int, churn: float, device: bool = True):
+    """The options every ``generate`` model takes: the sampler's and the job's."""
+
+    def wrap(f):
+        opts = [
+            method_option(METHODS),
+            tree_size_options(K=K, L=L),
+            steps_option(steps),
+            churn_option(churn),
+            grid_option(),
+            prefetch_option(),
+            verify_option("internal"),
+            draft_option(),
+            click.option("--count", type=int, required=True, help="Samples M (>= 1): indices 0..M-1."),
+            click.option(
+                "--seed",
+                type=int,
+                default=0,
+                show_default=True,
+                help="Seed S (>= 0): sample i is a function of (S, i).",
+            ),
+            click.option(
+                "--out",
+                type=click.Path(),
+                required=True,
+                help="The output: an .npz (gmm, pixel) or a folder of PNGs (sd3); PATH.json is written beside it "
+                "and PATH.parts/ holds the shards until the end.",
+            ),
+            click.option(
+                "--batch",
+                type=click.IntRange(1),
+                default=64,
+                show_default=True,
+                help="Trajectories in flight per process (>= 1); a finished one's slot takes the next index.",
+            ),
+            click.option(
+                "--resume", is_flag=True, help="Continue the job at --out (same options), skipping finished indices."
+            ),
+            click.option(
+                "--tree-parallel",
+                is_flag=True,
+                help="Under torchrun: every process runs the same samples and each round's rows are split across them.",
+            ),
+            progress_option(),
+        ]
+        if device:
+            opts.append(
+                click.option(
+                    "--device",
+                    type=click.Choice(["cpu", "cuda"]),
+                    default="cpu",
+                    show_default=True,
+                    help="Where the model and the states live (under torchrun, each process takes its LOCAL_RANK's GPU).",
+                )
+            )
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+
+    return wrap
+
+
+def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> None:
+    if o["count"] < 1:
+        raise click.BadParameter(f"--count must be >= 1, got {o['count']}", param_hint="--count")
+    if o["seed"] < 0:
+        raise click.BadParameter(f"--seed must be >= 0, got {o['seed']}", param_hint="--seed")
+    # a SIGTERM unwinds like an interrupt: temporary files are removed, written shards stay
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    sampler = {k: o[k] for k in ("method", "K", "L", "steps", "churn", "grid", "prefetch", "verify", "draft")}
+    if callable(model_options):
+        model_options = library_errors(model_options)
+    spec = library_errors(lambda: gen_exp.JobSpec(model, o["count"], o["seed"], sampler, model_options))
+    library_errors(lambda: distributed.init_from_env(o["device"]))
+    rank = distributed.rank()
+    try:
+        res = library_errors(
+            lambda: gen_exp.run_job(
+                spec,
+                o["out"],
+                batch=o["batch"],
+                resume=o["resume"],
+                tree_parallel=o["tree_parallel"],
+                device=o["device"],
+                progress=o["progress"],
+                log=lambda s: click.echo(s, err=True) if rank == 0 else None,
+            )
+        )
+    finally:
+        if distributed.is_distributed():
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank == 0 and res.produced:
+        click.echo(
+            f"{res.produced} samples made here ({res.skipped} on disk before) in {res.seconds:.1f} s, "
+            f"{res.rounds} rounds, occupancy {res.occupancy:.3f}",
+            err=True,
+        )
+
+
+@click.group(context_settings=CONTEXT)
+def generate() -> None:
+    """A data set of samples: sample i is a function of (--seed, i) only, on any number of processes.
+
+    Launch with torchrun for several processes:
+    torchrun --nproc_per_node=N -m specforest generate gmm --count M --out samples.npz
+    """
+
+
+@generate.command("gmm", context_settings=CONTEXT)
+@_job_options(K=2, L=3, steps=30, churn=0.1)
+@click.option("--dim", type=click.IntRange(1), default=500, show_default=True, help="Dimension d (>= 1).")
+@click.option("--components", type=click.IntRange(1), default=5, show_default=True, help="Mixture components (>= 1).")
+@click.option("--mixture-seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the mixture.")
+def generate_gmm(dim: int, components: int, mixture_seed: int, **o) -> None:
+    """Samples of the paper's Gaussian mixture (Sec. 5.1): an .npz with samples (M, dim) and index."""
+    _run("gmm", o, {"dim": dim, "components": components, "mixture_seed": mixture_seed})
+
+
+@generate.command("pixel", context_settings=CONTEXT)
+@_job_options(K=2, L=3, steps=100, churn=0.3)
+def generate_pixel(**o) -> None:
+    """Class-conditional 8x8 digits from the shipped model: an .npz with samples (M, 1, 8, 8), index and labels."""
+    _run("pixel", o, {})
+
+
+@generate.command("sd3", context_settings=CONTEXT)
+@_job_options(K=2, L=2, steps=50, churn=0.8, device=False)
+@pipeline_options
+def generate_sd3(model: str, prompts_file: str, num_prompts, guidance, shift, height, width, max_sequence_length, **o):
+    """Images from a local StableDiffusion3Pipeline: image i has caption i mod n; OUT is a folder of PNGs by index.
+
+    The latents and all the sampling noise of image i come from (--seed, i); OUT.json holds the options and
+    the per-image NFE.
+    """
+    import torch
+
+    device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    o["device"] = device
+    dtype = o.pop("dtype") or ("float16" if device.startswith("cuda") else "float32")
+    _run(
+        "sd3",
+        o,
+        lambda: gen_exp.sd3_options(
+            model,
+            prompts_file,
+            num_prompts=num_prompts,
+            dtype=dtype,
+            guidance=guidance,
+            height=height,
+            width=width,
+            shift=shift,
+            max_sequence_length=max_sequence_length,
+        ),
+    )

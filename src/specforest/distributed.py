@@ -1,0 +1,114 @@
+"""Many processes, one job: share indices, gather results, with ``torch.distributed``.
+
+Two ways to use several devices, both inside any initialized process group
+(``torchrun``, or accelerate's ``PartialState``) and with no global state of
+specforest's own (every function takes the group, default the world):
+
+* **Data-parallel** (throughput): :func:`shard` gives each process its share
+  of a job's indices; each process runs :func:`specforest.generate` on its
+  share; :func:`gather` collects ``(index, tensor)`` results on every process,
+  ordered by index. Sample ``i`` depends on ``(seed, i)`` only, so the union is
+  the one-process job.
+* **Tree-parallel** (latency): every process calls
+  :func:`specforest.sample` (or :func:`specforest.generate`) with the same
+  states, seed and ``process_group=``; each round's target rows are split
+  across the processes and the velocities gathered
+  (:class:`specforest.target.Target`).
+
+:func:`init_from_env` is the command line's start-up under ``torchrun``: it
+initializes the default group from torchrun's environment (NCCL for CUDA,
+gloo otherwise) and is a no-op in a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["gather", "init_from_env", "is_distributed", "rank", "shard", "world_size"]
+
+
+def is_distributed(group: Any = None) -> bool:
+    """Whether a process group is in use (``torch.distributed`` is initialized)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group: Any = None) -> int:
+    """Processes in ``group`` (1 without an initialized group)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (0 without an initialized group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def shard(indices: "int | Sequence[int] | torch.Tensor", group: Any = None) -> torch.Tensor:
+    """This process's share of a job's indices: every ``world``-th one, from its rank.
+
+    Args:
+        indices: ``count`` (for ``0..count-1``) or the job's indices.
+        group: the process group (default: the world; one process without one).
+
+    Returns:
+        ``(n,)`` long indices; empty on idle ranks when there are fewer indices than processes.
+    """
+    if isinstance(indices, int) and not isinstance(indices, bool):
+        if indices < 0:
+            raise ValueError(f"count must be >= 0, got {indices}")
+        idx = torch.arange(indices)
+    else:
+        idx = torch.as_tensor(indices).long().reshape(-1)
+    return idx[rank(group) :: world_size(group)]
+
+
+def gather(index: torch.Tensor, values: torch.Tensor, group: Any = None) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Every process's ``(index (n,), values (n, ...))``, on every process, ordered by index.
+
+    Works for shares of unequal sizes (idle ranks give empty ones); values go
+    through the host (``all_gather_object``), so use it for results, not per round.
+    """
+    import torch.distributed as dist
+
+    index, values = index.detach().cpu().long(), values.detach().cpu()
+    if index.shape[:1] != values.shape[:1]:
+        raise ValueError(f"index has {index.shape[0]} rows but values has {values.shape[0]}")
+    if is_distributed():
+        parts: list = [None] * world_size(group)
+        dist.all_gather_object(parts, (index, values), group=group)
+        index = torch.cat([p[0] for p in parts])
+        values = torch.cat([p[1] for p in parts])
+    order = torch.argsort(index)
+    return index[order], values[order]
+
+
+def init_from_env(device: Optional[str] = None) -> bool:
+    """Initialize the default process group from ``torchrun``'s environment, if there is one.
+
+    Args:
+        device: ``cuda`` uses NCCL and binds this process to ``LOCAL_RANK``'s GPU;
+            anything else uses gloo. Default: CUDA when available.
+
+    Returns:
+        True when a group of more than one process is in use.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return True

@@ -1,0 +1,484 @@
+"""``specforest generate``: a data set of samples, on one process or many, resumable, nothing lost or twice.
+
+The job ``(model, sampler options, count M, seed S)`` produces samples
+``0..M-1``; sample ``i`` is a function of ``(S, i)`` only (its initial state,
+its label and every random number of its chain), so the result does not
+depend on the number of processes, ``--batch`` or the order of work.
+
+On disk, next to the final output ``PATH``:
+
+* ``PATH.parts/options.json``: the job's options, written first; ``--resume``
+  refuses options that differ;
+* ``PATH.parts/shard-*.npz``: finished samples (``index``, ``samples``,
+  ``nfe``, and ``labels`` for pixel), each written atomically (temporary name,
+  then rename) as the samples finish; a resumed job skips the indices found there;
+* at the end, ``PATH`` (``samples``, ``index`` ``0..M-1``, ``labels``) and
+  ``PATH.json`` (options, version, per-sample NFE, occupancy), both atomic;
+  then the parts are removed.
+
+Processes: with ``torchrun``, each process takes every ``world``-th missing
+index (:func:`specforest.distributed.shard`) and runs them with continuous
+batching (:func:`specforest.generate`); rank 0 merges. With
+``tree_parallel=True`` every process runs the same indices and each round's
+rows are split across them (:func:`specforest.sample`'s ``process_group``);
+rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .. import __version__, distributed, generate, streams
+from ..atomic import atomic_write, atomic_write_text
+from .common import COUPLING_OF, METHODS, check_choice, check_int, method_tree
+
+__all__ = ["MODELS", "GenerateResult", "JobSpec", "merge", "run_job", "sd3_options"]
+
+MODELS = ("gmm", "pixel", "sd3")
+"""Models ``specforest generate`` samples (``sd3``: a local ``StableDiffusion3Pipeline`` and a captions file)."""
+
+# labels of the pixel job: a stream of their own, apart from the chain's
+_LABEL_TAG = 0x4C4142454C
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A generation job: what to sample and how.
+
+    Attributes:
+        model: ``gmm`` or ``pixel``.
+        count: samples ``M >= 1``.
+        seed: the job's seed ``S >= 0``.
+        sampler: sampler options (``method``, ``K``, ``L``, ``steps``, ``churn``,
+            ``grid``, ``prefetch``, ``verify``, ``draft``).
+        model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``).
+    """
+
+    model: str
+    count: int
+    seed: int
+    sampler: dict
+    model_options: dict
+
+    def __post_init__(self) -> None:
+        check_choice("model", self.model, MODELS)
+        check_int("count", self.count, 1)
+        check_int("seed", self.seed, 0)
+        check_choice("method", self.sampler.get("method"), METHODS)
+
+    def options(self) -> dict:
+        """What identifies the job's samples (``--batch`` and the process count do not)."""
+        return {
+            "model": self.model,
+            "count": self.count,
+            "seed": self.seed,
+            "sampler": dict(self.sampler),
+            "model_options": dict(self.model_options),
+        }
+
+
+@dataclass
+class GenerateResult:
+    """What :func:`run_job` did on this process.
+
+    Attributes:
+        out: the final output path.
+        produced: samples this process made now.
+        skipped: samples found on disk (resumed).
+        occupancy: mean fraction of slots busy per round on this process (NaN if none ran).
+        rounds: target calls on this process.
+        seconds: wall time of the sampling on this process.
+        complete: whether the final output was written.
+    """
+
+    out: Path
+    produced: int
+    skipped: int
+    occupancy: float
+    rounds: int
+    seconds: float
+    complete: bool
+
+
+def parts_dir(out: Path) -> Path:
+    """Where the job's shards live until it is complete."""
+    return Path(str(out) + ".parts")
+
+
+def meta_path(out: Path) -> Path:
+    """The JSON beside the output."""
+    return out.with_suffix(".json")
+
+
+@dataclass
+class _Model:
+    """What a job samples: the velocity, the states' shape, per-index conditioning and how results are kept."""
+
+    velocity: Callable
+    shape: tuple
+    sampler: dict  # keyword arguments of specforest.generate
+    make_cond: Optional[Callable[[torch.Tensor], dict]] = None
+    labels_of: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    save_images: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None  # sd3: PNGs per index
+
+
+def _tree_kwargs(o: dict) -> dict:
+    method = o["method"]
+    return dict(
+        tree=method_tree(method, o["K"], o["L"], o["steps"]),
+        coupling=COUPLING_OF.get(method, "grs"),
+        draft=o["draft"],
+        prefetch=o["prefetch"],
+        verify=o["verify"],
+        churn=o["churn"],
+    )
+
+
+def _model(spec: JobSpec, out: Path, device: str) -> _Model:
+    o = spec.sampler
+    if spec.model == "gmm":
+        from ..models import GaussianMixture
+
+        m = spec.model_options
+        # the mixture moves its parameters to the states' device itself
+        gmm = GaussianMixture.paper(dim=m["dim"], components=m["components"], seed=m["mixture_seed"])
+        return _Model(gmm, (m["dim"],), dict(steps=o["steps"], grid=o["grid"], **_tree_kwargs(o)))
+    if spec.model == "pixel":
+        from ..models.digits import IMAGE_SHAPE, NUM_CLASSES, load_velocity
+
+        def labels_of(idx: torch.Tensor) -> torch.Tensor:
+            keys = streams.fold(streams.sample_keys(spec.seed, idx.cpu()), _LABEL_TAG)
+            return (streams.uniform(keys, 1)[:, 0] * NUM_CLASSES).long().clamp(max=NUM_CLASSES - 1)
+
+        return _Model(
+            load_velocity(device=device),
+            tuple(IMAGE_SHAPE),
+            dict(steps=o["steps"], grid=o["grid"], **_tree_kwargs(o)),
+            make_cond=lambda idx: {"class_labels": labels_of(idx).to(device)},
+            labels_of=labels_of,
+        )
+    return _sd3_model(spec, out, device)
+
+
+def _sd3_model(spec: JobSpec, out: Path, device: str) -> _Model:
+    """Image ``i`` of an SD3 job: caption ``i mod n``, latents and noise from ``(S, i)``, a PNG ``OUT/i.png``."""
+    from ..diffusers import pipeline_sd3 as sd3
+    from .sd3.loading import load_pipeline, load_prompts
+
+    m, o = spec.model_options, spec.sampler
+    pipe = load_pipeline(m["model"], device=device, dtype=m["dtype"])
+    prompts = load_prompts(m["prompts"], m["num_prompts"])
+    if _prompts_digest(prompts) != m["prompts_sha256"]:
+        raise ValueError(f"the captions in {m['prompts']} changed since the job started")
+    velocity, sigmas, latent_shape, dev = sd3.velocity_and_grid(
+        pipe,
+        num_inference_steps=o["steps"],
+        guidance_scale=m["guidance"],
+        height=m["height"],
+        width=m["width"],
+        shift=m["shift"],
+    )
+    with torch.no_grad():
+        pe, npe, ppe, nppe = pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=dev,
+            do_classifier_free_guidance=velocity.branches == 2,
+            max_sequence_length=m["max_sequence_length"],
+        )
+    table = sd3.cond_from_embeds(pe, ppe, npe, nppe, velocity, dev)
+    n = len(prompts)
+
+    def make_cond(idx: torch.Tensor) -> dict:
+        rows = (idx % n).to(dev)
+        return {k: v[rows] for k, v in table.items()}
+
+    def save_images(index: torch.Tensor, latents: torch.Tensor) -> None:
+        images = sd3.decode(pipe, latents, "pil")
+        for i, im in zip(index.tolist(), images, strict=True):
+            atomic_write(out / f"{i:06d}.png", lambda f, im=im: im.save(f, format="PNG"), binary=True)
+
+    kw = _tree_kwargs(o)
+    return _Model(velocity, latent_shape, dict(sigmas=sigmas, **kw), make_cond=make_cond, save_images=save_images)
+
+
+def _prompts_digest(prompts: list) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(prompts).encode("utf-8")).hexdigest()
+
+
+def sd3_options(
+    model: str,
+    prompts: str,
+    *,
+    num_prompts: Optional[int],
+    dtype: str,
+    guidance: float,
+    height: int,
+    width: int,
+    shift: float,
+    max_sequence_length: int,
+) -> dict:
+    """The ``model_options`` of an SD3 job, with a digest of its captions (a resumed job checks it)."""
+    from .sd3.loading import load_prompts
+
+    caps = load_prompts(prompts, num_prompts)
+    return {
+        "model": str(Path(model).resolve()),
+        "prompts": str(Path(prompts).resolve()),
+        "num_prompts": num_prompts,
+        "prompts_sha256": _prompts_digest(caps),
+        "dtype": dtype,
+        "guidance": float(guidance),
+        "height": height,
+        "width": width,
+        "shift": float(shift),
+        "max_sequence_length": max_sequence_length,
+    }
+
+
+def done_indices(out: Path) -> set:
+    """Indices already in the job's shards; stale temporary files of a killed run are removed."""
+    parts = parts_dir(out)
+    done: set = set()
+    if not parts.exists():
+        return done
+    for p in parts.iterdir():
+        if p.name.endswith(".tmp"):
+            p.unlink(missing_ok=True)
+        elif p.name.startswith("shard-") and p.suffix == ".npz":
+            with np.load(p) as z:
+                done.update(int(i) for i in z["index"])
+    return done
+
+
+def _check_start(out: Path, spec: JobSpec, resume: bool) -> bool:
+    """Refuse what would mix or overwrite jobs; True when the job is already complete."""
+    parts, meta = parts_dir(out), meta_path(out)
+    opts = spec.options()
+    if not resume:
+        for p in (out, parts, meta):
+            if p.exists():
+                raise FileExistsError(f"{p} exists; pass --resume to continue that job, or choose another --out")
+        return False
+    if out.exists() and meta.exists() and not parts.exists():
+        old = json.loads(meta.read_text())["options"]
+        if old != opts:
+            raise ValueError(f"--resume with options that differ from those of {out}: {_diff(old, opts)}")
+        return True
+    if (parts / "options.json").exists():
+        old = json.loads((parts / "options.json").read_text())
+        if old != opts:
+            raise ValueError(f"--resume with options that differ from those on disk in {parts}: {_diff(old, opts)}")
+    elif out.exists():
+        raise FileExistsError(f"{out} exists but is not a specforest generate output; choose another --out")
+    return False
+
+
+def _diff(old: dict, new: dict) -> str:
+    flat = lambda d, p="": {  # noqa: E731
+        k2: v2
+        for k, v in d.items()
+        for k2, v2 in (flat(v, f"{p}{k}.").items() if isinstance(v, dict) else [(p + k, v)])
+    }
+    a, b = flat(old), flat(new)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return ", ".join(f"{k}: {a.get(k)!r} on disk, {b.get(k)!r} now" for k in keys)
+
+
+def _barrier(group: Any = None) -> None:
+    if distributed.is_distributed():
+        import torch.distributed as dist
+
+        dist.barrier(group)
+
+
+def run_job(
+    spec: JobSpec,
+    out: "str | os.PathLike[str]",
+    *,
+    batch: int = 64,
+    resume: bool = False,
+    tree_parallel: bool = False,
+    device: str = "cpu",
+    progress: bool = False,
+    log: Callable[[str], None] = lambda s: None,
+) -> GenerateResult:
+    """Run (or resume) a generation job on this process, as one of the group's processes if any.
+
+    Args:
+        spec: the job.
+        out: the final ``.npz``.
+        batch: slots in flight per process (``>= 1``).
+        resume: continue a job found at ``out``; without it, anything at ``out`` is an error.
+        tree_parallel: every process runs the same samples, splitting each round's rows.
+        device: where the model and states live (``cpu`` or ``cuda``).
+        progress: a progress bar of finished samples (rank 0).
+        log: receives progress lines (rank 0).
+
+    Returns:
+        A :class:`GenerateResult`.
+
+    Raises:
+        FileExistsError: if ``out`` (or its parts) exists without ``resume``.
+        ValueError: if ``resume`` finds a job with other options, or on bad options.
+    """
+    out = Path(out)
+    batch = check_int("batch", batch, 1)
+    rank = distributed.rank()
+    # every rank checks, so that every rank raises the same error
+    complete = _check_start(out, spec, resume)
+    model = _model(spec, out, device)
+    if complete:
+        log(f"{out} is complete; nothing to do")
+        return GenerateResult(out, 0, spec.count, float("nan"), 0, 0.0, True)
+    _barrier()
+    if rank == 0:
+        parts_dir(out).mkdir(parents=True, exist_ok=True)
+        if spec.model == "sd3":
+            out.mkdir(parents=True, exist_ok=True)
+        if not (parts_dir(out) / "options.json").exists():
+            atomic_write_text(parts_dir(out) / "options.json", json.dumps(spec.options(), indent=1) + "\n")
+    _barrier()
+    done = done_indices(out)
+    _barrier()  # every rank has read the shards before any writes more
+    todo = torch.tensor([i for i in range(spec.count) if i not in done], dtype=torch.long)
+    mine = todo if tree_parallel else distributed.shard(todo)
+    writer = rank == 0 or not tree_parallel
+    seed = spec.seed
+
+    dev = getattr(model.velocity, "device", None) or device
+
+    def make_x(idx: torch.Tensor) -> torch.Tensor:
+        return streams.randn(seed, idx, model.shape, device=dev)
+
+    group = None
+    if tree_parallel and distributed.is_distributed():
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    gen = generate(
+        model.velocity,
+        indices=mine,
+        make_x=make_x,
+        make_cond=model.make_cond,
+        seed=seed,
+        batch=batch,
+        process_group=group,
+        **model.sampler,
+    )
+    bar = None
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), initial=0, unit="sample", desc="generate")
+    seq, produced, t0 = 0, 0, time.perf_counter()
+    pending: list = []
+    flush_at = max(batch, 1)
+
+    def flush() -> None:
+        nonlocal seq, pending
+        if not pending or not writer:
+            pending = []
+            return
+        index = torch.cat([f.index for f in pending])
+        samples = torch.cat([f.samples for f in pending])
+        arrays = {"index": index.numpy(), "nfe": torch.cat([f.stats.nfe for f in pending]).cpu().numpy()}
+        if model.save_images is not None:
+            # images first, then the shard that records them: a kill in between redoes them
+            model.save_images(index, samples)
+        else:
+            arrays["samples"] = samples.cpu().to(torch.float32).numpy()
+        if model.labels_of is not None:
+            arrays["labels"] = model.labels_of(index).numpy()
+        name = f"shard-r{rank:04d}-{os.getpid()}-{seq:06d}.npz"
+        atomic_write(parts_dir(out) / name, lambda f: np.savez(f, **arrays), binary=True)
+        seq += 1
+        pending = []
+
+    for f in gen:
+        pending.append(f)
+        produced += len(f.index)
+        if sum(len(p.index) for p in pending) >= flush_at:
+            flush()
+        if bar is not None:
+            bar.update(len(f.index) * (distributed.world_size() if not tree_parallel else 1))
+    flush()
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    occ = gen.stats.occupancy
+    stats = [(produced, gen.stats.rounds, gen.stats.slot_rounds, seconds, gen.stats.slots)]
+    if distributed.is_distributed():
+        import torch.distributed as dist
+
+        allstats: list = [None] * distributed.world_size()
+        dist.all_gather_object(allstats, stats[0])
+        stats = allstats
+    _barrier()
+    if rank == 0:
+        merge(out, spec, batch=batch, world=distributed.world_size(), tree_parallel=tree_parallel, stats=stats)
+        log(f"wrote {out} and {meta_path(out)}")
+    _barrier()
+    return GenerateResult(out, produced, len(done), occ, gen.stats.rounds, seconds, True)
+
+
+def merge(out: Path, spec: JobSpec, *, batch: int, world: int, tree_parallel: bool, stats: list) -> None:
+    """Write the final ``out`` and ``out.json`` from the shards, check every index is there once, remove the parts.
+
+    Raises:
+        RuntimeError: if an index is missing (the shards are left in place).
+    """
+    parts = parts_dir(out)
+    chunks: dict = {}
+    for p in sorted(parts.glob("shard-*.npz")):
+        with np.load(p) as z:
+            data = {k: z[k] for k in z.files}
+        for j, i in enumerate(data["index"].tolist()):
+            chunks.setdefault(i, {k: v[j] for k, v in data.items()})
+    missing = [i for i in range(spec.count) if i not in chunks]
+    if missing:
+        raise RuntimeError(f"{len(missing)} indices missing from {parts} (first: {missing[:5]}); rerun with --resume")
+    rows = [chunks[i] for i in range(spec.count)]
+    nfe = [int(r["nfe"]) for r in rows]
+    if spec.model == "sd3":
+        absent = [i for i in range(spec.count) if not (out / f"{i:06d}.png").exists()]
+        if absent:
+            raise RuntimeError(f"{len(absent)} images missing from {out} (first: {absent[:5]}); rerun with --resume")
+    else:
+        arrays = {"samples": np.stack([r["samples"] for r in rows]), "index": np.arange(spec.count, dtype=np.int64)}
+        if "labels" in rows[0]:
+            arrays["labels"] = np.array([int(r["labels"]) for r in rows], dtype=np.int64)
+        atomic_write(out, lambda f: np.savez(f, **arrays), binary=True)
+    busy = sum(s[2] for s in stats)
+    capacity = sum(s[1] * s[4] for s in stats)
+    meta = {
+        "options": spec.options(),
+        "specforest_version": __version__,
+        "torch_version": torch.__version__,
+        "platform": platform.platform(),
+        "processes": world,
+        "tree_parallel": tree_parallel,
+        "batch": batch,
+        "nfe": nfe,
+        "nfe_mean": float(np.mean(nfe)),
+        # of this (last) run: mean fraction of the slots busy per round, over all processes
+        "occupancy": busy / capacity if capacity else None,
+        "per_process": [{"samples": s[0], "rounds": s[1], "seconds": round(s[3], 3)} for s in stats],
+    }
+    atomic_write_text(meta_path(out), json.dumps(meta, indent=1) + "\n")
+    for p in parts.iterdir():
+        p.unlink()
+    parts.rmdir()

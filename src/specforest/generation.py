@@ -1,0 +1,295 @@
+"""Continuous batching: many samples through a fixed number of slots, each slot refilled as it finishes.
+
+A speculative trajectory takes a random number of rounds, so a fixed batch
+drains to a few stragglers whose calls are nearly empty. :func:`generate`
+keeps up to ``batch`` trajectories in flight: the round a trajectory finishes,
+its slot takes the next index of the job (new state at step 0, new random
+streams, new conditioning) and the next call is full again. Because every
+random number is addressed by (seed, sample index, place) (:mod:`specforest.streams`),
+sample ``i`` is the same whatever slot, batch size or order it runs in
+(bitwise for a batch-invariant model; ``draft="auto"`` and adaptive trees
+learn from the whole batch, so with them only the law is invariant).
+
+Host-device synchronizations: those of the rounds (:mod:`specforest.engine`)
+plus one per round to find the finished slots.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+
+from . import engine, streams
+from .sampler import RunSpec, SampleStats, VelocityFn, prepare, stats_of, step_keys
+from .validation import check_int
+
+__all__ = ["Finished", "Generation", "generate"]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Samples that finished in one round.
+
+    Attributes:
+        index: ``(n,)`` long global indices of the samples.
+        samples: ``(n, *shape)`` final states (the dtype of ``make_x``'s states).
+        stats: their :class:`~specforest.sampler.SampleStats` rows (``nfe`` ``(n,)`` and so on;
+            ``calls`` is the number of rounds run so far).
+    """
+
+    index: torch.Tensor
+    samples: torch.Tensor
+    stats: SampleStats
+
+
+@dataclass
+class GenerationStats:
+    """How the slots were used, updated while :class:`Generation` is iterated.
+
+    Attributes:
+        rounds: target calls made.
+        slot_rounds: the sum over rounds of the slots holding an unfinished trajectory.
+        slots: the number of slots ``batch``.
+        finished: samples produced.
+        wall_seconds: wall time of the iteration so far.
+        target_seconds: time inside the target calls.
+    """
+
+    rounds: int = 0
+    slot_rounds: int = 0
+    slots: int = 0
+    finished: int = 0
+    wall_seconds: float = 0.0
+    target_seconds: float = 0.0
+
+    @property
+    def occupancy(self) -> float:
+        """Mean fraction of the slots busy per round (NaN before the first round)."""
+        return self.slot_rounds / (self.rounds * self.slots) if self.rounds else math.nan
+
+
+class Generation:
+    """An iterable over :class:`Finished` batches; its :attr:`stats` fill in as it runs.
+
+    Made by :func:`generate`; iterate it once.
+    """
+
+    def __init__(
+        self,
+        model: VelocityFn,
+        spec: RunSpec,
+        indices: torch.Tensor,
+        make_x: Callable[[torch.Tensor], torch.Tensor],
+        make_cond: Optional[Callable[[torch.Tensor], dict]],
+        batch: int,
+        seed: int,
+        process_group: Any,
+    ) -> None:
+        self.model, self.spec, self.indices = model, spec, indices
+        self.make_x, self.make_cond = make_x, make_cond
+        self.batch, self.seed, self.group = batch, seed, process_group
+        self.stats = GenerationStats(slots=min(batch, len(indices)))
+        self._used = False
+
+    def _states(self, idx: torch.Tensor) -> "tuple[torch.Tensor, dict]":
+        x = self.make_x(idx)
+        if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[0] != len(idx):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"make_x must return a tensor (n, *shape) with one row per index ({len(idx)}), got {got}")
+        if not x.is_floating_point() or not bool(torch.isfinite(x).all()):
+            raise ValueError("make_x must return finite floating-point states")
+        cond = {} if self.make_cond is None else self.make_cond(idx)
+        if not isinstance(cond, dict) or any(
+            not isinstance(v, torch.Tensor) or v.shape[:1] != (len(idx),) for v in cond.values()
+        ):
+            raise ValueError(f"make_cond must return a dict of tensors with one row per index ({len(idx)})")
+        return x, cond
+
+    def _start(self, idx: torch.Tensor) -> "tuple[engine.RunContext, engine.RunState, torch.Tensor]":
+        x, cond = self._states(idx)
+        dev = x.device
+        self._dtype, self._shape = x.dtype, tuple(x.shape[1:])
+        self._work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+        keys = streams.sample_keys(self.seed, idx.to(dev))
+        ctx = self.spec.context(self.model, self._shape, self._work, dev, keys, cond, group=self.group)
+        state = engine.init_state(ctx, x.reshape(len(idx), -1).to(self._work, copy=True), self.spec.L)
+        return ctx, state, idx.to(dev)
+
+    def _refill(self, ctx, state, slot_idx, slots: torch.Tensor, new: torch.Tensor):
+        """Slots ``slots`` restart at step 0 as samples ``new``."""
+        x, cond = self._states(new)
+        dev = ctx.device
+        slots, new = slots.to(dev), new.to(dev)
+        keys = streams.sample_keys(self.seed, new)
+        ctx = replace(ctx, step_keys=ctx.step_keys.index_copy(0, slots, step_keys(keys, ctx.T)))
+        ctx.target.set_rows(slots, cond)
+        pre = replace(
+            state.pre,
+            valid=state.pre.valid.index_fill(0, slots, False),
+            has_prev=state.pre.has_prev.index_fill(0, slots, False),
+        )
+        c = state.counters
+        counters = replace(
+            c,
+            nfe=c.nfe.index_fill(0, slots, 0),
+            per_traj=c.per_traj.index_fill(0, slots, 0),
+            per_depth=c.per_depth.index_fill(0, slots, 0),
+            commits=c.commits.index_fill(0, slots, 0),
+        )
+        state = replace(
+            state,
+            x=state.x.index_copy(0, slots, x.reshape(len(new), -1).to(self._work)),
+            step=state.step.index_fill(0, slots, 0),
+            pre=pre,
+            counters=counters,
+        )
+        return ctx, state, slot_idx.index_copy(0, slots, new)
+
+    def __iter__(self) -> Iterator[Finished]:
+        if self._used:
+            raise RuntimeError("a Generation is iterated once; call generate again")
+        self._used = True
+        n = len(self.indices)
+        if n == 0:
+            return
+        t0 = time.perf_counter()
+        T = self.spec.sde.steps
+        B = self.stats.slots
+        ctx, state, slot_idx = self._start(self.indices[:B])
+        live = torch.ones(B, dtype=torch.bool, device=ctx.device)
+        n_live, nxt_i, seconds = B, B, 0.0
+        with torch.no_grad():
+            while n_live:
+                nxt = engine.run_round(ctx, state)
+                if nxt is not None:
+                    state = nxt
+                    self.stats.rounds += 1
+                    self.stats.slot_rounds += n_live
+                done = (state.step >= ctx.T) & live
+                rows = done.nonzero()[:, 0]  # the one read of the finished slots
+                if not len(rows):
+                    continue
+                ctx.target.check_finite()
+                xs = state.x[rows]
+                if not bool(torch.isfinite(xs).all()):
+                    raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
+                stats = stats_of(state, ctx.target, ctx, T, rows)
+                self.stats.finished += len(rows)
+                yield Finished(slot_idx[rows].cpu(), xs.reshape(len(rows), *self._shape).to(self._dtype), stats)
+                live = live.index_fill(0, rows, False)
+                n_live -= len(rows)
+                k = min(len(rows), n - nxt_i)
+                if k == 0:
+                    continue
+                new = self.indices[nxt_i : nxt_i + k]
+                nxt_i += k
+                if n_live == 0:
+                    # every slot is free (the standard sampler's trajectories always finish together):
+                    # a fresh run, with fewer slots at the end of the job
+                    seconds += ctx.target.total_seconds()
+                    ctx, state, slot_idx = self._start(new)
+                    live = torch.ones(k, dtype=torch.bool, device=ctx.device)
+                else:
+                    ctx, state, slot_idx = self._refill(ctx, state, slot_idx, rows[:k], new)
+                    live = live.index_fill(0, rows[:k].to(live.device), True)
+                n_live += k
+                self.stats.target_seconds = seconds + ctx.target.total_seconds()
+                self.stats.wall_seconds = time.perf_counter() - t0
+        self.stats.target_seconds = seconds + ctx.target.total_seconds()
+        self.stats.wall_seconds = time.perf_counter() - t0
+
+
+def generate(
+    model: VelocityFn,
+    *,
+    count: Optional[int] = None,
+    indices: "Optional[Sequence[int] | torch.Tensor]" = None,
+    make_x: Callable[[torch.Tensor], torch.Tensor],
+    make_cond: Optional[Callable[[torch.Tensor], dict]] = None,
+    seed: int,
+    batch: int = 64,
+    steps: Optional[int] = None,
+    churn: float,
+    sigmas: Optional[torch.Tensor] = None,
+    grid: str = "flow_match",
+    shift: float = 1.0,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    prefetch: str = "nearest",
+    verify: str = "internal",
+    max_rows: Optional[int] = None,
+    model_kwargs: Optional[dict] = None,
+    lazy: bool = False,
+    process_group: Any = None,
+) -> Generation:
+    """Sample many indices through ``batch`` slots, refilling each slot the round it finishes.
+
+    Sample ``i`` starts from ``make_x(i)`` and draws the streams of ``(seed, i)``,
+    so it equals ``sample(model, make_x([i]), seed=seed, sample_index=[i], ...)``
+    whatever the slot, the batch size or the order of work (see the module
+    docstring for the exceptions). Iterate the result for :class:`Finished`
+    batches in the order the samples finish.
+
+    Args:
+        model: the target velocity, as in :func:`specforest.sample`.
+        count: produce indices ``0..count-1``; or give ``indices``.
+        indices: the global indices to produce (e.g. this process's share of a job,
+            :func:`specforest.distributed.shard`).
+        make_x: ``make_x(idx (n,) long) -> (n, *shape)`` initial states at noise level 1
+            (e.g. ``lambda i: streams.randn(seed, i, shape)``).
+        make_cond: ``make_cond(idx) -> dict`` of per-trajectory conditioning, one row per index.
+        seed: the job's seed (an int).
+        batch: slots in flight, ``>= 1``.
+        process_group: tree-parallel verification (see :func:`specforest.sample`);
+            every process of the group must make the same call.
+        steps, churn, sigmas, grid, shift, tree, coupling, draft, prefetch, verify,
+            max_rows, model_kwargs, lazy: as in :func:`specforest.sample`.
+
+    Returns:
+        A :class:`Generation`: iterate it; its ``stats`` (rounds, occupancy, time)
+        fill in as it runs.
+
+    Raises:
+        ValueError / TypeError: naming the parameter.
+    """
+    if (count is None) == (indices is None):
+        raise ValueError("give exactly one of count (an int >= 0) and indices")
+    if count is not None:
+        idx = torch.arange(check_int("count", count, 0))
+    else:
+        idx = torch.as_tensor(indices)
+        if idx.ndim != 1 or idx.is_floating_point() or idx.dtype == torch.bool:
+            raise ValueError(f"indices must be a 1-D sequence of integers, got shape {tuple(idx.shape)}")
+        if bool((idx < 0).any()):
+            raise ValueError("indices must be non-negative")
+        idx = idx.long()
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    batch = check_int("batch", batch, 1)
+    if not callable(make_x):
+        raise TypeError("make_x must be callable as make_x(indices) -> (n, *shape) states")
+    if make_cond is not None and not callable(make_cond):
+        raise TypeError("make_cond must be None or callable as make_cond(indices) -> dict")
+    spec = prepare(
+        steps=steps,
+        churn=churn,
+        sigmas=sigmas,
+        grid=grid,
+        shift=shift,
+        tree=tree,
+        coupling=coupling,
+        draft=draft,
+        prefetch=prefetch,
+        verify=verify,
+        max_rows=max_rows,
+        model_kwargs=model_kwargs,
+        lazy=lazy,
+        record_deltas=False,
+    )
+    return Generation(model, spec, idx, make_x, make_cond, batch, seed, process_group)
