@@ -170,6 +170,30 @@ def test_the_same_check_rejects_an_unverified_draft(velocity, real, standard_sta
     assert _min_p(wrong, standard_statistics) < ALPHA / wrong.shape[1]
 
 
+@pytest.fixture(scope="module")
+def velocity_bf16():
+    return digits.load_velocity(dtype=torch.bfloat16)
+
+
+def test_a_bf16_network_keeps_its_dtype_and_the_sampler_its_precision(velocity_bf16):
+    assert next(velocity_bf16.denoiser.net.parameters()).dtype == torch.bfloat16
+    x_T, labels = pixel_exp.initial_states(4, 0)
+    out = specforest.sample(
+        velocity_bf16, x_T, steps=6, churn=0.5, tree=trees.uniform(2, 2), seed=0, cond={"class_labels": labels}
+    )
+    assert out.samples.dtype == torch.float32 and torch.isfinite(out.samples).all()
+
+
+def test_bf16_speculative_has_the_bf16_standard_law(velocity_bf16, real):
+    """The same bf16 network through D-GRS and through the standard sampler: the same law;
+    the unverified draft fails the same check."""
+    standard = _statistics(real, _run(velocity_bf16, None, "grs", seed=1))
+    spec = _statistics(real, _run(velocity_bf16, trees.uniform(2, 3), "grs", seed=2))
+    assert _min_p(spec, standard) > ALPHA / spec.shape[1]
+    wrong = _statistics(real, _run(velocity_bf16, trees.uniform(2, 3), AcceptEveryDraft(), seed=2))
+    assert _min_p(wrong, standard) < ALPHA / wrong.shape[1]
+
+
 # -- the experiment's library functions ----------------------------------------------------
 
 

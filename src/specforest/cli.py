@@ -17,6 +17,7 @@ from .cli_common import (
     POSITIVE,
     choice_list,
     churn_option,
+    compile_option,
     draft_option,
     float_list,
     grid_option,
@@ -27,7 +28,9 @@ from .cli_common import (
     prefetch_option,
     progress_option,
     seed_option,
+    set_threads,
     steps_option,
+    threads_option,
     tree_options,
     tree_size_options,
     verify_option,
@@ -119,6 +122,8 @@ def main() -> None:
     help="Write the samples to this .npz (array 'samples', (trajectories, dim) float32).",
 )
 @progress_option()
+@threads_option()
+@compile_option()
 @click.pass_context
 def gmm(ctx: click.Context, **o) -> None:
     """Gaussian-mixture experiment of the paper (Section 5.1): one configuration.
@@ -138,6 +143,7 @@ def gmm(ctx: click.Context, **o) -> None:
                 f"options {', '.join(given)} belong to 'gmm' itself; put them after '{ctx.invoked_subcommand}'"
             )
         return
+    set_threads(o["threads"])
     setting = library_errors(lambda: _setting(o))
     run = library_errors(
         lambda: gmm_exp.simulate(
@@ -154,6 +160,7 @@ def gmm(ctx: click.Context, **o) -> None:
             progress=o["progress"],
             tree=o["tree_mode"],
             budget=o["budget"],
+            compile=o["compile_model"],
         )
     )
     rec = run.record
@@ -214,12 +221,14 @@ def gmm(ctx: click.Context, **o) -> None:
     show_default=True,
     help="Progress bar over configurations on stderr.",
 )
+@threads_option()
 def sweep(out_dir: str, K_values: list[int], L_values: list[int], methods: list[str], **o) -> None:
     """The (K, L) sweep of Figures 3 and 7: each tree method of --methods (D-GRS by
     default) at every (K, L), RMC at each matched budget B = K + ... + K^L. Resumable:
     configurations already in OUT/results.json are skipped. Writes results.csv,
     results.json, heatmap.png (RMC vs D-GRS) and speedup_vs_K.png (every method).
     """
+    set_threads(o.pop("threads"))
     if o["tree_mode"] != "uniform" or o["budget"] is not None:
         raise click.UsageError("the sweep runs the uniform (K, L) grid; --tree and --budget apply to single runs")
     setting = library_errors(lambda: _setting(o))

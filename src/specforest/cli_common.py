@@ -245,3 +245,44 @@ def grid_option():
         show_default=True,
         help="Time grid: flow_match (diffusers' FlowMatchEulerDiscreteScheduler grid, the authors' code) or uniform.",
     )
+
+
+def threads_option():
+    """``--threads``: torch's CPU threads for this process, chosen deliberately (see :func:`set_threads`)."""
+    return click.option(
+        "--threads",
+        type=click.IntRange(1),
+        default=None,
+        show_default="$OMP_NUM_THREADS if set, else the CPUs divided among torchrun's local processes",
+        help="Torch CPU threads of this process (>= 1). On a shared machine an oversubscribed default makes "
+        "timings swing by 10x; one thread per process is the stable choice.",
+    )
+
+
+def set_threads(threads: "int | None") -> int:
+    """Set torch's intra-op threads: ``threads``, else ``$OMP_NUM_THREADS``, else the CPUs of this
+    process divided among ``$LOCAL_WORLD_SIZE`` processes. Returns the count set."""
+    import os
+
+    import torch
+
+    if threads is None:
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        if env.isdigit() and int(env) >= 1:
+            threads = int(env)
+        else:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            threads = max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    torch.set_num_threads(int(threads))
+    return int(threads)
+
+
+def compile_option():
+    """``--compile``: ``torch.compile(mode="reduce-overhead")`` the target, its rows padded to powers of two."""
+    return click.option(
+        "--compile",
+        "compile_model",
+        is_flag=True,
+        help="torch.compile(mode='reduce-overhead') the target; every call's rows are padded to a power of "
+        "two, so it compiles a few shapes instead of one per round (the samples do not change).",
+    )

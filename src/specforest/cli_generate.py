@@ -19,13 +19,16 @@ from . import distributed
 from .cli_common import (
     CONTEXT,
     churn_option,
+    compile_option,
     draft_option,
     grid_option,
     library_errors,
     method_option,
     prefetch_option,
     progress_option,
+    set_threads,
     steps_option,
+    threads_option,
     tree_size_options,
     verify_option,
 )
@@ -80,6 +83,8 @@ def _job_options(K: int, L: int, steps: int, churn: float, device: bool = True):
                 help="Under torchrun: every process runs the same samples and each round's rows are split across them.",
             ),
             progress_option(),
+            threads_option(),
+            compile_option(),
         ]
         if device:
             opts.append(
@@ -103,6 +108,7 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
         raise click.BadParameter(f"--count must be >= 1, got {o['count']}", param_hint="--count")
     if o["seed"] < 0:
         raise click.BadParameter(f"--seed must be >= 0, got {o['seed']}", param_hint="--seed")
+    set_threads(o["threads"])
     # a SIGTERM unwinds like an interrupt: temporary files are removed, written shards stay
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     sampler = {k: o[k] for k in ("method", "K", "L", "steps", "churn", "grid", "prefetch", "verify", "draft")}
@@ -121,6 +127,7 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
                 tree_parallel=o["tree_parallel"],
                 device=o["device"],
                 progress=o["progress"],
+                compile=o["compile_model"],
                 log=lambda s: click.echo(s, err=True) if rank == 0 else None,
             )
         )

@@ -18,6 +18,7 @@ from .cli_common import (
     CONTEXT,
     choice_list,
     churn_option,
+    compile_option,
     draft_option,
     float_list,
     grid_option,
@@ -27,7 +28,9 @@ from .cli_common import (
     prefetch_option,
     progress_option,
     seed_option,
+    set_threads,
     steps_option,
+    threads_option,
     tree_options,
     tree_size_options,
     verify_option,
@@ -93,6 +96,8 @@ def _common(f):
     help="Write an .npz with 'samples' (N, 1, 8, 8) float32 in [-1, 1] and 'labels' (N,).",
 )
 @progress_option()
+@threads_option()
+@compile_option()
 @click.pass_context
 def pixel(ctx: click.Context, **o) -> None:
     """Pixel-space experiment of the paper (Section 5.2) on class-conditional 8x8 digits: ONE configuration.
@@ -113,6 +118,7 @@ def pixel(ctx: click.Context, **o) -> None:
                 f"options {', '.join(given)} belong to 'pixel' itself; put them after '{ctx.invoked_subcommand}'"
             )
         return
+    set_threads(o["threads"])
     run = library_errors(
         lambda: pixel_exp.simulate(
             method=o["method"],
@@ -130,6 +136,7 @@ def pixel(ctx: click.Context, **o) -> None:
             draft=o["draft"],
             tree=o["tree_mode"],
             budget=o["budget"],
+            compile=o["compile_model"],
         )
     )
     rec = run.record
@@ -189,6 +196,7 @@ def pixel(ctx: click.Context, **o) -> None:
     show_default=True,
     help="Progress bar over configurations on stderr.",
 )
+@threads_option()
 def sweep(out_dir: str, pairs: str, churns: list[float], methods: list[str], **o) -> None:
     """Figure 4 / Figure 8: each tree method of --methods (D-GRS by default) at each
     (K, L) vs RMC at the matched budget, per churn.
@@ -196,6 +204,7 @@ def sweep(out_dir: str, pairs: str, churns: list[float], methods: list[str], **o
     Writes OUT/results.json, results.csv, speedup_vs_budget.png (mean ± std per
     churn) and samples_grid.png (RMC vs D-GRS at the largest budget).
     """
+    set_threads(o.pop("threads"))
     pair_list = _pairs(pairs)
     res = library_errors(
         lambda: pixel_exp.run_sweep(

@@ -18,7 +18,9 @@ from .cli_common import (
     prefetch_option,
     progress_option,
     seed_option,
+    set_threads,
     steps_option,
+    threads_option,
     verify_option,
 )
 from .experiments import sd3 as sd3_exp
@@ -156,6 +158,7 @@ def pipeline_options(f):
 )
 @click.option("--save-images", is_flag=True, help="Save every image under OUT/images/<configuration>/.")
 @progress_option("Progress bars on stderr.")
+@threads_option()
 def sd3(**o) -> None:
     """Stable Diffusion 3 experiment of the paper (Section 5.3, Figure 5, Table 1).
 
@@ -165,6 +168,7 @@ def sd3(**o) -> None:
     score. Defaults are the paper's: 512x512, T=50, guidance 7, churn 0.8, shift 3, L=2,
     K=2..7. Writes OUT/results.json, OUT/results.csv and OUT/speedup_vs_K.png.
     """
+    set_threads(o.pop("threads"))
     device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = o["dtype"] or ("float16" if device.startswith("cuda") else "float32")
 

@@ -227,6 +227,7 @@ def generate(
     model_kwargs: Optional[dict] = None,
     lazy: bool = False,
     process_group: Any = None,
+    pad_rows: Any = None,
 ) -> Generation:
     """Sample many indices through ``batch`` slots, refilling each slot the round it finishes.
 
@@ -249,7 +250,7 @@ def generate(
         process_group: tree-parallel verification (see :func:`specforest.sample`);
             every process of the group must make the same call.
         steps, churn, sigmas, grid, shift, tree, coupling, draft, prefetch, verify,
-            max_rows, model_kwargs, lazy: as in :func:`specforest.sample`.
+            max_rows, model_kwargs, lazy, pad_rows: as in :func:`specforest.sample`.
 
     Returns:
         A :class:`Generation`: iterate it; its ``stats`` (rounds, occupancy, time)
@@ -291,5 +292,6 @@ def generate(
         model_kwargs=model_kwargs,
         lazy=lazy,
         record_deltas=False,
+        pad_rows=pad_rows,
     )
     return Generation(model, spec, idx, make_x, make_cond, batch, seed, process_group)

@@ -203,6 +203,7 @@ class RunSpec:
     max_rows: Optional[int]
     model_kwargs: dict
     config: dict
+    pad_rows: Optional[tuple] = None
 
     def context(
         self,
@@ -216,7 +217,9 @@ class RunSpec:
     ) -> engine.RunContext:
         """The engine's context for trajectories with per-sample ``keys (B,)`` and conditioning ``cond``."""
         T = self.sde.steps
-        target = Target(model, shape, work, self.max_rows, cond, self.model_kwargs, device, group=group)
+        target = Target(
+            model, shape, work, self.max_rows, cond, self.model_kwargs, device, group=group, pad_rows=self.pad_rows
+        )
         ctx = engine.RunContext(
             tab=self.sde.tables(device, work),
             tab64=self.sde.tables(device, torch.float64),
@@ -261,6 +264,7 @@ def prepare(
     model_kwargs: Optional[dict],
     lazy: bool,
     record_deltas: bool,
+    pad_rows: "Optional[str | Sequence[int]]" = None,
 ) -> RunSpec:
     """Validate the options of :func:`sample` (all but the states and randomness) into a :class:`RunSpec`.
 
@@ -328,8 +332,38 @@ def prepare(
         mode="lazy" if lazy else "full",
     )
     return RunSpec(
-        sde, cp, proposal, fixed, policy, L, prefetch, verify, lazy, record_deltas, max_rows, model_kwargs or {}, config
+        sde,
+        cp,
+        proposal,
+        fixed,
+        policy,
+        L,
+        prefetch,
+        verify,
+        lazy,
+        record_deltas,
+        max_rows,
+        model_kwargs or {},
+        config,
+        pad_sizes(pad_rows),
     )
+
+
+def pad_sizes(pad_rows: "Optional[str | Sequence[int]]") -> Optional[tuple]:
+    """The ascending row counts of ``pad_rows``: ``"pow2"`` (1, 2, 4, ..., 2**16), a list of ints, or ``None``.
+
+    Raises:
+        ValueError: naming ``pad_rows`` and what it accepts.
+    """
+    if pad_rows is None:
+        return None
+    if pad_rows == "pow2":
+        return tuple(2**k for k in range(17))
+    if isinstance(pad_rows, str) or not isinstance(pad_rows, Sequence) or not pad_rows:
+        raise ValueError(f"pad_rows must be None, 'pow2' or a non-empty list of ints >= 1, got {pad_rows!r}")
+    if any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in pad_rows):
+        raise ValueError(f"pad_rows must list ints >= 1, got {pad_rows!r}")
+    return tuple(sorted(set(pad_rows)))
 
 
 def stats_of(state: engine.RunState, target: Target, ctx: engine.RunContext, T: int, rows: Any = None) -> SampleStats:
@@ -377,6 +411,7 @@ def sample(
     lazy: bool = False,
     record_deltas: bool = False,
     process_group: Any = None,
+    pad_rows: "Optional[str | Sequence[int]]" = None,
 ) -> SampleResult:
     """Sample the churned reverse SDE exactly, speculating on a draft tree.
 
@@ -447,6 +482,11 @@ def sample(
             states and seed; each round's target rows are split across the
             group's processes and the velocities gathered, so every process
             commits the same states. ``None``: one process.
+        pad_rows: pad every network call's rows up to the next of a few sizes
+            (``"pow2"`` or a list of ints; a larger call is split), for a
+            ``torch.compile(mode="reduce-overhead")`` or CUDA-graph model that
+            would otherwise recompile for each new row count. Padding rows repeat
+            a real row; their outputs are never used, so the samples do not change.
 
     Returns:
         :class:`SampleResult` with ``samples`` ``(B, *shape)`` and ``stats``.
@@ -481,6 +521,7 @@ def sample(
         model_kwargs=model_kwargs,
         lazy=lazy,
         record_deltas=record_deltas,
+        pad_rows=pad_rows,
     )
     shape = tuple(x.shape[1:])
     B, D = x.shape[0], math.prod(shape)

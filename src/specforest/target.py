@@ -6,7 +6,10 @@ per-trajectory conditioning of its rows' trajectories, splits a call into
 ``max_rows`` chunks, casts the output to the coupling arithmetic's dtype,
 accumulates a device-side flag for NaN or inf outputs (read with the round's
 one host read, so that no call synchronizes), and times the network calls
-themselves (CUDA events on a GPU, read once at the end of the run).
+themselves (CUDA events on a GPU, read once at the end of the run). With
+``pad_rows`` every network call's rows are padded up to one of a few sizes, so
+that a ``torch.compile(mode="reduce-overhead")`` or CUDA-graph model does not
+recompile for every new row count.
 
 Tree-parallel verification: with a ``torch.distributed`` process group, the
 rows of each call are split into one equal share per process (padded with
@@ -40,6 +43,10 @@ class Target:
         device: where the NaN flag lives (the states' device).
         group: a ``torch.distributed`` process group to split each call's rows
             over (tree-parallel verification), or ``None``.
+        pad_rows: pad each network call's rows up to the next of these sizes
+            (ascending ints; a call larger than the largest is split into calls of
+            that size), so that a compiled or CUDA-graph model sees few shapes.
+            The padding rows repeat the last real row and their outputs are dropped.
     """
 
     def __init__(
@@ -52,9 +59,14 @@ class Target:
         model_kwargs: dict,
         device: "torch.device | str" = "cpu",
         group: Any = None,
+        pad_rows: Optional[tuple] = None,
     ) -> None:
-        self.fn, self.shape, self.dtype, self.max_rows = fn, shape, dtype, max_rows
-        self.group = group
+        self.fn, self.shape, self.dtype = fn, shape, dtype
+        self.group, self.pad_rows = group, pad_rows
+        if pad_rows:
+            # a call never exceeds the largest padded size
+            max_rows = min(max_rows or pad_rows[-1], pad_rows[-1])
+        self.max_rows = max_rows
         self.cond, self.kwargs = cond, model_kwargs
         self.seconds = 0.0
         self.calls = 0
@@ -112,9 +124,17 @@ class Target:
         cuda = x.device.type == "cuda"
         outs = []
         for i in range(0, M, chunk):
-            xi = x[i : i + chunk].reshape(-1, *self.shape)
-            si = sigma[i : i + chunk].to(x.dtype)
-            rows = self.cond_rows(traj[i : i + chunk])
+            xc, sc, tc = x[i : i + chunk], sigma[i : i + chunk], traj[i : i + chunk]
+            m = xc.shape[0]
+            if self.pad_rows:
+                size = next(p for p in self.pad_rows if p >= m)
+                if size > m:
+                    xc = torch.cat([xc, xc[-1:].expand(size - m, -1)])
+                    sc = torch.cat([sc, sc[-1:].expand(size - m)])
+                    tc = torch.cat([tc, tc[-1:].expand(size - m)])
+            xi = xc.reshape(-1, *self.shape)
+            si = sc.to(x.dtype)
+            rows = self.cond_rows(tc)
             # only the network call itself is timed: the rest is the sampler's own time
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -129,7 +149,7 @@ class Target:
             if not isinstance(out, torch.Tensor) or out.shape != xi.shape:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(f"model must return a tensor of the input's shape {tuple(xi.shape)}, got {got}")
-            outs.append(out.reshape(-1, D).to(self.dtype))
+            outs.append(out.reshape(-1, D)[:m].to(self.dtype))
         v = torch.cat(outs) if len(outs) > 1 else outs[0]
         self.calls += 1
         # checked at the round's one host read (``check_finite``): NaN or inf never passes silently

@@ -42,6 +42,7 @@ __all__ = [
     "check_number",
     "check_sweep_methods",
     "choose_tree",
+    "compiled",
     "derive_seed",
     "finite",
     "mean_sem",
@@ -151,6 +152,14 @@ def choose_tree(
     if method == "antithetic":
         raise ValueError(f"tree={tree!r} plans irregular trees of i.i.d. children; use dgrs, rank or rmc")
     return (AdaptiveTree(budget) if tree == "adaptive" else plan(budget)), budget
+
+
+def compiled(model: Callable, compile: bool) -> "tuple[Callable, Optional[str]]":
+    """``(model, pad_rows)`` of a run: with ``compile``, ``torch.compile(model, mode="reduce-overhead")``
+    with every call's rows padded to a power of two (a few shapes to compile, not one per round)."""
+    if not compile:
+        return model, None
+    return torch.compile(model, mode="reduce-overhead"), "pow2"
 
 
 def finite(x: float) -> Optional[float]:

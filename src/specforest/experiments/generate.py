@@ -40,7 +40,7 @@ import torch
 
 from .. import __version__, distributed, generate, streams
 from ..atomic import atomic_write, atomic_write_text
-from .common import COUPLING_OF, METHODS, check_choice, check_int, method_tree
+from .common import COUPLING_OF, METHODS, check_choice, check_int, compiled, method_tree
 
 __all__ = ["MODELS", "GenerateResult", "JobSpec", "merge", "run_job", "sd3_options"]
 
@@ -315,6 +315,7 @@ def run_job(
     device: str = "cpu",
     progress: bool = False,
     log: Callable[[str], None] = lambda s: None,
+    compile: bool = False,
 ) -> GenerateResult:
     """Run (or resume) a generation job on this process, as one of the group's processes if any.
 
@@ -327,6 +328,7 @@ def run_job(
         device: where the model and states live (``cpu`` or ``cuda``).
         progress: a progress bar of finished samples (rank 0).
         log: receives progress lines (rank 0).
+        compile: ``torch.compile(mode="reduce-overhead")`` the target, rows padded to powers of two.
 
     Returns:
         A :class:`GenerateResult`.
@@ -369,14 +371,16 @@ def run_job(
         import torch.distributed as dist
 
         group = dist.group.WORLD
+    velocity, pad_rows = compiled(model.velocity, compile)
     gen = generate(
-        model.velocity,
+        velocity,
         indices=mine,
         make_x=make_x,
         make_cond=model.make_cond,
         seed=seed,
         batch=batch,
         process_group=group,
+        pad_rows=pad_rows,
         **model.sampler,
     )
     bar = None

@@ -146,7 +146,11 @@ def _resolve(file: str, path: Optional[PathLike], sha256: Optional[str]) -> tupl
 
 
 def load_denoiser(
-    path: Optional[PathLike] = None, *, sha256: Optional[str] = None, device: "str | torch.device" = "cpu"
+    path: Optional[PathLike] = None,
+    *,
+    sha256: Optional[str] = None,
+    device: "str | torch.device" = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> EDMPrecond:
     """The trained EDM denoiser ``D(x: (M, 1, 8, 8), s: (M,), class_labels) -> (M, 1, 8, 8)``.
 
@@ -154,6 +158,8 @@ def load_denoiser(
         path: a safetensors file; the shipped weights by default.
         sha256: expected digest; by default the one in the manifest next to ``path``.
         device: where to put the network.
+        dtype: the network's dtype (``torch.bfloat16``/``float16`` for a low-precision
+            network; its preconditioning and the sampler stay in float32).
 
     Returns:
         An :class:`~specforest.models.unet.EDMPrecond` in eval mode, gradients off.
@@ -166,7 +172,7 @@ def load_denoiser(
     cfg = UNetConfig.from_dict(json.loads(meta["config"]))
     net = UNet(cfg)
     net.load_state_dict(tensors)
-    den = EDMPrecond(net, sigma_data=cfg.sigma_data).to(device).eval()
+    den = EDMPrecond(net.to(dtype), sigma_data=cfg.sigma_data).to(device).eval()
     den.requires_grad_(False)
     return den
 
@@ -176,6 +182,7 @@ def load_velocity(
     *,
     sha256: Optional[str] = None,
     device: "str | torch.device" = "cpu",
+    dtype: torch.dtype = torch.float32,
     sigma_min: float = 1e-3,
     sigma_max: float = 80.0,
 ) -> EDMDenoiserVelocity:
@@ -188,7 +195,7 @@ def load_velocity(
     ``[1e-3, 80]``). See :func:`load_denoiser` for the other arguments.
     """
     return EDMDenoiserVelocity(
-        load_denoiser(path, sha256=sha256, device=device), sigma_min=sigma_min, sigma_max=sigma_max
+        load_denoiser(path, sha256=sha256, device=device, dtype=dtype), sigma_min=sigma_min, sigma_max=sigma_max
     )
 
 

@@ -29,6 +29,7 @@ from ..common import (
     check_int,
     check_number,
     choose_tree,
+    compiled,
     derive_seed,
     normalize,
     summarize,
@@ -77,6 +78,7 @@ def simulate(
     draft: str = "velocity",
     tree: "str | DraftTree" = "uniform",
     budget: int | None = None,
+    compile: bool = False,
 ) -> GMMRun:
     """Run one configuration and keep its samples; see :func:`run_config`."""
     if not isinstance(setting, GMMSetting):
@@ -134,6 +136,7 @@ def simulate(
         limit_source=f"memory_gb={memory_gb:g}" if memory_gb is not None else "",
     )
     gmm = setting.mixture()
+    model, pad_rows = compiled(gmm, compile)
     x_T = initial_states(n, setting.dim, seed)
     noise_seed = derive_seed(seed, STREAM_NOISE)
 
@@ -147,7 +150,7 @@ def simulate(
         stop = min(start + mem.chunk, n)
         # per-sample streams: trajectory i's noise depends on (seed, i) only, not on the chunking
         out = sample(
-            gmm,
+            model,
             x_T[start:stop],
             steps=T,
             churn=setting.churn,
@@ -160,6 +163,7 @@ def simulate(
             seed=noise_seed,
             sample_index=torch.arange(start, stop),
             max_rows=mem.max_rows,
+            pad_rows=pad_rows,
             progress=progress,
             **extra,
         )
@@ -200,6 +204,8 @@ def simulate(
         "mixture_fingerprint": mixture_fingerprint(gmm),
         "mode": "lazy" if lazy else "full",
         "coupling": coupling if tree is not None else None,
+        "compiled": bool(compile),
+        "threads": torch.get_num_threads(),
         "chunk_size": mem.chunk,
         "chunks": len(starts),
         "max_rows": mem.max_rows,
@@ -234,6 +240,8 @@ def run_config(setting: GMMSetting, **options) -> dict:
             or a :class:`~specforest.trees.DraftTree` to sample with as given
             (recorded as ``custom``, with ``K, L`` its widest node and depth).
         budget: drafted states per round for ``optimal`` and ``adaptive``.
+        compile: ``torch.compile(mode="reduce-overhead")`` the target, rows padded
+            to powers of two (same samples).
 
     Returns:
         A JSON-serializable dict (NaN written as ``None``) with the options and

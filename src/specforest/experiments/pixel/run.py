@@ -31,6 +31,7 @@ from ..common import (
     check_churn,
     check_int,
     choose_tree,
+    compiled,
     derive_seed,
     finite,
     normalize,
@@ -88,6 +89,7 @@ def simulate(
     budget: Optional[int] = None,
     model: Optional[Callable[..., torch.Tensor]] = None,
     classifier: Optional[DigitsClassifier] = None,
+    compile: bool = False,
 ) -> PixelRun:
     """Sample ``samples`` class-conditional digits with one method and summarize.
 
@@ -112,6 +114,8 @@ def simulate(
         progress: the sampler's progress bar on stderr.
         model: the velocity (default: the shipped digits model).
         classifier: the evaluation classifier (default: the shipped one).
+        compile: ``torch.compile(mode="reduce-overhead")`` the model, rows padded to
+            powers of two (same samples).
 
     Returns:
         A :class:`PixelRun`; its record holds the options and ``budget``, the
@@ -177,8 +181,9 @@ def simulate(
     )
 
     g = torch.Generator().manual_seed(derive_seed(seed, STREAM_NOISE))
+    target, pad_rows = compiled(model, compile)
     out = sample(
-        model,
+        target,
         x_T,
         steps=T,
         churn=churn,
@@ -193,6 +198,7 @@ def simulate(
         cond={"class_labels": labels},
         lazy=lazy,
         max_rows=mem.max_rows,
+        pad_rows=pad_rows,
     )
     s = out.stats
     speedup = T / s.nfe.double()
@@ -230,6 +236,8 @@ def simulate(
         "mode": "lazy" if lazy else "full",
         "coupling": None if tree is None else COUPLING_OF[method],
         "draft": draft,
+        "compiled": bool(compile),
+        "threads": torch.get_num_threads(),
         "tree_layers": None if tree is None else repr(tree),
         "max_rows": mem.max_rows,
         "memory_peak_gb": mem.total_bytes / 1e9,
