@@ -41,6 +41,7 @@ bench: venv
 	$(PY) benchmarks/pixel_quality.py
 	$(PY) benchmarks/sampler_overhead.py
 	$(PY) benchmarks/distributed.py
+	$(PY) benchmarks/wallclock.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist src/*.egg-info

@@ -112,8 +112,9 @@ def test_shard_and_gather_in_one_process():
 # -- the command, on one process and on two ----------------------------------------------------------
 
 
-def _torchrun(n: int, args: list, port: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master-port={port}"]
+def _torchrun(n: int, args: list) -> subprocess.CompletedProcess:
+    # --standalone: a local rendezvous on a free port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
     return subprocess.run(cmd + ["-m", "specforest", *args], capture_output=True, text=True, env=ENV, timeout=300)
 
 
@@ -140,9 +141,9 @@ def test_one_process_output(reference):
 
 def test_two_processes_data_parallel_and_tree_parallel_equal_one(reference, tmp_path):
     ref, meta = reference
-    for extra, port in (([], 29631), (["--tree-parallel"], 29632)):
+    for extra in ([], ["--tree-parallel"]):
         out = tmp_path / f"two{len(extra)}.npz"
-        res = _torchrun(2, ["generate", "gmm", *GMM, "--count", "40", "--batch", "6", "--out", str(out), *extra], port)
+        res = _torchrun(2, ["generate", "gmm", *GMM, "--count", "40", "--batch", "6", "--out", str(out), *extra])
         assert res.returncode == 0, res.stderr[-3000:]
         arrays, m = _load(out)
         np.testing.assert_allclose(arrays["samples"], ref["samples"], atol=1e-6, rtol=0)
@@ -152,7 +153,7 @@ def test_two_processes_data_parallel_and_tree_parallel_equal_one(reference, tmp_
 
 def test_more_processes_than_samples_leaves_ranks_idle(tmp_path):
     out = tmp_path / "few.npz"
-    res = _torchrun(3, ["generate", "gmm", *GMM, "--count", "2", "--out", str(out)], 29633)
+    res = _torchrun(3, ["generate", "gmm", *GMM, "--count", "2", "--out", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
     arrays, _ = _load(out)
     one = tmp_path / "one.npz"
@@ -165,7 +166,7 @@ def test_tree_parallel_digits_equal_one_process(tmp_path):
     one, two = tmp_path / "one.npz", tmp_path / "two.npz"
     res = CliRunner().invoke(main, [*args, "--out", str(one)])
     assert res.exit_code == 0, res.output
-    res = _torchrun(2, [*args, "--out", str(two), "--tree-parallel"], 29634)
+    res = _torchrun(2, [*args, "--out", str(two), "--tree-parallel"])
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = _load(one), _load(two)
     assert a[0]["samples"].shape == (5, 1, 8, 8) and a[0]["labels"].tolist() == b[0]["labels"].tolist()
@@ -222,3 +223,106 @@ def test_bad_input_is_refused_and_leaves_nothing(tmp_path):
     res = CliRunner().invoke(main, ["generate", "gmm", *GMM, "--count", "5", "--out", str(out), "--resume"])
     assert res.exit_code != 0 and "options that differ" in res.output and "count: 4 on disk, 5 now" in res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_resuming_in_the_same_process_never_overwrites_a_shard(tmp_path, monkeypatch):
+    """Two interrupted runs in one process (same pid), then a resume: every index once, as uninterrupted."""
+    from specforest.experiments import generate as gen_exp
+
+    spec = gen_exp.JobSpec(
+        "gmm",
+        30,
+        2,
+        dict(
+            method="dgrs",
+            K=2,
+            L=2,
+            steps=10,
+            churn=0.3,
+            grid="flow_match",
+            prefetch="nearest",
+            verify="internal",
+            draft="velocity",
+        ),
+        dict(dim=6, components=2, mixture_seed=0),
+    )
+    ref = gen_exp.run_job(spec, tmp_path / "ref.npz", batch=2)
+    assert ref.complete
+    real = gen_exp.generate
+
+    def interrupted(*args, **kwargs):
+        for k, f in enumerate(real(*args, **kwargs)):
+            if k == 4:
+                raise KeyboardInterrupt
+            yield f
+
+    monkeypatch.setattr(gen_exp, "generate", interrupted)
+    out = tmp_path / "job.npz"
+    with pytest.raises(KeyboardInterrupt):
+        gen_exp.run_job(spec, out, batch=2)
+    with pytest.raises(KeyboardInterrupt):
+        gen_exp.run_job(spec, out, batch=2, resume=True)
+    monkeypatch.setattr(gen_exp, "generate", real)
+    res = gen_exp.run_job(spec, out, batch=2, resume=True)
+    assert res.complete and res.skipped > 0
+    a, b = _load(out), _load(tmp_path / "ref.npz")
+    np.testing.assert_array_equal(a[0]["samples"], b[0]["samples"])
+    assert a[1]["nfe"] == b[1]["nfe"]
+
+
+def test_a_generation_leaves_the_callers_grad_mode_alone():
+    model = _gmm64()
+    gen = specforest.generate(
+        model,
+        count=3,
+        make_x=lambda i: streams.randn(0, i, (6,), dtype=torch.float64),
+        seed=0,
+        steps=6,
+        churn=0.5,
+        tree=trees.uniform(2, 2),
+    )
+    for _ in gen:
+        assert torch.is_grad_enabled()
+
+
+def test_tree_parallel_needs_no_seed_agreement(tmp_path):
+    """Each process gives its own seed and states: the first process's are used everywhere."""
+    script = tmp_path / "tp.py"
+    script.write_text(
+        "import torch, specforest, torch.distributed as dist\n"
+        "from specforest import distributed, trees\n"
+        "from specforest.models import GaussianMixture\n"
+        "distributed.init_from_env('cpu')\n"
+        "r = dist.get_rank()\n"
+        "gmm = GaussianMixture.paper(dim=4, components=2, seed=0)\n"
+        "x = torch.randn(5, 4, generator=torch.Generator().manual_seed(r))\n"
+        "out = specforest.sample(gmm, x, steps=8, churn=0.5, seed=r, tree=trees.uniform(2, 2), "
+        "process_group=dist.group.WORLD)\n"
+        "parts = [None, None]\n"
+        "dist.all_gather_object(parts, out.samples)\n"
+        f"if r == 0: torch.save(parts, {str(tmp_path / 'parts.pt')!r})\n"
+        "dist.destroy_process_group()\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = torch.load(tmp_path / "parts.pt")
+    assert torch.equal(a, b)
+    x0 = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    gmm = GaussianMixture.paper(dim=4, components=2, seed=0)
+    one = specforest.sample(gmm, x0, steps=8, churn=0.5, seed=0, tree=trees.uniform(2, 2))
+    torch.testing.assert_close(a, one.samples, atol=1e-6, rtol=0)
+
+
+def test_gather_and_generate_validate_their_inputs():
+    with pytest.raises(ValueError, match="one row per index"):
+        distributed.gather(torch.tensor([0, 1]), torch.zeros(3, 2))
+    idx, vals = distributed.gather([], [])
+    assert idx.numel() == 0
+    model = _gmm64()
+    mk = lambda i: streams.randn(0, i, (6,), dtype=torch.float64)  # noqa: E731
+    assert list(specforest.generate(model, indices=[], make_x=mk, seed=0, steps=5, churn=0.5)) == []
+    with pytest.raises(ValueError, match="must not repeat"):
+        specforest.generate(model, indices=[1, 1], make_x=mk, seed=0, steps=5, churn=0.5)
+    with pytest.raises(TypeError, match="model must be callable"):
+        specforest.generate(None, count=2, make_x=mk, seed=0, steps=5, churn=0.5)

@@ -357,11 +357,13 @@ def _register_optional_commands() -> None:
     from .cli_generate import generate
     from .cli_pixel import pixel, train
     from .cli_sd3 import sd3
+    from .cli_tune import tune
 
     main.add_command(pixel)
     main.add_command(train)
     main.add_command(sd3)
     main.add_command(generate)
+    main.add_command(tune)
 
 
 _register_optional_commands()

@@ -109,14 +109,14 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
     if o["seed"] < 0:
         raise click.BadParameter(f"--seed must be >= 0, got {o['seed']}", param_hint="--seed")
     set_threads(o["threads"])
-    # a SIGTERM unwinds like an interrupt: temporary files are removed, written shards stay
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     sampler = {k: o[k] for k in ("method", "K", "L", "steps", "churn", "grid", "prefetch", "verify", "draft")}
     if callable(model_options):
         model_options = library_errors(model_options)
     spec = library_errors(lambda: gen_exp.JobSpec(model, o["count"], o["seed"], sampler, model_options))
     library_errors(lambda: distributed.init_from_env(o["device"]))
     rank = distributed.rank()
+    # a SIGTERM unwinds like an interrupt: temporary files are removed, written shards stay
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         res = library_errors(
             lambda: gen_exp.run_job(
@@ -132,6 +132,7 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
             )
         )
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if distributed.is_distributed():
             import torch.distributed as dist
 

@@ -28,10 +28,10 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["gather", "init_from_env", "is_distributed", "rank", "shard", "world_size"]
+__all__ = ["broadcast_", "gather", "init_from_env", "is_distributed", "rank", "shard", "world_size"]
 
 
-def is_distributed(group: Any = None) -> bool:
+def is_distributed() -> bool:
     """Whether a process group is in use (``torch.distributed`` is initialized)."""
     import torch.distributed as dist
 
@@ -46,10 +46,24 @@ def world_size(group: Any = None) -> int:
 
 
 def rank(group: Any = None) -> int:
-    """This process's rank in ``group`` (0 without an initialized group)."""
+    """This process's rank in ``group`` (0 without an initialized group, -1 if not a member)."""
     import torch.distributed as dist
 
     return dist.get_rank(group) if is_distributed() else 0
+
+
+def broadcast_(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Overwrite ``t`` in place with the group's first process's ``t`` (a no-op without a group).
+
+    Tree-parallel runs start from the same states and keys on every process this way,
+    whatever each process was given.
+    """
+    import torch.distributed as dist
+
+    if is_distributed():
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast(t, src=src, group=group)
+    return t
 
 
 def shard(indices: "int | Sequence[int] | torch.Tensor", group: Any = None) -> torch.Tensor:
@@ -64,29 +78,47 @@ def shard(indices: "int | Sequence[int] | torch.Tensor", group: Any = None) -> t
     """
     if isinstance(indices, int) and not isinstance(indices, bool):
         if indices < 0:
-            raise ValueError(f"count must be >= 0, got {indices}")
+            raise ValueError(f"indices must be a count >= 0 or a sequence of indices, got {indices}")
         idx = torch.arange(indices)
     else:
-        idx = torch.as_tensor(indices).long().reshape(-1)
-    return idx[rank(group) :: world_size(group)]
+        idx = torch.as_tensor(indices)
+        if idx.numel() and (idx.is_floating_point() or idx.dtype == torch.bool):
+            raise ValueError(f"indices must be integers, got dtype {idx.dtype}")
+        idx = idx.long().reshape(-1)
+    r = rank(group)
+    if r < 0:  # not a member of the group: no share
+        return idx[:0]
+    return idx[r :: world_size(group)]
 
 
-def gather(index: torch.Tensor, values: torch.Tensor, group: Any = None) -> "tuple[torch.Tensor, torch.Tensor]":
+def gather(
+    index: "torch.Tensor | Sequence[torch.Tensor]", values: "torch.Tensor | Sequence[torch.Tensor]", group: Any = None
+) -> "tuple[torch.Tensor, torch.Tensor]":
     """Every process's ``(index (n,), values (n, ...))``, on every process, ordered by index.
 
-    Works for shares of unequal sizes (idle ranks give empty ones); values go
-    through the host (``all_gather_object``), so use it for results, not per round.
+    ``index`` and ``values`` may be lists of pieces (an idle rank passes empty
+    lists). Values go through the host (``all_gather_object``): use it for
+    results, not per round. A mismatch raises on every process, after the
+    collective, so that no process is left waiting.
     """
     import torch.distributed as dist
 
-    index, values = index.detach().cpu().long(), values.detach().cpu()
-    if index.shape[:1] != values.shape[:1]:
-        raise ValueError(f"index has {index.shape[0]} rows but values has {values.shape[0]}")
+    def join(t) -> torch.Tensor:
+        if isinstance(t, torch.Tensor):
+            return t.detach().cpu()
+        pieces = [p.detach().cpu() for p in t]
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+
+    index, values = join(index).long(), join(values)
+    ok = index.ndim == 1 and index.shape[:1] == values.shape[:1]
+    parts: list = [(index, values, ok)]
     if is_distributed():
-        parts: list = [None] * world_size(group)
-        dist.all_gather_object(parts, (index, values), group=group)
-        index = torch.cat([p[0] for p in parts])
-        values = torch.cat([p[1] for p in parts])
+        parts = [None] * world_size(group)
+        dist.all_gather_object(parts, (index, values, ok), group=group)
+    if not all(p[2] for p in parts):
+        raise ValueError("index must be (n,) and values (n, ...) on every process (one row per index)")
+    index = torch.cat([p[0] for p in parts])
+    values = torch.cat([p[1] for p in parts if p[1].numel()]) if index.numel() else values[:0]
     order = torch.argsort(index)
     return index[order], values[order]
 

@@ -11,7 +11,9 @@ sample ``i`` is the same whatever slot, batch size or order it runs in
 learn from the whole batch, so with them only the law is invariant).
 
 Host-device synchronizations: those of the rounds (:mod:`specforest.engine`)
-plus one per round to find the finished slots.
+plus one read per round (the finished slots with the NaN flags; none before
+round ``T`` for the standard sampler); a refill copies the new indices'
+states and checks ``make_x``'s output once.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from typing import Any, Optional
 import torch
 
 from . import engine, streams
+from .distributed import broadcast_
 from .sampler import RunSpec, SampleStats, VelocityFn, prepare, stats_of, step_keys
 from .validation import check_int
 
-__all__ = ["Finished", "Generation", "generate"]
+__all__ = ["Finished", "Generation", "GenerationStats", "generate"]
 
 
 @dataclass(frozen=True)
@@ -96,13 +99,19 @@ class Generation:
         self.stats = GenerationStats(slots=min(batch, len(indices)))
         self._used = False
 
-    def _states(self, idx: torch.Tensor) -> "tuple[torch.Tensor, dict]":
+    def _states(self, idx: torch.Tensor, first: bool) -> "tuple[torch.Tensor, dict]":
         x = self.make_x(idx)
         if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[0] != len(idx):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"make_x must return a tensor (n, *shape) with one row per index ({len(idx)}), got {got}")
-        if not x.is_floating_point() or not bool(torch.isfinite(x).all()):
-            raise ValueError("make_x must return finite floating-point states")
+        if first:
+            if not x.is_floating_point() or not bool(torch.isfinite(x).all()):
+                raise ValueError("make_x must return finite floating-point states")
+        elif (tuple(x.shape[1:]), x.dtype, x.device) != (self._shape, self._dtype, self._device):
+            raise ValueError(
+                f"make_x returned states {tuple(x.shape[1:])} {x.dtype} on {x.device}, but its first call "
+                f"returned {self._shape} {self._dtype} on {self._device}"
+            )
         cond = {} if self.make_cond is None else self.make_cond(idx)
         if not isinstance(cond, dict) or any(
             not isinstance(v, torch.Tensor) or v.shape[:1] != (len(idx),) for v in cond.values()
@@ -111,21 +120,29 @@ class Generation:
         return x, cond
 
     def _start(self, idx: torch.Tensor) -> "tuple[engine.RunContext, engine.RunState, torch.Tensor]":
-        x, cond = self._states(idx)
+        x, cond = self._states(idx, first=True)
         dev = x.device
-        self._dtype, self._shape = x.dtype, tuple(x.shape[1:])
+        self._dtype, self._shape, self._device = x.dtype, tuple(x.shape[1:]), x.device
         self._work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
         keys = streams.sample_keys(self.seed, idx.to(dev))
+        x0 = x.reshape(len(idx), -1).to(self._work, copy=True)
+        if self.group is not None:
+            broadcast_(keys, self.group)
+            broadcast_(x0, self.group)
         ctx = self.spec.context(self.model, self._shape, self._work, dev, keys, cond, group=self.group)
-        state = engine.init_state(ctx, x.reshape(len(idx), -1).to(self._work, copy=True), self.spec.L)
+        state = engine.init_state(ctx, x0, self.spec.L)
         return ctx, state, idx.to(dev)
 
     def _refill(self, ctx, state, slot_idx, slots: torch.Tensor, new: torch.Tensor):
         """Slots ``slots`` restart at step 0 as samples ``new``."""
-        x, cond = self._states(new)
+        x, cond = self._states(new, first=False)
         dev = ctx.device
         slots, new = slots.to(dev), new.to(dev)
         keys = streams.sample_keys(self.seed, new)
+        x = x.reshape(len(new), -1).to(self._work, copy=True)
+        if self.group is not None:
+            broadcast_(keys, self.group)
+            broadcast_(x, self.group)
         ctx = replace(ctx, step_keys=ctx.step_keys.index_copy(0, slots, step_keys(keys, ctx.T)))
         ctx.target.set_rows(slots, cond)
         pre = replace(
@@ -143,14 +160,16 @@ class Generation:
         )
         state = replace(
             state,
-            x=state.x.index_copy(0, slots, x.reshape(len(new), -1).to(self._work)),
+            x=state.x.index_copy(0, slots, x),
             step=state.step.index_fill(0, slots, 0),
             pre=pre,
             counters=counters,
         )
         return ctx, state, slot_idx.index_copy(0, slots, new)
 
+    @torch.no_grad()
     def __iter__(self) -> Iterator[Finished]:
+        # torch.no_grad as a decorator re-enters per step of a generator: the caller's loop keeps its grad mode
         if self._used:
             raise RuntimeError("a Generation is iterated once; call generate again")
         self._used = True
@@ -160,46 +179,56 @@ class Generation:
         t0 = time.perf_counter()
         T = self.spec.sde.steps
         B = self.stats.slots
+        standard = self.spec.tree is None and self.spec.policy is None
         ctx, state, slot_idx = self._start(self.indices[:B])
+        host_idx = self.indices[:B].clone()  # slot -> sample index, on the host: no read to name the finished
         live = torch.ones(B, dtype=torch.bool, device=ctx.device)
         n_live, nxt_i, seconds = B, B, 0.0
-        with torch.no_grad():
-            while n_live:
-                nxt = engine.run_round(ctx, state)
-                if nxt is not None:
-                    state = nxt
-                    self.stats.rounds += 1
-                    self.stats.slot_rounds += n_live
-                done = (state.step >= ctx.T) & live
-                rows = done.nonzero()[:, 0]  # the one read of the finished slots
-                if not len(rows):
-                    continue
-                ctx.target.check_finite()
-                xs = state.x[rows]
-                if not bool(torch.isfinite(xs).all()):
-                    raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
-                stats = stats_of(state, ctx.target, ctx, T, rows)
-                self.stats.finished += len(rows)
-                yield Finished(slot_idx[rows].cpu(), xs.reshape(len(rows), *self._shape).to(self._dtype), stats)
-                live = live.index_fill(0, rows, False)
-                n_live -= len(rows)
-                k = min(len(rows), n - nxt_i)
-                if k == 0:
-                    continue
-                new = self.indices[nxt_i : nxt_i + k]
-                nxt_i += k
-                if n_live == 0:
-                    # every slot is free (the standard sampler's trajectories always finish together):
-                    # a fresh run, with fewer slots at the end of the job
-                    seconds += ctx.target.total_seconds()
-                    ctx, state, slot_idx = self._start(new)
-                    live = torch.ones(k, dtype=torch.bool, device=ctx.device)
-                else:
-                    ctx, state, slot_idx = self._refill(ctx, state, slot_idx, rows[:k], new)
-                    live = live.index_fill(0, rows[:k].to(live.device), True)
-                n_live += k
-                self.stats.target_seconds = seconds + ctx.target.total_seconds()
-                self.stats.wall_seconds = time.perf_counter() - t0
+        while n_live:
+            nxt = engine.run_round(ctx, state)
+            if nxt is not None:
+                state = nxt
+                self.stats.rounds += 1
+                self.stats.slot_rounds += n_live
+            if standard and nxt is not None and state.rounds < T:
+                continue  # the standard sampler's trajectories all finish at round T: nothing to read before
+            done = (state.step >= ctx.T) & live
+            bad_x = (done & ~torch.isfinite(state.x).all(1)).any()
+            # the one read of the round: finished slots, the target's NaN flag, non-finite finished states
+            n_done, bad_target, bad_state = engine.host_read(
+                torch.stack([done.sum(), ctx.target.bad.long(), bad_x.long()])
+            )
+            if bad_target:
+                ctx.target.raise_not_finite()
+            if bad_state:
+                raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
+            if not n_done:
+                continue
+            rows = torch.nonzero_static(done, size=n_done)[:, 0]
+            rows_host = rows.cpu() if rows.device.type == "cpu" else None
+            stats = stats_of(state, ctx.target, ctx, T, rows)
+            self.stats.finished += n_done
+            index = host_idx[rows_host] if rows_host is not None else slot_idx[rows].cpu()
+            yield Finished(index, state.x[rows].reshape(n_done, *self._shape).to(self._dtype), stats)
+            live = live.index_fill(0, rows, False)
+            n_live -= n_done
+            k = min(n_done, n - nxt_i)
+            if k == 0:
+                continue
+            new = self.indices[nxt_i : nxt_i + k]
+            nxt_i += k
+            if n_live == 0:
+                # every slot is free (the standard sampler's trajectories always finish together):
+                # a fresh run, with fewer slots at the end of the job
+                seconds += ctx.target.total_seconds()
+                ctx, state, slot_idx = self._start(new)
+                host_idx = new.clone()
+                live = torch.ones(k, dtype=torch.bool, device=ctx.device)
+            else:
+                ctx, state, slot_idx = self._refill(ctx, state, slot_idx, rows[:k], new)
+                host_idx = host_idx.index_copy(0, (rows_host if rows_host is not None else rows.cpu())[:k], new)
+                live = live.index_fill(0, rows[:k], True)
+            n_live += k
         self.stats.target_seconds = seconds + ctx.target.total_seconds()
         self.stats.wall_seconds = time.perf_counter() - t0
 
@@ -258,18 +287,25 @@ def generate(
 
     Raises:
         ValueError / TypeError: naming the parameter.
+        FloatingPointError: (while iterating) if the model returns NaN or inf.
     """
     if (count is None) == (indices is None):
         raise ValueError("give exactly one of count (an int >= 0) and indices")
+    if not callable(model):
+        raise TypeError("model must be callable as model(x, sigma, **cond)")
     if count is not None:
         idx = torch.arange(check_int("count", count, 0))
     else:
         idx = torch.as_tensor(indices)
+        if idx.numel() == 0:
+            idx = idx.long().reshape(0)
         if idx.ndim != 1 or idx.is_floating_point() or idx.dtype == torch.bool:
             raise ValueError(f"indices must be a 1-D sequence of integers, got shape {tuple(idx.shape)}")
         if bool((idx < 0).any()):
             raise ValueError("indices must be non-negative")
-        idx = idx.long()
+        idx = idx.long().cpu()
+        if len(torch.unique(idx)) != len(idx):
+            raise ValueError("indices must not repeat: each index is one sample")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     batch = check_int("batch", batch, 1)

@@ -481,7 +481,8 @@ def sample(
             process group: every process runs the same call with the same
             states and seed; each round's target rows are split across the
             group's processes and the velocities gathered, so every process
-            commits the same states. ``None``: one process.
+            commits the same states. The states and keys are broadcast from
+            the group's first process at the start. ``None``: one process.
         pad_rows: pad every network call's rows up to the next of a few sizes
             (``"pow2"`` or a list of ints; a larger call is split), for a
             ``torch.compile(mode="reduce-overhead")`` or CUDA-graph model that
@@ -529,9 +530,17 @@ def sample(
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     keys = _sample_keys(generator, seed, sample_index, B, dev)
     cond = _check_cond(cond, B)
+    x0 = x.reshape(B, D).to(work, copy=True)
+    if process_group is not None:
+        # tree-parallel: every process starts from the first process's states and keys
+        # (a process given another seed, or none, would otherwise drift apart silently)
+        from .distributed import broadcast_
+
+        broadcast_(keys, process_group)
+        broadcast_(x0, process_group)
     ctx = spec.context(model, shape, work, dev, keys, cond, group=process_group)
     target, T = ctx.target, spec.sde.steps
-    state = engine.init_state(ctx, x.reshape(B, D).to(work, copy=True), spec.L)
+    state = engine.init_state(ctx, x0, spec.L)
     bar = None
     if progress:
         from tqdm.auto import tqdm

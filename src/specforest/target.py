@@ -84,7 +84,7 @@ class Target:
         Continuous batching (:func:`specforest.generate`) gives a finished slot to a new sample.
         """
         if set(cond) != set(self.cond):
-            raise ValueError(f"conditioning keys changed: {sorted(cond)} != {sorted(self.cond)}")
+            raise ValueError(f"make_cond returned keys {sorted(cond)}, but the first call returned {sorted(self.cond)}")
         self.cond = {
             k: v.index_copy(0, traj.to(v.device), cond[k].to(device=v.device, dtype=v.dtype))
             for k, v in self.cond.items()
@@ -110,15 +110,15 @@ class Target:
             sigma = torch.cat([sigma, sigma[-1:].expand(pad)])
             traj = torch.cat([traj, traj[-1:].expand(pad)])
         mine = slice(rank * share, (rank + 1) * share)
-        v = self._local(x[mine].contiguous(), sigma[mine], traj[mine])
+        v = self._local(x[mine].contiguous(), sigma[mine], traj[mine], flag=False)
         parts = [torch.empty_like(v) for _ in range(world)]
         dist.all_gather(parts, v.contiguous(), group=self.group)
         v = torch.cat(parts)[:M]
-        # every process sees every share's flag: the NaN check raises everywhere at once
+        # the flag of the gathered rows only (not the padding): every process raises at once
         self.bad = self.bad | ~torch.isfinite(v).all()
         return v
 
-    def _local(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
+    def _local(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, flag: bool = True) -> torch.Tensor:
         M, D = x.shape
         chunk = self.max_rows or M
         cuda = x.device.type == "cuda"
@@ -149,11 +149,13 @@ class Target:
             if not isinstance(out, torch.Tensor) or out.shape != xi.shape:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(f"model must return a tensor of the input's shape {tuple(xi.shape)}, got {got}")
-            outs.append(out.reshape(-1, D)[:m].to(self.dtype))
+            # a copy: a CUDA-graph target's next replay overwrites its output buffers
+            outs.append(out.reshape(-1, D)[:m].to(self.dtype, copy=self.pad_rows is not None))
         v = torch.cat(outs) if len(outs) > 1 else outs[0]
         self.calls += 1
         # checked at the round's one host read (``check_finite``): NaN or inf never passes silently
-        self.bad = self.bad | ~torch.isfinite(v).all()
+        if flag:
+            self.bad = self.bad | ~torch.isfinite(v).all()
         return v
 
     def check_finite(self) -> None:

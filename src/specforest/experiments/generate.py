@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import secrets
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,7 +118,7 @@ def parts_dir(out: Path) -> Path:
 
 
 def meta_path(out: Path) -> Path:
-    """The JSON beside the output."""
+    """The JSON beside the output: its name with the suffix ``.json`` (``gmm.npz`` -> ``gmm.json``)."""
     return out.with_suffix(".json")
 
 
@@ -273,7 +275,8 @@ def _check_start(out: Path, spec: JobSpec, resume: bool) -> bool:
             if p.exists():
                 raise FileExistsError(f"{p} exists; pass --resume to continue that job, or choose another --out")
         return False
-    if out.exists() and meta.exists() and not parts.exists():
+    if out.exists() and meta.exists():
+        # the output and its JSON are written last: the job is complete (a kill may have left parts behind)
         old = json.loads(meta.read_text())["options"]
         if old != opts:
             raise ValueError(f"--resume with options that differ from those of {out}: {_diff(old, opts)}")
@@ -344,6 +347,9 @@ def run_job(
     complete = _check_start(out, spec, resume)
     model = _model(spec, out, device)
     if complete:
+        _barrier()
+        if rank == 0:
+            _remove_parts(out)
         log(f"{out} is complete; nothing to do")
         return GenerateResult(out, 0, spec.count, float("nan"), 0, 0.0, True)
     _barrier()
@@ -389,6 +395,7 @@ def run_job(
 
         bar = tqdm(total=len(todo), initial=0, unit="sample", desc="generate")
     seq, produced, t0 = 0, 0, time.perf_counter()
+    token = secrets.token_hex(6)
     pending: list = []
     flush_at = max(batch, 1)
 
@@ -407,7 +414,9 @@ def run_job(
             arrays["samples"] = samples.cpu().to(torch.float32).numpy()
         if model.labels_of is not None:
             arrays["labels"] = model.labels_of(index).numpy()
-        name = f"shard-r{rank:04d}-{os.getpid()}-{seq:06d}.npz"
+        # a fresh token per run: a resumed run (even with the same pid, as after a restart) never
+        # overwrites a shard of an earlier one
+        name = f"shard-r{rank:04d}-{token}-{seq:06d}.npz"
         atomic_write(parts_dir(out) / name, lambda f: np.savez(f, **arrays), binary=True)
         seq += 1
         pending = []
@@ -433,13 +442,16 @@ def run_job(
         stats = allstats
     _barrier()
     if rank == 0:
-        merge(out, spec, batch=batch, world=distributed.world_size(), tree_parallel=tree_parallel, stats=stats)
+        run = {"device": device, "compiled": bool(compile), "threads": torch.get_num_threads()}
+        merge(out, spec, batch=batch, world=distributed.world_size(), tree_parallel=tree_parallel, stats=stats, run=run)
         log(f"wrote {out} and {meta_path(out)}")
     _barrier()
     return GenerateResult(out, produced, len(done), occ, gen.stats.rounds, seconds, True)
 
 
-def merge(out: Path, spec: JobSpec, *, batch: int, world: int, tree_parallel: bool, stats: list) -> None:
+def merge(
+    out: Path, spec: JobSpec, *, batch: int, world: int, tree_parallel: bool, stats: list, run: Optional[dict] = None
+) -> None:
     """Write the final ``out`` and ``out.json`` from the shards, check every index is there once, remove the parts.
 
     Raises:
@@ -476,6 +488,8 @@ def merge(out: Path, spec: JobSpec, *, batch: int, world: int, tree_parallel: bo
         "processes": world,
         "tree_parallel": tree_parallel,
         "batch": batch,
+        # of the last run; a job resumed on another device or with --compile may mix float roundings
+        **(run or {}),
         "nfe": nfe,
         "nfe_mean": float(np.mean(nfe)),
         # of this (last) run: mean fraction of the slots busy per round, over all processes
@@ -483,6 +497,13 @@ def merge(out: Path, spec: JobSpec, *, batch: int, world: int, tree_parallel: bo
         "per_process": [{"samples": s[0], "rounds": s[1], "seconds": round(s[3], 3)} for s in stats],
     }
     atomic_write_text(meta_path(out), json.dumps(meta, indent=1) + "\n")
-    for p in parts.iterdir():
-        p.unlink()
-    parts.rmdir()
+    _remove_parts(out)
+
+
+def _remove_parts(out: Path) -> None:
+    """Remove the shards of a complete job: renamed away first, so a kill never leaves half a parts folder."""
+    parts = parts_dir(out)
+    trash = parts.with_name(parts.name + ".trash")
+    if parts.exists():
+        os.replace(parts, trash)
+    shutil.rmtree(trash, ignore_errors=True)

@@ -1,0 +1,181 @@
+"""Seconds, not calls: the batch-cost curve, and latency and throughput of every sampler next to its prediction.
+
+    .venv/bin/python benchmarks/wallclock.py [--device cuda]
+
+For the Gaussian mixture of the paper (d = 500, T = 30, churn 0.1) and the
+shipped digits model (T = 100, churn 0.3), on one pinned CPU thread (or the
+given device):
+
+1. the target's batch-cost curve ``time(b) / time(1)``, b = 1 .. 512
+   (``specforest.latency.measure_cost_curve``, median of 7 calls);
+2. per-image latency (one image per run) and throughput (64 images per run)
+   of the standard sampler, the RMC chain of 14, D-GRS (2, 3), rank (2, 3),
+   the call-optimal planned tree (``planning.plan_tree``, budget 62) and the
+   latency-optimal tuned configuration (``latency.tune``): target calls, rows
+   per image, the sampler's own time per round, wall time per image (median of
+   3 runs, the configurations interleaved) and the speedup over the standard
+   sampler in the same run, next to the cost model's prediction made before
+   the runs (``latency.Predictor``).
+
+Regenerates the ``wallclock`` section of ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+
+def _setup(name: str, device: str):
+    import torch
+
+    from specforest import streams
+    from specforest.models import GaussianMixture
+    from specforest.models.digits import load_velocity
+
+    idx = torch.arange(64)
+    if name == "gmm":
+        model = GaussianMixture.paper(dim=500, components=5, seed=0)
+        return model, streams.randn(11, idx, (500,), device=device), None, dict(steps=30, churn=0.1)
+    model = load_velocity(device=device)
+    cond = {"class_labels": (idx % 10).to(device)}
+    return model, streams.randn(11, idx, (1, 8, 8), device=device), cond, dict(steps=100, churn=0.3)
+
+
+def _configs(model, x, cond, opts, pred, tuned):
+    from specforest import trees
+    from specforest.planning import plan_tree
+
+    planned = plan_tree(model, x, budget=62, coupling="grs", cond=cond, seed=5, **opts)
+    return [
+        ("standard", dict(tree=None)),
+        ("RMC chain B=14", dict(tree=trees.chain(14), coupling="rmc")),
+        ("D-GRS (2,3)", dict(tree=trees.uniform(2, 3), coupling="grs")),
+        ("rank (2,3)", dict(tree=trees.uniform(2, 3), coupling="rank")),
+        ("call-optimal planned, B=62", dict(tree=planned, coupling="grs")),
+        (f"tuned: {tuned.label}", dict(tuned)),
+    ]
+
+
+def run_model(name: str, device: str, repeats: int) -> dict:
+    import torch
+
+    import specforest
+    from specforest.latency import Predictor, tune
+
+    model, x_all, cond_all, opts = _setup(name, device)
+    out = {"curve": None, "rows": {}}
+    for batch in (1, 64):
+        x = x_all[:batch]
+        cond = None if cond_all is None else {k: v[:batch] for k, v in cond_all.items()}
+        t0 = time.perf_counter()
+        pred = Predictor.calibrate(model, x_all, cond=cond_all, batch=batch, drafts=("velocity", "x0"), **opts)
+        tuned = tune(model, x_all, predictor=pred, **opts)
+        tune_seconds = time.perf_counter() - t0
+        if out["curve"] is None:
+            out["curve"] = pred.curve
+        configs = _configs(model, x, cond, opts, pred, tuned)
+        predicted = {}
+        for label, kw in configs:
+            kw = dict(kw)
+            predicted[label] = pred.predict(
+                kw.get("tree"), kw.get("coupling", "grs"), kw.get("verify", "internal"), kw.get("draft", "velocity")
+            )
+        walls: dict = {label: [] for label, _ in configs}
+        stats: dict = {}
+        for r in range(repeats):
+            for label, kw in configs:
+                t0 = time.perf_counter()
+                res = specforest.sample(model, x, cond=cond, seed=100 + r, **opts, **kw)
+                if x.device.type == "cuda":
+                    torch.cuda.synchronize()
+                walls[label].append(time.perf_counter() - t0)
+                stats[label] = res.stats
+        base = statistics.median(walls["standard"])
+        rows = []
+        for label, _ in configs:
+            s = stats[label]
+            wall = statistics.median(walls[label])
+            p_sec, p_calls, _ = predicted[label]
+            rows.append(
+                dict(
+                    label=label,
+                    calls=s.calls,
+                    pred_calls=p_calls,
+                    rows=float(s.rows.double().mean()),
+                    sampler_ms=1e3 * s.sampler_seconds / s.calls,
+                    wall_ms=1e3 * wall / batch,
+                    pred_ms=1e3 * p_sec,
+                    speedup=base / wall,
+                )
+            )
+        out["rows"][batch] = dict(rows=rows, tuned=tuned, tune_seconds=tune_seconds)
+    return out
+
+
+def _table(name: str, res: dict) -> list:
+    lines = []
+    for batch, r in res["rows"].items():
+        tuned = r["tuned"]
+        what = "latency, one image per run" if batch == 1 else f"throughput, {batch} images per run"
+        lines += [
+            "",
+            f"**{name}, {what}** (tuned in {r['tune_seconds']:.1f} s: {tuned.label}, predicted "
+            f"{1e3 * tuned.predicted_seconds_per_image:.2f} ms per image, {tuned.predicted_speedup:.2f}x)",
+            "",
+            "| sampler | target calls (predicted) | rows per image | sampler time per round | wall per image "
+            "| predicted | error | wall-clock speedup |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in r["rows"]:
+            err = row["pred_ms"] / row["wall_ms"] - 1.0
+            lines.append(
+                f"| {row['label']} | {row['calls']} ({row['pred_calls']:.1f}) | {row['rows']:.0f} | "
+                f"{row['sampler_ms']:.2f} ms | {row['wall_ms']:.2f} ms | {row['pred_ms']:.2f} ms | {100 * err:+.0f}% | "
+                f"{row['speedup']:.2f}x |"
+            )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
+    ap.add_argument("--models", default="gmm,digits", help="comma list of gmm, digits")
+    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    args = ap.parse_args()
+    import torch
+
+    from specforest.experiments.results import machine_line, replace_section
+
+    torch.set_num_threads(1)
+    results = {m: run_model(m, args.device, args.repeats) for m in args.models.split(",")}
+    label = {"gmm": "Gaussian mixture (d = 500, T = 30, churn 0.1)", "digits": "digits U-Net (T = 100, churn 0.3)"}
+    lines = [
+        f"`.venv/bin/python benchmarks/wallclock.py --device {args.device}` on {machine_line()}, one CPU thread.",
+        "",
+        "Batch-cost curve of the target, time(b) / time(1) (median of 7 calls per size):",
+        "",
+        "| model | time(1) | " + " | ".join(f"b={b}" for b in results[next(iter(results))]["curve"].sizes[:10]) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in range(10)) + " |",
+    ]
+    for m, res in results.items():
+        c = res["curve"]
+        rel = c.relative()[:10]
+        lines.append(f"| {label[m]} | {1e3 * c.seconds[0]:.3f} ms | " + " | ".join(f"{v:.2f}" for v in rel) + " |")
+    for m, res in results.items():
+        lines += _table(label[m], res)
+    lines += [
+        "",
+        "GPU rows (the digits model and a diffusers SD3 transformer of a real configuration, random weights, "
+        "fp16, 512x512 latents, classifier-free guidance): not measured (no GPU lent to this project's sessions yet).",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    replace_section(args.out, "wallclock", "## Wall-clock: batch-cost curve, latency and throughput", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,589 @@
+"""Seconds, not calls: a measured cost model of a round, and the configuration that minimizes wall time.
+
+A speculative round evaluates many states in one call. Whether that saves time
+depends on how the call's cost grows with its rows on *this* hardware and on
+the sampler's own time per round. :func:`tune` measures both:
+
+* the target's batch-cost curve ``time(rows)`` (:func:`measure_cost_curve`,
+  a median of a few calls per size, in seconds);
+* the acceptance per depth, from a short lazy calibration chain (as
+  :func:`specforest.planning.plan_tree` does);
+* the sampler's own time per round of each candidate, from a short real run.
+
+For a configuration (tree, coupling, verification mode) the predicted time of a
+run of ``T`` steps for ``batch`` trajectories is
+
+    calls x (time(batch x rows per round) + sampler time per round),
+    calls = T_det + 1 + (T - T_det) / E[steps per round],
+
+with ``E[steps per round]`` the tree's expected committed steps under the
+calibrated acceptance (:func:`expected_steps`, the value
+:func:`specforest.trees.optimal` maximizes) and ``T_det = 2`` deterministic
+steps (plus one call to fetch the first root). The standard sampler takes ``T``
+calls of ``batch`` rows. :func:`tune` returns the fastest candidate, or the
+standard sampler when no tree pays; it states its prediction before the run.
+The choice is fixed before sampling, so the sampler stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .planning import acceptance_model
+from .sampler import sample
+from .trees import DraftTree, chain, from_parents, optimal, uniform
+
+__all__ = [
+    "CostCurve",
+    "Predictor",
+    "Tuned",
+    "expected_steps",
+    "measure_cost_curve",
+    "predict_seconds",
+    "steps_moments",
+    "tune",
+]
+
+DEFAULT_SIZES = tuple(2**k for k in range(10))
+"""Row counts the cost curve is measured at: 1, 2, 4, ..., 512."""
+
+_DETERMINISTIC = 2  # the first step (from noise level 1) and the last (into 0)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """The target's measured time per call against its number of rows.
+
+    Attributes:
+        sizes: ascending row counts measured.
+        seconds: median seconds of one call at each size.
+    """
+
+    sizes: tuple
+    seconds: tuple
+
+    def __call__(self, rows: float) -> float:
+        """Seconds of one call of ``rows`` rows: piecewise linear in the rows, extended by the last slope."""
+        s, t = self.sizes, self.seconds
+        if rows <= s[0]:
+            return t[0]
+        for i in range(1, len(s)):
+            if rows <= s[i]:
+                w = (rows - s[i - 1]) / (s[i] - s[i - 1])
+                return t[i - 1] + w * (t[i] - t[i - 1])
+        slope = (t[-1] - t[-2]) / (s[-1] - s[-2]) if len(s) > 1 else t[-1] / s[-1]
+        return t[-1] + slope * (rows - s[-1])
+
+    def relative(self) -> list:
+        """``time(b) / time(1)`` at each measured size."""
+        return [x / self.seconds[0] for x in self.seconds]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_cost_curve(
+    model: Callable,
+    x: torch.Tensor,
+    *,
+    cond: Optional[dict] = None,
+    sigma: float = 0.5,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 7,
+    progress: bool = False,
+) -> CostCurve:
+    """Time the target at each row count: the median of ``repeats`` calls (after one warm-up).
+
+    Args:
+        model: the velocity ``v(x, sigma, **cond)``.
+        x: ``(1, *shape)`` one state (repeated to each size).
+        cond: conditioning of that state, tensors ``(1, ...)``.
+        sigma: the noise level of the calls.
+        sizes: ascending row counts.
+        repeats: calls timed per size, ``>= 1``.
+        progress: a progress bar over the sizes.
+
+    Returns:
+        A :class:`CostCurve` in seconds.
+    """
+    if x.ndim < 2 or x.shape[0] != 1:
+        raise ValueError(f"x must be one state (1, *shape), got {tuple(x.shape)}")
+    sizes = tuple(sorted({int(s) for s in sizes}))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"sizes must be integers >= 1, got {sizes}")
+    cond = cond or {}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(sizes), desc="cost curve", unit="size")
+    seconds = []
+    for b in sizes:
+        xb = x.expand(b, *x.shape[1:]).contiguous()
+        sb = torch.full((b,), float(sigma), dtype=x.dtype, device=x.device)
+        cb = {k: v.expand(b, *v.shape[1:]).contiguous() for k, v in cond.items()}
+        model(xb, sb, **cb)
+        times = []
+        for _ in range(max(1, int(repeats))):
+            _sync(x.device)
+            t0 = time.perf_counter()
+            model(xb, sb, **cb)
+            _sync(x.device)
+            times.append(time.perf_counter() - t0)
+        seconds.append(statistics.median(times))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return CostCurve(sizes, tuple(seconds))
+
+
+def steps_moments(tree: DraftTree, acceptance: Callable[[int, int], float]) -> "tuple[float, float]":
+    """Mean and variance of the steps a round of ``tree`` commits (see :func:`expected_steps`).
+
+    With ``Z = 1 + A Z_child`` (``A`` the acceptance indicator, probability ``a``):
+    ``E[Z] = 1 + a E[Z_c]`` and ``E[Z^2] = 1 + 2 a E[Z_c] + a E[Z_c^2]``, children averaged.
+    """
+    parent, depth = tree.parent.tolist(), tree.depth.tolist()
+    kids: list = [[] for _ in parent]
+    for v, p in enumerate(parent):
+        if p >= 0:
+            kids[p].append(v)
+    m1, m2 = [0.0] * len(parent), [0.0] * len(parent)
+    for v in range(len(parent) - 1, -1, -1):
+        if kids[v]:
+            k = len(kids[v])
+            a = float(acceptance(depth[v] + 1, k))
+            c1 = sum(m1[c] for c in kids[v]) / k
+            c2 = sum(m2[c] for c in kids[v]) / k
+            m1[v] = 1.0 + a * c1
+            m2[v] = 1.0 + 2.0 * a * c1 + a * c2
+    return m1[0], max(m2[0] - m1[0] ** 2, 0.0)
+
+
+def expected_steps(tree: DraftTree, acceptance: Callable[[int, int], float]) -> float:
+    """Expected steps a round of ``tree`` commits: ``V(root)`` with ``V = 1 + a(l, k) mean V(children)``.
+
+    A node at depth ``l - 1`` with ``k`` children commits one step at depth ``l``
+    (an accepted child, or the residual draw) and goes on from the accepted
+    child with probability ``acceptance(l, k)``; a leaf commits nothing more.
+    """
+    parent, depth = tree.parent.tolist(), tree.depth.tolist()
+    kids: list = [[] for _ in parent]
+    for v, p in enumerate(parent):
+        if p >= 0:
+            kids[p].append(v)
+    value = [0.0] * len(parent)
+    for v in range(len(parent) - 1, -1, -1):
+        if kids[v]:
+            k = len(kids[v])
+            mean = sum(value[c] for c in kids[v]) / k
+            value[v] = 1.0 + float(acceptance(depth[v] + 1, k)) * mean
+    return value[0]
+
+
+def predict_seconds(
+    curve: CostCurve,
+    steps: int,
+    batch: int,
+    tree: Optional[DraftTree],
+    verify: str,
+    acceptance: "Optional[Callable[[int, int], float] | Sequence[tuple[float, Callable[[int, int], float]]]]",
+    sampler_seconds_per_round: float,
+) -> "tuple[float, float]":
+    """``(seconds of the run, calls)`` predicted for ``batch`` trajectories of ``steps`` steps.
+
+    Args:
+        curve: the target's cost curve.
+        steps: grid steps ``T``.
+        batch: trajectories of the run.
+        tree, verify: the configuration (``tree=None``: the standard sampler).
+        acceptance: ``a(l, k)``, or ``[(fraction of the stochastic steps, a(l, k))]`` per stretch
+            of the grid (acceptance changes along the grid; rounds are summed stretch by stretch).
+        sampler_seconds_per_round: the sampler's own time per round.
+
+    A trajectory's speculative rounds are a renewal count (mean ``S / m``, variance
+    ``S var / m^3``); a batch runs until its slowest trajectory is done, about
+    ``mean + sd sqrt(2 ln B)`` rounds, and each call holds the rows of the
+    trajectories still running (on average the total rows over the calls).
+    """
+    if tree is None:
+        return steps * (curve(batch) + sampler_seconds_per_round), float(steps)
+    stoch = max(steps - _DETERMINISTIC, 0)
+    bins = [(1.0, acceptance)] if callable(acceptance) else list(acceptance)
+    mean_rounds = var_rounds = 0.0
+    for w, acc in bins:
+        m, v = steps_moments(tree, acc)
+        m = max(m, 1e-9)
+        mean_rounds += w * stoch / m
+        var_rounds += w * stoch * v / m**3
+    rounds = min(mean_rounds, float(stoch))
+    extra = math.sqrt(var_rounds * 2.0 * math.log(batch)) if batch > 1 else 0.0
+    single = min(steps, _DETERMINISTIC) + 1
+    calls = single + min(rounds + extra, float(stoch))
+    rows_total = batch * (single + rounds * tree.verification_budget(verify))
+    return calls * (curve(rows_total / calls) + sampler_seconds_per_round), calls
+
+
+def _tree_to_json(tree: Optional[DraftTree]) -> Optional[list]:
+    return None if tree is None else tree.parent.tolist()
+
+
+@dataclass
+class Tuned(Mapping):
+    """The configuration :func:`tune` chose, with its prediction; ``sample(model, x, **tuned)`` runs it.
+
+    As a mapping it holds :func:`specforest.sample`'s options ``tree``,
+    ``coupling``, ``verify`` and ``draft``.
+
+    Attributes:
+        label: a short name (``standard``, ``RMC chain B=8``, ``D-GRS (2,3)``, ...).
+        tree, coupling, verify, draft: the options.
+        batch: trajectories per run it was tuned for.
+        steps: grid steps ``T``.
+        predicted_seconds_per_image: predicted wall time per trajectory.
+        predicted_speedup: the standard sampler's predicted time over this one's.
+        standard_seconds_per_image: the standard sampler's predicted time per trajectory.
+        predicted_calls: predicted target calls of a run.
+        curve: the measured cost curve.
+        candidates: every candidate's ``(label, predicted seconds per image, calls, sampler s/round)``.
+    """
+
+    label: str
+    tree: Optional[DraftTree]
+    coupling: str
+    verify: str
+    draft: str
+    batch: int
+    steps: int
+    predicted_seconds_per_image: float
+    predicted_speedup: float
+    standard_seconds_per_image: float
+    predicted_calls: float
+    curve: CostCurve
+    candidates: list = field(default_factory=list)
+
+    def _options(self) -> dict:
+        return {"tree": self.tree, "coupling": self.coupling, "verify": self.verify, "draft": self.draft}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._options()[key]
+
+    def __iter__(self):
+        return iter(self._options())
+
+    def __len__(self) -> int:
+        return 4
+
+    def to_json(self) -> dict:
+        """A JSON-able dict (the tree as its parent list)."""
+        return {
+            "label": self.label,
+            "tree": _tree_to_json(self.tree),
+            "coupling": self.coupling,
+            "verify": self.verify,
+            "draft": self.draft,
+            "batch": self.batch,
+            "steps": self.steps,
+            "predicted_seconds_per_image": self.predicted_seconds_per_image,
+            "predicted_speedup": self.predicted_speedup,
+            "standard_seconds_per_image": self.standard_seconds_per_image,
+            "predicted_calls": self.predicted_calls,
+            "cost_curve": {"sizes": list(self.curve.sizes), "seconds": list(self.curve.seconds)},
+            "candidates": self.candidates,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Tuned":
+        """The inverse of :meth:`to_json`."""
+        tree = None if d["tree"] is None else from_parents(d["tree"])
+        curve = CostCurve(tuple(d["cost_curve"]["sizes"]), tuple(d["cost_curve"]["seconds"]))
+        keys = ("label", "coupling", "verify", "draft", "batch", "steps", "predicted_seconds_per_image")
+        keys += ("predicted_speedup", "standard_seconds_per_image", "predicted_calls")
+        return cls(tree=tree, curve=curve, candidates=d.get("candidates", []), **{k: d[k] for k in keys})
+
+
+def _candidates(acc: Callable, budget_max: int, steps: int) -> list:
+    """``(label, tree, coupling, verify)`` considered by :func:`tune`."""
+    out: list = [("standard", None, "grs", "internal")]
+    for B in (2, 3, 4, 6, 8, 10, 14, 20, 30):
+        if B <= min(budget_max, steps):
+            out.append((f"RMC chain B={B}", chain(B), "rmc", "internal"))
+    for K, L in ((2, 2), (2, 3), (2, 4), (3, 2), (3, 3), (4, 2)):
+        t = uniform(K, L)
+        if t.budget <= budget_max:
+            for verify in ("internal", "drafted"):
+                out.append((f"D-GRS ({K},{L}) {verify}", t, "grs", verify))
+    for B in (6, 14, 30, 62):
+        if B <= budget_max:
+            t = optimal(acc, B, min(B, steps), kmax=8)
+            out.append((f"D-GRS optimal B={B}", t, "grs", "internal"))
+    return out
+
+
+class Predictor:
+    """The calibrated cost model of a run: predicts any configuration's wall time before running it.
+
+    Made by :meth:`calibrate`. :meth:`predict` times the sampler's own work per
+    round on a short real run of the configuration and combines it with the cost
+    curve and the calibrated acceptance (see the module docstring).
+    """
+
+    def __init__(self, model, x, cond, steps, churn, batch, curve, acceptance, seed, sample_kwargs) -> None:
+        self.model, self.x, self.cond = model, x, cond
+        self.steps, self.churn, self.batch = steps, churn, batch
+        self.curve, self.acceptance, self.seed = curve, acceptance, seed
+        self.sample_kwargs = sample_kwargs
+        self._sampler_time: dict = {}
+        self._warm: set = set()
+
+    @classmethod
+    def calibrate(
+        cls,
+        model: Callable,
+        x: torch.Tensor,
+        *,
+        steps: int,
+        churn: float,
+        cond: Optional[dict] = None,
+        batch: Optional[int] = None,
+        drafts: Sequence[str] = ("velocity",),
+        budget_max: int = 62,
+        curve: Optional[CostCurve] = None,
+        calibration_trajectories: int = 16,
+        seed: int = 0,
+        progress: bool = False,
+        **sample_kwargs: Any,
+    ) -> "Predictor":
+        """Measure the cost curve (unless given) and calibrate acceptance per draft on a lazy chain.
+
+        Args: as in :func:`tune`.
+        """
+        batch = len(x) if batch is None else int(batch)
+        if not 1 <= batch <= len(x):
+            raise ValueError(f"batch must be in [1, {len(x)}] (rows of x), got {batch}")
+        drafts = list(dict.fromkeys(drafts))
+        if not drafts:
+            raise ValueError("drafts must name at least one draft kind")
+        if curve is None:
+            top = max(512, batch * 63)
+            sizes = tuple(s for s in (*DEFAULT_SIZES, 1024, 2048, 4096) if s <= top)
+            curve = measure_cost_curve(model, x[:1], cond=_rows(cond, 1), sizes=sizes, progress=progress)
+        n_cal = min(calibration_trajectories, len(x))
+        acceptance: dict = {}
+        # one calibration chain per draft and per coupling family: after a rejection RMC commits the
+        # reflected draft and GRS a residual draw, so the next rounds' mismatches differ
+        for draft, family in [(d, c) for d in drafts for c in ("grs", "rmc")]:
+            cal = sample(
+                model,
+                x[:n_cal],
+                steps=steps,
+                churn=churn,
+                tree=chain(min(budget_max, steps)),
+                coupling=family,
+                draft=draft,
+                cond=_rows(cond, n_cal),
+                lazy=True,
+                record_deltas=True,
+                seed=seed,
+                **sample_kwargs,
+            )
+            acceptance[draft, family] = cal.stats.deltas[:, :3]  # (depth, step, delta)
+        return cls(model, x, cond, steps, churn, batch, curve, acceptance, seed, sample_kwargs)
+
+    @property
+    def drafts(self) -> list:
+        """The calibrated draft kinds."""
+        return list(dict.fromkeys(d for d, _ in self.acceptance))
+
+    def _calibration(self, coupling: str, draft: str) -> torch.Tensor:
+        return self.acceptance[draft, "rmc" if coupling == "rmc" else "grs"]
+
+    def acceptance_of(self, coupling: str, draft: str) -> Callable[[int, int], float]:
+        """``a(l, k)`` of a coupling with a draft, from that draft's calibration (the whole grid)."""
+        return acceptance_model(self._calibration(coupling, draft)[:, [0, 2]], coupling)
+
+    def acceptance_bins(self, coupling: str, draft: str, bins: int = 8) -> list:
+        """``[(fraction of the stochastic steps, a(l, k))]`` over ``bins`` stretches of the grid.
+
+        Acceptance changes along the grid, and rounds in easy stretches reach deep: one
+        average over the grid would understate the steps a long round commits.
+        """
+        d = self._calibration(coupling, draft)
+        whole = acceptance_model(d[:, [0, 2]], coupling)
+        lo, hi = 1, max(self.steps - 1, 2)
+        edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+        out = []
+        for i in range(bins):
+            a, b = edges[i], edges[i + 1]
+            sel = (d[:, 1] >= a) & ((d[:, 1] < b) if i < bins - 1 else (d[:, 1] <= b))
+            acc = acceptance_model(d[sel][:, [0, 2]], coupling) if int(sel.sum()) >= 8 else whole
+            out.append((1.0 / bins, acc))
+        return out
+
+    def sampler_seconds_per_round(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> float:
+        """The sampler's own time per round of a structure: a short real run (``max(16, 2 L + 4)`` steps), cached."""
+        key = (None if tree is None else tuple(tree.parent.tolist()), coupling, verify, draft)
+        if key not in self._sampler_time:
+            if (coupling, draft) not in self._warm:
+                # one-off costs (rule tables, first calls) are not per-round costs
+                sample(
+                    self.model,
+                    self.x[:1],
+                    steps=min(self.steps, 6),
+                    churn=self.churn,
+                    tree=tree,
+                    coupling=coupling,
+                    draft=draft,
+                    cond=_rows(self.cond, 1),
+                    seed=self.seed + 2,
+                    **self.sample_kwargs,
+                )
+                self._warm.add((coupling, draft))
+            depth = 0 if tree is None else tree.L
+            run = sample(
+                self.model,
+                self.x[: self.batch],
+                # long enough that most rounds see the whole tree
+                steps=min(self.steps, max(16, 2 * depth + 4)),
+                churn=self.churn,
+                tree=tree,
+                coupling=coupling,
+                draft=draft,
+                verify=verify,
+                cond=_rows(self.cond, self.batch),
+                seed=self.seed + 1,
+                **self.sample_kwargs,
+            )
+            self._sampler_time[key] = max(run.stats.sampler_seconds, 0.0) / max(run.stats.calls, 1)
+        return self._sampler_time[key]
+
+    def predict(
+        self, tree: Optional[DraftTree], coupling: str = "grs", verify: str = "internal", draft: str = "velocity"
+    ) -> "tuple[float, float, float]":
+        """``(seconds per trajectory, calls, sampler seconds per round)`` predicted for a configuration.
+
+        The sampler's time is measured with the first calibrated draft when ``draft`` was not calibrated.
+        """
+        d = draft if draft in self.drafts else self.drafts[0]
+        s_round = self.sampler_seconds_per_round(tree, coupling, verify, d)
+        a = None if tree is None else self.acceptance_bins(coupling, d)
+        seconds, calls = predict_seconds(self.curve, self.steps, self.batch, tree, verify, a, s_round)
+        return seconds / self.batch, calls, s_round
+
+
+def _rows(cond: Optional[dict], n: int) -> Optional[dict]:
+    return None if cond is None else {k: v[:n] for k, v in cond.items()}
+
+
+def tune(
+    model: Callable,
+    x: torch.Tensor,
+    *,
+    steps: int,
+    churn: float,
+    cond: Optional[dict] = None,
+    batch: Optional[int] = None,
+    budget_max: int = 62,
+    drafts: Sequence[str] = ("velocity", "x0"),
+    curve: Optional[CostCurve] = None,
+    calibration_trajectories: int = 16,
+    seed: int = 0,
+    progress: bool = False,
+    predictor: Optional[Predictor] = None,
+    min_gain: float = 0.05,
+    **sample_kwargs: Any,
+) -> Tuned:
+    """Choose the tree, coupling, verification mode and draft that minimize predicted wall time here.
+
+    Searches chains (RMC), uniform trees (D-GRS, both verification modes) and
+    budget-optimal trees against the standard sampler, for each draft of
+    ``drafts``; answers the standard sampler when no tree pays.
+
+    Args:
+        model: the target velocity.
+        x: ``(n, *shape)`` example initial states; the first ``batch`` rows time the
+            candidates, the first ``calibration_trajectories`` calibrate acceptance.
+        steps, churn: the run's grid steps and churn.
+        cond: per-trajectory conditioning of ``x``'s rows.
+        batch: trajectories per run to tune for (default ``len(x)``).
+        budget_max: the largest budget considered.
+        drafts: the draft kinds considered (each calibrated on its own chain).
+        curve: a cost curve measured before (default: measured now).
+        seed: seed of the calibration runs (independent of the real run's).
+        progress: progress bars while measuring.
+        predictor: a calibrated :class:`Predictor` to reuse (then the arguments above
+            but ``budget_max`` and ``progress`` are its own).
+        min_gain: a tree is chosen only if it is predicted at least this much faster
+            than the standard sampler (the predictions carry noise; a tie goes to the
+            standard sampler, which has nothing to lose).
+        sample_kwargs: further options of :func:`specforest.sample` (grid, prefetch, ...).
+
+    Returns:
+        A :class:`Tuned`: ``sample(model, x, **tuned, ...)`` runs the choice.
+    """
+    pred = predictor or Predictor.calibrate(
+        model,
+        x,
+        steps=steps,
+        churn=churn,
+        cond=cond,
+        batch=batch,
+        drafts=drafts,
+        budget_max=budget_max,
+        curve=curve,
+        calibration_trajectories=calibration_trajectories,
+        seed=seed,
+        progress=progress,
+        **sample_kwargs,
+    )
+    drafts = pred.drafts
+    cands = _candidates(pred.acceptance_of("grs", drafts[0]), budget_max, pred.steps)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(cands), desc="candidates", unit="config")
+    results = []
+    for label, tree, coupling, verify in cands:
+        for draft in drafts if tree is not None else drafts[:1]:
+            sec, calls, s_round = pred.predict(tree, coupling, verify, draft)
+            name = label if tree is None else f"{label}, draft {draft}"
+            results.append((sec, calls, s_round, name, tree, coupling, verify, draft))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    standard = next(r for r in results if r[3] == "standard")
+    best = min(results, key=lambda r: r[0])
+    if best[0] * (1.0 + min_gain) > standard[0]:
+        best = standard
+    table = [
+        {"label": r[3], "seconds_per_image": r[0], "calls": r[1], "sampler_seconds_per_round": r[2]}
+        for r in sorted(results, key=lambda r: r[0])
+    ]
+    return Tuned(
+        label=best[3],
+        tree=best[4],
+        coupling=best[5],
+        verify=best[6],
+        draft=best[7],
+        batch=pred.batch,
+        steps=pred.steps,
+        predicted_seconds_per_image=best[0],
+        predicted_speedup=standard[0] / best[0] if best[0] > 0 else math.inf,
+        standard_seconds_per_image=standard[0],
+        predicted_calls=best[1],
+        curve=pred.curve,
+        candidates=table,
+    )

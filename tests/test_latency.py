@@ -1,0 +1,132 @@
+"""The wall-clock cost model: the cost curve, expected steps against closed forms, and tuning decisions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import specforest
+from specforest import streams, trees
+from specforest.latency import CostCurve, Tuned, expected_steps, predict_seconds, steps_moments, tune
+from specforest.models import GaussianMixture
+
+
+def test_cost_curve_interpolates_and_extends_by_the_last_slope():
+    c = CostCurve((1, 2, 4), (1.0, 1.5, 3.5))
+    assert c(1) == 1.0 and c(2) == 1.5 and c(3) == pytest.approx(2.5) and c(0.5) == 1.0
+    assert c(8) == pytest.approx(3.5 + 1.0 * 4)  # slope (3.5 - 1.5) / 2 per row
+    assert c.relative() == [1.0, 1.5, 3.5]
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.8, 1.0])
+@pytest.mark.parametrize("L", [1, 3, 7])
+def test_steps_of_a_chain_match_the_truncated_geometric_law(a, L):
+    # Z = min(G, L) with P(Z >= j) = a^(j - 1): E[Z] = sum a^(j-1), E[Z^2] = sum (2j - 1) a^(j-1)
+    mean, var = steps_moments(trees.chain(L), lambda level, k: a)
+    m1 = sum(a ** (j - 1) for j in range(1, L + 1))
+    m2 = sum((2 * j - 1) * a ** (j - 1) for j in range(1, L + 1))
+    assert mean == pytest.approx(m1) and var == pytest.approx(m2 - m1 * m1, abs=1e-12)
+
+
+def test_expected_steps_of_a_tree_use_its_widths_per_depth():
+    def acc(level, k):
+        return {1: 0.5, 2: 0.9}[k] * (0.9 ** (level - 1))
+
+    t = trees.uniform(2, 3)
+    a1, a2, a3 = (acc(level, 2) for level in (1, 2, 3))
+    assert expected_steps(t, acc) == pytest.approx(1 + a1 * (1 + a2 * (1 + a3 * 0)))
+    irregular = trees.widths([2, 1])
+    b1, b2 = acc(1, 2), acc(2, 1)
+    assert expected_steps(irregular, acc) == pytest.approx(1 + b1 * 1) and b2 > 0
+
+
+def test_a_batch_is_predicted_to_take_as_long_as_its_slowest_trajectory():
+    curve = CostCurve((1, 1024), (1.0, 1.0))
+    one = predict_seconds(curve, 30, 1, trees.chain(4), "internal", lambda level, k: 0.7, 0.0)
+    many = predict_seconds(curve, 30, 64, trees.chain(4), "internal", lambda level, k: 0.7, 0.0)
+    assert many[1] > one[1]
+    assert predict_seconds(curve, 30, 64, None, "internal", None, 0.0) == (30.0, 30.0)
+
+
+@pytest.fixture(scope="module")
+def gmm():
+    return GaussianMixture.paper(dim=8, components=3, seed=0)
+
+
+def test_tuning_follows_the_hardware(gmm):
+    x = streams.randn(0, torch.arange(8), (8,))
+    opts = dict(steps=20, churn=0.3, drafts=("velocity",), budget_max=14)
+    # a network whose call costs 1 s whatever its rows: speculation pays
+    flat = tune(gmm, x, batch=1, curve=CostCurve((1, 4096), (1.0, 1.0)), **opts)
+    assert flat.tree is not None and flat.predicted_speedup > 1.5
+    # a call that costs 1 s per row: nothing beats one row per step
+    linear = tune(gmm, x, batch=1, curve=CostCurve((1, 4096), (1.0, 4096.0)), **opts)
+    assert linear.tree is None and linear.label == "standard" and linear.predicted_speedup == 1.0
+    assert [c["label"] for c in linear.candidates][0] == "standard"
+
+
+def test_a_tuned_configuration_runs_and_survives_json(gmm):
+    x = streams.randn(0, torch.arange(8), (8,))
+    tuned = tune(
+        gmm,
+        x,
+        steps=20,
+        churn=0.3,
+        batch=2,
+        curve=CostCurve((1, 4096), (1.0, 1.0)),
+        drafts=("velocity",),
+        budget_max=6,
+    )
+    assert set(tuned) == {"tree", "coupling", "verify", "draft"}
+    back = Tuned.from_json(json.loads(json.dumps(tuned.to_json())))
+    assert back.label == tuned.label and back.predicted_seconds_per_image == tuned.predicted_seconds_per_image
+    assert (back.tree is None) == (tuned.tree is None)
+    if tuned.tree is not None:
+        assert back.tree.parent.tolist() == tuned.tree.parent.tolist()
+    out = specforest.sample(gmm, x[:2], steps=20, churn=0.3, seed=0, **back)
+    assert torch.isfinite(out.samples).all() and math.isfinite(back.predicted_speedup)
+    with pytest.raises(ValueError, match="batch must be in"):
+        tune(gmm, x, steps=20, churn=0.3, batch=9, curve=CostCurve((1,), (1.0,)))
+
+
+def test_the_tune_command_writes_its_choice_and_prediction(tmp_path):
+    from click.testing import CliRunner
+
+    from specforest.cli import main
+
+    out = tmp_path / "tuned.json"
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(
+            main,
+            [
+                "tune",
+                "--model",
+                "gmm",
+                "--dim",
+                "8",
+                "--components",
+                "3",
+                "--steps",
+                "12",
+                "--budget-max",
+                "6",
+                "--drafts",
+                "velocity",
+                "--threads",
+                "1",
+                "--no-progress",
+                "--out",
+                str(out),
+            ],
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert {"predicted_seconds_per_image", "predicted_speedup", "coupling", "verify", "draft", "tree"} <= set(data)
+    assert data["predicted_seconds_per_image"] > 0 and data["tuned_for"]["threads"] == 1
+    assert "chosen:" in res.output and Tuned.from_json(data).label == data["label"]
