@@ -130,3 +130,108 @@ def test_the_tune_command_writes_its_choice_and_prediction(tmp_path):
     assert {"predicted_seconds_per_image", "predicted_speedup", "coupling", "verify", "draft", "tree"} <= set(data)
     assert data["predicted_seconds_per_image"] > 0 and data["tuned_for"]["threads"] == 1
     assert "chosen:" in res.output and Tuned.from_json(data).label == data["label"]
+
+
+@pytest.mark.parametrize(
+    "tree,coupling,method",
+    [(trees.uniform(2, 2), "grs", "dgrs"), (trees.chain(5), "rmc", "rmc"), (None, "grs", "standard")],
+)
+def test_gmm_and_pixel_run_a_tuned_file(tmp_path, tree, coupling, method):
+    from click.testing import CliRunner
+
+    from specforest.cli import main
+
+    tuned = Tuned(
+        label="test",
+        tree=tree,
+        coupling=coupling,
+        verify="drafted",
+        draft="x0",
+        batch=1,
+        steps=10,
+        predicted_seconds_per_image=1.0,
+        predicted_speedup=1.0,
+        standard_seconds_per_image=1.0,
+        predicted_calls=5.0,
+        curve=CostCurve((1,), (1.0,)),
+    )
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "gmm"})))
+    args = ["gmm", "--dim", "8", "--steps", "10", "--trajectories", "4", "--json", "--no-progress", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(main, [*args, "--tune", str(path)])
+        assert res.exit_code == 0, res.output
+        rec = json.loads(res.stdout)
+        assert rec["method"] == method
+        if tree is not None:
+            assert rec["verify"] == "drafted" and rec["draft"] == "x0"
+            assert rec["budget"] == tree.budget
+        res = CliRunner().invoke(main, ["pixel", "--steps", "10", "--samples", "2", "--tune", str(path)])
+        assert res.exit_code != 0 and "tuned for --model gmm" in res.output
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_pixel_runs_a_tuned_tree(tmp_path):
+    from click.testing import CliRunner
+
+    from specforest.cli import main
+
+    tuned = Tuned(
+        label="test",
+        tree=trees.widths([2, 1]),
+        coupling="grs",
+        verify="internal",
+        draft="x0",
+        batch=1,
+        steps=10,
+        predicted_seconds_per_image=1.0,
+        predicted_speedup=1.0,
+        standard_seconds_per_image=1.0,
+        predicted_calls=5.0,
+        curve=CostCurve((1,), (1.0,)),
+    )
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "digits"})))
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(
+            main,
+            [
+                "pixel",
+                "--steps",
+                "10",
+                "--samples",
+                "2",
+                "--json",
+                "--no-progress",
+                "--threads",
+                "1",
+                "--tune",
+                str(path),
+            ],
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.stdout)
+    assert rec["method"] == "dgrs" and rec["tree"] == "custom" and rec["budget"] == 4 and rec["draft"] == "x0"
+
+
+def test_plan_tree_optimizes_latency_on_request(gmm):
+    from specforest import planning
+
+    x = streams.randn(0, torch.arange(8), (8,))
+    kw = dict(budget=14, steps=16, churn=0.3, coupling="grs", seed=0)
+    calls = planning.plan_tree(gmm, x, **kw)
+    assert calls is not None and calls.budget <= 14
+    # a call that costs 1 s per row (no timing in the decision): no tree pays in seconds
+    linear = CostCurve((1, 4096), (1.0, 4096.0))
+    assert planning.plan_tree(gmm, x, objective="latency", curve=linear, **kw) is None
+    flat = CostCurve((1, 4096), (1.0, 1.0))
+    assert planning.plan_tree(gmm, x, objective="latency", curve=flat, **kw) is not None
+    with pytest.raises(ValueError, match="objective must be one of"):
+        planning.plan_tree(gmm, x, objective="nfe", **kw)
+    tuned = planning.tune(gmm, x, steps=16, churn=0.3, batch=1, drafts=("velocity",), budget_max=6, curve=flat)
+    assert isinstance(tuned, Tuned)

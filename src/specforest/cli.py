@@ -15,6 +15,7 @@ import numpy as np
 from .cli_common import (
     CONTEXT,
     POSITIVE,
+    apply_tuned,
     choice_list,
     churn_option,
     compile_option,
@@ -33,6 +34,7 @@ from .cli_common import (
     threads_option,
     tree_options,
     tree_size_options,
+    tune_option,
     verify_option,
 )
 from .experiments import gmm as gmm_exp
@@ -124,6 +126,7 @@ def main() -> None:
 @progress_option()
 @threads_option()
 @compile_option()
+@tune_option()
 @click.pass_context
 def gmm(ctx: click.Context, **o) -> None:
     """Gaussian-mixture experiment of the paper (Section 5.1): one configuration.
@@ -144,6 +147,7 @@ def gmm(ctx: click.Context, **o) -> None:
             )
         return
     set_threads(o["threads"])
+    o = apply_tuned(o, "gmm")
     setting = library_errors(lambda: _setting(o))
     run = library_errors(
         lambda: gmm_exp.simulate(

@@ -286,3 +286,49 @@ def compile_option():
         help="torch.compile(mode='reduce-overhead') the target; every call's rows are padded to a power of "
         "two, so it compiles a few shapes instead of one per round (the samples do not change).",
     )
+
+
+def tune_option():
+    """``--tune tuned.json``: run the configuration ``specforest tune`` chose (overrides the sampler options)."""
+    return click.option(
+        "--tune",
+        "tune_file",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="A JSON written by 'specforest tune': its tree, coupling, verification mode and draft replace "
+        "--method/--K/--L/--tree/--verify/--draft.",
+    )
+
+
+_METHOD_OF = {"grs": "dgrs", "rank": "rank", "antithetic": "antithetic"}
+
+
+def apply_tuned(o: dict, model: str) -> dict:
+    """The options ``o`` with the sampler options of ``o["tune_file"]`` (tuned for ``model``) in place.
+
+    Raises:
+        click.ClickException: if the file was tuned for another model or cannot be read.
+    """
+    import json
+
+    from .latency import Tuned
+
+    path = o.get("tune_file")
+    if not path:
+        return o
+    try:
+        data = json.loads(open(path, encoding="utf-8").read())
+        tuned = Tuned.from_json(data)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise click.ClickException(f"--tune {path}: not a file written by 'specforest tune' ({e})") from e
+    made_for = data.get("tuned_for", {}).get("model")
+    if made_for is not None and made_for != model:
+        raise click.ClickException(f"--tune {path} was tuned for --model {made_for}, not {model}")
+    o = dict(o, verify=tuned.verify, draft=tuned.draft, tree_mode="uniform", budget=None)
+    if tuned.tree is None:
+        o.update(method="standard")
+    elif tuned.coupling == "rmc":
+        o.update(method="rmc", K=1, L=tuned.tree.budget)
+    else:
+        o.update(method=_METHOD_OF.get(tuned.coupling, "dgrs"), tree_mode=tuned.tree)
+    return o

@@ -16,6 +16,7 @@ import numpy as np
 
 from .cli_common import (
     CONTEXT,
+    apply_tuned,
     choice_list,
     churn_option,
     compile_option,
@@ -33,6 +34,7 @@ from .cli_common import (
     threads_option,
     tree_options,
     tree_size_options,
+    tune_option,
     verify_option,
 )
 from .experiments import pixel as pixel_exp
@@ -98,6 +100,7 @@ def _common(f):
 @progress_option()
 @threads_option()
 @compile_option()
+@tune_option()
 @click.pass_context
 def pixel(ctx: click.Context, **o) -> None:
     """Pixel-space experiment of the paper (Section 5.2) on class-conditional 8x8 digits: ONE configuration.
@@ -119,6 +122,7 @@ def pixel(ctx: click.Context, **o) -> None:
             )
         return
     set_threads(o["threads"])
+    o = apply_tuned(o, "digits")
     run = library_errors(
         lambda: pixel_exp.simulate(
             method=o["method"],

@@ -502,6 +502,7 @@ def tune(
     progress: bool = False,
     predictor: Optional[Predictor] = None,
     min_gain: float = 0.05,
+    couplings: Optional[Sequence[str]] = None,
     **sample_kwargs: Any,
 ) -> Tuned:
     """Choose the tree, coupling, verification mode and draft that minimize predicted wall time here.
@@ -524,6 +525,8 @@ def tune(
         progress: progress bars while measuring.
         predictor: a calibrated :class:`Predictor` to reuse (then the arguments above
             but ``budget_max`` and ``progress`` are its own).
+        couplings: restrict the candidates to these couplings (``rmc`` chains, ``grs``
+            trees); default all.
         min_gain: a tree is chosen only if it is predicted at least this much faster
             than the standard sampler (the predictions carry noise; a tie goes to the
             standard sampler, which has nothing to lose).
@@ -549,6 +552,8 @@ def tune(
     )
     drafts = pred.drafts
     cands = _candidates(pred.acceptance_of("grs", drafts[0]), budget_max, pred.steps)
+    if couplings is not None:
+        cands = [c for c in cands if c[1] is None or c[2] in couplings]
     bar = None
     if progress:
         from tqdm.auto import tqdm

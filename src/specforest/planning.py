@@ -20,7 +20,10 @@ from .couplings import Coupling, get_coupling
 from .sampler import sample
 from .trees import DraftTree, TreePolicy, chain, optimal, uniform
 
-__all__ = ["TREE_MODES", "AdaptiveTree", "acceptance_model", "make_tree", "plan_tree"]
+__all__ = ["OBJECTIVES", "TREE_MODES", "AdaptiveTree", "acceptance_model", "make_tree", "plan_tree", "tune"]
+
+OBJECTIVES = ("calls", "latency")
+"""What :func:`plan_tree` optimizes: expected steps per target call, or per second on this hardware."""
 
 TREE_MODES = ("uniform", "optimal", "adaptive")
 """How a command's tree is chosen. ``uniform``: the ``(K, L)`` tree of
@@ -153,9 +156,15 @@ def plan_tree(
     calibration_trajectories: int = 16,
     generator: Optional[torch.Generator] = None,
     kmax: int = 16,
+    objective: str = "calls",
     **sample_kwargs,
-) -> DraftTree:
+) -> Optional[DraftTree]:
     """Calibrate on a short lazy chain run, then return the optimal tree for ``budget``.
+
+    With ``objective="latency"`` the tree minimizes the predicted wall time on
+    this hardware instead (:func:`tune` restricted to ``coupling`` and the run's
+    draft, with budgets up to ``budget``); that may be ``None``, the standard
+    sampler, when no tree pays.
 
     Args:
         model, x: the target and initial states (the first ``calibration_trajectories``
@@ -169,8 +178,29 @@ def plan_tree(
             (``cond`` rows are taken for the calibration trajectories).
 
     Returns:
-        The :func:`specforest.trees.optimal` tree with at most ``budget`` drafted states.
+        The :func:`specforest.trees.optimal` tree with at most ``budget`` drafted states
+        (``objective="calls"``), or the latency-optimal tree or ``None``.
     """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective == "latency":
+        name = get_coupling(coupling).name
+        seed = sample_kwargs.pop("seed", None)
+        if seed is None:
+            seed = 0 if generator is None else int(torch.randint(0, 2**62, (), generator=generator))
+        tuned = tune(
+            model,
+            x,
+            steps=steps,
+            churn=churn,
+            budget_max=budget,
+            drafts=(sample_kwargs.pop("draft", "velocity"),),
+            calibration_trajectories=calibration_trajectories,
+            seed=seed,
+            couplings=(name,),
+            **sample_kwargs,
+        )
+        return tuned.tree
     depth = min(budget, steps)
     cond = sample_kwargs.pop("cond", None)
     if cond is not None:
@@ -238,3 +268,13 @@ class AdaptiveTree(TreePolicy):
 
     def __repr__(self) -> str:
         return f"AdaptiveTree(budget={self.budget}, kmax={self.kmax})"
+
+
+def tune(model: Callable, x: torch.Tensor, **kwargs):
+    """The latency-optimal configuration on this hardware: :func:`specforest.latency.tune`.
+
+    Returns a :class:`specforest.latency.Tuned`, a mapping that ``sample(model, x, **tuned)`` accepts.
+    """
+    from .latency import tune as _tune
+
+    return _tune(model, x, **kwargs)

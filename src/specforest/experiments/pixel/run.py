@@ -85,7 +85,7 @@ def simulate(
     lazy: bool = False,
     progress: bool = False,
     draft: str = "velocity",
-    tree: str = "uniform",
+    tree: "str | DraftTree" = "uniform",
     budget: Optional[int] = None,
     model: Optional[Callable[..., torch.Tensor]] = None,
     classifier: Optional[DigitsClassifier] = None,
@@ -166,7 +166,14 @@ def simulate(
             generator=torch.Generator().manual_seed(derive_seed(seed, STREAM_CALIBRATION_NOISE)),
         )
 
-    tree, budget = choose_tree(method, K, L, T, tree_mode, budget, plan)
+    if isinstance(tree, DraftTree):
+        # a tree given as it is (e.g. a tuned one): recorded as custom, K and L its widest node and depth
+        if method in ("standard", "rmc"):
+            raise ValueError(f"a DraftTree as tree needs a tree method (dgrs, rank, antithetic), got method={method!r}")
+        tree_mode, budget = "custom", tree.budget
+        K, L = tree.max_children, tree.L
+    else:
+        tree, budget = choose_tree(method, K, L, T, tree_mode, budget, plan)
     lazy = bool(lazy) and tree is not None
     mem = memory.estimate(
         trajectories=n,
