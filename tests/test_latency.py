@@ -235,3 +235,17 @@ def test_plan_tree_optimizes_latency_on_request(gmm):
         planning.plan_tree(gmm, x, objective="nfe", **kw)
     tuned = planning.tune(gmm, x, steps=16, churn=0.3, batch=1, drafts=("velocity",), budget_max=6, curve=flat)
     assert isinstance(tuned, Tuned)
+
+
+@pytest.mark.parametrize("tree", [trees.chain(6), trees.uniform(2, 3), trees.widths([3, 1, 2])], ids=str)
+def test_the_simulated_law_of_committed_steps_has_the_closed_form_moments(tree):
+    from specforest.latency import _steps_law
+
+    def acc(level, k):
+        return 0.9 - 0.1 * level + 0.02 * k
+
+    p = _steps_law(tree, acc)
+    mean, var = steps_moments(tree, acc)
+    m1 = sum(j * pj for j, pj in enumerate(p))
+    m2 = sum(j * j * pj for j, pj in enumerate(p))
+    assert sum(p) == pytest.approx(1.0) and m1 == pytest.approx(mean) and m2 - m1 * m1 == pytest.approx(var)

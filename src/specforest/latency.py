@@ -27,7 +27,9 @@ The choice is fixed before sampling, so the sampler stays exact.
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -212,27 +214,89 @@ def predict_seconds(
             of the grid (acceptance changes along the grid; rounds are summed stretch by stretch).
         sampler_seconds_per_round: the sampler's own time per round.
 
-    A trajectory's speculative rounds are a renewal count (mean ``S / m``, variance
-    ``S var / m^3``); a batch runs until its slowest trajectory is done, about
-    ``mean + sd sqrt(2 ln B)`` rounds, and each call holds the rows of the
-    trajectories still running (on average the total rows over the calls).
+    The run is simulated: ``batch`` trajectories step through the grid in
+    lockstep calls (the first step, the first root's fetch, speculative rounds
+    whose committed steps are drawn from the tree's law under the acceptance of
+    the stretch they start in, with the tree truncated to the steps left, and
+    the last step). Each call is costed at the rows of the trajectories still
+    running; the batch waits for its slowest trajectory. The mean over a few
+    simulated runs (a fixed seed: the prediction is deterministic) is returned.
     """
     if tree is None:
         return steps * (curve(batch) + sampler_seconds_per_round), float(steps)
     stoch = max(steps - _DETERMINISTIC, 0)
     bins = [(1.0, acceptance)] if callable(acceptance) else list(acceptance)
-    mean_rounds = var_rounds = 0.0
-    for w, acc in bins:
-        m, v = steps_moments(tree, acc)
-        m = max(m, 1e-9)
-        mean_rounds += w * stoch / m
-        var_rounds += w * stoch * v / m**3
-    rounds = min(mean_rounds, float(stoch))
-    extra = math.sqrt(var_rounds * 2.0 * math.log(batch)) if batch > 1 else 0.0
-    single = min(steps, _DETERMINISTIC) + 1
-    calls = single + min(rounds + extra, float(stoch))
-    rows_total = batch * (single + rounds * tree.verification_budget(verify))
-    return calls * (curve(rows_total / calls) + sampler_seconds_per_round), calls
+    edges = []
+    acc_at = 0.0
+    for w, _ in bins:
+        acc_at += w * stoch
+        edges.append(acc_at)
+    laws: dict = {}
+    rows_of: dict = {}
+
+    def law(h: int, b: int) -> list:
+        # cumulative P(committed <= j), j = 0..depth, of the tree truncated to h steps, in stretch b
+        key = (min(h, tree.L), b)
+        if key not in laws:
+            laws[key] = list(itertools.accumulate(_steps_law(tree.truncate(key[0]), bins[b][1])))
+        return laws[key]
+
+    def rows_at(h: int) -> int:
+        if h not in rows_of:
+            rows_of[h] = tree.truncate(min(h, tree.L)).verification_budget(verify)
+        return rows_of[h]
+
+    rng = random.Random(0)
+    runs, calls_sum, seconds_sum = 8, 0.0, 0.0
+    for _ in range(runs):
+        left = [stoch] * batch  # stochastic steps left per trajectory
+        # the first deterministic step and the first root's fetch: two calls of one row each
+        seconds = 2 * (curve(batch) + sampler_seconds_per_round)
+        calls = 2
+        while any(h > 0 for h in left):
+            rows = 0
+            for i, h in enumerate(left):
+                if h <= 0:
+                    continue
+                done = stoch - h
+                b = next(k for k, e in enumerate(edges) if done < e or k == len(edges) - 1)
+                cum = law(h, b)
+                u = rng.random()
+                j = next((j for j, c in enumerate(cum) if u <= c), len(cum) - 1)
+                rows += rows_at(h)
+                left[i] = h - max(j, 1)
+            seconds += curve(rows) + sampler_seconds_per_round
+            calls += 1
+        seconds += curve(batch) + sampler_seconds_per_round  # the last deterministic step
+        calls += 1
+        calls_sum += calls
+        seconds_sum += seconds
+    return seconds_sum / runs, calls_sum / runs
+
+
+def _steps_law(tree: DraftTree, acceptance: Callable[[int, int], float]) -> list:
+    """``P(Z = j)``, ``j = 0 .. L``: the law of the steps a round of ``tree`` commits (see :func:`steps_moments`)."""
+    parent, depth = tree.parent.tolist(), tree.depth.tolist()
+    L = max(depth)
+    kids: list = [[] for _ in parent]
+    for v, p in enumerate(parent):
+        if p >= 0:
+            kids[p].append(v)
+    dist: list = [None] * len(parent)
+    for v in range(len(parent) - 1, -1, -1):
+        d = [0.0] * (L + 1)
+        if not kids[v]:
+            d[0] = 1.0
+        else:
+            k = len(kids[v])
+            a = float(acceptance(depth[v] + 1, k))
+            d[1] += 1.0 - a  # a rejection commits the residual draw
+            for c in kids[v]:
+                for j, pj in enumerate(dist[c]):
+                    if j + 1 <= L:
+                        d[j + 1] += a * pj / k
+        dist[v] = d
+    return dist[0]
 
 
 def _tree_to_json(tree: Optional[DraftTree]) -> Optional[list]:
