@@ -132,20 +132,13 @@ def test_the_tune_command_writes_its_choice_and_prediction(tmp_path):
     assert "chosen:" in res.output and Tuned.from_json(data).label == data["label"]
 
 
-@pytest.mark.parametrize(
-    "tree,coupling,method",
-    [(trees.uniform(2, 2), "grs", "dgrs"), (trees.chain(5), "rmc", "rmc"), (None, "grs", "standard")],
-)
-def test_gmm_and_pixel_run_a_tuned_file(tmp_path, tree, coupling, method):
-    from click.testing import CliRunner
-
-    from specforest.cli import main
-
-    tuned = Tuned(
+def _written_tuned(tree, coupling: str, verify: str) -> Tuned:
+    """A tuned configuration as ``specforest tune`` writes one (draft x0), for the --tune tests."""
+    return Tuned(
         label="test",
         tree=tree,
         coupling=coupling,
-        verify="drafted",
+        verify=verify,
         draft="x0",
         batch=1,
         steps=10,
@@ -155,6 +148,18 @@ def test_gmm_and_pixel_run_a_tuned_file(tmp_path, tree, coupling, method):
         predicted_calls=5.0,
         curve=CostCurve((1,), (1.0,)),
     )
+
+
+@pytest.mark.parametrize(
+    "tree,coupling,method",
+    [(trees.uniform(2, 2), "grs", "dgrs"), (trees.chain(5), "rmc", "rmc"), (None, "grs", "standard")],
+)
+def test_gmm_and_pixel_run_a_tuned_file(tmp_path, tree, coupling, method):
+    from click.testing import CliRunner
+
+    from specforest.cli import main
+
+    tuned = _written_tuned(tree, coupling, "drafted")
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "gmm"})))
     args = ["gmm", "--dim", "8", "--steps", "10", "--trajectories", "4", "--json", "--no-progress", "--threads", "1"]
@@ -178,20 +183,7 @@ def test_pixel_runs_a_tuned_tree(tmp_path):
 
     from specforest.cli import main
 
-    tuned = Tuned(
-        label="test",
-        tree=trees.widths([2, 1]),
-        coupling="grs",
-        verify="internal",
-        draft="x0",
-        batch=1,
-        steps=10,
-        predicted_seconds_per_image=1.0,
-        predicted_speedup=1.0,
-        standard_seconds_per_image=1.0,
-        predicted_calls=5.0,
-        curve=CostCurve((1,), (1.0,)),
-    )
+    tuned = _written_tuned(trees.widths([2, 1]), "grs", "internal")
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "digits"})))
     threads = torch.get_num_threads()

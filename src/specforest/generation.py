@@ -181,7 +181,6 @@ class Generation:
         B = self.stats.slots
         standard = self.spec.tree is None and self.spec.policy is None
         ctx, state, slot_idx = self._start(self.indices[:B])
-        host_idx = self.indices[:B].clone()  # slot -> sample index, on the host: no read to name the finished
         live = torch.ones(B, dtype=torch.bool, device=ctx.device)
         n_live, nxt_i, seconds = B, B, 0.0
         while n_live:
@@ -205,10 +204,9 @@ class Generation:
             if not n_done:
                 continue
             rows = torch.nonzero_static(done, size=n_done)[:, 0]
-            rows_host = rows.cpu() if rows.device.type == "cpu" else None
-            stats = stats_of(state, ctx.target, ctx, T, rows)
+            stats = stats_of(state, T, rows)
             self.stats.finished += n_done
-            index = host_idx[rows_host] if rows_host is not None else slot_idx[rows].cpu()
+            index = slot_idx[rows].cpu()
             yield Finished(index, state.x[rows].reshape(n_done, *self._shape).to(self._dtype), stats)
             live = live.index_fill(0, rows, False)
             n_live -= n_done
@@ -222,11 +220,9 @@ class Generation:
                 # a fresh run, with fewer slots at the end of the job
                 seconds += ctx.target.total_seconds()
                 ctx, state, slot_idx = self._start(new)
-                host_idx = new.clone()
                 live = torch.ones(k, dtype=torch.bool, device=ctx.device)
             else:
                 ctx, state, slot_idx = self._refill(ctx, state, slot_idx, rows[:k], new)
-                host_idx = host_idx.index_copy(0, (rows_host if rows_host is not None else rows.cpu())[:k], new)
                 live = live.index_fill(0, rows[:k], True)
             n_live += k
         self.stats.target_seconds = seconds + ctx.target.total_seconds()

@@ -150,19 +150,20 @@ def measure_cost_curve(
     return CostCurve(sizes, tuple(seconds))
 
 
+def _child_lists(tree: DraftTree) -> list:
+    """Each node's children, as lists (from the tree's padded ``children`` table)."""
+    return [[c for c in row if c >= 0] for row in tree.children.tolist()]
+
+
 def steps_moments(tree: DraftTree, acceptance: Callable[[int, int], float]) -> "tuple[float, float]":
     """Mean and variance of the steps a round of ``tree`` commits (see :func:`expected_steps`).
 
     With ``Z = 1 + A Z_child`` (``A`` the acceptance indicator, probability ``a``):
     ``E[Z] = 1 + a E[Z_c]`` and ``E[Z^2] = 1 + 2 a E[Z_c] + a E[Z_c^2]``, children averaged.
     """
-    parent, depth = tree.parent.tolist(), tree.depth.tolist()
-    kids: list = [[] for _ in parent]
-    for v, p in enumerate(parent):
-        if p >= 0:
-            kids[p].append(v)
-    m1, m2 = [0.0] * len(parent), [0.0] * len(parent)
-    for v in range(len(parent) - 1, -1, -1):
+    depth, kids = tree.depth.tolist(), _child_lists(tree)
+    m1, m2 = [0.0] * len(kids), [0.0] * len(kids)
+    for v in range(len(kids) - 1, -1, -1):
         if kids[v]:
             k = len(kids[v])
             a = float(acceptance(depth[v] + 1, k))
@@ -180,18 +181,7 @@ def expected_steps(tree: DraftTree, acceptance: Callable[[int, int], float]) -> 
     (an accepted child, or the residual draw) and goes on from the accepted
     child with probability ``acceptance(l, k)``; a leaf commits nothing more.
     """
-    parent, depth = tree.parent.tolist(), tree.depth.tolist()
-    kids: list = [[] for _ in parent]
-    for v, p in enumerate(parent):
-        if p >= 0:
-            kids[p].append(v)
-    value = [0.0] * len(parent)
-    for v in range(len(parent) - 1, -1, -1):
-        if kids[v]:
-            k = len(kids[v])
-            mean = sum(value[c] for c in kids[v]) / k
-            value[v] = 1.0 + float(acceptance(depth[v] + 1, k)) * mean
-    return value[0]
+    return steps_moments(tree, acceptance)[0]
 
 
 def predict_seconds(
@@ -211,7 +201,7 @@ def predict_seconds(
         batch: trajectories of the run.
         tree, verify: the configuration (``tree=None``: the standard sampler).
         acceptance: ``a(l, k)``, or ``[(fraction of the stochastic steps, a(l, k))]`` per stretch
-            of the grid (acceptance changes along the grid; rounds are summed stretch by stretch).
+            of the grid (acceptance changes along the grid; a round uses the stretch it starts in).
         sampler_seconds_per_round: the sampler's own time per round.
 
     The run is simulated: ``batch`` trajectories step through the grid in
@@ -276,14 +266,10 @@ def predict_seconds(
 
 def _steps_law(tree: DraftTree, acceptance: Callable[[int, int], float]) -> list:
     """``P(Z = j)``, ``j = 0 .. L``: the law of the steps a round of ``tree`` commits (see :func:`steps_moments`)."""
-    parent, depth = tree.parent.tolist(), tree.depth.tolist()
+    depth, kids = tree.depth.tolist(), _child_lists(tree)
     L = max(depth)
-    kids: list = [[] for _ in parent]
-    for v, p in enumerate(parent):
-        if p >= 0:
-            kids[p].append(v)
-    dist: list = [None] * len(parent)
-    for v in range(len(parent) - 1, -1, -1):
+    dist: list = [None] * len(kids)
+    for v in range(len(kids) - 1, -1, -1):
         d = [0.0] * (L + 1)
         if not kids[v]:
             d[0] = 1.0

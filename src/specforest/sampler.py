@@ -366,7 +366,7 @@ def pad_sizes(pad_rows: "Optional[str | Sequence[int]]") -> Optional[tuple]:
     return tuple(sorted(set(pad_rows)))
 
 
-def stats_of(state: engine.RunState, target: Target, ctx: engine.RunContext, T: int, rows: Any = None) -> SampleStats:
+def stats_of(state: engine.RunState, T: int, rows: Any = None) -> SampleStats:
     """The :class:`SampleStats` of a run's final ``state`` (rows ``rows`` of it, default all)."""
     c = state.counters
     sel = (lambda t: t) if rows is None else (lambda t: t[rows])
@@ -570,7 +570,7 @@ def sample(
     target.check_finite()
     if not torch.isfinite(xs).all():
         raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
-    stats = stats_of(state, target, ctx, T)
+    stats = stats_of(state, T)
     if record_deltas:
         stats.deltas = torch.cat(state.records) if state.records else torch.zeros(0, 4, dtype=torch.float64)
     stats.target_seconds = target.total_seconds()

@@ -103,12 +103,7 @@ class Target:
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         M = x.shape[0]
         share = -(-M // world)
-        pad = share * world - M
-        if pad:
-            # copies of the last row: finite inputs, results dropped
-            x = torch.cat([x, x[-1:].expand(pad, -1)])
-            sigma = torch.cat([sigma, sigma[-1:].expand(pad)])
-            traj = torch.cat([traj, traj[-1:].expand(pad)])
+        x, sigma, traj = _pad(x, sigma, traj, share * world)
         mine = slice(rank * share, (rank + 1) * share)
         v = self._local(x[mine].contiguous(), sigma[mine], traj[mine], flag=False)
         parts = [torch.empty_like(v) for _ in range(world)]
@@ -127,11 +122,7 @@ class Target:
             xc, sc, tc = x[i : i + chunk], sigma[i : i + chunk], traj[i : i + chunk]
             m = xc.shape[0]
             if self.pad_rows:
-                size = next(p for p in self.pad_rows if p >= m)
-                if size > m:
-                    xc = torch.cat([xc, xc[-1:].expand(size - m, -1)])
-                    sc = torch.cat([sc, sc[-1:].expand(size - m)])
-                    tc = torch.cat([tc, tc[-1:].expand(size - m)])
+                xc, sc, tc = _pad(xc, sc, tc, next(p for p in self.pad_rows if p >= m))
             xi = xc.reshape(-1, *self.shape)
             si = sc.to(x.dtype)
             rows = self.cond_rows(tc)
@@ -175,3 +166,16 @@ class Target:
             self.seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
             self._events = []
         return self.seconds
+
+
+def _pad(x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, size: int) -> tuple:
+    """Rows ``x (m, D)``, ``sigma (m,)``, ``traj (m,)`` padded to ``size`` with copies of the last row
+    (finite inputs whose results are dropped)."""
+    pad = size - x.shape[0]
+    if pad <= 0:
+        return x, sigma, traj
+    return (
+        torch.cat([x, x[-1:].expand(pad, -1)]),
+        torch.cat([sigma, sigma[-1:].expand(pad)]),
+        torch.cat([traj, traj[-1:].expand(pad)]),
+    )
