@@ -16,6 +16,7 @@ import torch
 from scipy import stats as sps
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from specforest import residuals
 from specforest.couplings import grs_levels
 from specforest.residuals import log_sf, sample_grs_residual, tail_mass
 
@@ -221,7 +222,9 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_cost_is_a_fixed_number_of_ops_without_synchronization():
+def test_cost_is_a_fixed_number_of_ops_without_synchronization(monkeypatch):
+    # off the CPU every branch is computed (reading a mask would synchronize): the same path here
+    monkeypatch.setattr(residuals, "_needed", lambda mask: True)
     delta, lam, G, u = _grid()
     sample_grs_residual(delta[:1], lam[:1], G[:1], u[:1])  # builds the cached quadrature rule
     counts = []
@@ -234,6 +237,18 @@ def test_cost_is_a_fixed_number_of_ops_without_synchronization():
         assert not names & {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
         counts.append(len(log.ops))
     assert len(set(counts)) == 1 and counts[0] <= 240, counts
+
+
+def test_skipping_branches_on_the_cpu_changes_no_bit(monkeypatch):
+    """On the CPU the branches no draw takes are skipped; every draw equals the all-branches path's."""
+    delta, lam, G, u = _grid()
+    skipped = sample_grs_residual(delta, lam, G, u)
+    one_by_one = torch.cat([sample_grs_residual(*(t[i : i + 1] for t in (delta, lam, G, u))) for i in range(len(u))])
+    levels = grs_levels(delta, 3)
+    monkeypatch.setattr(residuals, "_needed", lambda mask: True)
+    assert torch.equal(sample_grs_residual(delta, lam, G, u), skipped)
+    assert torch.equal(one_by_one, skipped)
+    assert all(torch.equal(a, b) for a, b in zip(grs_levels(delta, 3), levels, strict=True))
 
 
 def test_a_draw_does_not_depend_on_its_batch():

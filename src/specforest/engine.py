@@ -26,7 +26,7 @@ id) and the coupling's draws at a node by the same key at slots from
 :data:`~specforest.streams.SLOT_COUPLE` on. So the full tree and the lazy walk read
 the same numbers, and a sample is the same in any batch.
 
-Host-device synchronizations of one round in full mode, at most ``L + 2``
+Host-device synchronizations of one round in full mode, at most **two**
 (``tests/test_syncs.py`` counts them):
 
 * :func:`schedule`: **one** :func:`host_read` of the round's sizes (how many
@@ -34,9 +34,12 @@ Host-device synchronizations of one round in full mode, at most ``L + 2``
   rows the trees evaluate) together with the target's finiteness flag of the
   earlier calls: tensor shapes depend on them. Index tensors are then made with
   ``nonzero_static`` and need no further read;
-* :func:`~specforest.walk.walk`: one ``any`` per depth, to stop when every
-  walk has ended (at most ``L``), and the rejected trajectories (``nonzero``),
-  whose residual draws have a data-dependent size.
+* :func:`~specforest.walk.walk`: the rejected trajectories (``nonzero``),
+  whose residual draws have a data-dependent size. The walks themselves follow
+  the decisions without reading them (:meth:`~specforest.walk.FullTree.descend`).
+
+On the CPU, where a read costs no synchronization, the GRS residual also reads
+which of its branches some draw needs and skips the others (same results).
 
 The standard sampler has none: its trajectories run in lockstep for exactly
 ``T`` rounds. Options that read more: the ``rank`` coupling groups problems by
@@ -89,7 +92,7 @@ target call itself, which is ``target_seconds``). Host wall time: on CUDA, kerne
 
 @dataclass
 class RunContext:
-    """What every round of a run reads and no round changes (plus a cache of tree tables)."""
+    """What every round of a run reads and no round changes."""
 
     tab: StepTables  # the SDE's tables in the working dtype
     tab64: StepTables  # and in float64 (the coupling's scale)
@@ -107,13 +110,13 @@ class RunContext:
     device: torch.device
     step_keys: torch.Tensor  # (B, T) int64: the key of each trajectory at each step
     record: bool
-    trees: dict = field(default_factory=dict)  # id(tree) -> TreeTables
     phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     depth_cols: torch.Tensor = None  # (L,) arange, made once
     one_row: torch.Tensor = None  # (1, 3) [0, 0, 1]: one evaluated row
     rows_all: torch.Tensor = None  # (B,) arange
     no_fetch: torch.Tensor = None  # (B,) False
     all_active: torch.Tensor = None  # (B,) True
+    _lookahead: dict = field(default_factory=dict)  # L -> (stochastic, lookahead) by step
 
     def __post_init__(self) -> None:
         self.depth_cols = torch.arange(max(self.T, 1), device=self.device)
@@ -123,13 +126,18 @@ class RunContext:
         self.all_active = torch.ones_like(self.no_fetch)
 
     def tables(self, tree: DraftTree) -> TreeTables:
-        key = id(tree)
-        hit = self.trees.get(key)
-        if hit is None or hit.tree is not tree:
-            hit = TreeTables.build(tree, self.verify, self.device)
-            if len(self.trees) > 256:
-                self.trees.clear()
-            self.trees[key] = hit
+        return TreeTables.of(tree, self.verify, self.device)
+
+    def lookahead(self, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(T + 1,)`` tables by step: whether it is stochastic, and the lookahead a depth-``L`` tree
+        takes there (to the end of its stochastic run, at most ``L``; 0 on deterministic steps and at ``T``)."""
+        hit = self._lookahead.get(L)
+        if hit is None:
+            T, tab = self.T, self.tab
+            stoch = torch.cat([tab.stochastic, tab.stochastic.new_zeros(1)])
+            s = torch.arange(T + 1, device=self.device)
+            look = torch.where(stoch, torch.clamp(tab.run_end - s, max=L), 0)
+            hit = self._lookahead[L] = (stoch, look)
         return hit
 
 
@@ -211,8 +219,9 @@ class Schedule:
         single: ``(n1,)`` trajectories with one row: a deterministic step, an
             exact step (standard sampler) or the first root fetch.
         fetch: ``(n1,)`` bool, which of them only fetch their root's evaluation.
-        groups: ``[(ids (Bs,), tree, Ls (Bs,), Lr, rows)]`` the speculating trajectories per
-            tree, their lookaheads, the deepest one and the rows their trees evaluate.
+        groups: ``[(ids (Bs,), tree, Ls (Bs,), Lr, rows, even)]`` the speculating trajectories per
+            tree, their lookaheads, the deepest one, the rows their trees evaluate and whether
+            every lookahead is ``Lr``.
         active: ``(B,)`` bool, unfinished trajectories.
     """
 
@@ -240,11 +249,11 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
             return None
         return Schedule(ctx.rows_all, ctx.no_fetch, [], ctx.all_active, everyone=True)
     active = step < T
-    stoch = ctx.tab.stochastic[step.clamp(max=T - 1)] & active
-    fetch = stoch & ~state.pre.valid if ctx.proposal.needs_prefetch else torch.zeros_like(stoch)
-    spec = stoch & ~fetch
-    single = active & ~spec
     if ctx.policy is not None:
+        stoch = ctx.tab.stochastic[step.clamp(max=T - 1)] & active
+        fetch = stoch & ~state.pre.valid if ctx.proposal.needs_prefetch else torch.zeros_like(stoch)
+        spec = stoch & ~fetch
+        single = active & ~spec
         # an adaptive plan reads the records on the host anyway
         ctx.target.check_finite()
         if not bool(active.any()):
@@ -254,13 +263,19 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         groups = _tree_groups(ctx, state, ids) if ids.numel() else []
         return Schedule(ids1, fetch[ids1], groups, active, n_fetch=int(fetch.sum()))
     tt = ctx.tables(ctx.tree)
-    s0 = step.clamp(max=T - 1)
-    Ls = torch.where(spec, torch.clamp(ctx.tab.run_end[s0] - s0, max=tt.L), 0)
+    stoch_at, look_at = ctx.lookahead(tt.L)
+    stoch = stoch_at[step]  # False once finished
+    if ctx.proposal.needs_prefetch:
+        spec = stoch & state.pre.valid
+        fetch = stoch & ~spec
+    else:
+        spec, fetch = stoch, ctx.no_fetch
+    single = active & ~spec
+    Ls = torch.where(spec, look_at[step], 0)
     rows = torch.where(spec, tt.rows_at[Ls], 0).sum()
-    counts = host_read(
-        torch.stack([active.sum(), single.sum(), spec.sum(), fetch.sum(), Ls.max(), rows, ctx.target.bad.long()])
-    )
-    n_active, n1, ns, nf, Lr, rows, bad = counts
+    flags = torch.stack([active, single, spec, fetch]).sum(1)
+    counts = host_read(torch.cat([flags, torch.stack([Ls.max(), Ls.min(), rows, ctx.target.bad.long()])]))
+    n_active, n1, ns, nf, Lr, Lmin, rows, bad = counts
     if bad:
         ctx.target.raise_not_finite()
     if n_active == 0:
@@ -269,9 +284,10 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
     ids1 = torch.nonzero_static(single, size=n1)[:, 0] if n1 else ctx.rows_all[:0]
     if ns == len(ctx.rows_all):
         # every trajectory speculates (one image, or a batch in step): no row selection at all
-        return Schedule(ids1, ctx.no_fetch[:0], [(ctx.rows_all, ctx.tree, Ls, Lr, rows)], active, n_fetch=nf)
+        group = (ctx.rows_all, ctx.tree, Ls, Lr, rows, Lmin == Lr)
+        return Schedule(ids1, ctx.no_fetch[:0], [group], active, n_fetch=nf)
     ids = torch.nonzero_static(spec, size=ns)[:, 0]
-    groups = [(ids, ctx.tree, Ls[ids], Lr, rows)] if ns else []
+    groups = [(ids, ctx.tree, Ls[ids], Lr, rows, False)] if ns else []
     return Schedule(ids1, fetch[ids1], groups, active, n_fetch=nf)
 
 
@@ -296,7 +312,7 @@ def _tree_groups(ctx: RunContext, state: RunState, ids: torch.Tensor) -> list:
         tt = ctx.tables(tree)
         s0 = state.step[g]
         Ls = torch.clamp(ctx.tab.run_end[s0] - s0, max=tt.L)
-        groups.append((g, tree, Ls, int(Ls.max()), int(tt.rows_at[Ls].sum())))
+        groups.append((g, tree, Ls, int(Ls.max()), int(tt.rows_at[Ls].sum()), False))
     return groups
 
 
@@ -316,7 +332,9 @@ class Draft:
         Y: ``(Bs, V_r, D)`` node states (full mode; ``None`` lazy).
         Z: ``(Bs, V_r - 1, D)`` standard noise of the drafted nodes (full mode).
         Mp: ``(Bs, V_i, D)`` draft means at the nodes of depth ``< Lr`` (full mode).
-        emask: ``(2, n)`` long ``(row, node)`` pairs the target evaluates (full mode).
+        emask: ``(2, n)`` long ``(row, node)`` pairs the target evaluates (full mode), or ``None``
+            when every row evaluates nodes ``0 .. n_first - 1``.
+        n_first: see ``emask``.
     """
 
     tt: TreeTables
@@ -330,12 +348,21 @@ class Draft:
     Z: Optional[torch.Tensor] = None
     Mp: Optional[torch.Tensor] = None
     emask: Optional[torch.Tensor] = None
+    n_first: int = 0
 
 
 def draft(
-    ctx: RunContext, state: RunState, ids: torch.Tensor, tree: DraftTree, Ls: torch.Tensor, Lr: int, rows: int
+    ctx: RunContext,
+    state: RunState,
+    ids: torch.Tensor,
+    tree: DraftTree,
+    Ls: torch.Tensor,
+    Lr: int,
+    rows: int,
+    even: bool = False,
 ) -> tuple[Draft, int]:
-    """Draft the trees of trajectories ``ids`` with lookaheads ``Ls`` (phase 2).
+    """Draft the trees of trajectories ``ids`` with lookaheads ``Ls`` (phase 2); ``even``: every
+    lookahead is ``Lr``.
 
     Returns the draft and the draft-model calls made.
     """
@@ -395,6 +422,9 @@ def draft(
         else:
             rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
             torch.add(rep, SZl[level - 1], out=Yl[level])
+    if even and tt.eval_prefix[Lr] >= Vi:
+        # every tree evaluates the same first nodes, the verified ones among them: a view of Y, no scatter
+        return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, None, tt.eval_prefix[Lr]), calls
     # the (trajectory, node) pairs the target evaluates, without a synchronization: their number is known
     emask = torch.nonzero_static(tt.eval_at[Ls][:, :Vr], size=rows).T
     return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, emask), calls
@@ -423,11 +453,17 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
     for d in drafts:
         if d.Y is None:
             continue
-        b, u = d.emask
-        xs.append(d.Y[b, u])
+        if d.emask is None:
+            n = d.n_first
+            xs.append(d.Y[:, :n].reshape(-1, d.Y.shape[2]))
+            sig.append(ctx.tab.sig[(d.s0[:, None] + d.tt.depth[:n]).clamp(max=ctx.T - 1)].reshape(-1))
+            traj.append(d.ids[:, None].expand(-1, n).reshape(-1))
+        else:
+            b, u = d.emask
+            xs.append(d.Y[b, u])
+            sig.append(ctx.tab.sig[(d.s0[b] + d.tt.depth[u]).clamp(max=ctx.T - 1)])
+            traj.append(d.ids[b])
         sizes.append(xs[-1].shape[0])
-        sig.append(ctx.tab.sig[(d.s0[b] + d.tt.depth[u]).clamp(max=ctx.T - 1)])
-        traj.append(d.ids[b])
     if not xs:
         return Evaluations(state.x[:0], [None] * len(drafts))
     cat = (lambda t: torch.cat(t)) if len(xs) > 1 else (lambda t: t[0])  # noqa: E731
@@ -439,7 +475,11 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
             out.append(None)
             continue
         n = next(sizes)
-        V = torch.zeros_like(d.Y).index_put(tuple(d.emask), v[start : start + n])
+        if d.emask is None:
+            # (Bs, n_first, D): the walk reads only evaluated nodes, all among the first
+            V = v[start : start + n].view(d.Y.shape[0], d.n_first, -1)
+        else:
+            V = torch.zeros_like(d.Y).index_put(tuple(d.emask), v[start : start + n])
         start += n
         out.append(V)
     return Evaluations(v[:n1], out)
@@ -534,8 +574,8 @@ def run_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
         return None
     t1 = clock()
     drafts, calls = [], 0
-    for ids, tree, Ls, Lr, rows in sched.groups:
-        d, n = draft(ctx, state, ids, tree, Ls, Lr, rows)
+    for group in sched.groups:
+        d, n = draft(ctx, state, *group)
         drafts.append(d)
         calls += n
     t2 = clock()

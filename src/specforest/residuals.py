@@ -84,6 +84,17 @@ _LOG_TINY = -700.0
 _LOG_HUGE = 700.0
 
 
+def _needed(mask: torch.Tensor) -> bool:
+    """Whether some element takes the branch ``mask`` selects with ``torch.where``.
+
+    Off the CPU always (reading the mask would synchronize); on the CPU a read
+    is free, and a branch no element takes is skipped. Either way the result
+    is the same bit for bit: ``where`` with an all-false mask returns the other
+    branch.
+    """
+    return mask.device.type != "cpu" or bool(mask.any())
+
+
 def log_sf(x: torch.Tensor) -> torch.Tensor:
     """``log Phibar(x)``, the log standard-normal survival function, stable in both tails.
 
@@ -134,13 +145,13 @@ def _log_tail(
     """
     a = log_sf(s_minus_delta)
     inner = log_lam + log_sf(s) - a
-    if midpoint:
+    if midpoint and _needed(small := delta < _SMALL_DELTA):
         m = s - 0.5 * delta
         # phi(m) / Phibar(m) = sqrt(2 / pi) / erfcx(m / sqrt 2), without overflowing exp(m^2 / 2)
         h = _SQRT_2_OVER_PI / torch.special.erfcx(m * (1.0 / math.sqrt(2.0)))
         q = h - m
         h = h * (1.0 + (delta * delta / 24.0) * (q * (h + q) - 1.0))
-        inner = torch.where(delta < _SMALL_DELTA, log_lam - delta * h, inner)
+        inner = torch.where(small, log_lam - delta * h, inner)
     return a + torch.log(-torch.expm1(inner.clamp(max=0.0)))
 
 
@@ -205,9 +216,11 @@ def sample_grs_residual(delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor,
     1e-9 (1 + |S|) at 20 and 1e-6 at 30 (the quadrature).
 
     The cost is a fixed ~200 tensor operations whatever the batch size: no
-    loop over data, no host-device synchronization, no data-dependent branch.
-    Each draw depends only on its own inputs; on CPU it is the same bit for bit
-    in any batch.
+    loop over data, no host-device synchronization, no data-dependent branch
+    off the CPU (on the CPU, where reading a value is free, the form of
+    ``ln(H / H(tau))`` and the small-``delta`` correction no draw needs are
+    skipped, which leaves every result unchanged). Each draw depends only on
+    its own inputs; on CPU it is the same bit for bit in any batch.
 
     Args:
         delta: ``(P,)`` float64 normalized mean mismatch, > 0.
@@ -239,24 +252,31 @@ def sample_grs_residual(delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor,
     log_slope = 0.5 * (torch.log(delta) - 0.5 * a * a - _LOG_SQRT_2PI - log_G)
     x = torch.minimum(x_tail, psi_target * torch.exp(-log_slope)).clamp(min=_X_MIN)
 
-    nodes, log_weights = _gauss_legendre(delta.device)
-    a_col = (a * (1.0 / math.sqrt(2.0))).unsqueeze(-1)
+    # which of the two forms of ln(H / H(tau)) some draw needs (both, off the CPU)
+    use_near, use_far = _needed(near), _needed(~near)
+    if use_near:
+        nodes, log_weights = _gauss_legendre(delta.device)
+        a_col = (a * (1.0 / math.sqrt(2.0))).unsqueeze(-1)
+        node_rate = (delta * -math.sqrt(2.0)).unsqueeze(-1) * nodes  # -delta t at x = 1
+        G_int = torch.exp(log_G)
     neg_delta = -delta
-    node_rate = (neg_delta * math.sqrt(2.0)).unsqueeze(-1) * nodes  # -delta t at x = 1
-    G_int = torch.exp(log_G)
     log_G_phi = log_G + _LOG_SQRT_2PI  # log_density below omits phi's constant
     for step_index in range(_NEWTON_STEPS):
-        s = tau + x
         s_minus_delta = x + a
-        x_col = x.unsqueeze(-1)
-        z = torch.addcmul(a_col, x_col, nodes)
-        # a row sum, not a matrix-vector product, whose rounding would depend on the batch size
-        integrand = torch.exp(torch.addcmul(log_weights, z, z, value=-1.0)) * torch.expm1(x_col * node_rate)
-        log_ratio = torch.where(
-            near,
-            torch.log1p(x * integrand.sum(-1) / G_int),
-            _log_tail(s, s_minus_delta, delta, log_lam, midpoint=step_index == _NEWTON_STEPS - 1) - log_G,
-        ).clamp(max=0.0)
+        if use_near:
+            x_col = x.unsqueeze(-1)
+            z = torch.addcmul(a_col, x_col, nodes)
+            # a row sum, not a matrix-vector product, whose rounding would depend on the batch size
+            integrand = torch.exp(torch.addcmul(log_weights, z, z, value=-1.0)) * torch.expm1(x_col * node_rate)
+            log_near = torch.log1p(x * integrand.sum(-1) / G_int)
+        if use_far:
+            last = step_index == _NEWTON_STEPS - 1
+            log_far = _log_tail(tau + x, s_minus_delta, delta, log_lam, midpoint=last) - log_G
+        if use_near and use_far:
+            log_ratio = torch.where(near, log_near, log_far)
+        else:
+            log_ratio = log_near if use_near else log_far
+        log_ratio = log_ratio.clamp(max=0.0)
         log_density = torch.add(torch.log(-torch.expm1(neg_delta * x)), s_minus_delta.square(), alpha=-0.5)
         psi = torch.sqrt(-2.0 * log_ratio)
         step = (psi - psi_target) * psi * torch.exp((log_G_phi + log_ratio - log_density).clamp(max=_LOG_HUGE))

@@ -427,10 +427,10 @@ def sample(
     ``draft="auto"`` and adaptive trees learn from the whole batch, so with
     them a sample depends on its batch companions (its law does not).
 
-    Host-device synchronizations: at most ``L + 2`` per full-mode round (one
-    read of the round's sizes, one per depth of the walk, one for the rejected
-    walks), none in the standard sampler; the list, and the options that add
-    some, is in :mod:`specforest.engine`.
+    Host-device synchronizations: at most two per full-mode round (one read of
+    the round's sizes, one for the rejected walks), none in the standard
+    sampler; the list, and the options that add some, is in
+    :mod:`specforest.engine`.
 
     Args:
         model: the target velocity ``v(x, sigma, **cond, **model_kwargs)`` on the

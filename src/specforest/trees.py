@@ -343,7 +343,20 @@ class TreeTables:
     eval_at: torch.Tensor  # (L + 1, V) bool: the nodes a round with lookahead m evaluates
     verify_at: torch.Tensor  # (L + 1, V) bool: the nodes whose children a round with lookahead m verifies
     step_of: torch.Tensor  # (V,) long: the step offset of the noise that drafts a node (its parent's depth)
+    ancestors: torch.Tensor  # (V, L + 1) long: a node's ancestor at each depth (itself below its own depth)
+    node_ids: torch.Tensor  # (V,) long arange
+    eval_prefix: tuple  # per lookahead m: n when the nodes evaluated are exactly 0..n-1, else -1
     L: int = 0  # depth, as a Python int (the round reads it often; no host read of a tensor)
+
+    @classmethod
+    def of(cls, tree: DraftTree, verify: str, device: torch.device) -> "TreeTables":
+        """The tables of ``tree`` for ``verify`` on ``device``, built once and kept on the (immutable) tree."""
+        cache = tree.__dict__.setdefault("_tables", {})
+        key = (verify, str(device))
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = cls.build(tree, verify, device)
+        return hit
 
     @classmethod
     def build(cls, tree: DraftTree, verify: str, device: torch.device) -> "TreeTables":
@@ -362,6 +375,13 @@ class TreeTables:
         # a node without children (a leaf) is never verified, but the full round decides every node
         # at once: a full row of dummy children keeps its junk problem well-formed for any rule
         valid[tree.num_children == 0] = True
+        counts = ev.sum(1)
+        prefix = tuple(int(n) if bool(row[:n].all()) else -1 for row, n in zip(ev, counts.tolist(), strict=True))
+        anc = torch.empty(tree.size, tree.L + 1, dtype=torch.long)
+        node = torch.arange(tree.size)
+        for level in range(tree.L, -1, -1):
+            node = torch.where(tree.depth[node] > level, tree.parent[node], node)
+            anc[:, level] = node
         to = lambda t: t.to(device)  # noqa: E731
         return cls(
             tree,
@@ -372,10 +392,13 @@ class TreeTables:
             to(code),
             to(valid),
             tuple(layers),
-            to(ev.sum(1)),
+            to(counts),
             to(ev),
             to(verified),
             to((tree.depth - 1).clamp(min=0)),
+            to(anc),
+            to(torch.arange(tree.size)),
+            prefix,
             tree.L,
         )
 

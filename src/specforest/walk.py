@@ -16,14 +16,15 @@ per-depth statistics ``(Bs, Lw)`` over the ``Lw <= Lr`` depths walked.
 
 There is one walk for both execution strategies of a round; they differ only
 in the *realizer* that the walk asks for a node's decision, state and
-evaluation (``level``, ``problem``, ``state``, ``velocity`` and
+evaluation (``descend``, ``problem``, ``state``, ``velocity`` and
 ``children_states``):
 
 * :class:`FullTree`: the tree truncated to depth ``Lr`` (``V_r`` nodes) was
   drafted (``Y (Bs, V_r, D)``) and the nodes the round evaluates were evaluated
   (``V (Bs, V_r, D)``) before the walk, in the round's one target call. It
   decides every verification problem (the ``V_i`` nodes of depth ``< Lr``) in
-  **one** coupling call, so the walk only follows the decisions;
+  **one** coupling call, so the walk only follows the decisions, all depths
+  at once;
 * :class:`OnDemand`, the lazy cost simulation: drafts and evaluates only the
   nodes the walk reaches, one depth at a time (one target call per depth), and
   evaluates a prefetch source (a sibling, the committed leaf) only when the
@@ -35,9 +36,10 @@ keys (:mod:`specforest.streams`), so the two give the same numbers, not only
 the same law. Acceptance, statistics, the residual's reconstruction and
 the prefetch rule are written once, here.
 
-Host-device synchronizations of a full walk: one ``any`` per depth, to stop
-when every walk has ended (at most ``L``), and the rejected trajectories
-(``nonzero``), whose residual draws have a data-dependent size.
+Host-device synchronizations of a full walk: one, the rejected trajectories
+(``nonzero``), whose residual draws have a data-dependent size; the full tree's
+descent is closed form (:meth:`FullTree.descend`). The lazy walk reads once per
+depth, to stop when every walk has ended.
 """
 
 from __future__ import annotations
@@ -81,6 +83,17 @@ class Level:
     delta: torch.Tensor
     y: Optional[torch.Tensor] = None  # (Bs, D) verified parent, when the proposal observes
     mu_q: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class Descent:
+    """Where the walks of a group went: ``Lw <= Lr`` depths, rows as in the :class:`~specforest.engine.Draft`."""
+
+    cur: torch.Tensor  # (Bs,) the node each walk ended at (a rejected walk: the parent of the rejected children)
+    act: torch.Tensor  # (Bs, Lw) bool: a verification problem met at depth l
+    acc: torch.Tensor  # (Bs, Lw) bool: ... and a child accepted
+    delta: torch.Tensor  # (Bs, Lw) float64 mismatch of the problem met (junk where not ``act``)
+    observed: Optional[tuple] = None  # (y, mu_q, steps, rows) of the verified parents, level-major
 
 
 def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys):
@@ -132,18 +145,34 @@ class FullTree:
         self.go = torch.where(tt.verify_at[d.Ls][:, :Vi], torch.where(acc, child, -2), -1)
         self.rows = ctx.rows_all[:Bs]
 
-    def level(self, level: int, cur: torch.Tensor, alive: torch.Tensor) -> Optional[Level]:
-        c = cur.clamp(max=self.go.shape[1] - 1)[:, None]
-        nxt = self.go.gather(1, c)[:, 0]
-        verified = alive & (nxt != -1)
-        if not bool(verified.any()):
-            return None
-        delta = self.delta.gather(1, c)[:, 0]
-        accepted = alive & (nxt >= 0)
+    def descend(self) -> Descent:
+        """Every walk of the group at once, from the decisions: no loop over depths, no synchronization.
+
+        A node is reached when every edge on its root path was the accepted
+        child of its parent; a walk ends at its deepest reached node, and the
+        path to it is that node's ancestors.
+        """
+        d, tt, go = self.d, self.d.tt, self.go
+        Vr, Lr = d.Y.shape[1], d.Lr
+        edge = torch.ones(go.shape[0], Vr, dtype=torch.bool, device=go.device)
+        edge[:, 1:] = go[:, tt.parent[1:Vr]] == tt.node_ids[1:Vr]
+        reached = edge[:, tt.ancestors[:Vr, : Lr + 1]].all(-1)  # (Bs, Vr)
+        cur = torch.where(reached, tt.node_ids[:Vr], 0).amax(1)  # breadth-first: the deepest reached node
+        path = tt.ancestors[cur, :Lr]  # (Bs, Lr) the verified parent at each depth (``cur`` past the end)
+        go_path = go.gather(1, path)
+        ended = tt.depth[cur][:, None]
+        cols = self.ctx.depth_cols[None, :Lr]
+        act = (go_path != -1) & (cols <= ended)
+        acc = cols < ended
+        observed = None
         if self.ctx.proposal.observes:
-            c = c[:, 0]
-            return Level(verified, accepted, nxt, delta, self.d.Y[self.rows, c], self.mu_q[self.rows, c])
-        return Level(verified, accepted, nxt, delta)
+            # level-major, as the lazy walk observes them
+            m = act.T.reshape(-1)
+            nodes = path.T.reshape(-1)[m]
+            rows = self.rows.repeat(Lr)[m]
+            steps = (d.s0[None] + self.ctx.depth_cols[:Lr, None]).reshape(-1)[m]
+            observed = (d.Y[rows, nodes], self.mu_q[rows, nodes], steps, rows)
+        return Descent(cur, act, acc, self.delta.gather(1, path), observed)
 
     def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
         """The verification problem at ``nodes`` of trajectories ``rows``: inputs of the residual and reconstruction."""
@@ -251,6 +280,34 @@ class OnDemand:
             return Level(act, full(acc, False), nxt, full(delta, 0.0), y_full, q_full)
         return Level(act, full(acc, False), nxt, full(delta, 0.0))
 
+    def descend(self) -> Descent:
+        """The walks depth by depth, each depth drafted and evaluated as the walks reach it."""
+        d, dev = self.d, self.ctx.device
+        Bs = d.ids.numel()
+        cur = torch.zeros(Bs, dtype=torch.long, device=dev)
+        alive = torch.ones(Bs, dtype=torch.bool, device=dev)
+        acts, accs, deltas, obs = [], [], [], []
+        for level in range(1, d.Lr + 1):
+            # a walk goes on while every child so far was accepted, within its lookahead, above a leaf
+            lv = self.level(level, cur, alive)
+            if lv is None:
+                break
+            alive = lv.accepted
+            # a rejected walk stays at the node whose children it rejected
+            cur = torch.where(alive, lv.next, cur)
+            acts.append(lv.verified)
+            accs.append(alive)
+            deltas.append(lv.delta)
+            if lv.y is not None:
+                obs.append((lv.verified, lv.y, lv.mu_q, level))
+        observed = None
+        if obs:
+            act_o = torch.cat([o[0] for o in obs])
+            rows = torch.arange(Bs, device=dev).repeat(len(obs))[act_o]
+            steps = torch.cat([d.s0 + o[3] - 1 for o in obs])[act_o]
+            observed = (torch.cat([o[1] for o in obs])[act_o], torch.cat([o[2] for o in obs])[act_o], steps, rows)
+        return Descent(cur, torch.stack(acts, 1), torch.stack(accs, 1), torch.stack(deltas, 1), observed)
+
     def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
         return tuple(t[rows] for t in self.prob)
 
@@ -297,26 +354,9 @@ class WalkResult:
 
 def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
     """From each root down to the first rejection, the residual there, and the prefetch rule (phase 4)."""
-    tt, dev = d.tt, ctx.device
-    Bs = d.ids.numel()
-    cur = torch.zeros(Bs, dtype=torch.long, device=dev)
-    alive = torch.ones(Bs, dtype=torch.bool, device=dev)
-    acts, accs, deltas, obs = [], [], [], []
-    for level in range(1, d.Lr + 1):
-        # a walk goes on while every child so far was accepted, within its lookahead, above a leaf;
-        # the realizer says which nodes are verified (None: no walk goes on)
-        lv = R.level(level, cur, alive)
-        if lv is None:
-            break
-        alive = lv.accepted
-        # a rejected walk stays at the node whose children it rejected
-        cur = torch.where(alive, lv.next, cur)
-        acts.append(lv.verified)
-        accs.append(alive)
-        deltas.append(lv.delta)
-        if lv.y is not None:
-            obs.append((lv.verified, lv.y, lv.mu_q, level))
-    act_t, acc_t = torch.stack(acts, 1), torch.stack(accs, 1)
+    tt = d.tt
+    desc = R.descend()
+    cur, act_t, acc_t = desc.cur, desc.act, desc.acc
     rejected = (act_t & ~acc_t).any(1)
     ncom = act_t.sum(1)
     rej_node = cur
@@ -343,12 +383,6 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
         src = src.index_put((r,), torch.where(has, ch.gather(1, pick[:, None])[:, 0], src[r]))
     pre_y, pre_v = R.state(src), R.velocity(src)
     pre_step = d.s0 + tt.depth[src]
-    observed = None
-    if obs:
-        act_o = torch.cat([o[0] for o in obs])
-        rows = torch.arange(Bs, device=dev).repeat(len(obs))[act_o]
-        steps = torch.cat([d.s0 + o[3] - 1 for o in obs])[act_o]
-        observed = (torch.cat([o[1] for o in obs])[act_o], torch.cat([o[2] for o in obs])[act_o], steps, rows)
     return WalkResult(
         new_x,
         ncom,
@@ -357,7 +391,7 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
         pre_step,
         act_t,
         acc_t,
-        torch.stack(deltas, 1),
-        observed,
+        desc.delta,
+        desc.observed,
         getattr(R, "draft_calls", 0),
     )
