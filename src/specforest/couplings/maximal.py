@@ -44,7 +44,7 @@ def grs_levels(delta: torch.Tensor | float, K: int) -> tuple[torch.Tensor, torch
     one = torch.ones_like(d)
     # the first level in closed form: lambda_1 = 1, tau_1 = delta / 2, G_2 = 1 - 2 Phibar(delta / 2)
     lam = [torch.zeros_like(d), one]
-    G = [one, torch.where(pos, torch.erf(d * (0.5 / math.sqrt(2.0))), 0.0)]
+    G = [one, torch.erf(d * (0.5 / math.sqrt(2.0)))]  # 0 at delta = 0
     for _ in range(K - 1):
         lam_k = lam[-1] + G[-1]
         log_lam = torch.log(lam_k)
