@@ -241,3 +241,44 @@ def test_the_simulated_law_of_committed_steps_has_the_closed_form_moments(tree):
     m1 = sum(j * pj for j, pj in enumerate(p))
     m2 = sum(j * j * pj for j, pj in enumerate(p))
     assert sum(p) == pytest.approx(1.0) and m1 == pytest.approx(mean) and m2 - m1 * m1 == pytest.approx(var)
+
+
+def test_the_network_factor_scales_the_calls_only():
+    curve = CostCurve((1, 1024), (1.0, 1.0))
+    assert predict_seconds(curve, 30, 1, None, "internal", None, 0.5, 2.0) == (30 * (2.0 + 0.5), 30.0)
+    one = predict_seconds(curve, 30, 1, trees.chain(4), "internal", lambda level, k: 0.7, 0.0)
+    two = predict_seconds(curve, 30, 1, trees.chain(4), "internal", lambda level, k: 0.7, 0.0, 2.0)
+    assert two == (pytest.approx(2 * one[0]), one[1])
+
+
+def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
+    """A model whose calls cost 2 ms inside a run and 1 ms back to back (as when the sampler's work
+    between calls evicts the network from the caches): the factor is 2, and the standard sampler's
+    prediction carries it; with a given curve nothing is assumed about the model (factor 1)."""
+    import time
+
+    from specforest import latency
+
+    inside = [False]
+    real_sample = latency.sample
+
+    def in_run(*args, **kwargs):
+        inside[0] = True
+        try:
+            return real_sample(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def model(x, sigma, **kw):
+        time.sleep(0.004 if inside[0] else 0.002)
+        return gmm(x, sigma, **kw)
+
+    monkeypatch.setattr(latency, "sample", in_run)
+    x = streams.randn(0, torch.arange(2), (8,))
+    pred = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2)
+    factor = pred.network_factor(None, "grs", "internal", "velocity")
+    assert 1.6 < factor < 2.4, factor
+    seconds, calls, s_round = pred.predict(None)
+    assert seconds == pytest.approx(6 * (factor * pred.curve(1) + s_round))
+    given = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2, curve=pred.curve)
+    assert given.network_factor(None, "grs", "internal", "velocity") == 1.0

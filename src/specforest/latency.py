@@ -8,7 +8,10 @@ the sampler's own time per round. :func:`tune` measures both:
   a median of a few calls per size, in seconds);
 * the acceptance per depth, from a short lazy calibration chain (as
   :func:`specforest.planning.plan_tree` does);
-* the sampler's own time per round of each candidate, from a short real run.
+* the sampler's own time per round of each candidate, from a short real run,
+  and on the same run the network calls' cost inside a run relative to the
+  curve (:meth:`Predictor.network_factor`: calls between sampler work cost
+  more than calls back to back).
 
 For a configuration (tree, coupling, verification mode) the predicted time of a
 run of ``T`` steps for ``batch`` trajectories is
@@ -192,6 +195,7 @@ def predict_seconds(
     verify: str,
     acceptance: "Optional[Callable[[int, int], float] | Sequence[tuple[float, Callable[[int, int], float]]]]",
     sampler_seconds_per_round: float,
+    network_factor: float = 1.0,
 ) -> "tuple[float, float]":
     """``(seconds of the run, calls)`` predicted for ``batch`` trajectories of ``steps`` steps.
 
@@ -203,6 +207,8 @@ def predict_seconds(
         acceptance: ``a(l, k)``, or ``[(fraction of the stochastic steps, a(l, k))]`` per stretch
             of the grid (acceptance changes along the grid; a round uses the stretch it starts in).
         sampler_seconds_per_round: the sampler's own time per round.
+        network_factor: a call's cost inside a run over its cost on the curve (measured
+            back to back); every call's curve cost is multiplied by it.
 
     The run is simulated: ``batch`` trajectories step through the grid in
     lockstep calls (the first step, the first root's fetch, speculative rounds
@@ -212,6 +218,9 @@ def predict_seconds(
     running; the batch waits for its slowest trajectory. The mean over a few
     simulated runs (a fixed seed: the prediction is deterministic) is returned.
     """
+    if network_factor != 1.0:
+        base = curve
+        curve = lambda rows: network_factor * base(rows)  # noqa: E731
     if tree is None:
         return steps * (curve(batch) + sampler_seconds_per_round), float(steps)
     stoch = max(steps - _DETERMINISTIC, 0)
@@ -389,12 +398,16 @@ class Predictor:
     curve and the calibrated acceptance (see the module docstring).
     """
 
-    def __init__(self, model, x, cond, steps, churn, batch, curve, acceptance, seed, sample_kwargs) -> None:
+    def __init__(
+        self, model, x, cond, steps, churn, batch, curve, acceptance, seed, sample_kwargs, measured_curve=False
+    ) -> None:
         self.model, self.x, self.cond = model, x, cond
+        self.measured_curve = measured_curve  # the curve times this model: calls in a run can be compared to it
         self.steps, self.churn, self.batch = steps, churn, batch
         self.curve, self.acceptance, self.seed = curve, acceptance, seed
         self.sample_kwargs = sample_kwargs
         self._sampler_time: dict = {}
+        self._network_factor: dict = {}
         self._warm: set = set()
 
     @classmethod
@@ -425,7 +438,8 @@ class Predictor:
         drafts = list(dict.fromkeys(drafts))
         if not drafts:
             raise ValueError("drafts must name at least one draft kind")
-        if curve is None:
+        measured = curve is None
+        if measured:
             top = max(512, batch * 63)
             sizes = tuple(s for s in (*DEFAULT_SIZES, 1024, 2048, 4096) if s <= top)
             curve = measure_cost_curve(model, x[:1], cond=_rows(cond, 1), sizes=sizes, progress=progress)
@@ -449,7 +463,7 @@ class Predictor:
                 **sample_kwargs,
             )
             acceptance[draft, family] = cal.stats.deltas[:, :3]  # (depth, step, delta)
-        return cls(model, x, cond, steps, churn, batch, curve, acceptance, seed, sample_kwargs)
+        return cls(model, x, cond, steps, churn, batch, curve, acceptance, seed, sample_kwargs, measured)
 
     @property
     def drafts(self) -> list:
@@ -482,8 +496,11 @@ class Predictor:
         return out
 
     def sampler_seconds_per_round(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> float:
-        """The sampler's own time per round of a structure: a short real run (``max(16, 2 L + 4)`` steps), cached."""
-        key = (None if tree is None else tuple(tree.parent.tolist()), coupling, verify, draft)
+        """The sampler's own time per round of a structure: a short real run (``max(16, 2 L + 4)`` steps), cached.
+
+        The same run measures :meth:`network_factor`.
+        """
+        key = self._key(tree, coupling, verify, draft)
         if key not in self._sampler_time:
             if (coupling, draft) not in self._warm:
                 # one-off costs (rule tables, first calls) are not per-round costs
@@ -501,8 +518,14 @@ class Predictor:
                 )
                 self._warm.add((coupling, draft))
             depth = 0 if tree is None else tree.L
+            rows: list = []
+
+            def counted(x, sigma, **kw):
+                rows.append(x.shape[0])
+                return self.model(x, sigma, **kw)
+
             run = sample(
-                self.model,
+                counted,
                 self.x[: self.batch],
                 # long enough that most rounds see the whole tree
                 steps=min(self.steps, max(16, 2 * depth + 4)),
@@ -516,7 +539,27 @@ class Predictor:
                 **self.sample_kwargs,
             )
             self._sampler_time[key] = max(run.stats.sampler_seconds, 0.0) / max(run.stats.calls, 1)
+            on_curve = sum(self.curve(r) for r in rows)
+            known = self.measured_curve and on_curve > 0
+            self._network_factor[key] = run.stats.target_seconds / on_curve if known else 1.0
         return self._sampler_time[key]
+
+    def network_factor(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> float:
+        """A network call's cost inside a run of this structure over its cost on the curve.
+
+        The curve times calls back to back; inside a run the sampler's work between
+        calls evicts the network's weights and activations from the caches, and on
+        this CPU a call then costs 10-25% more. Measured on the same short run as
+        :meth:`sampler_seconds_per_round` (the time inside its calls over the
+        curve's cost of their rows), so the prediction carries it. 1 when the
+        curve was given rather than measured here (it may not time this model).
+        """
+        self.sampler_seconds_per_round(tree, coupling, verify, draft)
+        return self._network_factor[self._key(tree, coupling, verify, draft)]
+
+    @staticmethod
+    def _key(tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> tuple:
+        return (None if tree is None else tuple(tree.parent.tolist()), coupling, verify, draft)
 
     def predict(
         self, tree: Optional[DraftTree], coupling: str = "grs", verify: str = "internal", draft: str = "velocity"
@@ -527,8 +570,9 @@ class Predictor:
         """
         d = draft if draft in self.drafts else self.drafts[0]
         s_round = self.sampler_seconds_per_round(tree, coupling, verify, d)
+        factor = self.network_factor(tree, coupling, verify, d)
         a = None if tree is None else self.acceptance_bins(coupling, d)
-        seconds, calls = predict_seconds(self.curve, self.steps, self.batch, tree, verify, a, s_round)
+        seconds, calls = predict_seconds(self.curve, self.steps, self.batch, tree, verify, a, s_round, factor)
         return seconds / self.batch, calls, s_round
 
 
