@@ -15,7 +15,8 @@ given device):
    per image, the sampler's own time per round, wall time per image (median of
    3 runs, the configurations interleaved) and the speedup over the standard
    sampler in the same run, next to the cost model's prediction made before
-   the runs (``latency.Predictor``).
+   the runs (``latency.Predictor``), and the pooled factor by which a call
+   inside a run costs more than on the curve.
 
 Regenerates the ``wallclock`` section of ``benchmarks/RESULTS.md``.
 """
@@ -77,12 +78,13 @@ def run_model(name: str, device: str, repeats: int) -> dict:
         if out["curve"] is None:
             out["curve"] = pred.curve
         configs = _configs(model, x, cond, opts, pred, tuned)
-        predicted = {}
+        keys = {}
         for label, kw in configs:
             kw = dict(kw)
-            predicted[label] = pred.predict(
-                kw.get("tree"), kw.get("coupling", "grs"), kw.get("verify", "internal"), kw.get("draft", "velocity")
-            )
+            keys[label] = (kw.get("tree"), kw.get("coupling", "grs"), kw.get("verify", "internal"))
+            keys[label] += (kw.get("draft", "velocity"),)
+            pred.sampler_seconds_per_round(*keys[label])  # every row timed first: one pooled network factor
+        predicted = {label: pred.predict(*key) for label, key in keys.items()}
         walls: dict = {label: [] for label, _ in configs}
         stats: dict = {}
         for r in range(repeats):
@@ -111,7 +113,7 @@ def run_model(name: str, device: str, repeats: int) -> dict:
                     speedup=base / wall,
                 )
             )
-        out["rows"][batch] = dict(rows=rows, tuned=tuned, tune_seconds=tune_seconds)
+        out["rows"][batch] = dict(rows=rows, tuned=tuned, tune_seconds=tune_seconds, factor=pred.network_factor())
     return out
 
 
@@ -123,7 +125,8 @@ def _table(name: str, res: dict) -> list:
         lines += [
             "",
             f"**{name}, {what}** (tuned in {r['tune_seconds']:.1f} s: {tuned.label}, predicted "
-            f"{1e3 * tuned.predicted_seconds_per_image:.2f} ms per image, {tuned.predicted_speedup:.2f}x)",
+            f"{1e3 * tuned.predicted_seconds_per_image:.2f} ms per image, {tuned.predicted_speedup:.2f}x; "
+            f"a call in a run costs {r['factor']:.2f}x its time on the curve)",
             "",
             "| sampler | target calls (predicted) | rows per image | sampler time per round | wall per image "
             "| predicted | error | wall-clock speedup |",

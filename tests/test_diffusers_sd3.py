@@ -822,3 +822,87 @@ def test_generate_sd3_writes_one_png_per_index_whatever_the_batch(pipe, tmp_path
     prompts.write_text("a green tree\n")
     res = CliRunner().invoke(main, [*common, "--batch", "3", "--out", str(outs[1][0]), "--resume"])
     assert res.exit_code != 0 and "options that differ" in res.output
+
+
+# -- tuning --------------------------------------------------------------------------------------------
+
+
+def test_tune_measures_the_pipeline_and_its_choice_runs(pipe):
+    from specforest.latency import Tuned
+
+    tuned = sd.tune(
+        pipe,
+        ["a photo of a cat", "a red car"],
+        num_inference_steps=8,
+        height=8,
+        width=8,
+        max_sequence_length=SEQ,
+        budget_max=4,
+        drafts=("velocity",),
+        calibration_images=2,
+        max_memory_gb=1.0,
+    )
+    assert isinstance(tuned, Tuned) and tuned.steps == 8 and tuned.batch == 1
+    assert tuned.predicted_seconds_per_image > 0 and tuned.standard_seconds_per_image > 0
+    assert {c["label"] for c in tuned.candidates} >= {"standard"}
+    res = sd.sample(pipe, PROMPT, num_inference_steps=8, generator=gen(0), **BASE, **tuned)
+    assert res.latents.shape == (1, 4, 4, 4) and torch.isfinite(res.latents).all()
+
+
+def test_tune_measures_no_call_larger_than_the_memory_limit(pipe, monkeypatch):
+    """A tiny memory limit caps the cost curve's sizes (the sampler splits calls above it)."""
+    from specforest import latency
+
+    seen = []
+    real = latency.measure_cost_curve
+    monkeypatch.setattr(latency, "measure_cost_curve", lambda *a, **k: seen.append(k["sizes"]) or real(*a, **k))
+    with pytest.raises(ValueError, match="batch"):
+        sd.tune(pipe, PROMPT, num_inference_steps=4, height=8, width=8, batch=0)
+    sd.tune(
+        pipe,
+        PROMPT,
+        num_inference_steps=4,
+        height=8,
+        width=8,
+        max_sequence_length=SEQ,
+        budget_max=2,
+        drafts=("velocity",),
+        calibration_images=1,
+        max_memory_gb=1e-9,
+    )
+    assert seen and max(seen[0]) == 1
+
+
+def test_tune_and_sd3_commands_choose_then_run_the_tuned_configuration(pipe, tmp_path):
+    model = tmp_path / "tiny-sd3"
+    pipe.save_pretrained(str(model))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a cat\na red car on the street\n")
+    tuned = tmp_path / "tuned.json"
+    common = ["--steps", "6", "--height", "16", "--width", "16", "--max-sequence-length", str(SEQ), "--dtype"]
+    res = CliRunner().invoke(
+        main,
+        ["tune", "--model", "sd3", "--pipeline", str(model), "--prompts", str(prompts), *common, "float32"]
+        + ["--churn", "0.8", "--budget-max", "4", "--drafts", "velocity", "--out", str(tuned), "--no-progress"],
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(tuned.read_text())
+    assert data["tuned_for"]["model"] == "sd3" and data["predicted_seconds_per_image"] > 0
+    assert "chosen:" in res.output
+    missing = CliRunner().invoke(main, ["tune", "--model", "sd3", "--out", str(tmp_path / "x.json")])
+    assert missing.exit_code != 0 and "--pipeline" in missing.output and not (tmp_path / "x.json").exists()
+    out = tmp_path / "out"
+    args = ["--model", str(model), "--prompts", str(prompts), "--K-values", "2", *common, "float32"]
+    args += ["--out", str(out), "--device", "cpu", "--no-progress", "--tune", str(tuned)]
+    run = CliRunner().invoke(sd3_command, args, catch_exceptions=False)
+    assert run.exit_code == 0, run.output
+    recs = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in recs] == ["standard", "dgrs", "rmc", "tuned"]
+    t = recs[-1]
+    assert t["tuned_label"] == data["label"] and t["coupling"] == data["coupling"] and t["images"] == 2
+    assert "tuned: " in run.output
+    gmm_file = tmp_path / "gmm.json"
+    gmm_file.write_text(json.dumps({**data, "tuned_for": {"model": "gmm"}}))
+    wrong = CliRunner().invoke(sd3_command, [*args[:-1], str(gmm_file)])
+    assert wrong.exit_code != 0 and "tuned for --model gmm" in wrong.output

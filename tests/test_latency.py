@@ -246,6 +246,7 @@ def test_the_simulated_law_of_committed_steps_has_the_closed_form_moments(tree):
 def test_the_network_factor_scales_the_calls_only():
     curve = CostCurve((1, 1024), (1.0, 1.0))
     assert predict_seconds(curve, 30, 1, None, "internal", None, 0.5, 2.0) == (30 * (2.0 + 0.5), 30.0)
+    assert predict_seconds(curve, 30, 1, None, "internal", None, 0.5, 2.0, 1.5) == (1.5 + 30 * 2.5, 30.0)
     one = predict_seconds(curve, 30, 1, trees.chain(4), "internal", lambda level, k: 0.7, 0.0)
     two = predict_seconds(curve, 30, 1, trees.chain(4), "internal", lambda level, k: 0.7, 0.0, 2.0)
     assert two == (pytest.approx(2 * one[0]), one[1])
@@ -276,9 +277,12 @@ def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
     monkeypatch.setattr(latency, "sample", in_run)
     x = streams.randn(0, torch.arange(2), (8,))
     pred = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2)
-    factor = pred.network_factor(None, "grs", "internal", "velocity")
-    assert 1.6 < factor < 2.4, factor
+    assert pred.network_factor() == 1.0  # nothing timed yet
     seconds, calls, s_round = pred.predict(None)
-    assert seconds == pytest.approx(6 * (factor * pred.curve(1) + s_round))
+    factor = pred.network_factor()
+    assert 1.6 < factor < 2.4, factor
+    setup = pred.setup_seconds(None, "grs", "internal", "velocity")
+    assert setup >= 0 and seconds == pytest.approx(setup + 6 * (factor * pred.curve(1) + s_round))
     given = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2, curve=pred.curve)
-    assert given.network_factor(None, "grs", "internal", "velocity") == 1.0
+    given.predict(None)
+    assert given.network_factor() == 1.0

@@ -303,8 +303,8 @@ def tune_option():
 _METHOD_OF = {"grs": "dgrs", "rank": "rank", "antithetic": "antithetic"}
 
 
-def apply_tuned(o: dict, model: str) -> dict:
-    """The options ``o`` with the sampler options of ``o["tune_file"]`` (tuned for ``model``) in place.
+def read_tuned(path: str, model: str):
+    """The :class:`~specforest.latency.Tuned` of a file ``specforest tune`` wrote for ``model``.
 
     Raises:
         click.ClickException: if the file was tuned for another model or cannot be read.
@@ -313,9 +313,6 @@ def apply_tuned(o: dict, model: str) -> dict:
 
     from .latency import Tuned
 
-    path = o.get("tune_file")
-    if not path:
-        return o
     try:
         data = json.loads(open(path, encoding="utf-8").read())
         tuned = Tuned.from_json(data)
@@ -324,6 +321,19 @@ def apply_tuned(o: dict, model: str) -> dict:
     made_for = data.get("tuned_for", {}).get("model")
     if made_for is not None and made_for != model:
         raise click.ClickException(f"--tune {path} was tuned for --model {made_for}, not {model}")
+    return tuned
+
+
+def apply_tuned(o: dict, model: str) -> dict:
+    """The options ``o`` with the sampler options of ``o["tune_file"]`` (tuned for ``model``) in place.
+
+    Raises:
+        click.ClickException: if the file was tuned for another model or cannot be read.
+    """
+    path = o.get("tune_file")
+    if not path:
+        return o
+    tuned = read_tuned(path, model)
     o = dict(o, verify=tuned.verify, draft=tuned.draft, tree_mode="uniform", budget=None)
     if tuned.tree is None:
         o.update(method="standard")

@@ -17,6 +17,7 @@ from .cli_common import (
     library_errors,
     prefetch_option,
     progress_option,
+    read_tuned,
     seed_option,
     set_threads,
     steps_option,
@@ -25,16 +26,30 @@ from .cli_common import (
 )
 from .experiments import sd3 as sd3_exp
 
-__all__ = ["pipeline_options", "sd3"]
+__all__ = ["pipeline_options", "sd3", "tune_pipeline_options"]
 
 
 def pipeline_options(f):
     """The pipeline, captions and image options of every SD3 command (``sd3`` and ``generate sd3``)."""
+    for opt in reversed(_pipeline_option_list("--model", required=True, device=True)):
+        f = opt(f)
+    return f
+
+
+def tune_pipeline_options(f):
+    """The same options for ``specforest tune --model sd3``: the pipeline is ``--pipeline``, nothing required."""
+    for opt in reversed(_pipeline_option_list("--pipeline", required=False, device=False)):
+        f = opt(f)
+    return f
+
+
+def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> list:
     opts = [
         click.option(
-            "--model",
+            path_flag,
+            "pipeline_path" if path_flag != "--model" else "model",
             type=click.Path(exists=True, file_okay=False),
-            required=True,
+            required=required,
             help="Local StableDiffusion3Pipeline directory (e.g. a download of "
             "stabilityai/stable-diffusion-3.5-medium); loaded with local_files_only=True.",
         ),
@@ -42,7 +57,7 @@ def pipeline_options(f):
             "--prompts",
             "prompts_file",
             type=click.Path(exists=True, dir_okay=False),
-            required=True,
+            required=required,
             help="Text file of captions, one per line (empty lines skipped).",
         ),
         click.option(
@@ -88,12 +103,6 @@ def pipeline_options(f):
             help="T5 prompt tokens (1..512), as in the SD3 pipeline.",
         ),
         click.option(
-            "--device",
-            default=None,
-            show_default="cuda if available, else cpu",
-            help="Torch device of the pipeline (cuda, cuda:1, cpu, ...).",
-        ),
-        click.option(
             "--dtype",
             type=click.Choice(tuple(sd3_exp.DTYPES)),
             default=None,
@@ -101,9 +110,16 @@ def pipeline_options(f):
             help="Dtype of the pipeline's models (the sampler itself runs in float32).",
         ),
     ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+    if device:
+        opts.append(
+            click.option(
+                "--device",
+                default=None,
+                show_default="cuda if available, else cpu",
+                help="Torch device of the pipeline (cuda, cuda:1, cpu, ...).",
+            )
+        )
+    return opts
 
 
 @click.command("sd3", context_settings=CONTEXT)
@@ -159,6 +175,13 @@ def pipeline_options(f):
 @click.option("--save-images", is_flag=True, help="Save every image under OUT/images/<configuration>/.")
 @progress_option("Progress bars on stderr.")
 @threads_option()
+@click.option(
+    "--tune",
+    "tune_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A JSON written by 'specforest tune --model sd3': its configuration runs as one more, 'tuned'.",
+)
 def sd3(**o) -> None:
     """Stable Diffusion 3 experiment of the paper (Section 5.3, Figure 5, Table 1).
 
@@ -169,6 +192,7 @@ def sd3(**o) -> None:
     K=2..7. Writes OUT/results.json, OUT/results.csv and OUT/speedup_vs_K.png.
     """
     set_threads(o.pop("threads"))
+    tuned = read_tuned(o["tune_file"], "sd3") if o["tune_file"] else None
     device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = o["dtype"] or ("float16" if device.startswith("cuda") else "float32")
 
@@ -210,6 +234,7 @@ def sd3(**o) -> None:
             save_images=o["save_images"],
             progress=o["progress"],
             log=log,
+            tuned=tuned,
         )
     )
     click.echo(sd3_exp.format_summary(res.records))

@@ -1,4 +1,4 @@
-"""Command line: ``specforest tune --model gmm|digits --out tuned.json``: the fastest configuration here.
+"""Command line: ``specforest tune --model gmm|digits|sd3 --out tuned.json``: the fastest configuration here.
 
 A thin shell over :func:`specforest.latency.tune`: measures the target's
 batch-cost curve on the device, calibrates acceptance on a short run, times the
@@ -22,6 +22,7 @@ from .cli_common import (
     steps_option,
     threads_option,
 )
+from .cli_sd3 import tune_pipeline_options
 
 __all__ = ["tune"]
 
@@ -43,8 +44,38 @@ def _target(model: str, o: dict, n: int):
     return load_velocity(device=o["device"]), streams.randn(0, idx, IMAGE_SHAPE, device=o["device"]), cond
 
 
+def _tune_sd3(o: dict, drafts: list):
+    """``specforest.diffusers.tune`` on the pipeline and captions of ``--pipeline`` and ``--prompts``."""
+    from . import diffusers as sd
+    from .experiments import sd3 as sd3_exp
+
+    if not o["pipeline_path"] or not o["prompts_file"]:
+        raise click.UsageError("--model sd3 needs --pipeline DIR and --prompts FILE")
+    dtype = o["dtype"] or ("float16" if o["device"] == "cuda" else "float32")
+    prompts = library_errors(lambda: sd3_exp.load_prompts(o["prompts_file"], o["num_prompts"]))
+    pipe = library_errors(lambda: sd3_exp.load_pipeline(o["pipeline_path"], device=o["device"], dtype=dtype))
+    return library_errors(
+        lambda: sd.tune(
+            pipe,
+            prompts,
+            num_inference_steps=o["steps"],
+            guidance_scale=o["guidance"],
+            height=o["height"],
+            width=o["width"],
+            churn=o["churn"],
+            shift=o["shift"],
+            batch=o["batch"],
+            budget_max=o["budget_max"],
+            drafts=drafts,
+            max_sequence_length=o["max_sequence_length"],
+            max_memory_gb=o["max_memory_gb"],
+            progress=o["progress"],
+        )
+    )
+
+
 @click.command("tune", context_settings=CONTEXT)
-@click.option("--model", type=click.Choice(["gmm", "digits"]), required=True, help="The target to tune for.")
+@click.option("--model", type=click.Choice(["gmm", "digits", "sd3"]), required=True, help="The target to tune for.")
 @steps_option(30)
 @churn_option(0.1)
 @click.option("--batch", type=click.IntRange(1), default=1, show_default=True, help="Images per run (>= 1).")
@@ -55,10 +86,22 @@ def _target(model: str, o: dict, n: int):
 @click.option("--drafts", default="velocity,x0", show_default=True, help="Comma list of draft kinds to consider.")
 @click.option("--budget-max", type=click.IntRange(1), default=62, show_default=True, help="Largest budget tried.")
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="The JSON to write.")
+@tune_pipeline_options
+@click.option(
+    "--max-memory-gb",
+    type=click.FloatRange(0.0, min_open=True),
+    default=None,
+    show_default="free CUDA memory, or 50% of RAM",
+    help="sd3: memory limit in GB (> 0); calls above it are split.",
+)
 @threads_option()
 @progress_option()
 def tune(**o) -> None:
     """Measure this device's batch-cost curve and the sampler's own time, and pick the fastest configuration.
+
+    --model sd3 tunes a local StableDiffusion3Pipeline (--pipeline DIR) on the
+    captions of --prompts FILE: its transformer with classifier-free guidance
+    on its scheduler's grid (use --steps 50 --churn 0.8 for the paper's run).
 
     The JSON holds the configuration (tree as its parent list, coupling, verify,
     draft), predicted_seconds_per_image, predicted_speedup over the standard
@@ -68,9 +111,32 @@ def tune(**o) -> None:
     from .latency import tune as tune_fn
 
     threads = set_threads(o["threads"])
-    model, x, cond = library_errors(lambda: _target(o["model"], o, max(o["batch"], 16)))
     drafts = [d.strip() for d in o["drafts"].split(",") if d.strip()]
-    res = library_errors(
+    if o["model"] == "sd3":
+        res = _tune_sd3(o, drafts)
+    else:
+        res = _tune_small(o, drafts, tune_fn)
+    data = res.to_json()
+    keys = ("model", "steps", "churn", "batch", "device", "dim", "components")
+    if o["model"] == "sd3":
+        keys = ("model", "steps", "churn", "batch", "device", "guidance", "shift", "height", "width")
+    data["tuned_for"] = {k: o[k] for k in keys}
+    data["tuned_for"]["threads"] = threads
+    atomic_write_text(o["out"], json.dumps(data, indent=1) + "\n")
+    ms = 1e3
+    click.echo(
+        f"chosen: {res.label}: {ms * res.predicted_seconds_per_image:.2f} ms per image predicted, "
+        f"{res.predicted_speedup:.2f}x the standard sampler's {ms * res.standard_seconds_per_image:.2f} ms "
+        f"({o['batch']} per run, {threads} thread(s)); wrote {o['out']}"
+    )
+    for c in res.candidates[:5]:
+        click.echo(f"  {c['label']}: {ms * c['seconds_per_image']:.2f} ms per image, {c['calls']:.1f} calls")
+
+
+def _tune_small(o: dict, drafts: list, tune_fn):
+    """The mixture or the digits model."""
+    model, x, cond = library_errors(lambda: _target(o["model"], o, max(o["batch"], 16)))
+    return library_errors(
         lambda: tune_fn(
             model,
             x,
@@ -83,15 +149,3 @@ def tune(**o) -> None:
             progress=o["progress"],
         )
     )
-    data = res.to_json()
-    data["tuned_for"] = {k: o[k] for k in ("model", "steps", "churn", "batch", "device", "dim", "components")}
-    data["tuned_for"]["threads"] = threads
-    atomic_write_text(o["out"], json.dumps(data, indent=1) + "\n")
-    ms = 1e3
-    click.echo(
-        f"chosen: {res.label}: {ms * res.predicted_seconds_per_image:.2f} ms per image predicted, "
-        f"{res.predicted_speedup:.2f}x the standard sampler's {ms * res.standard_seconds_per_image:.2f} ms "
-        f"({o['batch']} per run, {threads} thread(s)); wrote {o['out']}"
-    )
-    for c in res.candidates[:5]:
-        click.echo(f"  {c['label']}: {ms * c['seconds_per_image']:.2f} ms per image, {c['calls']:.1f} calls")

@@ -196,6 +196,7 @@ def predict_seconds(
     acceptance: "Optional[Callable[[int, int], float] | Sequence[tuple[float, Callable[[int, int], float]]]]",
     sampler_seconds_per_round: float,
     network_factor: float = 1.0,
+    setup_seconds: float = 0.0,
 ) -> "tuple[float, float]":
     """``(seconds of the run, calls)`` predicted for ``batch`` trajectories of ``steps`` steps.
 
@@ -209,6 +210,7 @@ def predict_seconds(
         sampler_seconds_per_round: the sampler's own time per round.
         network_factor: a call's cost inside a run over its cost on the curve (measured
             back to back); every call's curve cost is multiplied by it.
+        setup_seconds: the sampler's own time per run outside its rounds (set-up, wrap-up).
 
     The run is simulated: ``batch`` trajectories step through the grid in
     lockstep calls (the first step, the first root's fetch, speculative rounds
@@ -222,7 +224,7 @@ def predict_seconds(
         base = curve
         curve = lambda rows: network_factor * base(rows)  # noqa: E731
     if tree is None:
-        return steps * (curve(batch) + sampler_seconds_per_round), float(steps)
+        return setup_seconds + steps * (curve(batch) + sampler_seconds_per_round), float(steps)
     stoch = max(steps - _DETERMINISTIC, 0)
     bins = [(1.0, acceptance)] if callable(acceptance) else list(acceptance)
     edges = []
@@ -270,7 +272,7 @@ def predict_seconds(
         calls += 1
         calls_sum += calls
         seconds_sum += seconds
-    return seconds_sum / runs, calls_sum / runs
+    return setup_seconds + seconds_sum / runs, calls_sum / runs
 
 
 def _steps_law(tree: DraftTree, acceptance: Callable[[int, int], float]) -> list:
@@ -399,15 +401,28 @@ class Predictor:
     """
 
     def __init__(
-        self, model, x, cond, steps, churn, batch, curve, acceptance, seed, sample_kwargs, measured_curve=False
+        self,
+        model,
+        x,
+        cond,
+        steps,
+        churn,
+        batch,
+        curve,
+        acceptance,
+        seed,
+        sample_kwargs,
+        measured_curve=False,
+        sigmas_for=None,
     ) -> None:
         self.model, self.x, self.cond = model, x, cond
+        self.sigmas_for = sigmas_for
         self.measured_curve = measured_curve  # the curve times this model: calls in a run can be compared to it
         self.steps, self.churn, self.batch = steps, churn, batch
         self.curve, self.acceptance, self.seed = curve, acceptance, seed
         self.sample_kwargs = sample_kwargs
-        self._sampler_time: dict = {}
-        self._network_factor: dict = {}
+        self._sampler_time: dict = {}  # key -> (per round, per run outside the rounds)
+        self._network: list = [0.0, 0.0]  # seconds inside the timing runs' calls, and their cost on the curve
         self._warm: set = set()
 
     @classmethod
@@ -426,6 +441,7 @@ class Predictor:
         calibration_trajectories: int = 16,
         seed: int = 0,
         progress: bool = False,
+        sigmas_for: Optional[Callable[[int], torch.Tensor]] = None,
         **sample_kwargs: Any,
     ) -> "Predictor":
         """Measure the cost curve (unless given) and calibrate acceptance per draft on a lazy chain.
@@ -441,6 +457,9 @@ class Predictor:
         measured = curve is None
         if measured:
             top = max(512, batch * 63)
+            if sample_kwargs.get("max_rows"):
+                # the sampler splits larger calls: measured up to there, extended linearly
+                top = min(top, int(sample_kwargs["max_rows"]))
             sizes = tuple(s for s in (*DEFAULT_SIZES, 1024, 2048, 4096) if s <= top)
             curve = measure_cost_curve(model, x[:1], cond=_rows(cond, 1), sizes=sizes, progress=progress)
         n_cal = min(calibration_trajectories, len(x))
@@ -451,7 +470,7 @@ class Predictor:
             cal = sample(
                 model,
                 x[:n_cal],
-                steps=steps,
+                **_grid(sigmas_for, steps),
                 churn=churn,
                 tree=chain(min(budget_max, steps)),
                 coupling=family,
@@ -463,7 +482,7 @@ class Predictor:
                 **sample_kwargs,
             )
             acceptance[draft, family] = cal.stats.deltas[:, :3]  # (depth, step, delta)
-        return cls(model, x, cond, steps, churn, batch, curve, acceptance, seed, sample_kwargs, measured)
+        return cls(model, x, cond, steps, churn, batch, curve, acceptance, seed, sample_kwargs, measured, sigmas_for)
 
     @property
     def drafts(self) -> list:
@@ -498,8 +517,17 @@ class Predictor:
     def sampler_seconds_per_round(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> float:
         """The sampler's own time per round of a structure: a short real run (``max(16, 2 L + 4)`` steps), cached.
 
-        The same run measures :meth:`network_factor`.
+        The time of its rounds' phases over its calls; what the run spends outside its
+        rounds (set-up, wrap-up) is :meth:`setup_seconds`, paid once per run. The same run
+        adds to :meth:`network_factor`.
         """
+        return self._timed(tree, coupling, verify, draft)[0]
+
+    def setup_seconds(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> float:
+        """The sampler's own time per run outside its rounds, from the run of :meth:`sampler_seconds_per_round`."""
+        return self._timed(tree, coupling, verify, draft)[1]
+
+    def _timed(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> tuple:
         key = self._key(tree, coupling, verify, draft)
         if key not in self._sampler_time:
             if (coupling, draft) not in self._warm:
@@ -507,7 +535,7 @@ class Predictor:
                 sample(
                     self.model,
                     self.x[:1],
-                    steps=min(self.steps, 6),
+                    **_grid(self.sigmas_for, min(self.steps, 6)),
                     churn=self.churn,
                     tree=tree,
                     coupling=coupling,
@@ -528,7 +556,7 @@ class Predictor:
                 counted,
                 self.x[: self.batch],
                 # long enough that most rounds see the whole tree
-                steps=min(self.steps, max(16, 2 * depth + 4)),
+                **_grid(self.sigmas_for, min(self.steps, max(16, 2 * depth + 4))),
                 churn=self.churn,
                 tree=tree,
                 coupling=coupling,
@@ -538,24 +566,26 @@ class Predictor:
                 seed=self.seed + 1,
                 **self.sample_kwargs,
             )
-            self._sampler_time[key] = max(run.stats.sampler_seconds, 0.0) / max(run.stats.calls, 1)
-            on_curve = sum(self.curve(r) for r in rows)
-            known = self.measured_curve and on_curve > 0
-            self._network_factor[key] = run.stats.target_seconds / on_curve if known else 1.0
+            st = run.stats
+            in_rounds = sum(st.phase_seconds.values())
+            sampler = max(st.sampler_seconds, 0.0)
+            self._sampler_time[key] = (min(in_rounds, sampler) / max(st.calls, 1), max(sampler - in_rounds, 0.0))
+            self._network[0] += st.target_seconds
+            self._network[1] += sum(self.curve(r) for r in rows)
         return self._sampler_time[key]
 
-    def network_factor(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> float:
-        """A network call's cost inside a run of this structure over its cost on the curve.
+    def network_factor(self) -> float:
+        """A network call's cost inside a run over its cost on the curve, pooled over every timing run so far.
 
         The curve times calls back to back; inside a run the sampler's work between
         calls evicts the network's weights and activations from the caches, and on
-        this CPU a call then costs 10-25% more. Measured on the same short run as
-        :meth:`sampler_seconds_per_round` (the time inside its calls over the
-        curve's cost of their rows), so the prediction carries it. 1 when the
-        curve was given rather than measured here (it may not time this model).
+        this CPU a call then costs 10-25% more. One short run measures it to about
+        ±20% (the machine's noise), so the time inside all the timing runs' calls
+        is pooled over the curve's cost of their rows. 1 when the curve was given
+        rather than measured here (it may not time this model) or nothing was timed.
         """
-        self.sampler_seconds_per_round(tree, coupling, verify, draft)
-        return self._network_factor[self._key(tree, coupling, verify, draft)]
+        inside, on_curve = self._network
+        return inside / on_curve if self.measured_curve and on_curve > 0 else 1.0
 
     @staticmethod
     def _key(tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> tuple:
@@ -570,10 +600,17 @@ class Predictor:
         """
         d = draft if draft in self.drafts else self.drafts[0]
         s_round = self.sampler_seconds_per_round(tree, coupling, verify, d)
-        factor = self.network_factor(tree, coupling, verify, d)
+        setup = self.setup_seconds(tree, coupling, verify, d)
         a = None if tree is None else self.acceptance_bins(coupling, d)
-        seconds, calls = predict_seconds(self.curve, self.steps, self.batch, tree, verify, a, s_round, factor)
+        seconds, calls = predict_seconds(
+            self.curve, self.steps, self.batch, tree, verify, a, s_round, self.network_factor(), setup
+        )
         return seconds / self.batch, calls, s_round
+
+
+def _grid(sigmas_for: Optional[Callable[[int], torch.Tensor]], steps: int) -> dict:
+    """The grid options of a run of ``steps`` steps: the caller's grid when it has one."""
+    return {"steps": steps} if sigmas_for is None else {"sigmas": sigmas_for(steps)}
 
 
 def _rows(cond: Optional[dict], n: int) -> Optional[dict]:
@@ -597,6 +634,7 @@ def tune(
     predictor: Optional[Predictor] = None,
     min_gain: float = 0.05,
     couplings: Optional[Sequence[str]] = None,
+    sigmas_for: Optional[Callable[[int], torch.Tensor]] = None,
     **sample_kwargs: Any,
 ) -> Tuned:
     """Choose the tree, coupling, verification mode and draft that minimize predicted wall time here.
@@ -624,6 +662,8 @@ def tune(
         min_gain: a tree is chosen only if it is predicted at least this much faster
             than the standard sampler (the predictions carry noise; a tie goes to the
             standard sampler, which has nothing to lose).
+        sigmas_for: the grid of a run of ``n`` steps, ``(n + 1,)`` noise levels (a pipeline's
+            scheduler grid, say); default the ``grid`` option of :func:`specforest.sample`.
         sample_kwargs: further options of :func:`specforest.sample` (grid, prefetch, ...).
 
     Returns:
@@ -642,27 +682,32 @@ def tune(
         calibration_trajectories=calibration_trajectories,
         seed=seed,
         progress=progress,
+        sigmas_for=sigmas_for,
         **sample_kwargs,
     )
     drafts = pred.drafts
     cands = _candidates(pred.acceptance_of("grs", drafts[0]), budget_max, pred.steps)
     if couplings is not None:
         cands = [c for c in cands if c[1] is None or c[2] in couplings]
+    runs = [(label, tree, coupling, verify, draft) for label, tree, coupling, verify in cands for draft in drafts]
+    runs = [r for r in runs if r[1] is not None or r[4] == drafts[0]]
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(cands), desc="candidates", unit="config")
-    results = []
-    for label, tree, coupling, verify in cands:
-        for draft in drafts if tree is not None else drafts[:1]:
-            sec, calls, s_round = pred.predict(tree, coupling, verify, draft)
-            name = label if tree is None else f"{label}, draft {draft}"
-            results.append((sec, calls, s_round, name, tree, coupling, verify, draft))
+        bar = tqdm(total=len(runs), desc="candidates", unit="config")
+    # every candidate timed first: the predictions then share one pooled network factor
+    for _, tree, coupling, verify, draft in runs:
+        pred.sampler_seconds_per_round(tree, coupling, verify, draft)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+    results = []
+    for label, tree, coupling, verify, draft in runs:
+        sec, calls, s_round = pred.predict(tree, coupling, verify, draft)
+        name = label if tree is None else f"{label}, draft {draft}"
+        results.append((sec, calls, s_round, name, tree, coupling, verify, draft))
     standard = next(r for r in results if r[3] == "standard")
     best = min(results, key=lambda r: r[0])
     if best[0] * (1.0 + min_gain) > standard[0]:

@@ -119,7 +119,9 @@ class Target:
         cuda = x.device.type == "cuda"
         outs = []
         for i in range(0, M, chunk):
-            xc, sc, tc = (x, sigma, traj) if chunk >= M else (x[i : i + chunk], sigma[i : i + chunk], traj[i : i + chunk])
+            xc, sc, tc = (
+                (x, sigma, traj) if chunk >= M else (x[i : i + chunk], sigma[i : i + chunk], traj[i : i + chunk])
+            )
             m = xc.shape[0]
             if self.pad_rows:
                 xc, sc, tc = _pad(xc, sc, tc, next(p for p in self.pad_rows if p >= m))

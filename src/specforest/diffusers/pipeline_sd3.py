@@ -276,6 +276,26 @@ def velocity_and_grid(
     return velocity, sigmas, (int(tcfg.get("in_channels", 16)), h, w), device
 
 
+def row_bytes_of(
+    pipe: Any, velocity: FlowMatchVelocity, latent_shape: tuple, pe: torch.Tensor, ppe: torch.Tensor
+) -> int:
+    """Bytes one transformer row needs (:func:`specforest.memory.transformer_row_bytes`) for these embeddings."""
+    tcfg = pipe.transformer.config
+    _, h, w = latent_shape
+    patch = int(tcfg.get("patch_size", 1) or 1)
+    heads = int(tcfg.get("num_attention_heads", 1))
+    return transformer_row_bytes(
+        branches=velocity.branches,
+        dtype=velocity.dtype,
+        image_tokens=(h // patch) * (w // patch),
+        text_tokens=pe.shape[1],
+        hidden=heads * int(tcfg.get("attention_head_dim", 64)),
+        heads=heads,
+        cond_numel=pe[0].numel() + ppe[0].numel(),
+        latent_numel=math.prod(latent_shape),
+    )
+
+
 def cond_from_embeds(
     prompt_embeds: torch.Tensor,
     pooled_prompt_embeds: torch.Tensor,
@@ -449,7 +469,6 @@ def sample(
     )
     t_dtype = velocity.dtype
     _, h, w = latent_shape
-    patch = int(tcfg.get("patch_size", 1) or 1)
     height, width = velocity.image_size
 
     # -- text ---------------------------------------------------------------------------
@@ -483,21 +502,11 @@ def sample(
         limit, source = int(max_memory_gb * 1e9), f"max_memory_gb={max_memory_gb:g}"
     else:
         limit, source = _memory.default_memory_limit(device)
-    heads = int(tcfg.get("num_attention_heads", 1))
     vae_dtype, _ = module_dtype_device(pipe.vae)
     D = math.prod(latent_shape)
     cond_numel = pe[0].numel() + ppe[0].numel()
     t_bytes = torch.empty((), dtype=t_dtype).element_size()
-    row_bytes = transformer_row_bytes(
-        branches=velocity.branches,
-        dtype=t_dtype,
-        image_tokens=(h // patch) * (w // patch),
-        text_tokens=pe.shape[1],
-        hidden=heads * int(tcfg.get("attention_head_dim", 64)),
-        heads=heads,
-        cond_numel=cond_numel,
-        latent_numel=D,
-    )
+    row_bytes = row_bytes_of(pipe, velocity, latent_shape, pe, ppe)
     decode_bytes = 0
     if output_type != "latent":
         vb = torch.empty((), dtype=vae_dtype).element_size()

@@ -28,6 +28,8 @@ def describe_method(r: dict) -> str:
         return "standard sampler"
     if method == "rmc":
         return f"RMC, chain B={r['budget']}"
+    if method == "tuned":
+        return f"tuned: {r.get('tuned_label', '?')}"
     name = _TREE_METHODS.get(method, method)
     if r.get("tree", "uniform") == "uniform":
         return f"{name}, K={r['K']} L={r['L']} (B={r['budget']})"

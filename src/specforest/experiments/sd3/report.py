@@ -85,4 +85,13 @@ def format_summary(records: list[dict]) -> str:
         lines.append(
             f"standard sampler: NFE {pm(st['nfe_mean'], st['nfe_sem'], 2)}, CLIP {pm(st['clip_mean'], st['clip_sem'], 2)}"
         )
+    for r in records:
+        if r["method"] == "tuned":
+            wall = ""
+            if st is not None and r["wall_seconds"] > 0:
+                wall = f", wall-clock {st['wall_seconds'] / r['wall_seconds']:.2f}x the standard sampler's"
+            lines.append(
+                f"{describe_method(r)}: T/NFE {pm(r['speedup_mean'], r['speedup_sem'])}{wall}, "
+                f"CLIP {pm(r['clip_mean'], r['clip_sem'], 2)}"
+            )
     return "\n".join(lines)

@@ -43,6 +43,7 @@ def run_config(
     clip_device: str | torch.device = "cpu",
     images_dir: str | os.PathLike[str] | None = None,
     progress: bool = False,
+    tuned: Any = None,
 ) -> dict:
     """Run one configuration on every caption and summarise it.
 
@@ -50,7 +51,8 @@ def run_config(
         pipe: a loaded ``StableDiffusion3Pipeline``.
         prompts: the captions (one image each).
         setting: the study's :class:`~.setting.SD3Setting`.
-        method: ``standard``, ``rmc`` (chain of ``L`` drafted states) or ``dgrs`` (``(K, L)`` tree).
+        method: ``standard``, ``rmc`` (chain of ``L`` drafted states), ``dgrs`` (``(K, L)`` tree)
+            or ``tuned`` (``tuned``'s configuration).
         K, L: as recorded by :func:`~.setting.configs`.
         embeds: precomputed text embeddings (default: encoded here, :func:`~.loading.encode_prompts`).
         max_memory_gb: memory limit (default: :func:`specforest.memory.default_memory_limit`).
@@ -58,6 +60,8 @@ def run_config(
         clip_device: where CLIP runs.
         images_dir: if given, the images are saved there as ``NNNN.png``.
         progress: the sampler's progress bar.
+        tuned: a :class:`~specforest.latency.Tuned` (``method="tuned"`` only): its tree,
+            coupling, verification mode and draft replace the setting's.
 
     Returns:
         A flat JSON-serialisable record: ``method``, ``K``, ``L``, ``budget``,
@@ -76,7 +80,13 @@ def run_config(
         embeds = encode_prompts(pipe, prompts, setting)
     n = len(prompts)
     size = setting.batch_size or n
-    tree = method_tree(method, K, L, setting.steps)
+    if (method == "tuned") != (tuned is not None):
+        raise ValueError("tuned must be given with method='tuned' and only then")
+    if tuned is None:
+        tree, coupling = method_tree(method, K, L, setting.steps), COUPLING_OF.get(method, "grs")
+        verify, draft = setting.verify, "velocity"
+    else:
+        tree, coupling, verify, draft = tuned.tree, tuned.coupling, tuned.verify, tuned.draft
     want_images = clip is not None or images_dir is not None
     parts: dict[str, list] = {k: [] for k in _COUNTERS}
     images: list = []
@@ -96,9 +106,10 @@ def run_config(
             output_type="pil" if want_images else "latent",
             churn=setting.churn,
             tree=tree,
-            coupling=COUPLING_OF.get(method, "grs"),
+            coupling=coupling,
+            draft=draft,
             prefetch=setting.prefetch,
-            verify=setting.verify,
+            verify=verify,
             progress=progress,
             max_memory_gb=max_memory_gb,
             lazy=setting.lazy,
@@ -119,7 +130,7 @@ def run_config(
         "method": method,
         "K": K,
         "L": L,
-        "budget": budget_of(method, K, L),
+        "budget": budget_of(method, K, L) if tuned is None else (0 if tree is None else tree.budget),
         "images": n,
         **summarize(**cat, steps=setting.steps, deterministic_steps=DETERMINISTIC_STEPS),
         "nfe_per_image": [int(v) for v in cat["nfe"].tolist()],
@@ -132,6 +143,15 @@ def run_config(
         "clip_mean": None,
         "clip_sem": None,
     }
+    if tuned is not None:
+        record.update(
+            tuned_label=tuned.label,
+            coupling=coupling,
+            verify=verify,
+            draft=draft,
+            tree_parents=None if tree is None else tree.parent.tolist(),
+            predicted_seconds_per_image=tuned.predicted_seconds_per_image,
+        )
     if clip is not None:
         scores = clip_scores(clip, images, list(prompts), device=clip_device)
         record["clip_mean"], record["clip_sem"] = mean_sem(scores)

@@ -14,8 +14,9 @@ from ..common import budget_of, check_choice, check_churn, check_int, check_numb
 
 __all__ = ["DETERMINISTIC_STEPS", "METHODS", "SD3Setting", "configs", "setting_id"]
 
-METHODS = ("standard", "rmc", "dgrs")
-"""The methods of the study, a subset of :data:`specforest.experiments.common.METHODS`."""
+METHODS = ("standard", "rmc", "dgrs", "tuned")
+"""The methods of the study: the standard sampler, D-GRS and RMC, and ``tuned``, the configuration
+``specforest tune`` chose (any tree, coupling, verification mode and draft)."""
 
 DETERMINISTIC_STEPS = 2
 """Steps every sampler takes as plain Euler steps: the first, from pure noise, and the last, into 0."""

@@ -26,7 +26,7 @@ KEY_FIELDS = ("method", "K", "L")
 
 
 def _images_name(method: str, K: int, L: int) -> str:
-    return {"standard": "standard", "rmc": f"rmc_B{L}", "dgrs": f"dgrs_K{K}_L{L}"}[method]
+    return {"standard": "standard", "rmc": f"rmc_B{L}", "dgrs": f"dgrs_K{K}_L{L}", "tuned": "tuned"}[method]
 
 
 def run_experiment(
@@ -43,6 +43,7 @@ def run_experiment(
     save_images: bool = False,
     progress: bool = False,
     log: Callable[[str], None] = lambda s: None,
+    tuned: Any = None,
 ) -> SweepResult:
     """The study of Sec. 5.3: standard, then D-GRS and RMC for every ``K`` of the setting.
 
@@ -63,6 +64,8 @@ def run_experiment(
         save_images: write every image as PNG.
         progress: sampler progress bars.
         log: receives one line per configuration.
+        tuned: a :class:`~specforest.latency.Tuned` (from ``specforest tune``): run as one more
+            configuration, method ``tuned`` (resumed only if the file's choice is the same).
 
     Returns:
         A :class:`~specforest.experiments.common.SweepResult` whose records are
@@ -95,9 +98,11 @@ def run_experiment(
         "torch_version": torch.__version__,
         "platform": platform.platform(),
     }
-    for method, K, L in configs(setting.K_values, setting.L):
+    todo = configs(setting.K_values, setting.L) + ([("tuned", 0, 0)] if tuned is not None else [])
+    for method, K, L in todo:
         key = (method, K, L)
-        if key in done and (clip is None or done[key].get("clip_mean") is not None):
+        same = method != "tuned" or done.get(key, {}).get("tuned_label") == tuned.label
+        if key in done and same and (clip is None or done[key].get("clip_mean") is not None):
             records.append(done[key])
             skipped += 1
             log(f"{describe_method(done[key])}: done before, skipped")
@@ -117,6 +122,7 @@ def run_experiment(
             clip_device=clip_device,
             images_dir=out_dir / "images" / _images_name(method, K, L) if save_images else None,
             progress=progress,
+            tuned=tuned if method == "tuned" else None,
         )
         rec = {**rec, **common}
         records.append(rec)

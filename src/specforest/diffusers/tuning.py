@@ -1,0 +1,129 @@
+"""The fastest exact configuration of an SD3 pipeline on this device (:func:`tune`).
+
+The pipeline's transformer (with classifier-free guidance, one batched call of
+both branches) is the target; its batch-cost curve, the acceptance of the
+captions' chains and the sampler's own time per round are measured as
+:func:`specforest.latency.tune` does for any velocity, on the pipeline's own
+scheduler grid (:func:`~specforest.diffusers.grid.scheduler_sigmas`). Calls
+larger than the memory limit allows are split, as in
+:func:`~specforest.diffusers.pipeline_sd3.sample`, and the cost curve is
+measured up to that size and extended linearly beyond.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from .. import memory as _memory
+from .. import streams
+from ..latency import Tuned
+from ..latency import tune as _tune
+from .grid import scheduler_sigmas
+from .pipeline_sd3 import _check_number, _check_pipeline, cond_from_embeds, row_bytes_of, velocity_and_grid
+
+__all__ = ["tune"]
+
+
+def tune(
+    pipe: Any,
+    prompt: "str | Sequence[str]",
+    *,
+    num_inference_steps: int = 50,
+    guidance_scale: float = 7.0,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    churn: float = 0.8,
+    shift: Optional[float] = None,
+    batch: int = 1,
+    budget_max: int = 62,
+    drafts: Sequence[str] = ("velocity", "x0"),
+    calibration_images: int = 4,
+    max_sequence_length: int = 256,
+    max_memory_gb: Optional[float] = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> Tuned:
+    """Choose the tree, coupling, verification mode and draft that minimize predicted wall time for SD3 here.
+
+    Args:
+        pipe: a ``StableDiffusion3Pipeline`` (or one with the same components).
+        prompt: captions to calibrate on (repeated to ``max(batch, calibration_images)`` images).
+        num_inference_steps, guidance_scale, height, width, churn, shift,
+            max_sequence_length: the run to tune for, as in
+            :func:`~specforest.diffusers.pipeline_sd3.sample`.
+        batch: images per run (``>= 1``).
+        budget_max, drafts: the candidates, as in :func:`specforest.latency.tune`.
+        calibration_images: images of the acceptance calibration chains (``>= 1``).
+        max_memory_gb: memory limit in GB (default: the free CUDA memory, or 50% of RAM).
+        seed: seed of the calibration latents and runs.
+        progress: progress bars while measuring.
+
+    Returns:
+        A :class:`~specforest.latency.Tuned`; ``sample(pipe, ..., tree=tuned.tree,
+        coupling=tuned.coupling, verify=tuned.verify, draft=tuned.draft)`` runs it.
+
+    Raises:
+        ValueError / TypeError: naming the parameter.
+    """
+    _check_pipeline(pipe)
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    prompts = list(prompt)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompt must be a caption or a non-empty list of captions")
+    for name, v in (("batch", batch), ("calibration_images", calibration_images)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    churn = _check_number("churn", churn, 0.0, 1.0, lo_open=True)
+    velocity, _, latent_shape, device = velocity_and_grid(
+        pipe,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        height=height,
+        width=width,
+        shift=shift,
+    )
+    n = max(batch, calibration_images)
+    captions = [prompts[i % len(prompts)] for i in range(n)]
+    with torch.no_grad():
+        pe, npe, ppe, nppe = pipe.encode_prompt(
+            prompt=captions,
+            prompt_2=None,
+            prompt_3=None,
+            device=device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=velocity.branches == 2,
+            negative_prompt=[""] * n,
+            max_sequence_length=max_sequence_length,
+        )
+    cond = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
+    if max_memory_gb is not None:
+        limit = int(_check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True) * 1e9)
+    else:
+        limit, _ = _memory.default_memory_limit(device)
+    max_rows = max(1, limit // row_bytes_of(pipe, velocity, latent_shape, pe, ppe))
+    patch = int(pipe.transformer.config.get("patch_size", 1) or 1)
+    tokens = (latent_shape[1] // patch) * (latent_shape[2] // patch)
+
+    def sigmas_for(steps: int) -> torch.Tensor:
+        return scheduler_sigmas(pipe.scheduler.config, steps, shift=shift, image_seq_len=tokens)
+
+    x = streams.randn(seed, torch.arange(n), latent_shape, device=device)
+    return _tune(
+        velocity,
+        x,
+        steps=num_inference_steps,
+        churn=churn,
+        cond=cond,
+        batch=batch,
+        budget_max=budget_max,
+        drafts=drafts,
+        calibration_trajectories=calibration_images,
+        seed=seed,
+        progress=progress,
+        sigmas_for=sigmas_for,
+        max_rows=max_rows,
+    )
