@@ -180,6 +180,41 @@ def test_no_autograd_graph_and_flat_memory():
     assert grown[-1] > grown[2] + 5
 
 
+def test_user_code_runs_in_normal_mode_and_gets_normal_tensors():
+    """The sampler's arithmetic runs under inference mode; the model, a draft model and the callback do not,
+    and everything handed out is a normal tensor: it can be changed in place and used in a graph later."""
+    seen, cache = [], {}
+
+    def model(x, sigma):
+        seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        cache.setdefault("table", torch.ones(x.shape[1]))  # a model that caches a tensor on its first call
+        return GMM(x, sigma) * cache["table"]
+
+    def draft(x, sigma):
+        seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return GMM(x, sigma)
+
+    got = []
+    kw = dict(steps=8, churn=0.4, tree=trees.uniform(2, 2), seed=0)
+    out = specforest.sample(model, X, callback=lambda info: got.append(info), **kw)
+    specforest.sample(model, X, draft=draft, **kw)
+    assert seen and set(seen) == {(False, False)}
+    tensors = [out.samples, out.stats.nfe, out.stats.attempts, got[0]["x"], got[0]["step"], cache["table"]]
+    assert not any(t.is_inference() for t in tensors)
+    out.samples.add_(1.0)  # an inference tensor would refuse this outside inference mode
+    w = torch.ones(1, dtype=X.dtype, requires_grad=True)
+    (out.samples * w * cache["table"]).sum().backward()
+    assert w.grad is not None
+    # the check can fail: a tensor made in inference mode is refused
+    with torch.inference_mode():
+        made = torch.ones(3)
+    assert made.is_inference()
+    with pytest.raises(RuntimeError, match="[Ii]nference"):
+        made.add_(1.0)
+    gen = specforest.generate(GMM, count=3, make_x=lambda i: X[i], seed=0, batch=2, steps=8, churn=0.4)
+    assert not any(f.samples.is_inference() or f.stats.nfe.is_inference() for f in gen)
+
+
 def test_cond_is_explicit_and_validated():
     def model(x, sigma, label, scale):
         assert label.shape == (x.shape[0],) and scale == 2.0

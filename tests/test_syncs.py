@@ -2,7 +2,7 @@
 for the rejected walks; the issue's budget was L + 2), counted here on CPU.
 
 A synchronization is a host read of a tensor's values: ``item``/``bool`` (the
-``_local_scalar_dense`` op), ``nonzero`` (its output size depends on the data;
+``item``, ``is_nonzero`` or ``_local_scalar_dense`` op), ``nonzero`` (its output size depends on the data;
 ``nonzero_static`` does not), and the engine's planned ``host_read``. The same
 counter sees a coupling that adds one.
 """
@@ -29,7 +29,8 @@ class _Syncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__
-        if name.startswith("_local_scalar_dense") or name.split(".")[0] == "nonzero":
+        # (under inference mode a host read dispatches as item or is_nonzero, not _local_scalar_dense)
+        if name.split(".")[0] in ("_local_scalar_dense", "item", "is_nonzero", "nonzero"):
             self.count[name] += 1
         return func(*args, **(kwargs or {}))
 

@@ -28,7 +28,8 @@ import torch
 
 from . import engine, streams
 from .distributed import broadcast_
-from .sampler import RunSpec, SampleStats, VelocityFn, prepare, stats_of, step_keys
+from .sampler import RunSpec, SampleStats, VelocityFn, prepare, returned, stats_of, step_keys
+from .target import outside_inference
 from .validation import check_int
 
 __all__ = ["Finished", "Generation", "GenerationStats", "generate"]
@@ -100,7 +101,8 @@ class Generation:
         self._used = False
 
     def _states(self, idx: torch.Tensor, first: bool) -> "tuple[torch.Tensor, dict]":
-        x = self.make_x(idx)
+        with outside_inference():
+            x = self.make_x(idx)
         if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[0] != len(idx):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"make_x must return a tensor (n, *shape) with one row per index ({len(idx)}), got {got}")
@@ -112,7 +114,8 @@ class Generation:
                 f"make_x returned states {tuple(x.shape[1:])} {x.dtype} on {x.device}, but its first call "
                 f"returned {self._shape} {self._dtype} on {self._device}"
             )
-        cond = {} if self.make_cond is None else self.make_cond(idx)
+        with outside_inference():
+            cond = {} if self.make_cond is None else self.make_cond(idx)
         if not isinstance(cond, dict) or any(
             not isinstance(v, torch.Tensor) or v.shape[:1] != (len(idx),) for v in cond.values()
         ):
@@ -167,9 +170,10 @@ class Generation:
         )
         return ctx, state, slot_idx.index_copy(0, slots, new)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __iter__(self) -> Iterator[Finished]:
-        # torch.no_grad as a decorator re-enters per step of a generator: the caller's loop keeps its grad mode
+        # the decorator re-enters per step of a generator: the caller's loop keeps its own mode; the
+        # model and make_x / make_cond run in normal mode without grad, and what is yielded is normal
         if self._used:
             raise RuntimeError("a Generation is iterated once; call generate again")
         self._used = True
@@ -207,7 +211,9 @@ class Generation:
             stats = stats_of(state, T, rows)
             self.stats.finished += n_done
             index = slot_idx[rows].cpu()
-            yield Finished(index, state.x[rows].reshape(n_done, *self._shape).to(self._dtype), stats)
+            with outside_inference():
+                samples = state.x[rows].reshape(n_done, *self._shape).to(self._dtype).clone()
+            yield Finished(index, samples, returned(stats))
             live = live.index_fill(0, rows, False)
             n_live -= n_done
             k = min(n_done, n - nxt_i)

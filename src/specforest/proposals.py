@@ -23,6 +23,7 @@ import torch
 
 from .registry import Registry
 from .sde import StepTables
+from .target import outside_inference
 
 __all__ = [
     "DRAFT_KINDS",
@@ -311,7 +312,8 @@ class DraftModel(Proposal):
         sig = tab.sig[steps].reshape(-1)
         # trajectory-major rows: row b * n + i belongs to trajectory b
         kw = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
-        v = self.fn(y.reshape(Bs * n, *shape), sig, **kw)
+        with outside_inference():
+            v = self.fn(y.reshape(Bs * n, *shape), sig, **kw)
         if not isinstance(v, torch.Tensor) or v.numel() != y.numel():
             raise ValueError(f"the draft model must return a tensor of shape {(Bs * n, *shape)}")
         v = v.reshape(Bs, n, D).to(y.dtype)

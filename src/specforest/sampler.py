@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -35,7 +35,7 @@ from .couplings import Coupling, get_coupling
 from .engine import PREFETCH_POLICIES
 from .proposals import Proposal, get_proposal
 from .sde import ReverseSDE, flow_match_grid, uniform_grid
-from .target import Target
+from .target import Target, outside_inference
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 
 __all__ = ["PREFETCH_POLICIES", "RunSpec", "SampleResult", "SampleStats", "prepare", "sample", "standard_sample"]
@@ -366,6 +366,16 @@ def pad_sizes(pad_rows: "Optional[str | Sequence[int]]") -> Optional[tuple]:
     return tuple(sorted(set(pad_rows)))
 
 
+def returned(stats: SampleStats) -> SampleStats:
+    """``stats`` with every tensor a normal one (a clone made outside inference mode), to hand to the caller."""
+    with outside_inference():
+        return replace(stats, **{f.name: getattr(stats, f.name).clone() for f in fields(stats) if _is_tensor(stats, f)})
+
+
+def _is_tensor(obj: Any, f: Any) -> bool:
+    return isinstance(getattr(obj, f.name), torch.Tensor)
+
+
 def stats_of(state: engine.RunState, T: int, rows: Any = None) -> SampleStats:
     """The :class:`SampleStats` of a run's final ``state`` (rows ``rows`` of it, default all)."""
     c = state.counters
@@ -385,7 +395,7 @@ def stats_of(state: engine.RunState, T: int, rows: Any = None) -> SampleStats:
     )
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample(
     model: VelocityFn,
     x: torch.Tensor,
@@ -418,7 +428,11 @@ def sample(
     The output has the law of the standard Euler-Maruyama chain on the same
     grid (paper eq. 6) for any tree, coupling, draft and prefetch policy;
     those only change how many sequential target calls (NFE) it takes. Runs
-    without autograd (``torch.no_grad``): the samples never carry a graph.
+    without autograd: the sampler's own arithmetic under
+    ``torch.inference_mode`` (its small ops dispatch faster there), the model,
+    a draft model and ``callback`` under ``torch.no_grad`` in normal mode
+    (:class:`~specforest.target.outside_inference`); the samples and statistics
+    returned are normal tensors that never carry a graph.
 
     Randomness: every draw is addressed by (seed, sample index, where in the
     run), see :mod:`specforest.streams`. Sample ``i`` is therefore the same
@@ -556,14 +570,15 @@ def sample(
             bar.n = int(state.step.min())
             bar.refresh()
         if callback is not None:
-            callback(
-                {
-                    "round": state.rounds,
-                    "step": state.step.clone(),
-                    "x": state.x.reshape(B, *shape),
-                    "committed": state.step - prev,
-                }
-            )
+            with outside_inference():
+                callback(
+                    {
+                        "round": state.rounds,
+                        "step": state.step.clone(),
+                        "x": state.x.reshape(B, *shape).clone(),
+                        "committed": state.step - prev,
+                    }
+                )
     if bar is not None:
         bar.close()
     xs = state.x
@@ -576,7 +591,10 @@ def sample(
     stats.target_seconds = target.total_seconds()
     stats.phase_seconds = dict(ctx.phase_seconds)
     stats.wall_seconds = time.perf_counter() - t0
-    return SampleResult(xs.reshape(B, *shape).to(x.dtype), stats, dict(spec.config))
+    # the run's tensors are inference tensors; the caller gets normal ones
+    with outside_inference():
+        samples = xs.reshape(B, *shape).to(x.dtype).clone()
+    return SampleResult(samples, returned(stats), dict(spec.config))
 
 
 def standard_sample(model: VelocityFn, x: torch.Tensor, **kwargs: Any) -> SampleResult:

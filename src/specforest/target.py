@@ -133,7 +133,8 @@ class Target:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             t0 = time.perf_counter()
-            out = self.fn(xi, si, **self.kwargs, **rows)
+            with outside_inference():
+                out = self.fn(xi, si, **self.kwargs, **rows)
             if cuda:
                 end.record()
                 self._events.append((start, end))
@@ -168,6 +169,27 @@ class Target:
             self.seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
             self._events = []
         return self.seconds
+
+
+class outside_inference:
+    """Run user code (a model, a draft model, a callback) in normal mode, without autograd.
+
+    The sampler's own arithmetic runs under :func:`torch.inference_mode` (its
+    tensor ops dispatch 15-20% faster there); the code it calls runs as it would
+    under :func:`torch.no_grad`, so a model that caches tensors (rotary tables,
+    say) does not keep inference tensors that would fail later in training.
+    """
+
+    __slots__ = ("_modes",)
+
+    def __enter__(self) -> None:
+        self._modes = (torch.inference_mode(False), torch.no_grad())
+        for m in self._modes:
+            m.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
 
 
 def _pad(x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, size: int) -> tuple:
