@@ -234,7 +234,12 @@ def test_cost_is_a_fixed_number_of_ops_without_synchronization(monkeypatch):
         with log:
             sample_grs_residual(*args)
         names = {str(op) for op in log.ops}
-        assert not names & {"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default", "aten.is_nonzero.default"}
+        assert not names & {
+            "aten._local_scalar_dense.default",
+            "aten.item.default",
+            "aten.nonzero.default",
+            "aten.is_nonzero.default",
+        }
         counts.append(len(log.ops))
     assert len(set(counts)) == 1 and counts[0] <= 240, counts
 
