@@ -16,7 +16,9 @@ given device):
    3 runs, the configurations interleaved) and the speedup over the standard
    sampler in the same run, next to the cost model's prediction made before
    the runs (``latency.Predictor``), and the pooled factor by which a call
-   inside a run costs more than on the curve.
+   inside a run costs more than on the curve. The predicted speedup (the
+   standard sampler's prediction over the row's) is the check that the
+   machine's drift between tuning and measuring cancels out of.
 
 Regenerates the ``wallclock`` section of ``benchmarks/RESULTS.md``.
 """
@@ -129,15 +131,16 @@ def _table(name: str, res: dict) -> list:
             f"a call in a run costs {r['factor']:.2f}x its time on the curve)",
             "",
             "| sampler | target calls (predicted) | rows per image | sampler time per round | wall per image "
-            "| predicted | error | wall-clock speedup |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| predicted | error | wall-clock speedup | predicted speedup |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
+        base = next(row for row in r["rows"] if row["label"] == "standard")
         for row in r["rows"]:
             err = row["pred_ms"] / row["wall_ms"] - 1.0
             lines.append(
                 f"| {row['label']} | {row['calls']} ({row['pred_calls']:.1f}) | {row['rows']:.0f} | "
                 f"{row['sampler_ms']:.2f} ms | {row['wall_ms']:.2f} ms | {row['pred_ms']:.2f} ms | {100 * err:+.0f}% | "
-                f"{row['speedup']:.2f}x |"
+                f"{row['speedup']:.2f}x | {base['pred_ms'] / row['pred_ms']:.2f}x |"
             )
     return lines
 

@@ -139,6 +139,35 @@ def test_auto_draft_fills_unseen_offsets_from_the_nearest_seen_one():
     assert AutoDraft.choice((total, count)).tolist() == [0, 2, 2, 2, 2, 2]
 
 
+def test_auto_draft_means_are_the_frozen_kinds_means():
+    """AutoDraft writes every kind as one affine map of the prefetch; each equals FrozenPrediction's to
+    rounding, and the velocity kind (the choice before anything is seen) bit for bit."""
+    from specforest.proposals import FROZEN_KINDS, AutoDraft, FrozenPrediction, Prefetch
+    from specforest.sde import ReverseSDE, flow_match_grid
+
+    tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
+    g = torch.Generator().manual_seed(0)
+    B, D = 3, 5
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    pre = Prefetch(r(B, D), r(B, D), torch.tensor([3, 5, 7]), r(B, D), r(B, D), torch.tensor([2, 4, 6]),
+                   torch.tensor([True, False, True]), torch.ones(B, dtype=torch.bool))  # fmt: skip
+    steps = torch.tensor([[4, 5, 6, 7], [6, 7, 8, 9], [8, 9, 10, 11]])
+    y = r(B, 4, D)
+    A, alpha, beta, eps, (ys, vs, x0p) = AutoDraft._all_kinds(tab, steps, pre)
+    for i, kind in enumerate(FROZEN_KINDS):
+        Ak, Ck = FrozenPrediction(kind).coefficients(tab, steps, pre, None)
+        ours = A[i][..., None] * y + alpha[i][..., None] * ys[:, None] + beta[i][..., None] * vs[:, None]
+        ours = ours + eps[i][..., None] * x0p[:, None]
+        torch.testing.assert_close(ours, torch.addcmul(Ck, Ak, y), rtol=0, atol=1e-14)
+    auto = AutoDraft()
+    Aa, Ca = auto.coefficients(tab, steps, pre, auto.init_state(torch.device("cpu")))
+    Av, Cv = FrozenPrediction("velocity").coefficients(tab, steps, pre, None)
+    assert torch.equal(torch.addcmul(Ca, Aa, y), torch.addcmul(Cv, Av, y))
+    # the check can fail: another kind's mean is not the velocity kind's
+    Ax, Cx = FrozenPrediction("x0").coefficients(tab, steps, pre, None)
+    assert not torch.allclose(torch.addcmul(Cx, Ax, y), torch.addcmul(Cv, Av, y))
+
+
 def test_adaptive_tree_replans_within_budget_and_validates():
     from specforest.planning import AdaptiveTree
 

@@ -370,20 +370,43 @@ class AutoDraft(Proposal):
 
     @staticmethod
     def _all_kinds(tab, steps, pre):
-        """``A (5, Bs, n, 1)`` and ``C (5, Bs, n, D)`` of every frozen kind."""
-        AC = [_frozen_coefficients(k, tab, steps, pre) for k in FROZEN_KINDS]
-        return torch.stack([A for A, _ in AC]), torch.stack([C for _, C in AC])
+        """Every frozen kind's mean as ``A y + alpha y* + beta v* + eps x0_prev``: ``(5, Bs, n)`` scalars each,
+        and the vectors ``y* (Bs, D)``, ``v* (Bs, D)`` and ``x0_prev (Bs, D)``.
+
+        The same affine maps as :class:`FrozenPrediction`'s, written so that the five kinds
+        cost a few scalar ops and three vector ones, not five vector computations
+        (``velocity`` is bit-identical to its own; the others agree to rounding).
+        """
+        a, c, sig, g = tab.a[steps], tab.c[steps], tab.sig[steps], tab.gamma[steps]
+        ps = pre.step[:, None]
+        sig_src, f, k = tab.sig[ps], tab.drift_f[ps], tab.drift_k[ps]
+        sig_prev = tab.sig[pre.prev_step][:, None]
+        gap = sig_src - sig_prev
+        ok = pre.has_prev[:, None] & (gap.abs() > 1e-12)
+        r = torch.where(ok, (sig - sig_src) / torch.where(ok, gap, torch.ones_like(gap)), torch.zeros_like(gap))
+        k0, ke = c / sig, c / (1.0 - sig)
+        zero, one = torch.zeros_like(a), torch.ones_like(a)
+        k0r = k0 * (1.0 + r)
+        # velocity, drift, x0, eps, x0_extrap (FROZEN_KINDS)
+        A = torch.stack([a, one, a + k0, a - ke, a + k0])
+        alpha = torch.stack([zero, -g * k, -k0, ke, -k0r])
+        beta = torch.stack([c, -g * f, k0 * sig_src, ke * (1.0 - sig_src), k0r * sig_src])
+        eps = torch.stack([zero, zero, zero, zero, k0 * r])
+        x0_prev = pre.prev_y - sig_prev * pre.prev_v
+        return A, alpha, beta, eps, (pre.y, pre.v, x0_prev)
 
     def coefficients(self, tab, steps, pre, state):
-        A, C = self._all_kinds(tab, steps, pre)  # (5, Bs, n, 1), (5, Bs, n, D)
+        A, alpha, beta, eps, (ys, vs, x0p) = self._all_kinds(tab, steps, pre)  # (5, Bs, n) each
         offset = (steps - pre.step[:, None]).clamp(0, self.max_offset)
-        pick = self.choice(state)[offset]  # (Bs, n)
-        return A.gather(0, pick[None, ..., None])[0], C.gather(0, pick[None, ..., None].expand_as(C[:1]))[0]
+        pick = self.choice(state)[offset][None]  # (1, Bs, n)
+        at = lambda t: t.gather(0, pick)[0][..., None]  # noqa: E731  (Bs, n, 1)
+        C = torch.addcmul(torch.addcmul(at(alpha) * ys[:, None], at(beta), vs[:, None]), at(eps), x0p[:, None])
+        return at(A), C
 
     def observe(self, state, tab, y, mu_q, steps, pre, scale):
         total, count = state
-        A, C = self._all_kinds(tab, steps[:, None], pre)  # (5, P, 1, *)
-        m = torch.addcmul(C[:, :, 0], A[:, :, 0], y[None])  # (5, P, D)
+        A, alpha, beta, eps, (ys, vs, x0p) = self._all_kinds(tab, steps[:, None], pre)  # (5, P, 1)
+        m = torch.addcmul(torch.addcmul(torch.addcmul(alpha * ys, beta, vs), eps, x0p), A, y)  # (5, P, D)
         d = torch.linalg.vector_norm((mu_q[None] - m).double(), dim=-1) / scale.double()  # (5, P)
         offset = (steps - pre.step).clamp(0, self.max_offset)
         return (total.index_add(0, offset, d.T), count.index_add(0, offset, torch.ones_like(d[0])))
