@@ -8,7 +8,8 @@ count makes timings swing by 10x). For every coupling, one image at a time
 and 64 images at once: wall time, time inside the network, and the sampler's
 own time per round (wall minus network, divided by the rounds), median of 3
 runs, with the split over the round engine's phases
-(``SampleStats.phase_seconds``). ``--before REF`` measures the same runs on
+(``SampleStats.phase_seconds``), and for one image the same rounds replayed
+with the network replaced by a lookup (the sampler's work alone). ``--before REF`` measures the same runs on
 an older commit (checked out in a temporary git worktree) for a before/after
 table; it has no phase split. The GRS residual sampler's cost per call is
 measured in both. Regenerates the ``overhead`` section of
@@ -18,6 +19,7 @@ measured in both. Regenerates the ``overhead`` section of
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -47,6 +49,57 @@ def _tree(spec):
     if spec is None:
         return None
     return trees.chain(spec[1]) if spec[0] == "chain" else trees.uniform(spec[1], spec[2])
+
+
+def _alone(run, repeats: int) -> "float | None":
+    """The sampler's own time per round with the network out of the way, or None on an older engine.
+
+    One run is recorded round by round (its state before each round and the network's
+    outputs); the rounds are then replayed under inference mode with the network
+    replaced by a lookup of those outputs, and the replay timed (median of
+    ``repeats``). Against the sampler time of a real run, this separates the
+    sampler's own work from what the network's calls in between cost it (cold
+    caches).
+    """
+    import statistics
+
+    import torch
+
+    try:
+        from specforest import engine
+        from specforest import sampler as sampler_module
+    except ImportError:
+        return None
+    if not hasattr(engine, "run_round"):
+        return None
+    real_round, rounds = engine.run_round, []
+
+    def recording(ctx, state):
+        outs, fn = [], ctx.target.fn
+        ctx.target.fn = lambda x, s, **kw: outs.append(fn(x, s, **kw)) or outs[-1]
+        try:
+            return real_round(ctx, state)
+        finally:
+            ctx.target.fn = fn
+            rounds.append((ctx, state, outs))
+
+    sampler_module.engine.run_round = recording
+    try:
+        run()
+    finally:
+        sampler_module.engine.run_round = real_round
+    rounds = [r for r in rounds if r[2]]
+    times = []
+    with torch.inference_mode():
+        for rep in range(repeats + 1):
+            t0 = time.perf_counter()
+            for ctx, state, outs in rounds:
+                it = iter(outs)
+                ctx.target.fn = lambda x, s, it=it, **kw: next(it)
+                real_round(ctx, state)
+            if rep:  # the first replay warms up
+                times.append((time.perf_counter() - t0) / len(rounds))
+    return statistics.median(times)
 
 
 def measure(repeats: int, quick: bool) -> dict:
@@ -104,7 +157,26 @@ def measure(repeats: int, quick: bool) -> dict:
                 )
             )
         runs.sort(key=lambda r: r["wall"] - r["inside"])
-        rows.append(dict(label=label, images=n, **runs[len(runs) // 2]))
+        alone = None
+        if n == 1:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(n, 1, 8, 8, generator=g)
+            labels = torch.randint(0, 10, (n,), generator=g)
+            kw = {"cond": {"class_labels": labels}} if has_cond else {"model_kwargs": {"class_labels": labels}}
+            one_run = functools.partial(
+                specforest.sample,
+                model,
+                x,
+                steps=20 if quick else 100,
+                churn=0.3,
+                tree=_tree(spec),
+                coupling=coupling,
+                draft=draft,
+                generator=torch.Generator().manual_seed(100),
+                **kw,
+            )
+            alone = _alone(one_run, repeats)
+        rows.append(dict(label=label, images=n, alone=alone, **runs[len(runs) // 2]))
     residual = {}
     for P in (1, 64):
         d = torch.full((P,), 0.7, dtype=torch.float64)
@@ -172,13 +244,16 @@ def main() -> None:
         "",
         f"Target: the shipped digits U-Net (1 x 8 x 8), T = {steps}, churn 0.3; median of {args.repeats} runs "
         "(one for D-GRS (2,5) at 64 images). Sampler time = wall time outside the network, per round; "
-        "wall-clock speedup = the standard sampler's wall time over the configuration's, same number of images.",
+        "wall-clock speedup = the standard sampler's wall time over the configuration's, same number of images. "
+        "Alone = the same rounds replayed with the network replaced by a lookup of its outputs (one image): "
+        "the sampler's own work without the network's calls in between, which leave its caches cold.",
         "",
         "| configuration | images | rounds | NFE | network per call (ms) | sampler per round (ms) | "
         + ("before (ms) | " if before else "")
+        + "alone (ms) | "
         + "draft / evaluate / walk / commit (ms per round) | sampler share of wall | wall (ms) | "
         "wall-clock speedup |",
-        "| --- | --- | --- | --- | --- | --- | " + ("--- | " if before else "") + "--- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | " + ("--- | " if before else "") + "--- | --- | --- | --- | --- |",
     ]
     standard_wall = {r["images"]: r["wall"] for r in after["rows"] if r["label"] == "standard"}
     for i, r in enumerate(after["rows"]):
@@ -189,6 +264,7 @@ def main() -> None:
         if before:
             br = before["rows"][i]
             b = f"{_ms((br['wall'] - br['inside']) / br['calls'])} | "
+        b += "- | " if r.get("alone") is None else f"{_ms(r['alone'])} | "
         lines.append(
             f"| {r['label']} | {r['images']} | {c} | {r['nfe']:.1f} | {_ms(r['inside'] / c)} | "
             f"{_ms((r['wall'] - r['inside']) / c)} | {b}{split} | {(r['wall'] - r['inside']) / r['wall']:.0%} | "
