@@ -66,6 +66,14 @@ def test_tuning_follows_the_hardware(gmm):
     linear = tune(gmm, x, batch=1, curve=CostCurve((1, 4096), (1.0, 4096.0)), **opts)
     assert linear.tree is None and linear.label == "standard" and linear.predicted_speedup == 1.0
     assert [c["label"] for c in linear.candidates][0] == "standard"
+    # most trees' calls alone cost more than the standard sampler's: they are not timed
+    untimed = [c for c in linear.candidates if not c["timed"]]
+    assert len(untimed) > len(linear.candidates) / 2
+    assert all(c["network_seconds_per_image_at_least"] > linear.standard_seconds_per_image for c in untimed)
+    # an untimed candidate's calls alone cost more than the chosen configuration's whole prediction
+    best = flat.predicted_seconds_per_image
+    assert all(c["network_seconds_per_image_at_least"] > best for c in flat.candidates if not c["timed"])
+    assert any(c["timed"] and c["label"] == flat.label for c in flat.candidates)
 
 
 def test_a_tuned_configuration_runs_and_survives_json(gmm):

@@ -129,8 +129,11 @@ def tune(**o) -> None:
         f"{res.predicted_speedup:.2f}x the standard sampler's {ms * res.standard_seconds_per_image:.2f} ms "
         f"({o['batch']} per run, {threads} thread(s)); wrote {o['out']}"
     )
-    for c in res.candidates[:5]:
+    timed = [c for c in res.candidates if c["timed"]]
+    for c in timed[:5]:
         click.echo(f"  {c['label']}: {ms * c['seconds_per_image']:.2f} ms per image, {c['calls']:.1f} calls")
+    if len(timed) < len(res.candidates):
+        click.echo(f"  ({len(res.candidates) - len(timed)} more not timed: their network calls alone are slower)")
 
 
 def _tune_small(o: dict, drafts: list, tune_fn):

@@ -61,6 +61,11 @@ DEFAULT_SIZES = tuple(2**k for k in range(10))
 
 _DETERMINISTIC = 2  # the first step (from noise level 1) and the last (into 0)
 
+_PRUNE_MARGIN = 0.8
+"""A candidate is not timed when 0.8 x its network calls' predicted time already exceeds the best
+timed prediction: the network factor, pooled from the runs timed so far, would have to fall by
+20% for it to become competitive, and its own sampler time only adds."""
+
 
 @dataclass(frozen=True)
 class CostCurve:
@@ -591,6 +596,19 @@ class Predictor:
     def _key(tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> tuple:
         return (None if tree is None else tuple(tree.parent.tolist()), coupling, verify, draft)
 
+    def network_seconds(
+        self, tree: Optional[DraftTree], coupling: str = "grs", verify: str = "internal", draft: str = "velocity"
+    ) -> float:
+        """Seconds per trajectory of the network calls alone (no sampler time), at the pooled factor so far.
+
+        Needs no timing run: :func:`tune` skips timing a candidate whose calls alone are
+        slower than a configuration already timed.
+        """
+        d = draft if draft in self.drafts else self.drafts[0]
+        a = None if tree is None else self.acceptance_bins(coupling, d)
+        seconds, _ = predict_seconds(self.curve, self.steps, self.batch, tree, verify, a, 0.0, self.network_factor())
+        return seconds / self.batch
+
     def predict(
         self, tree: Optional[DraftTree], coupling: str = "grs", verify: str = "internal", draft: str = "velocity"
     ) -> "tuple[float, float, float]":
@@ -641,7 +659,10 @@ def tune(
 
     Searches chains (RMC), uniform trees (D-GRS, both verification modes) and
     budget-optimal trees against the standard sampler, for each draft of
-    ``drafts``; answers the standard sampler when no tree pays.
+    ``drafts``; answers the standard sampler when no tree pays. The standard
+    sampler is timed first; a candidate whose network calls alone are predicted
+    slower than the best timed one (at 0.8 of the pooled network factor) is not
+    timed (``candidates`` lists it with ``timed: False`` and that bound).
 
     Args:
         model: the target velocity.
@@ -696,15 +717,29 @@ def tune(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(runs), desc="candidates", unit="config")
-    # every candidate timed first: the predictions then share one pooled network factor
-    for _, tree, coupling, verify, draft in runs:
+    # the standard sampler first; a candidate whose network calls alone (at a discounted
+    # factor) are predicted slower than the best so far is not timed at all
+    runs.sort(key=lambda r: r[1] is not None)
+    timed, pruned, best_so_far = [], [], math.inf
+    for run in runs:
+        _, tree, coupling, verify, draft = run
+        if tree is not None:
+            bound = _PRUNE_MARGIN * pred.network_seconds(tree, coupling, verify, draft)
+            if bound > best_so_far:
+                pruned.append((run, bound))
+                if bar is not None:
+                    bar.update(1)
+                continue
         pred.sampler_seconds_per_round(tree, coupling, verify, draft)
+        best_so_far = min(best_so_far, pred.predict(tree, coupling, verify, draft)[0])
+        timed.append(run)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+    # predicted again now that the pooled network factor has every timing run
     results = []
-    for label, tree, coupling, verify, draft in runs:
+    for label, tree, coupling, verify, draft in timed:
         sec, calls, s_round = pred.predict(tree, coupling, verify, draft)
         name = label if tree is None else f"{label}, draft {draft}"
         results.append((sec, calls, s_round, name, tree, coupling, verify, draft))
@@ -713,9 +748,20 @@ def tune(
     if best[0] * (1.0 + min_gain) > standard[0]:
         best = standard
     table = [
-        {"label": r[3], "seconds_per_image": r[0], "calls": r[1], "sampler_seconds_per_round": r[2]}
+        {"label": r[3], "seconds_per_image": r[0], "calls": r[1], "sampler_seconds_per_round": r[2], "timed": True}
         for r in sorted(results, key=lambda r: r[0])
     ]
+    for (label, _, _, _, draft), bound in sorted(pruned, key=lambda p: p[1]):
+        table.append(
+            {
+                "label": f"{label}, draft {draft}",
+                "seconds_per_image": None,
+                "network_seconds_per_image_at_least": bound,
+                "calls": None,
+                "sampler_seconds_per_round": None,
+                "timed": False,
+            }
+        )
     return Tuned(
         label=best[3],
         tree=best[4],
