@@ -124,10 +124,12 @@ def tune(**o) -> None:
     data["tuned_for"]["threads"] = threads
     atomic_write_text(o["out"], json.dumps(data, indent=1) + "\n")
     ms = 1e3
+    per_s = lambda sec: 1.0 / sec if sec > 0 else float("inf")  # noqa: E731
     click.echo(
-        f"chosen: {res.label}: {ms * res.predicted_seconds_per_image:.2f} ms per image predicted, "
-        f"{res.predicted_speedup:.2f}x the standard sampler's {ms * res.standard_seconds_per_image:.2f} ms "
-        f"({o['batch']} per run, {threads} thread(s)); wrote {o['out']}"
+        f"chosen: {res.label}: {ms * res.predicted_seconds_per_image:.2f} ms per image predicted "
+        f"({per_s(res.predicted_seconds_per_image):.1f} images/s), {res.predicted_speedup:.2f}x the standard "
+        f"sampler's {ms * res.standard_seconds_per_image:.2f} ms ({per_s(res.standard_seconds_per_image):.1f} "
+        f"images/s; {o['batch']} per run, {threads} thread(s)); wrote {o['out']}"
     )
     timed = [c for c in res.candidates if c["timed"]]
     for c in timed[:5]:

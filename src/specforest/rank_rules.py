@@ -89,7 +89,28 @@ def n_cells(base: Base) -> int:
 
 def cell_of(v: torch.Tensor, base: Base = "normal") -> torch.Tensor:
     """``(*batch)`` long cell index of each value: the number of interior edges ``<= v``."""
-    return torch.bucketize(v, EDGES[base].to(v.device), right=True)
+    return torch.bucketize(v, _edges(base, v.device), right=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _edges(base: Base, device: torch.device) -> torch.Tensor:
+    """:data:`EDGES` of ``base`` on ``device``, copied there once."""
+    return EDGES[base].to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _basis_constants(M: int, base: Base, device: torch.device) -> tuple:
+    """What :func:`_basis` reads that depends only on ``(M, base, device)``, made once.
+
+    The edges with ``+inf`` appended ``(C,)``, the ranks below the maximum
+    ``j = 1 .. M - 1``, ``m = M - j`` and the multinomial coefficients
+    ``M C(M - 1, j - 1) / ...`` in linear space, all float64.
+    """
+    e = torch.cat([EDGES[base], torch.tensor([math.inf], dtype=torch.float64)]).to(device)
+    j = torch.arange(1, M, dtype=torch.float64)
+    m = M - j
+    coef = torch.exp(math.log(M) + math.lgamma(M) - torch.lgamma(j) - torch.lgamma(m + 1))
+    return e, j.to(device), m.to(device), coef.to(device)
 
 
 def _cdf(s: torch.Tensor, base: Base) -> torch.Tensor:
@@ -110,8 +131,7 @@ def _basis(s: torch.Tensor, M: int, base: Base) -> torch.Tensor:
     Dividing by the base density keeps every entry in ``[0, M C(M-1, j-1)]``:
     nothing overflows, and what underflows is negligible next to the rest.
     """
-    edges = EDGES[base].to(s.device)
-    C = len(edges) + 1
+    C = len(EDGES[base]) + 1
     F = _cdf(s, base)
     out = torch.zeros((*s.shape, C, M), dtype=torch.float64, device=s.device)
     own = torch.nn.functional.one_hot(cell_of(s, base), C).to(torch.float64)
@@ -121,16 +141,12 @@ def _basis(s: torch.Tensor, M: int, base: Base) -> torch.Tensor:
     x = s[..., None]
     # F(e) - F(s) at every edge above s (0 at and below s), the last edge being +inf;
     # cell c spans [edge c-1, edge c), so its bracket is a difference of consecutive edges
-    inf = torch.tensor([math.inf], dtype=torch.float64, device=s.device)
-    e = torch.cat([edges, inf])
+    e, j, m, coef = _basis_constants(M, base, s.device)  # j: the ranks below the maximum
     a = torch.where(e > x, _cdf_gap(x, torch.maximum(e, x), base), 0.0).clamp_min(0.0)
-    j = torch.arange(1, M, dtype=torch.float64, device=s.device)  # ranks below the maximum
-    m = M - j
     pw = a[..., None] ** m  # (..., C, M - 1)
     d = pw.clone()
     d[..., 1:, :] -= pw[..., :-1, :]
     d.clamp_(min=0.0)
-    coef = torch.exp(math.log(M) + math.lgamma(M) - torch.lgamma(j) - torch.lgamma(m + 1))
     out[..., : M - 1] = d * (coef * F[..., None] ** (j - 1))[..., None, :]
     return out
 
