@@ -127,7 +127,9 @@ def _table(name: str, res: dict) -> list:
         lines += [
             "",
             f"**{name}, {what}** (tuned in {r['tune_seconds']:.1f} s: {tuned.label}, predicted "
-            f"{1e3 * tuned.predicted_seconds_per_image:.2f} ms per image, {tuned.predicted_speedup:.2f}x; "
+            f"{1e3 * tuned.predicted_seconds_per_image:.2f} ms per image, {tuned.predicted_speedup:.2f}x"
+            + ("" if tuned.measured_speedup is None else f", {tuned.measured_speedup:.2f}x in its final race")
+            + "; "
             f"a call in a run costs {r['factor']:.2f}x its time on the curve)",
             "",
             "| sampler | target calls (predicted) | rows per image | sampler time per round | wall per image "

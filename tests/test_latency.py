@@ -294,3 +294,32 @@ def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
     given = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2, curve=pred.curve)
     given.predict(None)
     assert given.network_factor() == 1.0
+
+
+def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):
+    """With a measured curve the finalists race the standard sampler in full runs, and the fastest
+    measured is chosen; a model whose call costs 2 ms whatever its rows makes trees pay."""
+    import time
+
+    from specforest import latency
+
+    def model(x, sigma, **kw):
+        time.sleep(0.002)
+        return gmm(x, sigma, **kw)
+
+    x = streams.randn(0, torch.arange(4), (8,))
+    opts = dict(steps=12, churn=0.3, batch=1, budget_max=4, drafts=("velocity",))
+    tuned = tune(model, x, **opts)
+    raced = [c for c in tuned.candidates if c.get("measured_seconds_per_image") is not None]
+    assert tuned.measured_speedup is not None and {"standard"} < {c["label"] for c in raced} and len(raced) <= 4
+    back = Tuned.from_json(json.loads(json.dumps(tuned.to_json())))
+    assert back.measured_speedup == tuned.measured_speedup
+    # the race decides: the choice is the fastest measured finalist (or the standard sampler)
+    fastest = min(raced, key=lambda c: c["measured_seconds_per_image"])
+    assert tuned.label in (fastest["label"], "standard")
+    no_race = tune(model, x, race=0, **opts)
+    assert no_race.measured_speedup is None
+    calls = []
+    monkeypatch.setattr(latency, "_race", lambda *a: calls.append(a) or {})
+    tune(model, x, curve=CostCurve((1, 4096), (1.0, 1.0)), **opts)  # a given curve: no race
+    assert calls == []

@@ -131,6 +131,8 @@ def tune(**o) -> None:
         f"sampler's {ms * res.standard_seconds_per_image:.2f} ms ({per_s(res.standard_seconds_per_image):.1f} "
         f"images/s; {o['batch']} per run, {threads} thread(s)); wrote {o['out']}"
     )
+    if res.measured_speedup is not None:
+        click.echo(f"  measured {res.measured_speedup:.2f}x the standard sampler in the final race (full runs)")
     timed = [c for c in res.candidates if c["timed"]]
     for c in timed[:5]:
         click.echo(f"  {c['label']}: {ms * c['seconds_per_image']:.2f} ms per image, {c['calls']:.1f} calls")

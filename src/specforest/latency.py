@@ -23,8 +23,10 @@ with ``E[steps per round]`` the tree's expected committed steps under the
 calibrated acceptance (:func:`expected_steps`, the value
 :func:`specforest.trees.optimal` maximizes) and ``T_det = 2`` deterministic
 steps (plus one call to fetch the first root). The standard sampler takes ``T``
-calls of ``batch`` rows. :func:`tune` returns the fastest candidate, or the
-standard sampler when no tree pays; it states its prediction before the run.
+calls of ``batch`` rows. :func:`tune` races the few candidates predicted
+fastest against the standard sampler (interleaved full runs) and returns the
+fastest measured, or the standard sampler when no tree pays; it states its
+prediction before the run.
 The choice is fixed before sampling, so the sampler stays exact.
 """
 
@@ -323,6 +325,8 @@ class Tuned(Mapping):
         predicted_calls: predicted target calls of a run.
         curve: the measured cost curve.
         candidates: every candidate's ``(label, predicted seconds per image, calls, sampler s/round)``.
+        measured_speedup: the standard sampler's measured time over this one's in the final race
+            of :func:`tune` (interleaved full runs), or ``None`` when there was no race.
     """
 
     label: str
@@ -338,6 +342,7 @@ class Tuned(Mapping):
     predicted_calls: float
     curve: CostCurve
     candidates: list = field(default_factory=list)
+    measured_speedup: Optional[float] = None
 
     def _options(self) -> dict:
         return {"tree": self.tree, "coupling": self.coupling, "verify": self.verify, "draft": self.draft}
@@ -367,6 +372,7 @@ class Tuned(Mapping):
             "predicted_calls": self.predicted_calls,
             "cost_curve": {"sizes": list(self.curve.sizes), "seconds": list(self.curve.seconds)},
             "candidates": self.candidates,
+            "measured_speedup": self.measured_speedup,
         }
 
     @classmethod
@@ -376,7 +382,13 @@ class Tuned(Mapping):
         curve = CostCurve(tuple(d["cost_curve"]["sizes"]), tuple(d["cost_curve"]["seconds"]))
         keys = ("label", "coupling", "verify", "draft", "batch", "steps", "predicted_seconds_per_image")
         keys += ("predicted_speedup", "standard_seconds_per_image", "predicted_calls")
-        return cls(tree=tree, curve=curve, candidates=d.get("candidates", []), **{k: d[k] for k in keys})
+        return cls(
+            tree=tree,
+            curve=curve,
+            candidates=d.get("candidates", []),
+            measured_speedup=d.get("measured_speedup"),
+            **{k: d[k] for k in keys},
+        )
 
 
 def _candidates(acc: Callable, budget_max: int, steps: int) -> list:
@@ -653,6 +665,8 @@ def tune(
     min_gain: float = 0.05,
     couplings: Optional[Sequence[str]] = None,
     sigmas_for: Optional[Callable[[int], torch.Tensor]] = None,
+    race: int = 3,
+    race_repeats: int = 3,
     **sample_kwargs: Any,
 ) -> Tuned:
     """Choose the tree, coupling, verification mode and draft that minimize predicted wall time here.
@@ -685,6 +699,13 @@ def tune(
             standard sampler, which has nothing to lose).
         sigmas_for: the grid of a run of ``n`` steps, ``(n + 1,)`` noise levels (a pipeline's
             scheduler grid, say); default the ``grid`` option of :func:`specforest.sample`.
+        race: the finalists: up to this many candidates predicted fastest (within 25% of the
+            best prediction, and faster than the standard sampler) run ``race_repeats`` full
+            runs each, interleaved with the standard sampler's; the fastest measured wins if
+            it beats the standard sampler by ``min_gain``. Predictions from separate short
+            measurements carry the machine's drift (10-25% on a shared CPU); an interleaved
+            race cancels most of it. 0, or a ``curve`` given rather than measured here: choose
+            on the predictions alone.
         sample_kwargs: further options of :func:`specforest.sample` (grid, prefetch, ...).
 
     Returns:
@@ -745,10 +766,26 @@ def tune(
         results.append((sec, calls, s_round, name, tree, coupling, verify, draft))
     standard = next(r for r in results if r[3] == "standard")
     best = min(results, key=lambda r: r[0])
-    if best[0] * (1.0 + min_gain) > standard[0]:
+    measured: dict = {}
+    finalists = [r for r in sorted(results, key=lambda r: r[0]) if r is not standard]
+    finalists = [r for r in finalists if r[0] < standard[0] and r[0] <= 1.25 * best[0]][: max(race, 0)]
+    # (a given curve may not time this model, here: then the predictions decide)
+    if finalists and pred.measured_curve:
+        measured = _race(pred, [standard] + finalists, race_repeats)
+        best = min([standard] + finalists, key=lambda r: measured[r[3]])
+        if measured[best[3]] * (1.0 + min_gain) > measured[standard[3]]:
+            best = standard
+    elif best[0] * (1.0 + min_gain) > standard[0]:
         best = standard
     table = [
-        {"label": r[3], "seconds_per_image": r[0], "calls": r[1], "sampler_seconds_per_round": r[2], "timed": True}
+        {
+            "label": r[3],
+            "seconds_per_image": r[0],
+            "calls": r[1],
+            "sampler_seconds_per_round": r[2],
+            "timed": True,
+            "measured_seconds_per_image": measured.get(r[3]),
+        }
         for r in sorted(results, key=lambda r: r[0])
     ]
     for (label, _, _, _, draft), bound in sorted(pruned, key=lambda p: p[1]):
@@ -776,4 +813,30 @@ def tune(
         predicted_calls=best[1],
         curve=pred.curve,
         candidates=table,
+        measured_speedup=measured[standard[3]] / measured[best[3]] if measured else None,
     )
+
+
+def _race(pred: Predictor, entries: list, repeats: int) -> dict:
+    """``{label: median seconds per trajectory}`` of full runs of each entry, interleaved ``repeats`` times."""
+    times: dict = {e[3]: [] for e in entries}
+    batch = pred.batch
+    for r in range(max(int(repeats), 1)):
+        for _, _, _, label, tree, coupling, verify, draft in entries:
+            t0 = time.perf_counter()
+            out = sample(
+                pred.model,
+                pred.x[:batch],
+                **_grid(pred.sigmas_for, pred.steps),
+                churn=pred.churn,
+                tree=tree,
+                coupling=coupling,
+                verify=verify,
+                draft=draft,
+                cond=_rows(pred.cond, batch),
+                seed=pred.seed + 10 + r,
+                **pred.sample_kwargs,
+            )
+            _sync(out.samples.device)
+            times[label].append((time.perf_counter() - t0) / batch)
+    return {label: statistics.median(t) for label, t in times.items()}
