@@ -276,6 +276,34 @@ def velocity_and_grid(
     return velocity, sigmas, (int(tcfg.get("in_channels", 16)), h, w), device
 
 
+def encode_text(
+    pipe: Any,
+    prompts: Any,
+    negatives: Any,
+    *,
+    device: torch.device,
+    guidance: bool,
+    max_sequence_length: int,
+    **embeds: Optional[torch.Tensor],
+) -> tuple:
+    """``(prompt_embeds, negative_prompt_embeds, pooled, negative_pooled)`` as the SD3 pipeline encodes them.
+
+    ``embeds``: precomputed ``prompt_embeds`` and the like, passed through to ``pipe.encode_prompt``.
+    """
+    with torch.no_grad():
+        return pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=guidance,
+            negative_prompt=negatives,
+            max_sequence_length=max_sequence_length,
+            **embeds,
+        )
+
+
 def row_bytes_of(
     pipe: Any, velocity: FlowMatchVelocity, latent_shape: tuple, pe: torch.Tensor, ppe: torch.Tensor
 ) -> int:
@@ -472,21 +500,18 @@ def sample(
     height, width = velocity.image_size
 
     # -- text ---------------------------------------------------------------------------
-    with torch.no_grad():
-        pe, npe, ppe, nppe = pipe.encode_prompt(
-            prompt=prompts,
-            prompt_2=None,
-            prompt_3=None,
-            device=device,
-            num_images_per_prompt=1,
-            do_classifier_free_guidance=cfg,
-            negative_prompt=negatives,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            pooled_prompt_embeds=pooled_prompt_embeds,
-            negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
-            max_sequence_length=max_seq,
-        )
+    pe, npe, ppe, nppe = encode_text(
+        pipe,
+        prompts,
+        negatives,
+        device=device,
+        guidance=cfg,
+        max_sequence_length=max_seq,
+        prompt_embeds=prompt_embeds,
+        negative_prompt_embeds=negative_prompt_embeds,
+        pooled_prompt_embeds=pooled_prompt_embeds,
+        negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
+    )
     # each caption's rows repeated consecutively, as diffusers repeats them
     conds = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
     cond = {k: v.repeat_interleave(n_img, dim=0) for k, v in conds.items()}

@@ -22,7 +22,7 @@ from .. import streams
 from ..latency import Tuned
 from ..latency import tune as _tune
 from .grid import scheduler_sigmas
-from .pipeline_sd3 import _check_number, _check_pipeline, cond_from_embeds, row_bytes_of, velocity_and_grid
+from .pipeline_sd3 import _check_number, _check_pipeline, cond_from_embeds, encode_text, row_bytes_of, velocity_and_grid
 
 __all__ = ["tune"]
 
@@ -88,17 +88,14 @@ def tune(
     )
     n = max(batch, calibration_images)
     captions = [prompts[i % len(prompts)] for i in range(n)]
-    with torch.no_grad():
-        pe, npe, ppe, nppe = pipe.encode_prompt(
-            prompt=captions,
-            prompt_2=None,
-            prompt_3=None,
-            device=device,
-            num_images_per_prompt=1,
-            do_classifier_free_guidance=velocity.branches == 2,
-            negative_prompt=[""] * n,
-            max_sequence_length=max_sequence_length,
-        )
+    pe, npe, ppe, nppe = encode_text(
+        pipe,
+        captions,
+        [""] * n,
+        device=device,
+        guidance=velocity.branches == 2,
+        max_sequence_length=max_sequence_length,
+    )
     cond = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
     if max_memory_gb is not None:
         limit = int(_check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True) * 1e9)
