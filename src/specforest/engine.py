@@ -116,7 +116,8 @@ class RunContext:
     rows_all: torch.Tensor = None  # (B,) arange
     no_fetch: torch.Tensor = None  # (B,) False
     all_active: torch.Tensor = None  # (B,) True
-    _lookahead: dict = field(default_factory=dict)  # L -> (stochastic, lookahead) by step
+    stoch_at: torch.Tensor = None  # (T + 1,) bool: the step is stochastic (False at T, finished)
+    _lookahead: dict = field(default_factory=dict)  # L -> (T + 1,) lookahead by step
 
     def __post_init__(self) -> None:
         self.depth_cols = torch.arange(max(self.T, 1), device=self.device)
@@ -124,20 +125,18 @@ class RunContext:
         self.rows_all = torch.arange(self.step_keys.shape[0], device=self.device)
         self.no_fetch = torch.zeros_like(self.rows_all, dtype=torch.bool)
         self.all_active = torch.ones_like(self.no_fetch)
+        self.stoch_at = torch.cat([self.tab.stochastic, self.tab.stochastic.new_zeros(1)])
 
     def tables(self, tree: DraftTree) -> TreeTables:
         return TreeTables.of(tree, self.verify, self.device)
 
-    def lookahead(self, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(T + 1,)`` tables by step: whether it is stochastic, and the lookahead a depth-``L`` tree
-        takes there (to the end of its stochastic run, at most ``L``; 0 on deterministic steps and at ``T``)."""
+    def lookahead(self, L: int) -> torch.Tensor:
+        """``(T + 1,)`` the lookahead a depth-``L`` tree takes at each step: to the end of its
+        stochastic run, at most ``L``; 0 on deterministic steps and at ``T``."""
         hit = self._lookahead.get(L)
         if hit is None:
-            T, tab = self.T, self.tab
-            stoch = torch.cat([tab.stochastic, tab.stochastic.new_zeros(1)])
-            s = torch.arange(T + 1, device=self.device)
-            look = torch.where(stoch, torch.clamp(tab.run_end - s, max=L), 0)
-            hit = self._lookahead[L] = (stoch, look)
+            s = torch.arange(self.T + 1, device=self.device)
+            hit = self._lookahead[L] = torch.where(self.stoch_at, torch.clamp(self.tab.run_end - s, max=L), 0)
         return hit
 
 
@@ -249,11 +248,14 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
             return None
         return Schedule(ctx.rows_all, ctx.no_fetch, [], ctx.all_active, everyone=True)
     active = step < T
+    stoch = ctx.stoch_at[step]  # False once finished
+    if ctx.proposal.needs_prefetch:
+        spec = stoch & state.pre.valid
+        fetch = stoch & ~spec
+    else:
+        spec, fetch = stoch, ctx.no_fetch
+    single = active & ~spec
     if ctx.policy is not None:
-        stoch = ctx.tab.stochastic[step.clamp(max=T - 1)] & active
-        fetch = stoch & ~state.pre.valid if ctx.proposal.needs_prefetch else torch.zeros_like(stoch)
-        spec = stoch & ~fetch
-        single = active & ~spec
         # an adaptive plan reads the records on the host anyway
         ctx.target.check_finite()
         if not bool(active.any()):
@@ -263,15 +265,7 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         groups = _tree_groups(ctx, state, ids) if ids.numel() else []
         return Schedule(ids1, fetch[ids1], groups, active, n_fetch=int(fetch.sum()))
     tt = ctx.tables(ctx.tree)
-    stoch_at, look_at = ctx.lookahead(tt.L)
-    stoch = stoch_at[step]  # False once finished
-    if ctx.proposal.needs_prefetch:
-        spec = stoch & state.pre.valid
-        fetch = stoch & ~spec
-    else:
-        spec, fetch = stoch, ctx.no_fetch
-    single = active & ~spec
-    Ls = torch.where(spec, look_at[step], 0)
+    Ls = torch.where(spec, ctx.lookahead(tt.L)[step], 0)
     rows = torch.where(spec, tt.rows_at[Ls], 0).sum()
     flags = torch.stack([active, single, spec, fetch]).sum(1)
     counts = host_read(torch.cat([flags, torch.stack([Ls.max(), Ls.min(), rows, ctx.target.bad.long()])]))
@@ -292,8 +286,8 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
 
 
 def _tree_groups(ctx: RunContext, state: RunState, ids: torch.Tensor) -> list:
-    """``[(ids, tree, Ls, Lr, rows)]`` of an adaptive plan, re-made from the records and, near the
-    end of the chain, re-optimized for each remaining horizon shorter than it."""
+    """``[(ids, tree, Ls, Lr, rows, False)]`` of an adaptive plan, re-made from the records and, near
+    the end of the chain, re-optimized for each remaining horizon shorter than it."""
     data = torch.cat(state.records) if state.records else None
     base = ctx.policy.plan(data, ctx.coupling, ctx.T)
     if data is None:
@@ -310,8 +304,7 @@ def _tree_groups(ctx: RunContext, state: RunState, ids: torch.Tensor) -> list:
     groups = []
     for g, tree in trees:
         tt = ctx.tables(tree)
-        s0 = state.step[g]
-        Ls = torch.clamp(ctx.tab.run_end[s0] - s0, max=tt.L)
+        Ls = ctx.lookahead(tt.L)[state.step[g]]
         groups.append((g, tree, Ls, int(Ls.max()), int(tt.rows_at[Ls].sum()), False))
     return groups
 
