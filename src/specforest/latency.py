@@ -16,14 +16,13 @@ the sampler's own time per round. :func:`tune` measures both:
 For a configuration (tree, coupling, verification mode) the predicted time of a
 run of ``T`` steps for ``batch`` trajectories is
 
-    calls x (time(batch x rows per round) + sampler time per round),
-    calls = T_det + 1 + (T - T_det) / E[steps per round],
+    set-up + sum over its calls of (factor x time(rows of the call) + sampler time per round),
 
-with ``E[steps per round]`` the tree's expected committed steps under the
-calibrated acceptance (:func:`expected_steps`, the value
-:func:`specforest.trees.optimal` maximizes) and ``T_det = 2`` deterministic
-steps (plus one call to fetch the first root). The standard sampler takes ``T``
-calls of ``batch`` rows. :func:`tune` races the few candidates predicted
+the calls simulated by :func:`predict_seconds`: the two deterministic steps and
+the first root's fetch, then rounds whose committed steps are drawn from the
+tree's law under the calibrated acceptance (on average :func:`expected_steps`,
+the value :func:`specforest.trees.optimal` maximizes). The standard sampler
+takes ``T`` calls of ``batch`` rows. :func:`tune` races the few candidates predicted
 fastest against the standard sampler (interleaved full runs) and returns the
 fastest measured, or the standard sampler when no tree pays; it states its
 prediction before the run.
@@ -441,6 +440,7 @@ class Predictor:
         self._sampler_time: dict = {}  # key -> (per round, per run outside the rounds)
         self._network: list = [0.0, 0.0]  # seconds inside the timing runs' calls, and their cost on the curve
         self._warm: set = set()
+        self._bins: dict = {}  # (coupling, draft, bins) -> acceptance_bins, computed once
 
     @classmethod
     def calibrate(
@@ -519,6 +519,9 @@ class Predictor:
         Acceptance changes along the grid, and rounds in easy stretches reach deep: one
         average over the grid would understate the steps a long round commits.
         """
+        key = (coupling, draft, bins)
+        if key in self._bins:
+            return self._bins[key]
         d = self._calibration(coupling, draft)
         whole = acceptance_model(d[:, [0, 2]], coupling)
         lo, hi = 1, max(self.steps - 1, 2)
@@ -529,6 +532,7 @@ class Predictor:
             sel = (d[:, 1] >= a) & ((d[:, 1] < b) if i < bins - 1 else (d[:, 1] <= b))
             acc = acceptance_model(d[sel][:, [0, 2]], coupling) if int(sel.sum()) >= 8 else whole
             out.append((1.0 / bins, acc))
+        self._bins[key] = out
         return out
 
     def sampler_seconds_per_round(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> float:
@@ -616,10 +620,19 @@ class Predictor:
         Needs no timing run: :func:`tune` skips timing a candidate whose calls alone are
         slower than a configuration already timed.
         """
-        d = draft if draft in self.drafts else self.drafts[0]
-        a = None if tree is None else self.acceptance_bins(coupling, d)
-        seconds, _ = predict_seconds(self.curve, self.steps, self.batch, tree, verify, a, 0.0, self.network_factor())
-        return seconds / self.batch
+        return self._simulate(tree, coupling, verify, self._draft(draft), 0.0, 0.0)[0]
+
+    def _draft(self, draft: str) -> str:
+        """``draft``, or the first calibrated draft when ``draft`` was not calibrated."""
+        return draft if draft in self.drafts else self.drafts[0]
+
+    def _simulate(self, tree, coupling: str, verify: str, draft: str, s_round: float, setup: float) -> tuple:
+        """``(seconds per trajectory, calls)`` of :func:`predict_seconds` with this predictor's calibration."""
+        a = None if tree is None else self.acceptance_bins(coupling, draft)
+        seconds, calls = predict_seconds(
+            self.curve, self.steps, self.batch, tree, verify, a, s_round, self.network_factor(), setup
+        )
+        return seconds / self.batch, calls
 
     def predict(
         self, tree: Optional[DraftTree], coupling: str = "grs", verify: str = "internal", draft: str = "velocity"
@@ -628,14 +641,10 @@ class Predictor:
 
         The sampler's time is measured with the first calibrated draft when ``draft`` was not calibrated.
         """
-        d = draft if draft in self.drafts else self.drafts[0]
-        s_round = self.sampler_seconds_per_round(tree, coupling, verify, d)
-        setup = self.setup_seconds(tree, coupling, verify, d)
-        a = None if tree is None else self.acceptance_bins(coupling, d)
-        seconds, calls = predict_seconds(
-            self.curve, self.steps, self.batch, tree, verify, a, s_round, self.network_factor(), setup
-        )
-        return seconds / self.batch, calls, s_round
+        d = self._draft(draft)
+        s_round, setup = self._timed(tree, coupling, verify, d)
+        seconds, calls = self._simulate(tree, coupling, verify, d, s_round, setup)
+        return seconds, calls, s_round
 
 
 def _grid(sigmas_for: Optional[Callable[[int], torch.Tensor]], steps: int) -> dict:
