@@ -288,16 +288,12 @@ def compile_option():
     )
 
 
-def tune_option():
-    """``--tune tuned.json``: run the configuration ``specforest tune`` chose (overrides the sampler options)."""
-    return click.option(
-        "--tune",
-        "tune_file",
-        type=click.Path(exists=True, dir_okay=False),
-        default=None,
-        help="A JSON written by 'specforest tune': its tree, coupling, verification mode and draft replace "
-        "--method/--K/--L/--tree/--verify/--draft.",
-    )
+def tune_option(
+    help: str = "A JSON written by 'specforest tune': its tree, coupling, verification mode and draft replace "
+    "--method/--K/--L/--tree/--verify/--draft.",
+):
+    """``--tune tuned.json``: run the configuration ``specforest tune`` chose."""
+    return click.option("--tune", "tune_file", type=click.Path(exists=True, dir_okay=False), default=None, help=help)
 
 
 _METHOD_OF = {"grs": "dgrs", "rank": "rank", "antithetic": "antithetic"}

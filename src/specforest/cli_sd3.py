@@ -22,6 +22,7 @@ from .cli_common import (
     set_threads,
     steps_option,
     threads_option,
+    tune_option,
     verify_option,
 )
 from .experiments import sd3 as sd3_exp
@@ -175,13 +176,7 @@ def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> li
 @click.option("--save-images", is_flag=True, help="Save every image under OUT/images/<configuration>/.")
 @progress_option("Progress bars on stderr.")
 @threads_option()
-@click.option(
-    "--tune",
-    "tune_file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="A JSON written by 'specforest tune --model sd3': its configuration runs as one more, 'tuned'.",
-)
+@tune_option("A JSON written by 'specforest tune --model sd3': its configuration runs as one more, 'tuned'.")
 def sd3(**o) -> None:
     """Stable Diffusion 3 experiment of the paper (Section 5.3, Figure 5, Table 1).
 

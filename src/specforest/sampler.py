@@ -369,11 +369,8 @@ def pad_sizes(pad_rows: "Optional[str | Sequence[int]]") -> Optional[tuple]:
 def returned(stats: SampleStats) -> SampleStats:
     """``stats`` with every tensor a normal one (a clone made outside inference mode), to hand to the caller."""
     with outside_inference():
-        return replace(stats, **{f.name: getattr(stats, f.name).clone() for f in fields(stats) if _is_tensor(stats, f)})
-
-
-def _is_tensor(obj: Any, f: Any) -> bool:
-    return isinstance(getattr(obj, f.name), torch.Tensor)
+        values = {f.name: getattr(stats, f.name) for f in fields(stats)}
+        return replace(stats, **{k: v.clone() for k, v in values.items() if isinstance(v, torch.Tensor)})
 
 
 def stats_of(state: engine.RunState, T: int, rows: Any = None) -> SampleStats:
@@ -431,7 +428,7 @@ def sample(
     without autograd: the sampler's own arithmetic under
     ``torch.inference_mode`` (its small ops dispatch faster there), the model,
     a draft model and ``callback`` under ``torch.no_grad`` in normal mode
-    (:class:`~specforest.target.outside_inference`); the samples and statistics
+    (:func:`~specforest.target.outside_inference`); the samples and statistics
     returned are normal tensors that never carry a graph.
 
     Randomness: every draw is addressed by (seed, sample index, where in the

@@ -21,7 +21,9 @@ random streams, then commits the same states everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -171,7 +173,8 @@ class Target:
         return self.seconds
 
 
-class outside_inference:
+@contextlib.contextmanager
+def outside_inference() -> Iterator[None]:
     """Run user code (a model, a draft model, a callback) in normal mode, without autograd.
 
     The sampler's own arithmetic runs under :func:`torch.inference_mode` (its
@@ -179,17 +182,8 @@ class outside_inference:
     under :func:`torch.no_grad`, so a model that caches tensors (rotary tables,
     say) does not keep inference tensors that would fail later in training.
     """
-
-    __slots__ = ("_modes",)
-
-    def __enter__(self) -> None:
-        self._modes = (torch.inference_mode(False), torch.no_grad())
-        for m in self._modes:
-            m.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        for m in reversed(self._modes):
-            m.__exit__(*exc)
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def _pad(x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, size: int) -> tuple:

@@ -21,8 +21,9 @@ from .. import memory as _memory
 from .. import streams
 from ..latency import Tuned
 from ..latency import tune as _tune
+from ..validation import check_int, check_number
 from .grid import scheduler_sigmas
-from .pipeline_sd3 import _check_number, _check_pipeline, cond_from_embeds, encode_text, row_bytes_of, velocity_and_grid
+from .pipeline_sd3 import _check_pipeline, cond_from_embeds, encode_text, row_bytes_of, velocity_and_grid
 
 __all__ = ["tune"]
 
@@ -74,10 +75,9 @@ def tune(
     prompts = list(prompt)
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise TypeError("prompt must be a caption or a non-empty list of captions")
-    for name, v in (("batch", batch), ("calibration_images", calibration_images)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    churn = _check_number("churn", churn, 0.0, 1.0, lo_open=True)
+    batch = check_int("batch", batch, 1)
+    calibration_images = check_int("calibration_images", calibration_images, 1)
+    churn = check_number("churn", churn, 0.0, 1.0, lo_open=True)
     velocity, _, latent_shape, device = velocity_and_grid(
         pipe,
         num_inference_steps=num_inference_steps,
@@ -98,7 +98,7 @@ def tune(
     )
     cond = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
     if max_memory_gb is not None:
-        limit = int(_check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True) * 1e9)
+        limit = int(check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True) * 1e9)
     else:
         limit, _ = _memory.default_memory_limit(device)
     max_rows = max(1, limit // row_bytes_of(pipe, velocity, latent_shape, pe, ppe))
