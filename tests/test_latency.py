@@ -319,6 +319,12 @@ def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):
     assert tuned.label in (fastest["label"], "standard")
     no_race = tune(model, x, race=0, **opts)
     assert no_race.measured_speedup is None
+    with pytest.raises(ValueError, match=r"race must be an int >= 0"):
+        tune(model, x, race=-1, **opts)
+    with pytest.raises(ValueError, match=r"race_repeats must be an int >= 1"):
+        tune(model, x, race_repeats=0, **opts)
+    with pytest.raises(TypeError, match="sigmas_for must be callable"):
+        tune(model, x, sigmas_for=[1.0, 0.0], **opts)
     calls = []
     monkeypatch.setattr(latency, "_race", lambda *a: calls.append(a) or {})
     tune(model, x, curve=CostCurve((1, 4096), (1.0, 1.0)), **opts)  # a given curve: no race

@@ -45,6 +45,7 @@ import torch
 from .planning import acceptance_model
 from .sampler import sample
 from .trees import DraftTree, chain, from_parents, optimal, uniform
+from .validation import check_int
 
 __all__ = [
     "CostCurve",
@@ -720,6 +721,11 @@ def tune(
     Returns:
         A :class:`Tuned`: ``sample(model, x, **tuned, ...)`` runs the choice.
     """
+    race, race_repeats = check_int("race", race, 0), check_int("race_repeats", race_repeats, 1)
+    if sigmas_for is not None and not callable(sigmas_for):
+        raise TypeError(
+            f"sigmas_for must be callable as sigmas_for(steps) -> (steps + 1,) noise levels, got {sigmas_for!r}"
+        )
     pred = predictor or Predictor.calibrate(
         model,
         x,
@@ -777,7 +783,7 @@ def tune(
     best = min(results, key=lambda r: r[0])
     measured: dict = {}
     finalists = [r for r in sorted(results, key=lambda r: r[0]) if r is not standard]
-    finalists = [r for r in finalists if r[0] < standard[0] and r[0] <= 1.25 * best[0]][: max(race, 0)]
+    finalists = [r for r in finalists if r[0] < standard[0] and r[0] <= 1.25 * best[0]][:race]
     # (a given curve may not time this model, here: then the predictions decide)
     if finalists and pred.measured_curve:
         measured = _race(pred, [standard] + finalists, race_repeats)
@@ -830,7 +836,7 @@ def _race(pred: Predictor, entries: list, repeats: int) -> dict:
     """``{label: median seconds per trajectory}`` of full runs of each entry, interleaved ``repeats`` times."""
     times: dict = {e[3]: [] for e in entries}
     batch = pred.batch
-    for r in range(max(int(repeats), 1)):
+    for r in range(repeats):
         for _, _, _, label, tree, coupling, verify, draft in entries:
             t0 = time.perf_counter()
             out = sample(
