@@ -121,6 +121,29 @@ def test_streams_are_standard_and_slots_independent():
     assert sps.kstest(same.flatten().numpy(), "uniform").pvalue < 1e-4
 
 
+def test_draws_made_in_one_pass_are_the_numbers_of_each_draw():
+    """The round mixes its noise and its coupling's uniforms together (``streams.uniforms``): the
+    numbers must be those each draw gives alone, and a stream holding them must hand out the same."""
+    keys = streams.sample_keys(5, torch.arange(12)).reshape(3, 4)
+    layout = ((streams.SLOT_COUPLE, 3), (streams.SLOT_COUPLE + 1, 1))
+    noise, coup = streams.uniforms((keys[:, 1:], ((streams.TAG_DRAFT, 7),)), (keys, layout))
+    assert torch.equal(noise, streams.uniform(keys[:, 1:], 7, streams.TAG_DRAFT))
+    assert torch.equal(coup[..., :3], streams.uniform(keys, 3, streams.SLOT_COUPLE))
+    assert torch.equal(coup[..., 3:], streams.uniform(keys, 1, streams.SLOT_COUPLE + 1))
+    flat = keys.reshape(-1)
+    plain = streams.Stream(flat, streams.SLOT_COUPLE)
+    held = streams.Stream(flat, streams.SLOT_COUPLE, coup.reshape(-1, 4), ((0, 3), (1, 1)))
+    rows = torch.tensor([5, 0, 11])
+    for rng in (held, held.take(rows)):
+        ref = plain if rng is held else plain.take(rows)
+        assert torch.equal(rng.uniform(0, 3), ref.uniform(0, 3))
+        assert torch.equal(rng.uniform(1, 1), ref.uniform(1, 1))
+        assert torch.equal(rng.uniform(2, 2), ref.uniform(2, 2))  # not held: drawn when asked
+    # a stream holding numbers that are not its own would be caught
+    wrong = streams.Stream(flat, streams.SLOT_COUPLE, coup.reshape(-1, 4).flip(0), ((0, 3), (1, 1)))
+    assert not torch.equal(wrong.uniform(0, 3), plain.uniform(0, 3))
+
+
 def test_digits_network_is_batch_invariant_within_1e_5():
     from specforest.experiments import pixel as pixel_exp
     from specforest.models.digits import load_velocity

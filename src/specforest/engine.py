@@ -63,7 +63,7 @@ from .proposals import Prefetch, Proposal
 from .sde import StepTables
 from .target import Target
 from .trees import DraftTree, TreePolicy, TreeTables
-from .walk import FullTree, OnDemand, sibling_noise, walk
+from .walk import FullTree, OnDemand, tree_draws, walk
 
 __all__ = ["PHASES", "Counters", "RunContext", "RunState", "host_read", "init_state", "run_round"]
 
@@ -328,6 +328,8 @@ class Draft:
         emask: ``(2, n)`` long ``(row, node)`` pairs the target evaluates (full mode), or ``None``
             when every row evaluates nodes ``0 .. n_first - 1``.
         n_first: see ``emask``.
+        U: ``(Bs, V_i, C)`` the coupling's declared uniforms at the nodes of depth ``< Lr``,
+            drawn with ``Z`` (:func:`~specforest.walk.tree_draws`; full mode), or ``None``.
     """
 
     tt: TreeTables
@@ -342,6 +344,7 @@ class Draft:
     Mp: Optional[torch.Tensor] = None
     emask: Optional[torch.Tensor] = None
     n_first: int = 0
+    U: Optional[torch.Tensor] = None
 
 
 def draft(
@@ -374,7 +377,8 @@ def draft(
         return Draft(tt, ids, s0, Ls, Lr, keys, pre), 0
     Bs, D = ids.numel(), state.x.shape[1]
     Vi = tt.size_at(Lr - 1)
-    Z = sibling_noise(ctx, keys[:, 1:], tt.children.shape[1], D)  # (Bs, Vr - 1, D): nodes 1..Vr-1
+    # (Bs, Vr - 1, D): noise of nodes 1..Vr-1, drawn with the coupling's uniforms at nodes 0..Vi-1
+    Z, U = tree_draws(ctx, keys, Vi, tt.children.shape[1], D)
     # every drafted node's noise times its transition scale, in one op (the lazy walk does the same per node)
     SZ = tab.scale[(s0[:, None] + tt.step_of[None, 1:Vr]).clamp(max=T - 1)][..., None] * Z
     Y = torch.empty(Bs, Vr, D, dtype=ctx.work, device=ctx.device)
@@ -410,17 +414,19 @@ def draft(
                 )
             )
             calls += 1
-        if k:
+        if k == 1:
+            torch.add(m, SZl[level - 1], out=Yl[level])
+        elif k:
             torch.add(m[:, :, None], SZl[level - 1].view(Bs, p1 - p0, k, D), out=Yl[level].view(Bs, p1 - p0, k, D))
         else:
             rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
             torch.add(rep, SZl[level - 1], out=Yl[level])
     if even and tt.eval_prefix[Lr] >= Vi:
         # every tree evaluates the same first nodes, the verified ones among them: a view of Y, no scatter
-        return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, None, tt.eval_prefix[Lr]), calls
+        return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, None, tt.eval_prefix[Lr], U), calls
     # the (trajectory, node) pairs the target evaluates, without a synchronization: their number is known
     emask = torch.nonzero_static(tt.eval_at[Ls][:, :Vr], size=rows).T
-    return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, emask), calls
+    return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, emask, 0, U), calls
 
 
 # -- phase 3: evaluate -----------------------------------------------------------------------

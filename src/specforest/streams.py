@@ -46,6 +46,7 @@ __all__ = [
     "randn",
     "sample_keys",
     "uniform",
+    "uniforms",
 ]
 
 
@@ -163,6 +164,34 @@ def uniform(keys: torch.Tensor, n: int, slot: int = 0) -> torch.Tensor:
     return _bits_to_unit(_mix_(keys[..., None] ^ _counters(n, slot, keys.device)))
 
 
+def uniforms(*draws: tuple) -> list:
+    """Several draws in one pass of the mixer, each the same bit for bit as :func:`uniform`'s.
+
+    A round draws its nodes' noise and its coupling's uniforms from different
+    keys and slots; mixing them together costs one set of tensor ops instead of
+    one per draw.
+
+    Args:
+        draws: ``(keys (*batch), layout)`` pairs, ``layout`` a tuple of ``(slot, n)``.
+
+    Returns:
+        One ``(*batch, sum of n)`` float64 tensor per pair, whose columns are
+        ``uniform(keys, n, slot)`` for each ``(slot, n)`` of its layout, in order.
+    """
+    words = [keys[..., None] ^ _layout_counters(layout, keys.device) for keys, layout in draws]
+    if len(words) == 1:
+        return [_bits_to_unit(_mix_(words[0]))]
+    u = _bits_to_unit(_mix_(torch.cat([w.reshape(-1) for w in words])))
+    return [part.view(w.shape) for part, w in zip(u.split([w.numel() for w in words]), words, strict=True)]
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_counters(layout: tuple, device: torch.device) -> torch.Tensor:
+    """The counters of the draws ``layout`` (``(slot, n)`` pairs), concatenated."""
+    parts = [_counters(n, slot, device) for slot, n in layout]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def normal(keys: torch.Tensor, n: int, dtype: torch.dtype = torch.float64, slot: int = 0) -> torch.Tensor:
     """``n`` standard normals per key at draw ``slot``: the inverse normal CDF of 52-bit uniforms,
     in float64, then cast to ``dtype`` (the tails are exact out to 8.2 standard deviations,
@@ -235,10 +264,16 @@ class Stream:
         keys: ``(P,)`` int64.
         base: added to every slot: the sampler keys a node's coupling draws with
             the node's own key at ``base = SLOT_COUPLE``, apart from its noise.
+        drawn: ``(P, C)`` uniforms computed in advance (by :func:`uniforms`,
+            with the round's noise), or ``None``; ``layout`` names their columns
+            as ``(slot, n)`` pairs in order. :meth:`uniform` returns them for a
+            draw in the layout: the same numbers it would compute.
     """
 
     keys: torch.Tensor
     base: int = 0
+    drawn: Optional[torch.Tensor] = None
+    layout: tuple = ()
 
     @classmethod
     def from_generator(cls, n: int, generator: Optional[torch.Generator], device) -> "Stream":
@@ -247,10 +282,17 @@ class Stream:
 
     def take(self, rows: torch.Tensor) -> "Stream":
         """The stream of rows ``rows`` (indices or a bool mask)."""
-        return Stream(self.keys[rows], self.base)
+        drawn = None if self.drawn is None else self.drawn[rows]
+        return Stream(self.keys[rows], self.base, drawn, self.layout)
 
     def uniform(self, slot: int, n: int = 1) -> torch.Tensor:
         """``(P, n)`` float64 uniforms in (0, 1) at ``slot``."""
+        if self.drawn is not None:
+            start = 0
+            for s, m in self.layout:
+                if (s, m) == (slot, n):
+                    return self.drawn[:, start : start + n]
+                start += m
         return uniform(self.keys, n, self.base + slot)
 
     def normal(self, slot: int, n: int = 1) -> torch.Tensor:

@@ -55,7 +55,7 @@ from .couplings import project
 if TYPE_CHECKING:
     from .engine import Draft, RunContext, RunState
 
-__all__ = ["FullTree", "Level", "OnDemand", "WalkResult", "sibling_noise", "walk"]
+__all__ = ["FullTree", "Level", "OnDemand", "WalkResult", "coupling_stream", "sibling_noise", "tree_draws", "walk"]
 
 
 def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
@@ -67,10 +67,41 @@ def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.
     full tree (:func:`specforest.engine.draft`) and the lazy walk
     (:class:`OnDemand`) both draw through here.
     """
-    z = streams.normal(keys, D, ctx.work, streams.TAG_DRAFT)
+    return _structured(ctx, streams.normal(keys, D, ctx.work, streams.TAG_DRAFT), K)
+
+
+def _structured(ctx: RunContext, z: torch.Tensor, K: int) -> torch.Tensor:
     if ctx.coupling.structured_siblings:
-        z = ctx.coupling.structure_noise(z.reshape(-1, K, D)).reshape(z.shape)
+        z = ctx.coupling.structure_noise(z.reshape(-1, K, z.shape[-1])).reshape(z.shape)
     return z
+
+
+def tree_draws(ctx: RunContext, keys: torch.Tensor, Vi: int, K: int, D: int) -> tuple:
+    """A full tree's random numbers in one pass of the mixer (:func:`specforest.streams.uniforms`).
+
+    Args:
+        keys: ``(Bs, V_r)`` node keys.
+        Vi: the nodes that may be verified (``0 .. V_i - 1``).
+
+    Returns:
+        ``(Z, U)``: the noise of nodes ``1 .. V_r - 1``, ``(Bs, V_r - 1, D)``
+        (:func:`sibling_noise`'s numbers), and the coupling's declared uniforms
+        (:meth:`~specforest.couplings.Coupling.uniform_draws`) at nodes
+        ``0 .. V_i - 1``, ``(Bs, V_i, C)``, or ``None`` when it declares none.
+    """
+    layout = ctx.coupling.uniform_draws(K)
+    if not layout:
+        return sibling_noise(ctx, keys[:, 1:], K, D), None
+    at = tuple((streams.SLOT_COUPLE + slot, n) for slot, n in layout)
+    u, U = streams.uniforms((keys[:, 1:], ((streams.TAG_DRAFT, D),)), (keys[:, :Vi], at))
+    return _structured(ctx, torch.special.ndtri(u).to(ctx.work), K), U
+
+
+def coupling_stream(ctx: RunContext, keys: torch.Tensor, U: Optional[torch.Tensor], K: int) -> streams.Stream:
+    """The coupling's stream of problems with node keys ``keys (P,)`` and declared uniforms ``U (P, C)``."""
+    if U is None:
+        return streams.Stream(keys, streams.SLOT_COUPLE)
+    return streams.Stream(keys, streams.SLOT_COUPLE, U, ctx.coupling.uniform_draws(K))
 
 
 @dataclass(frozen=True)
@@ -96,7 +127,7 @@ class Descent:
     observed: Optional[tuple] = None  # (y, mu_q, steps, rows) of the verified parents, level-major
 
 
-def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys):
+def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys, U=None):
     """Projections, mismatches, directions and decisions of a batch of problems (any leading shape)."""
     s_hat, delta, e = project(zk, mu_q - mu_p, scale)
     K = valid.shape[-1]
@@ -105,7 +136,7 @@ def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys):
         s_hat.reshape(-1, K),
         delta.reshape(-1),
         valid.reshape(-1, K),
-        streams.Stream(keys.reshape(-1), streams.SLOT_COUPLE),
+        coupling_stream(ctx, keys.reshape(-1), None if U is None else U.reshape(-1, U.shape[-1]), K),
     )
     return s_hat, delta, e, acc.reshape(lead), idx.reshape(lead)
 
@@ -131,13 +162,15 @@ class FullTree:
         Vr = d.Y.shape[1]
         if Vr - 1 == Vi * K and all(lay[2] == K for lay in tt.layers[: d.Lr]):
             zk = d.Z.reshape(Bs, Vi, K, -1)
+            self.chain = K == 1
         else:
             zk = d.Z[:, (ch.clamp(min=0) - 1).clamp(max=Vr - 2)]
+            self.chain = False
         self.scale = ctx.tab64.scale_safe[steps]
         self.ckeys = d.keys[:, :Vi]
         self.valid = tt.valid[None, :Vi].expand(Bs, Vi, K)
         self.s_hat, self.delta, self.e, acc, self.idx = _problem_inputs(
-            ctx, zk, d.Mp, self.mu_q, self.scale, self.valid, self.ckeys
+            ctx, zk, d.Mp, self.mu_q, self.scale, self.valid, self.ckeys, d.U
         )
         # what a walk at each node does: go to the accepted child (>= 0), stop rejected (-2), or
         # stop because the node is not verified (-1: a leaf, or beyond the trajectory's lookahead)
@@ -154,25 +187,34 @@ class FullTree:
         """
         d, tt, go = self.d, self.d.tt, self.go
         Vr, Lr = d.Y.shape[1], d.Lr
-        edge = torch.ones(go.shape[0], Vr, dtype=torch.bool, device=go.device)
-        edge[:, 1:] = go[:, tt.parent[1:Vr]] == tt.node_ids[1:Vr]
-        reached = edge[:, tt.ancestors[:Vr, : Lr + 1]].all(-1)  # (Bs, Vr)
-        cur = torch.where(reached, tt.node_ids[:Vr], 0).amax(1)  # breadth-first: the deepest reached node
-        path = tt.ancestors[cur, :Lr]  # (Bs, Lr) the verified parent at each depth (``cur`` past the end)
-        go_path = go.gather(1, path)
-        ended = tt.depth[cur][:, None]
         cols = self.ctx.depth_cols[None, :Lr]
+        if self.chain:
+            # node l is at depth l: a walk goes on while each node accepted the next one
+            cur = (go == tt.node_ids[1 : Lr + 1]).long().cumprod(1).sum(1)
+            path = None
+            go_path, ended, delta = go, cur[:, None], self.delta  # past ``cur``, junk that ``act`` masks
+        else:
+            edge = torch.ones(go.shape[0], Vr, dtype=torch.bool, device=go.device)
+            edge[:, 1:] = go[:, tt.parent[1:Vr]] == tt.node_ids[1:Vr]
+            reached = edge[:, tt.ancestors[:Vr, : Lr + 1]].all(-1)  # (Bs, Vr)
+            cur = torch.where(reached, tt.node_ids[:Vr], 0).amax(1)  # breadth-first: the deepest reached node
+            path = tt.ancestors[cur, :Lr]  # (Bs, Lr) the verified parent at each depth (``cur`` past the end)
+            go_path = go.gather(1, path)
+            ended = tt.depth[cur][:, None]
+            delta = self.delta.gather(1, path)
         act = (go_path != -1) & (cols <= ended)
         acc = cols < ended
         observed = None
         if self.ctx.proposal.observes:
             # level-major, as the lazy walk observes them
+            if path is None:
+                path = torch.minimum(cols, ended)
             m = act.T.reshape(-1)
             nodes = path.T.reshape(-1)[m]
             rows = self.rows.repeat(Lr)[m]
             steps = (d.s0[None] + self.ctx.depth_cols[:Lr, None]).reshape(-1)[m]
             observed = (d.Y[rows, nodes], self.mu_q[rows, nodes], steps, rows)
-        return Descent(cur, act, acc, self.delta.gather(1, path), observed)
+        return Descent(cur, act, acc, delta, observed)
 
     def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
         """The verification problem at ``nodes`` of trajectories ``rows``: inputs of the residual and reconstruction."""
@@ -182,7 +224,9 @@ class FullTree:
             self.delta[r, u],
             self.valid[r, u],
             self.idx[r, u],
-            self.ckeys[r, u],
+            coupling_stream(
+                self.ctx, self.ckeys[r, u], None if self.d.U is None else self.d.U[r, u], self.valid.shape[2]
+            ),
             self.e[r, u],
             self.scale[r, u],
             self.d.Y[r[:, None], self.d.tt.children[u].clamp(min=0)],
@@ -309,7 +353,8 @@ class OnDemand:
         return Descent(cur, torch.stack(acts, 1), torch.stack(accs, 1), torch.stack(deltas, 1), observed)
 
     def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
-        return tuple(t[rows] for t in self.prob)
+        s_hat, delta, valid, idx, ckeys, e, scale, kids = (t[rows] for t in self.prob)
+        return s_hat, delta, valid, idx, streams.Stream(ckeys, streams.SLOT_COUPLE), e, scale, kids
 
     def state(self, nodes: torch.Tensor) -> torch.Tensor:
         out = torch.where((nodes == self.par)[:, None], self.par_y, self.cur_y)
@@ -363,13 +408,8 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
     new_x = R.state(cur)
     r = rejected.nonzero()[:, 0]
     if r.numel():
-        s_hat, delta, valid, idx, ckeys, e, scale, kids = R.problem(r, rej_node[r])
-        new_x = new_x.index_put(
-            (r,),
-            ctx.coupling.rejected_state(
-                s_hat, delta, valid, idx, streams.Stream(ckeys, streams.SLOT_COUPLE), kids, scale, e
-            ),
-        )
+        s_hat, delta, valid, idx, rng, e, scale, kids = R.problem(r, rej_node[r])
+        new_x = new_x.index_put((r,), ctx.coupling.rejected_state(s_hat, delta, valid, idx, rng, kids, scale, e))
 
     # -- prefetch: which evaluation the next round drafts from ----------------------------------
     own = ~rejected & tt.eval_at[d.Ls, cur]
@@ -377,10 +417,15 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
     if ctx.prefetch == "nearest" and r.numel():
         ch = tt.children[rej_node[r]]
         ok = (ch >= 0) & tt.eval_at[d.Ls[r][:, None], ch.clamp(min=0)]
-        dist = (R.children_states(r, rej_node[r]) - new_x[r][:, None]).square().sum(-1)
-        dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
-        pick, has = dist.argmin(1), ok.any(1)
-        src = src.index_put((r,), torch.where(has, ch.gather(1, pick[:, None])[:, 0], src[r]))
+        if ch.shape[1] == 1:
+            # one child: the nearest sibling is the rejected child itself, when evaluated
+            pick_node = torch.where(ok[:, 0], ch[:, 0], src[r])
+        else:
+            dist = (R.children_states(r, rej_node[r]) - new_x[r][:, None]).square().sum(-1)
+            dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
+            pick, has = dist.argmin(1), ok.any(1)
+            pick_node = torch.where(has, ch.gather(1, pick[:, None])[:, 0], src[r])
+        src = src.index_put((r,), pick_node)
     pre_y, pre_v = R.state(src), R.velocity(src)
     pre_step = d.s0 + tt.depth[src]
     return WalkResult(

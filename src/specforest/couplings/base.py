@@ -195,6 +195,17 @@ class Coupling:
         """A fast approximation of :meth:`acceptance` for planning models (default: the exact one)."""
         return self.acceptance(delta, K)
 
+    def uniform_draws(self, K: int) -> tuple:
+        """The ``(slot, n)`` uniform draws :meth:`select` (and :meth:`residual`) make at every
+        problem with ``K`` children, in :meth:`Stream.uniform <specforest.streams.Stream.uniform>`'s terms.
+
+        The sampler computes them in advance, in one pass with the round's
+        drafting noise (:func:`specforest.streams.uniforms`), and hands them over
+        in the stream: the same numbers, fewer tensor ops. Draws not declared
+        here are computed when asked for. Default: none.
+        """
+        return ()
+
     def check_children(self, K: int) -> None:
         """Raise ``ValueError`` if a node cannot have ``K`` children under this rule."""
         if self.max_children is not None and K > self.max_children:

@@ -98,6 +98,9 @@ class _SelectThenCouple(Coupling):
         accepted = torch.log(rng.uniform(1, 1)[:, 0]) <= log_acc
         return accepted, index
 
+    def uniform_draws(self, K):
+        return ((0, 1), (1, 1))
+
     def residual(self, s_hat, delta, valid, index, rng):
         # the choice is a function of the keyed draws: recomputing it gives the same index and density
         _, log_f = self.choose(s_hat, delta, valid, rng)
@@ -116,7 +119,7 @@ def _pick_by_rule(values: torch.Tensor, W: torch.Tensor, base: str, u: torch.Ten
     P, M = values.shape
     rows = torch.arange(P, device=values.device)
     w = W[rows, cell_of(values.max(1).values, base)]
-    j = torch.searchsorted(torch.cumsum(w, 1), u[:, None]).clamp(max=M - 1)[:, 0]
+    j = torch.searchsorted(torch.cumsum(w, 1), u[:, None].contiguous()).clamp(max=M - 1)[:, 0]
     return torch.argsort(values, dim=1).gather(1, j[:, None])[:, 0]
 
 
@@ -213,6 +216,9 @@ class AntitheticCoupling(_SelectThenCouple):
                 f"coupling 'antithetic' draws mirrored pairs: every node needs an even number of "
                 f"children (2, 4, ...), got {K}"
             )
+
+    def uniform_draws(self, K):
+        return ((0, 1), (1, 1), (2, 1))
 
     def structure_noise(self, z: torch.Tensor) -> torch.Tensor:
         self.check_children(z.shape[1])

@@ -88,6 +88,9 @@ class RMC(Coupling):
     def residual(self, s_hat, delta, valid, index, rng):
         return delta - s_hat[:, 0]
 
+    def uniform_draws(self, K):
+        return ((0, 1),)
+
     def acceptance(self, delta, K=1):
         return rmc_acceptance(delta)
 
@@ -115,7 +118,10 @@ class GRS(Coupling):
 
     def select(self, s_hat, delta, valid, rng):
         K = s_hat.shape[1]
-        lam, G = grs_levels(delta, K)  # (P, K+1) each
+        # the tests need lambda_0 .. lambda_{K-1} and G_1 .. G_K only, the levels of K - 1 proposals
+        # (the same numbers as the first K columns of ``grs_levels(delta, K)``): G_{K+1} is the
+        # residual's, computed where a problem is rejected
+        lam, G = grs_levels(delta, max(K - 1, 1))
         d = delta[:, None]
         rho = torch.exp((d * (s_hat - 0.5 * d)).clamp(max=700.0))
         beta = self.acceptance_weights(rho, lam[:, :K], G[:, :K], s_hat)
@@ -132,6 +138,9 @@ class GRS(Coupling):
         lam, G = grs_levels(delta, s_hat.shape[1])
         k_eff = valid.sum(1, keepdim=True)
         return sample_grs_residual(delta, lam.gather(1, k_eff)[:, 0], G.gather(1, k_eff)[:, 0], rng.uniform(1, 1)[:, 0])
+
+    def uniform_draws(self, K):
+        return ((0, K), (1, 1))
 
     def acceptance(self, delta, K):
         return grs_acceptance(delta, K)
