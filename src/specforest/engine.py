@@ -118,6 +118,7 @@ class RunContext:
     all_active: torch.Tensor = None  # (B,) True
     stoch_at: torch.Tensor = None  # (T + 1,) bool: the step is stochastic (False at T, finished)
     _lookahead: dict = field(default_factory=dict)  # L -> (T + 1,) lookahead by step
+    _node_steps: dict = field(default_factory=dict)  # id(tree tables) -> NodeSteps
 
     def __post_init__(self) -> None:
         self.depth_cols = torch.arange(max(self.T, 1), device=self.device)
@@ -130,6 +131,22 @@ class RunContext:
     def tables(self, tree: DraftTree) -> TreeTables:
         return TreeTables.of(tree, self.verify, self.device)
 
+    def node_steps(self, tt: TreeTables) -> "NodeSteps":
+        """What a round reads per (root step, node) of tree ``tt``, tabulated once per run."""
+        hit = self._node_steps.get(id(tt))
+        if hit is None:
+            s = torch.arange(self.T + 1, device=self.device)[:, None]
+            last = max(self.T - 1, 0)
+            step = (s + tt.depth).clamp(max=last)
+            hit = self._node_steps[id(tt)] = NodeSteps(
+                tt,
+                step,
+                self.tab.sig[step],
+                self.tab.scale[(s + tt.step_of[1:]).clamp(max=last)][..., None],
+                (s + torch.arange(max(tt.L, 1), device=self.device)).clamp(max=last),
+            )
+        return hit
+
     def lookahead(self, L: int) -> torch.Tensor:
         """``(T + 1,)`` the lookahead a depth-``L`` tree takes at each step: to the end of its
         stochastic run, at most ``L``; 0 on deterministic steps and at ``T``."""
@@ -138,6 +155,27 @@ class RunContext:
             s = torch.arange(self.T + 1, device=self.device)
             hit = self._lookahead[L] = torch.where(self.stoch_at, torch.clamp(self.tab.run_end - s, max=L), 0)
         return hit
+
+
+@dataclass(frozen=True)
+class NodeSteps:
+    """Per root step ``s`` (``T + 1`` rows) and node of one tree: what its rounds gather.
+
+    Attributes:
+        tt: the tree's tables (kept alive with the run's cache).
+        step: ``(T + 1, V)`` long, the step of node ``u`` of a tree rooted at ``s``.
+        sig: ``(T + 1, V)`` its noise level.
+        draft_scale: ``(T + 1, V - 1, 1)`` the transition scale that drafts nodes ``1 .. V - 1``.
+        level: ``(T + 1, L)`` long, the parents' step at each depth ``0 .. L - 1``.
+
+    Steps past the end are clamped to ``T - 1`` (their rows are never used).
+    """
+
+    tt: TreeTables
+    step: torch.Tensor
+    sig: torch.Tensor
+    draft_scale: torch.Tensor
+    level: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -363,7 +401,7 @@ def draft(
     Returns the draft and the draft-model calls made.
     """
     tt = ctx.tables(tree)
-    T, tab = ctx.T, ctx.tab
+    tab = ctx.tab
     everyone = ids is ctx.rows_all
     if everyone:
         s0, pre, x0 = state.step, state.pre, state.x
@@ -380,11 +418,12 @@ def draft(
     # (Bs, Vr - 1, D): noise of nodes 1..Vr-1, drawn with the coupling's uniforms at nodes 0..Vi-1
     Z, U = tree_draws(ctx, keys, Vi, tt.children.shape[1], D)
     # every drafted node's noise times its transition scale, in one op (the lazy walk does the same per node)
-    SZ = tab.scale[(s0[:, None] + tt.step_of[None, 1:Vr]).clamp(max=T - 1)][..., None] * Z
+    ns = ctx.node_steps(tt)
+    SZ = ns.draft_scale[s0, : Vr - 1] * Z
     Y = torch.empty(Bs, Vr, D, dtype=ctx.work, device=ctx.device)
     Y[:, 0] = x0
     Mp = torch.empty(Bs, Vi, D, dtype=ctx.work, device=ctx.device)
-    steps = (s0[:, None] + torch.arange(Lr, device=ctx.device)).clamp(max=T - 1)  # (Bs, Lr) parents' steps
+    steps = ns.level[s0, :Lr]  # (Bs, Lr) parents' steps
     prop = ctx.proposal
     calls = 0
     sizes = tt.sizes(Lr)
@@ -455,7 +494,7 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
         if d.emask is None:
             n = d.n_first
             xs.append(d.Y[:, :n].reshape(-1, d.Y.shape[2]))
-            sig.append(ctx.tab.sig[(d.s0[:, None] + d.tt.depth[:n]).clamp(max=ctx.T - 1)].reshape(-1))
+            sig.append(ctx.node_steps(d.tt).sig[d.s0, :n].reshape(-1))
             traj.append(d.ids[:, None].expand(-1, n).reshape(-1))
         else:
             b, u = d.emask

@@ -375,22 +375,23 @@ class AutoDraft(Proposal):
 
         The same affine maps as :class:`FrozenPrediction`'s, written so that the five kinds
         cost a few scalar ops and three vector ones, not five vector computations
-        (``velocity`` is bit-identical to its own; the others agree to rounding).
+        (``velocity`` is bit-identical to its own; the others agree to rounding). What
+        depends on one step only is tabulated once per run (:func:`_kind_tables`).
         """
-        a, c, sig, g = tab.a[steps], tab.c[steps], tab.sig[steps], tab.gamma[steps]
-        ps = pre.step[:, None]
-        sig_src, f, k = tab.sig[ps], tab.drift_f[ps], tab.drift_k[ps]
+        by_step, by_src = _kind_tables(tab)
+        at = by_step[steps]
+        c, sig, neg_g, k0, ke, neg_k0 = at[..., 5:].unbind(-1)
+        sig_src, f, k, one_minus_src = by_src[pre.step][:, None].unbind(-1)
         sig_prev = tab.sig[pre.prev_step][:, None]
         gap = sig_src - sig_prev
         ok = pre.has_prev[:, None] & (gap.abs() > 1e-12)
         r = torch.where(ok, (sig - sig_src) / torch.where(ok, gap, torch.ones_like(gap)), torch.zeros_like(gap))
-        k0, ke = c / sig, c / (1.0 - sig)
-        zero, one = torch.zeros_like(a), torch.ones_like(a)
         k0r = k0 * (1.0 + r)
+        zero = torch.zeros_like(c)
         # velocity, drift, x0, eps, x0_extrap (FROZEN_KINDS)
-        A = torch.stack([a, one, a + k0, a - ke, a + k0])
-        alpha = torch.stack([zero, -g * k, -k0, ke, -k0r])
-        beta = torch.stack([c, -g * f, k0 * sig_src, ke * (1.0 - sig_src), k0r * sig_src])
+        A = at[..., :5].movedim(-1, 0)
+        alpha = torch.stack([zero, neg_g * k, neg_k0, ke, -k0r])
+        beta = torch.stack([c, neg_g * f, k0 * sig_src, ke * one_minus_src, k0r * sig_src])
         eps = torch.stack([zero, zero, zero, zero, k0 * r])
         x0_prev = pre.prev_y - sig_prev * pre.prev_v
         return A, alpha, beta, eps, (pre.y, pre.v, x0_prev)
@@ -413,6 +414,26 @@ class AutoDraft(Proposal):
 
     def __repr__(self) -> str:
         return "AutoDraft()"
+
+
+def _kind_tables(tab: StepTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`AutoDraft._all_kinds`' per-step scalars, made once per table set (kept on it).
+
+    Returns ``by_step (T, 11)``: the five kinds' ``A`` then ``c, sig, -gamma, c / sig,
+    c / (1 - sig), -c / sig`` at each parent step; ``by_src (T, 4)``: ``sig, drift_f,
+    drift_k, 1 - sig`` at each prefetch step. The same elementwise ops as computing them per
+    round, so the same numbers.
+    """
+    hit = tab.__dict__.get("_auto_kinds")
+    if hit is None:
+        a, c, g = tab.a, tab.c, tab.gamma
+        sig = tab.sig[: a.numel()]
+        k0, ke = c / sig, c / (1.0 - sig)
+        A = [a, torch.ones_like(a), a + k0, a - ke, a + k0]
+        by_step = torch.stack([*A, c, sig, -g, k0, ke, -k0], -1)
+        by_src = torch.stack([sig, tab.drift_f, tab.drift_k, 1.0 - sig], -1)
+        hit = tab.__dict__["_auto_kinds"] = (by_step, by_src)
+    return hit
 
 
 _DRAFTS: Registry[Proposal] = Registry(

@@ -153,7 +153,7 @@ class FullTree:
         tt, Bs = d.tt, d.ids.numel()
         Vi = d.Mp.shape[1]
         self.ctx, self.d, self.V = ctx, d, V
-        steps = (d.s0[:, None] + tt.depth[None, :Vi]).clamp(max=ctx.T - 1)
+        steps = ctx.node_steps(tt).step[d.s0, :Vi]
         # nodes a walk never verifies (leaves, beyond a trajectory's lookahead) get junk but finite
         # problems: their velocity is 0 and their scale at least positive (``scale_safe``)
         self.mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps)
