@@ -180,13 +180,21 @@ class NodeSteps:
 
 @dataclass(frozen=True)
 class Counters:
-    """Per-trajectory counters, packed so that a round updates them in few ops.
+    """Per-trajectory counters, accumulated in batches of rounds so that a round adds no ops.
+
+    A round appends its outcome to ``pending`` (a Python tuple: no tensor op);
+    every :data:`FLUSH_ROUNDS` rounds, and whenever they are read
+    (:meth:`flushed`), the pending rounds are added in a few ops for all of
+    them together.
 
     Attributes:
         nfe: ``(B,)`` target calls each trajectory took part in.
         per_traj: ``(B, 3)`` long: speculative rounds, steps they committed, evaluated rows.
         per_depth: ``(B, L, 3)`` float64: verifications met, accepted, summed ``delta`` at each depth.
         commits: ``(B, L + 1)`` long: rounds that committed ``j`` steps.
+        pending: rounds not yet added, ``(active (B,), [(ids, committed, rows, act, acc, delta)])``
+            per round: a speculating group's trajectories ``(Bs,)``, committed steps ``(Bs,)``, rows
+            ``(Bs,)`` and per-depth outcomes ``(Bs, Lw)``; single-row trajectories as ``(ids, None, ...)``.
 
     See :class:`specforest.sampler.SampleStats` for their meaning.
     """
@@ -195,11 +203,59 @@ class Counters:
     per_traj: torch.Tensor
     per_depth: torch.Tensor
     commits: torch.Tensor
+    pending: tuple = ()
 
     @classmethod
     def zeros(cls, B: int, L: int, device: torch.device) -> "Counters":
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
         return cls(z(B), z(B, 3), torch.zeros(B, L, 3, dtype=torch.float64, device=device), z(B, L + 1))
+
+    def with_round(self, active: torch.Tensor, entries: list) -> "Counters":
+        """These counters with one more round: ``active (B,)`` took part, ``entries`` as in ``pending``."""
+        out = replace(self, pending=self.pending + ((active, entries),))
+        return out.flushed() if len(out.pending) >= FLUSH_ROUNDS else out
+
+    @staticmethod
+    def _one_row(ids: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([[0, 0, 1]], dtype=torch.long, device=ids.device)
+
+    def flushed(self) -> "Counters":
+        """The counters with every pending round added."""
+        if not self.pending:
+            return self
+        actives = [a for a, _ in self.pending]
+        entries = [e for _, es in self.pending for e in es]
+        nfe = self.nfe + (torch.stack(actives).sum(0) if len(actives) > 1 else actives[0])
+        per_traj, per_depth, commits = self.per_traj, self.per_depth, self.commits
+        single = [e[0] for e in entries if e[3] is None]
+        if single:
+            # a single row is not a speculative round: it counts one evaluated row only
+            ids = torch.cat(single) if len(single) > 1 else single[0]
+            per_traj = per_traj.index_add(0, ids, self._one_row(ids).expand(ids.numel(), 3))
+        spec = [e for e in entries if e[3] is not None]
+        if spec:
+            ids = torch.cat([e[0] for e in spec])
+            committed = torch.cat([e[1] for e in spec])
+            rows = torch.cat([e[2] for e in spec])
+            per_traj = per_traj.index_add(0, ids, torch.stack([torch.ones_like(ids), committed, rows], 1))
+            commits = commits.index_put((ids, committed), torch.ones_like(ids), accumulate=True)
+            by_depth: dict = {}
+            for e in spec:
+                by_depth.setdefault(e[3].shape[1], []).append(e)
+            for Lw, group in by_depth.items():
+                act, acc, delta = (torch.cat([e[i] for e in group]) for i in (3, 4, 5))
+                gid = torch.cat([e[0] for e in group])
+                cols = torch.arange(Lw, device=gid.device)
+                per_depth = per_depth.index_put(
+                    (gid[:, None], cols[None]),
+                    torch.stack([act.double(), acc.double(), torch.where(act, delta, 0.0)], -1),
+                    accumulate=True,
+                )
+        return Counters(nfe, per_traj, per_depth, commits)
+
+
+FLUSH_ROUNDS = 16
+"""Rounds whose counters are added together (:meth:`Counters.with_round`): memory for ``16 (B, L)`` outcomes."""
 
 
 @dataclass(frozen=True)
@@ -546,14 +602,14 @@ def commit(
             rounds=state.rounds + 1,
         )
     committed = torch.zeros_like(step)
-    per_traj, per_depth, commits = c.per_traj, c.per_depth, c.commits
+    entries: list = []
     if ids1.numel():
-        per_traj = per_traj.index_add(0, ids1, ctx.one_row.expand(ids1.numel(), 3))
         s1 = step[ids1]
         mean = ctx.tab.mean(x[ids1], ev.single, s1)
         move = ~sched.fetch
         x = x.index_put((ids1,), torch.where(move[:, None], mean, x[ids1]))
         committed = committed.index_put((ids1,), move.long())
+        entries.append((ids1, None, None, None, None, None))
         if sched.n_fetch:
             f = torch.nonzero_static(sched.fetch, size=sched.n_fetch)[:, 0]
             pre = pre.with_rows(
@@ -573,13 +629,7 @@ def commit(
             pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True, history=hist)
         Lw = w.act.shape[1]
         cols = ctx.depth_cols[:Lw]
-        per_depth = per_depth.index_put(
-            (ids[:, None], cols[None]),
-            torch.stack([w.act.double(), w.acc.double(), torch.where(w.act, w.delta, 0.0)], -1),
-            accumulate=True,
-        )
-        per_traj = per_traj.index_add(0, ids, torch.stack([torch.ones_like(ids), w.committed, d.tt.rows_at[d.Ls]], 1))
-        commits = commits.index_put((ids, w.committed), torch.ones_like(ids), accumulate=True)
+        entries.append((ids, w.committed, d.tt.rows_at[d.Ls], w.act, w.acc, w.delta))
         if ctx.record or ctx.policy is not None:
             lv = (cols + 1).double()[None].expand(ids.numel(), Lw)
             st = (d.s0[:, None] + cols[None]).double()
@@ -590,7 +640,7 @@ def commit(
             dstate = ctx.proposal.observe(
                 dstate, ctx.tab, y, mu_q, steps_o, state.pre.take(ids[rws]), ctx.tab64.scale[steps_o]
             )
-    counters = Counters(c.nfe + sched.active, per_traj, per_depth, commits)
+    counters = c.with_round(sched.active, entries)
     return RunState(
         x,
         step + committed,

@@ -153,7 +153,7 @@ class Generation:
             valid=state.pre.valid.index_fill(0, slots, False),
             has_prev=state.pre.has_prev.index_fill(0, slots, False),
         )
-        c = state.counters
+        c = state.counters.flushed()
         counters = replace(
             c,
             nfe=c.nfe.index_fill(0, slots, 0),

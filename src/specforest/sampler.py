@@ -375,7 +375,7 @@ def returned(stats: SampleStats) -> SampleStats:
 
 def stats_of(state: engine.RunState, T: int, rows: Any = None) -> SampleStats:
     """The :class:`SampleStats` of a run's final ``state`` (rows ``rows`` of it, default all)."""
-    c = state.counters
+    c = state.counters.flushed()
     sel = (lambda t: t) if rows is None else (lambda t: t[rows])
     return SampleStats(
         nfe=sel(c.nfe),
