@@ -140,8 +140,12 @@ class DraftTree:
         return int(self._layer_start[m + 1])
 
     def __repr__(self) -> str:
-        widths = [self.layer(level).stop - self.layer(level).start for level in range(self.L + 1)]
-        return f"DraftTree(L={self.L}, budget={self.budget}, layer_sizes={widths})"
+        # kept on the (immutable) tree: every run records it in its config
+        text = self.__dict__.get("_repr")
+        if text is None:
+            widths = [self.layer(level).stop - self.layer(level).start for level in range(self.L + 1)]
+            text = self.__dict__["_repr"] = f"DraftTree(L={self.L}, budget={self.budget}, layer_sizes={widths})"
+        return text
 
 
 def widths(ks: Sequence[int]) -> DraftTree:

@@ -148,8 +148,12 @@ class RankCoupling(_SelectThenCouple):
         P, Kmax = s_hat.shape
         u = rng.uniform(0, 1)[:, 0]
         k_eff = valid.sum(1)
+        if bool((k_eff == Kmax).all()):
+            # every problem has all its children (a uniform tree): one rule, no grouping
+            W = _rule(delta, Kmax, "normal")
+            return _pick_by_rule(s_hat, W, "normal", u), lambda s, rows: log_rule_pdf(s, W[rows][:, None], Kmax)
         index = torch.zeros(P, dtype=torch.long, device=s_hat.device)
-        groups = [Kmax] if bool((k_eff == Kmax).all()) else k_eff.unique().tolist()
+        groups = k_eff.unique().tolist()
         weights: dict = {}
         for k in groups:
             sel = torch.arange(P, device=s_hat.device) if len(groups) == 1 else (k_eff == k).nonzero()[:, 0]
