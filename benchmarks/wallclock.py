@@ -156,13 +156,16 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    from specforest.allocator import keep_freed_memory
     from specforest.experiments.results import machine_line, replace_section
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     results = {m: run_model(m, args.device, args.repeats) for m in args.models.split(",")}
     label = {"gmm": "Gaussian mixture (d = 500, T = 30, churn 0.1)", "digits": "digits U-Net (T = 100, churn 0.3)"}
     lines = [
-        f"`.venv/bin/python benchmarks/wallclock.py --device {args.device}` on {machine_line()}, one CPU thread.",
+        f"`.venv/bin/python benchmarks/wallclock.py --device {args.device}` on {machine_line()}, one CPU thread, "
+        "freed memory kept by the allocator (`specforest.allocator.keep_freed_memory`, as the CLI does).",
         "",
         "Batch-cost curve of the target, time(b) / time(1) (median of 7 calls per size):",
         "",

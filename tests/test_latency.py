@@ -260,6 +260,43 @@ def test_the_network_factor_scales_the_calls_only():
     assert two == (pytest.approx(2 * one[0]), one[1])
 
 
+def test_a_rounds_cost_grows_with_its_rows_and_adds_up_to_the_measured_time():
+    from specforest.latency import RoundCost
+
+    def run(rows, fixed, per_row, t=0.0):
+        calls = []
+        for r in rows:  # a call of 1 ms, then the sampler's gap before the next one
+            calls.append((r, t, t + 1e-3))
+            t += 1e-3 + fixed + per_row * r
+        return calls
+
+    rows = [8, 8, 60, 60, 60, 40, 20, 8]
+    runs = [run(rows, 2e-3, 1e-4), run(rows[::-1], 2e-3, 1e-4, t=5.0)]
+    total = 2 * (len(rows) * 2e-3 + 1e-4 * sum(rows))
+    cost = RoundCost.fit(runs, total)
+    assert cost.fixed == pytest.approx(2e-3, rel=1e-6) and cost.per_row == pytest.approx(1e-4, rel=1e-6)
+    # scaled to the runs' measured time in rounds (the gaps miss the first round's start)
+    half = RoundCost.fit(runs, total / 2)
+    assert half(10) == pytest.approx(cost(10) / 2)
+    # rows that never change: a constant per round, the measured mean
+    flat = RoundCost.fit([run([5] * 6, 3e-3, 0.0)], 6 * 3e-3)
+    assert flat.per_row == 0.0 and flat(5) == pytest.approx(3e-3)
+    # the constant model (what a fit that ignored the rows would give) mispredicts a short round
+    assert abs(cost(8) - total / (2 * len(rows))) > 0.5e-3
+    # the prediction costs each simulated call at its rows
+    curve = CostCurve((1, 1024), (1.0, 1.0))
+    assert predict_seconds(curve, 30, 4, None, "internal", None, cost)[0] == pytest.approx(30 * (1.0 + cost(4)))
+
+
+def test_the_allocator_keeps_freed_memory_on_linux():
+    import sys
+
+    from specforest.allocator import keep_freed_memory
+
+    assert keep_freed_memory() is sys.platform.startswith("linux")
+    assert keep_freed_memory() is keep_freed_memory()  # once per process
+
+
 def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
     """A model whose calls cost 2 ms inside a run and 1 ms back to back (as when the sampler's work
     between calls evicts the network from the caches): the factor is 2, and the standard sampler's
@@ -294,6 +331,43 @@ def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
     given = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2, curve=pred.curve)
     given.predict(None)
     assert given.network_factor() == 1.0
+
+
+def test_each_configuration_has_its_own_network_factor(gmm, monkeypatch):
+    """Calls of one row cost 2x the curve inside a run, calls of two rows 1x (as where the allocator's
+    state differs between back-to-back calls and calls in a run): the standard sampler's prediction
+    carries 2, a chain's its own lower factor, and the pooled factor lies between."""
+    import time
+
+    from specforest import latency
+
+    inside = [False]
+    real_sample = latency.sample
+
+    def in_run(*args, **kwargs):
+        inside[0] = True
+        try:
+            return real_sample(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def model(x, sigma, **kw):
+        time.sleep(0.004 if inside[0] and x.shape[0] == 1 else 0.002)
+        return gmm(x, sigma, **kw)
+
+    monkeypatch.setattr(latency, "sample", in_run)
+    monkeypatch.setattr(latency, "TIMING_RUNS", 1)
+    x = streams.randn(0, torch.arange(2), (8,))
+    pred = latency.Predictor.calibrate(model, x, steps=8, churn=0.3, batch=1, budget_max=2)
+    pred.predict(None)
+    chain = trees.chain(3)
+    pred.predict(chain, "rmc")
+    standard, own = pred.network_factor(None, "grs"), pred.network_factor(chain, "rmc")
+    assert 1.6 < standard < 2.4, standard
+    assert own < standard - 0.3, (own, standard)
+    assert own < pred.network_factor() < standard
+    # a configuration not timed yet is priced at the pooled factor
+    assert pred.network_factor(trees.chain(2), "rmc") == pred.network_factor()
 
 
 def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):

@@ -260,11 +260,16 @@ def threads_option():
 
 
 def set_threads(threads: "int | None") -> int:
-    """Set torch's intra-op threads: ``threads``, else ``$OMP_NUM_THREADS``, else the CPUs of this
-    process divided among ``$LOCAL_WORLD_SIZE`` processes. Returns the count set."""
+    """Set up this process's CPU work: torch's intra-op threads (``threads``, else ``$OMP_NUM_THREADS``,
+    else the CPUs of this process divided among ``$LOCAL_WORLD_SIZE`` processes), and an allocator
+    that keeps freed memory (:func:`specforest.allocator.keep_freed_memory`). Returns the thread count."""
     import os
 
     import torch
+
+    from .allocator import keep_freed_memory
+
+    keep_freed_memory()
 
     if threads is None:
         env = os.environ.get("OMP_NUM_THREADS", "")

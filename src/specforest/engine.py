@@ -671,12 +671,14 @@ def run_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
     ev = evaluate(ctx, state, sched, drafts)
     t3 = clock()
     inside = ctx.target.seconds - inside
-    walks = []
-    for d, V in zip(drafts, ev.trees, strict=True):
-        R = OnDemand(ctx, d, state) if d.Y is None else FullTree(ctx, d, V)
-        walks.append(walk(ctx, d, R))
+    walks = [
+        walk(ctx, d, OnDemand(ctx, d, state) if d.Y is None else FullTree(ctx, d, V))
+        for d, V in zip(drafts, ev.trees, strict=True)
+    ]
     t4 = clock()
     out = commit(ctx, state, sched, ev, drafts, walks, calls)
+    # the round's trees are freed inside its time: unmapping large ones is part of a round's cost
+    del drafts, walks, ev
     t5 = clock()
     # the lazy walk's own target calls are inside ``walk``; on CUDA ``inside`` is 0 here
     ph["schedule"] += t1 - t0

@@ -31,12 +31,14 @@ The choice is fixed before sampling, so the sampler stays exact.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -50,6 +52,7 @@ from .validation import check_int
 __all__ = [
     "CostCurve",
     "Predictor",
+    "RoundCost",
     "Tuned",
     "expected_steps",
     "measure_cost_curve",
@@ -201,7 +204,7 @@ def predict_seconds(
     tree: Optional[DraftTree],
     verify: str,
     acceptance: "Optional[Callable[[int, int], float] | Sequence[tuple[float, Callable[[int, int], float]]]]",
-    sampler_seconds_per_round: float,
+    sampler_seconds_per_round: "float | Callable[[int], float]",
     network_factor: float = 1.0,
     setup_seconds: float = 0.0,
 ) -> "tuple[float, float]":
@@ -214,7 +217,9 @@ def predict_seconds(
         tree, verify: the configuration (``tree=None``: the standard sampler).
         acceptance: ``a(l, k)``, or ``[(fraction of the stochastic steps, a(l, k))]`` per stretch
             of the grid (acceptance changes along the grid; a round uses the stretch it starts in).
-        sampler_seconds_per_round: the sampler's own time per round.
+        sampler_seconds_per_round: the sampler's own time per round, or a function of the
+            round's rows (a :class:`RoundCost`: the drafted states, and so the sampler's
+            work, grow with them).
         network_factor: a call's cost inside a run over its cost on the curve (measured
             back to back); every call's curve cost is multiplied by it.
         setup_seconds: the sampler's own time per run outside its rounds (set-up, wrap-up).
@@ -230,8 +235,10 @@ def predict_seconds(
     if network_factor != 1.0:
         base = curve
         curve = lambda rows: network_factor * base(rows)  # noqa: E731
+    per_round = sampler_seconds_per_round
+    s_round = per_round if callable(per_round) else (lambda rows: per_round)
     if tree is None:
-        return setup_seconds + steps * (curve(batch) + sampler_seconds_per_round), float(steps)
+        return setup_seconds + steps * (curve(batch) + s_round(batch)), float(steps)
     stoch = max(steps - _DETERMINISTIC, 0)
     bins = [(1.0, acceptance)] if callable(acceptance) else list(acceptance)
     edges = []
@@ -259,7 +266,7 @@ def predict_seconds(
     for _ in range(runs):
         left = [stoch] * batch  # stochastic steps left per trajectory
         # the first deterministic step and the first root's fetch: two calls of one row each
-        seconds = 2 * (curve(batch) + sampler_seconds_per_round)
+        seconds = 2 * (curve(batch) + s_round(batch))
         calls = 2
         while any(h > 0 for h in left):
             rows = 0
@@ -273,9 +280,9 @@ def predict_seconds(
                 j = next((j for j, c in enumerate(cum) if u <= c), len(cum) - 1)
                 rows += rows_at(h)
                 left[i] = h - max(j, 1)
-            seconds += curve(rows) + sampler_seconds_per_round
+            seconds += curve(rows) + s_round(rows)
             calls += 1
-        seconds += curve(batch) + sampler_seconds_per_round  # the last deterministic step
+        seconds += curve(batch) + s_round(batch)  # the last deterministic step
         calls += 1
         calls_sum += calls
         seconds_sum += seconds
@@ -391,6 +398,52 @@ class Tuned(Mapping):
         )
 
 
+@dataclass(frozen=True)
+class RoundCost:
+    """The sampler's own time of a round as ``fixed + per_row * rows`` (seconds), ``rows`` the round's call.
+
+    A round drafts, verifies and commits states in proportion to the rows it
+    evaluates: on the mixture with 64 trajectories of dimension 500 a D-GRS
+    round of the whole tree costs twice one near the end of the grid, where
+    the tree is truncated. Fitted to the gaps between a timing run's calls.
+    """
+
+    fixed: float
+    per_row: float = 0.0
+
+    def __call__(self, rows: float) -> float:
+        return self.fixed + self.per_row * rows
+
+    @classmethod
+    def fit(cls, runs: Sequence[Sequence[tuple]], in_rounds: float) -> "RoundCost":
+        """From the calls ``[(rows, entered, left)]`` (perf-counter seconds) of each of ``runs``, whose
+        rounds took ``in_rounds`` seconds of sampler time in all: the gap between two calls of a run
+        is the sampler's work after the first and before the second, regressed on their mean rows;
+        the line is then scaled so that over the calls it adds up to ``in_rounds``."""
+        x, y, rows = [], [], []
+        for calls in runs:
+            rows += [c[0] for c in calls]
+            for (r0, _, left), (r1, entered, _) in zip(calls[:-1], calls[1:], strict=True):
+                x.append(0.5 * (r0 + r1))
+                y.append(entered - left)
+        if len(set(x)) >= 3:
+            slope = max(statistics.linear_regression(x, y).slope, 0.0)
+            icept = statistics.fmean(y) - slope * statistics.fmean(x)
+            if icept < 0:  # a line through the origin
+                slope, icept = sum(y) / max(sum(x), 1e-300), 0.0
+        else:
+            slope, icept = 0.0, 1.0
+        total = len(rows) * icept + slope * sum(rows)
+        scale = in_rounds / total if total > 0 else 0.0
+        return cls(icept * scale, slope * scale)
+
+
+TIMING_RUNS = 3
+"""Most timing runs of one configuration (:meth:`Predictor.sampler_seconds_per_round`)."""
+REPEAT_BELOW_SECONDS = 0.5
+"""A configuration's timing run is repeated while its runs so far took less than this."""
+
+
 def _candidates(acc: Callable, budget_max: int, steps: int) -> list:
     """``(label, tree, coupling, verify)`` considered by :func:`tune`."""
     out: list = [("standard", None, "grs", "internal")]
@@ -438,8 +491,9 @@ class Predictor:
         self.steps, self.churn, self.batch = steps, churn, batch
         self.curve, self.acceptance, self.seed = curve, acceptance, seed
         self.sample_kwargs = sample_kwargs
-        self._sampler_time: dict = {}  # key -> (per round, per run outside the rounds)
+        self._sampler_time: dict = {}  # key -> (per round, per run outside the rounds, RoundCost)
         self._network: list = [0.0, 0.0]  # seconds inside the timing runs' calls, and their cost on the curve
+        self._network_of: dict = {}  # the same per configuration (key -> (inside, on the curve))
         self._warm: set = set()
         self._bins: dict = {}  # (coupling, draft, bins) -> acceptance_bins, computed once
 
@@ -568,46 +622,81 @@ class Predictor:
                 )
                 self._warm.add((coupling, draft))
             depth = 0 if tree is None else tree.L
-            rows: list = []
+            # a run's first times at a batch size pay for growing the allocator and the caches
+            # (the mixture's first two 64-trajectory chain runs: 45% and 25% more per round): a
+            # cheap timing run is repeated, up to TIMING_RUNS, and the runs after the first are kept
+            per_round, setup, inside, on_curve, in_rounds, runs = [], [], [], [], [], []
+            spent = 0.0
+            while len(per_round) < TIMING_RUNS and (not per_round or spent < REPEAT_BELOW_SECONDS):
+                calls: list = []
 
-            def counted(x, sigma, **kw):
-                rows.append(x.shape[0])
-                return self.model(x, sigma, **kw)
+                def counted(x, sigma, calls=calls, **kw):
+                    entered = time.perf_counter()
+                    out = self.model(x, sigma, **kw)
+                    calls.append((x.shape[0], entered, time.perf_counter()))
+                    return out
 
-            run = sample(
-                counted,
-                self.x[: self.batch],
-                # long enough that most rounds see the whole tree
-                **_grid(self.sigmas_for, min(self.steps, max(16, 2 * depth + 4))),
-                churn=self.churn,
-                tree=tree,
-                coupling=coupling,
-                draft=draft,
-                verify=verify,
-                cond=_rows(self.cond, self.batch),
-                seed=self.seed + 1,
-                **self.sample_kwargs,
-            )
-            st = run.stats
-            in_rounds = sum(st.phase_seconds.values())
-            sampler = max(st.sampler_seconds, 0.0)
-            self._sampler_time[key] = (min(in_rounds, sampler) / max(st.calls, 1), max(sampler - in_rounds, 0.0))
-            self._network[0] += st.target_seconds
-            self._network[1] += sum(self.curve(r) for r in rows)
+                t0 = time.perf_counter()
+                with _no_gc():
+                    run = sample(
+                        counted,
+                        self.x[: self.batch],
+                        # long enough that most rounds see the whole tree
+                        **_grid(self.sigmas_for, min(self.steps, max(16, 2 * depth + 4))),
+                        churn=self.churn,
+                        tree=tree,
+                        coupling=coupling,
+                        draft=draft,
+                        verify=verify,
+                        cond=_rows(self.cond, self.batch),
+                        seed=self.seed + 1 + len(per_round),
+                        **self.sample_kwargs,
+                    )
+                spent += time.perf_counter() - t0
+                st = run.stats
+                sampler = max(st.sampler_seconds, 0.0)
+                in_rounds.append(min(sum(st.phase_seconds.values()), sampler))
+                per_round.append(in_rounds[-1] / max(st.calls, 1))
+                setup.append(sampler - in_rounds[-1])
+                inside.append(st.target_seconds)
+                on_curve.append(sum(self.curve(c[0]) for c in calls))
+                runs.append(calls)
+            keep = slice(1, None) if len(per_round) > 1 else slice(None)
+            cost = RoundCost.fit(runs[keep], sum(in_rounds[keep]))
+            self._sampler_time[key] = (statistics.fmean(per_round[keep]), statistics.fmean(setup[keep]), cost)
+            inside_s, curve_s = sum(inside[keep]), sum(on_curve[keep])
+            self._network[0] += inside_s
+            self._network[1] += curve_s
+            self._network_of[key] = (inside_s, curve_s)
         return self._sampler_time[key]
 
-    def network_factor(self) -> float:
-        """A network call's cost inside a run over its cost on the curve, pooled over every timing run so far.
+    def network_factor(
+        self,
+        tree: Optional[DraftTree] = None,
+        coupling: Optional[str] = None,
+        verify: str = "internal",
+        draft: str = "velocity",
+    ) -> float:
+        """A network call's cost inside a run over its cost on the curve.
 
         The curve times calls back to back; inside a run the sampler's work between
-        calls evicts the network's weights and activations from the caches, and on
-        this CPU a call then costs 10-25% more. One short run measures it to about
-        ±20% (the machine's noise), so the time inside all the timing runs' calls
-        is pooled over the curve's cost of their rows. 1 when the curve was given
-        rather than measured here (it may not time this model) or nothing was timed.
+        calls evicts the network's weights and activations from the caches (on this
+        CPU a call then costs 10-25% more), and where the model's temporaries are
+        large the allocator's state differs (the mixture's calls of 512 rows and
+        more cost half as much inside a run as back to back). How much depends on
+        the configuration, so with ``coupling`` given it is that configuration's
+        own timing run (:meth:`sampler_seconds_per_round`; ``tree=None`` with a
+        coupling is the standard sampler), the same run whose sampler time the
+        prediction uses. Without, or before that configuration is timed, it is
+        pooled over every timing run so far (what :meth:`network_seconds` uses to
+        prune). 1 when the curve was given rather than measured here (it may not
+        time this model) or nothing was timed.
         """
-        inside, on_curve = self._network
-        return inside / on_curve if self.measured_curve and on_curve > 0 else 1.0
+        if not self.measured_curve:
+            return 1.0
+        own = None if coupling is None else self._network_of.get(self._key(tree, coupling, verify, draft))
+        inside, on_curve = own if own is not None else self._network
+        return inside / on_curve if on_curve > 0 else 1.0
 
     @staticmethod
     def _key(tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> tuple:
@@ -627,12 +716,12 @@ class Predictor:
         """``draft``, or the first calibrated draft when ``draft`` was not calibrated."""
         return draft if draft in self.drafts else self.drafts[0]
 
-    def _simulate(self, tree, coupling: str, verify: str, draft: str, s_round: float, setup: float) -> tuple:
-        """``(seconds per trajectory, calls)`` of :func:`predict_seconds` with this predictor's calibration."""
+    def _simulate(self, tree, coupling: str, verify: str, draft: str, s_round, setup: float) -> tuple:
+        """``(seconds per trajectory, calls)`` of :func:`predict_seconds` with this predictor's calibration
+        (the configuration's own network factor once it is timed, the pooled one before)."""
         a = None if tree is None else self.acceptance_bins(coupling, draft)
-        seconds, calls = predict_seconds(
-            self.curve, self.steps, self.batch, tree, verify, a, s_round, self.network_factor(), setup
-        )
+        factor = self.network_factor(tree, coupling, verify, draft)
+        seconds, calls = predict_seconds(self.curve, self.steps, self.batch, tree, verify, a, s_round, factor, setup)
         return seconds / self.batch, calls
 
     def predict(
@@ -643,8 +732,8 @@ class Predictor:
         The sampler's time is measured with the first calibrated draft when ``draft`` was not calibrated.
         """
         d = self._draft(draft)
-        s_round, setup = self._timed(tree, coupling, verify, d)
-        seconds, calls = self._simulate(tree, coupling, verify, d, s_round, setup)
+        s_round, setup, cost = self._timed(tree, coupling, verify, d)
+        seconds, calls = self._simulate(tree, coupling, verify, d, cost, setup)
         return seconds, calls, s_round
 
 
@@ -832,6 +921,19 @@ def tune(
     )
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's cyclic collector off for one timed run, as :mod:`timeit` does: a full collection
+    (80 ms with torch loaded) landing in a short timing run would be taken for sampler time."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _race(pred: Predictor, entries: list, repeats: int) -> dict:
     """``{label: median seconds per trajectory}`` of full runs of each entry, interleaved ``repeats`` times."""
     times: dict = {e[3]: [] for e in entries}
@@ -839,19 +941,20 @@ def _race(pred: Predictor, entries: list, repeats: int) -> dict:
     for r in range(repeats):
         for _, _, _, label, tree, coupling, verify, draft in entries:
             t0 = time.perf_counter()
-            out = sample(
-                pred.model,
-                pred.x[:batch],
-                **_grid(pred.sigmas_for, pred.steps),
-                churn=pred.churn,
-                tree=tree,
-                coupling=coupling,
-                verify=verify,
-                draft=draft,
-                cond=_rows(pred.cond, batch),
-                seed=pred.seed + 10 + r,
-                **pred.sample_kwargs,
-            )
-            _sync(out.samples.device)
+            with _no_gc():
+                out = sample(
+                    pred.model,
+                    pred.x[:batch],
+                    **_grid(pred.sigmas_for, pred.steps),
+                    churn=pred.churn,
+                    tree=tree,
+                    coupling=coupling,
+                    verify=verify,
+                    draft=draft,
+                    cond=_rows(pred.cond, batch),
+                    seed=pred.seed + 10 + r,
+                    **pred.sample_kwargs,
+                )
+                _sync(out.samples.device)
             times[label].append((time.perf_counter() - t0) / batch)
     return {label: statistics.median(t) for label, t in times.items()}
