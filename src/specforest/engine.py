@@ -119,6 +119,7 @@ class RunContext:
     stoch_at: torch.Tensor = None  # (T + 1,) bool: the step is stochastic (False at T, finished)
     _lookahead: dict = field(default_factory=dict)  # L -> (T + 1,) lookahead by step
     _node_steps: dict = field(default_factory=dict)  # id(tree tables) -> NodeSteps
+    _each_row: dict = field(default_factory=dict)  # n -> (B n,) trajectory of each target row
 
     def __post_init__(self) -> None:
         self.depth_cols = torch.arange(max(self.T, 1), device=self.device)
@@ -130,6 +131,14 @@ class RunContext:
 
     def tables(self, tree: DraftTree) -> TreeTables:
         return TreeTables.of(tree, self.verify, self.device)
+
+    def each_row(self, n: int) -> torch.Tensor:
+        """``(B n,)`` every trajectory ``n`` times in a row (the target rows of a round whose trees all
+        evaluate their first ``n`` nodes), made once per ``n``."""
+        hit = self._each_row.get(n)
+        if hit is None:
+            hit = self._each_row[n] = self.rows_all.repeat_interleave(n)
+        return hit
 
     def node_steps(self, tt: TreeTables) -> "NodeSteps":
         """What a round reads per (root step, node) of tree ``tt``, tabulated once per run."""
@@ -360,9 +369,10 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         return Schedule(ids1, fetch[ids1], groups, active, n_fetch=int(fetch.sum()))
     tt = ctx.tables(ctx.tree)
     Ls = torch.where(spec, ctx.lookahead(tt.L)[step], 0)
-    rows = torch.where(spec, tt.rows_at[Ls], 0).sum()
+    rows = tt.rows_spec[Ls].sum()  # (0 rows at lookahead 0: a trajectory that does not speculate)
     flags = torch.stack([active, single, spec, fetch]).sum(1)
-    counts = host_read(torch.cat([flags, torch.stack([Ls.max(), Ls.min(), rows, ctx.target.bad.long()])]))
+    Lmin, Lmax = Ls.aminmax()
+    counts = host_read(torch.cat([flags, torch.stack([Lmax, Lmin, rows, ctx.target.bad])]))
     n_active, n1, ns, nf, Lr, Lmin, rows, bad = counts
     if bad:
         ctx.target.raise_not_finite()
@@ -551,7 +561,7 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
             n = d.n_first
             xs.append(d.Y[:, :n].reshape(-1, d.Y.shape[2]))
             sig.append(ctx.node_steps(d.tt).sig[d.s0, :n].reshape(-1))
-            traj.append(d.ids[:, None].expand(-1, n).reshape(-1))
+            traj.append(ctx.each_row(n) if d.ids is ctx.rows_all else d.ids.repeat_interleave(n))
         else:
             b, u = d.emask
             xs.append(d.Y[b, u])

@@ -73,7 +73,7 @@ class Target:
         self.seconds = 0.0
         self.calls = 0
         self._events: list = []
-        self.bad = torch.zeros((), dtype=torch.bool, device=device)  # some output was NaN or inf
+        self.bad = torch.zeros((), dtype=torch.long, device=device)  # 1 once some output was NaN or inf
 
     def cond_rows(self, traj: torch.Tensor) -> dict:
         """The conditioning of trajectories ``traj (n,)``."""
@@ -146,7 +146,12 @@ class Target:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(f"model must return a tensor of the input's shape {tuple(xi.shape)}, got {got}")
             # a copy: a CUDA-graph target's next replay overwrites its output buffers
-            outs.append(out.reshape(-1, D)[:m].to(self.dtype, copy=self.pad_rows is not None))
+            out = out.reshape(-1, D)
+            if self.pad_rows is not None:
+                out = out[:m].to(self.dtype, copy=True)
+            elif out.dtype != self.dtype:
+                out = out.to(self.dtype)
+            outs.append(out)
         v = torch.cat(outs) if len(outs) > 1 else outs[0]
         self.calls += 1
         # checked at the round's one host read (``check_finite``): NaN or inf never passes silently

@@ -344,6 +344,7 @@ class TreeTables:
     valid: torch.Tensor  # (V, K_max) bool: real children (a leaf gets a full row of dummy ones)
     layers: tuple  # per depth l: (start, stop, k) with k the common number of children or 0 if mixed
     rows_at: torch.Tensor  # (L + 1,) rows a round with lookahead m evaluates
+    rows_spec: torch.Tensor  # (L + 1,) the same with 0 at m = 0 (a trajectory that does not speculate)
     eval_at: torch.Tensor  # (L + 1, V) bool: the nodes a round with lookahead m evaluates
     verify_at: torch.Tensor  # (L + 1, V) bool: the nodes whose children a round with lookahead m verifies
     step_of: torch.Tensor  # (V,) long: the step offset of the noise that drafts a node (its parent's depth)
@@ -397,6 +398,7 @@ class TreeTables:
             to(valid),
             tuple(layers),
             to(counts),
+            to(torch.cat([counts.new_zeros(1), counts[1:]])),
             to(ev),
             to(verified),
             to((tree.depth - 1).clamp(min=0)),
