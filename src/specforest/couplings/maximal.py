@@ -39,12 +39,15 @@ def grs_levels(delta: torch.Tensor | float, K: int) -> tuple[torch.Tensor, torch
         ``G`` of shape ``(*batch, K + 1)`` holding ``G_1 .. G_{K+1}``, float64.
     """
     d = torch.as_tensor(delta, dtype=torch.float64)
-    pos = d > 0
-    dd = torch.where(pos, d, 1.0)
     one = torch.ones_like(d)
     # the first level in closed form: lambda_1 = 1, tau_1 = delta / 2, G_2 = 1 - 2 Phibar(delta / 2)
     lam = [torch.zeros_like(d), one]
     G = [one, torch.erf(d * (0.5 / math.sqrt(2.0)))]  # 0 at delta = 0
+    if K <= 1:
+        # (what GRS's acceptance tests at two children read: no level needs the tail mass)
+        return torch.stack(lam, -1), torch.stack(G, -1)
+    pos = d > 0
+    dd = torch.where(pos, d, 1.0)
     for _ in range(K - 1):
         lam_k = lam[-1] + G[-1]
         log_lam = torch.log(lam_k)
