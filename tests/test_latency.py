@@ -333,10 +333,10 @@ def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
     assert given.network_factor() == 1.0
 
 
-def test_each_configuration_has_its_own_network_factor(gmm, monkeypatch):
-    """Calls of one row cost 2x the curve inside a run, calls of two rows 1x (as where the allocator's
-    state differs between back-to-back calls and calls in a run): the standard sampler's prediction
-    carries 2, a chain's its own lower factor, and the pooled factor lies between."""
+def test_each_configuration_has_its_own_network_factor_and_predictions_the_median(gmm, monkeypatch):
+    """Calls of one row cost 2x the curve inside a run, calls of three rows 1x: the standard
+    sampler's own factor is 2, a chain's lower, and the pool the predictions use is their median
+    (one configuration's timing run in a slow moment does not carry its prediction)."""
     import time
 
     from specforest import latency
@@ -365,9 +365,15 @@ def test_each_configuration_has_its_own_network_factor(gmm, monkeypatch):
     standard, own = pred.network_factor(None, "grs"), pred.network_factor(chain, "rmc")
     assert 1.6 < standard < 2.4, standard
     assert own < standard - 0.3, (own, standard)
-    assert own < pred.network_factor() < standard
+    assert pred.network_factor() == pytest.approx((own + standard) / 2)
     # a configuration not timed yet is priced at the pooled factor
     assert pred.network_factor(trees.chain(2), "rmc") == pred.network_factor()
+    # a third configuration whose run was slow moves the median, not the mean, to itself
+    pred._network_of[("slow",)] = (50.0, 1.0)
+    assert pred.network_factor() == pytest.approx(max(own, standard))
+    seconds, _, s_round = pred.predict(None)
+    setup = pred.setup_seconds(None, "grs", "internal", "velocity")
+    assert seconds == pytest.approx(setup + 8 * (pred.network_factor() * pred.curve(1) + s_round))
 
 
 def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):

@@ -492,8 +492,7 @@ class Predictor:
         self.curve, self.acceptance, self.seed = curve, acceptance, seed
         self.sample_kwargs = sample_kwargs
         self._sampler_time: dict = {}  # key -> (per round, per run outside the rounds, RoundCost)
-        self._network: list = [0.0, 0.0]  # seconds inside the timing runs' calls, and their cost on the curve
-        self._network_of: dict = {}  # the same per configuration (key -> (inside, on the curve))
+        self._network_of: dict = {}  # key -> (seconds inside its timing runs' calls, their cost on the curve)
         self._warm: set = set()
         self._bins: dict = {}  # (coupling, draft, bins) -> acceptance_bins, computed once
 
@@ -664,10 +663,7 @@ class Predictor:
             keep = slice(1, None) if len(per_round) > 1 else slice(None)
             cost = RoundCost.fit(runs[keep], sum(in_rounds[keep]))
             self._sampler_time[key] = (statistics.fmean(per_round[keep]), statistics.fmean(setup[keep]), cost)
-            inside_s, curve_s = sum(inside[keep]), sum(on_curve[keep])
-            self._network[0] += inside_s
-            self._network[1] += curve_s
-            self._network_of[key] = (inside_s, curve_s)
+            self._network_of[key] = (sum(inside[keep]), sum(on_curve[keep]))
         return self._sampler_time[key]
 
     def network_factor(
@@ -681,22 +677,25 @@ class Predictor:
 
         The curve times calls back to back; inside a run the sampler's work between
         calls evicts the network's weights and activations from the caches (on this
-        CPU a call then costs 10-25% more), and where the model's temporaries are
-        large the allocator's state differs (the mixture's calls of 512 rows and
-        more cost half as much inside a run as back to back). How much depends on
-        the configuration, so with ``coupling`` given it is that configuration's
-        own timing run (:meth:`sampler_seconds_per_round`; ``tree=None`` with a
-        coupling is the standard sampler), the same run whose sampler time the
-        prediction uses. Without, or before that configuration is timed, it is
-        pooled over every timing run so far (what :meth:`network_seconds` uses to
-        prune). 1 when the curve was given rather than measured here (it may not
-        time this model) or nothing was timed.
+        CPU a call then costs 10-25% more). With ``coupling`` given (``tree=None``:
+        the standard sampler) it is that configuration's own, from its timing runs
+        (:meth:`sampler_seconds_per_round`), or the pooled factor before it is timed.
+        Without, the pooled factor the predictions use: the median of the timed
+        configurations' own factors. One short run measures a factor only to about
+        ±20% on this machine, and a run that lands in a slow moment of a shared
+        machine would carry its configuration's prediction with it (once +51%);
+        the median over the configurations does not follow one such run. 1 when the
+        curve was given rather than measured here (it may not time this model) or
+        nothing was timed.
         """
         if not self.measured_curve:
             return 1.0
-        own = None if coupling is None else self._network_of.get(self._key(tree, coupling, verify, draft))
-        inside, on_curve = own if own is not None else self._network
-        return inside / on_curve if on_curve > 0 else 1.0
+        if coupling is not None:
+            own = self._network_of.get(self._key(tree, coupling, verify, draft))
+            if own is not None:
+                return own[0] / own[1] if own[1] > 0 else 1.0
+        factors = [inside / curve for inside, curve in self._network_of.values() if curve > 0]
+        return statistics.median(factors) if factors else 1.0
 
     @staticmethod
     def _key(tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> tuple:
@@ -717,10 +716,9 @@ class Predictor:
         return draft if draft in self.drafts else self.drafts[0]
 
     def _simulate(self, tree, coupling: str, verify: str, draft: str, s_round, setup: float) -> tuple:
-        """``(seconds per trajectory, calls)`` of :func:`predict_seconds` with this predictor's calibration
-        (the configuration's own network factor once it is timed, the pooled one before)."""
+        """``(seconds per trajectory, calls)`` of :func:`predict_seconds` with this predictor's calibration."""
         a = None if tree is None else self.acceptance_bins(coupling, draft)
-        factor = self.network_factor(tree, coupling, verify, draft)
+        factor = self.network_factor()
         seconds, calls = predict_seconds(self.curve, self.steps, self.batch, tree, verify, a, s_round, factor, setup)
         return seconds / self.batch, calls
 
