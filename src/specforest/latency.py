@@ -117,7 +117,8 @@ def measure_cost_curve(
     repeats: int = 7,
     progress: bool = False,
 ) -> CostCurve:
-    """Time the target at each row count: the median of ``repeats`` calls (after one warm-up).
+    """Time the target at each row count: the median of ``repeats`` calls (after one warm-up), the
+    sizes interleaved (``repeats`` passes over all of them).
 
     Args:
         model: the velocity ``v(x, sigma, **cond)``.
@@ -142,25 +143,29 @@ def measure_cost_curve(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(sizes), desc="cost curve", unit="size")
-    seconds = []
+    inputs = []
     for b in sizes:
         xb = x.expand(b, *x.shape[1:]).contiguous()
         sb = torch.full((b,), float(sigma), dtype=x.dtype, device=x.device)
         cb = {k: v.expand(b, *v.shape[1:]).contiguous() for k, v in cond.items()}
-        model(xb, sb, **cb)
-        times = []
-        for _ in range(max(1, int(repeats))):
-            _sync(x.device)
-            t0 = time.perf_counter()
-            model(xb, sb, **cb)
-            _sync(x.device)
-            times.append(time.perf_counter() - t0)
-        seconds.append(statistics.median(times))
+        model(xb, sb, **cb)  # warm-up
+        inputs.append((xb, sb, cb))
         if bar is not None:
             bar.update(1)
+    # the sizes interleaved, one call each per pass: a slow moment of a shared machine then lands
+    # on one call of several sizes, which the median drops, instead of bending the whole curve at one
+    times: list = [[] for _ in sizes]
+    with _no_gc():
+        for _ in range(max(1, int(repeats))):
+            for i, (xb, sb, cb) in enumerate(inputs):
+                _sync(x.device)
+                t0 = time.perf_counter()
+                model(xb, sb, **cb)
+                _sync(x.device)
+                times[i].append(time.perf_counter() - t0)
     if bar is not None:
         bar.close()
-    return CostCurve(sizes, tuple(seconds))
+    return CostCurve(sizes, tuple(statistics.median(t) for t in times))
 
 
 def _child_lists(tree: DraftTree) -> list:
