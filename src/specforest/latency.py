@@ -61,6 +61,8 @@ __all__ = [
     "tune",
 ]
 
+CURVE_PASSES = 3
+"""Passes over the sizes that :func:`measure_cost_curve` spreads its calls over."""
 DEFAULT_SIZES = tuple(2**k for k in range(10))
 """Row counts the cost curve is measured at: 1, 2, 4, ..., 512."""
 
@@ -117,8 +119,8 @@ def measure_cost_curve(
     repeats: int = 7,
     progress: bool = False,
 ) -> CostCurve:
-    """Time the target at each row count: the median of ``repeats`` calls (after one warm-up), the
-    sizes interleaved (``repeats`` passes over all of them).
+    """Time the target at each row count: the median of about ``repeats`` calls, made in
+    :data:`CURVE_PASSES` passes over the sizes, each after an untimed call at that size.
 
     Args:
         model: the velocity ``v(x, sigma, **cond)``.
@@ -142,27 +144,31 @@ def measure_cost_curve(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(sizes), desc="cost curve", unit="size")
+        bar = tqdm(total=len(sizes) * CURVE_PASSES, desc="cost curve", unit="size")
     inputs = []
     for b in sizes:
         xb = x.expand(b, *x.shape[1:]).contiguous()
         sb = torch.full((b,), float(sigma), dtype=x.dtype, device=x.device)
         cb = {k: v.expand(b, *v.shape[1:]).contiguous() for k, v in cond.items()}
-        model(xb, sb, **cb)  # warm-up
         inputs.append((xb, sb, cb))
-        if bar is not None:
-            bar.update(1)
-    # the sizes interleaved, one call each per pass: a slow moment of a shared machine then lands
-    # on one call of several sizes, which the median drops, instead of bending the whole curve at one
+    # three passes over the sizes, each timing a few calls after an untimed one at that size: a
+    # slow moment of a shared machine then costs a few calls of several sizes, which the medians
+    # drop, instead of bending the curve at one size; and no timed call follows a call of another
+    # size (one of one row right after one of 512 rows runs with cold caches, 25-30% slower)
+    per_pass = -(-max(1, int(repeats)) // CURVE_PASSES)
     times: list = [[] for _ in sizes]
     with _no_gc():
-        for _ in range(max(1, int(repeats))):
+        for _ in range(CURVE_PASSES):
             for i, (xb, sb, cb) in enumerate(inputs):
-                _sync(x.device)
-                t0 = time.perf_counter()
                 model(xb, sb, **cb)
-                _sync(x.device)
-                times[i].append(time.perf_counter() - t0)
+                for _ in range(per_pass):
+                    _sync(x.device)
+                    t0 = time.perf_counter()
+                    model(xb, sb, **cb)
+                    _sync(x.device)
+                    times[i].append(time.perf_counter() - t0)
+                if bar is not None:
+                    bar.update(1)
     if bar is not None:
         bar.close()
     return CostCurve(sizes, tuple(statistics.median(t) for t in times))
