@@ -337,11 +337,11 @@ def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
     assert given.network_factor() == 1.0
 
 
-def test_each_configuration_has_its_own_network_factor_and_predictions_the_median(gmm, monkeypatch):
+def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm, monkeypatch):
     """Calls of one row cost 3x the curve inside a run, calls of more rows 1x: the standard
-    sampler's own factor is 3, a chain's (whose rounds evaluate up to three rows) about 2, and the
-    pool the predictions use is their median (one configuration's timing run in a slow moment does
-    not carry its prediction)."""
+    sampler's own factor is 3, a chain's (whose rounds evaluate up to three rows) about 2, their
+    median is the pooled factor, and the predictions price each call by its rows (3 at one row,
+    1 at more), which no single factor does."""
     import time
 
     from specforest import latency
@@ -377,13 +377,16 @@ def test_each_configuration_has_its_own_network_factor_and_predictions_the_media
     assert pred.network_factor() == pytest.approx((own + standard) / 2)
     # a configuration not timed yet is priced at the pooled factor
     assert pred.network_factor(trees.chain(2), "rmc") == pred.network_factor()
-    # a third configuration whose run was slow moves the median, not the mean, to itself
-    pred._network_of[("slow",)] = (50.0, 1.0)
-    assert pred.network_factor() == pytest.approx(max(own, standard))
+    # the predictions price a call by its rows, from every timed call
+    by_rows = pred.factor_by_rows()
+    assert by_rows(1) == pytest.approx(3.0, rel=0.02) and by_rows(3) == pytest.approx(1.0, rel=0.02)
     seconds, _, s_round = pred.predict(None)
     setup = pred.setup_seconds(None, "grs", "internal", "velocity")
-    assert seconds == pytest.approx(setup + 8 * (pred.network_factor() * pred.curve(1) + s_round))
-
+    assert seconds == pytest.approx(setup + 8 * (by_rows(1) * pred.curve(1) + s_round))
+    # one slow configuration's runs move its own factor and the pool's median, not the per-row prices
+    pred._network_of[("slow",)] = (50.0, 1.0)
+    assert pred.network_factor() == pytest.approx(max(own, standard))
+    assert pred.factor_by_rows()(1) == by_rows(1)
 
 def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):
     """With a measured curve the finalists race the standard sampler in full runs, and the fastest

@@ -216,7 +216,7 @@ def predict_seconds(
     verify: str,
     acceptance: "Optional[Callable[[int, int], float] | Sequence[tuple[float, Callable[[int, int], float]]]]",
     sampler_seconds_per_round: "float | Callable[[int], float]",
-    network_factor: float = 1.0,
+    network_factor: "float | Callable[[float], float]" = 1.0,
     setup_seconds: float = 0.0,
 ) -> "tuple[float, float]":
     """``(seconds of the run, calls)`` predicted for ``batch`` trajectories of ``steps`` steps.
@@ -232,7 +232,8 @@ def predict_seconds(
             round's rows (a :class:`RoundCost`: the drafted states, and so the sampler's
             work, grow with them).
         network_factor: a call's cost inside a run over its cost on the curve (measured
-            back to back); every call's curve cost is multiplied by it.
+            back to back), or a function of the call's rows; every call's curve cost is
+            multiplied by it.
         setup_seconds: the sampler's own time per run outside its rounds (set-up, wrap-up).
 
     The run is simulated: ``batch`` trajectories step through the grid in
@@ -243,7 +244,10 @@ def predict_seconds(
     running; the batch waits for its slowest trajectory. The mean over a few
     simulated runs (a fixed seed: the prediction is deterministic) is returned.
     """
-    if network_factor != 1.0:
+    if callable(network_factor):
+        base, by_rows = curve, network_factor
+        curve = lambda rows: by_rows(rows) * base(rows)  # noqa: E731
+    elif network_factor != 1.0:
         base = curve
         curve = lambda rows: network_factor * base(rows)  # noqa: E731
     per_round = sampler_seconds_per_round
@@ -504,6 +508,7 @@ class Predictor:
         self.sample_kwargs = sample_kwargs
         self._sampler_time: dict = {}  # key -> (per round, per run outside the rounds, RoundCost)
         self._network_of: dict = {}  # key -> (seconds inside its timing runs' calls, their cost on the curve)
+        self._calls: list = []  # (rows, seconds in a run / seconds on the curve) of every timed call
         self._warm: set = set()
         self._bins: dict = {}  # (coupling, draft, bins) -> acceptance_bins, computed once
 
@@ -675,6 +680,8 @@ class Predictor:
             cost = RoundCost.fit(runs[keep], sum(in_rounds[keep]))
             self._sampler_time[key] = (statistics.fmean(per_round[keep]), statistics.fmean(setup[keep]), cost)
             self._network_of[key] = (sum(inside[keep]), sum(on_curve[keep]))
+            for calls in runs[keep]:
+                self._calls += [(c[0], (c[2] - c[1]) / self.curve(c[0])) for c in calls if self.curve(c[0]) > 0]
         return self._sampler_time[key]
 
     def network_factor(
@@ -708,6 +715,43 @@ class Predictor:
         factors = [inside / curve for inside, curve in self._network_of.values() if curve > 0]
         return statistics.median(factors) if factors else 1.0
 
+    def factor_by_rows(self) -> Callable[[float], float]:
+        """A call's cost in a run over its cost on the curve, as a function of its rows: what the
+        predictions use.
+
+        Every timing run's calls are timed one by one; per size of the curve, the median
+        ratio of the calls whose rows are nearest that size (in log rows), interpolated in
+        log rows and held constant beyond the sizes seen. Calls of one row cost less in a
+        run than back to back on this CPU (0.9x on the digits model) and calls of 64 rows
+        more (1.2x), so one factor for every call misprices the configurations at one end;
+        and a median over many calls of many runs does not follow one run made in a slow
+        moment. The constant :meth:`network_factor` when fewer than 8 calls were timed (or
+        the curve was given, then 1).
+        """
+        if not self.measured_curve or len(self._calls) < 8:
+            f = self.network_factor()
+            return lambda rows: f
+        logs = [math.log(b) for b in self.curve.sizes]
+        buckets: dict = {}
+        for rows, ratio in self._calls:
+            lr = math.log(max(rows, 1))
+            k = min(range(len(logs)), key=lambda i: abs(logs[i] - lr))
+            buckets.setdefault(k, []).append(ratio)
+        pts = sorted((logs[k], statistics.median(v)) for k, v in buckets.items())
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+
+        def factor(rows: float) -> float:
+            lr = math.log(max(rows, 1.0))
+            if lr <= xs[0]:
+                return ys[0]
+            if lr >= xs[-1]:
+                return ys[-1]
+            j = next(i for i in range(1, len(xs)) if xs[i] >= lr)
+            w = (lr - xs[j - 1]) / (xs[j] - xs[j - 1])
+            return ys[j - 1] + w * (ys[j] - ys[j - 1])
+
+        return factor
+
     @staticmethod
     def _key(tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> tuple:
         return (None if tree is None else tuple(tree.parent.tolist()), coupling, verify, draft)
@@ -729,8 +773,9 @@ class Predictor:
     def _simulate(self, tree, coupling: str, verify: str, draft: str, s_round, setup: float) -> tuple:
         """``(seconds per trajectory, calls)`` of :func:`predict_seconds` with this predictor's calibration."""
         a = None if tree is None else self.acceptance_bins(coupling, draft)
-        factor = self.network_factor()
-        seconds, calls = predict_seconds(self.curve, self.steps, self.batch, tree, verify, a, s_round, factor, setup)
+        seconds, calls = predict_seconds(
+            self.curve, self.steps, self.batch, tree, verify, a, s_round, self.factor_by_rows(), setup
+        )
         return seconds / self.batch, calls
 
     def predict(
