@@ -388,6 +388,7 @@ def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm
     assert pred.network_factor() == pytest.approx(max(own, standard))
     assert pred.factor_by_rows()(1) == by_rows(1)
 
+
 def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):
     """With a measured curve the finalists race the standard sampler in full runs, and the fastest
     measured is chosen; a model whose call costs 2 ms whatever its rows makes trees pay."""
