@@ -509,6 +509,7 @@ class Predictor:
         self._sampler_time: dict = {}  # key -> (per round, per run outside the rounds, RoundCost)
         self._network_of: dict = {}  # key -> (seconds inside its timing runs' calls, their cost on the curve)
         self._calls: list = []  # (rows, seconds in a run / seconds on the curve) of every timed call
+        self._by_rows: Optional[tuple] = None  # (calls it was made from, factor_by_rows)
         self._warm: set = set()
         self._bins: dict = {}  # (coupling, draft, bins) -> acceptance_bins, computed once
 
@@ -698,13 +699,12 @@ class Predictor:
         CPU a call then costs 10-25% more). With ``coupling`` given (``tree=None``:
         the standard sampler) it is that configuration's own, from its timing runs
         (:meth:`sampler_seconds_per_round`), or the pooled factor before it is timed.
-        Without, the pooled factor the predictions use: the median of the timed
-        configurations' own factors. One short run measures a factor only to about
-        ±20% on this machine, and a run that lands in a slow moment of a shared
-        machine would carry its configuration's prediction with it (once +51%);
-        the median over the configurations does not follow one such run. 1 when the
-        curve was given rather than measured here (it may not time this model) or
-        nothing was timed.
+        Without, the pooled factor: the median of the timed configurations' own
+        factors (one short run measures a factor only to about ±20% on this machine,
+        and a run in a slow moment once put its configuration's at +51%). Predictions
+        price each call by its rows instead (:meth:`factor_by_rows`), with this as
+        the fallback before enough calls are timed. 1 when the curve was given rather
+        than measured here (it may not time this model) or nothing was timed.
         """
         if not self.measured_curve:
             return 1.0
@@ -728,6 +728,9 @@ class Predictor:
         moment. The constant :meth:`network_factor` when fewer than 8 calls were timed (or
         the curve was given, then 1).
         """
+        # made once per set of timed calls: every prediction and pruning bound reads it
+        if self._by_rows is not None and self._by_rows[0] == len(self._calls):
+            return self._by_rows[1]
         if not self.measured_curve or len(self._calls) < 8:
             f = self.network_factor()
             return lambda rows: f
@@ -750,6 +753,7 @@ class Predictor:
             w = (lr - xs[j - 1]) / (xs[j] - xs[j - 1])
             return ys[j - 1] + w * (ys[j] - ys[j - 1])
 
+        self._by_rows = (len(self._calls), factor)
         return factor
 
     @staticmethod
@@ -759,7 +763,8 @@ class Predictor:
     def network_seconds(
         self, tree: Optional[DraftTree], coupling: str = "grs", verify: str = "internal", draft: str = "velocity"
     ) -> float:
-        """Seconds per trajectory of the network calls alone (no sampler time), at the pooled factor so far.
+        """Seconds per trajectory of the network calls alone (no sampler time), priced by rows from the
+        calls timed so far (:meth:`factor_by_rows`).
 
         Needs no timing run: :func:`tune` skips timing a candidate whose calls alone are
         slower than a configuration already timed.
