@@ -565,7 +565,7 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
         else:
             b, u = d.emask
             xs.append(d.Y[b, u])
-            sig.append(ctx.tab.sig[(d.s0[b] + d.tt.depth[u]).clamp(max=ctx.T - 1)])
+            sig.append(ctx.node_steps(d.tt).sig[d.s0[b], u])
             traj.append(d.ids[b])
         sizes.append(xs[-1].shape[0])
     if not xs:

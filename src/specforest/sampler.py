@@ -139,7 +139,7 @@ def _make_sde(steps, sigmas, grid, shift, churn) -> ReverseSDE:
             raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
         if type(steps) is int and type(shift) in (int, float) and type(churn) in (int, float):
             return _grid_sde(steps, grid, shift, churn)  # (anything else: the constructors name the bad value)
-        sigmas = flow_match_grid(steps, shift=shift) if grid == "flow_match" else uniform_grid(steps, shift=shift)
+        sigmas = _grid_sigmas(steps, grid, shift)
     elif steps is not None and int(steps) != len(sigmas) - 1:
         raise ValueError(f"steps={steps} disagrees with len(sigmas) - 1 = {len(sigmas) - 1}")
     return ReverseSDE(torch.as_tensor(sigmas, dtype=torch.float64), churn)
@@ -149,8 +149,11 @@ def _make_sde(steps, sigmas, grid, shift, churn) -> ReverseSDE:
 def _grid_sde(steps: int, grid: str, shift: float, churn: float) -> ReverseSDE:
     """The SDE of a named grid, made once per (steps, grid, shift, churn): its tables are cached on it,
     so repeated runs (one image at a time, say) do not rebuild them."""
-    sigmas = flow_match_grid(steps, shift=shift) if grid == "flow_match" else uniform_grid(steps, shift=shift)
-    return ReverseSDE(sigmas.to(torch.float64), churn)
+    return ReverseSDE(_grid_sigmas(steps, grid, shift).to(torch.float64), churn)
+
+
+def _grid_sigmas(steps, grid: str, shift) -> torch.Tensor:
+    return flow_match_grid(steps, shift=shift) if grid == "flow_match" else uniform_grid(steps, shift=shift)
 
 
 def _sample_keys(generator, seed, sample_index, B: int, device) -> torch.Tensor:
