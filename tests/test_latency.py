@@ -297,10 +297,9 @@ def test_the_allocator_keeps_freed_memory_on_linux():
     assert keep_freed_memory() is keep_freed_memory()  # once per process
 
 
-def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
-    """A model whose calls cost 2 ms inside a run and 1 ms back to back (as when the sampler's work
-    between calls evicts the network from the caches): the factor is 2, and the standard sampler's
-    prediction carries it; with a given curve nothing is assumed about the model (factor 1)."""
+def _virtually_timed(gmm, monkeypatch, cost):
+    """The mixture as a model whose calls take ``cost(inside a sampling run, rows)`` seconds on a
+    virtual clock (far above the mixture's real time: no timing noise), as the tuner sees it."""
     import time
 
     from specforest import latency
@@ -315,15 +314,24 @@ def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
         finally:
             inside[0] = False
 
-    # the calls' cost on a virtual clock, far above the mixture's real time: no timing noise
     virtual, real_clock = [0.0], time.perf_counter
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + virtual[0])
+    monkeypatch.setattr(latency, "sample", in_run)
 
     def model(x, sigma, **kw):
-        virtual[0] += 0.4 if inside[0] else 0.2
+        virtual[0] += cost(inside[0], x.shape[0])
         return gmm(x, sigma, **kw)
 
-    monkeypatch.setattr(latency, "sample", in_run)
+    return model
+
+
+def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
+    """A model whose calls cost 2 ms inside a run and 1 ms back to back (as when the sampler's work
+    between calls evicts the network from the caches): the factor is 2, and the standard sampler's
+    prediction carries it; with a given curve nothing is assumed about the model (factor 1)."""
+    from specforest import latency
+
+    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 0.4 if in_run else 0.2)
     x = streams.randn(0, torch.arange(2), (8,))
     pred = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2)
     assert pred.network_factor() == 1.0  # nothing timed yet
@@ -342,29 +350,9 @@ def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm
     sampler's own factor is 3, a chain's (whose rounds evaluate up to three rows) about 2, their
     median is the pooled factor, and the predictions price each call by its rows (3 at one row,
     1 at more), which no single factor does."""
-    import time
-
     from specforest import latency
 
-    inside = [False]
-    real_sample = latency.sample
-
-    def in_run(*args, **kwargs):
-        inside[0] = True
-        try:
-            return real_sample(*args, **kwargs)
-        finally:
-            inside[0] = False
-
-    # the calls' cost on a virtual clock, far above the mixture's real time: no timing noise
-    virtual, real_clock = [0.0], time.perf_counter
-    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + virtual[0])
-
-    def model(x, sigma, **kw):
-        virtual[0] += 0.6 if inside[0] and x.shape[0] == 1 else 0.2
-        return gmm(x, sigma, **kw)
-
-    monkeypatch.setattr(latency, "sample", in_run)
+    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 0.6 if in_run and rows == 1 else 0.2)
     monkeypatch.setattr(latency, "TIMING_RUNS", 1)
     x = streams.randn(0, torch.arange(2), (8,))
     pred = latency.Predictor.calibrate(model, x, steps=8, churn=0.3, batch=1, budget_max=2)
