@@ -153,7 +153,8 @@ def test_auto_draft_means_are_the_frozen_kinds_means():
                    torch.tensor([True, False, True]), torch.ones(B, dtype=torch.bool))  # fmt: skip
     steps = torch.tensor([[4, 5, 6, 7], [6, 7, 8, 9], [8, 9, 10, 11]])
     y = r(B, 4, D)
-    A, alpha, beta, eps, (ys, vs, x0p) = AutoDraft._all_kinds(tab, steps, pre)
+    coef, (ys, vs, x0p) = AutoDraft._all_kinds(tab, steps, pre)
+    A, alpha, beta, eps = coef  # (5, B, 4) each
     for i, kind in enumerate(FROZEN_KINDS):
         Ak, Ck = FrozenPrediction(kind).coefficients(tab, steps, pre, None)
         ours = A[i][..., None] * y + alpha[i][..., None] * ys[:, None] + beta[i][..., None] * vs[:, None]
@@ -166,6 +167,42 @@ def test_auto_draft_means_are_the_frozen_kinds_means():
     # the check can fail: another kind's mean is not the velocity kind's
     Ax, Cx = FrozenPrediction("x0").coefficients(tab, steps, pre, None)
     assert not torch.allclose(torch.addcmul(Cx, Ax, y), torch.addcmul(Cv, Av, y))
+
+
+def test_auto_draft_shared_round_terms_change_nothing():
+    """A drafted round computes the kinds' coefficients once (``round_terms``) for the draft and the
+    observation; the means and the next state are bit for bit those computed from scratch."""
+    from specforest.proposals import AutoDraft, Prefetch
+    from specforest.sde import ReverseSDE, flow_match_grid
+
+    tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
+    g = torch.Generator().manual_seed(1)
+    B, D, n = 3, 5, 4
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    pre = Prefetch(r(B, D), r(B, D), torch.tensor([3, 5, 7]), r(B, D), r(B, D), torch.tensor([2, 4, 6]),
+                   torch.tensor([True, False, True]), torch.ones(B, dtype=torch.bool))  # fmt: skip
+    steps = pre.step[:, None] + 1 + torch.arange(n)
+    auto = AutoDraft()
+    # a state that picks a different kind at each offset
+    state = (
+        torch.rand(auto.max_offset + 1, 5, generator=g, dtype=torch.float64),
+        torch.ones(auto.max_offset + 1).double(),
+    )
+    terms = auto.round_terms(tab, steps, pre)
+    for a, b in zip(
+        auto.coefficients(tab, steps, pre, state, terms), auto.coefficients(tab, steps, pre, state), strict=True
+    ):
+        assert torch.equal(a, b)
+    rows, cols = torch.tensor([0, 0, 1, 2, 2]), torch.tensor([0, 1, 0, 2, 3])
+    y, mu_q, scale = r(5, D), r(5, D), torch.rand(5, generator=g, dtype=torch.float64) + 0.1
+    st = steps[rows, cols]
+    args = (state, tab, y, mu_q, st, pre.take(rows), scale)
+    shared = auto.observe(*args, auto.take_terms(terms, rows, cols))
+    alone = auto.observe(*args)
+    assert all(torch.equal(a, b) for a, b in zip(shared, alone, strict=True))
+    # terms taken at other parents give another state: the comparison can fail
+    wrong = auto.observe(*args, auto.take_terms(terms, rows, (cols + 1) % n))
+    assert not torch.equal(wrong[0], alone[0])
 
 
 def test_adaptive_tree_replans_within_budget_and_validates():

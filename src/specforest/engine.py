@@ -434,6 +434,8 @@ class Draft:
         n_first: see ``emask``.
         U: ``(Bs, V_i, C)`` the coupling's declared uniforms at the nodes of depth ``< Lr``,
             drawn with ``Z`` (:func:`~specforest.walk.tree_draws`; full mode), or ``None``.
+        terms: the proposal's :meth:`~specforest.proposals.Proposal.round_terms` at the
+            ``(Bs, Lr)`` parent steps (full mode), or ``None``.
     """
 
     tt: TreeTables
@@ -449,6 +451,7 @@ class Draft:
     emask: Optional[torch.Tensor] = None
     n_first: int = 0
     U: Optional[torch.Tensor] = None
+    terms: Any = None
 
 
 def draft(
@@ -495,8 +498,13 @@ def draft(
     sizes = tt.sizes(Lr)
     # per-layer views, made in one call each
     Yl, SZl, Mpl = Y.split(sizes, 1), SZ.split(sizes[1:], 1), Mp.split(sizes[:-1], 1)
+    terms = None
     if prop.affine:
-        A, C = prop.coefficients(tab, steps, pre, state.draft_state)
+        terms = prop.round_terms(tab, steps, pre)
+        if terms is None:
+            A, C = prop.coefficients(tab, steps, pre, state.draft_state)
+        else:
+            A, C = prop.coefficients(tab, steps, pre, state.draft_state, terms)
         Al, Cl = A.split(1, 1), C.split(1, 1)
     else:
         cond = ctx.target.cond_rows(ids)
@@ -528,10 +536,10 @@ def draft(
             torch.add(rep, SZl[level - 1], out=Yl[level])
     if even and tt.eval_prefix[Lr] >= Vi:
         # every tree evaluates the same first nodes, the verified ones among them: a view of Y, no scatter
-        return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, None, tt.eval_prefix[Lr], U), calls
+        return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, None, tt.eval_prefix[Lr], U, terms), calls
     # the (trajectory, node) pairs the target evaluates, without a synchronization: their number is known
     emask = torch.nonzero_static(tt.eval_at[Ls][:, :Vr], size=rows).T
-    return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, emask, 0, U), calls
+    return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, emask, 0, U, terms), calls
 
 
 # -- phase 3: evaluate -----------------------------------------------------------------------
@@ -647,9 +655,11 @@ def commit(
             records = records + (rec.cpu(),)
         if w.observed is not None:
             y, mu_q, steps_o, rws = w.observed
-            dstate = ctx.proposal.observe(
-                dstate, ctx.tab, y, mu_q, steps_o, state.pre.take(ids[rws]), ctx.tab64.scale[steps_o]
-            )
+            args = (dstate, ctx.tab, y, mu_q, steps_o, state.pre.take(ids[rws]), ctx.tab64.scale[steps_o])
+            if d.terms is None:
+                dstate = ctx.proposal.observe(*args)
+            else:
+                dstate = ctx.proposal.observe(*args, ctx.proposal.take_terms(d.terms, rws, steps_o - d.s0[rws]))
     counters = c.with_round(sched.active, entries)
     return RunState(
         x,

@@ -163,7 +163,7 @@ class Proposal:
         return None
 
     def coefficients(
-        self, tab: StepTables, steps: torch.Tensor, pre: Prefetch, state: Any
+        self, tab: StepTables, steps: torch.Tensor, pre: Prefetch, state: Any, terms: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A, C)`` with ``mean = A * y + C`` (affine proposals only).
 
@@ -172,10 +172,23 @@ class Proposal:
             steps: ``(Bs, n)`` long steps of the parents.
             pre: the ``Bs`` trajectories' prefetched evaluations.
             state: the proposal's state.
+            terms: :meth:`round_terms` of the same ``steps`` and ``pre`` when the
+                sampler made them (a drafted round), else ``None``.
 
         Returns:
             ``A (Bs, n, 1)`` and ``C (Bs, n, D)``.
         """
+        raise NotImplementedError
+
+    def round_terms(self, tab: StepTables, steps: torch.Tensor, pre: Prefetch) -> Any:
+        """What :meth:`coefficients` and :meth:`observe` both compute from the parents' steps
+        ``(Bs, n)`` and prefetch, made once per drafted round; ``None`` (the default) when nothing is
+        shared. The sampler passes it to :meth:`coefficients`, and :meth:`take_terms` of it at the
+        verified parents to :meth:`observe`."""
+        return None
+
+    def take_terms(self, terms: Any, rows: torch.Tensor, cols: torch.Tensor) -> Any:
+        """:meth:`round_terms` at parents ``(rows[i], cols[i])`` of its ``(Bs, n)`` grid, ``(P,)`` each."""
         raise NotImplementedError
 
     def mean(
@@ -205,13 +218,16 @@ class Proposal:
         steps: torch.Tensor,
         pre: Prefetch,
         scale: torch.Tensor,
+        terms: Any = None,
     ) -> Any:
         """The next state, given one round's verified parents (only if :attr:`observes`).
 
         Args:
             y: ``(P, D)`` verified parents; mu_q: ``(P, D)`` their exact target
             means; steps: ``(P,)``; pre: their trajectories' prefetch (``P``
-            rows); scale: ``(P,)`` transition std.
+            rows); scale: ``(P,)`` transition std; terms: :meth:`take_terms` of
+            the round's :meth:`round_terms` at these parents, or ``None``
+            (then compute what is needed).
         """
         return state
 
@@ -279,7 +295,7 @@ class FrozenPrediction(Proposal):
         self.name = kind
         self.uses_history = kind == "x0_extrap"
 
-    def coefficients(self, tab, steps, pre, state):
+    def coefficients(self, tab, steps, pre, state, terms=None):
         if pre is None:
             raise ValueError("a frozen-prediction draft needs a prefetched evaluation")
         return _frozen_coefficients(self.kind, tab, steps, pre)
@@ -370,17 +386,19 @@ class AutoDraft(Proposal):
 
     @staticmethod
     def _all_kinds(tab, steps, pre):
-        """Every frozen kind's mean as ``A y + alpha y* + beta v* + eps x0_prev``: ``(5, Bs, n)`` scalars each,
-        and the vectors ``y* (Bs, D)``, ``v* (Bs, D)`` and ``x0_prev (Bs, D)``.
+        """Every frozen kind's mean as ``A y + alpha y* + beta v* + eps x0_prev``.
 
-        The same affine maps as :class:`FrozenPrediction`'s, written so that the five kinds
-        cost a few scalar ops and three vector ones, not five vector computations
-        (``velocity`` is bit-identical to its own; the others agree to rounding). What
-        depends on one step only is tabulated once per run (:func:`_kind_tables`).
+        Returns ``coef (4, 5, Bs, n)``: ``A, alpha, beta, eps`` of the five kinds (in
+        :data:`FROZEN_KINDS` order) at each parent, and the vectors ``y* (Bs, D)``,
+        ``v* (Bs, D)`` and ``x0_prev (Bs, D)``. The same affine maps as
+        :class:`FrozenPrediction`'s, written so that the five kinds cost a few scalar ops
+        and three vector ones, not five vector computations (``velocity`` is bit-identical
+        to its own; the others agree to rounding). What depends on one step only is
+        tabulated once per run (:func:`_kind_tables`).
         """
         by_step, by_src = _kind_tables(tab)
-        at = by_step[steps]
-        c, sig, neg_g, k0, ke, neg_k0 = at[..., 5:].unbind(-1)
+        at = by_step[steps].unbind(-1)
+        c, sig, neg_g, k0, ke, neg_k0 = at[5:]
         sig_src, f, k, one_minus_src = by_src[pre.step][:, None].unbind(-1)
         sig_prev = tab.sig[pre.prev_step][:, None]
         gap = sig_src - sig_prev
@@ -388,25 +406,41 @@ class AutoDraft(Proposal):
         r = torch.where(ok, (sig - sig_src) / torch.where(ok, gap, torch.ones_like(gap)), torch.zeros_like(gap))
         k0r = k0 * (1.0 + r)
         zero = torch.zeros_like(c)
-        # velocity, drift, x0, eps, x0_extrap (FROZEN_KINDS)
-        A = at[..., :5].movedim(-1, 0)
-        alpha = torch.stack([zero, neg_g * k, neg_k0, ke, -k0r])
-        beta = torch.stack([c, neg_g * f, k0 * sig_src, ke * one_minus_src, k0r * sig_src])
-        eps = torch.stack([zero, zero, zero, zero, k0 * r])
+        # A, alpha, beta, eps of velocity, drift, x0, eps, x0_extrap
+        coef = torch.stack(
+            [
+                *at[:5],
+                *(zero, neg_g * k, neg_k0, ke, -k0r),
+                *(c, neg_g * f, k0 * sig_src, ke * one_minus_src, k0r * sig_src),
+                *(zero, zero, zero, zero, k0 * r),
+            ]
+        ).view(4, 5, *c.shape)
         x0_prev = pre.prev_y - sig_prev * pre.prev_v
-        return A, alpha, beta, eps, (pre.y, pre.v, x0_prev)
+        return coef, (pre.y, pre.v, x0_prev)
 
-    def coefficients(self, tab, steps, pre, state):
-        A, alpha, beta, eps, (ys, vs, x0p) = self._all_kinds(tab, steps, pre)  # (5, Bs, n) each
+    def round_terms(self, tab, steps, pre):
+        return self._all_kinds(tab, steps, pre)
+
+    def take_terms(self, terms, rows, cols):
+        coef, vecs = terms
+        return coef[:, :, rows, cols], tuple(v[rows] for v in vecs)
+
+    def coefficients(self, tab, steps, pre, state, terms=None):
+        coef, (ys, vs, x0p) = self._all_kinds(tab, steps, pre) if terms is None else terms
         offset = (steps - pre.step[:, None]).clamp(0, self.max_offset)
-        pick = self.choice(state)[offset][None]  # (1, Bs, n)
-        at = lambda t: t.gather(0, pick)[0][..., None]  # noqa: E731  (Bs, n, 1)
-        C = torch.addcmul(torch.addcmul(at(alpha) * ys[:, None], at(beta), vs[:, None]), at(eps), x0p[:, None])
-        return at(A), C
+        pick = self.choice(state)[offset]  # (Bs, n)
+        A, alpha, beta, eps = coef.gather(1, pick.expand(4, 1, *pick.shape))[:, 0, ..., None].unbind(0)  # (Bs, n, 1)
+        C = torch.addcmul(torch.addcmul(alpha * ys[:, None], beta, vs[:, None]), eps, x0p[:, None])
+        return A, C
 
-    def observe(self, state, tab, y, mu_q, steps, pre, scale):
+    def observe(self, state, tab, y, mu_q, steps, pre, scale, terms=None):
         total, count = state
-        A, alpha, beta, eps, (ys, vs, x0p) = self._all_kinds(tab, steps[:, None], pre)  # (5, P, 1)
+        if terms is None:
+            coef, (ys, vs, x0p) = self._all_kinds(tab, steps[:, None], pre)  # (4, 5, P, 1)
+        else:
+            coef, (ys, vs, x0p) = terms
+            coef = coef[..., None]
+        A, alpha, beta, eps = coef.unbind(0)  # (5, P, 1) each
         m = torch.addcmul(torch.addcmul(torch.addcmul(alpha * ys, beta, vs), eps, x0p), A, y)  # (5, P, D)
         d = torch.linalg.vector_norm((mu_q[None] - m).double(), dim=-1) / scale.double()  # (5, P)
         offset = (steps - pre.step).clamp(0, self.max_offset)
