@@ -9,7 +9,16 @@ from click.testing import CliRunner
 from specforest.cli import main
 from specforest.couplings import AntitheticCoupling, RankCoupling, rmc_acceptance
 from specforest.landscape import COLUMNS, acceptance_table, list_bound, lp_bound
-from specforest.rank_rules import TABLE_DELTAS, rule_acceptance, rule_lp, table_acceptance, table_rule
+from specforest.rank_rules import (
+    TABLE_DELTAS,
+    log_rule_pdf,
+    n_cells,
+    rule_acceptance,
+    rule_log_density,
+    rule_lp,
+    table_acceptance,
+    table_rule,
+)
 
 
 @pytest.mark.parametrize("delta,K", [(0.5, 2), (1.0, 4), (2.0, 8), (1.5, 1)])
@@ -105,3 +114,30 @@ def test_cli_table_default_grid_and_plot(tmp_path):
     assert res.exit_code == 0 and out.stat().st_size > 1000
     res = CliRunner().invoke(main, ["couplings", "table", "--deltas", "-1"])
     assert res.exit_code != 0 and "delta" in res.output
+
+
+@pytest.mark.parametrize("base", ["normal", "halfnormal"])
+@pytest.mark.parametrize("M", [1, 2, 3])
+def test_closed_form_rule_density_is_the_basis_density(base, M):
+    """``rule_log_density`` (a few gathers for M <= 2) equals ``log_rule_pdf`` (the (C, M) basis)
+    over both tails and every cell, for random and tabulated weights; a lookup in the wrong cell is caught by the same
+    comparison."""
+    g = torch.Generator().manual_seed(M)
+    W = torch.rand(4, n_cells(base), M, generator=g, dtype=torch.float64)
+    W = W / W.sum(-1, keepdim=True)
+    if M > 1:
+        W[:2] = table_rule(torch.tensor([0.3, 4.0], dtype=torch.float64), M, base)
+    lo = 0.0 if base == "halfnormal" else -12.0
+    s = torch.linspace(lo, 14.0, 2001, dtype=torch.float64).expand(4, -1).contiguous()
+    rows = torch.arange(4)
+    ours = rule_log_density(W, M, base)(s, rows)
+    ref = log_rule_pdf(s, W[:, None], M, base)
+    assert torch.isfinite(ref).float().mean() > 0.5  # (a tabulated rule may give a cell density 0)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+    # rows pick problems: problem 3's points read problem 3's weights
+    torch.testing.assert_close(rule_log_density(W, M, base)(s[:1], rows[3:]), ref[3:], rtol=0, atol=1e-12)
+    if M > 1:  # (one value: every weight is 1)
+        # an off-by-one cell lookup is caught by the same comparison
+        shifted = rule_log_density(W.roll(1, dims=1), M, base)(s, rows)
+        both = torch.isfinite(shifted) & torch.isfinite(ref)
+        assert not torch.equal(torch.isfinite(shifted), torch.isfinite(ref)) or (shifted - ref)[both].abs().max() > 1e-3

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from importlib import resources
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 
@@ -58,6 +58,7 @@ __all__ = [
     "log_rule_pdf",
     "n_cells",
     "rule_acceptance",
+    "rule_log_density",
     "rule_lp",
     "rule_table",
     "table_acceptance",
@@ -134,7 +135,8 @@ def _basis(s: torch.Tensor, M: int, base: Base) -> torch.Tensor:
     C = len(EDGES[base]) + 1
     F = _cdf(s, base)
     out = torch.zeros((*s.shape, C, M), dtype=torch.float64, device=s.device)
-    own = torch.nn.functional.one_hot(cell_of(s, base), C).to(torch.float64)
+    # (a comparison, not one_hot, which reads the largest index back to the host)
+    own = (cell_of(s, base)[..., None] == torch.arange(C, device=s.device)).to(torch.float64)
     out[..., M - 1] = own * (M * F ** (M - 1))[..., None]
     if M == 1:
         return out
@@ -166,6 +168,66 @@ def log_rule_pdf(s: torch.Tensor, W: torch.Tensor, M: int, base: Base = "normal"
     """
     mix = (_basis(s, M, base) * W).sum((-2, -1))
     return _log_pdf(s, base) + torch.log(mix)
+
+
+def rule_log_density(
+    W: torch.Tensor, M: int, base: Base = "normal"
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The selected value's log density for problems with weights ``W (P, C, M)``, as a function
+    ``log_f(s (n, m), rows (n,)) -> (n, m)`` of points ``s[i]`` of problem ``rows[i]``.
+
+    The same density as :func:`log_rule_pdf`. For ``M <= 2`` it is written without
+    the ``(C, M)`` basis: with ``c`` the cell of ``s`` (upper edge ``hi``),
+
+        f(s) / p(s) = W[c, 0]                                          (M = 1),
+        f(s) / p(s) = 2 [F(s) W[c, 1] + W[c, 0] (F(hi) - F(s)) + G[c]]  (M = 2),
+
+    where ``G[c] = sum_{c' > c} W[c', 0] P(cell c')`` is made once here, so each
+    call costs a few gathers instead of a ``(n, m, C, M)`` tensor.
+    """
+    if M > 2:
+        return lambda s, rows: log_rule_pdf(s, W[rows][:, None], M, base)
+    C = W.shape[-2]
+    Wf = W.reshape(-1, M)
+    if M == 1:
+
+        def log_f1(s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            at = cell_of(s, base) + rows[:, None] * C
+            return _log_pdf(s, base) + torch.log(Wf[at, 0])
+
+        return log_f1
+    hi_cdf, hi_tail, mass = _cell_constants(base, W.device)
+    x = W[..., 0] * mass
+    # exclusive suffix sums, added from the top cell down (tail masses keep their precision)
+    G = torch.nn.functional.pad(x.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)).reshape(-1)
+
+    def log_f2(s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        cell = cell_of(s, base)
+        at = cell + rows[:, None] * C
+        w0, w1 = Wf[at].unbind(-1)
+        F = _cdf(s, base)
+        if base == "normal":
+            # F(hi) - F(s), from the upper tails above 0 (as _cdf_gap)
+            above = torch.where(s > 0, torch.special.ndtr(-s) - hi_tail[cell], hi_cdf[cell] - F)
+        else:
+            above = 2.0 * torch.special.ndtr(-s) - hi_tail[cell]
+        mix = torch.addcmul(torch.addcmul(G[at], w0, above.clamp_min(0.0)), F, w1)
+        return _log_pdf(s, base) + torch.log(2.0 * mix)
+
+    return log_f2
+
+
+@functools.lru_cache(maxsize=None)
+def _cell_constants(base: Base, device: torch.device) -> tuple:
+    """``F(hi)``, ``1 - F(hi)`` and the base mass of every cell ``[lo, hi)``, ``(C,)`` float64 each."""
+    e = EDGES[base]
+    inf = torch.tensor([math.inf], dtype=torch.float64)
+    hi = torch.cat([e, inf])
+    lo = torch.cat([-inf if base == "normal" else torch.zeros(1, dtype=torch.float64), e])
+    cdf = _cdf(hi, base)
+    tail = torch.special.ndtr(-hi) * (2.0 if base == "halfnormal" else 1.0)
+    mass = _cdf_gap(lo, hi, base)
+    return cdf.to(device), tail.to(device), mass.to(device)
 
 
 def _log_target(s: torch.Tensor, delta: torch.Tensor, base: Base) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..rank_rules import cell_of, log_rule_pdf, n_cells, rule_acceptance, table_acceptance, table_rule
+from ..rank_rules import cell_of, n_cells, rule_acceptance, rule_log_density, table_acceptance, table_rule
 from ..streams import Stream
 from .base import Coupling
 from .maximal import rmc_acceptance
@@ -151,7 +151,7 @@ class RankCoupling(_SelectThenCouple):
         if bool((k_eff == Kmax).all()):
             # every problem has all its children (a uniform tree): one rule, no grouping
             W = _rule(delta, Kmax, "normal")
-            return _pick_by_rule(s_hat, W, "normal", u), lambda s, rows: log_rule_pdf(s, W[rows][:, None], Kmax)
+            return _pick_by_rule(s_hat, W, "normal", u), rule_log_density(W, Kmax, "normal")
         index = torch.zeros(P, dtype=torch.long, device=s_hat.device)
         groups = k_eff.unique().tolist()
         weights: dict = {}
@@ -159,7 +159,7 @@ class RankCoupling(_SelectThenCouple):
             sel = torch.arange(P, device=s_hat.device) if len(groups) == 1 else (k_eff == k).nonzero()[:, 0]
             W = _rule(delta[sel], int(k), "normal")
             index[sel] = _pick_by_rule(s_hat[sel, :k], W, "normal", u[sel])
-            weights[k] = (sel, W)
+            weights[k] = (sel, rule_log_density(W, int(k), "normal"))
 
         # position of each problem within its group's weights
         pos = torch.empty(P, dtype=torch.long, device=s_hat.device)
@@ -168,9 +168,9 @@ class RankCoupling(_SelectThenCouple):
 
         def log_f(s, rows):
             out = torch.empty_like(s)
-            for k, (_, W) in weights.items():
+            for k, (_, density) in weights.items():
                 m = slice(None) if len(groups) == 1 else k_eff[rows] == k
-                out[m] = log_rule_pdf(s[m], W[pos[rows[m]]][:, None], int(k), "normal")
+                out[m] = density(s[m], pos[rows[m]])
             return out
 
         return index, log_f
@@ -231,9 +231,9 @@ class AntitheticCoupling(_SelectThenCouple):
         return out
 
     @staticmethod
-    def _log_f(s: torch.Tensor, delta: torch.Tensor, W: torch.Tensor, M: int) -> torch.Tensor:
+    def _log_f(s: torch.Tensor, delta: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
+        """Log density of the selected projection ``s (n, m)``, given the magnitude's ``log_g`` there."""
         r = s.abs()
-        log_g = log_rule_pdf(r, W, M, "halfnormal")
         log_qr = _log_normal_pdf(r - delta)
         log_pos = torch.minimum(log_qr, log_g)
         # g(r) - min(q(r), g(r)) = g(r) (1 - min(1, q(r) / g(r)))
@@ -251,7 +251,8 @@ class AntitheticCoupling(_SelectThenCouple):
         W = _rule(delta, M, "halfnormal")
         pair = _pick_by_rule(mag, W, "halfnormal", rng.uniform(0, 1)[:, 0])
         r = mag[rows, pair]
-        log_g = log_rule_pdf(r, W, M, "halfnormal")
+        density = rule_log_density(W, M, "halfnormal")
+        log_g = density(r[:, None], rows)[:, 0]
         pi = torch.exp((_log_normal_pdf(r - delta) - log_g).clamp(max=0.0))
         take_pos = rng.uniform(2, 1)[:, 0] < pi
         # the member at +r is child 2 * pair iff its projection is >= 0; its mirror is the other one
@@ -259,7 +260,7 @@ class AntitheticCoupling(_SelectThenCouple):
         index = torch.where(take_pos, pos_child, pos_child ^ 1)
 
         def log_f(s, rws):
-            return self._log_f(s, delta[rws][:, None], W[rws][:, None], M)
+            return self._log_f(s, delta[rws][:, None], density(s.abs(), rws))
 
         return index, log_f
 
