@@ -351,14 +351,11 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
             return None
         return Schedule(ctx.rows_all, ctx.no_fetch, [], ctx.all_active, everyone=True)
     active = step < T
-    stoch = ctx.stoch_at[step]  # False once finished
-    if ctx.proposal.needs_prefetch:
-        spec = stoch & state.pre.valid
-        fetch = stoch & ~spec
-    else:
-        spec, fetch = stoch, ctx.no_fetch
-    single = active & ~spec
     if ctx.policy is not None:
+        stoch = ctx.stoch_at[step]  # False once finished
+        spec = stoch & state.pre.valid if ctx.proposal.needs_prefetch else stoch
+        fetch = stoch & ~spec if ctx.proposal.needs_prefetch else ctx.no_fetch
+        single = active & ~spec
         # an adaptive plan reads the records on the host anyway
         ctx.target.check_finite()
         if not bool(active.any()):
@@ -368,7 +365,16 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         groups = _tree_groups(ctx, state, ids) if ids.numel() else []
         return Schedule(ids1, fetch[ids1], groups, active, n_fetch=int(fetch.sum()))
     tt = ctx.tables(ctx.tree)
-    Ls = torch.where(spec, ctx.lookahead(tt.L)[step], 0)
+    # the lookahead is at least 1 exactly on stochastic unfinished steps
+    la = ctx.lookahead(tt.L)[step]
+    if ctx.proposal.needs_prefetch:
+        Ls = la * state.pre.valid  # a trajectory without a prefetch takes a single step to fetch one
+        spec = Ls > 0
+        fetch = (la > 0) ^ spec
+    else:
+        Ls, fetch = la, ctx.no_fetch
+        spec = Ls > 0
+    single = active ^ spec  # (spec implies active)
     rows = tt.rows_spec[Ls].sum()  # (0 rows at lookahead 0: a trajectory that does not speculate)
     flags = torch.stack([active, single, spec, fetch]).sum(1)
     Lmin, Lmax = Ls.aminmax()
@@ -479,7 +485,9 @@ def draft(
         s0, pre, x0 = state.step[ids], state.pre.take(ids, history=ctx.proposal.uses_history), state.x[ids]
         keys = ctx.step_keys[ids, s0][:, None]
     Vr = tt.size_at(Lr)
-    keys = streams._mix_(keys ^ tt.code[None, :Vr])
+    # a node's key is the step key XOR the node's mixed id: every draw at the node then mixes
+    # that key with its own mixed counter (streams.uniform), so no second mixing pass is needed
+    keys = keys ^ tt.code[None, :Vr]
     if ctx.lazy:
         return Draft(tt, ids, s0, Ls, Lr, keys, pre), 0
     Bs, D = ids.numel(), state.x.shape[1]

@@ -340,7 +340,7 @@ class TreeTables:
     depth: torch.Tensor  # (V,)
     children: torch.Tensor  # (V, K_max), -1 padded
     internal: torch.Tensor  # (V,) bool
-    code: torch.Tensor  # (V,) int64: mixed node ids, folded into the round's key
+    code: torch.Tensor  # (V,) int64: mixed node ids, XORed into the round's key
     valid: torch.Tensor  # (V, K_max) bool: real children (a leaf gets a full row of dummy ones)
     layers: tuple  # per depth l: (start, stop, k) with k the common number of children or 0 if mixed
     rows_at: torch.Tensor  # (L + 1,) rows a round with lookahead m evaluates
