@@ -337,6 +337,7 @@ class TreeTables:
 
     tree: DraftTree
     parent: torch.Tensor  # (V,)
+    up: torch.Tensor  # (V,) the parent, the root's being the root
     depth: torch.Tensor  # (V,)
     children: torch.Tensor  # (V, K_max), -1 padded
     internal: torch.Tensor  # (V,) bool
@@ -348,7 +349,6 @@ class TreeTables:
     eval_at: torch.Tensor  # (L + 1, V) bool: the nodes a round with lookahead m evaluates
     verify_at: torch.Tensor  # (L + 1, V) bool: the nodes whose children a round with lookahead m verifies
     step_of: torch.Tensor  # (V,) long: the step offset of the noise that drafts a node (its parent's depth)
-    ancestors: torch.Tensor  # (V, L + 1) long: a node's ancestor at each depth (itself below its own depth)
     node_ids: torch.Tensor  # (V,) long arange
     eval_prefix: tuple  # per lookahead m: n when the nodes evaluated are exactly 0..n-1, else -1
     L: int = 0  # depth, as a Python int (the round reads it often; no host read of a tensor)
@@ -382,15 +382,11 @@ class TreeTables:
         valid[tree.num_children == 0] = True
         counts = ev.sum(1)
         prefix = tuple(int(n) if bool(row[:n].all()) else -1 for row, n in zip(ev, counts.tolist(), strict=True))
-        anc = torch.empty(tree.size, tree.L + 1, dtype=torch.long)
-        node = torch.arange(tree.size)
-        for level in range(tree.L, -1, -1):
-            node = torch.where(tree.depth[node] > level, tree.parent[node], node)
-            anc[:, level] = node
         to = lambda t: t.to(device)  # noqa: E731
         return cls(
             tree,
             to(tree.parent),
+            to(tree.parent.clamp(min=0)),
             to(tree.depth),
             to(tree.children),
             to(tree.internal),
@@ -402,7 +398,6 @@ class TreeTables:
             to(ev),
             to(verified),
             to((tree.depth - 1).clamp(min=0)),
-            to(anc),
             to(torch.arange(tree.size)),
             prefix,
             tree.L,

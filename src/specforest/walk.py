@@ -172,37 +172,42 @@ class FullTree:
         self.s_hat, self.delta, self.e, acc, self.idx = _problem_inputs(
             ctx, zk, d.Mp, self.mu_q, self.scale, self.valid, self.ckeys, d.U
         )
-        # what a walk at each node does: go to the accepted child (>= 0), stop rejected (-2), or
-        # stop because the node is not verified (-1: a leaf, or beyond the trajectory's lookahead)
-        child = ch.expand(Bs, Vi, K).gather(2, self.idx[..., None])[..., 0]
-        self.go = torch.where(tt.verify_at[d.Ls][:, :Vi], torch.where(acc, child, -2), -1)
+        # a walk at a node goes to its accepted child if the node is verified (not a leaf, within
+        # the trajectory's lookahead), else stays there: ``moved``, and ``next`` the node it goes to
+        self.verified = tt.verify_at[d.Ls][:, :Vi]
+        self.moved = self.verified & acc
+        if not self.chain:  # (a chain's accepted child is the next node)
+            child = ch.expand(Bs, Vi, K).gather(2, self.idx[..., None])[..., 0]
+            self.next = torch.where(self.moved, child, tt.node_ids[:Vi])
         self.rows = ctx.rows_all[:Bs]
 
     def descend(self) -> Descent:
-        """Every walk of the group at once, from the decisions: no loop over depths, no synchronization.
+        """Every walk of the group at once, from the decisions: no synchronization.
 
-        A node is reached when every edge on its root path was the accepted
-        child of its parent; a walk ends at its deepest reached node, and the
-        path to it is that node's ancestors.
+        A walk follows ``next`` from the root, one gather per depth (a node that
+        does not move is its own ``next``), so its node at each depth is its path
+        and its last node is where it ended.
         """
-        d, tt, go = self.d, self.d.tt, self.go
-        Vr, Lr = d.Y.shape[1], d.Lr
+        d, tt = self.d, self.d.tt
+        Lr = d.Lr
         cols = self.ctx.depth_cols[None, :Lr]
         if self.chain:
             # node l is at depth l: a walk goes on while each node accepted the next one
-            cur = (go == tt.node_ids[1 : Lr + 1]).long().cumprod(1).sum(1)
+            cur = self.moved.long().cumprod(1).sum(1)
             path = None
-            go_path, ended, delta = go, cur[:, None], self.delta  # past ``cur``, junk that ``act`` masks
+            verified, ended, delta = self.verified, cur[:, None], self.delta  # past ``cur``, junk that ``act`` masks
         else:
-            edge = torch.ones(go.shape[0], Vr, dtype=torch.bool, device=go.device)
-            edge[:, 1:] = go[:, tt.parent[1:Vr]] == tt.node_ids[1:Vr]
-            reached = edge[:, tt.ancestors[:Vr, : Lr + 1]].all(-1)  # (Bs, Vr)
-            cur = torch.where(reached, tt.node_ids[:Vr], 0).amax(1)  # breadth-first: the deepest reached node
-            path = tt.ancestors[cur, :Lr]  # (Bs, Lr) the verified parent at each depth (``cur`` past the end)
-            go_path = go.gather(1, path)
+            node = torch.zeros(self.rows.shape[0], 1, dtype=torch.long, device=self.rows.device)
+            nodes = [node]
+            for _ in range(Lr):
+                node = self.next.gather(1, node)
+                nodes.append(node)
+            walked = torch.cat(nodes, 1)  # (Bs, Lr + 1): the node at each depth, the last one after the end
+            cur, path = walked[:, Lr], walked[:, :Lr]
+            verified = self.verified.gather(1, path)
             ended = tt.depth[cur][:, None]
             delta = self.delta.gather(1, path)
-        act = (go_path != -1) & (cols <= ended)
+        act = verified & (cols <= ended)
         acc = cols < ended
         observed = None
         if self.ctx.proposal.observes:
@@ -402,29 +407,30 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
     tt = d.tt
     desc = R.descend()
     cur, act_t, acc_t = desc.cur, desc.act, desc.acc
-    rejected = (act_t & ~acc_t).any(1)
+    rejected = (act_t ^ acc_t).any(1)  # (an accepted child was verified)
     ncom = act_t.sum(1)
-    rej_node = cur
     new_x = R.state(cur)
     r = rejected.nonzero()[:, 0]
     if r.numel():
-        s_hat, delta, valid, idx, rng, e, scale, kids = R.problem(r, rej_node[r])
-        new_x = new_x.index_put((r,), ctx.coupling.rejected_state(s_hat, delta, valid, idx, rng, kids, scale, e))
+        rej_node = cur[r]  # the parent of the rejected children
+        s_hat, delta, valid, idx, rng, e, scale, kids = R.problem(r, rej_node)
+        x_rej = ctx.coupling.rejected_state(s_hat, delta, valid, idx, rng, kids, scale, e)
+        new_x = new_x.index_put((r,), x_rej)
 
     # -- prefetch: which evaluation the next round drafts from ----------------------------------
-    own = ~rejected & tt.eval_at[d.Ls, cur]
-    src = torch.where(rejected, rej_node, torch.where(own, cur, tt.parent[cur].clamp(min=0)))
+    # the node a walk ended at if it was rejected there or it is evaluated, else its parent
+    src = torch.where(rejected | tt.eval_at[d.Ls, cur], cur, tt.up[cur])
     if ctx.prefetch == "nearest" and r.numel():
-        ch = tt.children[rej_node[r]]
+        ch = tt.children[rej_node]
         ok = (ch >= 0) & tt.eval_at[d.Ls[r][:, None], ch.clamp(min=0)]
         if ch.shape[1] == 1:
             # one child: the nearest sibling is the rejected child itself, when evaluated
-            pick_node = torch.where(ok[:, 0], ch[:, 0], src[r])
+            pick_node = torch.where(ok[:, 0], ch[:, 0], rej_node)
         else:
-            dist = (R.children_states(r, rej_node[r]) - new_x[r][:, None]).square().sum(-1)
+            dist = (R.children_states(r, rej_node) - x_rej[:, None]).square().sum(-1)
             dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
             pick, has = dist.argmin(1), ok.any(1)
-            pick_node = torch.where(has, ch.gather(1, pick[:, None])[:, 0], src[r])
+            pick_node = torch.where(has, ch.gather(1, pick[:, None])[:, 0], rej_node)
         src = src.index_put((r,), pick_node)
     pre_y, pre_v = R.state(src), R.velocity(src)
     pre_step = d.s0 + tt.depth[src]
