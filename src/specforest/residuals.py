@@ -132,21 +132,23 @@ def tail_mass(s: torch.Tensor, delta: torch.Tensor | float, log_lam: torch.Tenso
         ``(*batch)`` ``log H(s)``; ``-inf`` where ``H`` underflows.
     """
     delta = torch.as_tensor(delta, dtype=s.dtype, device=s.device)
-    return _log_tail(s, s - delta, delta, log_lam, midpoint=True)
+    return _log_tail(-s, delta - s, delta, log_lam, midpoint=True)
 
 
 def _log_tail(
-    s: torch.Tensor, s_minus_delta: torch.Tensor, delta: torch.Tensor, log_lam: torch.Tensor, *, midpoint: bool
+    neg_s: torch.Tensor, delta_minus_s: torch.Tensor, delta: torch.Tensor, log_lam: torch.Tensor, *, midpoint: bool
 ) -> torch.Tensor:
-    """:func:`tail_mass` given ``s - delta``, with the small-``delta`` form only if ``midpoint``.
+    """:func:`tail_mass` given ``-s`` and ``delta - s`` (``log_sf(x)`` reads ``-x``: negated
+    arguments save a negation per call, and ``-(s - delta)`` is ``delta - s`` exactly), with the
+    small-``delta`` form only if ``midpoint``.
 
     Newton steps before the last one only have to get close, and the plain
     formula's error does not matter to them.
     """
-    a = log_sf(s_minus_delta)
-    inner = log_lam + log_sf(s) - a
+    a = torch.special.log_ndtr(delta_minus_s)  # log_sf(s - delta)
+    inner = log_lam + torch.special.log_ndtr(neg_s) - a
     if midpoint and _needed(small := delta < _SMALL_DELTA):
-        m = s - 0.5 * delta
+        m = (-0.5 * delta) - neg_s  # s - delta / 2, bit for bit
         # phi(m) / Phibar(m) = sqrt(2 / pi) / erfcx(m / sqrt 2), without overflowing exp(m^2 / 2)
         h = _SQRT_2_OVER_PI / torch.special.erfcx(m * (1.0 / math.sqrt(2.0)))
         q = h - m
@@ -260,9 +262,10 @@ def sample_grs_residual(delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor,
         node_rate = (delta * -math.sqrt(2.0)).unsqueeze(-1) * nodes  # -delta t at x = 1
         G_int = torch.exp(log_G)
     neg_delta = -delta
+    neg_a, neg_tau = -a, -tau  # (-a) - x is -(x + a) bit for bit: one op where two were
     log_G_phi = log_G + _LOG_SQRT_2PI  # log_density below omits phi's constant
     for step_index in range(_NEWTON_STEPS):
-        s_minus_delta = x + a
+        delta_minus_s = neg_a - x  # -(s - delta) at s = tau + x
         if use_near:
             x_col = x.unsqueeze(-1)
             z = torch.addcmul(a_col, x_col, nodes)
@@ -271,13 +274,13 @@ def sample_grs_residual(delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor,
             log_near = torch.log1p(x * integrand.sum(-1) / G_int)
         if use_far:
             last = step_index == _NEWTON_STEPS - 1
-            log_far = _log_tail(tau + x, s_minus_delta, delta, log_lam, midpoint=last) - log_G
+            log_far = _log_tail(neg_tau - x, delta_minus_s, delta, log_lam, midpoint=last) - log_G
         if use_near and use_far:
             log_ratio = torch.where(near, log_near, log_far)
         else:
             log_ratio = log_near if use_near else log_far
         log_ratio = log_ratio.clamp(max=0.0)
-        log_density = torch.add(torch.log(-torch.expm1(neg_delta * x)), s_minus_delta.square(), alpha=-0.5)
+        log_density = torch.add(torch.log(-torch.expm1(neg_delta * x)), delta_minus_s.square(), alpha=-0.5)
         psi = torch.sqrt(-2.0 * log_ratio)
         step = (psi - psi_target) * psi * torch.exp((log_G_phi + log_ratio - log_density).clamp(max=_LOG_HUGE))
         x = torch.maximum(x - step, x * _SHRINK)
