@@ -12,8 +12,11 @@ given device):
    of the standard sampler, the RMC chain of 14, D-GRS (2, 3), rank (2, 3),
    the call-optimal planned tree (``planning.plan_tree``, budget 62) and the
    latency-optimal tuned configuration (``latency.tune``): target calls, rows
-   per image, the sampler's own time per round, wall time per image (median of
-   3 runs, the configurations interleaved) and the speedup over the standard
+   per image, the sampler's own time per round, wall time per image (one image
+   per run: the mean of ``--latency-runs`` runs, 20, with its standard error,
+   since a run's time follows its random number of rounds and the prediction is
+   its expectation; 64 images: the median of ``--repeats`` runs; the
+   configurations interleaved) and the speedup over the standard
    sampler in the same run, next to the cost model's prediction made before
    the runs (``latency.Predictor``), and the pooled factor by which a call
    inside a run costs more than on the curve. The predicted speedup (the
@@ -62,7 +65,7 @@ def _configs(model, x, cond, opts, pred, tuned):
     ]
 
 
-def run_model(name: str, device: str, repeats: int) -> dict:
+def run_model(name: str, device: str, repeats: int, latency_runs: int) -> dict:
     import torch
 
     import specforest
@@ -88,34 +91,44 @@ def run_model(name: str, device: str, repeats: int) -> dict:
             pred.sampler_seconds_per_round(*keys[label])  # every row timed first: one pooled network factor
         predicted = {label: pred.predict(*key) for label, key in keys.items()}
         walls: dict = {label: [] for label, _ in configs}
-        stats: dict = {}
-        for r in range(repeats):
+        runs: dict = {label: [] for label, _ in configs}
+        for r in range(latency_runs if batch == 1 else repeats):
             for label, kw in configs:
                 t0 = time.perf_counter()
                 res = specforest.sample(model, x, cond=cond, seed=100 + r, **opts, **kw)
                 if x.device.type == "cuda":
                     torch.cuda.synchronize()
                 walls[label].append(time.perf_counter() - t0)
-                stats[label] = res.stats
-        base = statistics.median(walls["standard"])
+                s = res.stats
+                runs[label].append((s.calls, float(s.rows.double().mean()), s.sampler_seconds))
+        # one image per run: a run's time follows its random number of rounds, and the prediction is
+        # its expectation, so the mean over many runs; 64 images average that out within a run, and
+        # the median of a few runs keeps the machine's hiccups out
+        centre = statistics.fmean if batch == 1 else statistics.median
+        base = centre(walls["standard"])
         rows = []
         for label, _ in configs:
-            s = stats[label]
-            wall = statistics.median(walls[label])
+            calls, rws, sampler = zip(*runs[label], strict=True)
+            wall = centre(walls[label])
+            n = len(walls[label])
+            se = statistics.stdev(walls[label]) / n**0.5 if batch == 1 and n > 1 else None
             p_sec, p_calls, _ = predicted[label]
             rows.append(
                 dict(
                     label=label,
-                    calls=s.calls,
+                    calls=statistics.fmean(calls),
                     pred_calls=p_calls,
-                    rows=float(s.rows.double().mean()),
-                    sampler_ms=1e3 * s.sampler_seconds / s.calls,
+                    rows=statistics.fmean(rws),
+                    sampler_ms=1e3 * sum(sampler) / sum(calls),
                     wall_ms=1e3 * wall / batch,
+                    wall_se_ms=None if se is None else 1e3 * se / batch,
                     pred_ms=1e3 * p_sec,
                     speedup=base / wall,
                 )
             )
-        out["rows"][batch] = dict(rows=rows, tuned=tuned, tune_seconds=tune_seconds, factor=pred.network_factor())
+        out["rows"][batch] = dict(
+            rows=rows, tuned=tuned, tune_seconds=tune_seconds, factor=pred.network_factor(), runs=len(walls["standard"])
+        )
     return out
 
 
@@ -123,7 +136,11 @@ def _table(name: str, res: dict) -> list:
     lines = []
     for batch, r in res["rows"].items():
         tuned = r["tuned"]
-        what = "latency, one image per run" if batch == 1 else f"throughput, {batch} images per run"
+        what = (
+            f"latency, one image per run, mean of {r['runs']} runs"
+            if batch == 1
+            else f"throughput, {batch} images per run, median of {r['runs']} runs"
+        )
         lines += [
             "",
             f"**{name}, {what}** (tuned in {r['tune_seconds']:.1f} s: {tuned.label}, predicted "
@@ -133,16 +150,18 @@ def _table(name: str, res: dict) -> list:
             f"a call in a run costs {r['factor']:.2f}x its time on the curve)",
             "",
             "| sampler | target calls (predicted) | rows per image | sampler time per round | wall per image "
-            "| predicted | error | wall-clock speedup | predicted speedup |",
+            + ("(± s.e.) " if batch == 1 else "")
+            + "| predicted | error | wall-clock speedup | predicted speedup |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         base = next(row for row in r["rows"] if row["label"] == "standard")
         for row in r["rows"]:
             err = row["pred_ms"] / row["wall_ms"] - 1.0
+            se = "" if row["wall_se_ms"] is None else f" ± {row['wall_se_ms']:.2f}"
             lines.append(
-                f"| {row['label']} | {row['calls']} ({row['pred_calls']:.1f}) | {row['rows']:.0f} | "
-                f"{row['sampler_ms']:.2f} ms | {row['wall_ms']:.2f} ms | {row['pred_ms']:.2f} ms | {100 * err:+.0f}% | "
-                f"{row['speedup']:.2f}x | {base['pred_ms'] / row['pred_ms']:.2f}x |"
+                f"| {row['label']} | {row['calls']:.1f} ({row['pred_calls']:.1f}) | {row['rows']:.0f} | "
+                f"{row['sampler_ms']:.2f} ms | {row['wall_ms']:.2f}{se} ms | {row['pred_ms']:.2f} ms | "
+                f"{100 * err:+.0f}% | {row['speedup']:.2f}x | {base['pred_ms'] / row['pred_ms']:.2f}x |"
             )
     return lines
 
@@ -150,7 +169,8 @@ def _table(name: str, res: dict) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration at 64 images (median)")
+    ap.add_argument("--latency-runs", type=int, default=20, help="runs per configuration at one image per run (mean)")
     ap.add_argument("--models", default="gmm,digits", help="comma list of gmm, digits")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = ap.parse_args()
@@ -161,7 +181,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     keep_freed_memory()
-    results = {m: run_model(m, args.device, args.repeats) for m in args.models.split(",")}
+    results = {m: run_model(m, args.device, args.repeats, args.latency_runs) for m in args.models.split(",")}
     label = {"gmm": "Gaussian mixture (d = 500, T = 30, churn 0.1)", "digits": "digits U-Net (T = 100, churn 0.3)"}
     lines = [
         f"`.venv/bin/python benchmarks/wallclock.py --device {args.device}` on {machine_line()}, one CPU thread, "
