@@ -234,7 +234,8 @@ class Proposal:
 
 def _frozen_coefficients(kind: str, tab: StepTables, steps: torch.Tensor, pre: Prefetch):
     """``(A (Bs, n, 1), C (Bs, n, D))`` of one frozen parameterization (see :class:`FrozenPrediction`)."""
-    a, c = tab.a[steps][..., None], tab.c[steps][..., None]
+    ac = tab.ac[steps]  # (Bs, n, 2)
+    a, c = ac[..., :1], ac[..., 1:]
     ys, vs = pre.y[:, None], pre.v[:, None]
     if kind == "velocity":
         return a, c * vs

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -246,6 +247,11 @@ class StepTables:
     drift_k: torch.Tensor
     stochastic: torch.Tensor
     run_end: torch.Tensor
+    ac: Optional[torch.Tensor] = None  # (T, 2): a and c side by side, one gather for both
+
+    def __post_init__(self) -> None:
+        if self.ac is None:
+            object.__setattr__(self, "ac", torch.stack([self.a, self.c], -1))
 
     @classmethod
     def build(cls, sde: "ReverseSDE", device: torch.device, dtype: torch.dtype) -> "StepTables":
@@ -279,4 +285,5 @@ class StepTables:
         ``addcmul(C, A, y)`` with the velocity frozen: a draft frozen at the
         state it drafts from gives exactly the target mean (``delta = 0``).
         """
-        return torch.addcmul(self.c[step][..., None] * v, self.a[step][..., None], y)
+        ac = self.ac[step]  # (..., 2): slices of it are views, cheaper than a second gather
+        return torch.addcmul(ac[..., 1:] * v, ac[..., :1], y)

@@ -340,6 +340,8 @@ class TreeTables:
     up: torch.Tensor  # (V,) the parent, the root's being the root
     depth: torch.Tensor  # (V,)
     children: torch.Tensor  # (V, K_max), -1 padded
+    kids: torch.Tensor  # (V, K_max) the children, a padding entry pointing at the root
+    kid_eval: torch.Tensor  # (L + 1, V, K_max) bool: the child is real and a round with lookahead m evaluates it
     internal: torch.Tensor  # (V,) bool
     code: torch.Tensor  # (V,) int64: mixed node ids, XORed into the round's key
     valid: torch.Tensor  # (V, K_max) bool: real children (a leaf gets a full row of dummy ones)
@@ -389,6 +391,8 @@ class TreeTables:
             to(tree.parent.clamp(min=0)),
             to(tree.depth),
             to(tree.children),
+            to(tree.children.clamp(min=0)),
+            to((tree.children >= 0)[None] & ev[:, tree.children.clamp(min=0)]),
             to(tree.internal),
             to(code),
             to(valid),

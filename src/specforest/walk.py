@@ -234,7 +234,7 @@ class FullTree:
             ),
             self.e[r, u],
             self.scale[r, u],
-            self.d.Y[r[:, None], self.d.tt.children[u].clamp(min=0)],
+            self.d.Y[r[:, None], self.d.tt.kids[u]],
         )
 
     def state(self, nodes: torch.Tensor) -> torch.Tensor:
@@ -244,7 +244,7 @@ class FullTree:
         return self.V[self.rows, nodes]
 
     def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        return self.d.Y[rows[:, None], self.d.tt.children[nodes].clamp(min=0)]
+        return self.d.Y[rows[:, None], self.d.tt.kids[nodes]]
 
 
 class OnDemand:
@@ -298,7 +298,7 @@ class OnDemand:
             self.draft_calls += 1
         ch = tt.children[u]  # (P, K)
         K = ch.shape[1]
-        keys = d.keys[a[:, None], ch.clamp(min=0)]
+        keys = d.keys[a[:, None], tt.kids[u]]
         zk = sibling_noise(ctx, keys, K, yu.shape[1])
         kids = mu_p[:, None] + ctx.tab.scale[sa][:, None, None] * zk
         scale = ctx.tab64.scale[sa]
@@ -422,7 +422,7 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
     src = torch.where(rejected | tt.eval_at[d.Ls, cur], cur, tt.up[cur])
     if ctx.prefetch == "nearest" and r.numel():
         ch = tt.children[rej_node]
-        ok = (ch >= 0) & tt.eval_at[d.Ls[r][:, None], ch.clamp(min=0)]
+        ok = tt.kid_eval[d.Ls[r], rej_node]
         if ch.shape[1] == 1:
             # one child: the nearest sibling is the rejected child itself, when evaluated
             pick_node = torch.where(ok[:, 0], ch[:, 0], rej_node)
