@@ -7,11 +7,12 @@ churn 0.3, one CPU thread (pinned: on a shared machine the default thread
 count makes timings swing by 10x). For every coupling, one image at a time
 and 64 images at once: wall time, time inside the network, and the sampler's
 own time per round (wall minus network, divided by the rounds), median of 3
-runs, with the split over the round engine's phases
+runs in each of 2 passes, with the split over the round engine's phases
 (``SampleStats.phase_seconds``), and for one image the same rounds replayed
 with the network replaced by a lookup (the sampler's work alone). ``--before REF`` measures the same runs on
 an older commit (checked out in a temporary git worktree) for a before/after
-table; it has no phase split. The GRS residual sampler's cost per call is
+table, alternating with this tree pass by pass, each in a fresh process, so
+that both see the same stretches of the machine; it has no phase split. The GRS residual sampler's cost per call is
 measured in both. Regenerates the ``overhead`` section of
 ``benchmarks/RESULTS.md``.
 """
@@ -176,7 +177,7 @@ def measure(repeats: int, quick: bool) -> dict:
                 **kw,
             )
             alone = _alone(one_run, repeats)
-        rows.append(dict(label=label, images=n, alone=alone, **runs[len(runs) // 2]))
+        rows.append(dict(label=label, images=n, alone=alone, runs=runs, **runs[len(runs) // 2]))
     residual = {}
     for P in (1, 64):
         d = torch.full((P,), 0.7, dtype=torch.float64)
@@ -194,24 +195,59 @@ def measure(repeats: int, quick: bool) -> dict:
     return dict(rows=rows, residual=residual)
 
 
-def _measure_before(ref: str, repeats: int, quick: bool) -> dict:
+def _measure_in(src: Path, repeats: int, quick: bool, cwd: str) -> dict:
+    """:func:`measure` in a fresh process importing ``specforest`` from ``src``."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure-only", "--repeats", str(repeats)]
+    out = subprocess.run(
+        cmd + (["--quick"] if quick else []), check=True, capture_output=True, text=True, env=env, cwd=cwd
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _pooled(passes: list) -> dict:
+    """One result from several passes of :func:`measure`: per configuration the median run of all
+    passes' runs (by sampler time per round) and the median replay; the median residual times."""
+    rows = []
+    for i, first in enumerate(passes[0]["rows"]):
+        runs = sorted(
+            (run for p in passes for run in p["rows"][i]["runs"]), key=lambda r: (r["wall"] - r["inside"]) / r["calls"]
+        )
+        alone = [p["rows"][i]["alone"] for p in passes if p["rows"][i]["alone"] is not None]
+        rows.append(
+            dict(
+                label=first["label"],
+                images=first["images"],
+                alone=statistics.median(alone) if alone else None,
+                **runs[len(runs) // 2],
+            )
+        )
+    residual = {P: statistics.median(p["residual"][P] for p in passes) for P in passes[0]["residual"]}
+    return dict(rows=rows, residual=residual)
+
+
+def _measure_both(ref: "str | None", repeats: int, quick: bool, passes: int) -> tuple:
+    """``(before, after)``: each pass measures the older commit ``ref`` (in a temporary git worktree)
+    and then this tree, each in a fresh process, so both see the same stretches of a shared machine."""
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         wt = Path(tmp) / "before"
-        subprocess.run(
-            ["git", "-C", str(root), "worktree", "add", "--detach", str(wt), ref], check=True, capture_output=True
-        )
-        try:
-            env = {**os.environ, "PYTHONPATH": str(wt / "src")}
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--measure-only", "--repeats", str(repeats)]
-            out = subprocess.run(
-                cmd + (["--quick"] if quick else []), check=True, capture_output=True, text=True, env=env, cwd=tmp
-            )
-            return json.loads(out.stdout.strip().splitlines()[-1])
-        finally:
+        if ref:
             subprocess.run(
-                ["git", "-C", str(root), "worktree", "remove", "--force", str(wt)], check=False, capture_output=True
+                ["git", "-C", str(root), "worktree", "add", "--detach", str(wt), ref], check=True, capture_output=True
             )
+        try:
+            before, after = [], []
+            for _ in range(passes):
+                if ref:
+                    before.append(_measure_in(wt / "src", repeats, quick, tmp))
+                after.append(_measure_in(root / "src", repeats, quick, tmp))
+            return (_pooled(before) if ref else None), _pooled(after)
+        finally:
+            if ref:
+                subprocess.run(
+                    ["git", "-C", str(root), "worktree", "remove", "--force", str(wt)], check=False, capture_output=True
+                )
 
 
 def _ms(x: float) -> str:
@@ -223,7 +259,10 @@ def main() -> None:
     ap.add_argument(
         "--before", default=None, help="git ref to measure as 'before' (e.g. the commit before the round engine)"
     )
-    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (the median is reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration and pass (the median is reported)")
+    ap.add_argument(
+        "--passes", type=int, default=2, help="passes over before and now, alternated (their runs are pooled)"
+    )
     ap.add_argument("--quick", action="store_true", help="T = 20 instead of 100 (a smoke run, not for the table)")
     ap.add_argument("--measure-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
@@ -231,8 +270,7 @@ def main() -> None:
     if args.measure_only:
         print(json.dumps(measure(args.repeats, args.quick)))
         return
-    before = _measure_before(args.before, args.repeats, args.quick) if args.before else None
-    after = measure(args.repeats, args.quick)
+    before, after = _measure_both(args.before, args.repeats, args.quick, args.passes)
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
     from specforest.experiments.results import machine_line, replace_section
@@ -243,7 +281,9 @@ def main() -> None:
         f"on {machine_line()}, one CPU thread.",
         "",
         f"Target: the shipped digits U-Net (1 x 8 x 8), T = {steps}, churn 0.3; median of {args.repeats} runs "
-        "(one for D-GRS (2,5) at 64 images). Sampler time = wall time outside the network, per round; "
+        f"in each of {args.passes} passes, each pass measuring "
+        + ("before, then now, each in a fresh process" if before else "in a fresh process")
+        + " (one run per pass for D-GRS (2,5) at 64 images). Sampler time = wall time outside the network, per round; "
         "wall-clock speedup = the standard sampler's wall time over the configuration's, same number of images. "
         "Alone = the same rounds replayed with the network replaced by a lookup of its outputs (one image): "
         "the sampler's own work without the network's calls in between, which leave its caches cold.",

@@ -21,7 +21,10 @@ given device):
    the runs (``latency.Predictor``), and the pooled factor by which a call
    inside a run costs more than on the curve. The predicted speedup (the
    standard sampler's prediction over the row's) is the check that the
-   machine's drift between tuning and measuring cancels out of.
+   machine's drift between tuning and measuring cancels out of: the standard
+   sampler's calls are not random, so its own error is the drift, and the
+   speedup error (predicted over measured speedup) is each row's error with
+   that drift taken out.
 
 Regenerates the ``wallclock`` section of ``benchmarks/RESULTS.md``.
 """
@@ -151,8 +154,8 @@ def _table(name: str, res: dict) -> list:
             "",
             "| sampler | target calls (predicted) | rows per image | sampler time per round | wall per image "
             + ("(± s.e.) " if batch == 1 else "")
-            + "| predicted | error | wall-clock speedup | predicted speedup |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            + "| predicted | error | wall-clock speedup | predicted speedup | speedup error |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         base = next(row for row in r["rows"] if row["label"] == "standard")
         for row in r["rows"]:
@@ -161,7 +164,8 @@ def _table(name: str, res: dict) -> list:
             lines.append(
                 f"| {row['label']} | {row['calls']:.1f} ({row['pred_calls']:.1f}) | {row['rows']:.0f} | "
                 f"{row['sampler_ms']:.2f} ms | {row['wall_ms']:.2f}{se} ms | {row['pred_ms']:.2f} ms | "
-                f"{100 * err:+.0f}% | {row['speedup']:.2f}x | {base['pred_ms'] / row['pred_ms']:.2f}x |"
+                f"{100 * err:+.0f}% | {row['speedup']:.2f}x | {base['pred_ms'] / row['pred_ms']:.2f}x | "
+                f"{100 * (base['pred_ms'] / row['pred_ms'] / row['speedup'] - 1.0):+.0f}% |"
             )
     return lines
 
@@ -196,6 +200,13 @@ def main() -> None:
         c = res["curve"]
         rel = c.relative()[:10]
         lines.append(f"| {label[m]} | {1e3 * c.seconds[0]:.3f} ms | " + " | ".join(f"{v:.2f}" for v in rel) + " |")
+    lines += [
+        "",
+        "Error = predicted over measured wall time per image, minus 1 (the prediction is made before the runs). "
+        "The standard sampler's number of calls is not random, so its error is the machine's drift between "
+        "tuning and measuring; speedup error = predicted over measured speedup, minus 1, is a row's error with "
+        "that drift taken out.",
+    ]
     for m, res in results.items():
         lines += _table(label[m], res)
     lines += [
