@@ -16,7 +16,8 @@ given device):
    per run: the mean of ``--latency-runs`` runs, 20, with its standard error,
    since a run's time follows its random number of rounds and the prediction is
    its expectation; 64 images: the median of ``--repeats`` runs; the
-   configurations interleaved) and the speedup over the standard
+   configurations interleaved, Python's cyclic collector off during each run
+   as in ``timeit``) and the speedup over the standard
    sampler in the same run, next to the cost model's prediction made before
    the runs (``latency.Predictor``), and the pooled factor by which a call
    inside a run costs more than on the curve. The predicted speedup (the
@@ -32,6 +33,7 @@ Regenerates the ``wallclock`` section of ``benchmarks/RESULTS.md``.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -97,11 +99,19 @@ def run_model(name: str, device: str, repeats: int, latency_runs: int) -> dict:
         runs: dict = {label: [] for label, _ in configs}
         for r in range(latency_runs if batch == 1 else repeats):
             for label, kw in configs:
-                t0 = time.perf_counter()
-                res = specforest.sample(model, x, cond=cond, seed=100 + r, **opts, **kw)
-                if x.device.type == "cuda":
-                    torch.cuda.synchronize()
-                walls[label].append(time.perf_counter() - t0)
+                # Python's cyclic collector off during a run, as timeit and the tuner's timing runs do: a
+                # full collection (tens of ms with torch loaded) landing in a 10 ms run would be taken
+                # for the configuration's time
+                gc.collect()
+                gc.disable()
+                try:
+                    t0 = time.perf_counter()
+                    res = specforest.sample(model, x, cond=cond, seed=100 + r, **opts, **kw)
+                    if x.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    walls[label].append(time.perf_counter() - t0)
+                finally:
+                    gc.enable()
                 s = res.stats
                 runs[label].append((s.calls, float(s.rows.double().mean()), s.sampler_seconds))
         # one image per run: a run's time follows its random number of rounds, and the prediction is
