@@ -51,6 +51,20 @@ def test_a_batch_is_predicted_to_take_as_long_as_its_slowest_trajectory():
     assert predict_seconds(curve, 30, 64, None, "internal", None, 0.0) == (30.0, 30.0)
 
 
+def test_a_round_takes_each_verification_s_acceptance_from_the_stretch_it_falls_in():
+    """Acceptance 1 on the first half of the stochastic steps and 0 on the second: a chain of 15
+    from the start accepts its first 10 children and rejects the 11th (11 steps), then every
+    round commits one residual step: 2 + 1 + 9 + 1 = 13 calls. Taking the whole round's
+    acceptance from the stretch it starts in would accept all 15 and predict 2 + 1 + 5 + 1 = 9."""
+    curve = CostCurve((1, 1024), (1.0, 1.0))
+    bins = [(0.5, lambda level, k: 1.0), (0.5, lambda level, k: 0.0)]
+    seconds, calls = predict_seconds(curve, 22, 1, trees.chain(15), "internal", bins, 0.0)
+    assert calls == 13 and seconds == 13.0
+    # all easy: one round of 15 and one of 5
+    easy = [(0.5, lambda level, k: 1.0)] * 2
+    assert predict_seconds(curve, 22, 1, trees.chain(15), "internal", easy, 0.0)[1] == 2 + 2 + 1
+
+
 @pytest.fixture(scope="module")
 def gmm():
     return GaussianMixture.paper(dim=8, components=3, seed=0)

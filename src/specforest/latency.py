@@ -227,7 +227,8 @@ def predict_seconds(
         batch: trajectories of the run.
         tree, verify: the configuration (``tree=None``: the standard sampler).
         acceptance: ``a(l, k)``, or ``[(fraction of the stochastic steps, a(l, k))]`` per stretch
-            of the grid (acceptance changes along the grid; a round uses the stretch it starts in).
+            of the grid (acceptance changes along the grid; a round's verification at depth ``l``
+            uses the stretch of its parent's step).
         sampler_seconds_per_round: the sampler's own time per round, or a function of the
             round's rows (a :class:`RoundCost`: the drafted states, and so the sampler's
             work, grow with them).
@@ -239,7 +240,7 @@ def predict_seconds(
     The run is simulated: ``batch`` trajectories step through the grid in
     lockstep calls (the first step, the first root's fetch, speculative rounds
     whose committed steps are drawn from the tree's law under the acceptance of
-    the stretch they start in, with the tree truncated to the steps left, and
+    the stretch each verification falls in, with the tree truncated to the steps left, and
     the last step). Each call is costed at the rows of the trajectories still
     running; the batch waits for its slowest trajectory. The mean over a few
     simulated runs (a fixed seed: the prediction is deterministic) is returned.
@@ -264,11 +265,20 @@ def predict_seconds(
     laws: dict = {}
     rows_of: dict = {}
 
-    def law(h: int, b: int) -> list:
-        # cumulative P(committed <= j), j = 0..depth, of the tree truncated to h steps, in stretch b
-        key = (min(h, tree.L), b)
+    def stretch(done: int) -> int:
+        return next(k for k, e in enumerate(edges) if done < e or k == len(edges) - 1)
+
+    def law(h: int, done: int) -> list:
+        # cumulative P(committed <= j), j = 0..depth, of the tree truncated to h steps for a round
+        # after ``done`` stochastic steps: the verification at depth l happens at its parent's
+        # step, ``done + l - 1``, and takes that stretch's acceptance (a round that starts in an
+        # easy stretch does not carry its acceptance into a hard one)
+        depth = min(h, tree.L)
+        at = tuple(stretch(done + level - 1) for level in range(1, depth + 1))
+        key = (depth, at)
         if key not in laws:
-            laws[key] = list(itertools.accumulate(_steps_law(tree.truncate(key[0]), bins[b][1])))
+            acc = lambda level, k: bins[at[level - 1]][1](level, k)  # noqa: E731
+            laws[key] = list(itertools.accumulate(_steps_law(tree.truncate(depth), acc)))
         return laws[key]
 
     def rows_at(h: int) -> int:
@@ -288,9 +298,7 @@ def predict_seconds(
             for i, h in enumerate(left):
                 if h <= 0:
                     continue
-                done = stoch - h
-                b = next(k for k, e in enumerate(edges) if done < e or k == len(edges) - 1)
-                cum = law(h, b)
+                cum = law(h, stoch - h)
                 u = rng.random()
                 j = next((j for j, c in enumerate(cum) if u <= c), len(cum) - 1)
                 rows += rows_at(h)
