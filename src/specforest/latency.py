@@ -461,7 +461,7 @@ class RoundCost:
         return cls(icept * scale, slope * scale)
 
 
-TIMING_RUNS = 3
+TIMING_RUNS = 5
 """Most timing runs of one configuration (:meth:`Predictor.sampler_seconds_per_round`)."""
 REPEAT_BELOW_SECONDS = 0.5
 """A configuration's timing run is repeated while its runs so far took less than this."""
@@ -648,7 +648,8 @@ class Predictor:
             depth = 0 if tree is None else tree.L
             # a run's first times at a batch size pay for growing the allocator and the caches
             # (the mixture's first two 64-trajectory chain runs: 45% and 25% more per round): a
-            # cheap timing run is repeated, up to TIMING_RUNS, and the runs after the first are kept
+            # cheap timing run is repeated, up to TIMING_RUNS, and the median of the runs after the
+            # first is kept
             per_round, setup, inside, on_curve, in_rounds, runs = [], [], [], [], [], []
             spent = 0.0
             while len(per_round) < TIMING_RUNS and (not per_round or spent < REPEAT_BELOW_SECONDS):
@@ -685,12 +686,15 @@ class Predictor:
                 inside.append(st.target_seconds)
                 on_curve.append(sum(self.curve(c[0]) for c in calls))
                 runs.append(calls)
-            keep = slice(1, None) if len(per_round) > 1 else slice(None)
-            cost = RoundCost.fit(runs[keep], sum(in_rounds[keep]))
-            self._sampler_time[key] = (statistics.fmean(per_round[keep]), statistics.fmean(setup[keep]), cost)
-            self._network_of[key] = (sum(inside[keep]), sum(on_curve[keep]))
-            for calls in runs[keep]:
-                self._calls += [(c[0], (c[2] - c[1]) / self.curve(c[0])) for c in calls if self.curve(c[0]) > 0]
+            kept = list(range(1, len(per_round))) if len(per_round) > 1 else [0]
+            # the median kept run (the lower one of two): on a shared machine one short run in a few
+            # takes a hiccup of tens of ms, which a mean over the runs would take for sampler time
+            m = sorted(kept, key=lambda i: per_round[i])[(len(kept) - 1) // 2]
+            cost = RoundCost.fit([runs[m]], in_rounds[m])
+            self._sampler_time[key] = (per_round[m], setup[m], cost)
+            self._network_of[key] = (inside[m], on_curve[m])
+            for i in kept:
+                self._calls += [(c[0], (c[2] - c[1]) / self.curve(c[0])) for c in runs[i] if self.curve(c[0]) > 0]
         return self._sampler_time[key]
 
     def network_factor(
