@@ -16,8 +16,9 @@ given device):
    per run: the mean of ``--latency-runs`` runs, 20, with its standard error,
    since a run's time follows its random number of rounds and the prediction is
    its expectation; 64 images: the median of ``--repeats`` runs; the
-   configurations interleaved, Python's cyclic collector off during each run
-   as in ``timeit``) and the speedup over the standard
+   configurations interleaved, at one image each timed run right after an
+   untimed run of the same configuration, Python's cyclic collector off during
+   each run as in ``timeit``) and the speedup over the standard
    sampler in the same run, next to the cost model's prediction made before
    the runs (``latency.Predictor``), and the pooled factor by which a call
    inside a run costs more than on the curve. The predicted speedup (the
@@ -99,6 +100,11 @@ def run_model(name: str, device: str, repeats: int, latency_runs: int) -> dict:
         runs: dict = {label: [] for label, _ in configs}
         for r in range(latency_runs if batch == 1 else repeats):
             for label, kw in configs:
+                if batch == 1:
+                    # a short run pays for the caches the previous configuration's run left (after a
+                    # 476-row tree a mixture call costs ~1.7x): as for a user sampling one image after
+                    # another, and as in the tuner's timing runs, a timed run follows one of its own
+                    specforest.sample(model, x, cond=cond, seed=1000 + r, **opts, **kw)
                 # Python's cyclic collector off during a run, as timeit and the tuner's timing runs do: a
                 # full collection (tens of ms with torch loaded) landing in a 10 ms run would be taken
                 # for the configuration's time
