@@ -384,6 +384,7 @@ class TreeTables:
         valid[tree.num_children == 0] = True
         counts = ev.sum(1)
         prefix = tuple(int(n) if bool(row[:n].all()) else -1 for row, n in zip(ev, counts.tolist(), strict=True))
+        kids = tree.children.clamp(min=0)
         to = lambda t: t.to(device)  # noqa: E731
         return cls(
             tree,
@@ -391,8 +392,8 @@ class TreeTables:
             to(tree.parent.clamp(min=0)),
             to(tree.depth),
             to(tree.children),
-            to(tree.children.clamp(min=0)),
-            to((tree.children >= 0)[None] & ev[:, tree.children.clamp(min=0)]),
+            to(kids),
+            to((tree.children >= 0)[None] & ev[:, kids]),
             to(tree.internal),
             to(code),
             to(valid),

@@ -231,9 +231,9 @@ class AntitheticCoupling(_SelectThenCouple):
         return out
 
     @staticmethod
-    def _log_f(s: torch.Tensor, delta: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
-        """Log density of the selected projection ``s (n, m)``, given the magnitude's ``log_g`` there."""
-        r = s.abs()
+    def _log_f(s: torch.Tensor, r: torch.Tensor, delta: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
+        """Log density of the selected projection ``s (n, m)``, given ``r = |s|`` and the magnitude's
+        ``log_g`` there."""
         log_qr = _log_normal_pdf(r - delta)
         log_pos = torch.minimum(log_qr, log_g)
         # g(r) - min(q(r), g(r)) = g(r) (1 - min(1, q(r) / g(r)))
@@ -260,7 +260,8 @@ class AntitheticCoupling(_SelectThenCouple):
         index = torch.where(take_pos, pos_child, pos_child ^ 1)
 
         def log_f(s, rws):
-            return self._log_f(s, delta[rws][:, None], density(s.abs(), rws))
+            r = s.abs()
+            return self._log_f(s, r, delta[rws][:, None], density(r, rws))
 
         return index, log_f
 
