@@ -141,3 +141,13 @@ def test_closed_form_rule_density_is_the_basis_density(base, M):
         shifted = rule_log_density(W.roll(1, dims=1), M, base)(s, rows)
         both = torch.isfinite(shifted) & torch.isfinite(ref)
         assert not torch.equal(torch.isfinite(shifted), torch.isfinite(ref)) or (shifted - ref)[both].abs().max() > 1e-3
+
+
+def test_rule_log_density_names_a_bad_argument():
+    W = torch.full((2, n_cells("normal"), 2), 0.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="base must be one of"):
+        rule_log_density(W, 2, "cauchy")
+    with pytest.raises(ValueError, match=r"M must be an int >= 1"):
+        rule_log_density(W, 0)
+    with pytest.raises(ValueError, match=r"W must have shape \(P, 34, 3\)"):
+        rule_log_density(W, 3)

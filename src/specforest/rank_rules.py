@@ -184,7 +184,17 @@ def rule_log_density(
 
     where ``G[c] = sum_{c' > c} W[c', 0] P(cell c')`` is made once here, so each
     call costs a few gathers instead of a ``(n, m, C, M)`` tensor.
+
+    Raises:
+        ValueError: if ``base`` is not one of :data:`BASES`, ``M`` is not an int >= 1, or ``W``
+            is not ``(P, n_cells(base), M)``.
     """
+    if base not in BASES:
+        raise ValueError(f"base must be one of {BASES}, got {base!r}")
+    if type(M) is not int or M < 1:
+        raise ValueError(f"M must be an int >= 1, got {M!r}")
+    if W.dim() != 3 or tuple(W.shape[1:]) != (n_cells(base), M):
+        raise ValueError(f"W must have shape (P, {n_cells(base)}, {M}) for base {base!r}, got {tuple(W.shape)}")
     if M > 2:
         return lambda s, rows: log_rule_pdf(s, W[rows][:, None], M, base)
     C = W.shape[-2]
