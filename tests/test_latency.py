@@ -65,6 +65,38 @@ def test_a_round_takes_each_verification_s_acceptance_from_the_stretch_it_falls_
     assert predict_seconds(curve, 22, 1, trees.chain(15), "internal", easy, 0.0)[1] == 2 + 2 + 1
 
 
+def test_a_round_drafts_from_the_evaluation_the_previous_round_left():
+    """A chain of 2 whose first child is accepted and second rejected, from a sibling's or the root's own
+    evaluation (acceptance 1 at depth 1, 0 at depth 2). Internal mode: a 2-step round is rejected at the
+    unevaluated leaf level, so the next round drafts from an evaluation one step older, meets depth 2's
+    mismatch at depth 1 and commits 1 step; its rejected child was evaluated, so the round after drafts
+    from a sibling again: 2, 1, 2, 1, ... over 20 stochastic steps is 13 rounds, 16 calls. Drafted mode:
+    the leaves are evaluated, every round commits 2 (10 rounds, 13 calls). ``prefetch="parent"``: after
+    the first round every draft starts one step old (1 + 18 rounds, 22 calls)."""
+    curve = CostCurve((1, 1024), (1.0, 1.0))
+    acc = [(1.0, lambda level, k: 1.0 if level == 1 else 0.0)]
+    tree = trees.chain(2)
+    assert predict_seconds(curve, 22, 1, tree, "internal", acc, 0.0)[1] == 16
+    assert predict_seconds(curve, 22, 1, tree, "drafted", acc, 0.0)[1] == 13
+    assert predict_seconds(curve, 22, 1, tree, "internal", acc, 0.0, prefetch="parent")[1] == 22
+
+
+@pytest.mark.parametrize("verify", ["internal", "drafted"])
+@pytest.mark.parametrize("tree", [trees.chain(5), trees.uniform(2, 3), trees.widths([3, 1, 2])], ids=str)
+def test_the_round_law_with_the_next_prefetch_sums_to_the_law_of_committed_steps(tree, verify):
+    from specforest.latency import PREFETCH_KINDS, _round_law, _steps_law
+
+    def acc(level, k):
+        return 0.9 - 0.1 * level + 0.02 * k
+
+    joint = _round_law(tree, acc, verify, "nearest")
+    assert len(joint) == len(PREFETCH_KINDS)
+    marginal = [sum(row[j] for row in joint) for j in range(len(joint[0]))]
+    assert marginal == pytest.approx(_steps_law(tree, acc), abs=1e-12)
+    # a round ends at an unevaluated node only in internal mode
+    assert (sum(joint[PREFETCH_KINDS.index("own")]) > 0) == (verify == "drafted")
+
+
 @pytest.fixture(scope="module")
 def gmm():
     return GaussianMixture.paper(dim=8, components=3, seed=0)

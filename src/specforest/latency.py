@@ -50,6 +50,7 @@ from .trees import DraftTree, chain, from_parents, optimal, uniform
 from .validation import check_int
 
 __all__ = [
+    "PREFETCH_KINDS",
     "CostCurve",
     "Predictor",
     "RoundCost",
@@ -218,6 +219,7 @@ def predict_seconds(
     sampler_seconds_per_round: "float | Callable[[int], float]",
     network_factor: "float | Callable[[float], float]" = 1.0,
     setup_seconds: float = 0.0,
+    prefetch: str = "nearest",
 ) -> "tuple[float, float]":
     """``(seconds of the run, calls)`` predicted for ``batch`` trajectories of ``steps`` steps.
 
@@ -236,6 +238,7 @@ def predict_seconds(
             back to back), or a function of the call's rows; every call's curve cost is
             multiplied by it.
         setup_seconds: the sampler's own time per run outside its rounds (set-up, wrap-up).
+        prefetch: the sampler's prefetch policy (:data:`~specforest.engine.PREFETCH_POLICIES`).
 
     The run is simulated: ``batch`` trajectories step through the grid in
     lockstep calls (the first step, the first root's fetch, speculative rounds
@@ -244,6 +247,13 @@ def predict_seconds(
     the last step). Each call is costed at the rows of the trajectories still
     running; the batch waits for its slowest trajectory. The mean over a few
     simulated runs (a fixed seed: the prediction is deterministic) is returned.
+
+    A round's first verifications depend on the evaluation its draft starts from,
+    which the previous round's end decides (:data:`PREFETCH_KINDS`): ``acceptance``
+    is that of a draft from an evaluation at the root's own step (a sibling's, as
+    in the calibration chain); a draft from an evaluation one step older meets at
+    depth ``l`` the mismatch of depth ``l + 1``; one from the root's own
+    evaluation accepts its first child for certain.
     """
     if callable(network_factor):
         base, by_rows = curve, network_factor
@@ -268,17 +278,28 @@ def predict_seconds(
     def stretch(done: int) -> int:
         return next(k for k, e in enumerate(edges) if done < e or k == len(edges) - 1)
 
-    def law(h: int, done: int) -> list:
-        # cumulative P(committed <= j), j = 0..depth, of the tree truncated to h steps for a round
-        # after ``done`` stochastic steps: the verification at depth l happens at its parent's
-        # step, ``done + l - 1``, and takes that stretch's acceptance (a round that starts in an
-        # easy stretch does not carry its acceptance into a hard one)
+    def law(h: int, done: int, kind: int) -> tuple:
+        # the joint law of (committed steps, next round's prefetch kind) of the tree truncated to
+        # h steps for a round after ``done`` stochastic steps, as ``(cumulative probabilities,
+        # outcomes)``: the verification at depth l happens at its parent's step, ``done + l - 1``,
+        # and takes that stretch's acceptance (a round that starts in an easy stretch does not
+        # carry its acceptance into a hard one)
         depth = min(h, tree.L)
         at = tuple(stretch(done + level - 1) for level in range(1, depth + 1))
-        key = (depth, at)
+        key = (depth, at, kind)
         if key not in laws:
-            acc = lambda level, k: bins[at[level - 1]][1](level, k)  # noqa: E731
-            laws[key] = list(itertools.accumulate(_steps_law(tree.truncate(depth), acc)))
+
+            def acc(level: int, k: int) -> float:
+                a = bins[at[level - 1]][1]
+                if kind == _FROM_OWN:
+                    return 1.0 if level == 1 else a(level, k)
+                return a(level + 1, k) if kind == _FROM_OLDER else a(level, k)
+
+            cut = tree.truncate(depth)
+            joint = _round_law(cut, acc, verify, prefetch)
+            outcomes = [(j, nxt) for nxt, p in enumerate(joint) for j in range(len(p))]
+            probs = [joint[nxt][j] for j, nxt in outcomes]
+            laws[key] = (list(itertools.accumulate(probs)), outcomes)
         return laws[key]
 
     def rows_at(h: int) -> int:
@@ -287,9 +308,13 @@ def predict_seconds(
         return rows_of[h]
 
     rng = random.Random(0)
-    runs, calls_sum, seconds_sum = 8, 0.0, 0.0
+    # enough simulated trajectories that the mean is not the simulation's own noise (a mixture
+    # trajectory's calls under D-GRS (2,3) have a standard deviation of 0.9: 8 runs of one left +-0.3)
+    runs, calls_sum, seconds_sum = max(8, -(-SIMULATED_TRAJECTORIES // batch)), 0.0, 0.0
     for _ in range(runs):
         left = [stoch] * batch  # stochastic steps left per trajectory
+        # the first round drafts from the root's own evaluation, made by the fetch
+        kinds = [_FROM_OWN] * batch
         # the first deterministic step and the first root's fetch: two calls of one row each
         seconds = 2 * (curve(batch) + s_round(batch))
         calls = 2
@@ -298,9 +323,9 @@ def predict_seconds(
             for i, h in enumerate(left):
                 if h <= 0:
                     continue
-                cum = law(h, stoch - h)
+                cum, outcomes = law(h, stoch - h, kinds[i])
                 u = rng.random()
-                j = next((j for j, c in enumerate(cum) if u <= c), len(cum) - 1)
+                j, kinds[i] = outcomes[next((m for m, c in enumerate(cum) if u <= c), len(cum) - 1)]
                 rows += rows_at(h)
                 left[i] = h - max(j, 1)
             seconds += curve(rows) + s_round(rows)
@@ -310,6 +335,45 @@ def predict_seconds(
         calls_sum += calls
         seconds_sum += seconds
     return setup_seconds + seconds_sum / runs, calls_sum / runs
+
+
+PREFETCH_KINDS = ("sibling", "older", "own")
+"""The evaluation a round's draft starts from, as :func:`predict_seconds` models it: a sibling's
+at the root's own step (after a rejection whose children were evaluated, ``prefetch="nearest"``),
+an older one (the parent of the committed node: after a rejection whose children were not
+evaluated, after any rejection with ``prefetch="parent"``, after a fully accepted round whose
+last node was not evaluated), or the root's own (after the fetch, after a fully accepted round
+whose last node was evaluated, ``verify="drafted"``)."""
+_FROM_SIBLING, _FROM_OLDER, _FROM_OWN = range(3)
+
+
+def _round_law(tree: DraftTree, acceptance: Callable[[int, int], float], verify: str, prefetch: str) -> list:
+    """``P(Z = j, next = n)`` as ``[n][j]``: the steps a round of ``tree`` commits and the
+    :data:`PREFETCH_KINDS` index ``n`` of the evaluation the next round starts from.
+
+    Summed over ``n`` it is :func:`_steps_law`.
+    """
+    depth, kids = tree.depth.tolist(), _child_lists(tree)
+    evaluated = tree.internal.tolist() if verify == "internal" else [True] * len(kids)
+    L = max(depth)
+    dist: list = [None] * len(kids)
+    for v in range(len(kids) - 1, -1, -1):
+        d = [[0.0] * (L + 1) for _ in PREFETCH_KINDS]
+        if not kids[v]:
+            d[_FROM_OWN if evaluated[v] else _FROM_OLDER][0] = 1.0
+        else:
+            k = len(kids[v])
+            a = float(acceptance(depth[v] + 1, k))
+            # a rejection commits the residual draw next to its siblings
+            sib = prefetch == "nearest" and any(evaluated[c] for c in kids[v])
+            d[_FROM_SIBLING if sib else _FROM_OLDER][1] += 1.0 - a
+            for c in kids[v]:
+                for n, row in enumerate(dist[c]):
+                    for j, pj in enumerate(row):
+                        if j + 1 <= L:
+                            d[n][j + 1] += a * pj / k
+        dist[v] = d
+    return dist[0]
 
 
 def _steps_law(tree: DraftTree, acceptance: Callable[[int, int], float]) -> list:
@@ -461,6 +525,8 @@ class RoundCost:
         return cls(icept * scale, slope * scale)
 
 
+SIMULATED_TRAJECTORIES = 512
+"""Trajectories :func:`predict_seconds` simulates (in runs of ``batch``, at least 8 runs)."""
 TIMING_RUNS = 5
 """Most timing runs of one configuration (:meth:`Predictor.sampler_seconds_per_round`)."""
 REPEAT_BELOW_SECONDS = 0.5
@@ -791,7 +857,16 @@ class Predictor:
         """``(seconds per trajectory, calls)`` of :func:`predict_seconds` with this predictor's calibration."""
         a = None if tree is None else self.acceptance_bins(coupling, draft)
         seconds, calls = predict_seconds(
-            self.curve, self.steps, self.batch, tree, verify, a, s_round, self.factor_by_rows(), setup
+            self.curve,
+            self.steps,
+            self.batch,
+            tree,
+            verify,
+            a,
+            s_round,
+            self.factor_by_rows(),
+            setup,
+            self.sample_kwargs.get("prefetch", "nearest"),
         )
         return seconds / self.batch, calls
 
