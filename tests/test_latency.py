@@ -82,6 +82,37 @@ def test_a_round_drafts_from_the_evaluation_the_previous_round_left():
 
 
 @pytest.mark.parametrize("verify", ["internal", "drafted"])
+@pytest.mark.parametrize("tree", [trees.chain(6), trees.uniform(2, 3)], ids=str)
+def test_one_trajectory_is_predicted_by_its_expectation_which_simulated_runs_approach(tree, verify):
+    """The exact expectation of one trajectory's run against 3000 simulated runs of the same law
+    (within 4 standard errors), with a curve that prices rows, two stretches and a row-dependent round."""
+    from specforest import latency
+
+    curve = CostCurve((1, 1024), (1.0, 3.0))
+    bins = [(0.4, lambda level, k: 0.95 - 0.1 * level), (0.6, lambda level, k: 0.7 - 0.05 * level + 0.05 * k)]
+    seconds, calls = predict_seconds(curve, 40, 1, tree, verify, bins, lambda rows: 0.01 * rows)
+    captured = {}
+    real = latency._simulated
+
+    def spy(*args, **kwargs):
+        captured["args"] = args[1:5]
+        return real(*args, **kwargs)
+
+    latency._simulated = spy
+    try:
+        predict_seconds(curve, 40, 2, tree, verify, bins, lambda rows: 0.01 * rows)  # the same law, simulated
+    finally:
+        latency._simulated = real
+    many = 3000
+    runs = [real(1, *captured["args"], runs=1, seed=i) for i in range(many)]
+    ends = 3 * (curve(1) + 0.01)  # the first step, the fetch and the last step
+    for exact, sim in ((seconds - ends, [r[0] for r in runs]), (calls - 3, [r[1] for r in runs])):
+        m = sum(sim) / many
+        se = (sum((v - m) ** 2 for v in sim) / (many - 1) / many) ** 0.5
+        assert abs(exact - m) < 4 * se + 1e-12
+
+
+@pytest.mark.parametrize("verify", ["internal", "drafted"])
 @pytest.mark.parametrize("tree", [trees.chain(5), trees.uniform(2, 3), trees.widths([3, 1, 2])], ids=str)
 def test_the_round_law_with_the_next_prefetch_sums_to_the_law_of_committed_steps(tree, verify):
     from specforest.latency import PREFETCH_KINDS, _round_law, _steps_law
@@ -470,9 +501,10 @@ def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):
     assert tuned.measured_speedup is not None and {"standard"} < {c["label"] for c in raced} and len(raced) <= 4
     back = Tuned.from_json(json.loads(json.dumps(tuned.to_json())))
     assert back.measured_speedup == tuned.measured_speedup
-    # the race decides: the choice is the fastest measured finalist (or the standard sampler)
-    fastest = min(raced, key=lambda c: c["measured_seconds_per_image"])
-    assert tuned.label in (fastest["label"], "standard")
+    # the race decides: the choice is a finalist measured faster than the standard sampler, or the
+    # standard sampler (which finalist, under the every-repeat rule: the faked race below)
+    measured = {c["label"]: c["measured_seconds_per_image"] for c in raced}
+    assert tuned.label in measured and measured[tuned.label] <= measured["standard"]
     no_race = tune(model, x, race=0, **opts)
     assert no_race.measured_speedup is None
     with pytest.raises(ValueError, match=r"race must be an int >= 0"):

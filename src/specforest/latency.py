@@ -245,8 +245,10 @@ def predict_seconds(
     whose committed steps are drawn from the tree's law under the acceptance of
     the stretch each verification falls in, with the tree truncated to the steps left, and
     the last step). Each call is costed at the rows of the trajectories still
-    running; the batch waits for its slowest trajectory. The mean over a few
-    simulated runs (a fixed seed: the prediction is deterministic) is returned.
+    running; the batch waits for its slowest trajectory. For one trajectory the
+    expectation is computed exactly, backwards over the steps left; for a batch it
+    is the mean over a few simulated runs (a fixed seed: the prediction is
+    deterministic).
 
     A round's first verifications depend on the evaluation its draft starts from,
     which the previous round's end decides (:data:`PREFETCH_KINDS`): ``acceptance``
@@ -297,9 +299,9 @@ def predict_seconds(
 
             cut = tree.truncate(depth)
             joint = _round_law(cut, acc, verify, prefetch)
-            outcomes = [(j, nxt) for nxt, p in enumerate(joint) for j in range(len(p))]
+            outcomes = [(j, nxt) for nxt, p in enumerate(joint) for j in range(len(p)) if p[j] > 0.0]
             probs = [joint[nxt][j] for j, nxt in outcomes]
-            laws[key] = (list(itertools.accumulate(probs)), outcomes)
+            laws[key] = (probs, list(itertools.accumulate(probs)), outcomes)
         return laws[key]
 
     def rows_at(h: int) -> int:
@@ -307,34 +309,56 @@ def predict_seconds(
             rows_of[h] = tree.truncate(min(h, tree.L)).verification_budget(verify)
         return rows_of[h]
 
-    rng = random.Random(0)
-    # enough simulated trajectories that the mean is not the simulation's own noise (a mixture
-    # trajectory's calls under D-GRS (2,3) have a standard deviation of 0.9: 8 runs of one left +-0.3)
-    runs, calls_sum, seconds_sum = max(8, -(-SIMULATED_TRAJECTORIES // batch)), 0.0, 0.0
+    # the first deterministic step, the first root's fetch and the last step: one call each
+    ends = 3 * (curve(batch) + s_round(batch))
+    if batch == 1:
+        # one trajectory: the expectation itself, over (stochastic steps left, the start of the
+        # round's draft), from the end of the grid back
+        value = [[(0.0, 0.0)] * len(PREFETCH_KINDS)]
+        for h in range(1, stoch + 1):
+            row = []
+            for kind in range(len(PREFETCH_KINDS)):
+                probs, _, outcomes = law(h, stoch - h, kind)
+                seconds, calls = curve(rows_at(h)) + s_round(rows_at(h)), 1.0
+                for p, (j, nxt) in zip(probs, outcomes, strict=True):
+                    later = value[h - max(j, 1)][nxt]
+                    seconds += p * later[0]
+                    calls += p * later[1]
+                row.append((seconds, calls))
+            value.append(row)
+        seconds, calls = value[stoch][_FROM_OWN]
+        return setup_seconds + ends + seconds, 3.0 + calls
+    seconds, calls = _simulated(batch, stoch, law, rows_at, lambda rows: curve(rows) + s_round(rows))
+    return setup_seconds + ends + seconds, 3.0 + calls
+
+
+def _simulated(
+    batch: int, stoch: int, law: Callable, rows_at: Callable, round_seconds: Callable, runs: int = 8, seed: int = 0
+) -> "tuple[float, float]":
+    """Mean ``(seconds, calls)`` of the speculative rounds of ``runs`` simulated runs of ``batch``
+    trajectories in lockstep (a fixed seed: the prediction is deterministic)."""
+    rng = random.Random(seed)
+    calls_sum, seconds_sum = 0.0, 0.0
     for _ in range(runs):
         left = [stoch] * batch  # stochastic steps left per trajectory
         # the first round drafts from the root's own evaluation, made by the fetch
         kinds = [_FROM_OWN] * batch
-        # the first deterministic step and the first root's fetch: two calls of one row each
-        seconds = 2 * (curve(batch) + s_round(batch))
-        calls = 2
+        seconds, calls = 0.0, 0
         while any(h > 0 for h in left):
             rows = 0
             for i, h in enumerate(left):
                 if h <= 0:
                     continue
-                cum, outcomes = law(h, stoch - h, kinds[i])
+                _, cum, outcomes = law(h, stoch - h, kinds[i])
                 u = rng.random()
                 j, kinds[i] = outcomes[next((m for m, c in enumerate(cum) if u <= c), len(cum) - 1)]
                 rows += rows_at(h)
                 left[i] = h - max(j, 1)
-            seconds += curve(rows) + s_round(rows)
+            seconds += round_seconds(rows)
             calls += 1
-        seconds += curve(batch) + s_round(batch)  # the last deterministic step
-        calls += 1
         calls_sum += calls
         seconds_sum += seconds
-    return setup_seconds + seconds_sum / runs, calls_sum / runs
+    return seconds_sum / runs, calls_sum / runs
 
 
 PREFETCH_KINDS = ("sibling", "older", "own")
@@ -525,8 +549,6 @@ class RoundCost:
         return cls(icept * scale, slope * scale)
 
 
-SIMULATED_TRAJECTORIES = 512
-"""Trajectories :func:`predict_seconds` simulates (in runs of ``batch``, at least 8 runs)."""
 TIMING_RUNS = 5
 """Most timing runs of one configuration (:meth:`Predictor.sampler_seconds_per_round`)."""
 REPEAT_BELOW_SECONDS = 0.5
