@@ -20,7 +20,8 @@ given device):
    untimed run of the same configuration, Python's cyclic collector off during
    each run as in ``timeit``) and the speedup over the standard
    sampler in the same run, next to the cost model's prediction made before
-   the runs (``latency.Predictor``), and the pooled factor by which a call
+   the runs (``latency.Predictor``, every row timed side by side with
+   ``Predictor.time``), and the pooled factor by which a call
    inside a run costs more than on the curve. The predicted speedup (the
    standard sampler's prediction over the row's) is the check that the
    machine's drift between tuning and measuring cancels out of: the standard
@@ -38,6 +39,9 @@ import gc
 import statistics
 import time
 from pathlib import Path
+
+TIMING_SECONDS = 3.0
+"""Each row is timed (``Predictor.time``) in turns until its runs took this long, or 5 turns."""
 
 
 def _setup(name: str, device: str):
@@ -94,7 +98,9 @@ def run_model(name: str, device: str, repeats: int, latency_runs: int) -> dict:
             kw = dict(kw)
             keys[label] = (kw.get("tree"), kw.get("coupling", "grs"), kw.get("verify", "internal"))
             keys[label] += (kw.get("draft", "velocity"),)
-            pred.sampler_seconds_per_round(*keys[label])  # every row timed first: one pooled network factor
+        # every row timed first, side by side (one pooled network factor, the same stretches of the
+        # machine for every row), and predicted before the runs
+        pred.time(list(keys.values()), min_seconds=TIMING_SECONDS)
         predicted = {label: pred.predict(*key) for label, key in keys.items()}
         walls: dict = {label: [] for label, _ in configs}
         runs: dict = {label: [] for label, _ in configs}

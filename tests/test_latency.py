@@ -422,6 +422,47 @@ def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
     assert given.network_factor() == 1.0
 
 
+def test_configurations_timed_side_by_side_take_turns_and_keep_their_timed_runs(gmm, monkeypatch):
+    """``Predictor.time``: each turn makes an untimed then a timed run of every configuration in
+    turn (up to TIMING_RUNS turns while a configuration's runs are cheap); the median of the timed
+    runs replaces the earlier timing, and the untimed runs count for nothing."""
+    from specforest import latency
+
+    x = streams.randn(0, torch.arange(2), (8,))
+    pred = latency.Predictor.calibrate(gmm, x, steps=6, churn=0.3, batch=1, budget_max=2)
+    chain = trees.chain(2)
+    pred.predict(chain, "rmc")  # an earlier, sequential timing
+    order = []
+
+    def fake(self, tree, coupling, verify, draft, index):
+        order.append((coupling, index))
+        per_round = 100.0 if index % 2 == 0 else 0.001 * (index // 2 + 1) * (2 if coupling == "rmc" else 1)
+        return per_round, 0.0, per_round, 0.0, 0.0, [], 0.01
+
+    monkeypatch.setattr(latency.Predictor, "_timing_run", fake)
+    pred.time([(None, "grs", "internal", "velocity"), (chain, "rmc", "internal", "velocity")])
+    turns = latency.TIMING_RUNS
+    assert order == [(c, i) for t in range(turns) for c in ("grs", "rmc") for i in (2 * t, 2 * t + 1)]
+    # the timed runs' median: 0.001 x (1 .. turns), twice that for the chain
+    mid = (turns - 1) // 2 + 1
+    assert pred.sampler_seconds_per_round(None, "grs", "internal", "velocity") == pytest.approx(0.001 * mid)
+    assert pred.sampler_seconds_per_round(chain, "rmc", "internal", "velocity") == pytest.approx(0.002 * mid)
+    # a configuration whose runs took long enough stops after its first turn
+    order.clear()
+
+    def slow(self, tree, coupling, verify, draft, index):
+        order.append((coupling, index))
+        return 0.001, 0.0, 0.001, 0.0, 0.0, [], latency.REPEAT_BELOW_SECONDS if coupling == "rmc" else 0.01
+
+    monkeypatch.setattr(latency.Predictor, "_timing_run", slow)
+    pred.time([(None, "grs", "internal", "velocity"), (chain, "rmc", "internal", "velocity")])
+    assert [o for o in order if o[0] == "rmc"] == [("rmc", 0), ("rmc", 1)]
+    assert len([o for o in order if o[0] == "grs"]) == 2 * turns
+    order.clear()
+    pred.time([(chain, "rmc", "internal", "velocity")], min_seconds=10 * latency.REPEAT_BELOW_SECONDS)
+    assert len(order) == 2 * turns  # a longer budget: every turn
+
+
 def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm, monkeypatch):
     """Calls of one row cost 3x the curve inside a run, calls of more rows 1x: the standard
     sampler's own factor is 3, a chain's (whose rounds evaluate up to three rows) about 2, their

@@ -718,72 +718,109 @@ class Predictor:
     def _timed(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> tuple:
         key = self._key(tree, coupling, verify, draft)
         if key not in self._sampler_time:
-            if (coupling, draft) not in self._warm:
-                # one-off costs (rule tables, first calls) are not per-round costs
-                sample(
-                    self.model,
-                    self.x[:1],
-                    **_grid(self.sigmas_for, min(self.steps, 6)),
-                    churn=self.churn,
-                    tree=tree,
-                    coupling=coupling,
-                    draft=draft,
-                    cond=_rows(self.cond, 1),
-                    seed=self.seed + 2,
-                    **self.sample_kwargs,
-                )
-                self._warm.add((coupling, draft))
-            depth = 0 if tree is None else tree.L
+            self._warm_up(tree, coupling, draft)
             # a run's first times at a batch size pay for growing the allocator and the caches
             # (the mixture's first two 64-trajectory chain runs: 45% and 25% more per round): a
             # cheap timing run is repeated, up to TIMING_RUNS, and the median of the runs after the
             # first is kept
-            per_round, setup, inside, on_curve, in_rounds, runs = [], [], [], [], [], []
+            runs: list = []
             spent = 0.0
-            while len(per_round) < TIMING_RUNS and (not per_round or spent < REPEAT_BELOW_SECONDS):
-                calls: list = []
-
-                def counted(x, sigma, calls=calls, **kw):
-                    entered = time.perf_counter()
-                    out = self.model(x, sigma, **kw)
-                    calls.append((x.shape[0], entered, time.perf_counter()))
-                    return out
-
-                t0 = time.perf_counter()
-                with _no_gc():
-                    run = sample(
-                        counted,
-                        self.x[: self.batch],
-                        # long enough that most rounds see the whole tree
-                        **_grid(self.sigmas_for, min(self.steps, max(16, 2 * depth + 4))),
-                        churn=self.churn,
-                        tree=tree,
-                        coupling=coupling,
-                        draft=draft,
-                        verify=verify,
-                        cond=_rows(self.cond, self.batch),
-                        seed=self.seed + 1 + len(per_round),
-                        **self.sample_kwargs,
-                    )
-                spent += time.perf_counter() - t0
-                st = run.stats
-                sampler = max(st.sampler_seconds, 0.0)
-                in_rounds.append(min(sum(st.phase_seconds.values()), sampler))
-                per_round.append(in_rounds[-1] / max(st.calls, 1))
-                setup.append(sampler - in_rounds[-1])
-                inside.append(st.target_seconds)
-                on_curve.append(sum(self.curve(c[0]) for c in calls))
-                runs.append(calls)
-            kept = list(range(1, len(per_round))) if len(per_round) > 1 else [0]
-            # the median kept run (the lower one of two): on a shared machine one short run in a few
-            # takes a hiccup of tens of ms, which a mean over the runs would take for sampler time
-            m = sorted(kept, key=lambda i: per_round[i])[(len(kept) - 1) // 2]
-            cost = RoundCost.fit([runs[m]], in_rounds[m])
-            self._sampler_time[key] = (per_round[m], setup[m], cost)
-            self._network_of[key] = (inside[m], on_curve[m])
-            for i in kept:
-                self._calls += [(c[0], (c[2] - c[1]) / self.curve(c[0])) for c in runs[i] if self.curve(c[0]) > 0]
+            while len(runs) < TIMING_RUNS and (not runs or spent < REPEAT_BELOW_SECONDS):
+                runs.append(self._timing_run(tree, coupling, verify, draft, len(runs)))
+                spent += runs[-1][-1]
+            self._settle(key, runs, list(range(1, len(runs))) if len(runs) > 1 else [0])
         return self._sampler_time[key]
+
+    def time(self, configs: Sequence[tuple], min_seconds: float = REPEAT_BELOW_SECONDS) -> None:
+        """Time configurations ``(tree, coupling, verify, draft)`` side by side, replacing earlier timings.
+
+        The configurations take turns: in each of up to :data:`TIMING_RUNS` turns each
+        makes an untimed run and then a timed one, so that every timed run follows one of
+        its own (as when sampling image after image) and all of them see the same
+        stretches of a shared machine. Timed one after the other, a configuration timed
+        in a slow moment and one in a quiet moment were predicted 27% slow and 26% fast
+        in the same table. A configuration whose runs so far took ``min_seconds`` stops
+        taking turns; the median timed run is kept (one run of 64 mixture trajectories
+        varies by +-15% from the next: more turns, a steadier median).
+        """
+        todo = {self._key(*c): tuple(c) for c in configs}
+        for tree, coupling, _, draft in todo.values():
+            self._warm_up(tree, coupling, draft)
+        runs: dict = {key: [] for key in todo}
+        spent = dict.fromkeys(todo, 0.0)
+        for turn in range(TIMING_RUNS):
+            for key, config in todo.items():
+                if turn and spent[key] >= min_seconds:
+                    continue
+                spent[key] += self._timing_run(*config, 2 * turn)[-1]
+                runs[key].append(self._timing_run(*config, 2 * turn + 1))
+                spent[key] += runs[key][-1][-1]
+        for key, kept in runs.items():
+            self._settle(key, kept, list(range(len(kept))))
+
+    def _warm_up(self, tree: Optional[DraftTree], coupling: str, draft: str) -> None:
+        """One-off costs (rule tables, first calls) are not per-round costs: one short run first."""
+        if (coupling, draft) in self._warm:
+            return
+        sample(
+            self.model,
+            self.x[:1],
+            **_grid(self.sigmas_for, min(self.steps, 6)),
+            churn=self.churn,
+            tree=tree,
+            coupling=coupling,
+            draft=draft,
+            cond=_rows(self.cond, 1),
+            seed=self.seed + 2,
+            **self.sample_kwargs,
+        )
+        self._warm.add((coupling, draft))
+
+    def _timing_run(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str, index: int) -> tuple:
+        """One short real run: ``(seconds per round, set-up, in rounds, inside the network, on the curve,
+        its calls, wall seconds)``."""
+        depth = 0 if tree is None else tree.L
+        calls: list = []
+
+        def counted(x, sigma, **kw):
+            entered = time.perf_counter()
+            out = self.model(x, sigma, **kw)
+            calls.append((x.shape[0], entered, time.perf_counter()))
+            return out
+
+        t0 = time.perf_counter()
+        with _no_gc():
+            run = sample(
+                counted,
+                self.x[: self.batch],
+                # long enough that most rounds see the whole tree
+                **_grid(self.sigmas_for, min(self.steps, max(16, 2 * depth + 4))),
+                churn=self.churn,
+                tree=tree,
+                coupling=coupling,
+                draft=draft,
+                verify=verify,
+                cond=_rows(self.cond, self.batch),
+                seed=self.seed + 1 + index,
+                **self.sample_kwargs,
+            )
+        wall = time.perf_counter() - t0
+        st = run.stats
+        sampler = max(st.sampler_seconds, 0.0)
+        in_rounds = min(sum(st.phase_seconds.values()), sampler)
+        on_curve = sum(self.curve(c[0]) for c in calls)
+        return in_rounds / max(st.calls, 1), sampler - in_rounds, in_rounds, st.target_seconds, on_curve, calls, wall
+
+    def _settle(self, key: tuple, runs: list, kept: list) -> None:
+        """Keep the median of the ``kept`` timing runs as the configuration's timing."""
+        # the median kept run (the lower one of two): on a shared machine one short run in a few
+        # takes a hiccup of tens of ms, which a mean over the runs would take for sampler time
+        m = sorted(kept, key=lambda i: runs[i][0])[(len(kept) - 1) // 2]
+        per_round, setup, in_rounds, inside, on_curve, calls, _ = runs[m]
+        self._sampler_time[key] = (per_round, setup, RoundCost.fit([calls], in_rounds))
+        self._network_of[key] = (inside, on_curve)
+        for i in kept:
+            self._calls += [(c[0], (c[2] - c[1]) / self.curve(c[0])) for c in runs[i][5] if self.curve(c[0]) > 0]
 
     def network_factor(
         self,
