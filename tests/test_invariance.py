@@ -144,6 +144,30 @@ def test_draws_made_in_one_pass_are_the_numbers_of_each_draw():
     assert not torch.equal(wrong.uniform(0, 3), plain.uniform(0, 3))
 
 
+@pytest.mark.parametrize("steps_per_block", [2, 3, 16])
+def test_the_standard_sampler_s_noise_drawn_in_blocks_of_steps_is_each_step_s_draw(monkeypatch, steps_per_block):
+    """The standard sampler draws the noise of several steps in one pass (``engine._exact_noise``):
+    its samples must be those of one draw per step, with blocks that do not divide the steps; a
+    block read one step off is caught."""
+    gmm = GaussianMixture.paper(dim=6, components=3, seed=0)
+    x = streams.randn(2, torch.arange(5), (6,), dtype=torch.float64)
+
+    def run(elements):
+        monkeypatch.setattr(engine, "NOISE_BLOCK_ELEMENTS", elements)
+        return specforest.sample(gmm, x, steps=11, churn=0.4, seed=9).samples
+
+    per_step = run(1)  # blocks of one step
+    assert torch.equal(run(steps_per_block * 5 * 6), per_step)
+    real = engine._exact_noise
+
+    def off_by_one(ctx, state):
+        noise, block = real(ctx, state)
+        return block[1][min(state.rounds - block[0] + 1, block[1].shape[0] - 1)], block
+
+    monkeypatch.setattr(engine, "_exact_noise", off_by_one)
+    assert not torch.equal(run(steps_per_block * 5 * 6), per_step)
+
+
 def test_digits_network_is_batch_invariant_within_1e_5():
     from specforest.experiments import pixel as pixel_exp
     from specforest.models.digits import load_velocity
