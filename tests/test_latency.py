@@ -79,6 +79,8 @@ def test_a_round_drafts_from_the_evaluation_the_previous_round_left():
     assert predict_seconds(curve, 22, 1, tree, "internal", acc, 0.0)[1] == 16
     assert predict_seconds(curve, 22, 1, tree, "drafted", acc, 0.0)[1] == 13
     assert predict_seconds(curve, 22, 1, tree, "internal", acc, 0.0, prefetch="parent")[1] == 22
+    with pytest.raises(ValueError, match="prefetch must be one of"):
+        predict_seconds(curve, 22, 1, tree, "internal", acc, 0.0, prefetch="sibling")
 
 
 @pytest.mark.parametrize("verify", ["internal", "drafted"])

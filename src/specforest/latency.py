@@ -44,6 +44,7 @@ from typing import Any, Optional
 
 import torch
 
+from .engine import PREFETCH_POLICIES
 from .planning import acceptance_model
 from .sampler import sample
 from .trees import DraftTree, chain, from_parents, optimal, uniform
@@ -257,6 +258,8 @@ def predict_seconds(
     depth ``l`` the mismatch of depth ``l + 1``; one from the root's own
     evaluation accepts its first child for certain.
     """
+    if prefetch not in PREFETCH_POLICIES:
+        raise ValueError(f"prefetch must be one of {PREFETCH_POLICIES}, got {prefetch!r}")
     if callable(network_factor):
         base, by_rows = curve, network_factor
         curve = lambda rows: by_rows(rows) * base(rows)  # noqa: E731
@@ -282,8 +285,8 @@ def predict_seconds(
 
     def law(h: int, done: int, kind: int) -> tuple:
         # the joint law of (committed steps, next round's prefetch kind) of the tree truncated to
-        # h steps for a round after ``done`` stochastic steps, as ``(cumulative probabilities,
-        # outcomes)``: the verification at depth l happens at its parent's step, ``done + l - 1``,
+        # h steps for a round after ``done`` stochastic steps, as ``(probabilities, cumulative
+        # probabilities, outcomes)``: the verification at depth l happens at its parent's step, ``done + l - 1``,
         # and takes that stretch's acceptance (a round that starts in an easy stretch does not
         # carry its acceptance into a hard one)
         depth = min(h, tree.L)
