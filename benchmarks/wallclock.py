@@ -19,15 +19,18 @@ given device):
    configurations interleaved, at one image each timed run right after an
    untimed run of the same configuration, Python's cyclic collector off during
    each run as in ``timeit``) and the speedup over the standard
-   sampler in the same run, next to the cost model's prediction made before
-   the runs (``latency.Predictor``, every row timed side by side with
-   ``Predictor.time``), and the pooled factor by which a call
-   inside a run costs more than on the curve. The predicted speedup (the
-   standard sampler's prediction over the row's) is the check that the
-   machine's drift between tuning and measuring cancels out of: the standard
-   sampler's calls are not random, so its own error is the drift, and the
-   speedup error (predicted over measured speedup) is each row's error with
-   that drift taken out.
+   sampler in the same run, next to the cost model's prediction
+   (``latency.Predictor``), and the pooled factor by which a call inside a
+   run costs more than on the curve. The runs come in ``--blocks`` blocks (4);
+   before each, every row is timed again side by side
+   (``Predictor.time(..., fresh=True)``) and predicted, and a row's prediction
+   is the mean of its blocks'. Each prediction is made before its runs, and
+   seconds rather than minutes before them: on a shared machine the speed
+   drifts by 15-25% within a minute, which no model of the configuration can
+   know. The predicted speedup (the standard sampler's prediction over the
+   row's) cancels what drift remains: the standard sampler's calls are not
+   random, so its own error is the drift, and the speedup error (predicted
+   over measured speedup) is each row's error with that drift taken out.
 
 Regenerates the ``wallclock`` section of ``benchmarks/RESULTS.md``.
 """
@@ -75,7 +78,7 @@ def _configs(model, x, cond, opts, pred, tuned):
     ]
 
 
-def run_model(name: str, device: str, repeats: int, latency_runs: int) -> dict:
+def run_model(name: str, device: str, repeats: int, latency_runs: int, blocks: int) -> dict:
     import torch
 
     import specforest
@@ -98,13 +101,20 @@ def run_model(name: str, device: str, repeats: int, latency_runs: int) -> dict:
             kw = dict(kw)
             keys[label] = (kw.get("tree"), kw.get("coupling", "grs"), kw.get("verify", "internal"))
             keys[label] += (kw.get("draft", "velocity"),)
-        # every row timed first, side by side (one pooled network factor, the same stretches of the
-        # machine for every row), and predicted before the runs
-        pred.time(list(keys.values()), min_seconds=TIMING_SECONDS)
-        predicted = {label: pred.predict(*key) for label, key in keys.items()}
         walls: dict = {label: [] for label, _ in configs}
         runs: dict = {label: [] for label, _ in configs}
-        for r in range(latency_runs if batch == 1 else repeats):
+        n_runs = latency_runs if batch == 1 else repeats
+        n_blocks = max(1, min(blocks, n_runs))
+        edges = [round(b * n_runs / n_blocks) for b in range(n_blocks + 1)]
+        predicted_in: dict = {label: [] for label, _ in configs}
+        for r in range(n_runs):
+            if r in edges[:-1]:
+                # before each block of runs every row is timed again, side by side (one pooled
+                # network factor, the same stretch of the machine for every row), and predicted
+                # then: the prediction is made before its runs, seconds rather than minutes before
+                pred.time(list(keys.values()), min_seconds=TIMING_SECONDS, fresh=True)
+                for label, key in keys.items():
+                    predicted_in[label].append(pred.predict(*key))
             for label, kw in configs:
                 if batch == 1:
                     # a short run pays for the caches the previous configuration's run left (after a
@@ -137,7 +147,7 @@ def run_model(name: str, device: str, repeats: int, latency_runs: int) -> dict:
             wall = centre(walls[label])
             n = len(walls[label])
             se = statistics.stdev(walls[label]) / n**0.5 if batch == 1 and n > 1 else None
-            p_sec, p_calls, _ = predicted[label]
+            p_sec, p_calls = (statistics.fmean(p[i] for p in predicted_in[label]) for i in (0, 1))
             rows.append(
                 dict(
                     label=label,
@@ -152,7 +162,12 @@ def run_model(name: str, device: str, repeats: int, latency_runs: int) -> dict:
                 )
             )
         out["rows"][batch] = dict(
-            rows=rows, tuned=tuned, tune_seconds=tune_seconds, factor=pred.network_factor(), runs=len(walls["standard"])
+            rows=rows,
+            tuned=tuned,
+            tune_seconds=tune_seconds,
+            factor=pred.network_factor(),
+            runs=len(walls["standard"]),
+            blocks=n_blocks,
         )
     return out
 
@@ -165,7 +180,7 @@ def _table(name: str, res: dict) -> list:
             f"latency, one image per run, mean of {r['runs']} runs"
             if batch == 1
             else f"throughput, {batch} images per run, median of {r['runs']} runs"
-        )
+        ) + f" in {r['blocks']} blocks"
         lines += [
             "",
             f"**{name}, {what}** (tuned in {r['tune_seconds']:.1f} s: {tuned.label}, predicted "
@@ -198,6 +213,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration at 64 images (median)")
     ap.add_argument("--latency-runs", type=int, default=20, help="runs per configuration at one image per run (mean)")
     ap.add_argument("--models", default="gmm,digits", help="comma list of gmm, digits")
+    ap.add_argument(
+        "--blocks", type=int, default=4, help="blocks of runs, each after its own timing and prediction (default 4)"
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = ap.parse_args()
     import torch
@@ -207,7 +225,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     keep_freed_memory()
-    results = {m: run_model(m, args.device, args.repeats, args.latency_runs) for m in args.models.split(",")}
+    results = {
+        m: run_model(m, args.device, args.repeats, args.latency_runs, args.blocks) for m in args.models.split(",")
+    }
     label = {"gmm": "Gaussian mixture (d = 500, T = 30, churn 0.1)", "digits": "digits U-Net (T = 100, churn 0.3)"}
     lines = [
         f"`.venv/bin/python benchmarks/wallclock.py --device {args.device}` on {machine_line()}, one CPU thread, "
@@ -224,7 +244,10 @@ def main() -> None:
         lines.append(f"| {label[m]} | {1e3 * c.seconds[0]:.3f} ms | " + " | ".join(f"{v:.2f}" for v in rel) + " |")
     lines += [
         "",
-        "Error = predicted over measured wall time per image, minus 1 (the prediction is made before the runs). "
+        "Error = predicted over measured wall time per image, minus 1. The runs come in blocks; before each "
+        "block every row is timed again side by side (`Predictor.time(..., fresh=True)`) and predicted, and a "
+        "row's prediction is the mean of its blocks' (each made before its runs, seconds before them: the "
+        "machine's speed drifts by 15-25% within a minute). "
         "The standard sampler's number of calls is not random, so its error is the machine's drift between "
         "tuning and measuring; speedup error = predicted over measured speedup, minus 1, is a row's error with "
         "that drift taken out.",

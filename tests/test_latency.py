@@ -463,6 +463,12 @@ def test_configurations_timed_side_by_side_take_turns_and_keep_their_timed_runs(
     order.clear()
     pred.time([(chain, "rmc", "internal", "velocity")], min_seconds=10 * latency.REPEAT_BELOW_SECONDS)
     assert len(order) == 2 * turns  # a longer budget: every turn
+    # fresh: the calls and timings of before are forgotten (the factor follows the machine now)
+    pred._calls = [(1, 5.0)] * 10
+    assert pred.factor_by_rows()(1) == 5.0
+    pred.time([(None, "grs", "internal", "velocity")], fresh=True)
+    assert pred._calls == [] and pred.factor_by_rows()(1) != 5.0
+    assert pred._key(chain, "rmc", "internal", "velocity") not in pred._sampler_time
 
 
 def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm, monkeypatch):

@@ -734,7 +734,7 @@ class Predictor:
             self._settle(key, runs, list(range(1, len(runs))) if len(runs) > 1 else [0])
         return self._sampler_time[key]
 
-    def time(self, configs: Sequence[tuple], min_seconds: float = REPEAT_BELOW_SECONDS) -> None:
+    def time(self, configs: Sequence[tuple], min_seconds: float = REPEAT_BELOW_SECONDS, fresh: bool = False) -> None:
         """Time configurations ``(tree, coupling, verify, draft)`` side by side, replacing earlier timings.
 
         The configurations take turns: in each of up to :data:`TIMING_RUNS` turns each
@@ -745,8 +745,17 @@ class Predictor:
         in the same table. A configuration whose runs so far took ``min_seconds`` stops
         taking turns; the median timed run is kept (one run of 64 mixture trajectories
         varies by +-15% from the next: more turns, a steadier median).
+
+        ``fresh``: every timing and timed call made before is forgotten, so the network
+        factor (:meth:`factor_by_rows`) and every configuration's timing follow the
+        machine as it is now, not as it was at tuning (on this shared CPU its speed
+        drifts by 15-25% within a minute).
         """
         todo = {self._key(*c): tuple(c) for c in configs}
+        if fresh:
+            self._calls, self._by_rows = [], None
+            self._sampler_time.clear()
+            self._network_of.clear()
         for tree, coupling, _, draft in todo.values():
             self._warm_up(tree, coupling, draft)
         runs: dict = {key: [] for key in todo}
