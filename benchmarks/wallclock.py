@@ -104,7 +104,7 @@ def run_model(name: str, device: str, repeats: int, latency_runs: int, blocks: i
         walls: dict = {label: [] for label, _ in configs}
         runs: dict = {label: [] for label, _ in configs}
         n_runs = latency_runs if batch == 1 else repeats
-        n_blocks = max(1, min(blocks, n_runs))
+        n_blocks = min(blocks, n_runs)
         edges = [round(b * n_runs / n_blocks) for b in range(n_blocks + 1)]
         predicted_in: dict = {label: [] for label, _ in configs}
         for r in range(n_runs):
@@ -218,6 +218,9 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = ap.parse_args()
+    for name in ("repeats", "latency_runs", "blocks"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     import torch
 
     from specforest.allocator import keep_freed_memory
@@ -249,7 +252,7 @@ def main() -> None:
         "row's prediction is the mean of its blocks' (each made before its runs, seconds before them: the "
         "machine's speed drifts by 15-25% within a minute). "
         "The standard sampler's number of calls is not random, so its error is the machine's drift between "
-        "tuning and measuring; speedup error = predicted over measured speedup, minus 1, is a row's error with "
+        "timing and measuring; speedup error = predicted over measured speedup, minus 1, is a row's error with "
         "that drift taken out.",
     ]
     for m, res in results.items():

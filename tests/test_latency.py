@@ -126,6 +126,11 @@ def test_the_round_law_with_the_next_prefetch_sums_to_the_law_of_committed_steps
     assert len(joint) == len(PREFETCH_KINDS)
     marginal = [sum(row[j] for row in joint) for j in range(len(joint[0]))]
     assert marginal == pytest.approx(_steps_law(tree, acc), abs=1e-12)
+    # ... and has the closed-form moments of the steps, in either mode
+    mean, var = steps_moments(tree, acc)
+    m1 = sum(j * pj for j, pj in enumerate(marginal))
+    m2 = sum(j * j * pj for j, pj in enumerate(marginal))
+    assert sum(marginal) == pytest.approx(1.0) and m1 == pytest.approx(mean) and m2 - m1 * m1 == pytest.approx(var)
     # a round ends at an unevaluated node only in internal mode
     assert (sum(joint[PREFETCH_KINDS.index("own")]) > 0) == (verify == "drafted")
 
@@ -468,6 +473,8 @@ def test_configurations_timed_side_by_side_take_turns_and_keep_their_timed_runs(
     assert pred.factor_by_rows()(1) == 5.0
     pred.time([(None, "grs", "internal", "velocity")], fresh=True)
     assert pred._calls == [] and pred.factor_by_rows()(1) != 5.0
+    with pytest.raises(ValueError, match="min_seconds must be >= 0"):
+        pred.time([(None, "grs", "internal", "velocity")], min_seconds=-1.0)
     assert pred._key(chain, "rmc", "internal", "velocity") not in pred._sampler_time
 
 

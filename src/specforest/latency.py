@@ -378,7 +378,7 @@ def _round_law(tree: DraftTree, acceptance: Callable[[int, int], float], verify:
     """``P(Z = j, next = n)`` as ``[n][j]``: the steps a round of ``tree`` commits and the
     :data:`PREFETCH_KINDS` index ``n`` of the evaluation the next round starts from.
 
-    Summed over ``n`` it is :func:`_steps_law`.
+    Summed over ``n`` it is :func:`_steps_law`, whatever ``verify`` and ``prefetch``.
     """
     depth, kids = tree.depth.tolist(), _child_lists(tree)
     evaluated = tree.internal.tolist() if verify == "internal" else [True] * len(kids)
@@ -404,24 +404,10 @@ def _round_law(tree: DraftTree, acceptance: Callable[[int, int], float], verify:
 
 
 def _steps_law(tree: DraftTree, acceptance: Callable[[int, int], float]) -> list:
-    """``P(Z = j)``, ``j = 0 .. L``: the law of the steps a round of ``tree`` commits (see :func:`steps_moments`)."""
-    depth, kids = tree.depth.tolist(), _child_lists(tree)
-    L = max(depth)
-    dist: list = [None] * len(kids)
-    for v in range(len(kids) - 1, -1, -1):
-        d = [0.0] * (L + 1)
-        if not kids[v]:
-            d[0] = 1.0
-        else:
-            k = len(kids[v])
-            a = float(acceptance(depth[v] + 1, k))
-            d[1] += 1.0 - a  # a rejection commits the residual draw
-            for c in kids[v]:
-                for j, pj in enumerate(dist[c]):
-                    if j + 1 <= L:
-                        d[j + 1] += a * pj / k
-        dist[v] = d
-    return dist[0]
+    """``P(Z = j)``, ``j = 0 .. L``: the law of the steps a round of ``tree`` commits (see :func:`steps_moments`),
+    :func:`_round_law` summed over where the next round starts (which does not change the steps)."""
+    joint = _round_law(tree, acceptance, "internal", "nearest")
+    return [sum(row[j] for row in joint) for j in range(len(joint[0]))]
 
 
 def _tree_to_json(tree: Optional[DraftTree]) -> Optional[list]:
@@ -751,6 +737,8 @@ class Predictor:
         machine as it is now, not as it was at tuning (on this shared CPU its speed
         drifts by 15-25% within a minute).
         """
+        if not min_seconds >= 0.0:
+            raise ValueError(f"min_seconds must be >= 0, got {min_seconds!r}")
         todo = {self._key(*c): tuple(c) for c in configs}
         if fresh:
             self._calls, self._by_rows = [], None
