@@ -119,6 +119,7 @@ class RunContext:
     stoch_at: torch.Tensor = None  # (T + 1,) bool: the step is stochastic (False at T, finished)
     _lookahead: dict = field(default_factory=dict)  # L -> (T + 1,) lookahead by step
     _node_steps: dict = field(default_factory=dict)  # id(tree tables) -> NodeSteps
+    _schedule: dict = field(default_factory=dict)  # id(tree tables) -> schedule table
     _each_row: dict = field(default_factory=dict)  # n -> (B n,) trajectory of each target row
 
     def __post_init__(self) -> None:
@@ -154,6 +155,28 @@ class RunContext:
                 self.tab.scale[(s + tt.step_of[1:]).clamp(max=last)][..., None],
                 (s + torch.arange(max(tt.L, 1), device=self.device)).clamp(max=last),
             )
+        return hit
+
+    def schedule_table(self, tt: TreeTables) -> torch.Tensor:
+        """``(2 (T + 1), 6)`` long: what a trajectory at step ``s`` does in a round of tree ``tt``,
+        at row ``s`` without a prefetched evaluation and ``T + 1 + s`` with one (:func:`schedule`).
+
+        Columns: unfinished, takes a single row, speculates, only fetches its root's evaluation,
+        the rows its tree evaluates and its lookahead. A proposal that needs no prefetch speculates
+        either way; one that needs it takes a single step to fetch one first.
+        """
+        hit = self._schedule.get(id(tt))
+        if hit is None:
+            s = torch.arange(self.T + 1, device=self.device)
+            la = self.lookahead(tt.L)
+            rows = []
+            for valid in (False, True):
+                Ls = la if valid or not self.proposal.needs_prefetch else torch.zeros_like(la)
+                spec = Ls > 0
+                active = s < self.T
+                fetch = (la > 0) & ~spec
+                rows.append(torch.stack([active, active & ~spec, spec, fetch, tt.rows_spec[Ls], Ls], 1).long())
+            hit = self._schedule[id(tt)] = torch.cat(rows)
         return hit
 
     def lookahead(self, L: int) -> torch.Tensor:
@@ -353,8 +376,8 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         if state.rounds >= T:
             return None
         return Schedule(ctx.rows_all, ctx.no_fetch, [], ctx.all_active, everyone=True)
-    active = step < T
     if ctx.policy is not None:
+        active = step < T
         stoch = ctx.stoch_at[step]  # False once finished
         spec = stoch & state.pre.valid if ctx.proposal.needs_prefetch else stoch
         fetch = stoch & ~spec if ctx.proposal.needs_prefetch else ctx.no_fetch
@@ -368,21 +391,13 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         groups = _tree_groups(ctx, state, ids) if ids.numel() else []
         return Schedule(ids1, fetch[ids1], groups, active, n_fetch=int(fetch.sum()))
     tt = ctx.tables(ctx.tree)
-    # the lookahead is at least 1 exactly on stochastic unfinished steps
-    la = ctx.lookahead(tt.L)[step]
-    if ctx.proposal.needs_prefetch:
-        Ls = la * state.pre.valid  # a trajectory without a prefetch takes a single step to fetch one
-        spec = Ls > 0
-        fetch = (la > 0) ^ spec
-    else:
-        Ls, fetch = la, ctx.no_fetch
-        spec = Ls > 0
-    single = active ^ spec  # (spec implies active)
-    rows = tt.rows_spec[Ls].sum()  # (0 rows at lookahead 0: a trajectory that does not speculate)
-    flags = torch.stack([active, single, spec, fetch]).sum(1)
+    # each trajectory's row of the table: what it does at its step, with or without a prefetch
+    table = ctx.schedule_table(tt)
+    at = table[torch.add(step, state.pre.valid, alpha=T + 1) if ctx.proposal.needs_prefetch else step]
+    active, single, spec, fetch, _, Ls = at.unbind(1)
     Lmin, Lmax = Ls.aminmax()
-    counts = host_read(torch.cat([flags, torch.stack([Lmax, Lmin, rows, ctx.target.bad])]))
-    n_active, n1, ns, nf, Lr, Lmin, rows, bad = counts
+    counts = host_read(torch.cat([at.sum(0), torch.stack([Lmax, Lmin, ctx.target.bad])]))
+    n_active, n1, ns, nf, rows, _, Lr, Lmin, bad = counts
     if bad:
         ctx.target.raise_not_finite()
     if n_active == 0:
@@ -395,7 +410,7 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         return Schedule(ids1, ctx.no_fetch[:0], [group], active, n_fetch=nf)
     ids = torch.nonzero_static(spec, size=ns)[:, 0]
     groups = [(ids, ctx.tree, Ls[ids], Lr, rows, False)] if ns else []
-    return Schedule(ids1, fetch[ids1], groups, active, n_fetch=nf)
+    return Schedule(ids1, fetch[ids1] > 0, groups, active, n_fetch=nf)
 
 
 def _tree_groups(ctx: RunContext, state: RunState, ids: torch.Tensor) -> list:
@@ -506,9 +521,6 @@ def draft(
     steps = ns.level[s0, :Lr]  # (Bs, Lr) parents' steps
     prop = ctx.proposal
     calls = 0
-    sizes = tt.sizes(Lr)
-    # per-layer views, made in one call each
-    Yl, SZl, Mpl = Y.split(sizes, 1), SZ.split(sizes[1:], 1), Mp.split(sizes[:-1], 1)
     terms = None
     if prop.affine:
         terms = prop.round_terms(tab, steps, pre)
@@ -516,35 +528,48 @@ def draft(
             A, C = prop.coefficients(tab, steps, pre, state.draft_state)
         else:
             A, C = prop.coefficients(tab, steps, pre, state.draft_state, terms)
-        Al, Cl = A.split(1, 1), C.split(1, 1)
+    if prop.affine and Vr - 1 == Lr:
+        # a chain (one node a depth): node l is A_l y_{l-1} + (C_l + scale_l z_l), one op a depth
+        # (the lazy walk's formula too, walk.OnDemand), and the draft means after it, in one op
+        Yl, Wl, Al = Y.split(1, 1), torch.add(C, SZ).split(1, 1), A.split(1, 1)
+        for level in range(Lr):
+            torch.addcmul(Wl[level], Al[level], Yl[level], out=Yl[level + 1])
+        torch.addcmul(C, A, Y[:, :Lr], out=Mp)
     else:
-        cond = ctx.target.cond_rows(ids)
-    for level in range(1, Lr + 1):
-        p0, p1, k = tt.layers[level - 1]
-        c0, c1, _ = tt.layers[level]
+        sizes = tt.sizes(Lr)
+        # per-layer views, made in one call each
+        Yl, SZl, Mpl = Y.split(sizes, 1), SZ.split(sizes[1:], 1), Mp.split(sizes[:-1], 1)
         if prop.affine:
-            m = torch.addcmul(Cl[level - 1], Al[level - 1], Yl[level - 1], out=Mpl[level - 1])
+            Al, Cl = A.split(1, 1), C.split(1, 1)
         else:
-            m = Mpl[level - 1]
-            m.copy_(
-                prop.mean(
-                    tab,
-                    Yl[level - 1],
-                    steps[:, level - 1 : level].expand(-1, p1 - p0),
-                    pre,
-                    cond,
-                    ctx.shape,
-                    state.draft_state,
+            cond = ctx.target.cond_rows(ids)
+        for level in range(1, Lr + 1):
+            p0, p1, k = tt.layers[level - 1]
+            c0, c1, _ = tt.layers[level]
+            if prop.affine:
+                m = torch.addcmul(Cl[level - 1], Al[level - 1], Yl[level - 1], out=Mpl[level - 1])
+            else:
+                m = Mpl[level - 1]
+                m.copy_(
+                    prop.mean(
+                        tab,
+                        Yl[level - 1],
+                        steps[:, level - 1 : level].expand(-1, p1 - p0),
+                        pre,
+                        cond,
+                        ctx.shape,
+                        state.draft_state,
+                    )
                 )
-            )
-            calls += 1
-        if k == 1:
-            torch.add(m, SZl[level - 1], out=Yl[level])
-        elif k:
-            torch.add(m[:, :, None], SZl[level - 1].view(Bs, p1 - p0, k, D), out=Yl[level].view(Bs, p1 - p0, k, D))
-        else:
-            rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
-            torch.add(rep, SZl[level - 1], out=Yl[level])
+                calls += 1
+            if k == 1:
+                torch.add(m, SZl[level - 1], out=Yl[level])
+            elif k:
+                view = (Bs, p1 - p0, k, D)
+                torch.add(m[:, :, None], SZl[level - 1].view(view), out=Yl[level].view(view))
+            else:
+                rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
+                torch.add(rep, SZl[level - 1], out=Yl[level])
     if even and tt.eval_prefix[Lr] >= Vi:
         # every tree evaluates the same first nodes, the verified ones among them: a view of Y, no scatter
         return Draft(tt, ids, s0, Ls, Lr, keys, pre, Y, Z, Mp, None, tt.eval_prefix[Lr], U, terms), calls

@@ -300,7 +300,12 @@ class OnDemand:
         K = ch.shape[1]
         keys = d.keys[a[:, None], tt.kids[u]]
         zk = sibling_noise(ctx, keys, K, yu.shape[1])
-        kids = mu_p[:, None] + ctx.tab.scale[sa][:, None, None] * zk
+        sz = ctx.tab.scale[sa][:, None, None] * zk
+        if prop.affine and d.tt.size_at(d.Lr) - 1 == d.Lr:
+            # a chain: the full draft's formula (engine.draft), for the same numbers
+            kids = torch.addcmul(C + sz, A, yu[:, None])
+        else:
+            kids = mu_p[:, None] + sz
         scale = ctx.tab64.scale[sa]
         ckeys = d.keys[a, u]
         valid = tt.valid[u]
