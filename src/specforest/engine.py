@@ -166,18 +166,20 @@ class RunContext:
         either way; one that needs it takes a single step to fetch one first.
         """
         hit = self._schedule.get(id(tt))
-        if hit is None:
-            s = torch.arange(self.T + 1, device=self.device)
-            la = self.lookahead(tt.L)
-            rows = []
-            for valid in (False, True):
-                Ls = la if valid or not self.proposal.needs_prefetch else torch.zeros_like(la)
-                spec = Ls > 0
-                active = s < self.T
-                fetch = (la > 0) & ~spec
-                rows.append(torch.stack([active, active & ~spec, spec, fetch, tt.rows_spec[Ls], Ls], 1).long())
-            hit = self._schedule[id(tt)] = torch.cat(rows)
-        return hit
+        if hit is not None and hit[0] is tt:
+            return hit[1]
+        s = torch.arange(self.T + 1, device=self.device)
+        la = self.lookahead(tt.L)
+        rows = []
+        for valid in (False, True):
+            Ls = la if valid or not self.proposal.needs_prefetch else torch.zeros_like(la)
+            spec = Ls > 0
+            active = s < self.T
+            fetch = (la > 0) & ~spec
+            rows.append(torch.stack([active, active & ~spec, spec, fetch, tt.rows_spec[Ls], Ls], 1).long())
+        table = torch.cat(rows)
+        self._schedule[id(tt)] = (tt, table)  # (the tree's tables kept alive: its id stays its own)
+        return table
 
     def lookahead(self, L: int) -> torch.Tensor:
         """``(T + 1,)`` the lookahead a depth-``L`` tree takes at each step: to the end of its
