@@ -533,16 +533,26 @@ def draft(
     if prop.affine and Vr - 1 == Lr:
         # a chain (one node a depth): node l is A_l y_{l-1} + (C_l + scale_l z_l), one op a depth
         # (the lazy walk's formula too, walk.OnDemand), and the draft means after it, in one op
-        Yl, Wl, Al = Y.split(1, 1), torch.add(C, SZ).split(1, 1), A.split(1, 1)
+        # (split_with_sizes: Tensor.split's Python wrapper costs 3x the op)
+        ones = (1,) * Lr
+        Yl, Wl, Al = (
+            Y.split_with_sizes(ones + (1,), 1),
+            torch.add(C, SZ).split_with_sizes(ones, 1),
+            A.split_with_sizes(ones, 1),
+        )
         for level in range(Lr):
             torch.addcmul(Wl[level], Al[level], Yl[level], out=Yl[level + 1])
         torch.addcmul(C, A, Y[:, :Lr], out=Mp)
     else:
         sizes = tt.sizes(Lr)
         # per-layer views, made in one call each
-        Yl, SZl, Mpl = Y.split(sizes, 1), SZ.split(sizes[1:], 1), Mp.split(sizes[:-1], 1)
+        Yl, SZl, Mpl = (
+            Y.split_with_sizes(sizes, 1),
+            SZ.split_with_sizes(sizes[1:], 1),
+            Mp.split_with_sizes(sizes[:-1], 1),
+        )
         if prop.affine:
-            Al, Cl = A.split(1, 1), C.split(1, 1)
+            Al, Cl = A.split_with_sizes((1,) * Lr, 1), C.split_with_sizes((1,) * Lr, 1)
         else:
             cond = ctx.target.cond_rows(ids)
         for level in range(1, Lr + 1):

@@ -184,8 +184,11 @@ def _check_args(**tensors: torch.Tensor) -> None:
             device = value.device
         elif value.device != device:
             raise ValueError(f"{name} is on {value.device}, the other arguments on {device}")
+    shapes = [value.shape for value in tensors.values()]
+    if all(shape == shapes[0] for shape in shapes):
+        return  # (the sampler's case: torch.broadcast_shapes, in Python, costs more than a tensor op)
     try:
-        torch.broadcast_shapes(*(value.shape for value in tensors.values()))
+        torch.broadcast_shapes(*shapes)
     except RuntimeError as err:
         shapes = ", ".join(f"{name} {tuple(value.shape)}" for name, value in tensors.items())
         raise ValueError(f"delta, lam, G and u must have broadcastable shapes, got {shapes}") from err
@@ -241,7 +244,8 @@ def sample_grs_residual(delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor,
             do not broadcast.
     """
     _check_args(delta=delta, lam=lam, G=G, u=u)
-    delta, lam, u = torch.broadcast_tensors(delta, lam, u)
+    if not delta.shape == lam.shape == u.shape:
+        delta, lam, u = torch.broadcast_tensors(delta, lam, u)
     log_lam = torch.log(lam)
     tau = log_lam / delta + 0.5 * delta
     a = tau - delta  # the residual density at tau + x is phi(x + a) (1 - exp(-delta x)) / G

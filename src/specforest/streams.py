@@ -182,7 +182,7 @@ def uniforms(*draws: tuple) -> list:
     if len(words) == 1:
         return [_bits_to_unit(_mix_(words[0]))]
     u = _bits_to_unit(_mix_(torch.cat([w.reshape(-1) for w in words])))
-    return [part.view(w.shape) for part, w in zip(u.split([w.numel() for w in words]), words, strict=True)]
+    return [part.view(w.shape) for part, w in zip(u.split_with_sizes([w.numel() for w in words]), words, strict=True)]
 
 
 @functools.lru_cache(maxsize=256)
