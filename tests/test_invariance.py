@@ -26,6 +26,7 @@ X = torch.randn(B, 12, generator=torch.Generator().manual_seed(0), dtype=torch.f
 CONFIGS = {
     "standard": dict(tree=None),
     "rmc_chain": dict(tree=trees.chain(5), coupling="rmc"),
+    "grs_chain_x0": dict(tree=trees.chain(4), draft="x0"),
     "grs_tree": dict(tree=trees.uniform(2, 3)),
     "grs_drafted_parent": dict(tree=trees.uniform(3, 2), verify="drafted", prefetch="parent"),
     "grs_irregular_x0": dict(tree=trees.from_parents([-1, 0, 0, 0, 1, 1, 4, 2]), draft="x0"),
