@@ -352,7 +352,8 @@ class Schedule:
         groups: ``[(ids (Bs,), tree, Ls (Bs,), Lr, rows, even)]`` the speculating trajectories per
             tree, their lookaheads, the deepest one, the rows their trees evaluate and whether
             every lookahead is ``Lr``.
-        active: ``(B,)`` bool, unfinished trajectories.
+        active: ``(B,)`` unfinished trajectories, bool or 0/1 long (a column of
+            :meth:`RunContext.schedule_table`).
     """
 
     single: torch.Tensor
