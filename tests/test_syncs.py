@@ -61,6 +61,15 @@ def test_at_most_two_synchronizations_per_round(monkeypatch, tree, coupling):
     assert per_round <= 2, (per_round, seen)
 
 
+@pytest.mark.parametrize("coupling", ["rank", "antithetic"])
+def test_list_couplings_stay_within_depth_plus_two_synchronizations(monkeypatch, coupling):
+    # their choice reads whether every problem has all its children, and their residuals are
+    # rejection-sampled (one read a pass): within the budget of L + 2 a round
+    tree = trees.uniform(2, 3)
+    per_round, seen = _syncs_per_round(monkeypatch, tree=tree, coupling=coupling)
+    assert per_round <= tree.L + 2, (per_round, seen)
+
+
 def test_standard_sampler_synchronizes_never_inside_a_round(monkeypatch):
     per_round, seen = _syncs_per_round(monkeypatch, tree=None)
     assert per_round == 0, seen

@@ -392,9 +392,11 @@ def rule_table(M: int, base: Base = "normal") -> tuple[torch.Tensor, torch.Tenso
     return _TABLES[key]
 
 
+_TABLE_STEP = float(TABLE_DELTAS[1] - TABLE_DELTAS[0])  # (a Python float: no read of the table per call)
+
+
 def _interp(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    step = float(TABLE_DELTAS[1] - TABLE_DELTAS[0])
-    pos = (delta.to(torch.float64) / step).clamp(0.0, len(TABLE_DELTAS) - 1.0)
+    pos = (delta.to(torch.float64) / _TABLE_STEP).clamp(0.0, len(TABLE_DELTAS) - 1.0)
     i0 = pos.floor().long().clamp(max=len(TABLE_DELTAS) - 2)
     return i0, pos - i0
 
