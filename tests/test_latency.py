@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from scipy import stats as sps
 
 import specforest
 from specforest import streams, trees
@@ -573,3 +574,31 @@ def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):
     monkeypatch.setattr(latency, "_race", lambda *a: calls.append(a) or {})
     tune(model, x, curve=CostCurve((1, 4096), (1.0, 1.0)), **opts)  # a given curve: no race
     assert calls == []
+
+
+def _predictor_with_records(records: torch.Tensor, steps: int):
+    """A predictor whose RMC calibration is ``records (n, 3)`` rows ``(depth, step, delta)``, nothing measured."""
+    from specforest import latency
+
+    return latency.Predictor(None, None, None, steps, 0.3, 1, None, {("velocity", "rmc"): records}, 0, {})
+
+
+def test_acceptance_bins_resolve_each_step_and_borrow_where_records_are_few():
+    # 12 steps, 10 stochastic: 8 records at each parent step 1..10, easy (delta 0) on steps 1-5 and
+    # hard (delta 6) on 6-10, except step 3, which has 2 hard records only
+    rows = []
+    for s in range(1, 11):
+        n, d = (2, 6.0) if s == 3 else (8, 0.0 if s <= 5 else 6.0)
+        rows += [(1.0, float(s), d)] * n
+    pred = _predictor_with_records(torch.tensor(rows, dtype=torch.float64), steps=12)
+    bins = pred.acceptance_bins("rmc", "velocity")
+    assert len(bins) == 10 and all(abs(w - 0.1) < 1e-12 for w, _ in bins)
+    acc = [a(1, 1) for _, a in bins]
+    rmc = lambda d: 2 * sps.norm.sf(d / 2)  # noqa: E731
+    assert acc[0] == pytest.approx(1.0, abs=1e-3) and acc[4] == pytest.approx(1.0, abs=1e-3)
+    assert acc[5] == pytest.approx(rmc(6.0), abs=1e-3) and acc[9] == pytest.approx(rmc(6.0), abs=1e-3)
+    # step 3 borrows steps 2 and 4 (16 easy records beside its 2 hard ones), not its own 2 alone
+    assert acc[2] == pytest.approx((16 * 1.0 + 2 * rmc(6.0)) / 18, abs=2e-3)
+    # one stretch for the whole grid cannot tell the halves apart
+    whole = [a(1, 1) for _, a in pred.acceptance_bins("rmc", "velocity", bins=1)]
+    assert len(whole) == 1 and 0.3 < whole[0] < 0.7
