@@ -31,6 +31,7 @@ The choice is fixed before sampling, so the sampler stays exact.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import itertools
@@ -282,12 +283,19 @@ def predict_seconds(
         acc_at += w * stoch
         edges.append(acc_at)
     laws: dict = {}
+    by_round: dict = {}  # (h, done, kind) -> law: a batch's simulation asks for the same ones again and again
     rows_of: dict = {}
 
     def stretch(done: int) -> int:
-        return next(k for k, e in enumerate(edges) if done < e or k == len(edges) - 1)
+        return min(bisect.bisect_right(edges, done), len(edges) - 1)
 
     def law(h: int, done: int, kind: int) -> tuple:
+        hit = by_round.get((h, done, kind))
+        if hit is None:
+            hit = by_round[h, done, kind] = _law(h, done, kind)
+        return hit
+
+    def _law(h: int, done: int, kind: int) -> tuple:
         # the joint law of (committed steps, next round's prefetch kind) of the tree truncated to
         # h steps for a round after ``done`` stochastic steps, as ``(probabilities, cumulative
         # probabilities, outcomes)``: the verification at depth l happens at its parent's step, ``done + l - 1``,
@@ -358,7 +366,7 @@ def _simulated(
                     continue
                 _, cum, outcomes = law(h, stoch - h, kinds[i])
                 u = rng.random()
-                j, kinds[i] = outcomes[next((m for m, c in enumerate(cum) if u <= c), len(cum) - 1)]
+                j, kinds[i] = outcomes[min(bisect.bisect_left(cum, u), len(cum) - 1)]
                 rows += rows_at(h)
                 left[i] = h - max(j, 1)
             seconds += round_seconds(rows)
