@@ -63,7 +63,7 @@ from .proposals import Prefetch, Proposal
 from .sde import StepTables
 from .target import Target
 from .trees import DraftTree, TreePolicy, TreeTables
-from .walk import FullTree, OnDemand, tree_draws, walk
+from .walk import FullTree, OnDemand, chain_draft, tree_draws, walk
 
 __all__ = ["PHASES", "Counters", "RunContext", "RunState", "host_read", "init_state", "run_round"]
 
@@ -168,13 +168,12 @@ class RunContext:
         hit = self._schedule.get(id(tt))
         if hit is not None and hit[0] is tt:
             return hit[1]
-        s = torch.arange(self.T + 1, device=self.device)
+        active = torch.arange(self.T + 1, device=self.device) < self.T
         la = self.lookahead(tt.L)
         rows = []
         for valid in (False, True):
             Ls = la if valid or not self.proposal.needs_prefetch else torch.zeros_like(la)
             spec = Ls > 0
-            active = s < self.T
             fetch = (la > 0) & ~spec
             rows.append(torch.stack([active, active & ~spec, spec, fetch, tt.rows_spec[Ls], Ls], 1).long())
         table = torch.cat(rows)
@@ -531,9 +530,8 @@ def draft(
             A, C = prop.coefficients(tab, steps, pre, state.draft_state)
         else:
             A, C = prop.coefficients(tab, steps, pre, state.draft_state, terms)
-    if prop.affine and Vr - 1 == Lr:
-        # a chain (one node a depth): node l is A_l y_{l-1} + (C_l + scale_l z_l), one op a depth
-        # (the lazy walk's formula too, walk.OnDemand), and the draft means after it, in one op
+    if chain_draft(prop, tt, Lr):
+        # one op a depth, and the draft means after it in one op
         # (split_with_sizes: Tensor.split's Python wrapper costs 3x the op)
         ones = (1,) * Lr
         Yl, Wl, Al = (

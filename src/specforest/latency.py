@@ -687,10 +687,10 @@ class Predictor:
 
         Acceptance changes along the grid, and rounds in easy stretches reach deep: one
         average over the grid would understate the steps a long round commits. On the digits
-        model it falls from 0.9-1.0 in the first tenth of the grid to 0.45 in the last, and
-        with 8 stretches an RMC chain of 14 was predicted 2-3% more calls than it took (one
-        stretch per step: within 1%). A stretch with fewer than 8 calibration records takes
-        those of the steps around it as well, widened a stretch on each side at a time.
+        model it falls from 0.9-1.0 in the first tenth of the grid to 0.45 in the last: 8
+        stretches over-predict an RMC chain of 14 by 2-3% in calls, one a step by under 1%.
+        A stretch with fewer than 8 calibration records takes those of the steps around it
+        as well, widened a stretch on each side at a time.
         """
         if bins is None:
             bins = max(self.steps - _DETERMINISTIC, 1)

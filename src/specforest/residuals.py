@@ -190,8 +190,8 @@ def _check_args(**tensors: torch.Tensor) -> None:
     try:
         torch.broadcast_shapes(*shapes)
     except RuntimeError as err:
-        shapes = ", ".join(f"{name} {tuple(value.shape)}" for name, value in tensors.items())
-        raise ValueError(f"delta, lam, G and u must have broadcastable shapes, got {shapes}") from err
+        got = ", ".join(f"{name} {tuple(value.shape)}" for name, value in tensors.items())
+        raise ValueError(f"delta, lam, G and u must have broadcastable shapes, got {got}") from err
 
 
 def sample_grs_residual(delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

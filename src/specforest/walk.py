@@ -55,7 +55,17 @@ from .couplings import project
 if TYPE_CHECKING:
     from .engine import Draft, RunContext, RunState
 
-__all__ = ["FullTree", "Level", "OnDemand", "WalkResult", "coupling_stream", "sibling_noise", "tree_draws", "walk"]
+__all__ = [
+    "FullTree",
+    "Level",
+    "OnDemand",
+    "WalkResult",
+    "chain_draft",
+    "coupling_stream",
+    "sibling_noise",
+    "tree_draws",
+    "walk",
+]
 
 
 def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
@@ -68,6 +78,16 @@ def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.
     (:class:`OnDemand`) both draw through here.
     """
     return _structured(ctx, streams.normal(keys, D, ctx.work, streams.TAG_DRAFT), K)
+
+
+def chain_draft(proposal, tt, Lr: int) -> bool:
+    """Whether a round to depth ``Lr`` of tree tables ``tt`` drafts its nodes as a chain: an affine
+    proposal on one node a depth, node ``l`` being ``A_l y_{l-1} + (C_l + scale_l z_l)`` in one op.
+
+    The full draft (:func:`specforest.engine.draft`) and the lazy walk (:class:`OnDemand`) both ask
+    here, so they use the same formula and give the same numbers.
+    """
+    return proposal.affine and tt.size_at(Lr) - 1 == Lr
 
 
 def _structured(ctx: RunContext, z: torch.Tensor, K: int) -> torch.Tensor:
@@ -301,8 +321,7 @@ class OnDemand:
         keys = d.keys[a[:, None], tt.kids[u]]
         zk = sibling_noise(ctx, keys, K, yu.shape[1])
         sz = ctx.tab.scale[sa][:, None, None] * zk
-        if prop.affine and d.tt.size_at(d.Lr) - 1 == d.Lr:
-            # a chain: the full draft's formula (engine.draft), for the same numbers
+        if chain_draft(prop, d.tt, d.Lr):
             kids = torch.addcmul(C + sz, A, yu[:, None])
         else:
             kids = mu_p[:, None] + sz
