@@ -602,3 +602,5 @@ def test_acceptance_bins_resolve_each_step_and_borrow_where_records_are_few():
     # one stretch for the whole grid cannot tell the halves apart
     whole = [a(1, 1) for _, a in pred.acceptance_bins("rmc", "velocity", bins=1)]
     assert len(whole) == 1 and 0.3 < whole[0] < 0.7
+    with pytest.raises(ValueError, match="bins must be an int >= 1"):
+        pred.acceptance_bins("rmc", "velocity", bins=0)

@@ -694,6 +694,8 @@ class Predictor:
         """
         if bins is None:
             bins = max(self.steps - _DETERMINISTIC, 1)
+        elif not (isinstance(bins, int) and bins >= 1):
+            raise ValueError(f"bins must be an int >= 1 or None (one per stochastic step), got {bins!r}")
         key = (coupling, draft, bins)
         if key in self._bins:
             return self._bins[key]
