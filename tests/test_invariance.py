@@ -302,3 +302,17 @@ def test_registries_extend_couplings_and_drafts():
         GMM, X, steps=8, churn=0.4, tree=trees.uniform(2, 2), coupling="mine-test", draft="velocity-test", seed=0
     )
     assert out.config["coupling"] == "mine"
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_outside_inference_restores_the_modes_it_found(outer):
+    """User code runs in normal mode without grad; the modes around it come back, also after an error."""
+    from specforest.target import outside_inference
+
+    with torch.inference_mode(outer):
+        before = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        with pytest.raises(KeyError):
+            with outside_inference():
+                assert (torch.is_inference_mode_enabled(), torch.is_grad_enabled()) == (False, False)
+                raise KeyError("user code failed")
+        assert (torch.is_inference_mode_enabled(), torch.is_grad_enabled()) == before
