@@ -1,4 +1,5 @@
-"""The fixed-cost GRS residual sampler (``specforest.residuals``): accuracy, law and cost.
+"""The GRS residual samplers (``specforest.residuals``): the fixed-cost inversion's accuracy, law
+and cost, and the draw the sampler makes (rejection trials, then the inversion): its law and contract.
 
 The accuracy reference is mpmath at 50 digits, not the 80-step bisection the
 sampler replaces: that bisection inverts ``H(s) = u G`` with ``grs_levels``' ``G``
@@ -18,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specforest import residuals
 from specforest.couplings import grs_levels
-from specforest.residuals import log_sf, sample_grs_residual, tail_mass
+from specforest.residuals import TRIALS, draw_grs_residual, log_sf, sample_grs_residual, tail_mass
 
 DELTAS = [float(d) for d in np.logspace(-6.0, math.log10(12.0), 10)]
 KS = list(range(1, 17))
@@ -207,6 +208,99 @@ def test_the_same_test_rejects_a_wrong_residual(wrong, delta, K):
     lam Phibar(tau), invisible at delta = 6)."""
     s, cdf = _residual_draws(wrong, delta, K, SEEDS[delta, K])
     assert sps.kstest(s, cdf).pvalue < 1e-4
+
+
+# -- the sampler's draw: trials, then the inversion -------------------------------------------
+
+# the cases of the law test, and 0.1 with K = 2 (M = 15: a third of the draws fall back on the inversion)
+DRAW_CASES = KS_CASES + [(0.1, 2)]
+
+
+def _trial_uniforms(n_trials: int, seed: int, N: int = N_DRAWS) -> torch.Tensor:
+    return 1.0 - torch.rand(N, 1 + 2 * n_trials, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _draw_with(u: torch.Tensor):
+    """``draw_grs_residual`` with the uniforms ``u`` (the inversion's ``u_0`` comes from ``_residual_draws``)."""
+
+    def sampler(delta, lam, G, u0):
+        return draw_grs_residual(delta, lam, G, torch.cat([u0[:, None], u[:, 1:]], 1))
+
+    return sampler
+
+
+@pytest.mark.parametrize("n_trials", [TRIALS, 1])
+@pytest.mark.parametrize("delta,K", DRAW_CASES)
+def test_the_sampler_s_draw_follows_the_closed_form_residual_law(delta, K, n_trials):
+    """Trials where the envelope is tight, the inversion where it is not or every trial failed:
+    the mixture must be the residual law. One trial leaves many draws to the inversion."""
+    u = _trial_uniforms(n_trials, SEEDS.get((delta, K), 7) + 500)
+    s, cdf = _residual_draws(_draw_with(u), delta, K, SEEDS.get((delta, K), 7))
+    assert sps.kstest(s, cdf).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("delta,K", [(0.1, 2), (0.5, 2), (2.0, 7)])
+def test_the_trials_give_most_draws_where_the_envelope_is_tight(delta, K):
+    """The law test above covers both paths: where ``M = Phibar(tau - delta) / G`` is small the trials
+    give (nearly) every draw, at ``M = 15`` some fall back; a trial is never returned below ``tau``."""
+    lam, G = grs_levels(torch.tensor([delta], dtype=torch.float64), K)
+    N = 20_000
+    u = _trial_uniforms(TRIALS, 3, N)
+    d = torch.full((N,), delta, dtype=torch.float64)
+    args = (d, lam[:, K].expand(N), G[:, K].expand(N))
+    s = draw_grs_residual(*args, u)
+    by_inversion = s == sample_grs_residual(*args, u[:, 0])
+    share = float(by_inversion.double().mean())
+    assert (share > 0.2) if delta == 0.1 else (share < 0.02), share
+    assert (s >= _tau(d, lam[:, K])).all()
+
+
+@pytest.mark.parametrize("delta,K", [(0.5, 2), (2.0, 2), (2.0, 7)])
+def test_the_same_test_rejects_trials_that_keep_every_candidate(delta, K):
+    """Test uniforms of 0 keep the first candidate always: the truncated normal, not the residual."""
+    u = _trial_uniforms(TRIALS, SEEDS[delta, K] + 500)
+    u[:, 1 + TRIALS :] = 0.0
+    s, cdf = _residual_draws(_draw_with(u), delta, K, SEEDS[delta, K])
+    assert sps.kstest(s, cdf).pvalue < 1e-4
+
+
+def test_the_sampler_s_draw_does_not_depend_on_its_batch_or_skipped_paths(monkeypatch):
+    delta, lam, G, _ = _grid()
+    delta = delta.clamp_min(1e-6)
+    u = _trial_uniforms(TRIALS, 11, len(delta))
+    s = draw_grs_residual(delta, lam, G, u)
+    idx = range(0, len(u), 7)
+    alone = torch.stack(
+        [draw_grs_residual(delta[i : i + 1], lam[i : i + 1], G[i : i + 1], u[i : i + 1])[0] for i in idx]
+    )
+    assert torch.equal(alone, s[::7])
+    assert torch.isfinite(s).all() and (s >= _tau(delta, lam)).all()
+    # off the CPU both paths are computed for every draw: the same numbers
+    monkeypatch.setattr(residuals, "_needed", lambda mask: True)
+    assert torch.equal(draw_grs_residual(delta, lam, G, u), s)
+
+
+def test_the_sampler_s_draw_is_a_fixed_number_of_ops_without_synchronization(monkeypatch):
+    monkeypatch.setattr(residuals, "_needed", lambda mask: True)
+    delta, lam, G, _ = _grid()
+    counts = []
+    for P in (1, 64):
+        log = _OpLog()
+        with log:
+            draw_grs_residual(delta[:P], lam[:P], G[:P], _trial_uniforms(TRIALS, 0, P))
+        assert not {str(op) for op in log.ops} & {"aten._local_scalar_dense.default", "aten.nonzero.default"}
+        counts.append(len(log.ops))
+    assert counts[0] == counts[1], counts
+
+
+def test_the_sampler_s_draw_checks_its_arguments():
+    d = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"u must be a \(P, 1 \+ 2 n\) tensor"):
+        draw_grs_residual(d, d, d, d)
+    with pytest.raises(ValueError, match="u \\(3, 2\\)"):
+        draw_grs_residual(d, d, d, torch.ones(3, 2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="u must be float64"):
+        draw_grs_residual(d, d, d, torch.ones(3, 3))
 
 
 # -- cost and contract ------------------------------------------------------------------------

@@ -15,6 +15,17 @@ and the tail mass is closed form:
 A draw is the root of ``H(S) = u H(tau)`` for a uniform ``u`` in (0, 1]
 (:func:`sample_grs_residual`).
 
+**Trials first.** The sampler draws with :func:`draw_grs_residual`: up to
+:data:`TRIALS` rejection trials from the normal ``N(delta, 1)`` truncated to
+``s > tau``, each kept with probability ``1 - exp(-delta (s - tau))`` (the
+residual over that envelope, up to its constant), and the inversion above only
+where no trial was kept. A kept trial has the residual's law, and so has the
+inversion: the draw is exact whichever gives it. Where the envelope's mass over
+the residual's, ``M = Phibar(tau - delta) / G``, is small (``delta`` of order one
+and above, where draft and target disagree and rejections happen), a trial is
+kept with probability ``1 / M`` and the inversion is rarely needed; on the CPU
+it is then skipped, which is most of the cost of a draw.
+
 **The Rayleigh score.** With ``psi(s) = sqrt(-2 ln(H(s) / H(tau)))`` the draw
 solves ``psi(S) = sqrt(-2 ln u)``. Were ``S - tau`` Rayleigh distributed,
 ``psi`` would be ``s - tau`` exactly, and the residual is close to that: as
@@ -42,7 +53,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["log_sf", "sample_grs_residual", "tail_mass"]
+__all__ = ["TRIALS", "draw_grs_residual", "log_sf", "sample_grs_residual", "tail_mass"]
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -68,6 +79,15 @@ _NEWTON_STEPS = 3
 # up to 12; ten reach 2e-2 of it, and at the median sixteen would be needed.
 _NEAR = 0.9
 _GL_NODES = 12
+
+TRIALS = 16
+"""Rejection trials of :func:`draw_grs_residual` before it inverts: where the envelope's mass over
+the residual's is ``M <= 4`` (about ``delta >= 0.4`` for ``K = 2``), all of them fail with
+probability at most ``(3 / 4)^16 = 1 %``."""
+
+# Trials are made where M < 16: above it, 16 trials fail more often than not (36 % at M = 16),
+# and a draw that pays for trials and the inversion costs more than the inversion alone.
+_LOG_M_TRIALS = math.log(16.0)
 
 # Offsets s - tau stay at least this large so that log(1 - exp(-delta (s - tau)))
 # is finite; tau + _X_MIN rounds to tau.
@@ -289,3 +309,69 @@ def sample_grs_residual(delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor,
         step = (psi - psi_target) * psi * torch.exp((log_G_phi + log_ratio - log_density).clamp(max=_LOG_HUGE))
         x = torch.maximum(x - step, x * _SHRINK)
     return tau + x
+
+
+def draw_grs_residual(delta: torch.Tensor, lam: torch.Tensor, G: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Exact draw of ``S`` from the GRS residual ``(q - lam p)_+ / G``: trials, then the inversion.
+
+    With ``n = (u.shape[1] - 1) // 2`` trials (the sampler's :data:`TRIALS`):
+
+    1. ``n`` candidates from ``N(delta, 1)`` truncated to ``s > tau``,
+       ``s_j = delta - Phi^{-1}(v_j Phibar(tau - delta))``, where the envelope's
+       mass ``M = Phibar(tau - delta) / G`` is below 16;
+    2. candidate ``j`` passes if ``w_j < 1 - exp(-delta (s_j - tau))``, which is
+       ``r(s_j) / (M q_tau(s_j))`` for the truncated normal ``q_tau``: the first
+       that passes is a draw from the residual ``r``;
+    3. where none passes (or none was tried), :func:`sample_grs_residual` at ``u_0``.
+
+    Every path gives a draw from ``r`` with uniforms of its own, so their
+    mixture is ``r`` exactly (``tests/test_grs_residual.py`` checks it against
+    the closed-form CDF with and without trials, and a trial test that keeps every
+    candidate fails it). No loop over data and no synchronization: the trials
+    are one vectorized pass, and off the CPU both paths are computed and chosen
+    with ``torch.where``; on the CPU the inversion is skipped when every draw
+    passed a trial, and the trials when no draw makes them (the same results).
+    Each draw depends only on its own inputs: the same bit for bit in any batch.
+
+    Args:
+        delta, lam, G: ``(P,)`` float64, as for :func:`sample_grs_residual`.
+        u: ``(P, 1 + 2 n)`` float64 uniforms in (0, 1]: ``u_0`` for the inversion,
+            then the ``n`` candidates' ``v`` and the ``n`` tests' ``w``.
+
+    Returns:
+        ``(P,)`` float64 residual draws ``>= tau`` in the projection coordinate.
+
+    Raises:
+        TypeError: if an argument is not a float64 tensor.
+        ValueError: if the arguments are on different devices, ``u`` is not
+            ``(P, 1 + 2 n)`` for the ``P`` of ``delta``, or the shapes of ``delta``,
+            ``lam`` and ``G`` differ.
+    """
+    if not isinstance(u, torch.Tensor) or u.ndim != 2:
+        raise ValueError(f"u must be a (P, 1 + 2 n) tensor, got {getattr(u, 'shape', type(u).__name__)}")
+    _check_args(delta=delta, lam=lam, G=G, u=u[:, 0])
+    if u.shape[1] % 2 != 1 or not delta.shape == lam.shape == G.shape == u.shape[:1]:
+        raise ValueError(
+            f"delta, lam and G must be (P,) and u (P, 1 + 2 n), got delta {tuple(delta.shape)}, "
+            f"lam {tuple(lam.shape)}, G {tuple(G.shape)}, u {tuple(u.shape)}"
+        )
+    n = u.shape[1] // 2
+    log_lam = torch.log(lam)
+    tau = log_lam / delta + 0.5 * delta
+    neg_a = delta - tau  # the truncation point of N(0, 1) is a = tau - delta
+    log_mass = torch.special.log_ndtr(neg_a)  # log Phibar(a), the envelope's mass
+    trying = (log_mass - torch.log(G)) < _LOG_M_TRIALS
+    kept = None
+    if n and _needed(trying):
+        v, w = u[:, 1 : n + 1], u[:, n + 1 :]
+        x = neg_a[:, None] - torch.special.ndtri(v * torch.exp(log_mass)[:, None])  # (P, n) s - tau
+        # x <= 0 (a rounding at the truncation point) is never kept: -expm1 of a value >= 0 is <= 0
+        passed = (w < -torch.expm1(x * -delta[:, None])) & trying[:, None]
+        kept = passed.any(1)
+        x_kept = x.gather(1, passed.to(torch.int8).argmax(1, keepdim=True))[:, 0]
+        s_kept = tau + x_kept
+    if kept is None:
+        return sample_grs_residual(delta, lam, G, u[:, 0])
+    if not _needed(~kept):
+        return s_kept
+    return torch.where(kept, s_kept, sample_grs_residual(delta, lam, G, u[:, 0]))

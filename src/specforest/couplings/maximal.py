@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..residuals import log_sf, sample_grs_residual, tail_mass
+from ..residuals import TRIALS, draw_grs_residual, log_sf, tail_mass
 from .base import Coupling
 
 __all__ = ["GRS", "RMC", "grs_acceptance", "grs_levels", "rmc_acceptance"]
@@ -104,8 +104,9 @@ class GRS(Coupling):
     With the ERRATA fixes: the denominator of ``beta_k`` is the remaining mass
     ``G_k`` (not the projection), the super-level threshold is taken in the
     ``S`` coordinate, and the residual is sampled exactly by
-    :func:`sample_grs_residual`. Acceptance ``1 - G_{K+1}`` (Theorem 2). With
-    ``K = 1`` it has the same law as :class:`RMC`.
+    :func:`~specforest.residuals.draw_grs_residual` (rejection trials, then
+    the inversion). Acceptance ``1 - G_{K+1}`` (Theorem 2). With ``K = 1`` it
+    has the same law as :class:`RMC`.
     """
 
     name = "grs"
@@ -140,10 +141,12 @@ class GRS(Coupling):
         delta = delta.clamp_min(1e-6)
         lam, G = grs_levels(delta, s_hat.shape[1])
         k_eff = valid.sum(1, keepdim=True)
-        return sample_grs_residual(delta, lam.gather(1, k_eff)[:, 0], G.gather(1, k_eff)[:, 0], rng.uniform(1, 1)[:, 0])
+        # slot 1: the inversion's uniform (column 0, the only one before trials), then the trials'
+        u = rng.uniform(1, 1 + 2 * TRIALS)
+        return draw_grs_residual(delta, lam.gather(1, k_eff)[:, 0], G.gather(1, k_eff)[:, 0], u)
 
     def uniform_draws(self, K):
-        return ((0, K), (1, 1))
+        return ((0, K), (1, 1 + 2 * TRIALS))
 
     def acceptance(self, delta, K):
         return grs_acceptance(delta, K)
