@@ -178,20 +178,30 @@ def measure(repeats: int, quick: bool) -> dict:
             )
             alone = _alone(one_run, repeats)
         rows.append(dict(label=label, images=n, alone=alone, runs=runs, **runs[len(runs) // 2]))
+    try:  # the draw the sampler makes: trials, then the inversion (an older engine: the inversion)
+        from specforest.residuals import TRIALS, draw_grs_residual
+    except ImportError:
+        TRIALS, draw_grs_residual = 0, None
     residual = {}
     for P in (1, 64):
         d = torch.full((P,), 0.7, dtype=torch.float64)
         lam, G = grs_levels(d, 3)
-        u = torch.rand(P, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).clamp_min(1e-12)
+        g = torch.Generator().manual_seed(0)
+        u = torch.rand(P, 1 + 2 * TRIALS, dtype=torch.float64, generator=g).clamp_min(1e-12)
         args = (d, lam[:, 3], G[:, 3], u)
-        sample_grs_residual(*args)
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(50):
-                sample_grs_residual(*args)
-            times.append((time.perf_counter() - t) / 50)
-        residual[str(P)] = statistics.median(times)
+        for name, draw in (("inversion", sample_grs_residual), ("draw", draw_grs_residual)):
+            if draw is None:
+                continue
+            a = args if draw is draw_grs_residual else args[:3] + (u[:, 0],)
+            draw(*a)
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(50):
+                    draw(*a)
+                times.append((time.perf_counter() - t) / 50)
+            residual[f"{name} {P}"] = statistics.median(times)
+        residual.setdefault(f"draw {P}", residual[f"inversion {P}"])
     return dict(rows=rows, residual=residual)
 
 
@@ -250,6 +260,11 @@ def _measure_both(ref: "str | None", repeats: int, quick: bool, passes: int) -> 
                 )
 
 
+def _residual(result: dict, name: str, P: str) -> float:
+    """A residual timing of :func:`measure`'s result: ``name`` is ``draw`` or ``inversion``."""
+    return result["residual"][f"{name} {P}"]
+
+
 def _ms(x: float) -> str:
     return f"{1e3 * x:.2f}"
 
@@ -289,11 +304,11 @@ def main() -> None:
         "the sampler's own work without the network's calls in between, which leave its caches cold.",
         "",
         "| configuration | images | rounds | NFE | network per call (ms) | sampler per round (ms) | "
-        + ("before (ms) | " if before else "")
+        + ("before (ms) | now / before | " if before else "")
         + "alone (ms) | "
         + "draft / evaluate / walk / commit (ms per round) | sampler share of wall | wall (ms) | "
         "wall-clock speedup |",
-        "| --- | --- | --- | --- | --- | --- | " + ("--- | " if before else "") + "--- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | " + ("--- | --- | " if before else "") + "--- | --- | --- | --- | --- |",
     ]
     standard_wall = {r["images"]: r["wall"] for r in after["rows"] if r["label"] == "standard"}
     for i, r in enumerate(after["rows"]):
@@ -303,7 +318,8 @@ def main() -> None:
         b = ""
         if before:
             br = before["rows"][i]
-            b = f"{_ms((br['wall'] - br['inside']) / br['calls'])} | "
+            now_s, before_s = (r["wall"] - r["inside"]) / c, (br["wall"] - br["inside"]) / br["calls"]
+            b = f"{_ms(before_s)} | {now_s / before_s:.2f} | "
         b += "- | " if r.get("alone") is None else f"{_ms(r['alone'])} | "
         lines.append(
             f"| {r['label']} | {r['images']} | {c} | {r['nfe']:.1f} | {_ms(r['inside'] / c)} | "
@@ -313,14 +329,16 @@ def main() -> None:
         print(lines[-1], flush=True)
     lines += [
         "",
-        "GRS residual sampler (K = 3, delta = 0.7), time per call:",
+        "GRS residual, time per call (K = 3, delta = 0.7, where the envelope's mass over the residual's "
+        "is M = 2.8): the draw the sampler makes (trials, then the inversion where none is kept; before "
+        "it, the inversion alone), and the inversion:",
         "",
-        "| problems | " + ("before (ms) | " if before else "") + "now (ms) |",
-        "| --- | " + ("--- | " if before else "") + "--- |",
+        "| problems | " + ("draw before (ms) | " if before else "") + "draw now (ms) | inversion now (ms) |",
+        "| --- | " + ("--- | " if before else "") + "--- | --- |",
     ]
     for P in ("1", "64"):
-        b = f"{_ms(before['residual'][P])} | " if before else ""
-        lines.append(f"| {P} | {b}{_ms(after['residual'][P])} |")
+        b = f"{_ms(_residual(before, 'draw', P))} | " if before else ""
+        lines.append(f"| {P} | {b}{_ms(_residual(after, 'draw', P))} | {_ms(_residual(after, 'inversion', P))} |")
     print("\n".join(lines[-4:]))
     if not args.quick:
         replace_section(args.out, "overhead", "## Sampler overhead per round", "\n".join(lines))
