@@ -316,3 +316,24 @@ def test_outside_inference_restores_the_modes_it_found(outer):
                 assert (torch.is_inference_mode_enabled(), torch.is_grad_enabled()) == (False, False)
                 raise KeyError("user code failed")
         assert (torch.is_inference_mode_enabled(), torch.is_grad_enabled()) == before
+
+
+def test_the_target_reuses_conditioning_rows_only_for_the_same_index_tensor():
+    """Target.cond_rows keeps the rows of the last index tensor (the standard sampler passes the same
+    one every round); another tensor, even with the same values, and new conditioning are re-read."""
+    from specforest.target import Target
+
+    seen = []
+
+    def model(x, sigma, label):
+        seen.append(label.tolist())
+        return x
+
+    target = Target(model, (1,), torch.float64, None, {"label": torch.tensor([10, 11, 12])}, {})
+    x, sig = torch.zeros(2, 1, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    a, b = torch.tensor([0, 2]), torch.tensor([1, 1])
+    for traj in (a, b, a, a, torch.tensor([0, 2])):
+        target(x, sig, traj)
+    target.set_rows(torch.tensor([2]), {"label": torch.tensor([42])})
+    target(x, sig, a)
+    assert seen == [[10, 12], [11, 11], [10, 12], [10, 12], [10, 12], [10, 42]]

@@ -121,6 +121,7 @@ class RunContext:
     _node_steps: dict = field(default_factory=dict)  # id(tree tables) -> NodeSteps
     _schedule: dict = field(default_factory=dict)  # id(tree tables) -> schedule table
     _each_row: dict = field(default_factory=dict)  # n -> (B n,) trajectory of each target row
+    _lockstep: Optional[tuple] = None  # the standard sampler's per-step views (:meth:`lockstep_step`)
 
     def __post_init__(self) -> None:
         self.depth_cols = torch.arange(max(self.T, 1), device=self.device)
@@ -129,6 +130,23 @@ class RunContext:
         self.no_fetch = torch.zeros_like(self.rows_all, dtype=torch.bool)
         self.all_active = torch.ones_like(self.no_fetch)
         self.stoch_at = torch.cat([self.tab.stochastic, self.tab.stochastic.new_zeros(1)])
+
+    def lockstep_step(self, s: int) -> tuple:
+        """What the standard sampler reads at step ``s``, where every trajectory is: the noise
+        level ``(B,)`` and the 0-d ``c``, ``a`` and ``scale`` of the transition, as views made in
+        a few ops per run (the noise levels of every step, ``(T + 1, B)``, made once), so a step
+        gathers nothing."""
+        if self._lockstep is None:
+            B = self.rows_all.shape[0]
+            tab = self.tab
+            self._lockstep = (
+                tab.sig[:, None].expand(-1, B).contiguous().unbind(0),
+                tab.c.unbind(0),
+                tab.a.unbind(0),
+                tab.scale.unbind(0),
+            )
+        sig, c, a, scale = self._lockstep
+        return sig[s], c[s], a[s], scale[s]
 
     def tables(self, tree: DraftTree) -> TreeTables:
         return TreeTables.of(tree, self.verify, self.device)
@@ -228,6 +246,8 @@ class Counters:
         pending: rounds not yet added, ``(active (B,), [(ids, committed, rows, act, acc, delta)])``
             per round: a speculating group's trajectories ``(Bs,)``, committed steps ``(Bs,)``, rows
             ``(Bs,)`` and per-depth outcomes ``(Bs, Lw)``; single-row trajectories as ``(ids, None, ...)``.
+        lockstep: standard-sampler rounds not yet added (every trajectory evaluated one row): a
+            Python int, so that such a round adds no tensor op.
 
     See :class:`specforest.sampler.SampleStats` for their meaning.
     """
@@ -237,6 +257,7 @@ class Counters:
     per_depth: torch.Tensor
     commits: torch.Tensor
     pending: tuple = ()
+    lockstep: int = 0
 
     @classmethod
     def zeros(cls, B: int, L: int, device: torch.device) -> "Counters":
@@ -252,8 +273,17 @@ class Counters:
     def _one_row(ids: torch.Tensor) -> torch.Tensor:
         return torch.tensor([[0, 0, 1]], dtype=torch.long, device=ids.device)
 
+    def with_lockstep_round(self) -> "Counters":
+        """These counters with one more standard-sampler round (every trajectory, one row)."""
+        return Counters(self.nfe, self.per_traj, self.per_depth, self.commits, self.pending, self.lockstep + 1)
+
     def flushed(self) -> "Counters":
         """The counters with every pending round added."""
+        if self.lockstep:
+            n = self.lockstep
+            one_row = self._one_row(self.nfe)
+            out = Counters(self.nfe + n, self.per_traj + n * one_row, self.per_depth, self.commits, self.pending)
+            return out.flushed()
         if not self.pending:
             return self
         actives = [a for a, _ in self.pending]
@@ -605,6 +635,9 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
     ids1 = sched.single
     xs, sig, traj = [], [], []
     if sched.everyone:
+        if not drafts:
+            # the standard sampler: every trajectory at step ``rounds``, one row each
+            return Evaluations(ctx.target(state.x, ctx.lockstep_step(state.rounds)[0], ids1), [])
         xs, sig, traj = [state.x], [ctx.tab.sig.take(state.step)], [ids1]
     elif ids1.numel():
         xs, sig, traj = [state.x[ids1]], [ctx.tab.sig[state.step[ids1]]], [ids1]
@@ -673,18 +706,22 @@ def commit(
     x, step, pre, c = state.x, state.step, state.pre, state.counters
     ids1 = sched.single
     if ctx.tree is None and ctx.policy is None:
-        # the standard sampler: every unfinished trajectory takes its exact transition
-        # (scale 0 on deterministic steps); nothing else happens in the round
-        mean = ctx.tab.mean(x, ev.single, step)
+        # the standard sampler: every trajectory takes its exact transition at step ``rounds``
+        # (scale 0 on deterministic steps); nothing else happens in the round. The mean is
+        # ``tab.mean``'s ``addcmul(c v, a, y)`` with the step's 0-d coefficients (the same numbers)
+        _, cs, a, scale = ctx.lockstep_step(state.rounds)
         noise, block = _exact_noise(ctx, state)
-        counters = replace(c, nfe=c.nfe + 1, per_traj=c.per_traj + ctx.one_row)
-        return replace(
-            state,
-            x=torch.addcmul(mean, ctx.tab.scale[step][:, None], noise),
-            exact_noise=block,
-            step=step + 1,
-            counters=counters,
-            rounds=state.rounds + 1,
+        x = torch.addcmul(torch.addcmul(cs * ev.single, a, x), scale, noise)
+        return RunState(
+            x,
+            step + 1,
+            pre,
+            c.with_lockstep_round(),
+            state.draft_state,
+            state.records,
+            state.rounds + 1,
+            state.draft_calls,
+            block,
         )
     committed = torch.zeros_like(step)
     entries: list = []

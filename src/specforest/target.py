@@ -68,16 +68,27 @@ class Target:
             max_rows = min(max_rows or pad_rows[-1], pad_rows[-1])
         self.max_rows = max_rows
         self.cond, self.kwargs = cond, model_kwargs
+        self._last_rows: Optional[tuple] = None  # (traj, its conditioning rows): see cond_rows
         self.seconds = 0.0
         self.calls = 0
         self._events: list = []
         self.bad = torch.zeros((), dtype=torch.long, device=device)  # 1 once some output was NaN or inf
 
     def cond_rows(self, traj: torch.Tensor) -> dict:
-        """The conditioning of trajectories ``traj (n,)``."""
+        """The conditioning of trajectories ``traj (n,)``.
+
+        The rows of the last ``traj`` are kept: a run whose calls evaluate the same trajectories
+        every round (the standard sampler, one image's trees) passes the same index tensor, and
+        indexes its conditioning once.
+        """
+        last = self._last_rows
+        if last is not None and last[0] is traj:
+            return last[1]
         # conditioning stays on its own device (labels on the CPU next to a CUDA model, say); a
         # Python test of the device costs less than a ``to`` that does nothing
-        return {k: v[traj if traj.device == v.device else traj.to(v.device)] for k, v in self.cond.items()}
+        rows = {k: v[traj if traj.device == v.device else traj.to(v.device)] for k, v in self.cond.items()}
+        self._last_rows = (traj, rows)  # (traj kept alive with them: its identity stays its own)
+        return rows
 
     def set_rows(self, traj: torch.Tensor, cond: dict) -> None:
         """Replace the conditioning of trajectories ``traj (n,)`` by ``cond`` (one row each), between rounds.
@@ -90,6 +101,7 @@ class Target:
             k: v.index_copy(0, traj.to(v.device), cond[k].to(device=v.device, dtype=v.dtype))
             for k, v in self.cond.items()
         }
+        self._last_rows = None
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
         """Velocities ``(M, D)`` at flattened states ``x (M, D)``, noise levels ``(M,)``, trajectories ``(M,)``."""
