@@ -112,7 +112,6 @@ class RunContext:
     record: bool
     phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     depth_cols: torch.Tensor = None  # (L,) arange, made once
-    one_row: torch.Tensor = None  # (1, 3) [0, 0, 1]: one evaluated row
     rows_all: torch.Tensor = None  # (B,) arange
     no_fetch: torch.Tensor = None  # (B,) False
     all_active: torch.Tensor = None  # (B,) True
@@ -125,7 +124,6 @@ class RunContext:
 
     def __post_init__(self) -> None:
         self.depth_cols = torch.arange(max(self.T, 1), device=self.device)
-        self.one_row = torch.tensor([[0, 0, 1]], device=self.device)
         self.rows_all = torch.arange(self.step_keys.shape[0], device=self.device)
         self.no_fetch = torch.zeros_like(self.rows_all, dtype=torch.bool)
         self.all_active = torch.ones_like(self.no_fetch)
@@ -389,7 +387,7 @@ class Schedule:
     fetch: torch.Tensor
     groups: list
     active: torch.Tensor
-    everyone: bool = False  # single is every trajectory, in order
+    everyone: bool = False  # the standard sampler: single is every trajectory, in order, and no group
     n_fetch: int = 0
 
 
@@ -633,13 +631,11 @@ class Evaluations:
 def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) -> Evaluations:
     """One batched target call for every row of the round (phase 3)."""
     ids1 = sched.single
-    xs, sig, traj = [], [], []
     if sched.everyone:
-        if not drafts:
-            # the standard sampler: every trajectory at step ``rounds``, one row each
-            return Evaluations(ctx.target(state.x, ctx.lockstep_step(state.rounds)[0], ids1), [])
-        xs, sig, traj = [state.x], [ctx.tab.sig.take(state.step)], [ids1]
-    elif ids1.numel():
+        # the standard sampler (nothing drafted): every trajectory at step ``rounds``, one row each
+        return Evaluations(ctx.target(state.x, ctx.lockstep_step(state.rounds)[0], ids1), [])
+    xs, sig, traj = [], [], []
+    if ids1.numel():
         xs, sig, traj = [state.x[ids1]], [ctx.tab.sig[state.step[ids1]]], [ids1]
     sizes = []
     for d in drafts:
