@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 import specforest
 from specforest import distributed, streams, trees
 from specforest.cli import main
+from specforest.experiments import generate as gen_exp
 from specforest.models import GaussianMixture
 
 GMM = ["--dim", "8", "--components", "3", "--steps", "12", "--no-progress"]
@@ -107,15 +109,36 @@ def test_shard_and_gather_in_one_process():
     assert distributed.shard(5).tolist() == [0, 1, 2, 3, 4]
     idx, vals = distributed.gather(torch.tensor([2, 0, 1]), torch.tensor([[2.0], [0.0], [1.0]]))
     assert idx.tolist() == [0, 1, 2] and vals[:, 0].tolist() == [0.0, 1.0, 2.0]
+    # the steps processes take together: in one process, the block's own value or error
+    assert distributed.agree("a step", value={"n": 3}) == [{"n": 3}]
+    with pytest.raises(OSError, match="full"), distributed.together("a step"):
+        raise OSError("disk full")
 
 
 # -- the command, on one process and on two ----------------------------------------------------------
 
 
-def _torchrun(n: int, args: list) -> subprocess.CompletedProcess:
+def _torchrun(n: int, args: list, script: "Path | None" = None, env: "dict | None" = None, timeout: float = 300):
+    """``torchrun`` over ``python -m specforest ARGS`` (or ``python SCRIPT ARGS``)."""
     # --standalone: a local rendezvous on a free port
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
-    return subprocess.run(cmd + ["-m", "specforest", *args], capture_output=True, text=True, env=ENV, timeout=300)
+    cmd += [str(script)] if script is not None else ["-m", "specforest"]
+    # a session of its own, so that a job past its timeout is killed with all its workers
+    proc = subprocess.Popen(
+        cmd + args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**ENV, **(env or {})},
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def _load(path: Path) -> "tuple[dict, dict]":
@@ -227,7 +250,6 @@ def test_bad_input_is_refused_and_leaves_nothing(tmp_path):
 
 def test_resuming_in_the_same_process_never_overwrites_a_shard(tmp_path, monkeypatch):
     """Two interrupted runs in one process (same pid), then a resume: every index once, as uninterrupted."""
-    from specforest.experiments import generate as gen_exp
 
     spec = gen_exp.JobSpec(
         "gmm",
@@ -326,3 +348,144 @@ def test_gather_and_generate_validate_their_inputs():
         specforest.generate(model, indices=[1, 1], make_x=mk, seed=0, steps=5, churn=0.5)
     with pytest.raises(TypeError, match="model must be callable"):
         specforest.generate(None, count=2, make_x=mk, seed=0, steps=5, churn=0.5)
+
+
+# -- a failing job stops everywhere ------------------------------------------------------------------
+
+# the command under a test's hands: a fault chosen by SPECFOREST_FAULT is injected through the model
+# callable or the JSON write, and each process records how it ended (an exit code, or its exception)
+FAULTY_CLI = """
+import os, sys, time
+import specforest.models
+from specforest.experiments import generate as gen_exp
+from specforest.cli import main
+
+fault, rank = os.environ["SPECFOREST_FAULT"], int(os.environ["RANK"])
+
+
+class Faulty(specforest.models.GaussianMixture):
+    calls = 0
+
+    def __call__(self, x, sigma, **kw):
+        Faulty.calls += 1
+        if fault == "sample" and rank == 1 and Faulty.calls > 12:
+            raise RuntimeError("injected model error on rank 1")
+        if fault == "sample" and rank == 0 and "--tree-parallel" not in sys.argv:
+            # rank 0's share would take minutes: only a stop from outside ends it soon (tree-parallel:
+            # it waits for rank 1 inside each round's collective)
+            time.sleep(1.0)
+        return super().__call__(x, sigma, **kw)
+
+    @classmethod
+    def paper(cls, *args, **kwargs):
+        if fault == "load" and rank == 1:
+            raise OSError("injected: rank 1 cannot load the model")
+        return super().paper(*args, **kwargs)
+
+
+specforest.models.GaussianMixture = Faulty
+real_write = gen_exp.atomic_write_text
+
+
+def write(path, text):
+    if fault == "merge" and rank == 0 and path == gen_exp.meta_path(gen_exp.Path(sys.argv[-1])):
+        raise OSError("injected: no space left on device while writing the JSON")
+    return real_write(path, text)
+
+
+gen_exp.atomic_write_text = write
+end = os.path.join(os.environ["SPECFOREST_ENDS"], f"rank{rank}")
+try:
+    main(sys.argv[1:], prog_name="specforest")
+except SystemExit as e:
+    open(end, "w").write(str(e.code))
+    raise
+except BaseException as e:
+    open(end, "w").write(type(e).__name__)
+    raise
+"""
+
+
+@pytest.fixture(scope="module")
+def faulty_cli(tmp_path_factory) -> Path:
+    script = tmp_path_factory.mktemp("faulty") / "faulty_cli.py"
+    script.write_text(FAULTY_CLI)
+    return script
+
+
+def _run_faulty(
+    script: Path, fault: str, tmp_path: Path, args: list
+) -> "tuple[subprocess.CompletedProcess, float, dict]":
+    """Two processes with ``fault``: the result, the job's wall time and each process's end."""
+    ends = Path(tempfile.mkdtemp(prefix=f"ends-{fault}-", dir=tmp_path))
+    t0 = time.perf_counter()
+    res = _torchrun(2, args, script=script, env={"SPECFOREST_FAULT": fault, "SPECFOREST_ENDS": str(ends)}, timeout=120)
+    seconds = time.perf_counter() - t0
+    return res, seconds, {p.name: p.read_text() for p in ends.iterdir()}
+
+
+def _no_temporary_files(root: Path) -> bool:
+    return not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("extra", [[], ["--tree-parallel"]], ids=["data-parallel", "tree-parallel"])
+def test_a_merge_failure_on_rank_0_stops_every_rank_and_resumes(extra, faulty_cli, reference, tmp_path):
+    out = tmp_path / "job.npz"
+    args = ["generate", "gmm", *GMM, "--count", "40", "--batch", "6", *extra, "--out", str(out)]
+    res, seconds, ends = _run_faulty(faulty_cli, "merge", tmp_path, args)
+    # the limit the command promises: every process gone within 30 s of a failure (here: of the start)
+    assert seconds < 30, seconds
+    assert res.returncode != 0 and ends == {"rank0": "1", "rank1": "1"}, (ends, res.stderr[-3000:])
+    assert "injected: no space left on device" in res.stderr
+    # rank 1 reports the failure of rank 0, not a broken connection
+    assert "process 1: the merge failed on process 0 of 2: OSError: injected" in res.stderr
+    # no output without its JSON, nothing half-written; the shards are all there
+    parts = Path(str(out) + ".parts")
+    assert not out.exists() and not out.with_suffix(".json").exists() and _no_temporary_files(tmp_path)
+    assert len(gen_exp.done_indices(out)) == 40
+    res = CliRunner().invoke(main, ["generate", "gmm", *GMM, "--count", "40", "--out", str(out), "--resume"])
+    assert res.exit_code == 0, res.output
+    arrays, meta = _load(out)
+    np.testing.assert_allclose(arrays["samples"], reference[0]["samples"], atol=1e-6, rtol=0)
+    assert meta["nfe"] == reference[1]["nfe"] and not parts.exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["--tree-parallel"]], ids=["data-parallel", "tree-parallel"])
+def test_a_model_error_on_rank_1_stops_every_rank_and_resumes(extra, faulty_cli, reference, tmp_path):
+    out = tmp_path / "job.npz"
+    args = ["generate", "gmm", *GMM, "--count", "40", "--batch", "2", *extra, "--out", str(out)]
+    res, seconds, ends = _run_faulty(faulty_cli, "sample", tmp_path, args)
+    # data-parallel, rank 0 sleeps 1 s a call: had it not been stopped, its share alone would take over 30 s
+    assert seconds < 30, seconds
+    assert res.returncode != 0 and ends.get("rank1") == "RuntimeError", (ends, res.stderr[-3000:])
+    assert ends.get("rank0") not in (None, "0"), (ends, res.stderr[-3000:])
+    assert "injected model error on rank 1" in res.stderr
+    assert not out.exists() and _no_temporary_files(tmp_path)
+    done = gen_exp.done_indices(out)
+    assert 0 < len(done) < 40  # rank 1 wrote shards before it failed, and the job is not complete
+    res = CliRunner().invoke(main, ["generate", "gmm", *GMM, "--count", "40", "--out", str(out), "--resume"])
+    assert res.exit_code == 0, res.output
+    arrays, meta = _load(out)
+    np.testing.assert_allclose(arrays["samples"], reference[0]["samples"], atol=1e-6, rtol=0)
+    assert meta["nfe"] == reference[1]["nfe"]
+
+
+def test_a_complete_job_has_nothing_to_do_and_loads_no_model(faulty_cli, tmp_path, monkeypatch):
+    out = tmp_path / "job.npz"
+    args = ["generate", "gmm", *GMM, "--count", "3", "--out", str(out)]
+    loads = []
+    real = gen_exp._model
+    monkeypatch.setattr(gen_exp, "_model", lambda *a, **k: loads.append(1) or real(*a, **k))
+    assert CliRunner().invoke(main, args).exit_code == 0 and loads == [1]
+    res = CliRunner().invoke(main, [*args, "--resume"])
+    assert res.exit_code == 0 and "nothing to do" in res.output and loads == [1]
+    # two processes, one of which cannot load the model: a complete job never tries
+    res, _, ends = _run_faulty(faulty_cli, "load", tmp_path, [*args, "--resume"])
+    assert res.returncode == 0 and ends == {"rank0": "0", "rank1": "0"}, res.stderr[-3000:]
+    assert "nothing to do" in res.stderr
+    # the same processes on a job still to do: rank 1 fails to load it, and rank 0 stops with it
+    fresh = [*args[:-1], str(tmp_path / "fresh.npz")]
+    res, seconds, ends = _run_faulty(faulty_cli, "load", tmp_path, fresh)
+    assert seconds < 30 and ends == {"rank0": "1", "rank1": "1"}, (ends, res.stderr[-3000:])
+    assert "injected: rank 1 cannot load the model" in res.stderr
+    assert "process 0: loading the model failed on process 1 of 2: OSError: injected" in res.stderr

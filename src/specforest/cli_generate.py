@@ -131,6 +131,9 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
                 log=lambda s: click.echo(s, err=True) if rank == 0 else None,
             )
         )
+    except distributed.PeerError as e:
+        # another process failed: its own error is on its stderr; this one says which and exits non-zero too
+        raise click.ClickException(f"process {rank}: {e}") from e
     finally:
         signal.signal(signal.SIGTERM, previous)
         if distributed.is_distributed():

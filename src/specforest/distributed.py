@@ -15,6 +15,12 @@ specforest's own (every function takes the group, default the world):
   across the processes and the velocities gathered
   (:class:`specforest.target.Target`).
 
+A failure on one process must not leave the others waiting in a collective.
+:func:`agree` (and the :func:`together` block built on it) replaces a bare
+barrier at the points where the processes meet: each process brings its
+outcome, and if one failed, every process raises (:class:`PeerError` where it
+did not fail itself), so they all stop at the same step with the error in hand.
+
 :func:`init_from_env` is the command line's start-up under ``torchrun``: it
 initializes the default group from torchrun's environment (NCCL for CUDA,
 gloo otherwise) and is a no-op in a single process.
@@ -23,12 +29,28 @@ gloo otherwise) and is a no-op in a single process.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["broadcast_", "gather", "init_from_env", "is_distributed", "rank", "shard", "world_size"]
+__all__ = [
+    "PeerError",
+    "agree",
+    "broadcast_",
+    "gather",
+    "init_from_env",
+    "is_distributed",
+    "rank",
+    "shard",
+    "together",
+    "world_size",
+]
+
+
+class PeerError(RuntimeError):
+    """Another process of the group failed, or left, at a step all of them take together (:func:`agree`)."""
 
 
 def is_distributed() -> bool:
@@ -121,6 +143,72 @@ def gather(
     values = torch.cat([p[1] for p in parts if p[1].numel()]) if index.numel() else values[:0]
     order = torch.argsort(index)
     return index[order], values[order]
+
+
+def agree(step: str, error: Optional[BaseException] = None, value: Any = None, group: Any = None) -> list:
+    """A barrier that carries each process's outcome: every process's ``value``, or an error on every process.
+
+    Every process of ``group`` calls it at the same point of its program (it is one
+    ``all_gather_object``), passing the exception it met since the last such point,
+    if any. Then no process waits for one that failed: they all stop here.
+
+    Args:
+        step: what the processes were doing, for the messages (``"the merge"``).
+        error: this process's failure, or None.
+        value: a picklable value to share (e.g. statistics).
+        group: the process group (default: the world; one process without one).
+
+    Returns:
+        Every process's ``value``, by rank (``[value]`` without a group).
+
+    Raises:
+        error: on the process that passed it, once every process has arrived.
+        PeerError: on the other processes when some process passed an error, naming
+            the processes and the first error; or on every process when the collective
+            itself failed (a process left the job: it exited or its node is gone).
+    """
+    import torch.distributed as dist
+
+    if not is_distributed():
+        if error is not None:
+            raise error
+        return [value]
+    mine = (None if error is None else f"{type(error).__name__}: {error}", value)
+    parts: list = [None] * world_size(group)
+    try:
+        dist.all_gather_object(parts, mine, group=group)
+    except RuntimeError as e:  # gloo: "Connection closed by peer"; a timeout; NCCL: DistBackendError
+        if error is not None:
+            raise error from e
+        raise PeerError(f"{step}: another process left the job ({e})") from e
+    if error is not None:
+        raise error
+    failed = [r for r, (msg, _) in enumerate(parts) if msg is not None]
+    if failed:
+        who = "process" if len(failed) == 1 else "processes"
+        raise PeerError(f"{step} failed on {who} {', '.join(map(str, failed))} of {len(parts)}: {parts[failed[0]][0]}")
+    return [v for _, v in parts]
+
+
+@contextmanager
+def together(step: str, group: Any = None) -> Iterator[None]:
+    """A block every process of ``group`` runs, then leaves together: if it raised anywhere, it raises everywhere.
+
+    ``with together("the merge"): ...`` is :func:`agree` with the block's exception.
+    The block must not itself use ``group``: a process that raised before such a
+    collective would meet the others inside it. An interrupt (``KeyboardInterrupt``,
+    ``SystemExit``) is not held for the others: the process leaves at once, and the
+    others' :func:`agree` raises :class:`PeerError` when they see it gone.
+
+    Raises:
+        The block's exception on the process where it was raised; :class:`PeerError` on the others.
+    """
+    try:
+        yield
+    except Exception as e:
+        agree(step, e, group=group)
+    else:
+        agree(step, group=group)
 
 
 def init_from_env(device: Optional[str] = None) -> bool:

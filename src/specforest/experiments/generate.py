@@ -21,7 +21,11 @@ index (:func:`specforest.distributed.shard`) and runs them with continuous
 batching (:func:`specforest.generate`); rank 0 merges. With
 ``tree_parallel=True`` every process runs the same indices and each round's
 rows are split across them (:func:`specforest.sample`'s ``process_group``);
-rank 0 writes.
+rank 0 writes. The processes meet through
+:func:`specforest.distributed.together`, so a failure at a meeting (the
+output check, the model's loading, the merge) raises on every process; a
+failure while sampling ends its process, and the others stop as soon as they
+see it gone (torchrun's SIGTERM, or the next meeting).
 """
 
 from __future__ import annotations
@@ -301,11 +305,19 @@ def _diff(old: dict, new: dict) -> str:
     return ", ".join(f"{k}: {a.get(k)!r} on disk, {b.get(k)!r} now" for k in keys)
 
 
-def _barrier(group: Any = None) -> None:
-    if distributed.is_distributed():
-        import torch.distributed as dist
+def _control_group() -> Any:
+    """A gloo group over the job's processes for the steps they take together (None in one process).
 
-        dist.barrier(group)
+    Under NCCL a process waiting in a collective blocks inside the device
+    synchronisation, where a dead peer is never noticed (until NCCL's own timeout)
+    and torchrun's SIGTERM cannot unwind it. Over gloo the wait is on a socket, which
+    fails at once when the peer exits ("Connection closed by peer").
+    """
+    if not distributed.is_distributed():
+        return None
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
 
 
 def run_job(
@@ -339,29 +351,75 @@ def run_job(
     Raises:
         FileExistsError: if ``out`` (or its parts) exists without ``resume``.
         ValueError: if ``resume`` finds a job with other options, or on bad options.
+        specforest.distributed.PeerError: on the other processes, when one failed at a step
+            they take together (checking the output, loading the model, the merge) or left the job.
     """
     out = Path(out)
     batch = check_int("batch", batch, 1)
+    control = _control_group()
+    try:
+        return _run_job(
+            spec,
+            out,
+            control,
+            batch=batch,
+            resume=resume,
+            tree_parallel=tree_parallel,
+            device=device,
+            progress=progress,
+            log=log,
+            compile=compile,
+        )
+    finally:
+        if control is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(control)
+
+
+def _run_job(
+    spec: JobSpec,
+    out: Path,
+    control: Any,
+    *,
+    batch: int,
+    resume: bool,
+    tree_parallel: bool,
+    device: str,
+    progress: bool,
+    log: Callable[[str], None],
+    compile: bool,
+) -> GenerateResult:
+    """:func:`run_job` once the processes' control group exists.
+
+    The processes meet at the steps in ``together`` blocks (every process runs each of
+    them, in this order) and at the end of sampling: a failure there raises on every
+    process. A failure while sampling is not held for the others (they may be hours
+    from the next meeting): it ends this process, torchrun then stops the others with a
+    SIGTERM, and without torchrun they raise at the end of sampling, on finding it gone.
+    """
     rank = distributed.rank()
     # every rank checks, so that every rank raises the same error
-    complete = _check_start(out, spec, resume)
-    model = _model(spec, out, device)
+    with distributed.together("checking the output", control):
+        complete = _check_start(out, spec, resume)
     if complete:
-        _barrier()
-        if rank == 0:
-            _remove_parts(out)
+        with distributed.together("removing the parts", control):
+            if rank == 0:
+                _remove_parts(out)
         log(f"{out} is complete; nothing to do")
         return GenerateResult(out, 0, spec.count, float("nan"), 0, 0.0, True)
-    _barrier()
-    if rank == 0:
-        parts_dir(out).mkdir(parents=True, exist_ok=True)
-        if spec.model == "sd3":
-            out.mkdir(parents=True, exist_ok=True)
-        if not (parts_dir(out) / "options.json").exists():
-            atomic_write_text(parts_dir(out) / "options.json", json.dumps(spec.options(), indent=1) + "\n")
-    _barrier()
-    done = done_indices(out)
-    _barrier()  # every rank has read the shards before any writes more
+    with distributed.together("loading the model", control):
+        model = _model(spec, out, device)
+    with distributed.together("writing the options", control):
+        if rank == 0:
+            parts_dir(out).mkdir(parents=True, exist_ok=True)
+            if spec.model == "sd3":
+                out.mkdir(parents=True, exist_ok=True)
+            if not (parts_dir(out) / "options.json").exists():
+                atomic_write_text(parts_dir(out) / "options.json", json.dumps(spec.options(), indent=1) + "\n")
+    # every rank has read the shards before any writes more
+    with distributed.together("reading the shards", control):
+        done = done_indices(out)
     todo = torch.tensor([i for i in range(spec.count) if i not in done], dtype=torch.long)
     mine = todo if tree_parallel else distributed.shard(todo)
     writer = rank == 0 or not tree_parallel
@@ -433,19 +491,19 @@ def run_job(
         bar.close()
     seconds = time.perf_counter() - t0
     occ = gen.stats.occupancy
-    stats = [(produced, gen.stats.rounds, gen.stats.slot_rounds, seconds, gen.stats.slots)]
-    if distributed.is_distributed():
-        import torch.distributed as dist
-
-        allstats: list = [None] * distributed.world_size()
-        dist.all_gather_object(allstats, stats[0])
-        stats = allstats
-    _barrier()
+    # the shards are all written once every process is here
+    stats = distributed.agree(
+        "sampling",
+        value=(produced, gen.stats.rounds, gen.stats.slot_rounds, seconds, gen.stats.slots),
+        group=control,
+    )
+    with distributed.together("the merge", control):
+        if rank == 0:
+            run = {"device": device, "compiled": bool(compile), "threads": torch.get_num_threads()}
+            world = distributed.world_size()
+            merge(out, spec, batch=batch, world=world, tree_parallel=tree_parallel, stats=stats, run=run)
     if rank == 0:
-        run = {"device": device, "compiled": bool(compile), "threads": torch.get_num_threads()}
-        merge(out, spec, batch=batch, world=distributed.world_size(), tree_parallel=tree_parallel, stats=stats, run=run)
         log(f"wrote {out} and {meta_path(out)}")
-    _barrier()
     return GenerateResult(out, produced, len(done), occ, gen.stats.rounds, seconds, True)
 
 
@@ -454,8 +512,10 @@ def merge(
 ) -> None:
     """Write the final ``out`` and ``out.json`` from the shards, check every index is there once, remove the parts.
 
+    An error leaves the shards in place and no output (``--resume`` merges again).
+
     Raises:
-        RuntimeError: if an index is missing (the shards are left in place).
+        RuntimeError: if an index is missing.
     """
     parts = parts_dir(out)
     chunks: dict = {}
@@ -496,7 +556,13 @@ def merge(
         "occupancy": busy / capacity if capacity else None,
         "per_process": [{"samples": s[0], "rounds": s[1], "seconds": round(s[3], 3)} for s in stats],
     }
-    atomic_write_text(meta_path(out), json.dumps(meta, indent=1) + "\n")
+    try:
+        atomic_write_text(meta_path(out), json.dumps(meta, indent=1) + "\n")
+    except BaseException:
+        # the JSON is what marks the output complete: without it, no output either (the shards stay)
+        if spec.model != "sd3":
+            out.unlink(missing_ok=True)
+        raise
     _remove_parts(out)
 
 
