@@ -308,10 +308,11 @@ def _diff(old: dict, new: dict) -> str:
 def _control_group() -> Any:
     """A gloo group over the job's processes for the steps they take together (None in one process).
 
-    Under NCCL a process waiting in a collective blocks inside the device
-    synchronisation, where a dead peer is never noticed (until NCCL's own timeout)
-    and torchrun's SIGTERM cannot unwind it. Over gloo the wait is on a socket, which
-    fails at once when the peer exits ("Connection closed by peer").
+    Under NCCL a process waiting in a collective would block inside a device
+    synchronisation, where a peer that exited goes unnoticed until NCCL's own timeout
+    (and a Python SIGTERM handler, such as the command's, cannot run inside a
+    collective). Over gloo the wait is on a socket, which fails at once when the peer
+    exits ("Connection closed by peer").
     """
     if not distributed.is_distributed():
         return None
