@@ -905,4 +905,4 @@ def test_tune_and_sd3_commands_choose_then_run_the_tuned_configuration(pipe, tmp
     gmm_file = tmp_path / "gmm.json"
     gmm_file.write_text(json.dumps({**data, "tuned_for": {"model": "gmm"}}))
     wrong = CliRunner().invoke(sd3_command, [*args[:-1], str(gmm_file)])
-    assert wrong.exit_code != 0 and "tuned for --model gmm" in wrong.output
+    assert wrong.exit_code != 0 and "--model sd3 here, gmm in the file" in wrong.output
