@@ -796,7 +796,7 @@ class Predictor:
     def _timed(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> tuple:
         key = self._key(tree, coupling, verify, draft)
         if key not in self._sampler_time:
-            self._warm_up(tree, coupling, draft)
+            self._warm_up(tree, coupling, draft, verify)
             # a run's first times at a batch size pay for growing the allocator and the caches
             # (the mixture's first two 64-trajectory chain runs: 45% and 25% more per round): a
             # cheap timing run is repeated, up to TIMING_RUNS, and the median of the runs after the
@@ -833,8 +833,8 @@ class Predictor:
             self._calls, self._by_rows = [], None
             self._sampler_time.clear()
             self._network_of.clear()
-        for tree, coupling, _, draft in todo.values():
-            self._warm_up(tree, coupling, draft)
+        for tree, coupling, verify, draft in todo.values():
+            self._warm_up(tree, coupling, draft, verify)
         runs: dict = {key: [] for key in todo}
         spent = dict.fromkeys(todo, 0.0)
         for turn in range(TIMING_RUNS):
@@ -847,8 +847,9 @@ class Predictor:
         for key, kept in runs.items():
             self._settle(key, kept, list(range(len(kept))))
 
-    def _warm_up(self, tree: Optional[DraftTree], coupling: str, draft: str) -> None:
-        """One-off costs (rule tables, first calls) are not per-round costs: one short run first."""
+    def _warm_up(self, tree: Optional[DraftTree], coupling: str, draft: str, verify: str = "internal") -> None:
+        """One-off costs (rule tables, first calls) are not per-round costs: one short run first (in the
+        configuration's verification mode, so that a run constrained to one mode never makes the other)."""
         if (coupling, draft) in self._warm:
             return
         sample(
@@ -859,6 +860,7 @@ class Predictor:
             tree=tree,
             coupling=coupling,
             draft=draft,
+            verify=verify,
             cond=_rows(self.cond, 1),
             seed=self.seed + 2,
             **self.sample_kwargs,
