@@ -130,16 +130,15 @@ def tune(**o) -> None:
 
     --model sd3 tunes a local StableDiffusion3Pipeline (--pipeline DIR) on the
     captions of --prompts FILE: its transformer with classifier-free guidance
-    on its scheduler's grid (by default the paper's run, as 'specforest sd3': T = 50, churn 0.8).
+    on its scheduler's grid (by default the paper's run, as 'specforest sd3').
 
     The JSON holds the configuration (tree as its parent list, coupling, verify,
     draft), predicted_seconds_per_image, predicted_speedup over the standard
     sampler, the cost curve and every candidate's prediction. The tuner measures
     with the thread count it sets (--threads).
 
-    Without --steps and --churn it tunes for the model's own command (gmm: T = 30,
-    churn 0.1; digits, as 'specforest pixel': T = 100, churn 0.3; sd3: T = 50,
-    churn 0.8). A command run with --tune FILE takes the file's steps, churn,
+    Without --steps and --churn it tunes at the model's own command defaults
+    (digits: those of 'specforest pixel'; see --steps and --churn). A command run with --tune FILE takes the file's steps, churn,
     batch, device and threads where they are not given, and refuses a run that
     differs from them.
     """
