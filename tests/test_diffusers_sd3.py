@@ -849,6 +849,20 @@ def test_tune_measures_the_pipeline_and_its_choice_runs(pipe):
     assert res.latents.shape == (1, 4, 4, 4) and torch.isfinite(res.latents).all()
 
 
+def test_tune_forwards_the_samplers_options_and_its_choice_checks_the_run(pipe):
+    kw = dict(num_inference_steps=6, height=8, width=8, max_sequence_length=SEQ, budget_max=3)
+    kw.update(drafts=("velocity",), calibration_images=1, max_memory_gb=1.0)
+    for name, value in (("grid", "uniform"), ("max_rows", 4), ("steps", 6)):
+        with pytest.raises(ValueError, match=f"{name} is set by this function"):
+            sd.tune(pipe, PROMPT, **kw, **{name: value})
+    tuned = sd.tune(pipe, PROMPT, verify="drafted", prefetch="parent", **kw)
+    assert tuned.verify == "drafted" and tuned.prefetch == "parent" and tuned.churn == 0.8
+    with pytest.raises(ValueError, match=r"steps 8 \(tuned for 6\)"):
+        sd.sample(pipe, PROMPT, num_inference_steps=8, generator=gen(0), **BASE, **tuned)
+    res = sd.sample(pipe, PROMPT, num_inference_steps=6, generator=gen(0), **BASE, **tuned)
+    assert res.config["prefetch"] == "parent" and torch.isfinite(res.latents).all()
+
+
 def test_tune_measures_no_call_larger_than_the_memory_limit(pipe, monkeypatch):
     """A tiny memory limit caps the cost curve's sizes (the sampler splits calls above it)."""
     from specforest import latency
@@ -905,4 +919,4 @@ def test_tune_and_sd3_commands_choose_then_run_the_tuned_configuration(pipe, tmp
     gmm_file = tmp_path / "gmm.json"
     gmm_file.write_text(json.dumps({**data, "tuned_for": {"model": "gmm"}}))
     wrong = CliRunner().invoke(sd3_command, [*args[:-1], str(gmm_file)])
-    assert wrong.exit_code != 0 and "tuned for --model gmm" in wrong.output
+    assert wrong.exit_code != 0 and "--model sd3 here, gmm in the file" in wrong.output

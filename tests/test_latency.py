@@ -11,7 +11,7 @@ from scipy import stats as sps
 
 import specforest
 from specforest import streams, trees
-from specforest.latency import CostCurve, Tuned, expected_steps, predict_seconds, steps_moments, tune
+from specforest.latency import CostCurve, Tuned, TunedFor, expected_steps, predict_seconds, steps_moments, tune
 from specforest.models import GaussianMixture
 
 
@@ -173,12 +173,15 @@ def test_a_tuned_configuration_runs_and_survives_json(gmm):
         drafts=("velocity",),
         budget_max=6,
     )
-    assert set(tuned) == {"tree", "coupling", "verify", "draft"}
+    assert set(tuned) == {"tree", "coupling", "verify", "draft", "prefetch", "tuned_for"}
+    assert set(tuned.options()) == {"tree", "coupling", "verify", "draft", "prefetch"}
+    assert tuned.tuned_for == TunedFor(steps=20, batch=2, churn=0.3)
     back = Tuned.from_json(json.loads(json.dumps(tuned.to_json())))
     assert back.label == tuned.label and back.predicted_seconds_per_image == tuned.predicted_seconds_per_image
     assert (back.tree is None) == (tuned.tree is None)
     if tuned.tree is not None:
         assert back.tree.parent.tolist() == tuned.tree.parent.tolist()
+    assert back.tuned_for == tuned.tuned_for and back.prefetch == tuned.prefetch
     out = specforest.sample(gmm, x[:2], steps=20, churn=0.3, seed=0, **back)
     assert torch.isfinite(out.samples).all() and math.isfinite(back.predicted_speedup)
     with pytest.raises(ValueError, match="batch must be in"):
@@ -255,18 +258,19 @@ def test_gmm_and_pixel_run_a_tuned_file(tmp_path, tree, coupling, method):
     tuned = _written_tuned(tree, coupling, "drafted")
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "gmm"})))
-    args = ["gmm", "--dim", "8", "--steps", "10", "--trajectories", "4", "--json", "--no-progress", "--threads", "1"]
+    # the file's steps (10) and batch (1 trajectory) where none are given
+    args = ["gmm", "--dim", "8", "--json", "--no-progress", "--threads", "1"]
     threads = torch.get_num_threads()
     try:
         res = CliRunner().invoke(main, [*args, "--tune", str(path)])
         assert res.exit_code == 0, res.output
         rec = json.loads(res.stdout)
-        assert rec["method"] == method
+        assert rec["method"] == method and rec["steps"] == 10 and rec["trajectories"] == 1
         if tree is not None:
             assert rec["verify"] == "drafted" and rec["draft"] == "x0"
             assert rec["budget"] == tree.budget
-        res = CliRunner().invoke(main, ["pixel", "--steps", "10", "--samples", "2", "--tune", str(path)])
-        assert res.exit_code != 0 and "tuned for --model gmm" in res.output
+        res = CliRunner().invoke(main, ["pixel", "--tune", str(path)])
+        assert res.exit_code != 0 and "--model digits here, gmm in the file" in res.output
     finally:
         torch.set_num_threads(threads)
 
@@ -285,10 +289,6 @@ def test_pixel_runs_a_tuned_tree(tmp_path):
             main,
             [
                 "pixel",
-                "--steps",
-                "10",
-                "--samples",
-                "2",
                 "--json",
                 "--no-progress",
                 "--threads",
@@ -302,6 +302,7 @@ def test_pixel_runs_a_tuned_tree(tmp_path):
     assert res.exit_code == 0, res.output
     rec = json.loads(res.stdout)
     assert rec["method"] == "dgrs" and rec["tree"] == "custom" and rec["budget"] == 4 and rec["draft"] == "x0"
+    assert rec["steps"] == 10 and rec["samples"] == 1
 
 
 def test_plan_tree_optimizes_latency_on_request(gmm):

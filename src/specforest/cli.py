@@ -14,6 +14,7 @@ import numpy as np
 
 from .cli_common import (
     CONTEXT,
+    MODEL_DEFAULTS,
     POSITIVE,
     apply_tuned,
     choice_list,
@@ -26,6 +27,7 @@ from .cli_common import (
     json_option,
     library_errors,
     method_option,
+    output_suffix,
     prefetch_option,
     progress_option,
     seed_option,
@@ -54,8 +56,8 @@ def _setting_options(f):
             help="Mixture components (>= 1).",
         ),
         click.option("--dim", type=click.IntRange(1), default=500, show_default=True, help="Dimension d (>= 1)."),
-        steps_option(30),
-        churn_option(0.1),
+        steps_option(MODEL_DEFAULTS["gmm"]["steps"]),
+        churn_option(MODEL_DEFAULTS["gmm"]["churn"]),
         click.option(
             "--trajectories",
             type=click.IntRange(1),
@@ -121,6 +123,7 @@ def main() -> None:
     "--dump-samples",
     type=click.Path(dir_okay=False, writable=True),
     default=None,
+    callback=output_suffix(".npz", what="an .npz archive"),
     help="Write the samples to this .npz (array 'samples', (trajectories, dim) float32).",
 )
 @progress_option()
@@ -146,8 +149,10 @@ def gmm(ctx: click.Context, **o) -> None:
                 f"options {', '.join(given)} belong to 'gmm' itself; put them after '{ctx.invoked_subcommand}'"
             )
         return
+    o, _ = apply_tuned(
+        o, "gmm", run={"batch": "trajectories", "dim": "dim", "components": "components"}, fixed={"device": "cpu"}
+    )
     set_threads(o["threads"])
-    o = apply_tuned(o, "gmm")
     setting = library_errors(lambda: _setting(o))
     run = library_errors(
         lambda: gmm_exp.simulate(
@@ -269,7 +274,12 @@ if __name__ == "__main__":  # pragma: no cover
 
 @gmm.command("drafts")
 @click.option(
-    "--out", type=click.Path(dir_okay=False), default="drafts.png", show_default=True, help="PNG file to write."
+    "--out",
+    type=click.Path(dir_okay=False),
+    default="drafts.png",
+    show_default=True,
+    callback=output_suffix(".png", what="a PNG image"),
+    help="PNG file to write.",
 )
 @click.option(
     "--model",
@@ -345,6 +355,7 @@ def couplings_table(as_json: bool, K_values: str, deltas: list[float]) -> None:
     type=click.Path(dir_okay=False),
     default="acceptance_landscape.png",
     show_default=True,
+    callback=output_suffix(".png", what="a PNG image"),
     help="PNG file to write.",
 )
 @click.option("--K-values", "K_values", default="1,2,4,8", show_default=True, help="Comma list of K (>= 1).")

@@ -10,7 +10,8 @@ Options that several commands take (``--prefetch``, ``--verify``, ``--draft``,
 from __future__ import annotations
 
 import math
-from typing import Callable, TypeVar
+from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import click
 
@@ -24,12 +25,17 @@ __all__ = [
     "CONTEXT",
     "POSITIVE",
     "LIBRARY_ERRORS",
+    "MODEL_DEFAULTS",
+    "SAMPLER_PARAMS",
+    "apply_tuned",
     "choice_list",
     "draft_option",
     "float_list",
     "int_list",
     "library_errors",
+    "output_suffix",
     "prefetch_option",
+    "read_tuned",
     "tree_options",
     "verify_option",
 ]
@@ -293,9 +299,32 @@ def compile_option():
     )
 
 
+MODEL_DEFAULTS = {
+    "gmm": {"steps": 30, "churn": 0.1},
+    "digits": {"steps": 100, "churn": 0.3},
+    "sd3": {"steps": 50, "churn": 0.8},
+}
+"""Grid steps and churn of each model's commands (``gmm``; ``pixel`` for ``digits``; ``sd3``; their
+``generate`` forms), which ``specforest tune --model M`` tunes at by default."""
+
+
+def output_suffix(*suffixes: str, what: str) -> Callable[[click.Context, click.Parameter, "str | None"], "str | None"]:
+    """A click callback refusing, before any work, an output path that does not end in one of ``suffixes``
+    (``what`` says what is written there)."""
+
+    def check(ctx, param, value: "str | None") -> "str | None":
+        if value is not None and Path(value).suffix.lower() not in suffixes:
+            raise click.BadParameter(f"must end in {' or '.join(suffixes)} ({what}), got {value!r}")
+        return value
+
+    return check
+
+
 def tune_option(
-    help: str = "A JSON written by 'specforest tune': its tree, coupling, verification mode and draft replace "
-    "--method/--K/--L/--tree/--verify/--draft.",
+    help: str = "A JSON written by 'specforest tune': its tree, coupling, verification mode, draft and prefetch "
+    "replace --method/--K/--L/--tree/--budget/--draft/--verify/--prefetch (giving any of them is an error). "
+    "--steps, --churn and the batch default to the file's; given, they must match it, as must the model, "
+    "the device and --threads (an error lists every difference).",
 ):
     """``--tune tuned.json``: run the configuration ``specforest tune`` chose."""
     return click.option("--tune", "tune_file", type=click.Path(exists=True, dir_okay=False), default=None, help=help)
@@ -303,12 +332,21 @@ def tune_option(
 
 _METHOD_OF = {"grs": "dgrs", "rank": "rank", "antithetic": "antithetic"}
 
+SAMPLER_PARAMS = ("method", "K", "L", "tree_mode", "budget", "draft", "verify", "prefetch")
+"""The parameters of the sampler options a ``--tune`` file replaces."""
 
-def read_tuned(path: str, model: str):
-    """The :class:`~specforest.latency.Tuned` of a file ``specforest tune`` wrote for ``model``.
+_GIVEN = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+
+_RUN_KEYS = ("steps", "churn", "batch", "device", "threads")
+"""What a tuned run records of itself, in the order its differences are listed (the model comes first)."""
+
+
+def read_tuned(path: str) -> "tuple[Any, dict]":
+    """The :class:`~specforest.latency.Tuned` of a file ``specforest tune`` wrote, and the run it was tuned
+    for: the file's ``tuned_for`` with its steps, batch and churn (``None`` where not recorded).
 
     Raises:
-        click.ClickException: if the file was tuned for another model or cannot be read.
+        click.ClickException: if the file cannot be read.
     """
     import json
 
@@ -317,29 +355,111 @@ def read_tuned(path: str, model: str):
     try:
         data = json.loads(open(path, encoding="utf-8").read())
         tuned = Tuned.from_json(data)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        made_for = dict(data.get("tuned_for") or {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise click.ClickException(f"--tune {path}: not a file written by 'specforest tune' ({e})") from e
-    made_for = data.get("tuned_for", {}).get("model")
-    if made_for is not None and made_for != model:
-        raise click.ClickException(f"--tune {path} was tuned for --model {made_for}, not {model}")
-    return tuned
+    made_for.update(steps=tuned.steps, batch=tuned.batch)
+    if tuned.churn is not None:
+        made_for["churn"] = tuned.churn
+    return tuned, made_for
 
 
-def apply_tuned(o: dict, model: str) -> dict:
-    """The options ``o`` with the sampler options of ``o["tune_file"]`` (tuned for ``model``) in place.
+def _differs(key: str, here: Any, there: Any) -> bool:
+    if key == "device":
+        # cuda:1 runs on the kind of device tuned for; the file records cpu or cuda
+        return str(here).split(":")[0] != str(there).split(":")[0]
+    if isinstance(here, (int, float)) and isinstance(there, (int, float)):
+        return not math.isclose(float(here), float(there), rel_tol=1e-9, abs_tol=1e-12)
+    return here != there
+
+
+def apply_tuned(
+    o: dict,
+    model: str,
+    *,
+    run: "dict[str, str] | None" = None,
+    fixed: "dict[str, Any] | None" = None,
+    sampler: bool = True,
+) -> "tuple[dict, Any]":
+    """Reconcile a command's options ``o`` with its ``--tune`` file (``o["tune_file"]``), tuned for ``model``.
+
+    The one place every command with ``--tune`` goes through. The file's sampler options
+    (tree, coupling, verify, draft, prefetch) replace the command's (:data:`SAMPLER_PARAMS`),
+    which must not be given on the command line. Each key of the tuned run (``steps``, ``churn``, ``batch``,
+    ``device``, ``threads``, ... as the file records them) that ``run`` maps to a parameter
+    of the command takes the file's value where that parameter was not given, and must
+    match it where it was; ``fixed`` holds the command's values of keys it has no option
+    for (``device="cpu"``). "Given" is click's parameter source: the command line or the
+    environment, whatever the value.
+
+    Args:
+        o: the command's parameters (click's names).
+        model: what ``specforest tune --model`` calls the command's model.
+        run: file key -> parameter name, beyond ``steps``, ``churn``, ``threads`` and ``device``
+            (which map to themselves when the command has them), e.g. ``{"batch": "samples"}``.
+        fixed: file key -> this command's value, for keys without an option.
+        sampler: replace the command's sampler options (``False``: the command runs the file's
+            configuration beside its own, as ``specforest sd3`` does, and keeps its options).
+
+    Returns:
+        ``(o, tuned)``: the options with the file's in place and the
+        :class:`~specforest.latency.Tuned`; ``(o, None)`` without ``--tune``.
 
     Raises:
-        click.ClickException: if the file was tuned for another model or cannot be read.
+        click.UsageError: naming every sampler option given beside ``--tune`` and every
+            difference between this run and the file's (model, steps, churn, batch, device,
+            threads, ...).
+        click.ClickException: if the file cannot be read.
     """
     path = o.get("tune_file")
     if not path:
-        return o
-    tuned = read_tuned(path, model)
-    o = dict(o, verify=tuned.verify, draft=tuned.draft, tree_mode="uniform", budget=None)
+        return o, None
+    ctx = click.get_current_context()
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    given = lambda name: ctx.get_parameter_source(name) in _GIVEN  # noqa: E731
+    refused = [flags[n] for n in SAMPLER_PARAMS if sampler and n in flags and given(n)]
+    tuned, made_for = read_tuned(path)
+    o = dict(o)
+    diffs = []
+    if made_for.get("model") not in (None, model):
+        diffs.append(f"--model {model} here, {made_for['model']} in the file")
+    names = {k: k for k in _RUN_KEYS if k in flags}
+    names.update(run or {})
+    fixed = fixed or {}
+    rank = lambda k: _RUN_KEYS.index(k) if k in _RUN_KEYS else len(_RUN_KEYS)  # noqa: E731
+    for key in sorted({*names, *fixed}, key=lambda k: (rank(k), k)):
+        there = made_for.get(key)
+        if there is None:
+            continue
+        if key in fixed:
+            if _differs(key, fixed[key], there):
+                diffs.append(f"{key} {fixed[key]} here (this command's only one), {there} in the file")
+            continue
+        name = names[key]
+        if not given(name):
+            o[name] = there
+        elif _differs(key, o[name], there):
+            diffs.append(f"{flags[name]} {o[name]} here, {there} in the file")
+    problems = []
+    if refused:
+        problems.append(
+            f"{', '.join(refused)} cannot be given with --tune: the file sets the sampler "
+            f"({tuned.label}); leave {'it' if len(refused) == 1 else 'them'} out, or run without --tune"
+        )
+    if diffs:
+        problems.append(
+            f"--tune {path} was tuned for another run: {'; '.join(diffs)}. Leave those options out to take "
+            "the file's values, or tune again for this run"
+        )
+    if problems:
+        raise click.UsageError(". ".join(problems))
+    if not sampler:
+        return o, tuned
+    o.update(verify=tuned.verify, draft=tuned.draft, prefetch=tuned.prefetch, tree_mode="uniform", budget=None)
     if tuned.tree is None:
         o.update(method="standard")
     elif tuned.coupling == "rmc":
         o.update(method="rmc", K=1, L=tuned.tree.budget)
     else:
         o.update(method=_METHOD_OF.get(tuned.coupling, "dgrs"), tree_mode=tuned.tree)
-    return o
+    return o, tuned

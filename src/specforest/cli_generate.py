@@ -12,35 +12,50 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
 from . import distributed
 from .cli_common import (
     CONTEXT,
+    MODEL_DEFAULTS,
+    apply_tuned,
     churn_option,
     compile_option,
     draft_option,
     grid_option,
     library_errors,
     method_option,
+    output_suffix,
     prefetch_option,
     progress_option,
     set_threads,
     steps_option,
     threads_option,
     tree_size_options,
+    tune_option,
     verify_option,
 )
 from .cli_sd3 import pipeline_options
 from .experiments import generate as gen_exp
 from .experiments.common import METHODS
+from .trees import DraftTree
 
 __all__ = ["generate"]
 
 
-def _job_options(K: int, L: int, steps: int, churn: float, device: bool = True):
-    """The options every ``generate`` model takes: the sampler's and the job's."""
+def _folder(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """``--out`` of an SD3 job: a folder, and ``OUT.json`` beside it must not be ``OUT`` itself."""
+    if Path(value).suffix.lower() in (".npz", ".json"):
+        raise click.BadParameter(f"must be a folder for the PNGs, not an {Path(value).suffix} file, got {value!r}")
+    return value
+
+
+def _job_options(model: str, K: int, L: int, device: bool = True):
+    """The options every ``generate`` model takes: the sampler's and the job's (``model``: as ``specforest tune``
+    names it, whose command defaults the grid takes)."""
+    steps, churn = MODEL_DEFAULTS[model]["steps"], MODEL_DEFAULTS[model]["churn"]
 
     def wrap(f):
         opts = [
@@ -64,6 +79,7 @@ def _job_options(K: int, L: int, steps: int, churn: float, device: bool = True):
                 "--out",
                 type=click.Path(),
                 required=True,
+                callback=_folder if model == "sd3" else output_suffix(".npz", what="an .npz archive"),
                 help="The output: an .npz (gmm, pixel) or a folder of PNGs (sd3); PATH.json is written beside it "
                 "and PATH.parts/ holds the shards until the end.",
             ),
@@ -85,6 +101,7 @@ def _job_options(K: int, L: int, steps: int, churn: float, device: bool = True):
             progress_option(),
             threads_option(),
             compile_option(),
+            tune_option(),
         ]
         if device:
             opts.append(
@@ -110,6 +127,10 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
         raise click.BadParameter(f"--seed must be >= 0, got {o['seed']}", param_hint="--seed")
     set_threads(o["threads"])
     sampler = {k: o[k] for k in ("method", "K", "L", "steps", "churn", "grid", "prefetch", "verify", "draft")}
+    tree = o.get("tree_mode")
+    if isinstance(tree, DraftTree):
+        # a tuned tree, kept as its parent list (K and L: its widest node and its depth)
+        sampler.update(tree=tree.parent.tolist(), K=tree.max_children, L=tree.L)
     if callable(model_options):
         model_options = library_errors(model_options)
     spec = library_errors(lambda: gen_exp.JobSpec(model, o["count"], o["seed"], sampler, model_options))
@@ -158,26 +179,28 @@ def generate() -> None:
 
 
 @generate.command("gmm", context_settings=CONTEXT)
-@_job_options(K=2, L=3, steps=30, churn=0.1)
+@_job_options("gmm", K=2, L=3)
 @click.option("--dim", type=click.IntRange(1), default=500, show_default=True, help="Dimension d (>= 1).")
 @click.option("--components", type=click.IntRange(1), default=5, show_default=True, help="Mixture components (>= 1).")
 @click.option("--mixture-seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the mixture.")
-def generate_gmm(dim: int, components: int, mixture_seed: int, **o) -> None:
+def generate_gmm(**o) -> None:
     """Samples of the paper's Gaussian mixture (Sec. 5.1): an .npz with samples (M, dim) and index."""
-    _run("gmm", o, {"dim": dim, "components": components, "mixture_seed": mixture_seed})
+    o, _ = apply_tuned(o, "gmm", run={"dim": "dim", "components": "components"})
+    _run("gmm", o, {k: o.pop(k) for k in ("dim", "components", "mixture_seed")})
 
 
 @generate.command("pixel", context_settings=CONTEXT)
-@_job_options(K=2, L=3, steps=100, churn=0.3)
+@_job_options("digits", K=2, L=3)
 def generate_pixel(**o) -> None:
     """Class-conditional 8x8 digits from the shipped model: an .npz with samples (M, 1, 8, 8), index and labels."""
+    o, _ = apply_tuned(o, "digits")
     _run("pixel", o, {})
 
 
 @generate.command("sd3", context_settings=CONTEXT)
-@_job_options(K=2, L=2, steps=50, churn=0.8, device=False)
+@_job_options("sd3", K=2, L=2, device=False)
 @pipeline_options
-def generate_sd3(model: str, prompts_file: str, num_prompts, guidance, shift, height, width, max_sequence_length, **o):
+def generate_sd3(**o):
     """Images from a local StableDiffusion3Pipeline: image i has caption i mod n; OUT is a folder of PNGs by index.
 
     The latents and all the sampling noise of image i come from (--seed, i); OUT.json holds the options and
@@ -185,6 +208,10 @@ def generate_sd3(model: str, prompts_file: str, num_prompts, guidance, shift, he
     """
     import torch
 
+    o, _ = apply_tuned(o, "sd3", run={k: k for k in ("guidance", "shift", "height", "width")})
+    model, prompts_file, num_prompts = o.pop("model"), o.pop("prompts_file"), o.pop("num_prompts")
+    guidance, shift, height, width = (o.pop(k) for k in ("guidance", "shift", "height", "width"))
+    max_sequence_length = o.pop("max_sequence_length")
     device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     o["device"] = device
     dtype = o.pop("dtype") or ("float16" if device.startswith("cuda") else "float32")

@@ -16,6 +16,7 @@ import numpy as np
 
 from .cli_common import (
     CONTEXT,
+    MODEL_DEFAULTS,
     apply_tuned,
     choice_list,
     churn_option,
@@ -26,6 +27,7 @@ from .cli_common import (
     json_option,
     library_errors,
     method_option,
+    output_suffix,
     prefetch_option,
     progress_option,
     seed_option,
@@ -60,7 +62,7 @@ def _pairs(value: str) -> list[tuple[int, int]]:
 def _common(f):
     """Options shared by ``pixel`` and ``pixel sweep``."""
     opts = [
-        steps_option(100),
+        steps_option(MODEL_DEFAULTS["digits"]["steps"]),
         click.option(
             "--samples",
             type=click.IntRange(1),
@@ -83,7 +85,7 @@ def _common(f):
 @draft_option()
 @tree_options
 @tree_size_options(K=2, L=3)
-@churn_option(0.3)
+@churn_option(MODEL_DEFAULTS["digits"]["churn"])
 @_common
 @click.option(
     "--lazy",
@@ -95,6 +97,7 @@ def _common(f):
     "--dump-samples",
     type=click.Path(dir_okay=False, writable=True),
     default=None,
+    callback=output_suffix(".npz", what="an .npz archive"),
     help="Write an .npz with 'samples' (N, 1, 8, 8) float32 in [-1, 1] and 'labels' (N,).",
 )
 @progress_option()
@@ -121,8 +124,8 @@ def pixel(ctx: click.Context, **o) -> None:
                 f"options {', '.join(given)} belong to 'pixel' itself; put them after '{ctx.invoked_subcommand}'"
             )
         return
+    o, _ = apply_tuned(o, "digits", run={"batch": "samples"}, fixed={"device": "cpu"})
     set_threads(o["threads"])
-    o = apply_tuned(o, "digits")
     run = library_errors(
         lambda: pixel_exp.simulate(
             method=o["method"],

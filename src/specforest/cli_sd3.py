@@ -12,12 +12,13 @@ import torch
 
 from .cli_common import (
     CONTEXT,
+    MODEL_DEFAULTS,
+    apply_tuned,
     churn_option,
     int_list,
     library_errors,
     prefetch_option,
     progress_option,
-    read_tuned,
     seed_option,
     set_threads,
     steps_option,
@@ -134,8 +135,8 @@ def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> li
     help="Comma-separated D-GRS widths K (each >= 1); RMC runs a chain of B = K + ... + K^L for each.",
 )
 @click.option("--L", "L", type=click.IntRange(1), default=2, show_default=True, help="D-GRS depth L (>= 1).")
-@steps_option(50)
-@churn_option(0.8)
+@steps_option(MODEL_DEFAULTS["sd3"]["steps"])
+@churn_option(MODEL_DEFAULTS["sd3"]["churn"])
 @seed_option("latents and noise")
 @verify_option("drafted")
 @prefetch_option()
@@ -176,7 +177,12 @@ def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> li
 @click.option("--save-images", is_flag=True, help="Save every image under OUT/images/<configuration>/.")
 @progress_option("Progress bars on stderr.")
 @threads_option()
-@tune_option("A JSON written by 'specforest tune --model sd3': its configuration runs as one more, 'tuned'.")
+@tune_option(
+    "A JSON written by 'specforest tune --model sd3': its configuration (tree, coupling, verify, draft, "
+    "prefetch) runs as one more of the study, 'tuned'; --K-values/--L/--verify/--prefetch set the others. "
+    "--steps, --churn, --batch-size, --guidance, --shift, --height, --width, --device and --threads default "
+    "to the file's; given, they must match it (an error lists every difference)."
+)
 def sd3(**o) -> None:
     """Stable Diffusion 3 experiment of the paper (Section 5.3, Figure 5, Table 1).
 
@@ -186,8 +192,13 @@ def sd3(**o) -> None:
     score. Defaults are the paper's: 512x512, T=50, guidance 7, churn 0.8, shift 3, L=2,
     K=2..7. Writes OUT/results.json, OUT/results.csv and OUT/speedup_vs_K.png.
     """
+    o, tuned = apply_tuned(
+        o,
+        "sd3",
+        run={k: k for k in ("guidance", "shift", "height", "width")} | {"batch": "batch_size"},
+        sampler=False,
+    )
     set_threads(o.pop("threads"))
-    tuned = read_tuned(o["tune_file"], "sd3") if o["tune_file"] else None
     device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = o["dtype"] or ("float16" if device.startswith("cuda") else "float32")
 

@@ -14,17 +14,21 @@ import click
 
 from .atomic import atomic_write_text
 from .cli_common import (
+    CHURN,
     CONTEXT,
-    churn_option,
+    MODEL_DEFAULTS,
     library_errors,
+    output_suffix,
     progress_option,
     set_threads,
-    steps_option,
     threads_option,
 )
 from .cli_sd3 import tune_pipeline_options
 
 __all__ = ["tune"]
+
+_STEPS_SHOWN = ", ".join(f"{m} {d['steps']}" for m, d in MODEL_DEFAULTS.items())
+_CHURNS_SHOWN = ", ".join(f"{m} {d['churn']:g}" for m, d in MODEL_DEFAULTS.items())
 
 
 def _target(model: str, o: dict, n: int):
@@ -76,16 +80,41 @@ def _tune_sd3(o: dict, drafts: list):
 
 @click.command("tune", context_settings=CONTEXT)
 @click.option("--model", type=click.Choice(["gmm", "digits", "sd3"]), required=True, help="The target to tune for.")
-@steps_option(30)
-@churn_option(0.1)
-@click.option("--batch", type=click.IntRange(1), default=1, show_default=True, help="Images per run (>= 1).")
+@click.option(
+    "--steps",
+    type=click.IntRange(3),
+    default=None,
+    show_default=f"the model's command default: {_STEPS_SHOWN}",
+    help="Grid steps T (>= 3) of the run to tune for.",
+)
+@click.option(
+    "--churn",
+    type=CHURN,
+    default=None,
+    show_default=f"the model's command default: {_CHURNS_SHOWN}",
+    help="Churn eps in (0, 1] of the run to tune for.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Trajectories per run (>= 1): the run's --trajectories (gmm), --samples (pixel), --batch-size (sd3) "
+    "or --batch (generate).",
+)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--dim", type=click.IntRange(1), default=500, show_default=True, help="gmm: dimension.")
 @click.option("--components", type=click.IntRange(1), default=5, show_default=True, help="gmm: components.")
 @click.option("--mixture-seed", type=click.IntRange(0), default=0, show_default=True, help="gmm: mixture seed.")
 @click.option("--drafts", default="velocity,x0", show_default=True, help="Comma list of draft kinds to consider.")
 @click.option("--budget-max", type=click.IntRange(1), default=62, show_default=True, help="Largest budget tried.")
-@click.option("--out", type=click.Path(dir_okay=False), required=True, help="The JSON to write.")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    required=True,
+    callback=output_suffix(".json", what="a JSON file"),
+    help="The JSON to write.",
+)
 @tune_pipeline_options
 @click.option(
     "--max-memory-gb",
@@ -101,15 +130,23 @@ def tune(**o) -> None:
 
     --model sd3 tunes a local StableDiffusion3Pipeline (--pipeline DIR) on the
     captions of --prompts FILE: its transformer with classifier-free guidance
-    on its scheduler's grid (use --steps 50 --churn 0.8 for the paper's run).
+    on its scheduler's grid (by default the paper's run, as 'specforest sd3').
 
     The JSON holds the configuration (tree as its parent list, coupling, verify,
     draft), predicted_seconds_per_image, predicted_speedup over the standard
     sampler, the cost curve and every candidate's prediction. The tuner measures
     with the thread count it sets (--threads).
+
+    Without --steps and --churn it tunes at the model's own command defaults
+    (digits: those of 'specforest pixel'; see --steps and --churn). A command run with --tune FILE takes the file's steps, churn,
+    batch, device and threads where they are not given, and refuses a run that
+    differs from them.
     """
     from .latency import tune as tune_fn
 
+    for key in ("steps", "churn"):
+        if o[key] is None:
+            o[key] = MODEL_DEFAULTS[o["model"]][key]
     threads = set_threads(o["threads"])
     drafts = [d.strip() for d in o["drafts"].split(",") if d.strip()]
     if o["model"] == "sd3":
@@ -117,7 +154,9 @@ def tune(**o) -> None:
     else:
         res = _tune_small(o, drafts, tune_fn)
     data = res.to_json()
-    keys = ("model", "steps", "churn", "batch", "device", "dim", "components")
+    keys = ("model", "steps", "churn", "batch", "device")
+    if o["model"] == "gmm":
+        keys += ("dim", "components")
     if o["model"] == "sd3":
         keys = ("model", "steps", "churn", "batch", "device", "guidance", "shift", "height", "width")
     data["tuned_for"] = {k: o[k] for k in keys}

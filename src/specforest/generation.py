@@ -28,7 +28,17 @@ import torch
 
 from . import engine, streams
 from .distributed import broadcast_
-from .sampler import RunSpec, SampleStats, VelocityFn, prepare, returned, stats_of, step_keys
+from .sampler import (
+    RunSpec,
+    SampleStats,
+    TunedFor,
+    VelocityFn,
+    check_tuned_for,
+    prepare,
+    returned,
+    stats_of,
+    step_keys,
+)
 from .target import outside_inference
 from .validation import check_int
 
@@ -243,7 +253,7 @@ def generate(
     make_x: Callable[[torch.Tensor], torch.Tensor],
     make_cond: Optional[Callable[[torch.Tensor], dict]] = None,
     seed: int,
-    batch: int = 64,
+    batch: Optional[int] = None,
     steps: Optional[int] = None,
     churn: float,
     sigmas: Optional[torch.Tensor] = None,
@@ -259,6 +269,7 @@ def generate(
     lazy: bool = False,
     process_group: Any = None,
     pad_rows: Any = None,
+    tuned_for: Optional[TunedFor] = None,
 ) -> Generation:
     """Sample many indices through ``batch`` slots, refilling each slot the round it finishes.
 
@@ -277,11 +288,13 @@ def generate(
             (e.g. ``lambda i: streams.randn(seed, i, shape)``).
         make_cond: ``make_cond(idx) -> dict`` of per-trajectory conditioning, one row per index.
         seed: the job's seed (an int).
-        batch: slots in flight, ``>= 1``.
+        batch: slots in flight, ``>= 1`` (default 64, or the tuned batch with ``tuned_for``).
         process_group: tree-parallel verification (see :func:`specforest.sample`);
             every process of the group must make the same call.
         steps, churn, sigmas, grid, shift, tree, coupling, draft, prefetch, verify,
             max_rows, model_kwargs, lazy, pad_rows: as in :func:`specforest.sample`.
+        tuned_for: the run a tuned configuration was chosen for, as in :func:`specforest.sample`
+            (``generate(model, ..., **tuned)``); the slots ``batch`` are its batch.
 
     Returns:
         A :class:`Generation`: iterate it; its ``stats`` (rounds, occupancy, time)
@@ -310,7 +323,10 @@ def generate(
             raise ValueError("indices must not repeat: each index is one sample")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if batch is None:
+        batch = 64 if tuned_for is None or not isinstance(tuned_for, TunedFor) else tuned_for.batch
     batch = check_int("batch", batch, 1)
+    steps = check_tuned_for(tuned_for, steps=steps, sigmas=sigmas, churn=churn, batch=batch, batch_name="slots")
     if not callable(make_x):
         raise TypeError("make_x must be callable as make_x(indices) -> (n, *shape) states")
     if make_cond is not None and not callable(make_cond):

@@ -47,8 +47,8 @@ import torch
 
 from .engine import PREFETCH_POLICIES
 from .planning import acceptance_model
-from .sampler import sample
-from .trees import DraftTree, chain, from_parents, optimal, uniform
+from .sampler import TunedFor, pad_sizes, sample
+from .trees import VERIFY_MODES, DraftTree, chain, from_parents, optimal, uniform
 from .validation import check_int
 
 __all__ = [
@@ -56,7 +56,9 @@ __all__ = [
     "CostCurve",
     "Predictor",
     "RoundCost",
+    "SAMPLE_OPTIONS",
     "Tuned",
+    "TunedFor",
     "expected_steps",
     "measure_cost_curve",
     "predict_seconds",
@@ -69,6 +71,7 @@ CURVE_PASSES = 3
 DEFAULT_SIZES = tuple(2**k for k in range(10))
 """Row counts the cost curve is measured at: 1, 2, 4, ..., 512."""
 
+_UNSET = object()
 _DETERMINISTIC = 2  # the first step (from noise level 1) and the last (into 0)
 
 _MIN_RECORDS = 8
@@ -125,6 +128,7 @@ def measure_cost_curve(
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = 7,
     progress: bool = False,
+    model_kwargs: Optional[dict] = None,
 ) -> CostCurve:
     """Time the target at each row count: the median of about ``repeats`` calls, made in
     :data:`CURVE_PASSES` passes over the sizes, each after an untimed call at that size.
@@ -137,6 +141,7 @@ def measure_cost_curve(
         sizes: ascending row counts.
         repeats: calls timed per size, ``>= 1``.
         progress: a progress bar over the sizes.
+        model_kwargs: keyword arguments of every call (as :func:`specforest.sample` passes them).
 
     Returns:
         A :class:`CostCurve` in seconds.
@@ -147,6 +152,8 @@ def measure_cost_curve(
     if not sizes or sizes[0] < 1:
         raise ValueError(f"sizes must be integers >= 1, got {sizes}")
     cond = cond or {}
+    if model_kwargs is not None and not isinstance(model_kwargs, dict):
+        raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -157,6 +164,7 @@ def measure_cost_curve(
         xb = x.expand(b, *x.shape[1:]).contiguous()
         sb = torch.full((b,), float(sigma), dtype=x.dtype, device=x.device)
         cb = {k: v.expand(b, *v.shape[1:]).contiguous() for k, v in cond.items()}
+        cb.update(model_kwargs or {})
         inputs.append((xb, sb, cb))
     # three passes over the sizes, each timing a few calls after an untimed one at that size: a
     # slow moment of a shared machine then costs a few calls of several sizes, which the medians
@@ -430,12 +438,16 @@ def _tree_to_json(tree: Optional[DraftTree]) -> Optional[list]:
 class Tuned(Mapping):
     """The configuration :func:`tune` chose, with its prediction; ``sample(model, x, **tuned)`` runs it.
 
-    As a mapping it holds :func:`specforest.sample`'s options ``tree``,
-    ``coupling``, ``verify`` and ``draft``.
+    As a mapping it holds :func:`specforest.sample`'s options ``tree``, ``coupling``,
+    ``verify``, ``draft`` and ``prefetch`` (:meth:`options`) and ``tuned_for``, the run
+    it was chosen for (a :class:`~specforest.sampler.TunedFor`: steps, batch, churn):
+    :func:`specforest.sample` then takes the tuned steps when given none and refuses a
+    run whose steps, churn or batch differ. ``sample(model, x, **tuned.options(), ...)``
+    runs the configuration without that check.
 
     Attributes:
         label: a short name (``standard``, ``RMC chain B=8``, ``D-GRS (2,3)``, ...).
-        tree, coupling, verify, draft: the options.
+        tree, coupling, verify, draft, prefetch: the options.
         batch: trajectories per run it was tuned for.
         steps: grid steps ``T``.
         predicted_seconds_per_image: predicted wall time per trajectory.
@@ -446,6 +458,7 @@ class Tuned(Mapping):
         candidates: every candidate's ``(label, predicted seconds per image, calls, sampler s/round)``.
         measured_speedup: the standard sampler's measured time over this one's in the final race
             of :func:`tune` (interleaved full runs), or ``None`` when there was no race.
+        churn: the churn it was tuned for (``None`` when read from a file written before it was kept).
     """
 
     label: str
@@ -462,18 +475,35 @@ class Tuned(Mapping):
     curve: CostCurve
     candidates: list = field(default_factory=list)
     measured_speedup: Optional[float] = None
+    churn: Optional[float] = None
+    prefetch: str = "nearest"
 
-    def _options(self) -> dict:
-        return {"tree": self.tree, "coupling": self.coupling, "verify": self.verify, "draft": self.draft}
+    def options(self) -> dict:
+        """The sampler options alone: ``tree``, ``coupling``, ``verify``, ``draft``, ``prefetch`` (no check)."""
+        return {
+            "tree": self.tree,
+            "coupling": self.coupling,
+            "verify": self.verify,
+            "draft": self.draft,
+            "prefetch": self.prefetch,
+        }
+
+    @property
+    def tuned_for(self) -> TunedFor:
+        """The run it was tuned for, as :func:`specforest.sample` checks it."""
+        return TunedFor(steps=self.steps, batch=self.batch, churn=self.churn)
+
+    def _mapping(self) -> dict:
+        return {**self.options(), "tuned_for": self.tuned_for}
 
     def __getitem__(self, key: str) -> Any:
-        return self._options()[key]
+        return self._mapping()[key]
 
     def __iter__(self):
-        return iter(self._options())
+        return iter(self._mapping())
 
     def __len__(self) -> int:
-        return 4
+        return len(self._mapping())
 
     def to_json(self) -> dict:
         """A JSON-able dict (the tree as its parent list)."""
@@ -483,8 +513,10 @@ class Tuned(Mapping):
             "coupling": self.coupling,
             "verify": self.verify,
             "draft": self.draft,
+            "prefetch": self.prefetch,
             "batch": self.batch,
             "steps": self.steps,
+            "churn": self.churn,
             "predicted_seconds_per_image": self.predicted_seconds_per_image,
             "predicted_speedup": self.predicted_speedup,
             "standard_seconds_per_image": self.standard_seconds_per_image,
@@ -496,16 +528,20 @@ class Tuned(Mapping):
 
     @classmethod
     def from_json(cls, d: dict) -> "Tuned":
-        """The inverse of :meth:`to_json`."""
+        """The inverse of :meth:`to_json`; a file written before ``churn`` and ``prefetch`` were kept
+        reads with ``churn=None`` (not checked) and ``prefetch="nearest"`` (what it was tuned with)."""
         tree = None if d["tree"] is None else from_parents(d["tree"])
         curve = CostCurve(tuple(d["cost_curve"]["sizes"]), tuple(d["cost_curve"]["seconds"]))
         keys = ("label", "coupling", "verify", "draft", "batch", "steps", "predicted_seconds_per_image")
         keys += ("predicted_speedup", "standard_seconds_per_image", "predicted_calls")
+        churn = d.get("churn")
         return cls(
             tree=tree,
             curve=curve,
             candidates=d.get("candidates", []),
             measured_speedup=d.get("measured_speedup"),
+            churn=None if churn is None else float(churn),
+            prefetch=d.get("prefetch", "nearest"),
             **{k: d[k] for k in keys},
         )
 
@@ -556,21 +592,23 @@ REPEAT_BELOW_SECONDS = 0.5
 """A configuration's timing run is repeated while its runs so far took less than this."""
 
 
-def _candidates(acc: Callable, budget_max: int, steps: int) -> list:
-    """``(label, tree, coupling, verify)`` considered by :func:`tune`."""
-    out: list = [("standard", None, "grs", "internal")]
+def _candidates(acc: Callable, budget_max: int, steps: int, verify: Optional[str] = None) -> list:
+    """``(label, tree, coupling, verify)`` considered by :func:`tune`; with ``verify`` given, every tree
+    is verified that way (the standard sampler verifies nothing)."""
+    tag = "" if verify in (None, "internal") else f" {verify}"
+    out: list = [("standard", None, "grs", verify or "internal")]
     for B in (2, 3, 4, 6, 8, 10, 14, 20, 30):
         if B <= min(budget_max, steps):
-            out.append((f"RMC chain B={B}", chain(B), "rmc", "internal"))
+            out.append((f"RMC chain B={B}{tag}", chain(B), "rmc", verify or "internal"))
     for K, L in ((2, 2), (2, 3), (2, 4), (3, 2), (3, 3), (4, 2)):
         t = uniform(K, L)
         if t.budget <= budget_max:
-            for verify in ("internal", "drafted"):
-                out.append((f"D-GRS ({K},{L}) {verify}", t, "grs", verify))
+            for mode in ("internal", "drafted") if verify is None else (verify,):
+                out.append((f"D-GRS ({K},{L}) {mode}", t, "grs", mode))
     for B in (6, 14, 30, 62):
         if B <= budget_max:
             t = optimal(acc, B, min(B, steps), kmax=8)
-            out.append((f"D-GRS optimal B={B}", t, "grs", "internal"))
+            out.append((f"D-GRS optimal B={B}{tag}", t, "grs", verify or "internal"))
     return out
 
 
@@ -603,6 +641,8 @@ class Predictor:
         self.steps, self.churn, self.batch = steps, churn, batch
         self.curve, self.acceptance, self.seed = curve, acceptance, seed
         self.sample_kwargs = sample_kwargs
+        # with pad_rows every call runs at one of these sizes: a call is priced at its padded rows
+        self._pads = pad_sizes(sample_kwargs.get("pad_rows"))
         self._sampler_time: dict = {}  # key -> (per round, per run outside the rounds, RoundCost)
         self._network_of: dict = {}  # key -> (seconds inside its timing runs' calls, their cost on the curve)
         self._calls: list = []  # (rows, seconds in a run / seconds on the curve) of every timed call
@@ -631,8 +671,18 @@ class Predictor:
     ) -> "Predictor":
         """Measure the cost curve (unless given) and calibrate acceptance per draft on a lazy chain.
 
-        Args: as in :func:`tune`.
+        Args: as in :func:`tune`; ``sample_kwargs`` are the options :func:`tune` passes to every run.
+
+        Raises:
+            ValueError: for a constraint (``verify``, ``draft``, ``coupling``: a predictor prices
+                every configuration; give the draft kinds as ``drafts``) or a refused option.
         """
+        constraints, sample_kwargs = _split_options(sample_kwargs)
+        if constraints:
+            raise ValueError(
+                f"{', '.join(constraints)}: a predictor prices every configuration; give the draft kinds as drafts= "
+                "and the rest to predict() or as constraints of tune()"
+            )
         batch = len(x) if batch is None else int(batch)
         if not 1 <= batch <= len(x):
             raise ValueError(f"batch must be in [1, {len(x)}] (rows of x), got {batch}")
@@ -645,8 +695,21 @@ class Predictor:
             if sample_kwargs.get("max_rows"):
                 # the sampler splits larger calls: measured up to there, extended linearly
                 top = min(top, int(sample_kwargs["max_rows"]))
-            sizes = tuple(s for s in (*DEFAULT_SIZES, 1024, 2048, 4096) if s <= top)
-            curve = measure_cost_curve(model, x[:1], cond=_rows(cond, 1), sizes=sizes, progress=progress)
+            pads = pad_sizes(sample_kwargs.get("pad_rows"))
+            if pads:
+                # every call runs at a padded size: those sizes, up to the first that holds the largest call
+                top = min(top, pads[-1])
+                sizes = tuple(p for i, p in enumerate(pads) if i == 0 or pads[i - 1] < top)
+            else:
+                sizes = tuple(s for s in (*DEFAULT_SIZES, 1024, 2048, 4096) if s <= top)
+            curve = measure_cost_curve(
+                model,
+                x[:1],
+                cond=_rows(cond, 1),
+                sizes=sizes,
+                progress=progress,
+                model_kwargs=sample_kwargs.get("model_kwargs"),
+            )
         n_cal = min(calibration_trajectories, len(x))
         acceptance: dict = {}
         # one calibration chain per draft and per coupling family: after a rejection RMC commits the
@@ -733,7 +796,7 @@ class Predictor:
     def _timed(self, tree: Optional[DraftTree], coupling: str, verify: str, draft: str) -> tuple:
         key = self._key(tree, coupling, verify, draft)
         if key not in self._sampler_time:
-            self._warm_up(tree, coupling, draft)
+            self._warm_up(tree, coupling, draft, verify)
             # a run's first times at a batch size pay for growing the allocator and the caches
             # (the mixture's first two 64-trajectory chain runs: 45% and 25% more per round): a
             # cheap timing run is repeated, up to TIMING_RUNS, and the median of the runs after the
@@ -770,8 +833,8 @@ class Predictor:
             self._calls, self._by_rows = [], None
             self._sampler_time.clear()
             self._network_of.clear()
-        for tree, coupling, _, draft in todo.values():
-            self._warm_up(tree, coupling, draft)
+        for tree, coupling, verify, draft in todo.values():
+            self._warm_up(tree, coupling, draft, verify)
         runs: dict = {key: [] for key in todo}
         spent = dict.fromkeys(todo, 0.0)
         for turn in range(TIMING_RUNS):
@@ -784,8 +847,9 @@ class Predictor:
         for key, kept in runs.items():
             self._settle(key, kept, list(range(len(kept))))
 
-    def _warm_up(self, tree: Optional[DraftTree], coupling: str, draft: str) -> None:
-        """One-off costs (rule tables, first calls) are not per-round costs: one short run first."""
+    def _warm_up(self, tree: Optional[DraftTree], coupling: str, draft: str, verify: str = "internal") -> None:
+        """One-off costs (rule tables, first calls) are not per-round costs: one short run first (in the
+        configuration's verification mode, so that a run constrained to one mode never makes the other)."""
         if (coupling, draft) in self._warm:
             return
         sample(
@@ -796,6 +860,7 @@ class Predictor:
             tree=tree,
             coupling=coupling,
             draft=draft,
+            verify=verify,
             cond=_rows(self.cond, 1),
             seed=self.seed + 2,
             **self.sample_kwargs,
@@ -938,11 +1003,22 @@ class Predictor:
         """``draft``, or the first calibrated draft when ``draft`` was not calibrated."""
         return draft if draft in self.drafts else self.drafts[0]
 
+    def call_seconds(self, rows: float) -> float:
+        """Seconds of one call of ``rows`` rows on the curve, as the sampler makes it: with ``pad_rows``,
+        split at the largest padded size (or ``max_rows``) and each part padded up."""
+        if not self._pads:
+            return self.curve(rows)
+        top = self._pads[-1]
+        chunk = min(int(self.sample_kwargs.get("max_rows") or top), top)
+        full, rest = divmod(max(int(math.ceil(rows)), 1), chunk)
+        padded = lambda m: next(p for p in self._pads if p >= m)  # noqa: E731
+        return full * self.curve(padded(chunk)) + (self.curve(padded(rest)) if rest else 0.0)
+
     def _simulate(self, tree, coupling: str, verify: str, draft: str, s_round, setup: float) -> tuple:
         """``(seconds per trajectory, calls)`` of :func:`predict_seconds` with this predictor's calibration."""
         a = None if tree is None else self.acceptance_bins(coupling, draft)
         seconds, calls = predict_seconds(
-            self.curve,
+            self.call_seconds if self._pads else self.curve,
             self.steps,
             self.batch,
             tree,
@@ -977,6 +1053,80 @@ def _rows(cond: Optional[dict], n: int) -> Optional[dict]:
     return None if cond is None else {k: v[:n] for k, v in cond.items()}
 
 
+SAMPLE_OPTIONS: "dict[str, str]" = {
+    # tune's own parameters, of the same name and meaning
+    "steps": "tuner",
+    "churn": "tuner",
+    "cond": "tuner",
+    "seed": "tuner",
+    "progress": "tuner",
+    # constraints on the search
+    "verify": "constraint",
+    "draft": "constraint",
+    "coupling": "constraint",
+    # passed to every run the tuner makes (model_kwargs also to every call of the cost curve)
+    "grid": "passed",
+    "shift": "passed",
+    "prefetch": "passed",
+    "max_rows": "passed",
+    "model_kwargs": "passed",
+    "pad_rows": "passed",
+    # refused, for the reasons of _REFUSED (lazy and record_deltas only when True)
+    "tree": "refused",
+    "sigmas": "refused",
+    "generator": "refused",
+    "sample_index": "refused",
+    "callback": "refused",
+    "process_group": "refused",
+    "tuned_for": "refused",
+    "lazy": "refused",
+    "record_deltas": "refused",
+}
+"""How :func:`tune` treats each option of :func:`specforest.sample` (``model`` and ``x`` aside):
+``tuner`` (its own parameter), ``constraint`` (restricts the search), ``passed`` (given to
+every run it makes) or ``refused`` (a ``ValueError`` that says why)."""
+
+_REFUSED = {
+    "tree": "the tree is what tune chooses (Predictor.predict prices one given tree)",
+    "sigmas": "give sigmas_for, the grid as a function of its steps: the timing runs are shorter than the run",
+    "generator": "the tuner's runs draw from its seed (give seed=)",
+    "sample_index": "it names the samples of a run, and the tuner's runs are its own",
+    "callback": "its own time would be timed as the sampler's",
+    "process_group": "the cost curve times one process's calls, not a tree-parallel group's",
+    "tuned_for": "it is what a Tuned passes to sample, not an option to tune with",
+    "lazy": "lazy=True is a cost simulation whose wall time is not a run's (the calibration chains are lazy already)",
+    "record_deltas": "the calibration chains record their deltas already; a timed run would pay for it",
+}
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # tensors compare elementwise
+        return False
+
+
+def _split_options(sample_kwargs: dict) -> "tuple[dict, dict]":
+    """``(constraints, passed)`` of the :func:`specforest.sample` options given to :func:`tune`.
+
+    Raises:
+        TypeError: for a name that is not an option of :func:`specforest.sample`.
+        ValueError: for a refused option, saying why.
+    """
+    unknown = sorted(k for k in sample_kwargs if SAMPLE_OPTIONS.get(k) not in ("constraint", "passed", "refused"))
+    if unknown:
+        raise TypeError(f"tune() got unexpected keyword argument(s) {', '.join(unknown)}: not options of sample")
+    constraints, passed = {}, {}
+    for k, v in sample_kwargs.items():
+        kind = SAMPLE_OPTIONS[k]
+        if kind == "refused":
+            if k in ("lazy", "record_deltas") and v is False:
+                continue  # what the timed runs do anyway
+            raise ValueError(f"tune does not take {k}: {_REFUSED[k]}")
+        (constraints if kind == "constraint" else passed)[k] = v
+    return constraints, passed
+
+
 def tune(
     model: Callable,
     x: torch.Tensor,
@@ -986,7 +1136,7 @@ def tune(
     cond: Optional[dict] = None,
     batch: Optional[int] = None,
     budget_max: int = 62,
-    drafts: Sequence[str] = ("velocity", "x0"),
+    drafts: Optional[Sequence[str]] = None,
     curve: Optional[CostCurve] = None,
     calibration_trajectories: int = 16,
     seed: int = 0,
@@ -1016,7 +1166,8 @@ def tune(
         cond: per-trajectory conditioning of ``x``'s rows.
         batch: trajectories per run to tune for (default ``len(x)``).
         budget_max: the largest budget considered.
-        drafts: the draft kinds considered (each calibrated on its own chain).
+        drafts: the draft kinds considered (each calibrated on its own chain; default
+            ``velocity`` and ``x0``, or the ``draft`` option alone).
         curve: a cost curve measured before (default: measured now).
         seed: seed of the calibration runs (independent of the real run's).
         progress: progress bars while measuring.
@@ -1037,12 +1188,72 @@ def tune(
             measurements carry the machine's drift (10-25% on a shared CPU); an interleaved
             race cancels most of it. 0, or a ``curve`` given rather than measured here: choose
             on the predictions alone.
-        sample_kwargs: further options of :func:`specforest.sample` (grid, prefetch, ...).
+        sample_kwargs: options of :func:`specforest.sample`, each treated as
+            :data:`SAMPLE_OPTIONS` says:
+
+            * constraints on the search: ``verify`` (every tree is verified that way:
+              ``verify="drafted"`` times only drafted verification), ``draft`` (a
+              registered draft name: only that draft is calibrated and considered; with
+              ``drafts`` given it must be one of them), ``coupling`` (``grs``: D-GRS trees
+              only, ``rmc``: RMC chains only; with ``couplings`` it must be one of them);
+            * passed to every run the tuner makes (calibration, timing, race), so that the
+              choice is made for the run that uses them: ``grid``, ``shift``, ``prefetch``
+              (recorded in :attr:`Tuned.prefetch`), ``max_rows`` (the curve is measured up to
+              it), ``model_kwargs`` (also given to every call of the cost curve), ``pad_rows``
+              (the curve is measured at the padded sizes and a call priced at its padded rows).
+              Give them to :func:`specforest.sample` again (all but ``prefetch``, which
+              ``**tuned`` carries);
+            * ``steps``, ``churn``, ``cond``, ``seed`` and ``progress`` are this function's own;
+            * refused with a ``ValueError`` that says why: ``tree`` (what is chosen),
+              ``sigmas`` (give ``sigmas_for``), ``generator`` and ``sample_index`` (the
+              tuner's runs draw from ``seed``), ``callback`` (its time would be timed),
+              ``process_group`` (the curve times one process), ``tuned_for``, and
+              ``lazy=True`` / ``record_deltas=True`` (``False`` is accepted: what the
+              timed runs do).
+
+            With a ``predictor``, a passed option must be the one it was calibrated with.
 
     Returns:
-        A :class:`Tuned`: ``sample(model, x, **tuned, ...)`` runs the choice.
+        A :class:`Tuned`: ``sample(model, x, **tuned, ...)`` runs the choice and checks the run
+        against the steps, churn and batch it was chosen for.
+
+    Raises:
+        TypeError: a keyword that is not an option of :func:`specforest.sample`.
+        ValueError: a refused option, a constraint outside the search (``coupling``
+            not ``grs`` or ``rmc``, ``draft`` not in ``drafts``), or a bad value, naming it.
     """
     race, race_repeats = check_int("race", race, 0), check_int("race_repeats", race_repeats, 1)
+    constraints, sample_kwargs = _split_options(sample_kwargs)
+    verify = constraints.get("verify")
+    if verify is not None and verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    draft = constraints.get("draft")
+    if draft is not None:
+        if not isinstance(draft, str):
+            raise TypeError(
+                "draft must be a registered draft name for tune (each draft is calibrated and recorded by name; "
+                f"register a draft model with specforest.register_draft), got {type(draft).__name__}"
+            )
+        if drafts is not None and draft not in drafts:
+            raise ValueError(f"draft={draft!r} is not one of drafts={list(drafts)}")
+        drafts = (draft,)
+    coupling = constraints.get("coupling")
+    if coupling is not None:
+        if coupling not in ("grs", "rmc"):
+            raise ValueError(
+                f"coupling must be 'grs' (D-GRS trees) or 'rmc' (RMC chains), what tune searches; got {coupling!r}"
+            )
+        if couplings is not None and coupling not in couplings:
+            raise ValueError(f"coupling={coupling!r} is not one of couplings={list(couplings)}")
+        couplings = (coupling,)
+    if predictor is not None:
+        differ = [k for k, v in sample_kwargs.items() if not _same(v, predictor.sample_kwargs.get(k, _UNSET))]
+        if differ:
+            raise ValueError(
+                f"{', '.join(differ)}: the predictor was calibrated with other values; give them to Predictor.calibrate"
+            )
+        if draft is not None and draft not in predictor.drafts:
+            raise ValueError(f"draft={draft!r} was not calibrated by the predictor (it has {predictor.drafts})")
     if sigmas_for is not None and not callable(sigmas_for):
         raise TypeError(
             f"sigmas_for must be callable as sigmas_for(steps) -> (steps + 1,) noise levels, got {sigmas_for!r}"
@@ -1054,7 +1265,7 @@ def tune(
         churn=churn,
         cond=cond,
         batch=batch,
-        drafts=drafts,
+        drafts=("velocity", "x0") if drafts is None else drafts,
         budget_max=budget_max,
         curve=curve,
         calibration_trajectories=calibration_trajectories,
@@ -1063,8 +1274,8 @@ def tune(
         sigmas_for=sigmas_for,
         **sample_kwargs,
     )
-    drafts = pred.drafts
-    cands = _candidates(pred.acceptance_of("grs", drafts[0]), budget_max, pred.steps)
+    drafts = pred.drafts if draft is None else [draft]
+    cands = _candidates(pred.acceptance_of("grs", drafts[0]), budget_max, pred.steps, verify)
     if couplings is not None:
         cands = [c for c in cands if c[1] is None or c[2] in couplings]
     runs = [(label, tree, coupling, verify, draft) for label, tree, coupling, verify in cands for draft in drafts]
@@ -1154,6 +1365,8 @@ def tune(
         curve=pred.curve,
         candidates=table,
         measured_speedup=measured[standard[3]] / measured[best[3]] if measured else None,
+        churn=float(pred.churn),
+        prefetch=pred.sample_kwargs.get("prefetch", "nearest"),
     )
 
 

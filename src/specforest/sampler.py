@@ -39,7 +39,17 @@ from .sde import ReverseSDE, flow_match_grid, uniform_grid
 from .target import Target, outside_inference
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 
-__all__ = ["PREFETCH_POLICIES", "RunSpec", "SampleResult", "SampleStats", "prepare", "sample", "standard_sample"]
+__all__ = [
+    "PREFETCH_POLICIES",
+    "RunSpec",
+    "SampleResult",
+    "SampleStats",
+    "TunedFor",
+    "check_tuned_for",
+    "prepare",
+    "sample",
+    "standard_sample",
+]
 
 GRIDS = ("flow_match", "uniform")
 
@@ -198,6 +208,77 @@ def _check_cond(cond, B: int) -> dict:
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(f"cond[{k!r}] must be a tensor with one row per trajectory ({B}, ...), got {got}")
     return dict(cond)
+
+
+@dataclass(frozen=True)
+class TunedFor:
+    """The run a tuned configuration was chosen for, as :func:`sample` checks it.
+
+    A :class:`~specforest.latency.Tuned` passes one as ``tuned_for`` with its
+    options (``sample(model, x, **tuned)``): the measured choice holds only for the
+    grid, churn and batch it was measured at.
+
+    Attributes:
+        steps: grid steps ``T``.
+        batch: trajectories per run (rows of ``x``; slots of :func:`specforest.generate`).
+        churn: the churn, or ``None`` where it was not recorded (files written before it was).
+    """
+
+    steps: int
+    batch: int
+    churn: Optional[float] = None
+
+
+def check_tuned_for(
+    tuned_for: Optional[TunedFor],
+    *,
+    steps: Optional[int],
+    sigmas: Optional[torch.Tensor],
+    churn: Any,
+    batch: Optional[int],
+    batch_name: str = "rows of x",
+) -> Optional[int]:
+    """The steps of a run given with ``tuned_for``: its own, or the tuned run's when neither ``steps``
+    nor ``sigmas`` is given.
+
+    Args:
+        tuned_for: the tuned run (``None``: nothing is checked, ``steps`` is returned).
+        steps, sigmas, churn: the run's options, as given to :func:`sample`.
+        batch: the run's trajectories (``None``: not checked).
+        batch_name: what ``batch`` counts, for the message.
+
+    Raises:
+        TypeError: if ``tuned_for`` is not a :class:`TunedFor`.
+        ValueError: listing every difference between the run and the tuned one.
+    """
+    if tuned_for is None:
+        return steps
+    if not isinstance(tuned_for, TunedFor):
+        raise TypeError(
+            f"tuned_for must be a specforest.sampler.TunedFor (passed by sample(model, x, **tuned)) or None, "
+            f"got {type(tuned_for).__name__}"
+        )
+    diffs = []
+    run_steps = steps if sigmas is None else len(sigmas) - 1
+    if run_steps is None:
+        steps = tuned_for.steps
+    elif run_steps != tuned_for.steps:
+        diffs.append(f"steps {run_steps} (tuned for {tuned_for.steps})")
+    if (
+        tuned_for.churn is not None
+        and isinstance(churn, (int, float))
+        and not math.isclose(float(churn), tuned_for.churn, rel_tol=1e-9, abs_tol=1e-12)
+    ):
+        diffs.append(f"churn {churn:g} (tuned for {tuned_for.churn:g})")
+    if batch is not None and batch != tuned_for.batch:
+        diffs.append(f"{batch} {batch_name} (tuned for {tuned_for.batch})")
+    if diffs:
+        raise ValueError(
+            "the tuned configuration was chosen for another run: "
+            + "; ".join(diffs)
+            + ". Run it as tuned, tune again for this run, or pass tuned.options() to run the configuration unchecked"
+        )
+    return steps
 
 
 @dataclass(frozen=True)
@@ -433,6 +514,7 @@ def sample(
     record_deltas: bool = False,
     process_group: Any = None,
     pad_rows: "Optional[str | Sequence[int]]" = None,
+    tuned_for: Optional[TunedFor] = None,
 ) -> SampleResult:
     """Sample the churned reverse SDE exactly, speculating on a draft tree.
 
@@ -513,12 +595,17 @@ def sample(
             ``torch.compile(mode="reduce-overhead")`` or CUDA-graph model that
             would otherwise recompile for each new row count. Padding rows repeat
             a real row; their outputs are never used, so the samples do not change.
+        tuned_for: the run a tuned configuration was chosen for (:class:`TunedFor`), set by
+            ``sample(model, x, **tuned)`` with a :class:`~specforest.latency.Tuned`: without
+            ``steps`` and ``sigmas`` the run takes its steps; a run whose steps, churn or batch
+            (rows of ``x``) differ is refused. ``tuned.options()`` passes the configuration alone.
 
     Returns:
         :class:`SampleResult` with ``samples`` ``(B, *shape)`` and ``stats``.
 
     Raises:
-        ValueError / TypeError: on invalid arguments, naming the parameter.
+        ValueError / TypeError: on invalid arguments, naming the parameter; on a run that
+            differs from ``tuned_for``, listing the differences.
         FloatingPointError: if the model returns NaN or inf.
     """
     t0 = time.perf_counter()
@@ -532,6 +619,7 @@ def sample(
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     if not torch.isfinite(x).all():
         raise ValueError("x contains NaN or inf")
+    steps = check_tuned_for(tuned_for, steps=steps, sigmas=sigmas, churn=churn, batch=x.shape[0])
     spec = prepare(
         steps=steps,
         churn=churn,

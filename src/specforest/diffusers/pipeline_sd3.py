@@ -24,7 +24,7 @@ import torch
 from .. import memory as _memory
 from ..couplings import Coupling
 from ..planning import make_tree
-from ..sampler import SampleStats
+from ..sampler import SampleStats, TunedFor, check_tuned_for
 from ..sampler import sample as _engine_sample
 from ..trees import VERIFY_MODES, DraftTree
 from ..validation import check_int as _check_int
@@ -396,6 +396,7 @@ def sample(
     lazy: bool = False,
     shift: float | None = None,
     max_sequence_length: int = 256,
+    tuned_for: TunedFor | None = None,
 ) -> SD3Result:
     """Generate images with a Stable Diffusion 3 pipeline, sampling the churned SDE exactly.
 
@@ -445,6 +446,10 @@ def sample(
         shift: static timestep shift ``kappa`` (eq. 38) overriding the scheduler's;
             ``None`` reads ``pipe.scheduler.config``.
         max_sequence_length: T5 tokens (<= 512), as in the SD3 pipeline.
+        tuned_for: the run a tuned configuration was chosen for, set by ``sample(pipe, ...,
+            **tuned)`` with the :class:`~specforest.latency.Tuned` of
+            :func:`specforest.diffusers.tune`: a run whose ``num_inference_steps``, churn or
+            images differ from it is refused (``**tuned.options()``: unchecked).
 
     Returns:
         :class:`SD3Result` with ``images``, ``latents``, ``stats``, ``memory``, ``config``.
@@ -491,6 +496,7 @@ def sample(
         negative_pooled_prompt_embeds,
         tcfg,
     )
+    check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=n * n_img, batch_name="images")
     tree = make_tree(K, L, coupling=coupling, tree=tree, steps=steps)
     velocity, sigmas, latent_shape, device = velocity_and_grid(
         pipe, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width, shift=shift

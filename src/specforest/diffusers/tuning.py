@@ -27,6 +27,14 @@ from .pipeline_sd3 import _check_pipeline, cond_from_embeds, encode_text, row_by
 
 __all__ = ["tune"]
 
+_SET_HERE = {
+    "steps": "num_inference_steps",
+    "cond": "the captions' embeddings",
+    "grid": "the scheduler's grid, with shift",
+    "sigmas": "the scheduler's grid, with shift",
+    "max_rows": "from max_memory_gb",
+}
+
 
 def tune(
     pipe: Any,
@@ -46,6 +54,7 @@ def tune(
     max_memory_gb: Optional[float] = None,
     seed: int = 0,
     progress: bool = False,
+    **options: Any,
 ) -> Tuned:
     """Choose the tree, coupling, verification mode and draft that minimize predicted wall time for SD3 here.
 
@@ -61,14 +70,28 @@ def tune(
         max_memory_gb: memory limit in GB (default: the free CUDA memory, or 50% of RAM).
         seed: seed of the calibration latents and runs.
         progress: progress bars while measuring.
+        options: further options of :func:`specforest.sample`, as
+            :func:`specforest.latency.tune` takes them: constraints (``verify``, ``draft``,
+            ``coupling``) and options passed to every run (``prefetch``, ``pad_rows``,
+            ``model_kwargs``); ``prefetch`` is recorded in the result, give the others to
+            :func:`~specforest.diffusers.pipeline_sd3.sample` again. Refused here, as set by
+            this function: ``steps`` (``num_inference_steps``), ``cond`` (the captions),
+            ``grid`` and ``sigmas`` (the scheduler's grid, ``shift``), ``max_rows``
+            (``max_memory_gb``); the rest as :func:`specforest.latency.tune` refuses them.
 
     Returns:
-        A :class:`~specforest.latency.Tuned`; ``sample(pipe, ..., tree=tuned.tree,
-        coupling=tuned.coupling, verify=tuned.verify, draft=tuned.draft)`` runs it.
+        A :class:`~specforest.latency.Tuned`; ``sample(pipe, ..., **tuned)`` runs it and checks
+        the run's steps, churn and images against it.
 
     Raises:
         ValueError / TypeError: naming the parameter.
     """
+    set_here = [k for k in options if k in _SET_HERE]
+    if set_here:
+        raise ValueError(
+            "; ".join(f"{k} is set by this function ({_SET_HERE[k]})" for k in set_here)
+            + ": give those through specforest.diffusers.tune's own parameters"
+        )
     _check_pipeline(pipe)
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -123,4 +146,5 @@ def tune(
         progress=progress,
         sigmas_for=sigmas_for,
         max_rows=max_rows,
+        **options,
     )

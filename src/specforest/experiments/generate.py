@@ -46,6 +46,7 @@ import torch
 
 from .. import __version__, distributed, generate, streams
 from ..atomic import atomic_write, atomic_write_text
+from ..trees import from_parents
 from .common import COUPLING_OF, METHODS, check_choice, check_int, compiled, method_tree
 
 __all__ = ["MODELS", "GenerateResult", "JobSpec", "merge", "run_job", "sd3_options"]
@@ -66,7 +67,8 @@ class JobSpec:
         count: samples ``M >= 1``.
         seed: the job's seed ``S >= 0``.
         sampler: sampler options (``method``, ``K``, ``L``, ``steps``, ``churn``,
-            ``grid``, ``prefetch``, ``verify``, ``draft``).
+            ``grid``, ``prefetch``, ``verify``, ``draft``; ``tree``, a parent list, for a
+            tree given as it is, e.g. a tuned one).
         model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``).
     """
 
@@ -140,8 +142,10 @@ class _Model:
 
 def _tree_kwargs(o: dict) -> dict:
     method = o["method"]
+    # a tuned tree comes as its parent list; otherwise the method's (K, L) tree
+    tree = from_parents(o["tree"]) if o.get("tree") is not None else method_tree(method, o["K"], o["L"], o["steps"])
     return dict(
-        tree=method_tree(method, o["K"], o["L"], o["steps"]),
+        tree=tree,
         coupling=COUPLING_OF.get(method, "grs"),
         draft=o["draft"],
         prefetch=o["prefetch"],

@@ -61,7 +61,7 @@ def run_config(
         images_dir: if given, the images are saved there as ``NNNN.png``.
         progress: the sampler's progress bar.
         tuned: a :class:`~specforest.latency.Tuned` (``method="tuned"`` only): its tree,
-            coupling, verification mode and draft replace the setting's.
+            coupling, verification mode, draft and prefetch replace the setting's.
 
     Returns:
         A flat JSON-serialisable record: ``method``, ``K``, ``L``, ``budget``,
@@ -84,9 +84,11 @@ def run_config(
         raise ValueError("tuned must be given with method='tuned' and only then")
     if tuned is None:
         tree, coupling = method_tree(method, K, L, setting.steps), COUPLING_OF.get(method, "grs")
-        verify, draft = setting.verify, "velocity"
+        verify, draft, prefetch = setting.verify, "velocity", setting.prefetch
     else:
-        tree, coupling, verify, draft = tuned.tree, tuned.coupling, tuned.verify, tuned.draft
+        tree, coupling, verify, draft, prefetch = (
+            tuned[k] for k in ("tree", "coupling", "verify", "draft", "prefetch")
+        )
     want_images = clip is not None or images_dir is not None
     parts: dict[str, list] = {k: [] for k in _COUNTERS}
     images: list = []
@@ -108,7 +110,7 @@ def run_config(
             tree=tree,
             coupling=coupling,
             draft=draft,
-            prefetch=setting.prefetch,
+            prefetch=prefetch,
             verify=verify,
             progress=progress,
             max_memory_gb=max_memory_gb,

@@ -1,0 +1,364 @@
+"""Tuned settings match their run: ``sample(**tuned)`` checks it, every ``--tune`` command reconciles
+with its file, the tuner takes every option of ``sample``, and outputs keep the suffix of what they hold."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import specforest
+from specforest import latency, streams, trees
+from specforest.cli import main
+from specforest.latency import CostCurve, Tuned, TunedFor
+from specforest.models import GaussianMixture
+
+
+@pytest.fixture(scope="module")
+def gmm():
+    return GaussianMixture.paper(dim=4, components=2, seed=0)
+
+
+def _tuned(tree=None, coupling="grs", *, steps=10, batch=2, churn=0.3, verify="internal", prefetch="nearest") -> Tuned:
+    return Tuned(
+        label="test",
+        tree=tree,
+        coupling=coupling,
+        verify=verify,
+        draft="x0",
+        batch=batch,
+        steps=steps,
+        predicted_seconds_per_image=1.0,
+        predicted_speedup=1.0,
+        standard_seconds_per_image=1.0,
+        predicted_calls=5.0,
+        curve=CostCurve((1,), (1.0,)),
+        churn=churn,
+        prefetch=prefetch,
+    )
+
+
+# -- sample(model, x, **tuned) -------------------------------------------------------------------
+
+
+def test_sample_with_a_tuned_configuration_takes_its_steps_and_refuses_another_run(gmm):
+    tuned = _tuned(trees.chain(3), "rmc", prefetch="parent")
+    x = streams.randn(0, torch.arange(3), (4,))
+    out = specforest.sample(gmm, x[:2], churn=0.3, seed=0, **tuned)
+    assert out.stats.steps == 10 and out.config["prefetch"] == "parent" and out.config["coupling"] == "rmc"
+    # the same run as the configuration alone at the tuned steps, bit for bit
+    same = specforest.sample(gmm, x[:2], steps=10, churn=0.3, seed=0, **tuned.options())
+    assert torch.equal(out.samples, same.samples)
+    with pytest.raises(ValueError) as err:
+        specforest.sample(gmm, x, steps=12, churn=0.5, seed=0, **tuned)
+    msg = str(err.value)
+    assert (
+        "steps 12 (tuned for 10)" in msg and "churn 0.5 (tuned for 0.3)" in msg and "3 rows of x (tuned for 2)" in msg
+    )
+    with pytest.raises(ValueError, match=r"steps 12 \(tuned for 10\)"):
+        specforest.sample(gmm, x[:2], sigmas=specforest.flow_match_grid(12), churn=0.3, seed=0, **tuned)
+    # the configuration alone is not checked
+    assert specforest.sample(gmm, x, steps=12, churn=0.5, seed=0, **tuned.options()).stats.steps == 12
+    with pytest.raises(TypeError, match="tuned_for must be"):
+        specforest.sample(gmm, x, steps=12, churn=0.5, tuned_for={"steps": 12})
+
+
+def test_a_file_written_before_churn_and_prefetch_were_kept_reads_and_checks_steps_and_batch(gmm):
+    data = _tuned(trees.chain(2), "rmc").to_json()
+    del data["churn"], data["prefetch"]
+    old = Tuned.from_json(json.loads(json.dumps(data)))
+    assert old.churn is None and old.prefetch == "nearest" and old.tuned_for == TunedFor(10, 2, None)
+    x = streams.randn(0, torch.arange(2), (4,))
+    assert specforest.sample(gmm, x, churn=0.7, seed=0, **old).stats.steps == 10  # churn unknown: unchecked
+    with pytest.raises(ValueError, match=r"1 rows of x \(tuned for 2\)"):
+        specforest.sample(gmm, x[:1], churn=0.7, seed=0, **old)
+
+
+def test_generate_with_a_tuned_configuration_fills_its_slots_and_refuses_others(gmm):
+    tuned = _tuned(trees.chain(2), "rmc", batch=3)
+    make_x = lambda i: streams.randn(0, i, (4,))  # noqa: E731
+    gen = specforest.generate(gmm, count=5, make_x=make_x, seed=0, churn=0.3, **tuned)
+    assert sum(len(f.index) for f in gen) == 5 and gen.stats.slots == 3
+    with pytest.raises(ValueError, match=r"4 slots \(tuned for 3\)"):
+        specforest.generate(gmm, count=5, make_x=make_x, seed=0, churn=0.3, batch=4, **tuned)
+
+
+# -- the tuner takes every option of sample ------------------------------------------------------
+
+
+_SIGNATURE = [p for p in inspect.signature(specforest.sample).parameters if p not in ("model", "x")]
+
+
+def _every_call(key, value):
+    return lambda tuned, calls, seen: all(c.get(key) == value for c in calls)
+
+
+def _tree_runs(calls):
+    """The timing and race runs of trees (the calibration chains are lazy)."""
+    return [c for c in calls if c.get("tree") is not None and not c.get("lazy")]
+
+
+# option -> (value, check(tuned, sample calls, what the model saw) or the error it raises)
+OPTION_CASES = {
+    "steps": (9, lambda t, calls, seen: t.steps == 9 and all(c["steps"] <= 9 for c in calls if "steps" in c)),
+    "churn": (0.4, lambda t, calls, seen: t.churn == 0.4 and all(c["churn"] == 0.4 for c in calls)),
+    "cond": ({"scale": torch.full((6, 1), 1.5)}, lambda t, calls, seen: seen and all(s == 1.5 for s in seen)),
+    "seed": (5, lambda t, calls, seen: calls[0]["seed"] == 5),
+    "progress": (True, lambda t, calls, seen: isinstance(t, Tuned)),
+    "verify": (
+        "drafted",
+        lambda t, calls, seen: (
+            t.verify == "drafted" and _tree_runs(calls) and all(c["verify"] == "drafted" for c in _tree_runs(calls))
+        ),
+    ),
+    "draft": ("x0", lambda t, calls, seen: t.draft == "x0" and all(c["draft"] == "x0" for c in calls if "draft" in c)),
+    "coupling": (
+        "rmc",
+        lambda t, calls, seen: _tree_runs(calls) and all(c["coupling"] == "rmc" for c in _tree_runs(calls)),
+    ),
+    "grid": ("uniform", _every_call("grid", "uniform")),
+    "shift": (2.0, _every_call("shift", 2.0)),
+    "prefetch": (
+        "parent",
+        lambda t, calls, seen: (
+            t.prefetch == "parent" and t["prefetch"] == "parent" and _every_call("prefetch", "parent")(t, calls, seen)
+        ),
+    ),
+    "max_rows": (4, lambda t, calls, seen: _every_call("max_rows", 4)(t, calls, seen) and max(seen) <= 4),
+    "model_kwargs": ({"scale": 1.5}, lambda t, calls, seen: seen and all(s == 1.5 for s in seen)),
+    "pad_rows": ([4, 8, 64], lambda t, calls, seen: set(seen) <= {4, 8, 64} and t.curve.sizes == (4, 8, 64)),
+    "tree": (trees.chain(2), "tree"),
+    "sigmas": (torch.linspace(1, 0, 9), "sigmas"),
+    "generator": (torch.Generator(), "generator"),
+    "sample_index": (torch.arange(2), "sample_index"),
+    "callback": (lambda d: None, "callback"),
+    "process_group": (object(), "process_group"),
+    "tuned_for": (TunedFor(8, 2, 0.3), "tuned_for"),
+    "lazy": (True, "lazy"),
+    "record_deltas": (True, "record_deltas"),
+}
+"""What the model sees is the rows of each call (``max_rows``, ``pad_rows``) or its ``scale`` (``cond``,
+``model_kwargs``, which the model requires)."""
+
+
+def test_every_option_of_sample_has_a_tuner_case():
+    # a new option of sample without a case here (and a treatment in latency.SAMPLE_OPTIONS) fails
+    assert set(OPTION_CASES) == set(_SIGNATURE)
+    assert set(latency.SAMPLE_OPTIONS) == set(_SIGNATURE)
+
+
+@pytest.mark.parametrize("name", _SIGNATURE)
+def test_the_tuner_takes_every_option_of_sample(gmm, monkeypatch, name):
+    value, check = OPTION_CASES[name]
+    seen: list = []
+    needs_scale = name in ("cond", "model_kwargs")
+
+    def model(x, sigma, scale=None):
+        if needs_scale:
+            if scale is None:
+                raise TypeError("model called without its scale")
+            seen.append(float(torch.as_tensor(scale).reshape(-1)[0]))
+        else:
+            seen.append(x.shape[0])
+        return gmm(x, sigma)
+
+    calls: list = []
+    real = latency.sample
+
+    def recorded(m, x, **kw):
+        calls.append(kw)
+        return real(m, x, **kw)
+
+    monkeypatch.setattr(latency, "sample", recorded)
+    monkeypatch.setattr(latency, "TIMING_RUNS", 1)
+    x = streams.randn(0, torch.arange(6), (4,))
+    kw = dict(steps=8, churn=0.3, batch=2, budget_max=6 if name == "verify" else 3, calibration_trajectories=4)
+    kw.update(race=0, curve=CostCurve((1, 4096), (1e-4, 1e-1)), drafts=("velocity",))
+    if name in ("model_kwargs", "pad_rows"):
+        kw.pop("curve")  # measured, with the option
+    if name == "draft":
+        kw.pop("drafts")
+    if name == "progress":
+        kw.pop("progress", None)
+    kw[name] = value
+    if isinstance(check, str):
+        with pytest.raises(ValueError, match=check):
+            latency.tune(model, x, **kw)
+        assert not calls
+        return
+    tuned = latency.tune(model, x, **kw)
+    assert check(tuned, calls, seen), (name, calls[:2], seen[:8])
+
+
+def test_the_tuner_refuses_what_is_not_an_option_and_constraints_outside_its_search(gmm):
+    x = streams.randn(0, torch.arange(4), (4,))
+    kw = dict(steps=8, churn=0.3, batch=1, curve=CostCurve((1,), (1.0,)), race=0)
+    with pytest.raises(TypeError, match="stepz"):
+        latency.tune(gmm, x, stepz=8, **kw)
+    with pytest.raises(ValueError, match="coupling must be 'grs'"):
+        latency.tune(gmm, x, coupling="rank", **kw)
+    with pytest.raises(ValueError, match="verify must be one of"):
+        latency.tune(gmm, x, verify="all", **kw)
+    with pytest.raises(ValueError, match="not one of drafts"):
+        latency.tune(gmm, x, draft="x0", drafts=("velocity",), **kw)
+    with pytest.raises(TypeError, match="registered draft name"):
+        latency.tune(gmm, x, draft=gmm, **kw)
+    # False is what the timed runs do: accepted
+    assert isinstance(latency.tune(gmm, x, lazy=False, record_deltas=False, budget_max=2, **kw), Tuned)
+    pred = latency.Predictor.calibrate(gmm, x, steps=8, churn=0.3, batch=1, curve=CostCurve((1,), (1.0,)))
+    with pytest.raises(ValueError, match="prefetch: the predictor was calibrated with other values"):
+        latency.tune(gmm, x, predictor=pred, prefetch="parent", **kw)
+    with pytest.raises(ValueError, match="a predictor prices every configuration"):
+        latency.Predictor.calibrate(gmm, x, steps=8, churn=0.3, verify="drafted", curve=CostCurve((1,), (1.0,)))
+
+
+def test_a_padded_call_is_priced_at_its_padded_rows(gmm):
+    curve = CostCurve((4, 8, 64), (1.0, 2.0, 16.0))
+    pred = latency.Predictor(gmm, None, None, 8, 0.3, 1, curve, {}, 0, {"pad_rows": [4, 8, 64], "max_rows": 8})
+    # 3 rows pad to 4; 9 rows split at max_rows 8: one call of 8 and one of 1 padded to 4
+    assert pred.call_seconds(3) == 1.0 and pred.call_seconds(9) == 2.0 + 1.0
+    assert latency.Predictor(gmm, None, None, 8, 0.3, 1, curve, {}, 0, {}).call_seconds(6) == curve(6)
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+
+def _invoke(*args):
+    threads = torch.get_num_threads()
+    try:
+        return CliRunner().invoke(main, [str(a) for a in args])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _file(tmp_path, tuned: Tuned, **made_for) -> str:
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(dict(tuned.to_json(), tuned_for=made_for)))
+    return str(path)
+
+
+def test_tune_defaults_to_the_models_own_command(monkeypatch, tmp_path):
+    from specforest import cli_common, cli_pixel, cli_sd3
+
+    seen = {}
+
+    def fake_tune(model, x, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(latency, "tune", fake_tune)
+    res = _invoke("tune", "--model", "gmm", "--dim", 2, "--no-progress", "--out", tmp_path / "t.json")
+    assert "stop here" in res.output
+    assert (seen["steps"], seen["churn"]) == (30, 0.1)
+    # the same numbers as the commands' own defaults, read from their options
+    defaults = lambda cmd: {p.name: p.default for p in cmd.params}  # noqa: E731
+    assert (defaults(cli_pixel.pixel)["steps"], defaults(cli_pixel.pixel)["churn"]) == (100, 0.3)
+    assert cli_common.MODEL_DEFAULTS["digits"] == {"steps": 100, "churn": 0.3}
+    assert {k: defaults(cli_sd3.sd3)[k] for k in ("steps", "churn")} == cli_common.MODEL_DEFAULTS["sd3"]
+    assert {k: defaults(main.commands["gmm"])[k] for k in ("steps", "churn")} == cli_common.MODEL_DEFAULTS["gmm"]
+    gen = main.commands["generate"].commands
+    assert {k: defaults(gen["pixel"])[k] for k in ("steps", "churn")} == cli_common.MODEL_DEFAULTS["digits"]
+
+
+def test_tune_for_digits_tunes_at_t_100_churn_03(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_tune(model, x, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(latency, "tune", fake_tune)
+    res = _invoke("tune", "--model", "digits", "--no-progress", "--out", tmp_path / "t.json")
+    assert "stop here" in res.output and (seen["steps"], seen["churn"]) == (100, 0.3)
+
+
+def test_a_run_with_tune_takes_the_files_steps_churn_and_batch(tmp_path):
+    path = _file(tmp_path, _tuned(trees.chain(3), "rmc", steps=8, batch=3, churn=0.5), model="gmm", threads=1)
+    res = _invoke("gmm", "--dim", 4, "--json", "--no-progress", "--tune", path)
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.stdout)
+    assert (rec["steps"], rec["churn"], rec["trajectories"], rec["method"]) == (8, 0.5, 3, "rmc")
+    # given and equal: fine
+    res = _invoke("gmm", "--dim", 4, "--steps", 8, "--churn", 0.5, "--trajectories", 3, "--json", "--tune", path)
+    assert res.exit_code == 0, res.output
+
+
+def test_a_run_that_differs_from_its_tune_file_lists_every_difference(tmp_path):
+    made_for = dict(model="digits", device="cuda", threads=1)
+    path = _file(tmp_path, _tuned(trees.chain(3), "rmc", steps=8, batch=3, churn=0.5), **made_for)
+    res = _invoke("gmm", "--dim", 4, "--steps", 9, "--churn", 0.3, "--trajectories", 2, "--threads", 2, "--tune", path)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    out = " ".join(res.output.split())
+    for part in (
+        "--model gmm here, digits in the file",
+        "--steps 9 here, 8 in the file",
+        "--churn 0.3 here, 0.5 in the file",
+        "--trajectories 2 here, 3 in the file",
+        "device cpu here",
+        "--threads 2 here, 1 in the file",
+    ):
+        assert part in out, (part, out)
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--method", "dgrs", "--K", "3"], ["--method", "--K"]),
+        (["--L", "4", "--tree", "optimal", "--budget", "6"], ["--L", "--tree", "--budget"]),
+        (
+            ["--draft", "velocity", "--verify", "internal", "--prefetch", "nearest"],
+            ["--draft", "--verify", "--prefetch"],
+        ),
+    ],
+)
+def test_sampler_options_beside_tune_are_refused_even_at_their_defaults(tmp_path, args, named):
+    for cmd, model in ((["pixel"], "digits"), (["gmm", "--dim", "4"], "gmm")):
+        path = _file(tmp_path, _tuned(trees.chain(3), "rmc", steps=8, batch=1), model=model)
+        res = _invoke(*cmd, *args, "--tune", path)
+        assert res.exit_code == 2, res.output
+        out = " ".join(res.output.split())
+        assert "cannot be given with --tune" in out and all(n in out for n in named), out
+
+
+def test_generate_runs_a_tuned_tree_and_refuses_another_batch(tmp_path):
+    path = _file(tmp_path, _tuned(trees.widths([2, 1]), "grs", steps=8, batch=2), model="gmm", device="cpu")
+    out = tmp_path / "g.npz"
+    res = _invoke("generate", "gmm", "--dim", 4, "--count", 3, "--out", out, "--no-progress", "--tune", path)
+    assert res.exit_code == 0, res.output
+    meta = json.loads(out.with_suffix(".json").read_text())["options"]["sampler"]
+    assert meta["tree"] == trees.widths([2, 1]).parent.tolist() and meta["steps"] == 8 and meta["draft"] == "x0"
+    res = _invoke(
+        "generate", "gmm", "--dim", 4, "--count", 3, "--batch", 5, "--out", tmp_path / "h.npz", "--tune", path
+    )
+    assert res.exit_code == 2 and "--batch 5 here, 2 in the file" in res.output
+    res = _invoke("generate", "gmm", "--count", 3, "--K", 3, "--out", tmp_path / "k.npz", "--tune", path)
+    assert res.exit_code == 2 and "--K cannot be given with --tune" in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize(
+    "args,suffix",
+    [
+        (["generate", "pixel", "--count", "1", "--out", "samples.txt"], ".npz"),
+        (["generate", "gmm", "--count", "1", "--out", "samples"], ".npz"),
+        (["gmm", "--dim", "2", "--dump-samples", "s.txt"], ".npz"),
+        (["pixel", "--dump-samples", "s.json"], ".npz"),
+        (["tune", "--model", "gmm", "--out", "tuned.txt"], ".json"),
+        (["gmm", "drafts", "--out", "d.pdf"], ".png"),
+        (["couplings", "plot", "--out", "a.jpg"], ".png"),
+    ],
+)
+def test_an_output_whose_suffix_is_not_what_is_written_is_refused_before_any_work(tmp_path, monkeypatch, args, suffix):
+    monkeypatch.chdir(tmp_path)
+    res = _invoke(*args)
+    assert res.exit_code == 2 and f"must end in {suffix}" in res.output and "--" in res.output
+    assert not any(tmp_path.iterdir())  # nothing written, no job started
+
+
+def test_an_sd3_job_is_a_folder_not_an_archive(tmp_path):
+    res = _invoke(
+        "generate", "sd3", "--count", 1, "--out", tmp_path / "x.npz", "--model", tmp_path, "--prompts", __file__
+    )
+    assert res.exit_code == 2 and "must be a folder" in res.output
