@@ -18,6 +18,7 @@ import click
 from . import distributed
 from .cli_common import (
     CONTEXT,
+    apply_tuned,
     churn_option,
     compile_option,
     draft_option,
@@ -30,6 +31,7 @@ from .cli_common import (
     steps_option,
     threads_option,
     tree_size_options,
+    tune_option,
     verify_option,
 )
 from .cli_sd3 import pipeline_options
@@ -85,6 +87,7 @@ def _job_options(K: int, L: int, steps: int, churn: float, device: bool = True):
             progress_option(),
             threads_option(),
             compile_option(),
+            tune_option(),
         ]
         if device:
             opts.append(
@@ -109,7 +112,10 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
     if o["seed"] < 0:
         raise click.BadParameter(f"--seed must be >= 0, got {o['seed']}", param_hint="--seed")
     set_threads(o["threads"])
+    o = apply_tuned(o, {"pixel": "digits"}.get(model, model))
     sampler = {k: o[k] for k in ("method", "K", "L", "steps", "churn", "grid", "prefetch", "verify", "draft")}
+    if not isinstance(o.get("tree_mode", "uniform"), str):
+        sampler["tree"] = o["tree_mode"].parent.tolist()  # a tuned tree, as it is
     if callable(model_options):
         model_options = library_errors(model_options)
     spec = library_errors(lambda: gen_exp.JobSpec(model, o["count"], o["seed"], sampler, model_options))
@@ -128,6 +134,7 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
                 device=o["device"],
                 progress=o["progress"],
                 compile=o["compile_model"],
+                warmup=bool(o.get("tune_file")),
                 log=lambda s: click.echo(s, err=True) if rank == 0 else None,
             )
         )

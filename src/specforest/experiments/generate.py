@@ -42,6 +42,8 @@ import torch
 
 from .. import __version__, distributed, generate, streams
 from ..atomic import atomic_write, atomic_write_text
+from ..trees import from_parents
+from ..warmup import pad_rows_for, warm_up
 from .common import COUPLING_OF, METHODS, check_choice, check_int, compiled, method_tree
 
 __all__ = ["MODELS", "GenerateResult", "JobSpec", "merge", "run_job", "sd3_options"]
@@ -62,7 +64,8 @@ class JobSpec:
         count: samples ``M >= 1``.
         seed: the job's seed ``S >= 0``.
         sampler: sampler options (``method``, ``K``, ``L``, ``steps``, ``churn``,
-            ``grid``, ``prefetch``, ``verify``, ``draft``).
+            ``grid``, ``prefetch``, ``verify``, ``draft``, and ``tree``, a parent list, for a
+            tree given as it is, e.g. a tuned one).
         model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``).
     """
 
@@ -101,6 +104,7 @@ class GenerateResult:
         rounds: target calls on this process.
         seconds: wall time of the sampling on this process.
         complete: whether the final output was written.
+        warmup_seconds: time of the warm-up before the sampling (``warmup``; not in ``seconds``).
     """
 
     out: Path
@@ -110,6 +114,7 @@ class GenerateResult:
     rounds: int
     seconds: float
     complete: bool
+    warmup_seconds: float = 0.0
 
 
 def parts_dir(out: Path) -> Path:
@@ -136,8 +141,10 @@ class _Model:
 
 def _tree_kwargs(o: dict) -> dict:
     method = o["method"]
+    # a tree given as its parent list (a tuned one) is used as it is
+    tree = from_parents(o["tree"]) if o.get("tree") is not None else method_tree(method, o["K"], o["L"], o["steps"])
     return dict(
-        tree=method_tree(method, o["K"], o["L"], o["steps"]),
+        tree=tree,
         coupling=COUPLING_OF.get(method, "grs"),
         draft=o["draft"],
         prefetch=o["prefetch"],
@@ -319,6 +326,7 @@ def run_job(
     progress: bool = False,
     log: Callable[[str], None] = lambda s: None,
     compile: bool = False,
+    warmup: bool = False,
 ) -> GenerateResult:
     """Run (or resume) a generation job on this process, as one of the group's processes if any.
 
@@ -332,6 +340,10 @@ def run_job(
         progress: a progress bar of finished samples (rank 0).
         log: receives progress lines (rank 0).
         compile: ``torch.compile(mode="reduce-overhead")`` the target, rows padded to powers of two.
+        warmup: call the target at every row count of this process's runs before sampling
+            (:func:`specforest.warmup.warm_up`; same samples); with many slots on a tree the calls
+            are padded to :func:`specforest.warmup.pad_rows_for`'s sizes. Its time is
+            ``warmup_seconds`` in the result and in ``PATH.json``.
 
     Returns:
         A :class:`GenerateResult`.
@@ -378,6 +390,23 @@ def run_job(
 
         group = dist.group.WORLD
     velocity, pad_rows = compiled(model.velocity, compile)
+    warmup_seconds = 0.0
+    if warmup and len(mine):
+        # the slots, and the last run of the standard sampler, whose slots all finish together
+        sizes = sorted({min(batch, len(mine)), len(mine) % batch or batch})
+        first = mine[: sizes[-1]]
+        pad_rows = pad_rows or pad_rows_for(sizes, **model.sampler)
+        cond = None if model.make_cond is None else model.make_cond(first)
+        warmup_seconds = warm_up(
+            velocity,
+            make_x(first),
+            cond=cond,
+            batch=sizes,
+            pad_rows=pad_rows,
+            process_group=group,
+            repeats=3 if compile else 1,
+            **model.sampler,
+        )
     gen = generate(
         velocity,
         indices=mine,
@@ -433,7 +462,7 @@ def run_job(
         bar.close()
     seconds = time.perf_counter() - t0
     occ = gen.stats.occupancy
-    stats = [(produced, gen.stats.rounds, gen.stats.slot_rounds, seconds, gen.stats.slots)]
+    stats = [(produced, gen.stats.rounds, gen.stats.slot_rounds, seconds, gen.stats.slots, warmup_seconds)]
     if distributed.is_distributed():
         import torch.distributed as dist
 
@@ -443,10 +472,11 @@ def run_job(
     _barrier()
     if rank == 0:
         run = {"device": device, "compiled": bool(compile), "threads": torch.get_num_threads()}
+        run["warmup_seconds"] = max(s[5] for s in stats)
         merge(out, spec, batch=batch, world=distributed.world_size(), tree_parallel=tree_parallel, stats=stats, run=run)
         log(f"wrote {out} and {meta_path(out)}")
     _barrier()
-    return GenerateResult(out, produced, len(done), occ, gen.stats.rounds, seconds, True)
+    return GenerateResult(out, produced, len(done), occ, gen.stats.rounds, seconds, True, warmup_seconds)
 
 
 def merge(
@@ -494,7 +524,10 @@ def merge(
         "nfe_mean": float(np.mean(nfe)),
         # of this (last) run: mean fraction of the slots busy per round, over all processes
         "occupancy": busy / capacity if capacity else None,
-        "per_process": [{"samples": s[0], "rounds": s[1], "seconds": round(s[3], 3)} for s in stats],
+        "per_process": [
+            {"samples": s[0], "rounds": s[1], "seconds": round(s[3], 3), "warmup_seconds": round(s[5], 3)}
+            for s in stats
+        ],
     }
     atomic_write_text(meta_path(out), json.dumps(meta, indent=1) + "\n")
     _remove_parts(out)
