@@ -184,7 +184,8 @@ def test_bad_input_gets_clear_errors():
     assert warm_up(m, x, seed=0, progress=False, **opts) >= 0
 
 
-def _tuned_file(tmp_path, model: str, tree, coupling: str) -> str:
+def _tuned_file(tmp_path, model: str, tree, coupling: str, steps: int = 10) -> str:
+    """A file as ``specforest tune --model model --steps steps`` writes one (draft x0)."""
     tuned = Tuned(
         label="test",
         tree=tree,
@@ -192,7 +193,7 @@ def _tuned_file(tmp_path, model: str, tree, coupling: str) -> str:
         verify="internal",
         draft="x0",
         batch=1,
-        steps=10,
+        steps=steps,
         predicted_seconds_per_image=1.0,
         predicted_speedup=1.0,
         standard_seconds_per_image=1.0,
@@ -257,3 +258,47 @@ def test_generate_with_tune_runs_the_tuned_tree_and_reports_the_warm_up(tmp_path
     plain = tmp_path / "plain.npz"
     _invoke([*args, "--out", str(plain)])
     assert json.loads(plain.with_suffix(".json").read_text())["warmup_seconds"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    pytest.importorskip("diffusers")
+    from test_diffusers_sd3 import build_tiny_pipeline
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield build_tiny_pipeline(tmp_path_factory.mktemp("tiny_sd3"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sd3_warm_up_keeps_the_latents_and_the_sd3_command_reports_it(pipe, tmp_path):
+    from specforest import diffusers as sd
+    from specforest.cli_sd3 import sd3 as sd3_command
+
+    kw = dict(num_inference_steps=6, churn=0.8, tree=trees.chain(3), coupling="rmc", height=8, width=8)
+    kw.update(progress=False, max_sequence_length=8, output_type="latent")
+    cold = sd.sample(pipe, "a photo of a cat", generator=torch.Generator().manual_seed(0), **kw)
+    warm = sd.sample(pipe, "a photo of a cat", generator=torch.Generator().manual_seed(0), warmup=True, **kw)
+    assert torch.equal(cold.latents, warm.latents)
+    assert cold.warmup_seconds == 0.0 and warm.warmup_seconds > 0 and warm.config["pad_rows"] is None
+
+    model = tmp_path / "tiny-sd3"
+    pipe.save_pretrained(str(model))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a cat\na red car on the street\na green tree\n")
+    tuned = _tuned_file(tmp_path, "sd3", trees.chain(3), "rmc", steps=6)
+    out = tmp_path / "out"
+    args = ["--model", str(model), "--prompts", str(prompts), "--K-values", "2", "--steps", "6", "--height", "8"]
+    args += ["--width", "8", "--max-sequence-length", "8", "--dtype", "float32", "--batch-size", "2"]
+    args += ["--out", str(out), "--device", "cpu", "--no-progress", "--threads", "1", "--tune", tuned]
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(sd3_command, args)
+    finally:
+        torch.set_num_threads(threads)
+    assert res.exit_code == 0, res.output
+    recs = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
+    assert recs["tuned"]["warmup_seconds"] > 0 and recs["standard"]["warmup_seconds"] == 0.0
+    assert "warm-up" in res.output
