@@ -4,9 +4,8 @@ The first call of a network at a new batch shape is slow: on a CPU the
 allocator grows and oneDNN creates its primitives for that shape, on CUDA
 cuDNN autotunes and a compiled model records its graph. A run calls the
 network with a few row counts, each first met at some round, so a fresh
-process pays these one-off costs inside the run (on the digits model, 2.5-3 ms
-over a 2-5 ms call at each of a chain's 14 sizes; see ``docs/latency.md``).
-:func:`warm_up` makes one call at each row count the run can make, before it,
+process pays these one-off costs inside the run (measurements in
+``docs/latency.md``). :func:`warm_up` makes one call at each row count the run can make, before it,
 and returns the seconds that took.
 
 The row counts follow from the run's options (:func:`network_rows`):
