@@ -170,6 +170,7 @@ def gmm(ctx: click.Context, **o) -> None:
             tree=o["tree_mode"],
             budget=o["budget"],
             compile=o["compile_model"],
+            warmup=bool(o["tune_file"]),
         )
     )
     rec = run.record

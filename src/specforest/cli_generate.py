@@ -149,6 +149,7 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
                 device=o["device"],
                 progress=o["progress"],
                 compile=o["compile_model"],
+                warmup=bool(o.get("tune_file")),
                 log=lambda s: click.echo(s, err=True) if rank == 0 else None,
             )
         )

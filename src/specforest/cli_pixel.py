@@ -144,6 +144,7 @@ def pixel(ctx: click.Context, **o) -> None:
             tree=o["tree_mode"],
             budget=o["budget"],
             compile=o["compile_model"],
+            warmup=bool(o["tune_file"]),
         )
     )
     rec = run.record

@@ -29,6 +29,7 @@ from ..sampler import sample as _engine_sample
 from ..trees import VERIFY_MODES, DraftTree
 from ..validation import check_int as _check_int
 from ..validation import check_number as _check_number
+from ..warmup import pad_rows_for, warm_up
 from .flow_matching import FlowMatchVelocity, module_dtype_device
 from .grid import scheduler_sigmas
 
@@ -94,6 +95,7 @@ class SD3Result:
             carries both guidance branches), ``speedup`` is ``T / nfe``.
         memory: the :class:`~specforest.memory.MemoryEstimate` the run was sized with.
         config: the options that produced the result.
+        warmup_seconds: the time of the warm-up (``warmup=True``), 0 without; not in ``stats.wall_seconds``.
     """
 
     images: Any
@@ -101,6 +103,7 @@ class SD3Result:
     stats: SampleStats
     memory: _memory.MemoryEstimate
     config: dict = field(default_factory=dict)
+    warmup_seconds: float = 0.0
 
 
 def _check_pipeline(pipe: Any) -> None:
@@ -397,6 +400,8 @@ def sample(
     shift: float | None = None,
     max_sequence_length: int = 256,
     tuned_for: TunedFor | None = None,
+    pad_rows: "Optional[str | list[int]]" = None,
+    warmup: bool = False,
 ) -> SD3Result:
     """Generate images with a Stable Diffusion 3 pipeline, sampling the churned SDE exactly.
 
@@ -450,9 +455,17 @@ def sample(
             **tuned)`` with the :class:`~specforest.latency.Tuned` of
             :func:`specforest.diffusers.tune`: a run whose ``num_inference_steps``, churn or
             images differ from it is refused (``**tuned.options()``: unchecked).
+        pad_rows: pad every transformer call's rows up to one of a few sizes (see
+            :func:`specforest.sample`; same images).
+        warmup: call the transformer at every row count of the run before it
+            (:func:`specforest.warmup.warm_up`; same images), so that the run does not pay the
+            first call at each shape (cuDNN autotuning, allocator growth); without ``pad_rows``,
+            with many images on a tree, the calls are padded to
+            :func:`specforest.warmup.pad_rows_for`'s sizes (``config["pad_rows"]`` says which).
 
     Returns:
-        :class:`SD3Result` with ``images``, ``latents``, ``stats``, ``memory``, ``config``.
+        :class:`SD3Result` with ``images``, ``latents``, ``stats``, ``memory``, ``config``,
+        ``warmup_seconds``.
 
     Raises:
         ValueError / TypeError: on invalid arguments (naming the parameter).
@@ -574,9 +587,7 @@ def sample(
         x_T = torch.cat([_initial_latents((1, *latent_shape), g, device) for g in generator])
     else:
         x_T = _initial_latents((B, *latent_shape), generator, device)
-    out = _engine_sample(
-        velocity,
-        x_T,
+    opts = dict(
         sigmas=sigmas,
         churn=churn,
         tree=tree,
@@ -584,12 +595,14 @@ def sample(
         draft=draft,
         prefetch=prefetch,
         verify=verify,
-        generator=generator,
-        progress=progress,
         max_rows=memory.max_rows,
-        cond=cond,
         lazy=lazy,
     )
+    warmup_seconds = 0.0
+    if warmup:
+        pad_rows = pad_rows or pad_rows_for(B, **opts)
+        warmup_seconds = warm_up(velocity, x_T, cond=cond, pad_rows=pad_rows, **opts)
+    out = _engine_sample(velocity, x_T, generator=generator, progress=progress, cond=cond, pad_rows=pad_rows, **opts)
     latents = out.samples
 
     # -- decoding, as the SD3 pipeline does it ------------------------------------------------
@@ -612,8 +625,11 @@ def sample(
         scheduler_shift=sched_cfg.get("shift"),
         lazy=lazy,
         max_rows=memory.max_rows,
+        pad_rows=pad_rows,
         decode_batch=decode_batch,
         transformer_dtype=str(t_dtype).replace("torch.", ""),
         device=str(device),
     )
-    return SD3Result(images=images, latents=latents, stats=out.stats, memory=memory, config=config)
+    return SD3Result(
+        images=images, latents=latents, stats=out.stats, memory=memory, config=config, warmup_seconds=warmup_seconds
+    )

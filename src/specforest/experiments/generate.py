@@ -47,6 +47,7 @@ import torch
 from .. import __version__, distributed, generate, streams
 from ..atomic import atomic_write, atomic_write_text
 from ..trees import from_parents
+from ..warmup import pad_rows_for, warm_up
 from .common import COUPLING_OF, METHODS, check_choice, check_int, compiled, method_tree
 
 __all__ = ["MODELS", "GenerateResult", "JobSpec", "merge", "run_job", "sd3_options"]
@@ -107,6 +108,7 @@ class GenerateResult:
         rounds: target calls on this process.
         seconds: wall time of the sampling on this process.
         complete: whether the final output was written.
+        warmup_seconds: time of the warm-up before the sampling (``warmup``; not in ``seconds``).
     """
 
     out: Path
@@ -116,6 +118,7 @@ class GenerateResult:
     rounds: int
     seconds: float
     complete: bool
+    warmup_seconds: float = 0.0
 
 
 def parts_dir(out: Path) -> Path:
@@ -336,6 +339,7 @@ def run_job(
     progress: bool = False,
     log: Callable[[str], None] = lambda s: None,
     compile: bool = False,
+    warmup: bool = False,
 ) -> GenerateResult:
     """Run (or resume) a generation job on this process, as one of the group's processes if any.
 
@@ -349,6 +353,10 @@ def run_job(
         progress: a progress bar of finished samples (rank 0).
         log: receives progress lines (rank 0).
         compile: ``torch.compile(mode="reduce-overhead")`` the target, rows padded to powers of two.
+        warmup: call the target at every row count of this process's runs before sampling
+            (:func:`specforest.warmup.warm_up`; same samples); with many slots on a tree the calls
+            are padded to :func:`specforest.warmup.pad_rows_for`'s sizes. Its time is
+            ``warmup_seconds`` in the result and in ``PATH.json``.
 
     Returns:
         A :class:`GenerateResult`.
@@ -374,6 +382,7 @@ def run_job(
             progress=progress,
             log=log,
             compile=compile,
+            warmup=warmup,
         )
     finally:
         if control is not None:
@@ -394,6 +403,7 @@ def _run_job(
     progress: bool,
     log: Callable[[str], None],
     compile: bool,
+    warmup: bool,
 ) -> GenerateResult:
     """:func:`run_job` once the processes' control group exists.
 
@@ -441,6 +451,23 @@ def _run_job(
 
         group = dist.group.WORLD
     velocity, pad_rows = compiled(model.velocity, compile)
+    warmup_seconds = 0.0
+    if warmup and len(mine):
+        # the slots, and the last run of the standard sampler, whose slots all finish together
+        sizes = sorted({min(batch, len(mine)), len(mine) % batch or batch})
+        first = mine[: sizes[-1]]
+        pad_rows = pad_rows or pad_rows_for(sizes, **model.sampler)
+        cond = None if model.make_cond is None else model.make_cond(first)
+        warmup_seconds = warm_up(
+            velocity,
+            make_x(first),
+            cond=cond,
+            batch=sizes,
+            pad_rows=pad_rows,
+            process_group=group,
+            repeats=3 if compile else 1,
+            **model.sampler,
+        )
     gen = generate(
         velocity,
         indices=mine,
@@ -499,17 +526,18 @@ def _run_job(
     # the shards are all written once every process is here
     stats = distributed.agree(
         "sampling",
-        value=(produced, gen.stats.rounds, gen.stats.slot_rounds, seconds, gen.stats.slots),
+        value=(produced, gen.stats.rounds, gen.stats.slot_rounds, seconds, gen.stats.slots, warmup_seconds),
         group=control,
     )
     with distributed.together("the merge", control):
         if rank == 0:
             run = {"device": device, "compiled": bool(compile), "threads": torch.get_num_threads()}
+            run["warmup_seconds"] = max(s[5] for s in stats)
             world = distributed.world_size()
             merge(out, spec, batch=batch, world=world, tree_parallel=tree_parallel, stats=stats, run=run)
     if rank == 0:
         log(f"wrote {out} and {meta_path(out)}")
-    return GenerateResult(out, produced, len(done), occ, gen.stats.rounds, seconds, True)
+    return GenerateResult(out, produced, len(done), occ, gen.stats.rounds, seconds, True, warmup_seconds)
 
 
 def merge(
@@ -559,7 +587,10 @@ def merge(
         "nfe_mean": float(np.mean(nfe)),
         # of this (last) run: mean fraction of the slots busy per round, over all processes
         "occupancy": busy / capacity if capacity else None,
-        "per_process": [{"samples": s[0], "rounds": s[1], "seconds": round(s[3], 3)} for s in stats],
+        "per_process": [
+            {"samples": s[0], "rounds": s[1], "seconds": round(s[3], 3), "warmup_seconds": round(s[5], 3)}
+            for s in stats
+        ],
     }
     try:
         atomic_write_text(meta_path(out), json.dumps(meta, indent=1) + "\n")

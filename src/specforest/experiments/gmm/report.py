@@ -166,7 +166,10 @@ def format_result(r: dict) -> str:
         acc = "n/a" if r["accept_rate"] is None else f"{r['accept_rate']:.3f}"
         lines.append(f"  per-step acceptance {acc}; per depth {per_depth}")
         lines.append(f"  prefetch {r['prefetch']}, verify {r['verify']}, mode {r['mode']}")
-    lines.append(f"  wall {r['wall_seconds']:.2f} s in {r['chunks']} chunk(s) of <= {r['chunk_size']} trajectories")
+    warm = f" (after a {r['warmup_seconds']:.2f} s warm-up)" if r.get("warmup_seconds") else ""
+    lines.append(
+        f"  wall {r['wall_seconds']:.2f} s{warm} in {r['chunks']} chunk(s) of <= {r['chunk_size']} trajectories"
+    )
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from ...planning import AdaptiveTree, plan_tree
 from ...proposals import DRAFT_KINDS
 from ...sampler import PREFETCH_POLICIES
 from ...trees import VERIFY_MODES, DraftTree
+from ...warmup import pad_rows_for, warm_up
 from ..common import (
     COUPLING_OF,
     METHODS,
@@ -79,6 +80,7 @@ def simulate(
     tree: "str | DraftTree" = "uniform",
     budget: int | None = None,
     compile: bool = False,
+    warmup: bool = False,
 ) -> GMMRun:
     """Run one configuration and keep its samples; see :func:`run_config`."""
     if not isinstance(setting, GMMSetting):
@@ -140,32 +142,41 @@ def simulate(
     x_T = initial_states(n, setting.dim, seed)
     noise_seed = derive_seed(seed, STREAM_NOISE)
 
+    starts = list(range(0, n, mem.chunk))
+    opts = dict(
+        steps=T,
+        churn=setting.churn,
+        grid=setting.grid,
+        tree=tree,
+        coupling=coupling,
+        draft=draft,
+        prefetch=prefetch,
+        verify=verify,
+        max_rows=mem.max_rows,
+        lazy=lazy,
+    )
+    warmup_seconds = 0.0
+    if warmup:
+        # the chunks' sizes: every full one and the last
+        sizes = sorted({min(mem.chunk, n - start) for start in starts})
+        pad_rows = pad_rows or pad_rows_for(sizes, **opts)
+        reps = 3 if compile else 1
+        warmup_seconds = warm_up(model, x_T[: sizes[-1]], batch=sizes, pad_rows=pad_rows, repeats=reps, **opts)
     t0 = time.perf_counter()
     names = ("nfe", "attempts", "accepts", "delta_sum", "rows", "rounds", "spec_steps")
     parts: dict[str, list] = {k: [] for k in ("samples", *names)}
     calls, target_seconds = 0, 0.0
-    extra = {"lazy": True} if lazy else {}
-    starts = list(range(0, n, mem.chunk))
     for start in starts:
         stop = min(start + mem.chunk, n)
         # per-sample streams: trajectory i's noise depends on (seed, i) only, not on the chunking
         out = sample(
             model,
             x_T[start:stop],
-            steps=T,
-            churn=setting.churn,
-            grid=setting.grid,
-            tree=tree,
-            coupling=coupling,
-            draft=draft,
-            prefetch=prefetch,
-            verify=verify,
             seed=noise_seed,
             sample_index=torch.arange(start, stop),
-            max_rows=mem.max_rows,
             pad_rows=pad_rows,
             progress=progress,
-            **extra,
+            **opts,
         )
         s = out.stats
         parts["samples"].append(out.samples.to(torch.float32))
@@ -189,6 +200,7 @@ def simulate(
         **summary,
         "calls": calls,
         "wall_seconds": wall,
+        "warmup_seconds": warmup_seconds,
         "target_seconds": target_seconds,
         "grid": setting.grid,
         "churn": setting.churn,
@@ -242,6 +254,9 @@ def run_config(setting: GMMSetting, **options) -> dict:
         budget: drafted states per round for ``optimal`` and ``adaptive``.
         compile: ``torch.compile(mode="reduce-overhead")`` the target, rows padded
             to powers of two (same samples).
+        warmup: call the target at every row count of the run's chunks before them
+            (:func:`specforest.warmup.warm_up`; same samples); with many trajectories on a tree
+            the calls are padded to :func:`specforest.warmup.pad_rows_for`'s sizes.
 
     Returns:
         A JSON-serializable dict (NaN written as ``None``) with the options and
@@ -249,7 +264,8 @@ def run_config(setting: GMMSetting, **options) -> dict:
         (``T / NFE``), ``speedup_paper_mean``/``speedup_paper_sem``
         (``(T - 2) / (NFE - 2)``), ``accept_rate`` (pooled per-step acceptance:
         accepts / verification problems), ``accept_rate_per_depth``,
-        ``delta_per_depth``, ``wall_seconds``, ``mode``, ``chunk_size`` and more.
+        ``delta_per_depth``, ``wall_seconds``, ``warmup_seconds`` (0 without ``warmup``; not in
+        ``wall_seconds``), ``mode``, ``chunk_size`` and more.
         ``K, L`` are recorded as ``(0, 0)`` for ``standard`` and ``(1, B)`` for ``rmc``.
 
     Raises:

@@ -30,7 +30,10 @@ def format_result(r: dict) -> str:
     if r["method"] != "standard":
         per = ", ".join("-" if a is None else f"{a:.2f}" for a in r["accept_rate_per_depth"])
         lines.append(f"  acceptance per depth [{per}]")
-    lines.append(f"  classifier accuracy vs label {r['classifier_accuracy']:.3f}   wall {r['wall_seconds']:.1f} s")
+    warm = f" (after a {r['warmup_seconds']:.2f} s warm-up)" if r.get("warmup_seconds") else ""
+    lines.append(
+        f"  classifier accuracy vs label {r['classifier_accuracy']:.3f}   wall {r['wall_seconds']:.1f} s{warm}"
+    )
     return "\n".join(lines)
 
 

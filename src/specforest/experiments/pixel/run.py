@@ -23,6 +23,7 @@ from ...planning import plan_tree
 from ...proposals import DRAFT_KINDS
 from ...sampler import GRIDS, PREFETCH_POLICIES
 from ...trees import VERIFY_MODES, DraftTree
+from ...warmup import pad_rows_for, warm_up
 from ..common import (
     COUPLING_OF,
     METHODS,
@@ -90,6 +91,7 @@ def simulate(
     model: Optional[Callable[..., torch.Tensor]] = None,
     classifier: Optional[DigitsClassifier] = None,
     compile: bool = False,
+    warmup: bool = False,
 ) -> PixelRun:
     """Sample ``samples`` class-conditional digits with one method and summarize.
 
@@ -116,6 +118,10 @@ def simulate(
         classifier: the evaluation classifier (default: the shipped one).
         compile: ``torch.compile(mode="reduce-overhead")`` the model, rows padded to
             powers of two (same samples).
+        warmup: call the model at every row count of the run before it
+            (:func:`specforest.warmup.warm_up`; same samples), so that a fresh process does not
+            pay its first calls at each shape inside ``wall_seconds``; with many images on a
+            tree the calls are padded to :func:`specforest.warmup.pad_rows_for`'s sizes.
 
     Returns:
         A :class:`PixelRun`; its record holds the options and ``budget``, the
@@ -124,8 +130,8 @@ def simulate(
         per image), ``speedup_paper_mean``/``speedup_paper_sem``
         (``(T - 2) / (NFE - 2)``), ``accept_rate``, ``accept_rate_per_depth``,
         ``delta_per_depth`` (``None`` where a depth was never reached), ...),
-        ``speedup_std``, ``wall_seconds``, ``max_rows``, ``memory_peak_gb`` and
-        ``classifier_accuracy``.
+        ``speedup_std``, ``wall_seconds``, ``warmup_seconds`` (0 without ``warmup``; not in
+        ``wall_seconds``), ``max_rows``, ``memory_peak_gb`` and ``classifier_accuracy``.
 
     Raises:
         ValueError / TypeError: on invalid options, naming the option.
@@ -189,9 +195,7 @@ def simulate(
 
     g = torch.Generator().manual_seed(derive_seed(seed, STREAM_NOISE))
     target, pad_rows = compiled(model, compile)
-    out = sample(
-        target,
-        x_T,
+    opts = dict(
         steps=T,
         churn=churn,
         grid=grid,
@@ -200,13 +204,15 @@ def simulate(
         draft=draft,
         prefetch=prefetch,
         verify=verify,
-        generator=g,
-        progress=progress,
-        cond={"class_labels": labels},
         lazy=lazy,
         max_rows=mem.max_rows,
-        pad_rows=pad_rows,
     )
+    cond = {"class_labels": labels}
+    warmup_seconds = 0.0
+    if warmup:
+        pad_rows = pad_rows or pad_rows_for(n, **opts)
+        warmup_seconds = warm_up(target, x_T, cond=cond, pad_rows=pad_rows, repeats=3 if compile else 1, **opts)
+    out = sample(target, x_T, generator=g, progress=progress, cond=cond, pad_rows=pad_rows, **opts)
     s = out.stats
     speedup = T / s.nfe.double()
     with torch.no_grad():
@@ -233,6 +239,7 @@ def simulate(
         ),
         "speedup_std": finite(speedup.std().item()) if n > 1 else None,
         "wall_seconds": float(s.wall_seconds),
+        "warmup_seconds": warmup_seconds,
         "target_seconds": float(s.target_seconds),
         "classifier_accuracy": accuracy,
         "calls": int(s.calls),

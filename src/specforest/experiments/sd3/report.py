@@ -17,9 +17,10 @@ def format_line(r: dict) -> str:
     """One line for the log: NFE, speedup, acceptance, CLIP score and wall-clock of a record."""
     acc = "-" if r["accept_rate"] is None else f"{r['accept_rate']:.3f}"
     clip = "" if r.get("clip_mean") is None else f"  CLIP {pm(r['clip_mean'], r['clip_sem'], 2)}"
+    warm = f" after a {r['warmup_seconds']:.1f} s warm-up" if r.get("warmup_seconds") else ""
     return (
         f"{describe_method(r)}: NFE {pm(r['nfe_mean'], r['nfe_sem'], 2)}  speedup {pm(r['speedup_mean'], r['speedup_sem'])}"
-        f"  acceptance {acc}{clip}  ({r['wall_seconds']:.1f} s)"
+        f"  acceptance {acc}{clip}  ({r['wall_seconds']:.1f} s{warm})"
     )
 
 

@@ -68,8 +68,9 @@ def run_config(
         ``images``, the statistics of :func:`specforest.experiments.common.summarize`,
         ``nfe_per_image``, ``calls``, ``max_rows`` (per batch), ``rows_per_call``
         and ``memory_peak_gb`` (the largest batch's
-        :class:`~specforest.memory.MemoryEstimate`), ``wall_seconds``,
-        ``target_seconds``, ``clip_mean``/``clip_sem``.
+        :class:`~specforest.memory.MemoryEstimate`), ``wall_seconds``, ``warmup_seconds``
+        (``tuned`` only: its row counts are warmed before the first batch of each size; not in
+        ``wall_seconds``), ``target_seconds``, ``clip_mean``/``clip_sem``.
 
     Raises:
         ValueError / TypeError: on invalid options, naming the option.
@@ -93,9 +94,13 @@ def run_config(
     parts: dict[str, list] = {k: [] for k in _COUNTERS}
     images: list = []
     calls, target_seconds, estimates = 0, 0.0, []
+    warmup_seconds, pads = 0.0, {}
     t0 = time.perf_counter()
     for i, start in enumerate(range(0, n, size)):
         sl = slice(start, start + size)
+        # a tuned configuration warms its row counts once per batch size (the last batch may be
+        # smaller), and the later batches of that size pad as the first did
+        b = min(size, n - start)
         g = torch.Generator(device="cpu").manual_seed(derive_seed(setting.seed, i))
         res = sd.sample(
             pipe,
@@ -117,7 +122,11 @@ def run_config(
             lazy=setting.lazy,
             shift=setting.shift,
             max_sequence_length=setting.max_sequence_length,
+            pad_rows=pads.get(b),
+            warmup=tuned is not None and b not in pads,
         )
+        pads.setdefault(b, res.config["pad_rows"])
+        warmup_seconds += res.warmup_seconds
         s = res.stats
         for name, part in parts.items():
             part.append(getattr(s, name).cpu())
@@ -126,7 +135,7 @@ def run_config(
         estimates.append(res.memory)
         if want_images:
             images += list(res.images)
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - warmup_seconds
     cat = {k: torch.cat(v) for k, v in parts.items()}
     record = {
         "method": method,
@@ -141,6 +150,7 @@ def run_config(
         "rows_per_call": max(m.rows_per_call for m in estimates),
         "memory_peak_gb": max(m.total_bytes for m in estimates) / 1e9,
         "wall_seconds": wall,
+        "warmup_seconds": warmup_seconds,
         "target_seconds": target_seconds,
         "clip_mean": None,
         "clip_sem": None,
