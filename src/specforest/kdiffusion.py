@@ -1,0 +1,447 @@
+"""k-diffusion's sampler signature over the exact speculative sampler.
+
+:func:`sample_speculative` has the signature of k-diffusion's samplers
+(``sample_euler(model, x, sigmas, extra_args=None, callback=None, disable=None,
+**options)``), so it plugs in wherever they do (ComfyUI's ``KSAMPLER``, A1111,
+Forge; ``docs/kdiffusion.md``). It runs the churned chain of
+:func:`specforest.sample` on the given schedule: the same law for any tree,
+coupling and draft, fewer sequential model calls.
+
+The mapping (``path="ve"``, the default). A k-diffusion denoiser
+``D(x, sigma, **extra_args)`` estimates ``E[x_0 | x]`` for ``x = x_0 + sigma xi``
+(the VE / EDM parameterization). With ``t = sigma / (1 + sigma)``,
+
+    x / (1 + sigma) = (1 - t) x_0 + t xi,
+
+the library's linear path at level ``t`` (``1 - t = 1 / (1 + sigma)``). So the
+schedule ``sigmas`` becomes the grid ``t_i = sigma_i / (1 + sigma_i)`` (decreasing,
+``t = 0`` at ``sigma = 0``), the state is ``x_lin = x / (1 + sigma)``, and the
+denoiser becomes the library's velocity through
+:class:`~specforest.models.edm.EDMDenoiserVelocity` (which evaluates ``D`` at
+``x_lin / (1 - t) = x`` and ``t / (1 - t) = sigma``). A VE schedule never reaches
+``t = 1`` (``sigma = 80`` is ``t = 0.9877``): the chain starts at ``t_0 < 1`` from
+``x / (1 + sigma_0)``, and its first step is a stochastic step like the others
+(only a step from ``t = 1`` is a plain Euler step). The last step, into
+``sigma = 0``, is the plain Euler step, ``x_T = D(x_{T-1}, sigma_{T-1})``, as in
+k-diffusion's samplers; there both scales are 1, so the result is in the VE scale.
+
+``path="linear"`` is for denoisers whose ``sigma`` is already the linear-path
+level, ``x = (1 - sigma) x_0 + sigma xi`` (ComfyUI's ``CONST`` model sampling:
+SD3, Flux): the grid is ``sigmas`` itself (``sigmas[0] <= 1``), the state is
+``x``, and the velocity is ``(x - D(x, sigma)) / sigma``.
+
+The chain, in k-diffusion's terms (``path="ve"``, churn ``eps``, ``s = sigma_i``,
+``s' = sigma_{i+1} > 0``, ``d = (x - D(x, s)) / s`` as k-diffusion's ``to_d``):
+
+    x' = D + d * sigma_down + sigma_up * z,    z ~ N(0, I),
+    sigma_down = s' - eps^2 (s - s'),
+    sigma_up = eps * sqrt(2 s (s - s') (1 + s') / (1 + s)),
+
+the Euler-Maruyama step of eqs. (35)-(37) on the mapped grid. It is the form of
+``sample_euler_ancestral`` with ``eta = eps`` and agrees with its
+``get_ancestral_step`` to first order in the step (not exactly); EDM's stochastic
+sampler (``sample_euler(s_churn=...)``) matches it to first order only with a
+per-step churn ``gamma_i = eps^2 (1 - s' / s)`` (k-diffusion's is
+``s_churn / steps``, the same at every step). ``docs/kdiffusion.md`` has the
+derivation and what the tests check.
+
+Conditioning. k-diffusion passes ``extra_args`` unchanged to every call, whose
+batch is ``x``'s. A speculative call evaluates other rows (a tree's nodes, each
+trajectory a different number of them), so an argument with one row per sample
+must be declared: names in ``row_args`` are tensors ``(B, ...)`` given row by row
+(each call receives the rows of the trajectories its states belong to, through
+:func:`specforest.sample`'s ``cond``); every other argument is passed as it is.
+An undeclared tensor whose first dimension is the batch (``B > 1``) is refused,
+unless ``shared_args`` names it: it could be either.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from . import sampler
+from .models.edm import EDMDenoiserVelocity
+from .proposals import Proposal
+
+__all__ = ["PATHS", "linear_grid", "sample", "sample_speculative"]
+
+PATHS = ("ve", "linear")
+"""The denoiser's parameterization: ``ve`` (``x = x_0 + sigma xi``, k-diffusion and EDM) or
+``linear`` (``x = (1 - sigma) x_0 + sigma xi``, ComfyUI's ``CONST``: SD3, Flux)."""
+
+KEYS = ("x", "i", "sigma", "sigma_hat", "denoised")
+"""k-diffusion's callback keys, first in every callback dict, in this order."""
+
+# options of specforest.sample that this signature gives another way, and that way
+_GIVEN_OTHERWISE = {
+    "steps": "the schedule is sigmas",
+    "sigmas": "the schedule is the positional sigmas",
+    "grid": "the schedule is sigmas",
+    "shift": "the schedule is sigmas",
+    "cond": "pass conditioning in extra_args (per-row tensors named in row_args)",
+    "model_kwargs": "pass conditioning in extra_args",
+    "progress": "the progress bar is disable=False",
+}
+_PASSED = (
+    "churn",
+    "tree",
+    "coupling",
+    "draft",
+    "prefetch",
+    "verify",
+    "generator",
+    "seed",
+    "sample_index",
+    "max_rows",
+    "lazy",
+    "record_deltas",
+    "process_group",
+    "pad_rows",
+)
+_ROW = "_specforest_row"  # the trajectory of each row, given to the denoiser wrapper only when a callback records
+
+
+def _ve_scale(sigma: torch.Tensor) -> torch.Tensor:
+    """``1 + sigma``: the VE state is ``x = (1 + sigma) x_lin`` and ``t = sigma / (1 + sigma)``."""
+    return 1.0 + sigma
+
+
+def _check_sigmas(sigmas: Any, path: str) -> torch.Tensor:
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if not isinstance(sigmas, torch.Tensor):
+        raise TypeError(f"sigmas must be a 1-D torch.Tensor (a k-diffusion schedule), got {type(sigmas).__name__}")
+    if sigmas.ndim != 1 or sigmas.numel() < 2:
+        raise ValueError(f"sigmas must be a 1-D tensor of T + 1 >= 2 noise levels, got shape {tuple(sigmas.shape)}")
+    s = sigmas.detach().to("cpu", torch.float64)
+    if not torch.isfinite(s).all():
+        raise ValueError("sigmas must be finite")
+    if s[-1] != 0.0:
+        raise ValueError(f"sigmas must end in 0 (a k-diffusion schedule), got last {s[-1].item():.6g}")
+    if (s[:-1] <= s[1:]).any():
+        n = int(torch.nonzero(s[:-1] <= s[1:])[0, 0])
+        raise ValueError(
+            f"sigmas must decrease strictly, got sigmas[{n}] = {s[n].item():.6g} <= sigmas[{n + 1}] = {s[n + 1].item():.6g}"
+        )
+    if path == "linear" and s[0] > 1.0:
+        raise ValueError(
+            f"with path='linear' sigmas are linear-path levels in [0, 1], got sigmas[0] = {s[0].item():.6g}"
+        )
+    return s
+
+
+def linear_grid(sigmas: torch.Tensor, path: str = "ve") -> torch.Tensor:
+    """The library's grid of a k-diffusion schedule: ``t_i = sigma_i / (1 + sigma_i)`` (``path="ve"``).
+
+    Args:
+        sigmas: ``(T + 1,)`` k-diffusion schedule, strictly decreasing, ending in 0.
+        path: ``"ve"`` or ``"linear"`` (the levels are already linear-path levels, returned as they are).
+
+    Returns:
+        ``(T + 1,)`` float64 CPU tensor, decreasing from ``t_0 < 1`` (``<= 1`` for ``linear``) to 0.
+
+    Raises:
+        TypeError / ValueError: naming ``sigmas`` or ``path``.
+    """
+    s = _check_sigmas(sigmas, path)
+    return s / _ve_scale(s) if path == "ve" else s
+
+
+class _Roots:
+    """What each trajectory's root evaluation of a round saw: the callback's ``x``, ``sigma`` and ``denoised``.
+
+    A round evaluates a trajectory's root (its current state, at its current step) and tree
+    nodes at later steps, so the root is the row of the trajectory at the highest noise level
+    among the round's calls (several with ``max_rows`` or ``lazy``).
+    """
+
+    def __init__(self, B: int) -> None:
+        self.B = B
+        self.x: Optional[torch.Tensor] = None
+        self.denoised: Optional[torch.Tensor] = None
+        self.sigma: Optional[torch.Tensor] = None
+
+    def reset(self) -> None:
+        if self.sigma is not None:
+            self.sigma.fill_(-1.0)
+
+    def record(self, rows: torch.Tensor, y: torch.Tensor, s: torch.Tensor, d: torch.Tensor) -> None:
+        if self.sigma is None:
+            self.x = y.new_zeros((self.B, *y.shape[1:]))
+            self.denoised = torch.zeros_like(self.x)
+            self.sigma = torch.full((self.B,), -1.0, dtype=y.dtype, device=y.device)
+        s = s.to(self.sigma.dtype)
+        best = self.sigma.scatter_reduce(0, rows, s, "amax")
+        top = s >= best[rows]
+        self.sigma = best
+        self.x[rows[top]] = y[top].to(self.x.dtype)
+        self.denoised[rows[top]] = d[top].to(self.x.dtype)
+
+
+class _Denoiser:
+    """The user's denoiser with its shared arguments bound; records the roots for a callback."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], shared: dict, roots: Optional[_Roots]) -> None:
+        self.fn, self.shared, self.roots = fn, shared, roots
+
+    def __call__(self, y: torch.Tensor, s: torch.Tensor, **rows: Any) -> torch.Tensor:
+        traj = rows.pop(_ROW, None)
+        d = self.fn(y, s, **rows, **self.shared)
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"the denoiser must return a tensor (the denoised x0), got {type(d).__name__}")
+        # (a wrong shape is refused by the velocity adapter right after)
+        if self.roots is not None and traj is not None and d.shape == y.shape:
+            self.roots.record(traj.to(y.device), y, s, d)
+        return d
+
+
+class _LinearDenoiserVelocity:
+    """``v = (x - D(x, t)) / t`` for a denoiser on the linear path itself (``path="linear"``)."""
+
+    def __init__(self, denoiser: _Denoiser) -> None:
+        self.denoiser = denoiser
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor, **cond: Any) -> torch.Tensor:
+        d = self.denoiser(x, t, **cond)
+        if d.shape != x.shape:
+            raise ValueError(f"the denoiser must return shape {tuple(x.shape)}, got {tuple(d.shape)}")
+        return (x - d.to(x.dtype)) / t.to(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def _velocity(denoiser: _Denoiser, s: torch.Tensor, path: str) -> Callable[..., torch.Tensor]:
+    if path == "linear":
+        return _LinearDenoiserVelocity(denoiser)
+    # a clipping range wider than the schedule: the denoiser is called at the schedule's levels
+    # (up to rounding), never clipped, like k-diffusion's samplers
+    return EDMDenoiserVelocity(denoiser, sigma_min=0.5 * float(s[-2]), sigma_max=2.0 * float(s[0]))
+
+
+def _names(name: str, value: Any) -> tuple:
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"{name} must be a sequence of extra_args names (str), got {value!r}")
+    return tuple(value)
+
+
+def _split_extra_args(extra_args: Optional[dict], B: int, row_args: Any, shared_args: Any) -> tuple[dict, dict]:
+    """``extra_args`` as (per-row conditioning, arguments passed as they are); see the module docstring."""
+    extra = {} if extra_args is None else extra_args
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra_args must be a dict or None, got {type(extra).__name__}")
+    rows, shared = _names("row_args", row_args), _names("shared_args", shared_args)
+    for name, listed in (("row_args", rows), ("shared_args", shared)):
+        missing = [k for k in listed if k not in extra]
+        if missing:
+            raise ValueError(f"{name} names {missing}, which extra_args does not hold (it holds {sorted(extra)})")
+    both = sorted(set(rows) & set(shared))
+    if both:
+        raise ValueError(f"{both} are in both row_args and shared_args")
+    if _ROW in extra:
+        raise ValueError(f"extra_args must not hold the reserved name {_ROW!r}")
+    cond = {}
+    for k in rows:
+        v = extra[k]
+        if not isinstance(v, torch.Tensor) or v.ndim < 1 or v.shape[0] != B:
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(
+                f"extra_args[{k!r}] is in row_args: it must be a tensor ({B}, ...), one row per sample, got {got}"
+            )
+        cond[k] = v
+    for k, v in extra.items():
+        if k in cond or k in shared:
+            continue
+        if B > 1 and isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == B:
+            raise ValueError(
+                f"extra_args[{k!r}] has one row per sample (shape {tuple(v.shape)}), but a speculative call "
+                f"evaluates other rows: name it in row_args=({k!r},) to give each call its rows' values, or "
+                f"in shared_args=({k!r},) to pass it as it is to every call"
+            )
+    return cond, {k: v for k, v in extra.items() if k not in cond}
+
+
+def _check_x(x: Any) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor of shape (batch, *shape), got {type(x).__name__}")
+    if x.ndim < 2 or x.shape[0] < 1 or x.numel() == 0:
+        raise ValueError(f"x must have shape (batch, *shape) with batch >= 1 (e.g. (B, C, H, W)), got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if not torch.isfinite(x).all():
+        raise ValueError("x contains NaN or inf")
+
+
+def _progress(disable: Any) -> bool:
+    if disable is None:
+        # tqdm's convention, which k-diffusion's trange follows: no bar when stderr is not a terminal
+        return bool(sys.stderr.isatty())
+    if not isinstance(disable, bool):
+        raise TypeError(f"disable must be None or a bool, got {type(disable).__name__}")
+    return not disable
+
+
+def sample(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    *,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> sampler.SampleResult:
+    """:func:`sample_speculative` returning the whole :class:`~specforest.sampler.SampleResult` (samples and stats).
+
+    Same arguments as :func:`sample_speculative`; ``result.samples`` is what it returns, and
+    ``result.stats`` the run's NFE, rounds and acceptance (see :func:`specforest.sample`).
+    """
+    _check_x(x)
+    t = linear_grid(sigmas, path)
+    unknown = sorted(k for k in options if k not in _PASSED)
+    if unknown:
+        hints = "; ".join(f"{k}: {_GIVEN_OTHERWISE[k]}" for k in unknown if k in _GIVEN_OTHERWISE)
+        raise TypeError(f"unexpected options {unknown}" + (f" ({hints})" if hints else f"; options are {_PASSED}"))
+    if "churn" not in options:
+        raise TypeError("churn is required: a float in (0, 1], the chain's churn (see docs/kdiffusion.md)")
+    if not callable(model):
+        raise TypeError("model must be callable as model(x, sigma, **extra_args) (a k-diffusion denoiser)")
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+    if callback is not None and options.get("process_group") is not None:
+        raise ValueError(
+            "callback with process_group is not supported: each process evaluates only its share of the roots"
+        )
+    B = x.shape[0]
+    cond, shared = _split_extra_args(extra_args, B, row_args, shared_args)
+    s = sigmas.detach().to("cpu", torch.float64)
+    roots = _Roots(B) if callback is not None else None
+    if roots is not None:
+        cond = {**cond, _ROW: torch.arange(B, device=x.device)}
+    velocity = _velocity(_Denoiser(model, shared, roots), s, path)
+    draft = options.get("draft", "velocity")
+    if callable(draft) and not isinstance(draft, (str, Proposal)):
+        # a draft model in k-diffusion's convention: a denoiser, called with the same extra_args
+        options["draft"] = _velocity(_Denoiser(draft, shared, None), s, path)
+    work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    x_lin = x.to(work) / float(_ve_scale(s[0])) if path == "ve" else x
+    hook = None if callback is None else _callback(callback, roots, sigmas, t.numel() - 1)
+    out = sampler.sample(velocity, x_lin, sigmas=t, cond=cond, callback=hook, progress=_progress(disable), **options)
+    # at sigma = 0 the VE and linear-path states coincide (both scales are 1)
+    out.samples = out.samples.to(x.dtype)
+    out.config.update(path=path, sigma_first=float(s[0]), sigma_last_positive=float(s[-2]))
+    return out
+
+
+def _callback(user: Callable[[dict], None], roots: _Roots, sigmas: torch.Tensor, T: int) -> Callable[[dict], None]:
+    """The library's per-round callback turned into k-diffusion's dict (see :func:`sample_speculative`)."""
+    before: list = [None]  # each trajectory's step at the start of the next round
+
+    def hook(info: dict) -> None:
+        committed, xs = info["committed"], info["x"]
+        step0 = torch.zeros_like(info["step"]) if before[0] is None else before[0]
+        before[0] = info["step"].clone()
+        if not bool((committed > 0).any()):
+            # the first speculative round only evaluates its roots; the next round evaluates them again
+            roots.reset()
+            return
+        active = step0 < T
+        i = int(step0[active].min())
+        a = active.reshape((-1,) + (1,) * (xs.ndim - 1)).to(xs.device)
+        x = torch.where(a, roots.x.to(xs.device), xs.to(roots.x.dtype))
+        denoised = torch.where(a, roots.denoised.to(xs.device), xs.to(roots.x.dtype))
+        row_sigma = torch.where(active.to(roots.sigma.device), roots.sigma, torch.zeros_like(roots.sigma))
+        roots.reset()
+        user(
+            {
+                "x": x,
+                "i": i,
+                "sigma": sigmas[i],
+                "sigma_hat": sigmas[i],
+                "denoised": denoised,
+                "step": step0,
+                "row_sigma": row_sigma,
+                "committed": committed,
+                "round": info["round"],
+            }
+        )
+
+    return hook
+
+
+def sample_speculative(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    *,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """Sample the churned chain on a k-diffusion schedule exactly, speculating on a draft tree.
+
+    k-diffusion's sampler signature; the output has the law of the standard chain
+    (``tree=None``) on the mapped grid for any tree, coupling and draft (see the module
+    docstring for the mapping and the chain in k-diffusion's terms).
+
+    Args:
+        model: a k-diffusion denoiser ``model(x: (M, *shape), sigma: (M,), **extra_args) -> (M, *shape)``,
+            an estimate of ``E[x_0 | x = x_0 + sigma xi]``. ``M`` is the call's rows: tree nodes of
+            several trajectories at several noise levels, not ``x``'s batch.
+        x: ``(B, *shape)`` initial states at ``sigmas[0]`` (noise times ``sigmas[0]``, or a noised
+            image for img2img).
+        sigmas: ``(T + 1,)`` schedule, strictly decreasing, ending in 0 (``get_sigmas_karras``, ...).
+        extra_args: the model's keyword arguments: those named in ``row_args`` row by row, the
+            others as they are.
+        callback: called after every round that commits a step (one model call each; the first
+            speculative round only evaluates and makes none) with k-diffusion's keys first:
+            ``x`` ``(B, *shape)`` each trajectory's state at the round's start, the one its model
+            call saw (VE scale; a trajectory that has finished: its sample), ``i`` (int) the
+            slowest trajectory's step (non-decreasing; every step when ``tree=None``), ``sigma``
+            and ``sigma_hat`` ``sigmas[i]`` (the chain evaluates the model at the state's own
+            level: no ``sigma_hat > sigma``), ``denoised`` ``(B, *shape)`` the model's output at
+            ``x`` (finished: the sample); then ``step`` ``(B,)`` each trajectory's step at the
+            round's start (``T`` when finished), ``row_sigma`` ``(B,)`` the level each row of ``x``
+            was evaluated at (0 when finished), ``committed`` ``(B,)`` steps the round committed,
+            ``round``.
+        disable: ``True`` no progress bar, ``False`` a bar, ``None`` a bar when stderr is a terminal.
+        row_args: names in ``extra_args`` of tensors ``(B, ...)`` with one row per sample.
+        shared_args: names in ``extra_args`` of tensors with ``B`` rows to pass as they are.
+        path: ``"ve"`` (k-diffusion, EDM, ComfyUI's EPS / V_PREDICTION models) or ``"linear"``
+            (ComfyUI's CONST models: ``x = (1 - sigma) x_0 + sigma xi``).
+        **options: :func:`specforest.sample`'s options: ``churn`` (required, in (0, 1]), ``tree``,
+            ``coupling``, ``draft`` (a name, a Proposal, or a draft *denoiser* with ``model``'s
+            signature, given the same ``extra_args``), ``prefetch``, ``verify``, ``seed`` or
+            ``generator`` (none: fresh entropy; nothing is drawn from torch's global RNG),
+            ``sample_index``, ``max_rows``, ``lazy``, ``record_deltas``, ``pad_rows``,
+            ``process_group`` (not with ``callback``).
+
+    Returns:
+        ``(B, *shape)`` final states at ``sigma = 0`` in ``x``'s dtype (the sampler works in
+        float32, or float64 for float64 ``x``).
+
+    Raises:
+        ValueError / TypeError: naming the parameter (``x``, ``sigmas``, ``churn``, ``extra_args``,
+            ``row_args``, an option given another way here, ...).
+        FloatingPointError: if the model returns NaN or inf.
+    """
+    return sample(
+        model,
+        x,
+        sigmas,
+        extra_args,
+        callback,
+        disable,
+        row_args=row_args,
+        shared_args=shared_args,
+        path=path,
+        **options,
+    ).samples
