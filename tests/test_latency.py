@@ -412,12 +412,12 @@ def _virtually_timed(gmm, monkeypatch, cost):
 
 
 def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
-    """A model whose calls cost 2 ms inside a run and 1 ms back to back (as when the sampler's work
+    """A model whose calls cost 4 s inside a run and 2 s back to back on the virtual clock (as when the sampler's work
     between calls evicts the network from the caches): the factor is 2, and the standard sampler's
     prediction carries it; with a given curve nothing is assumed about the model (factor 1)."""
     from specforest import latency
 
-    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 0.4 if in_run else 0.2)
+    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 4.0 if in_run else 2.0)
     x = streams.randn(0, torch.arange(2), (8,))
     pred = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2)
     assert pred.network_factor() == 1.0  # nothing timed yet
@@ -481,13 +481,14 @@ def test_configurations_timed_side_by_side_take_turns_and_keep_their_timed_runs(
 
 
 def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm, monkeypatch):
-    """Calls of one row cost 3x the curve inside a run, calls of more rows 1x: the standard
+    """Calls of one row cost 3x the curve inside a run, calls of more rows 1x (6 s and 2 s of virtual
+    clock, so that the real time of the calls is noise below the tolerances even on a loaded machine): the standard
     sampler's own factor is 3, a chain's (whose rounds evaluate up to three rows) about 2, their
     median is the pooled factor, and the predictions price each call by its rows (3 at one row,
     1 at more), which no single factor does."""
     from specforest import latency
 
-    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 0.6 if in_run and rows == 1 else 0.2)
+    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 6.0 if in_run and rows == 1 else 2.0)
     monkeypatch.setattr(latency, "TIMING_RUNS", 1)
     x = streams.randn(0, torch.arange(2), (8,))
     pred = latency.Predictor.calibrate(model, x, steps=8, churn=0.3, batch=1, budget_max=2)
