@@ -59,6 +59,8 @@ from .pipeline_sd3 import (
 __all__ = [
     "FluxResult",
     "FluxVelocity",
+    "cond_from_embeds",
+    "encode_text",
     "flux_sigmas",
     "is_flux",
     "latent_image_ids",
@@ -430,6 +432,28 @@ def encode_text(
     return pe, ppe, npe, nppe
 
 
+def cond_from_embeds(
+    prompt_embeds: torch.Tensor,
+    pooled_prompt_embeds: torch.Tensor,
+    negative_prompt_embeds: Optional[torch.Tensor],
+    negative_pooled_prompt_embeds: Optional[torch.Tensor],
+    velocity: FluxVelocity,
+    device: torch.device,
+) -> dict:
+    """The per-trajectory conditioning :class:`FluxVelocity` reads, one row per embedding row.
+
+    The negative embeddings are used with true CFG (``velocity.branches == 2``)
+    only. The positions are not conditioning: the velocity makes them.
+    """
+    cond = {"encoder_hidden_states": prompt_embeds, "pooled_projections": pooled_prompt_embeds}
+    if velocity.branches == 2:
+        cond.update(
+            negative_encoder_hidden_states=negative_prompt_embeds,
+            negative_pooled_projections=negative_pooled_prompt_embeds,
+        )
+    return {k: v.to(device, velocity.dtype) for k, v in cond.items()}
+
+
 def sample(
     pipe: Any,
     prompt: str | list[str] | None = None,
@@ -497,10 +521,10 @@ def sample(
         height, width: image size in pixels, divisible by ``2 x vae_scale_factor``
             (default: 1024 for FLUX.1).
         generator: the only source of randomness: the initial latents ``(B, C, h,
-            w)`` are drawn from it first, unpacked, as ``FluxPipeline`` draws them
-            (so the same generator starts both from the same noise, up to
-            ``FluxPipeline`` rounding it to the text encoder's dtype), then the
-            sampler's seed. A list of one generator per image makes image ``i`` a
+            w)`` are drawn from it first, unpacked and in float32, as
+            ``FluxPipeline`` draws them (the same noise for a float32 pipeline;
+            one in half precision draws in that dtype, see ``docs/diffusers.md``),
+            then the sampler's seed. A list of one generator per image makes image ``i`` a
             function of ``generator[i]`` alone.
         num_images_per_prompt: images per caption (``>= 1``); ``B = n x num_images_per_prompt``.
         output_type: ``pil``, ``np``, ``pt`` or ``latent`` (unpacked ``(B, C, h, w)``).
@@ -595,11 +619,9 @@ def sample(
             f"the negative prompt embeddings have shape {tuple(npe.shape)} but the prompt's have "
             f"{tuple(pe.shape)}; true CFG puts both in one call, so they must match"
         )
-    conds = {"encoder_hidden_states": pe, "pooled_projections": ppe}
-    if do_true_cfg:
-        conds.update(negative_encoder_hidden_states=npe, negative_pooled_projections=nppe)
     # each caption's rows repeated consecutively, as diffusers repeats them
-    cond = {k: v.to(device, t_dtype).repeat_interleave(n_img, dim=0) for k, v in conds.items()}
+    conds = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
+    cond = {k: v.repeat_interleave(n_img, dim=0) for k, v in conds.items()}
     B = n * n_img
     if isinstance(generator, (list, tuple)) and len(generator) != B:
         raise ValueError(
