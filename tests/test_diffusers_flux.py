@@ -625,3 +625,32 @@ def test_argument_errors_name_the_parameter(pipe):
     fill = _with(pipe, transformer=_transformer(guidance_embeds=True, in_channels=24))
     with pytest.raises(TypeError, match="in_channels=24"):
         flux.sample(fill, PROMPT, **base)
+
+
+# -- tuning ------------------------------------------------------------------------------------------------
+
+
+def test_tune_flux_measures_the_pipeline_and_its_choice_runs(pipe):
+    from specforest.latency import Tuned
+
+    tuned = sd.tune_flux(
+        pipe,
+        ["a photo of a cat", "a red car"],
+        num_inference_steps=8,
+        true_cfg_scale=2.0,
+        height=8,
+        width=8,
+        max_sequence_length=SEQ,
+        budget_max=4,
+        drafts=("velocity",),
+        calibration_images=2,
+        max_memory_gb=1.0,
+    )
+    assert isinstance(tuned, Tuned) and tuned.steps == 8
+    assert tuned.predicted_seconds_per_image > 0 and {c["label"] for c in tuned.candidates} >= {"standard"}
+    res = flux.sample(pipe, PROMPT, num_inference_steps=8, true_cfg_scale=2.0, negative_prompt="", **BASE, **tuned)
+    assert res.latents.shape == (1, 4, 4, 4) and torch.isfinite(res.latents).all()
+    with pytest.raises(TypeError, match="tune_flux"):
+        sd.tune(pipe, PROMPT, num_inference_steps=4, height=8, width=8)
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        sd.tune_flux(pipe, PROMPT, max_sequence_length=513)

@@ -15,9 +15,9 @@ One entry point, a module per family:
   ``v(x, sigma, **cond)``, the library's model contract.
 * :mod:`~specforest.diffusers.grid`: :func:`scheduler_sigmas` rebuilds the
   scheduler's grid as data, without touching the pipeline's scheduler.
-* :mod:`~specforest.diffusers.tuning`: :func:`tune` picks the fastest exact
-  configuration of an SD3 pipeline on this device (:func:`specforest.latency.tune`
-  on its transformer and scheduler grid).
+* :mod:`~specforest.diffusers.tuning`: :func:`tune` (SD3) and :func:`tune_flux`
+  pick the fastest exact configuration of a pipeline on this device
+  (:func:`specforest.latency.tune` on its transformer and scheduler grid).
 
 Trees come from :func:`specforest.planning.make_tree` and memory sizing from
 :mod:`specforest.memory`, as for every other command. diffusers itself is not
@@ -29,7 +29,7 @@ from .flow_matching import FlowMatchVelocity
 from .grid import scheduler_sigmas
 from .pipeline_flux import FluxResult, FluxVelocity, is_flux
 from .pipeline_sd3 import OUTPUT_TYPES, SD3Result
-from .tuning import tune
+from .tuning import tune, tune_flux
 
 __all__ = [
     "FAMILIES",
@@ -45,4 +45,5 @@ __all__ = [
     "sample",
     "scheduler_sigmas",
     "tune",
+    "tune_flux",
 ]

@@ -65,6 +65,7 @@ __all__ = [
     "is_flux",
     "latent_image_ids",
     "pack_latents",
+    "row_bytes_of",
     "sample",
     "unpack_latents",
     "velocity_and_grid",
@@ -432,6 +433,24 @@ def encode_text(
     return pe, ppe, npe, nppe
 
 
+def row_bytes_of(pipe: Any, velocity: FluxVelocity, latent_shape: tuple, pe: torch.Tensor, ppe: torch.Tensor) -> int:
+    """Bytes one transformer row needs (:func:`~specforest.diffusers.pipeline_sd3.transformer_row_bytes`)
+    for these embeddings: ``hw/4`` image tokens and ``seq`` text tokens per branch."""
+    tcfg = pipe.transformer.config
+    _, h, w = latent_shape
+    heads = int(tcfg.get("num_attention_heads", 24))
+    return transformer_row_bytes(
+        branches=velocity.branches,
+        dtype=velocity.dtype,
+        image_tokens=(h // 2) * (w // 2),
+        text_tokens=pe.shape[1],
+        hidden=heads * int(tcfg.get("attention_head_dim", 128)),
+        heads=heads,
+        cond_numel=pe[0].numel() + ppe[0].numel(),
+        latent_numel=math.prod(latent_shape),
+    )
+
+
 def cond_from_embeds(
     prompt_embeds: torch.Tensor,
     pooled_prompt_embeds: torch.Tensor,
@@ -599,7 +618,6 @@ def sample(
     )
     t_dtype = velocity.dtype
     height, width = velocity.image_size
-    _, h, w = latent_shape
 
     # -- text ---------------------------------------------------------------------------
     pe, ppe, npe, nppe = encode_text(
@@ -630,18 +648,7 @@ def sample(
         )
 
     # -- memory -------------------------------------------------------------------------
-    heads = int(tcfg.get("num_attention_heads", 24))
     cond_numel = pe[0].numel() + ppe[0].numel()
-    row_bytes = transformer_row_bytes(
-        branches=velocity.branches,
-        dtype=t_dtype,
-        image_tokens=(h // 2) * (w // 2),
-        text_tokens=pe.shape[1],
-        hidden=heads * int(tcfg.get("attention_head_dim", 128)),
-        heads=heads,
-        cond_numel=cond_numel,
-        latent_numel=math.prod(latent_shape),
-    )
     memory, decode_batch = _plan_memory(
         pipe,
         max_memory_gb=max_memory_gb,
@@ -655,7 +662,7 @@ def sample(
         verify=verify,
         lazy=lazy,
         steps=steps,
-        row_bytes=row_bytes,
+        row_bytes=row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
         cond_bytes=velocity.branches * cond_numel * torch.empty((), dtype=t_dtype).element_size(),
     )
 
