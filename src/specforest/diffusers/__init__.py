@@ -1,27 +1,49 @@
 """Speculative sampling for diffusers' flow-matching pipelines (paper Sec. 5.3, App. C.3).
 
-One concept per module:
+One entry point, a module per family:
 
+* :func:`sample` (:mod:`~specforest.diffusers.families`) takes any supported
+  pipeline and dispatches on its family, refusing others with the list of
+  supported ones.
+* :mod:`~specforest.diffusers.pipeline_sd3`: ``StableDiffusion3Pipeline`` end to
+  end (text encoding, latents, :func:`specforest.sample`, VAE decoding).
+* :mod:`~specforest.diffusers.pipeline_flux`: ``FluxPipeline`` (dev and
+  schnell): unpacked state, :class:`FluxVelocity` packing it for the
+  transformer, embedded guidance and true CFG in one call.
 * :mod:`~specforest.diffusers.flow_matching`: :class:`FlowMatchVelocity` adapts
-  a flow-matching transformer (with classifier-free guidance in one batched
-  call) to ``v(x, sigma, **cond)``, the library's model contract.
+  SD3's transformer (with classifier-free guidance in one batched call) to
+  ``v(x, sigma, **cond)``, the library's model contract.
 * :mod:`~specforest.diffusers.grid`: :func:`scheduler_sigmas` rebuilds the
   scheduler's grid as data, without touching the pipeline's scheduler.
-* :mod:`~specforest.diffusers.pipeline_sd3`: :func:`sample` runs a
-  ``StableDiffusion3Pipeline`` end to end: text encoding, latents,
-  :func:`specforest.sample`, VAE decoding.
-* :mod:`~specforest.diffusers.tuning`: :func:`tune` picks the fastest exact
-  configuration of a pipeline on this device (:func:`specforest.latency.tune`
-  on its transformer and scheduler grid).
+* :mod:`~specforest.diffusers.tuning`: :func:`tune` (SD3) and :func:`tune_flux`
+  pick the fastest exact configuration of a pipeline on this device
+  (:func:`specforest.latency.tune` on its transformer and scheduler grid).
 
 Trees come from :func:`specforest.planning.make_tree` and memory sizing from
 :mod:`specforest.memory`, as for every other command. diffusers itself is not
 imported: everything goes through the pipeline object that is passed in.
 """
 
+from .families import FAMILIES, Family, family_of, family_of_class_name, sample
 from .flow_matching import FlowMatchVelocity
 from .grid import scheduler_sigmas
-from .pipeline_sd3 import OUTPUT_TYPES, SD3Result, sample
-from .tuning import tune
+from .pipeline_flux import FluxResult, FluxVelocity, is_flux
+from .pipeline_sd3 import OUTPUT_TYPES, SD3Result
+from .tuning import tune, tune_flux
 
-__all__ = ["OUTPUT_TYPES", "FlowMatchVelocity", "SD3Result", "sample", "scheduler_sigmas", "tune"]
+__all__ = [
+    "FAMILIES",
+    "OUTPUT_TYPES",
+    "Family",
+    "FlowMatchVelocity",
+    "FluxResult",
+    "FluxVelocity",
+    "SD3Result",
+    "family_of",
+    "family_of_class_name",
+    "is_flux",
+    "sample",
+    "scheduler_sigmas",
+    "tune",
+    "tune_flux",
+]

@@ -1,14 +1,15 @@
 """The time grid of diffusers' ``FlowMatchEulerDiscreteScheduler``, rebuilt as data.
 
 :func:`scheduler_sigmas` reproduces the scheduler's ``set_timesteps`` from its
-config alone (static or dynamic shift, ``shift_terminal``), so the pipeline's
-scheduler is never touched.
+config alone (static or dynamic shift, ``shift_terminal``, the scheduler's own
+levels or the ones a pipeline passes, as Flux passes ``linspace(1, 1/T, T)``),
+so the pipeline's scheduler is never touched.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -39,6 +40,7 @@ def scheduler_sigmas(
     *,
     shift: float | None = None,
     image_seq_len: int | None = None,
+    sigmas: torch.Tensor | Sequence[float] | None = None,
 ) -> torch.Tensor:
     """The grid of a ``FlowMatchEulerDiscreteScheduler`` with this config, in float64.
 
@@ -54,14 +56,20 @@ def scheduler_sigmas(
     ``kappa = 3``, ``T = 50`` this differs from ``shift_kappa(linspace(1, 1/N, T))``
     (:func:`specforest.flow_match_grid`) by up to 6e-3.
 
+    With ``sigmas`` (``set_timesteps(sigmas=..., mu=...)``, as ``FluxPipeline``
+    calls it with ``linspace(1, 1/T, T)``) those levels are shifted once,
+    statically or dynamically, instead of the scheduler's own.
+
     Args:
         config: the scheduler's ``config`` (e.g. ``pipe.scheduler.config``).
         steps: number of steps ``T >= 1``.
         shift: a static shift ``kappa > 0`` that overrides the config (as a
             scheduler built with ``shift=kappa, use_dynamic_shifting=False``);
             ``None`` uses the config as it is.
-        image_seq_len: image tokens ``(h / p) (w / p)``; needed only when the
-            config uses dynamic shifting.
+        image_seq_len: image tokens ``(h / p) (w / p)`` (Flux: the packed sequence
+            length ``(h / 2) (w / 2)``); needed only when the config uses dynamic shifting.
+        sigmas: ``(T,)`` unshifted levels in ``(0, 1]``, decreasing, as passed to
+            ``set_timesteps(sigmas=...)``; ``None``: the scheduler's own.
 
     Returns:
         ``(T + 1,)`` float64 noise levels, decreasing from 1 to 0. The first and
@@ -99,6 +107,14 @@ def scheduler_sigmas(
     def static(s: torch.Tensor) -> torch.Tensor:
         return kappa * s / (1.0 + (kappa - 1.0) * s)
 
+    if sigmas is not None:
+        base = torch.as_tensor(sigmas, dtype=torch.float64).flatten()
+        if base.numel() != steps:
+            raise ValueError(f"sigmas has {base.numel()} levels but num_inference_steps={steps}")
+        if not (torch.isfinite(base).all() and (base > 0).all() and (base <= 1).all()):
+            raise ValueError("sigmas must be finite levels in (0, 1]")
+        if steps > 1 and not (base[1:] < base[:-1]).all():
+            raise ValueError("sigmas must be strictly decreasing")
     s_min = torch.tensor(1.0 / N, dtype=torch.float64)
     if dynamic:
         if image_seq_len is None:
@@ -108,8 +124,10 @@ def scheduler_sigmas(
         if kind not in ("exponential", "linear"):
             raise ValueError(f"scheduler time_shift_type must be 'exponential' or 'linear', got {kind!r}")
         scale = math.exp(mu) if kind == "exponential" else mu
-        s = torch.linspace(1.0, float(s_min), steps, dtype=torch.float64)
+        s = torch.linspace(1.0, float(s_min), steps, dtype=torch.float64) if sigmas is None else base
         s = scale / (scale + (1.0 / s - 1.0))
+    elif sigmas is not None:
+        s = static(base)
     else:
         s = static(torch.linspace(1.0, float(static(s_min)), steps, dtype=torch.float64))
     terminal = config.get("shift_terminal")

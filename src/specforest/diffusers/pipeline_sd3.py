@@ -348,6 +348,62 @@ def cond_from_embeds(
     return {k: v.to(device, velocity.dtype) for k, v in cond.items()}
 
 
+def _plan_memory(
+    pipe: Any,
+    *,
+    max_memory_gb: Optional[float],
+    device: torch.device,
+    images: int,
+    latent_shape: tuple,
+    height: int,
+    width: int,
+    output_type: str,
+    tree: Optional[DraftTree],
+    verify: str,
+    lazy: bool,
+    steps: int,
+    row_bytes: int,
+    cond_bytes: int,
+) -> "tuple[_memory.MemoryEstimate, int]":
+    """The run's memory estimate and the images per VAE call, before anything is allocated.
+
+    All images sample together: the limit splits the transformer calls, never the batch.
+
+    Raises:
+        MemoryError: if one image's decode, or the sampler's states, exceed the limit.
+    """
+    if max_memory_gb is not None:
+        limit, source = int(max_memory_gb * 1e9), f"max_memory_gb={max_memory_gb:g}"
+    else:
+        limit, source = _memory.default_memory_limit(device)
+    decode_bytes = 0
+    if output_type != "latent":
+        vae_dtype, _ = module_dtype_device(pipe.vae)
+        vb = torch.empty((), dtype=vae_dtype).element_size()
+        decode_bytes = _DECODE_FACTOR * height * width * int(pipe.vae.config.block_out_channels[0]) * max(vb, 4)
+    if decode_bytes > limit:
+        raise MemoryError(
+            f"one image's VAE decode needs about {decode_bytes / 1e9:.3g} GB but the memory limit is "
+            f"{limit / 1e9:.3g} GB ({source}); use a smaller height/width, output_type='latent', or raise "
+            "max_memory_gb"
+        )
+    memory = _memory.estimate(
+        trajectories=images,
+        state_numel=math.prod(latent_shape),
+        tree=tree,
+        verify=verify,
+        lazy=lazy,
+        steps=steps,
+        row_bytes=row_bytes,
+        cond_bytes=cond_bytes,
+        limit_bytes=limit,
+        limit_source=source,
+        chunked=False,
+    )
+    logger.info(memory.describe())
+    return memory, (images if decode_bytes == 0 else max(1, min(images, limit // decode_bytes)))
+
+
 def decode(pipe: Any, latents: torch.Tensor, output_type: str = "pil", batch: Optional[int] = None) -> Any:
     """Latents ``(B, C, h, w)`` to images, as the SD3 pipeline decodes them, ``batch`` images per VAE call.
 
@@ -515,7 +571,7 @@ def sample(
         pipe, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width, shift=shift
     )
     t_dtype = velocity.dtype
-    _, h, w = latent_shape
+    t_bytes = torch.empty((), dtype=t_dtype).element_size()
     height, width = velocity.image_size
 
     # -- text ---------------------------------------------------------------------------
@@ -542,41 +598,22 @@ def sample(
         )
 
     # -- memory -------------------------------------------------------------------------
-    if max_memory_gb is not None:
-        limit, source = int(max_memory_gb * 1e9), f"max_memory_gb={max_memory_gb:g}"
-    else:
-        limit, source = _memory.default_memory_limit(device)
-    vae_dtype, _ = module_dtype_device(pipe.vae)
-    D = math.prod(latent_shape)
-    cond_numel = pe[0].numel() + ppe[0].numel()
-    t_bytes = torch.empty((), dtype=t_dtype).element_size()
-    row_bytes = row_bytes_of(pipe, velocity, latent_shape, pe, ppe)
-    decode_bytes = 0
-    if output_type != "latent":
-        vb = torch.empty((), dtype=vae_dtype).element_size()
-        decode_bytes = _DECODE_FACTOR * height * width * int(pipe.vae.config.block_out_channels[0]) * max(vb, 4)
-    if decode_bytes > limit:
-        raise MemoryError(
-            f"one image's VAE decode needs about {decode_bytes / 1e9:.3g} GB but the memory limit is "
-            f"{limit / 1e9:.3g} GB ({source}); use a smaller height/width, output_type='latent', or raise "
-            "max_memory_gb"
-        )
-    # all images sample together: the limit splits the transformer calls, never the batch
-    memory = _memory.estimate(
-        trajectories=B,
-        state_numel=D,
+    memory, decode_batch = _plan_memory(
+        pipe,
+        max_memory_gb=max_memory_gb,
+        device=device,
+        images=B,
+        latent_shape=latent_shape,
+        height=height,
+        width=width,
+        output_type=output_type,
         tree=tree,
         verify=verify,
         lazy=lazy,
         steps=steps,
-        row_bytes=row_bytes,
-        cond_bytes=velocity.branches * cond_numel * t_bytes,
-        limit_bytes=limit,
-        limit_source=source,
-        chunked=False,
+        row_bytes=row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
+        cond_bytes=velocity.branches * (pe[0].numel() + ppe[0].numel()) * t_bytes,
     )
-    decode_batch = B if decode_bytes == 0 else max(1, min(B, limit // decode_bytes))
-    logger.info(memory.describe())
 
     # -- sampling -----------------------------------------------------------------------
     if generator is None:

@@ -1,4 +1,4 @@
-"""The fastest exact configuration of an SD3 pipeline on this device (:func:`tune`).
+"""The fastest exact configuration of an SD3 (:func:`tune`) or Flux (:func:`tune_flux`) pipeline here.
 
 The pipeline's transformer (with classifier-free guidance, one batched call of
 both branches) is the target; its batch-cost curve, the acceptance of the
@@ -22,10 +22,11 @@ from .. import streams
 from ..latency import Tuned
 from ..latency import tune as _tune
 from ..validation import check_int, check_number
+from . import pipeline_flux as _flux
 from .grid import scheduler_sigmas
 from .pipeline_sd3 import _check_pipeline, cond_from_embeds, encode_text, row_bytes_of, velocity_and_grid
 
-__all__ = ["tune"]
+__all__ = ["tune", "tune_flux"]
 
 _SET_HERE = {
     "steps": "num_inference_steps",
@@ -86,6 +87,8 @@ def tune(
     Raises:
         ValueError / TypeError: naming the parameter.
     """
+    if _flux.is_flux(pipe):
+        raise TypeError("pipe is a FluxPipeline: tune it with specforest.diffusers.tuning.tune_flux")
     set_here = [k for k in options if k in _SET_HERE]
     if set_here:
         raise ValueError(
@@ -147,4 +150,104 @@ def tune(
         sigmas_for=sigmas_for,
         max_rows=max_rows,
         **options,
+    )
+
+
+def _captions(prompt: "str | Sequence[str]", n: int) -> list[str]:
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompt must be a caption or a non-empty list of captions")
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def tune_flux(
+    pipe: Any,
+    prompt: "str | Sequence[str]",
+    *,
+    num_inference_steps: int = 28,
+    guidance_scale: float = 3.5,
+    true_cfg_scale: float = 1.0,
+    negative_prompt: str = "",
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    churn: float = 0.8,
+    shift: Optional[float] = None,
+    batch: int = 1,
+    budget_max: int = 62,
+    drafts: Sequence[str] = ("velocity", "x0"),
+    calibration_images: int = 4,
+    max_sequence_length: int = 512,
+    max_memory_gb: Optional[float] = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> Tuned:
+    """:func:`tune` for a ``FluxPipeline``: its transformer (one call per round, both true-CFG
+    branches in it) on ``FluxPipeline``'s grid (:func:`~specforest.diffusers.pipeline_flux.flux_sigmas`).
+
+    Args:
+        pipe: a ``FluxPipeline``.
+        prompt: captions to calibrate on (repeated to ``max(batch, calibration_images)`` images).
+        num_inference_steps, guidance_scale, true_cfg_scale, height, width, churn, shift,
+            max_sequence_length: the run to tune for, as in
+            :func:`~specforest.diffusers.pipeline_flux.sample`.
+        negative_prompt: the negative caption of every image (used with ``true_cfg_scale > 1``).
+        batch, budget_max, drafts, calibration_images, max_memory_gb, seed, progress: as in :func:`tune`.
+
+    Returns:
+        A :class:`~specforest.latency.Tuned`; ``pipeline_flux.sample(pipe, ..., **tuned)`` runs it.
+
+    Raises:
+        ValueError / TypeError: naming the parameter.
+    """
+    _flux._check_pipeline(pipe)
+    batch = check_int("batch", batch, 1)
+    calibration_images = check_int("calibration_images", calibration_images, 1)
+    churn = check_number("churn", churn, 0.0, 1.0, lo_open=True)
+    max_seq = check_int("max_sequence_length", max_sequence_length, 1, 512)
+    if not isinstance(negative_prompt, str):
+        raise TypeError(f"negative_prompt must be a str, got {type(negative_prompt).__name__}")
+    velocity, _, latent_shape, device = _flux.velocity_and_grid(
+        pipe,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        true_cfg_scale=true_cfg_scale,
+        height=height,
+        width=width,
+        shift=shift,
+    )
+    n = max(batch, calibration_images)
+    pe, ppe, npe, nppe = _flux.encode_text(
+        pipe,
+        _captions(prompt, n),
+        [negative_prompt] * n,
+        device=device,
+        true_cfg=velocity.do_true_cfg,
+        max_sequence_length=max_seq,
+    )
+    cond = _flux.cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
+    if max_memory_gb is not None:
+        limit = int(check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True) * 1e9)
+    else:
+        limit, _ = _memory.default_memory_limit(device)
+    max_rows = max(1, limit // _flux.row_bytes_of(pipe, velocity, latent_shape, pe, ppe))
+    tokens = (latent_shape[1] // 2) * (latent_shape[2] // 2)
+
+    def sigmas_for(steps: int) -> torch.Tensor:
+        return _flux.flux_sigmas(pipe.scheduler.config, steps, tokens, shift=shift)
+
+    x = streams.randn(seed, torch.arange(n), latent_shape, device=device)
+    return _tune(
+        velocity,
+        x,
+        steps=num_inference_steps,
+        churn=churn,
+        cond=cond,
+        batch=batch,
+        budget_max=budget_max,
+        drafts=drafts,
+        calibration_trajectories=calibration_images,
+        seed=seed,
+        progress=progress,
+        sigmas_for=sigmas_for,
+        max_rows=max_rows,
     )

@@ -1,0 +1,130 @@
+"""Which module samples a given diffusers pipeline: one :class:`Family` per pipeline family.
+
+:func:`sample` is the package's one entry point, ``specforest.diffusers.sample(pipe,
+prompt, ...)``: it finds the family of ``pipe`` (:func:`family_of`) and calls that
+family's ``sample`` with the same arguments. A new family is one entry of
+:data:`FAMILIES`: a predicate on the pipeline object, the family module's
+``sample``, and the ``model_index.json`` class names it covers (what a command
+line reads to pick the family before loading anything).
+
+Predicates read class names only: diffusers is not imported.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import pipeline_flux, pipeline_sd3
+
+__all__ = ["FAMILIES", "Family", "family_of", "family_of_class_name", "is_sd3", "sample"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A pipeline family and the function that samples it.
+
+    Attributes:
+        name: short name (``sd3``, ``flux``), as in results' ``config["family"]``.
+        pipeline_classes: the diffusers pipeline class names it covers (the
+            ``_class_name`` of a ``model_index.json``); the first one names it in errors.
+        is_family: ``is_family(pipe) -> bool``, cheap and without importing diffusers.
+        sample: ``sample(pipe, prompt, **options)`` of the family's module.
+    """
+
+    name: str
+    pipeline_classes: tuple[str, ...]
+    is_family: Callable[[Any], bool]
+    sample: Callable[..., Any]
+
+
+def _class_names(obj: Any) -> set[str]:
+    return {c.__name__ for c in type(obj).__mro__}
+
+
+def is_sd3(pipe: Any) -> bool:
+    """Whether ``pipe`` is a Stable Diffusion 3 pipeline: a ``StableDiffusion3*Pipeline`` or any
+    object whose ``transformer`` is an ``SD3Transformer2DModel``."""
+    if any(n.startswith("StableDiffusion3") and n.endswith("Pipeline") for n in _class_names(pipe)):
+        return True
+    return "SD3Transformer2DModel" in _class_names(getattr(pipe, "transformer", None))
+
+
+# The predicates are disjoint (each keys on its own transformer class), so the order
+# only sets the order of the names in errors. SDXL and SD 1.5 / 2.x (pipeline_sdxl)
+# are the next entries.
+FAMILIES: tuple[Family, ...] = (
+    Family("sd3", ("StableDiffusion3Pipeline",), is_sd3, pipeline_sd3.sample),
+    Family("flux", ("FluxPipeline",), pipeline_flux.is_flux, pipeline_flux.sample),
+)
+
+
+def _supported() -> str:
+    return ", ".join(f"{f.pipeline_classes[0]} ({f.name})" for f in FAMILIES)
+
+
+def family_of(pipe: Any) -> Family:
+    """The :class:`Family` of a pipeline object.
+
+    Raises:
+        TypeError: naming the supported pipelines, when no family takes ``pipe``.
+    """
+    for f in FAMILIES:
+        if f.is_family(pipe):
+            return f
+    what = type(pipe).__name__
+    if getattr(pipe, "transformer", None) is None and getattr(pipe, "unet", None) is None:
+        what += " (it has no transformer or unet)"
+    else:
+        net = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+        what += f" (with a {type(net).__name__})"
+    raise TypeError(f"pipe must be a diffusers pipeline of a supported family: {_supported()}; got {what}")
+
+
+def family_of_class_name(class_name: str) -> Family:
+    """The :class:`Family` of a pipeline class name, as ``model_index.json``'s ``_class_name`` gives it.
+
+    Raises:
+        ValueError: naming the supported pipelines.
+    """
+    for f in FAMILIES:
+        if class_name in f.pipeline_classes:
+            return f
+    raise ValueError(f"pipeline class {class_name!r} is not supported; supported: {_supported()}")
+
+
+def sample(pipe: Any, prompt: "str | list[str] | None" = None, **options: Any) -> Any:
+    """Sample a diffusers pipeline exactly with the speculative sampler of its family.
+
+    Dispatches to the family's ``sample`` (:data:`FAMILIES`): SD3 to
+    :func:`specforest.diffusers.pipeline_sd3.sample`, Flux to
+    :func:`specforest.diffusers.pipeline_flux.sample`, with the same arguments.
+    The options common to the families keep their names and meanings
+    (``num_inference_steps``, ``guidance_scale``, ``height``, ``width``,
+    ``generator``, ``num_images_per_prompt``, ``output_type``, ``churn``,
+    ``tree``/``K``/``L``, ``coupling``, ``draft``, ``prefetch``, ``verify``,
+    ``lazy``, ``max_memory_gb``, ``shift``, ``max_sequence_length``, the
+    ``*prompt_embeds``); defaults are each pipeline's own (Flux: 28 steps,
+    guidance 3.5). Flux adds ``true_cfg_scale``.
+
+    Returns:
+        The family's result (:class:`~specforest.diffusers.SD3Result`,
+        :class:`~specforest.diffusers.FluxResult`): ``images``, ``latents``
+        ``(B, C, h, w)``, ``stats``, ``memory``, ``config``.
+
+    Raises:
+        TypeError: for a pipeline of no supported family (naming the supported
+            ones), or an option the family does not take (naming the family).
+        ValueError / MemoryError / FloatingPointError: as the family's ``sample``.
+    """
+    family = family_of(pipe)
+    params = inspect.signature(family.sample).parameters
+    unknown = sorted(k for k in options if k not in params)
+    if unknown:
+        raise TypeError(
+            f"{', '.join(unknown)}: not an option of the {family.name} family's sample "
+            f"({family.sample.__module__}.sample)"
+        )
+    return family.sample(pipe, prompt, **options)
