@@ -516,16 +516,11 @@ def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm
 def test_a_finalist_must_beat_the_standard_sampler_in_every_repeat_of_the_race(gmm, monkeypatch):
     """A finalist 25% faster at the median of three repeats but 2% slower in one is not chosen (its
     median gain is within the machine's noise); one at least 6% faster in every repeat is."""
-    import time
-
     from specforest import latency
 
-    def model(x, sigma, **kw):
-        # a call long against a round's own time on a slow machine, so that trees are predicted
-        # faster than the standard sampler and reach the race (at 2 ms the best chain was predicted
-        # 7-10% faster, and on a slow stretch none was)
-        time.sleep(0.005)
-        return gmm(x, sigma, **kw)
+    # a call of 5 s on the virtual clock, long against a round's own time on any machine, so that
+    # trees are predicted faster than the standard sampler and reach the race
+    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 5.0)
 
     def fake_race(times_of_first):
         def race(pred, entries, repeats):
@@ -547,15 +542,11 @@ def test_a_finalist_must_beat_the_standard_sampler_in_every_repeat_of_the_race(g
 
 def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):
     """With a measured curve the finalists race the standard sampler in full runs, and the fastest
-    measured is chosen; a model whose call costs 5 ms whatever its rows makes trees pay (long
-    against a round's own time on a slow machine, so that some tree reaches the race)."""
-    import time
-
+    measured is chosen; a model whose call costs 5 s whatever its rows makes trees pay (long
+    against a round's own time, so that some tree reaches the race): 5 s on the virtual clock."""
     from specforest import latency
 
-    def model(x, sigma, **kw):
-        time.sleep(0.005)
-        return gmm(x, sigma, **kw)
+    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 5.0)
 
     x = streams.randn(0, torch.arange(4), (8,))
     opts = dict(steps=12, churn=0.3, batch=1, budget_max=4, drafts=("velocity",))
