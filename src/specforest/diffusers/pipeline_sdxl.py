@@ -199,8 +199,8 @@ def _check_text(family: str, ucfg: Mapping, **kw: Any) -> tuple[dict, int]:
     prompt, pe = kw["prompt"], kw["prompt_embeds"]
     npe, ppe, nppe = kw["negative_prompt_embeds"], kw["pooled_prompt_embeds"], kw["negative_pooled_prompt_embeds"]
     if not sdxl:
-        given = [k for k in ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")]
-        given = [k for k in given if kw[k] is not None]
+        sdxl_only = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+        given = [k for k in sdxl_only if kw[k] is not None]
         if given:
             raise ValueError(f"{', '.join(given)} are SDXL inputs; a StableDiffusionPipeline has one text encoder")
     if (prompt is None) == (pe is None):
@@ -678,7 +678,7 @@ def sample(
         device=str(device),
     )
     if family == "sdxl":
-        config.update({k: v for k, v in micro.items()})
+        config.update(micro)
     if nsfw is not None:
         config["nsfw_content_detected"] = nsfw
     return SD3Result(images=images, latents=latents, stats=out.stats, memory=memory, config=config)
