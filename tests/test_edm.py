@@ -67,6 +67,12 @@ def exact_x0(x_k: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return MU + a * TAU**2 / (a * a * TAU**2 + b * b) * (x_k - a * MU)
 
 
+def exact_v(x_k: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``E[sqrt(abar) xi - sqrt(1 - abar) x_0 | x_k]`` (diffusers' ``v_prediction``)."""
+    ab = abar_of_timestep(k)[:, None].to(x_k.dtype)
+    return ab.sqrt() * exact_eps(x_k, k) - (1 - ab).sqrt() * exact_x0(x_k, k)
+
+
 def _states(sig: torch.Tensor, n_per: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     s = sig.repeat_interleave(n_per)
@@ -155,6 +161,17 @@ def test_vp_timestep_matches_schedule_at_integers():
     assert q.item() in (10.0, 11.0)
 
 
+def test_vp_v_prediction_round_trip_is_exact_and_a_wrong_conversion_is_not():
+    sig = torch.tensor([0.011, 0.3, 0.7, 0.99], dtype=torch.float64)
+    x, s = _states(sig)
+    vp = VPDenoiser(exact_v, AC, "v_prediction")
+    adapter = EDMDenoiserVelocity(vp, sigma_min=vp.sigma_min, sigma_max=vp.sigma_max)
+    torch.testing.assert_close(adapter(x, s), GAUSS(x, s), rtol=1e-8, atol=1e-8)
+    # reading v as if it were the noise misses by O(1)
+    wrong = EDMDenoiserVelocity(VPDenoiser(exact_v, AC, "epsilon"), sigma_min=vp.sigma_min, sigma_max=vp.sigma_max)
+    assert (wrong(x, s) - GAUSS(x, s)).abs().max() > 0.1
+
+
 class _Output:
     def __init__(self, sample):
         self.sample = sample
@@ -174,7 +191,7 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="denoiser"):
         EDMDenoiserVelocity(3)
     with pytest.raises(ValueError, match="prediction"):
-        VPDenoiser(exact_eps, AC, "v_prediction")
+        VPDenoiser(exact_eps, AC, "flow_prediction")
     with pytest.raises(ValueError, match="decrease"):
         VPDenoiser(exact_eps, AC.flip(0))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):

@@ -10,7 +10,10 @@ usual parameterizations of pixel-space networks into that form:
 * :class:`EpsilonPredictionVelocity` and :class:`X0PredictionVelocity`: VP / DDPM
   networks ``net(x_k, k)`` with ``x_k = sqrt(abar_k) x_0 + sqrt(1 - abar_k) xi``
   predicting ``xi`` or ``x_0`` (e.g. a diffusers ``UNet2DModel`` with the
-  ``alphas_cumprod`` of its ``DDPMScheduler``), via :class:`VPDenoiser`.
+  ``alphas_cumprod`` of its ``DDPMScheduler``), via :class:`VPDenoiser`, which
+  also converts v-prediction (``v = sqrt(abar) xi - sqrt(1 - abar) x_0``); the
+  diffusers UNet pipelines use it through
+  :class:`specforest.diffusers.unet.UNetVelocity`.
 
 Derivation (ERRATA 5). Write ``t`` for the linear-path noise level ``sigma`` and
 ``s(t) = t / (1 - t)`` for the EDM noise level. Dividing the state by ``1 - t``,
@@ -181,14 +184,17 @@ def vp_sigmas(alphas_cumprod: torch.Tensor) -> torch.Tensor:
 
 
 class VPDenoiser:
-    """An EDM denoiser built from a VP / DDPM network that predicts noise or data.
+    """An EDM denoiser built from a VP / DDPM network that predicts noise, data or v.
 
     A VP state at timestep ``k`` is ``x_k = sqrt(abar_k) x_0 + sqrt(1 - abar_k) xi``;
     it has the signal-to-noise ratio of ``y = x_0 + s xi`` with
     ``s = sqrt((1 - abar_k) / abar_k)``, and ``x_k = y / sqrt(1 + s^2)``. So
     ``D(y; s)`` finds the (fractional) timestep ``k(s)`` of the same ratio, calls
     the network on ``y / sqrt(1 + s^2)`` and converts its output:
-    ``D = y - s eps`` for noise prediction, ``D = x0`` for data prediction.
+    ``D = y - s eps`` for noise prediction, ``D = x0`` for data prediction, and
+    ``D = (x_k - s v) / sqrt(1 + s^2)`` for v-prediction: with ``a = sqrt(abar) =
+    1 / sqrt(1 + s^2)`` and ``b = sqrt(1 - abar) = s a``, ``v = a xi - b x_0`` and
+    ``x_k = a x_0 + b xi`` give ``a x_k - b v = (a^2 + b^2) x_0 = x_0``.
 
     Fractional timesteps: ``k(s)`` interpolates ``log s`` linearly between the
     integer timesteps (k-diffusion's ``DiscreteSchedule`` convention); a network
@@ -201,14 +207,15 @@ class VPDenoiser:
             object with ``.sample`` (diffusers ``UNet2DOutput``).
         alphas_cumprod: ``(N,)`` cumulative products ``abar_k``, decreasing in ``k``,
             in ``(0, 1)``.
-        prediction: ``"epsilon"`` or ``"sample"`` (diffusers' ``prediction_type`` names).
+        prediction: ``"epsilon"``, ``"sample"`` or ``"v_prediction"`` (diffusers'
+            ``prediction_type`` names).
         quantize: round timesteps to integers.
 
     Attributes:
         sigma_min, sigma_max: the EDM noise range ``[s_0, s_{N-1}]`` the schedule covers.
     """
 
-    PREDICTIONS = ("epsilon", "sample")
+    PREDICTIONS = ("epsilon", "sample", "v_prediction")
 
     def __init__(
         self,
@@ -249,7 +256,11 @@ class VPDenoiser:
         out = _unwrap(self.net(x_k, k, **cond)).to(work)
         if out.shape != y.shape:
             raise ValueError(f"the network must return shape {tuple(y.shape)}, got {tuple(out.shape)}")
-        return y.to(work) - s_b * out if self.prediction == "epsilon" else out
+        if self.prediction == "epsilon":
+            return y.to(work) - s_b * out
+        if self.prediction == "v_prediction":
+            return (x_k - s_b * out) / (1.0 + s_b * s_b).sqrt()
+        return out
 
     def __repr__(self) -> str:
         return (
