@@ -650,6 +650,11 @@ def test_tune_flux_measures_the_pipeline_and_its_choice_runs(pipe):
     assert tuned.predicted_seconds_per_image > 0 and {c["label"] for c in tuned.candidates} >= {"standard"}
     res = flux.sample(pipe, PROMPT, num_inference_steps=8, true_cfg_scale=2.0, negative_prompt="", **BASE, **tuned)
     assert res.latents.shape == (1, 4, 4, 4) and torch.isfinite(res.latents).all()
+    # the tuned run is checked: other steps or churn are refused, listing both
+    with pytest.raises(ValueError, match=r"steps 6 \(tuned for 8\).*churn 0.5"):
+        flux.sample(
+            pipe, PROMPT, num_inference_steps=6, churn=0.5, true_cfg_scale=2.0, negative_prompt="", **BASE, **tuned
+        )
     with pytest.raises(TypeError, match="tune_flux"):
         sd.tune(pipe, PROMPT, num_inference_steps=4, height=8, width=8)
     with pytest.raises(ValueError, match="max_sequence_length"):

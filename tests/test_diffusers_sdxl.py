@@ -620,10 +620,14 @@ def test_half_precision_unet_is_fed_in_its_dtype(sdxl):
 
 @pytest.mark.parametrize("kind", ["sdxl", "sd"])
 def test_speculative_runs_take_fewer_unet_calls_than_steps(sdxl, sd, kind):
+    from specforest import diffusers as sdiff
+
     pipe = sdxl if kind == "sdxl" else sd
+    assert sdiff.family_of(pipe).name == kind
     T = 10
     with _Calls(pipe.unet) as calls:
-        res = px.sample(
+        # through the package's one entry point, which dispatches on the family
+        res = sdiff.sample(
             pipe,
             PROMPTS,
             num_inference_steps=T,
@@ -708,7 +712,17 @@ def test_argument_errors_name_the_parameter(sdxl, sd):
 
 
 def test_wrong_pipelines_and_models_are_refused_clearly(sdxl, sd):
+    from specforest import diffusers as sdiff
+
     base = {**BASE, "num_inference_steps": 3}
+    with pytest.raises(
+        TypeError, match=r"StableDiffusion3Pipeline \(sd3\), FluxPipeline \(flux\), StableDiffusionXLPipeline"
+    ):
+        sdiff.sample(object(), "a cat", **base)
+    # an SD3-only option given to a UNet family is refused naming the family
+    with pytest.raises(TypeError, match="shift: not an option of the sdxl family"):
+        sdiff.sample(sdxl, "a cat", shift=3.0, **base)
+    assert sdiff.family_of_class_name("StableDiffusionPipeline").name == "sd"
     for bad in (object(), sdxl.unet):
         with pytest.raises(TypeError, match="StableDiffusionXLPipeline or a StableDiffusionPipeline"):
             px.sample(bad, "a cat", **base)
@@ -722,3 +736,28 @@ def test_wrong_pipelines_and_models_are_refused_clearly(sdxl, sd):
     kdpm = with_scheduler(sd, diffusers.KDPM2DiscreteScheduler(**BETAS))
     with pytest.raises(ValueError, match="distinct decreasing levels"):
         px.sample(kdpm, "a cat", **base)
+
+
+def test_a_tuned_configuration_is_checked_against_the_run(sd):
+    from specforest import trees
+    from specforest.latency import CostCurve, Tuned
+
+    tuned = Tuned(
+        label="chain",
+        tree=trees.chain(2),
+        coupling="rmc",
+        verify="internal",
+        draft="velocity",
+        batch=2,
+        steps=5,
+        churn=0.8,
+        predicted_seconds_per_image=1.0,
+        predicted_speedup=1.0,
+        standard_seconds_per_image=1.0,
+        predicted_calls=3.0,
+        curve=CostCurve((1,), (1.0,)),
+    )
+    res = px.sample(sd, PROMPTS, num_inference_steps=5, generator=gen(3), **BASE, **tuned)
+    assert res.latents.shape[0] == 2
+    with pytest.raises(ValueError, match=r"steps 6 \(tuned for 5\); 4 images \(tuned for 2\)"):
+        px.sample(sd, PROMPTS, num_inference_steps=6, num_images_per_prompt=2, **BASE, **tuned)

@@ -1,4 +1,4 @@
-"""Speculative sampling for diffusers' flow-matching pipelines (paper Sec. 5.3, App. C.3).
+"""Speculative sampling for diffusers pipelines: SD3 and Flux (flow matching), SDXL and SD 1.5 / 2.x (UNets).
 
 One entry point, a module per family:
 
@@ -10,6 +10,10 @@ One entry point, a module per family:
 * :mod:`~specforest.diffusers.pipeline_flux`: ``FluxPipeline`` (dev and
   schnell): unpacked state, :class:`FluxVelocity` packing it for the
   transformer, embedded guidance and true CFG in one call.
+* :mod:`~specforest.diffusers.pipeline_sdxl`: ``StableDiffusionXLPipeline`` and
+  ``StableDiffusionPipeline`` (SD 1.5 / 2.x): epsilon, v and sample predictions
+  of the UNet (:mod:`~specforest.diffusers.unet`) changed from the VP path to the
+  linear one, on the scheduler's own grid, which starts below t = 1.
 * :mod:`~specforest.diffusers.flow_matching`: :class:`FlowMatchVelocity` adapts
   SD3's transformer (with classifier-free guidance in one batched call) to
   ``v(x, sigma, **cond)``, the library's model contract.
@@ -29,6 +33,7 @@ from .flow_matching import FlowMatchVelocity
 from .grid import scheduler_sigmas
 from .pipeline_flux import FluxResult, FluxVelocity, is_flux
 from .pipeline_sd3 import OUTPUT_TYPES, SD3Result
+from .pipeline_sdxl import is_sd, is_sdxl
 from .tuning import tune, tune_flux
 
 __all__ = [
@@ -42,6 +47,8 @@ __all__ = [
     "family_of",
     "family_of_class_name",
     "is_flux",
+    "is_sd",
+    "is_sdxl",
     "sample",
     "scheduler_sigmas",
     "tune",

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import pipeline_flux, pipeline_sd3
+from . import pipeline_flux, pipeline_sd3, pipeline_sdxl
 
 __all__ = ["FAMILIES", "Family", "family_of", "family_of_class_name", "is_sd3", "sample"]
 
@@ -52,12 +52,14 @@ def is_sd3(pipe: Any) -> bool:
     return "SD3Transformer2DModel" in _class_names(getattr(pipe, "transformer", None))
 
 
-# The predicates are disjoint (each keys on its own transformer class), so the order
-# only sets the order of the names in errors. SDXL and SD 1.5 / 2.x (pipeline_sdxl)
-# are the next entries.
+# The predicates are disjoint (SD3 and Flux key on their transformer class, SDXL and
+# SD on their UNet's added embeddings and second text encoder), so the order only sets
+# the order of the names in errors.
 FAMILIES: tuple[Family, ...] = (
     Family("sd3", ("StableDiffusion3Pipeline",), is_sd3, pipeline_sd3.sample),
     Family("flux", ("FluxPipeline",), pipeline_flux.is_flux, pipeline_flux.sample),
+    Family("sdxl", ("StableDiffusionXLPipeline",), pipeline_sdxl.is_sdxl, pipeline_sdxl.sample),
+    Family("sd", ("StableDiffusionPipeline",), pipeline_sdxl.is_sd, pipeline_sdxl.sample),
 )
 
 
@@ -100,14 +102,17 @@ def sample(pipe: Any, prompt: "str | list[str] | None" = None, **options: Any) -
 
     Dispatches to the family's ``sample`` (:data:`FAMILIES`): SD3 to
     :func:`specforest.diffusers.pipeline_sd3.sample`, Flux to
-    :func:`specforest.diffusers.pipeline_flux.sample`, with the same arguments.
+    :func:`specforest.diffusers.pipeline_flux.sample`, SDXL and SD 1.5 / 2.x to
+    :func:`specforest.diffusers.pipeline_sdxl.sample`, with the same arguments.
     The options common to the families keep their names and meanings
     (``num_inference_steps``, ``guidance_scale``, ``height``, ``width``,
     ``generator``, ``num_images_per_prompt``, ``output_type``, ``churn``,
     ``tree``/``K``/``L``, ``coupling``, ``draft``, ``prefetch``, ``verify``,
     ``lazy``, ``max_memory_gb``, ``shift``, ``max_sequence_length``, the
     ``*prompt_embeds``); defaults are each pipeline's own (Flux: 28 steps,
-    guidance 3.5). Flux adds ``true_cfg_scale``.
+    guidance 3.5; SDXL 5.0 and SD 7.5 with ``guidance_scale=None``). Flux adds
+    ``true_cfg_scale``; SDXL ``prompt_2`` and its size and crop conditioning. SDXL
+    and SD take no ``shift`` or ``max_sequence_length``.
 
     Returns:
         The family's result (:class:`~specforest.diffusers.SD3Result`,

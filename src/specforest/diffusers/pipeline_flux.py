@@ -40,6 +40,7 @@ import torch
 
 from ..couplings import Coupling
 from ..planning import make_tree
+from ..sampler import TunedFor, check_tuned_for
 from ..sampler import sample as _engine_sample
 from ..trees import VERIFY_MODES, DraftTree
 from ..validation import check_int as _check_int
@@ -503,6 +504,7 @@ def sample(
     lazy: bool = False,
     shift: float | None = None,
     max_sequence_length: int = 512,
+    tuned_for: TunedFor | None = None,
 ) -> FluxResult:
     """Generate images with a Flux pipeline, sampling the churned SDE exactly.
 
@@ -554,6 +556,10 @@ def sample(
         shift: a static timestep shift overriding the scheduler's (dynamic)
             shift; ``None`` reads ``pipe.scheduler.config``.
         max_sequence_length: T5 tokens (<= 512), as in ``FluxPipeline``.
+        tuned_for: the run a tuned configuration was chosen for, set by ``sample(pipe, ...,
+            **tuned)`` with a :class:`~specforest.latency.Tuned`: a run whose
+            ``num_inference_steps``, churn or images differ from it is refused
+            (``**tuned.options()``: unchecked).
 
     Returns:
         :class:`FluxResult` with ``images``, ``latents``, ``stats``, ``memory``, ``config``.
@@ -606,6 +612,7 @@ def sample(
         negative_pooled_prompt_embeds,
         tcfg,
     )
+    check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=n * n_img, batch_name="images")
     tree = make_tree(K, L, coupling=coupling, tree=tree, steps=steps)
     velocity, sigmas, latent_shape, device = velocity_and_grid(
         pipe,

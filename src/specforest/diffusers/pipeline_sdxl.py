@@ -35,6 +35,7 @@ import torch
 from .. import memory as _memory
 from ..couplings import Coupling
 from ..planning import make_tree
+from ..sampler import TunedFor, check_tuned_for
 from ..sampler import sample as _engine_sample
 from ..trees import VERIFY_MODES, DraftTree
 from ..validation import check_int as _check_int
@@ -384,6 +385,7 @@ def sample(
     negative_target_size: tuple[int, int] | None = None,
     clip_skip: int | None = None,
     cross_attention_kwargs: dict | None = None,
+    tuned_for: TunedFor | None = None,
 ) -> SD3Result:
     """Generate images with an SDXL or SD 1.5 / 2.x pipeline, sampling the churned SDE exactly.
 
@@ -435,6 +437,10 @@ def sample(
             for the unconditional branch (default: the same as the conditional's).
         clip_skip: text encoder layers to skip, as in the pipelines.
         cross_attention_kwargs: passed to the UNet (its ``scale`` is the LoRA scale of the text encoders).
+        tuned_for: the run a tuned configuration was chosen for, set by ``sample(pipe, ...,
+            **tuned)`` with a :class:`~specforest.latency.Tuned`: a run whose
+            ``num_inference_steps``, churn or images differ from it is refused
+            (``**tuned.options()``: unchecked).
 
     Returns:
         :class:`~specforest.diffusers.pipeline_sd3.SD3Result`; ``config`` records
@@ -499,6 +505,7 @@ def sample(
         pooled_prompt_embeds=pooled_prompt_embeds,
         negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
     )
+    check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=n * n_img, batch_name="images")
     tree = make_tree(K, L, coupling=coupling, tree=tree, steps=steps)
 
     # -- sizes and grid -------------------------------------------------------------------
