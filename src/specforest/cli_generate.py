@@ -75,6 +75,13 @@ def _job_options(K: int, L: int, steps: int, churn: float, device: bool = True):
                 help="Trajectories in flight per process (>= 1); a finished one's slot takes the next index.",
             ),
             click.option(
+                "--memory-gb",
+                type=click.FloatRange(0.0, min_open=True),
+                default=None,
+                show_default="50% of physical memory (free memory on CUDA)",
+                help="Memory limit of each process in GB (> 0): sets the slots in flight and the rows per call.",
+            ),
+            click.option(
                 "--resume", is_flag=True, help="Continue the job at --out (same options), skipping finished indices."
             ),
             click.option(
@@ -128,6 +135,7 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
                 device=o["device"],
                 progress=o["progress"],
                 compile=o["compile_model"],
+                memory_gb=o["memory_gb"],
                 log=lambda s: click.echo(s, err=True) if rank == 0 else None,
             )
         )

@@ -27,6 +27,7 @@ rank 0 writes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import secrets
@@ -40,11 +41,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .. import __version__, distributed, generate, streams
+from .. import __version__, distributed, generate, memory, streams
 from ..atomic import atomic_write, atomic_write_text
 from .common import COUPLING_OF, METHODS, check_choice, check_int, compiled, method_tree
 
-__all__ = ["MODELS", "GenerateResult", "JobSpec", "merge", "run_job", "sd3_options"]
+__all__ = ["MODELS", "GenerateResult", "JobSpec", "merge", "run_job", "sd3_options", "size_slots"]
 
 MODELS = ("gmm", "pixel", "sd3")
 """Models ``specforest generate`` samples (``sd3``: a local ``StableDiffusion3Pipeline`` and a captions file)."""
@@ -215,6 +216,47 @@ def _sd3_model(spec: JobSpec, out: Path, device: str) -> _Model:
     return _Model(velocity, latent_shape, dict(sigmas=sigmas, **kw), make_cond=make_cond, save_images=save_images)
 
 
+def size_slots(
+    model: _Model,
+    spec: JobSpec,
+    batch: int,
+    memory_gb: Optional[float],
+    *,
+    world: int = 1,
+    device: "str | torch.device" = "cpu",
+) -> memory.MemoryEstimate:
+    """How many of ``batch`` slots fit the memory limit on this process, and the rows per network call.
+
+    The slots are the trajectories of :func:`specforest.memory.estimate` (with per-sample streams
+    their number changes no sample); ``world`` processes share each call's rows with
+    ``tree_parallel``. The limit bounds this process, what it holds now (the model) counting as fixed.
+
+    Raises:
+        MemoryError: if one slot does not fit, with the numbers.
+    """
+    limit, source, fixed = memory.resolve_limit(memory_gb, device, "--memory-gb")
+    idx = torch.zeros(1, dtype=torch.long)
+    cond_row = model.make_cond(idx) if model.make_cond is not None else {}
+    kw = model.sampler
+    steps = kw.get("steps") or spec.sampler["steps"]
+    return memory.estimate(
+        trajectories=batch,
+        state_numel=math.prod(model.shape),
+        tree=kw.get("tree"),
+        verify=kw.get("verify", "internal"),
+        steps=steps,
+        model=model.velocity,
+        x_row=torch.zeros((1, *model.shape)),
+        cond_row=cond_row,
+        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond_row.values() if isinstance(v, torch.Tensor)),
+        fixed_bytes=fixed,
+        limit_bytes=limit,
+        limit_source=source,
+        device=device,
+        world=world,
+    )
+
+
 def _prompts_digest(prompts: list) -> str:
     import hashlib
 
@@ -319,6 +361,7 @@ def run_job(
     progress: bool = False,
     log: Callable[[str], None] = lambda s: None,
     compile: bool = False,
+    memory_gb: Optional[float] = None,
 ) -> GenerateResult:
     """Run (or resume) a generation job on this process, as one of the group's processes if any.
 
@@ -332,6 +375,9 @@ def run_job(
         progress: a progress bar of finished samples (rank 0).
         log: receives progress lines (rank 0).
         compile: ``torch.compile(mode="reduce-overhead")`` the target, rows padded to powers of two.
+        memory_gb: memory limit of each process in GB (default
+            :func:`specforest.memory.default_memory_limit`): fewer slots than ``batch``
+            run where they do not fit (:func:`size_slots`; the samples are the same).
 
     Returns:
         A :class:`GenerateResult`.
@@ -377,6 +423,9 @@ def run_job(
         import torch.distributed as dist
 
         group = dist.group.WORLD
+    world = distributed.world_size() if tree_parallel else 1
+    mem = size_slots(model, spec, batch, memory_gb, world=world, device=dev)
+    log(mem.describe())
     velocity, pad_rows = compiled(model.velocity, compile)
     gen = generate(
         velocity,
@@ -384,7 +433,8 @@ def run_job(
         make_x=make_x,
         make_cond=model.make_cond,
         seed=seed,
-        batch=batch,
+        batch=mem.chunk,
+        max_rows=mem.max_rows,
         process_group=group,
         pad_rows=pad_rows,
         **model.sampler,
