@@ -42,6 +42,7 @@ bench: venv
 	$(PY) benchmarks/sampler_overhead.py
 	$(PY) benchmarks/distributed.py
 	$(PY) benchmarks/wallclock.py
+	$(PY) benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist src/*.egg-info

@@ -1,15 +1,20 @@
 """Memory, not time: each command's estimated peak (``specforest.memory``) against its measured peak.
 
-    .venv/bin/python benchmarks/memory.py [--skip-rows] [--skip-commands]
+    .venv/bin/python benchmarks/memory.py [--skip-rounds] [--skip-rows] [--skip-commands]
 
-1. **What one row costs inside a model call**, for the figures the shipped
+1. **What a round holds**: the live tensor bytes of a run of the Gaussian
+   mixture at its peak, tracked op by op (every op's outputs held by weak
+   reference to their storage, a ``TorchDispatchMode``), per trajectory and
+   state, against the model's ``6 V + 5 V_i + R + 8`` states (``V`` nodes,
+   ``V_i`` above the last layer, ``R`` rows; keys and scratch included).
+2. **What one row costs inside a model call**, for the figures the shipped
    models declare (``row_bytes``): each model is called on ``M`` and ``2 M``
    rows in a fresh process whose allocator returns freed memory at once
    (``MALLOC_MMAP_THRESHOLD_=65536``, ``MALLOC_TRIM_THRESHOLD_=0``), and the
    growth of the peak resident set between the two, over ``M``, is the
    measured cost of a row (input excluded, output included). Next to it the
    model's declaration.
-2. **Every command's peak against its limit**: each command (the Gaussian
+3. **Every command's peak against its limit**: each command (the Gaussian
    mixture full, chunked and lazy, the digits model, ``generate`` on one
    process and tree-parallel on two gloo processes, a tiny SD3 pipeline built
    in code) runs in a fresh process with a small ``--memory-gb`` /
@@ -81,6 +86,41 @@ declared = memory.row_bytes_of(model, x[:1], {k: v[:1] for k, v in cond.items()}
 print(json.dumps({"grown": peak - base, "declared": declared}))
 """
 
+_ROUND_PROBE = r"""
+import json, sys, torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+import specforest
+from specforest import trees
+from specforest.models import GaussianMixture
+torch.set_num_threads(1)
+a = json.loads(sys.argv[1])
+gmm = GaussianMixture.paper(dim=a["dim"])
+x = specforest.streams.randn(0, torch.arange(a["B"]), (a["dim"],))
+
+class Live(TorchDispatchMode):
+    # the bytes of every storage an op made that is still alive, after each op
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = {}, 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(o, torch.Tensor):
+                st = o.untyped_storage()
+                self.live.setdefault(st.data_ptr(), (StorageWeakRef(st), st.nbytes()))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+tree = trees.uniform(a["K"], a["L"])
+live = Live()
+with live:
+    specforest.sample(gmm, x, steps=a["steps"], churn=0.1, seed=0, tree=tree, verify=a["verify"])
+print(json.dumps({"peak": live.peak, "V": tree.size, "Vi": tree.size_at_depth(tree.L - 1),
+                  "R": tree.verification_budget(a["verify"])}))
+"""
+
 _SD3_RUN = r"""
 import json, sys, tempfile
 from pathlib import Path
@@ -132,6 +172,29 @@ def _estimate_of(run: dict) -> float:
     if not found:
         raise RuntimeError(f"no estimate in the output of the command:\n{run['stdout']}\n{run['stderr'][-2000:]}")
     return float(found[-1]) * 1e9
+
+
+def measure_rounds() -> list:
+    """Live tensor bytes of a run at its peak per trajectory, in float32 states of the mixture (d = 500)."""
+    rows = []
+    for K, L, B, verify in (
+        (2, 6, 32, "internal"),
+        (3, 6, 8, "internal"),
+        (6, 4, 8, "internal"),
+        (6, 5, 2, "internal"),
+        (6, 5, 2, "drafted"),
+        (4, 4, 16, "drafted"),
+    ):
+        args = {"K": K, "L": L, "B": B, "verify": verify, "dim": 500, "steps": 12}
+        res = measure([sys.executable, "-c", _ROUND_PROBE, json.dumps(args)])
+        if res["rc"] != 0:
+            raise RuntimeError(res["stderr"][-2000:])
+        r = json.loads(res["stdout"].splitlines()[-1])
+        measured = r["peak"] / (B * 500 * 4)
+        model = 6 * r["V"] + 5 * r["Vi"] + r["R"] + 8 + 8 * r["V"] / (500 * 4)
+        rows.append({"tree": f"({K}, {L})", "verify": verify, "B": B, **r, "measured": measured, "model": model})
+        print(rows[-1], flush=True)
+    return rows
 
 
 def _gmm_case(d: int, c: int, dtype: str) -> tuple:
@@ -365,6 +428,7 @@ def measure_commands() -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip-rounds", action="store_true", help="do not measure a round's live bytes")
     ap.add_argument("--skip-rows", action="store_true", help="do not measure the models' per-row costs")
     ap.add_argument("--skip-commands", action="store_true", help="do not measure the commands")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
@@ -375,6 +439,23 @@ def main() -> None:
         f"`.venv/bin/python benchmarks/memory.py` on {machine_line()}; every measurement in a fresh process, "
         "one CPU thread.",
     ]
+    if not args.skip_rounds:
+        rows = measure_rounds()
+        lines += [
+            "",
+            "What a full round holds: the live tensor bytes of a Gaussian-mixture run (d = 500, T = 12) at its "
+            "peak, tracked op by op, per trajectory in float32 states, against the model of "
+            "`specforest.memory.estimate` (`6 V + 5 V_i + R + 8` states and 8 bytes a node of keys; the tree's "
+            "tables are counted apart, per run).",
+            "",
+            "| tree | verify | trajectories | nodes V | above the last layer V_i | rows R | measured states | model | model / measured |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['tree']} | {r['verify']} | {r['B']} | {r['V']} | {r['Vi']} | {r['R']} | "
+                f"{r['measured']:.0f} | {r['model']:.0f} | {r['model'] / r['measured']:.2f} |"
+            )
     if not args.skip_rows:
         rows = measure_rows()
         lines += [

@@ -107,7 +107,8 @@ def test_json_stdout_stays_clean_with_progress():
 def test_lazy_mode_is_recorded():
     rec = run_json("--lazy", "--K", "2", "--L", "3")
     assert rec["mode"] == "lazy" and 1 <= rec["nfe_mean"] <= 10
-    assert rec["bytes_per_trajectory"] == (1 + 2 * 3 + 2 * 1 + 5) * 8 * 4  # the visited nodes, one row
+    # the children drawn at one node and scratch, in float32 states; the tree's 15 int64 keys
+    assert rec["bytes_per_trajectory"] == (7 * 2 + 8) * 8 * 4 + 8 * 15
     # nothing to realize lazily without a tree
     assert run_json("--lazy", "--method", "standard")["mode"] == "full"
 

@@ -10,8 +10,9 @@ which already excludes it.
 
 On top of that baseline a run holds, per trajectory, what a round of its tree
 needs at its peak, and per target row what the model needs inside its call.
-Both figures were measured, not guessed (``benchmarks/memory.py``, the
-measurement behind each constant below, reproduces them):
+Both figures were measured, not guessed: ``benchmarks/memory.py`` reproduces
+the measurements behind the constants below (live tensor bytes of a round,
+bytes per model row, and every command's peak against its estimate):
 
 * **A full round** (all nodes drafted, then one target call, then the walk)
   peaks inside the walk's rank-1 reduction over every verification problem at
@@ -21,7 +22,8 @@ measurement behind each constant below, reproduces them):
   ``V`` realized nodes and ``V_i`` nodes above the last layer (``w`` the
   working dtype's size, 4 for float32), plus one state per evaluated row when
   the rows are gathered for the call, plus ``x``, the prefetched pair and the
-  counters (``8`` states).
+  counters (``8`` states), plus the round's int64 node keys (8 bytes a node,
+  in both modes); per run, the tree's tables (160 bytes a node).
 * **A lazy round** (the cost simulation) draws the children of the visited node
   at each depth: ``D x w x (7 K_max + 8)`` per trajectory (the noise of the
   ``K_max`` children is made like the full tree's, 28 bytes an element).

@@ -19,9 +19,17 @@ Trees come from :func:`specforest.planning.make_tree` and memory sizing from
 imported: everything goes through the pipeline object that is passed in.
 """
 
-from .flow_matching import FlowMatchVelocity
+from .flow_matching import FlowMatchVelocity, transformer_row_bytes
 from .grid import scheduler_sigmas
 from .pipeline_sd3 import OUTPUT_TYPES, SD3Result, sample
 from .tuning import tune
 
-__all__ = ["OUTPUT_TYPES", "FlowMatchVelocity", "SD3Result", "sample", "scheduler_sigmas", "tune"]
+__all__ = [
+    "OUTPUT_TYPES",
+    "FlowMatchVelocity",
+    "SD3Result",
+    "sample",
+    "scheduler_sigmas",
+    "transformer_row_bytes",
+    "tune",
+]
