@@ -43,6 +43,7 @@ bench: venv
 	$(PY) benchmarks/distributed.py
 	$(PY) benchmarks/wallclock.py
 	$(PY) benchmarks/warmup.py
+	$(PY) benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist src/*.egg-info

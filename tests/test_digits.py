@@ -197,13 +197,20 @@ def test_bf16_speculative_has_the_bf16_standard_law(velocity_bf16, real):
 # -- the experiment's library functions ----------------------------------------------------
 
 
-def test_simulate_sizes_the_run_with_the_one_memory_estimator(velocity, classifier):
+def test_simulate_sizes_the_run_with_the_one_memory_estimator(velocity, classifier, monkeypatch):
+    # the process's own memory taken out: it drifts from call to call
+    monkeypatch.setattr(memory, "held_bytes", lambda device="cpu": 0)
     kw = dict(method="dgrs", K=2, L=2, samples=4, steps=6, seed=3, model=velocity, classifier=classifier)
     rec = pixel_exp.simulate(**kw).record
+    assert velocity.row_bytes == digits.ROW_BYTES_FLOAT32  # the shipped model declares its measured figure
     est = memory.estimate(
-        trajectories=4, state_numel=64, tree=trees.uniform(2, 2), steps=6, row_bytes=pixel_exp.ROW_BYTES, chunked=False
+        trajectories=4, state_numel=64, tree=trees.uniform(2, 2), steps=6, row_bytes=velocity.row_bytes, chunked=False
     )
     assert rec["max_rows"] == est.max_rows and rec["memory_peak_gb"] == est.total_bytes / 1e9
+    # a limit that holds the states and 5 rows splits the calls into sub-batches of 5
+    dyn = est.sampler_bytes + int(5.5 * est.row_bytes)
+    limit = (est.fixed_bytes + dyn + memory.allocator_slack(dyn)) / 1e9
+    assert pixel_exp.simulate(**kw, memory_gb=limit).record["max_rows"] == 5
     assert rec["budget"] == 6 and {"speedup_paper_sem", "steps_per_round", "rows_mean"} <= rec.keys()
     again = pixel_exp.simulate(**kw)
     assert {k: v for k, v in again.record.items() if not k.endswith("_seconds")} == {

@@ -91,6 +91,13 @@ def _job_options(model: str, K: int, L: int, device: bool = True):
                 help="Trajectories in flight per process (>= 1); a finished one's slot takes the next index.",
             ),
             click.option(
+                "--memory-gb",
+                type=click.FloatRange(0.0, min_open=True),
+                default=None,
+                show_default="50% of physical memory (free memory on CUDA)",
+                help="Memory limit of each process in GB (> 0): sets the slots in flight and the rows per call.",
+            ),
+            click.option(
                 "--resume", is_flag=True, help="Continue the job at --out (same options), skipping finished indices."
             ),
             click.option(
@@ -150,6 +157,7 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
                 progress=o["progress"],
                 compile=o["compile_model"],
                 warmup=bool(o.get("tune_file")),
+                memory_gb=o["memory_gb"],
                 log=lambda s: click.echo(s, err=True) if rank == 0 else None,
             )
         )

@@ -92,6 +92,13 @@ def _common(f):
     is_flag=True,
     help="Realize only the visited nodes: same law and NFE, less compute; wall-clock not comparable.",
 )
+@click.option(
+    "--memory-gb",
+    type=click.FloatRange(0.0, min_open=True),
+    default=None,
+    show_default="50% of physical memory, or 8 GB if unknown",
+    help="Memory limit of the process in GB (> 0) that sets the rows per network call.",
+)
 @json_option()
 @click.option(
     "--dump-samples",
@@ -145,6 +152,7 @@ def pixel(ctx: click.Context, **o) -> None:
             budget=o["budget"],
             compile=o["compile_model"],
             warmup=bool(o["tune_file"]),
+            memory_gb=o["memory_gb"],
         )
     )
     rec = run.record

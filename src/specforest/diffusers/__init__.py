@@ -29,7 +29,7 @@ imported: everything goes through the pipeline object that is passed in.
 """
 
 from .families import FAMILIES, Family, family_of, family_of_class_name, sample
-from .flow_matching import FlowMatchVelocity
+from .flow_matching import FlowMatchVelocity, transformer_row_bytes
 from .grid import scheduler_sigmas
 from .pipeline_flux import FluxResult, FluxVelocity, is_flux
 from .pipeline_sd3 import OUTPUT_TYPES, SD3Result
@@ -51,6 +51,7 @@ __all__ = [
     "is_sdxl",
     "sample",
     "scheduler_sigmas",
+    "transformer_row_bytes",
     "tune",
     "tune_flux",
 ]

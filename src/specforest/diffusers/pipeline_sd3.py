@@ -30,7 +30,7 @@ from ..trees import VERIFY_MODES, DraftTree
 from ..validation import check_int as _check_int
 from ..validation import check_number as _check_number
 from ..warmup import pad_rows_for, warm_up
-from .flow_matching import FlowMatchVelocity, module_dtype_device
+from .flow_matching import FlowMatchVelocity, module_dtype_device, transformer_row_bytes
 from .grid import scheduler_sigmas
 
 __all__ = [
@@ -47,37 +47,7 @@ logger = logging.getLogger(__name__)
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
-# Heuristic peak activation of one transformer row, in units of
-# tokens x hidden x bytes: the joint blocks hold the two streams, q/k/v,
-# the attention output and a 4x MLP at once. Attention probabilities are
-# counted as if materialised (float32 scores and softmax), which overestimates
-# fused kernels: the estimate errs towards smaller sub-batches, never towards OOM.
-_ACTIVATION_FACTOR = 24
 _DECODE_FACTOR = 16
-
-
-def transformer_row_bytes(
-    *,
-    branches: int,
-    dtype: torch.dtype,
-    image_tokens: int,
-    text_tokens: int,
-    hidden: int,
-    heads: int,
-    cond_numel: int,
-    latent_numel: int,
-) -> int:
-    """Peak bytes one sampler row adds inside a transformer call (all its guidance branches).
-
-    A heuristic upper bound: per branch the activation of the joint blocks
-    (``24 x tokens x hidden`` in the transformer's dtype plus float32 attention
-    scores ``2 x heads x tokens^2``), the gathered conditioning and the input and
-    output latents; plus the float32 guided velocity.
-    """
-    mb = torch.empty((), dtype=dtype).element_size()
-    tokens = image_tokens + text_tokens
-    activation = mb * tokens * hidden * _ACTIVATION_FACTOR + 2 * 4 * heads * tokens * tokens
-    return branches * (activation + 2 * cond_numel * mb + 2 * latent_numel * mb) + 3 * latent_numel * 4
 
 
 @dataclass
@@ -310,21 +280,14 @@ def encode_text(
 def row_bytes_of(
     pipe: Any, velocity: FlowMatchVelocity, latent_shape: tuple, pe: torch.Tensor, ppe: torch.Tensor
 ) -> int:
-    """Bytes one transformer row needs (:func:`specforest.memory.transformer_row_bytes`) for these embeddings."""
-    tcfg = pipe.transformer.config
-    _, h, w = latent_shape
-    patch = int(tcfg.get("patch_size", 1) or 1)
-    heads = int(tcfg.get("num_attention_heads", 1))
-    return transformer_row_bytes(
-        branches=velocity.branches,
-        dtype=velocity.dtype,
-        image_tokens=(h // patch) * (w // patch),
-        text_tokens=pe.shape[1],
-        hidden=heads * int(tcfg.get("attention_head_dim", 64)),
-        heads=heads,
-        cond_numel=pe[0].numel() + ppe[0].numel(),
-        latent_numel=math.prod(latent_shape),
-    )
+    """Bytes one transformer row needs (:meth:`FlowMatchVelocity.row_bytes`) with these embeddings.
+
+    ``pipe`` is accepted for the callers' convenience; the velocity reads its transformer's config.
+    """
+    x_row = torch.zeros((1, *latent_shape))
+    cond_row = {"encoder_hidden_states": pe[:1], "pooled_projections": ppe[:1]}
+    declared = _memory.row_bytes_of(velocity, x_row, cond_row)
+    return declared if declared is not None else _memory.DEFAULT_ROW_STATES * 4 * math.prod(latent_shape)
 
 
 def cond_from_embeds(
@@ -372,20 +335,18 @@ def _plan_memory(
     Raises:
         MemoryError: if one image's decode, or the sampler's states, exceed the limit.
     """
-    if max_memory_gb is not None:
-        limit, source = int(max_memory_gb * 1e9), f"max_memory_gb={max_memory_gb:g}"
-    else:
-        limit, source = _memory.default_memory_limit(device)
+    # the limit bounds the whole process: what it holds now (weights, embeddings) is fixed
+    limit, source, fixed = _memory.resolve_limit(max_memory_gb, device, "max_memory_gb")
     decode_bytes = 0
     if output_type != "latent":
         vae_dtype, _ = module_dtype_device(pipe.vae)
         vb = torch.empty((), dtype=vae_dtype).element_size()
         decode_bytes = _DECODE_FACTOR * height * width * int(pipe.vae.config.block_out_channels[0]) * max(vb, 4)
-    if decode_bytes > limit:
+    if decode_bytes and fixed + decode_bytes > limit:
         raise MemoryError(
-            f"one image's VAE decode needs about {decode_bytes / 1e9:.3g} GB but the memory limit is "
-            f"{limit / 1e9:.3g} GB ({source}); use a smaller height/width, output_type='latent', or raise "
-            "max_memory_gb"
+            f"one image's VAE decode needs about {decode_bytes / 1e9:.3g} GB beside the {fixed / 1e9:.3g} GB "
+            f"the process holds, but the memory limit is {limit / 1e9:.3g} GB ({source}); use a smaller "
+            "height/width, output_type='latent', or raise max_memory_gb"
         )
     memory = _memory.estimate(
         trajectories=images,
@@ -396,12 +357,14 @@ def _plan_memory(
         steps=steps,
         row_bytes=row_bytes,
         cond_bytes=cond_bytes,
+        fixed_bytes=fixed,
         limit_bytes=limit,
         limit_source=source,
+        device=device,
         chunked=False,
     )
     logger.info(memory.describe())
-    return memory, (images if decode_bytes == 0 else max(1, min(images, limit // decode_bytes)))
+    return memory, (images if decode_bytes == 0 else max(1, min(images, (limit - fixed) // decode_bytes)))
 
 
 def decode(pipe: Any, latents: torch.Tensor, output_type: str = "pil", batch: Optional[int] = None) -> Any:

@@ -32,7 +32,6 @@ from typing import Any, Optional
 
 import torch
 
-from .. import memory as _memory
 from ..couplings import Coupling
 from ..planning import make_tree
 from ..sampler import TunedFor, check_tuned_for
@@ -41,7 +40,7 @@ from ..trees import VERIFY_MODES, DraftTree
 from ..validation import check_int as _check_int
 from ..validation import check_number as _check_number
 from .flow_matching import module_dtype_device
-from .pipeline_sd3 import _DECODE_FACTOR, OUTPUT_TYPES, SD3Result, _check_embeds, _initial_latents
+from .pipeline_sd3 import OUTPUT_TYPES, SD3Result, _check_embeds, _initial_latents, _plan_memory
 from .unet import PREDICTION_TYPES, UNetVelocity, VPSchedule, vp_schedule
 
 __all__ = ["decode", "is_sd", "is_sdxl", "sample", "unet_row_bytes"]
@@ -586,10 +585,6 @@ def sample(
         )
 
     # -- memory -------------------------------------------------------------------------------
-    if max_memory_gb is not None:
-        limit, source = int(max_memory_gb * 1e9), f"max_memory_gb={max_memory_gb:g}"
-    else:
-        limit, source = _memory.default_memory_limit(device)
     D = math.prod(latent_shape)
     cond_numel = sum(v[0].numel() for k, v in cond.items() if not k.startswith("negative_"))
     u_bytes = torch.empty((), dtype=u_dtype).element_size()
@@ -602,32 +597,22 @@ def sample(
         cond_numel=cond_numel,
         latent_numel=D,
     )
-    decode_bytes = 0
-    if output_type != "latent":
-        vae_dtype, _ = module_dtype_device(pipe.vae)
-        vb = torch.empty((), dtype=vae_dtype).element_size()
-        decode_bytes = _DECODE_FACTOR * height * width * int(pipe.vae.config.block_out_channels[0]) * max(vb, 4)
-    if decode_bytes > limit:
-        raise MemoryError(
-            f"one image's VAE decode needs about {decode_bytes / 1e9:.3g} GB but the memory limit is "
-            f"{limit / 1e9:.3g} GB ({source}); use a smaller height/width, output_type='latent', or raise "
-            "max_memory_gb"
-        )
-    memory = _memory.estimate(
-        trajectories=B,
-        state_numel=D,
+    memory, decode_batch = _plan_memory(
+        pipe,
+        max_memory_gb=max_memory_gb,
+        device=device,
+        images=B,
+        latent_shape=latent_shape,
+        height=height,
+        width=width,
+        output_type=output_type,
         tree=tree,
         verify=verify,
         lazy=lazy,
         steps=steps,
         row_bytes=row_bytes,
         cond_bytes=velocity.branches * cond_numel * u_bytes,
-        limit_bytes=limit,
-        limit_source=source,
-        chunked=False,
     )
-    decode_batch = B if decode_bytes == 0 else max(1, min(B, limit // decode_bytes))
-    logger.info(memory.describe())
 
     # -- sampling: from the scheduler's initial noise, x_lin = x_VE / (1 + s_0) ----------------------
     if generator is None:

@@ -12,6 +12,7 @@ measured up to that size and extended linearly beyond.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -21,6 +22,7 @@ from .. import memory as _memory
 from .. import streams
 from ..latency import Tuned
 from ..latency import tune as _tune
+from ..trees import chain
 from ..validation import check_int, check_number
 from . import pipeline_flux as _flux
 from .grid import scheduler_sigmas
@@ -124,10 +126,25 @@ def tune(
     )
     cond = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
     if max_memory_gb is not None:
-        limit = int(check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True) * 1e9)
-    else:
-        limit, _ = _memory.default_memory_limit(device)
-    max_rows = max(1, limit // row_bytes_of(pipe, velocity, latent_shape, pe, ppe))
+        max_memory_gb = check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
+    limit, source, fixed = _memory.resolve_limit(max_memory_gb, device, "max_memory_gb")
+    # the largest run the tuner times: the batch on a tree of budget_max (any tree of that budget
+    # holds as many nodes and rows); calls above the memory model's max_rows are split
+    sized = _memory.estimate(
+        trajectories=batch,
+        state_numel=math.prod(latent_shape),
+        tree=chain(budget_max),
+        verify="drafted",
+        steps=num_inference_steps,
+        row_bytes=row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
+        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
+        fixed_bytes=fixed,
+        limit_bytes=limit,
+        limit_source=source,
+        device=device,
+        chunked=False,
+    )
+    max_rows = sized.max_rows or sized.rows_per_call
     patch = int(pipe.transformer.config.get("patch_size", 1) or 1)
     tokens = (latent_shape[1] // patch) * (latent_shape[2] // patch)
 
@@ -226,10 +243,24 @@ def tune_flux(
     )
     cond = _flux.cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
     if max_memory_gb is not None:
-        limit = int(check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True) * 1e9)
-    else:
-        limit, _ = _memory.default_memory_limit(device)
-    max_rows = max(1, limit // _flux.row_bytes_of(pipe, velocity, latent_shape, pe, ppe))
+        max_memory_gb = check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
+    limit, source, fixed = _memory.resolve_limit(max_memory_gb, device, "max_memory_gb")
+    # the largest run the tuner times, as for SD3: the batch on a tree of budget_max
+    sized = _memory.estimate(
+        trajectories=batch,
+        state_numel=math.prod(latent_shape),
+        tree=chain(budget_max),
+        verify="drafted",
+        steps=num_inference_steps,
+        row_bytes=_flux.row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
+        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
+        fixed_bytes=fixed,
+        limit_bytes=limit,
+        limit_source=source,
+        device=device,
+        chunked=False,
+    )
+    max_rows = sized.max_rows or sized.rows_per_call
     tokens = (latent_shape[1] // 2) * (latent_shape[2] // 2)
 
     def sigmas_for(steps: int) -> torch.Tensor:

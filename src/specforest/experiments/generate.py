@@ -31,6 +31,7 @@ see it gone (torchrun's SIGTERM, or the next meeting).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import secrets
@@ -44,13 +45,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .. import __version__, distributed, generate, streams
+from .. import __version__, distributed, generate, memory, streams
 from ..atomic import atomic_write, atomic_write_text
 from ..trees import from_parents
 from ..warmup import pad_rows_for, warm_up
 from .common import COUPLING_OF, METHODS, check_choice, check_int, compiled, method_tree
 
-__all__ = ["MODELS", "GenerateResult", "JobSpec", "merge", "run_job", "sd3_options"]
+__all__ = ["MODELS", "GenerateResult", "JobSpec", "merge", "run_job", "sd3_options", "size_slots"]
 
 MODELS = ("gmm", "pixel", "sd3")
 """Models ``specforest generate`` samples (``sd3``: a local ``StableDiffusion3Pipeline`` and a captions file)."""
@@ -226,6 +227,47 @@ def _sd3_model(spec: JobSpec, out: Path, device: str) -> _Model:
     return _Model(velocity, latent_shape, dict(sigmas=sigmas, **kw), make_cond=make_cond, save_images=save_images)
 
 
+def size_slots(
+    model: _Model,
+    spec: JobSpec,
+    batch: int,
+    memory_gb: Optional[float],
+    *,
+    world: int = 1,
+    device: "str | torch.device" = "cpu",
+) -> memory.MemoryEstimate:
+    """How many of ``batch`` slots fit the memory limit on this process, and the rows per network call.
+
+    The slots are the trajectories of :func:`specforest.memory.estimate` (with per-sample streams
+    their number changes no sample); ``world`` processes share each call's rows with
+    ``tree_parallel``. The limit bounds this process, what it holds now (the model) counting as fixed.
+
+    Raises:
+        MemoryError: if one slot does not fit, with the numbers.
+    """
+    limit, source, fixed = memory.resolve_limit(memory_gb, device, "--memory-gb")
+    idx = torch.zeros(1, dtype=torch.long)
+    cond_row = model.make_cond(idx) if model.make_cond is not None else {}
+    kw = model.sampler
+    steps = kw.get("steps") or spec.sampler["steps"]
+    return memory.estimate(
+        trajectories=batch,
+        state_numel=math.prod(model.shape),
+        tree=kw.get("tree"),
+        verify=kw.get("verify", "internal"),
+        steps=steps,
+        model=model.velocity,
+        x_row=torch.zeros((1, *model.shape)),
+        cond_row=cond_row,
+        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond_row.values() if isinstance(v, torch.Tensor)),
+        fixed_bytes=fixed,
+        limit_bytes=limit,
+        limit_source=source,
+        device=device,
+        world=world,
+    )
+
+
 def _prompts_digest(prompts: list) -> str:
     import hashlib
 
@@ -340,6 +382,7 @@ def run_job(
     log: Callable[[str], None] = lambda s: None,
     compile: bool = False,
     warmup: bool = False,
+    memory_gb: Optional[float] = None,
 ) -> GenerateResult:
     """Run (or resume) a generation job on this process, as one of the group's processes if any.
 
@@ -357,6 +400,9 @@ def run_job(
             (:func:`specforest.warmup.warm_up`; same samples); with many slots on a tree the calls
             are padded to :func:`specforest.warmup.pad_rows_for`'s sizes. Its time is
             ``warmup_seconds`` in the result and in ``PATH.json``.
+        memory_gb: memory limit of each process in GB (default
+            :func:`specforest.memory.default_memory_limit`): fewer slots than ``batch``
+            run where they do not fit (:func:`size_slots`; the samples are the same).
 
     Returns:
         A :class:`GenerateResult`.
@@ -383,6 +429,7 @@ def run_job(
             log=log,
             compile=compile,
             warmup=warmup,
+            memory_gb=memory_gb,
         )
     finally:
         if control is not None:
@@ -404,6 +451,7 @@ def _run_job(
     log: Callable[[str], None],
     compile: bool,
     warmup: bool,
+    memory_gb: Optional[float],
 ) -> GenerateResult:
     """:func:`run_job` once the processes' control group exists.
 
@@ -450,11 +498,15 @@ def _run_job(
         import torch.distributed as dist
 
         group = dist.group.WORLD
+    world = distributed.world_size() if tree_parallel else 1
+    mem = size_slots(model, spec, batch, memory_gb, world=world, device=dev)
+    log(mem.describe())
     velocity, pad_rows = compiled(model.velocity, compile)
     warmup_seconds = 0.0
     if warmup and len(mine):
-        # the slots, and the last run of the standard sampler, whose slots all finish together
-        sizes = sorted({min(batch, len(mine)), len(mine) % batch or batch})
+        # the slots that fit, and the last run of the standard sampler, whose slots all finish together
+        slots = mem.chunk
+        sizes = sorted({min(slots, len(mine)), len(mine) % slots or slots})
         first = mine[: sizes[-1]]
         pad_rows = pad_rows or pad_rows_for(sizes, **model.sampler)
         cond = None if model.make_cond is None else model.make_cond(first)
@@ -463,6 +515,7 @@ def _run_job(
             make_x(first),
             cond=cond,
             batch=sizes,
+            max_rows=mem.max_rows,
             pad_rows=pad_rows,
             process_group=group,
             repeats=3 if compile else 1,
@@ -474,7 +527,8 @@ def _run_job(
         make_x=make_x,
         make_cond=model.make_cond,
         seed=seed,
-        batch=batch,
+        batch=mem.chunk,
+        max_rows=mem.max_rows,
         process_group=group,
         pad_rows=pad_rows,
         **model.sampler,

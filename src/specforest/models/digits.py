@@ -39,6 +39,7 @@ __all__ = [
     "MANIFEST",
     "NUM_CLASSES",
     "UNET_FILE",
+    "ROW_BYTES_FLOAT32",
     "WEIGHTS_DIR",
     "ChecksumError",
     "DigitsClassifier",
@@ -56,6 +57,10 @@ UNET_FILE = "digits_unet.safetensors"
 CLASSIFIER_FILE = "digits_classifier.safetensors"
 MANIFEST = "manifest.json"
 IMAGE_SHAPE = (1, 8, 8)
+ROW_BYTES_FLOAT32 = 80_000
+"""Peak bytes one row adds inside a call of the digits velocity in float32 (the U-Net's
+activations, its input scaling and output included): measured 79.1-79.6 kB a row at 2048 and
+8192 rows (``benchmarks/memory.py``); other dtypes scale with their size."""
 NUM_CLASSES = 10
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -192,10 +197,15 @@ def load_velocity(
     or a ``(M,)`` tensor; through :func:`specforest.sample` pass a ``(B,)`` tensor
     as ``cond={"class_labels": labels}`` and each call gets the labels of its rows' trajectories.
     The EDM noise level is clipped to ``[sigma_min, sigma_max]`` (the paper's
-    ``[1e-3, 80]``). See :func:`load_denoiser` for the other arguments.
+    ``[1e-3, 80]``). It declares its memory per row (:data:`ROW_BYTES_FLOAT32`,
+    scaled to ``dtype``; lower precisions are counted as float32, the adapter's
+    own arithmetic). See :func:`load_denoiser` for the other arguments.
     """
     return EDMDenoiserVelocity(
-        load_denoiser(path, sha256=sha256, device=device, dtype=dtype), sigma_min=sigma_min, sigma_max=sigma_max
+        load_denoiser(path, sha256=sha256, device=device, dtype=dtype),
+        sigma_min=sigma_min,
+        sigma_max=sigma_max,
+        row_bytes=ROW_BYTES_FLOAT32 * max(torch.empty((), dtype=dtype).element_size(), 4) // 4,
     )
 
 

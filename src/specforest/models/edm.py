@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -115,6 +115,9 @@ class EDMDenoiserVelocity:
             estimate of ``E[x_0 | y = x_0 + s xi]`` (EDM's preconditioned network).
         sigma_min: smallest EDM noise level the denoiser is evaluated at.
         sigma_max: largest EDM noise level the denoiser is evaluated at.
+        row_bytes: peak bytes one row adds inside a call (the denoiser's
+            activations), for :func:`specforest.memory.estimate`; ``None``: not
+            declared (the estimate's default applies).
 
     Calling the instance, ``v = adapter(x, sigma, **cond)``: ``x: (M, *shape)``,
     ``sigma: (M,)`` or a scalar, linear-path levels in ``[0, 1]`` -> ``(M, *shape)``
@@ -127,10 +130,15 @@ class EDMDenoiserVelocity:
             outside ``[0, 1]`` or of the wrong length.
     """
 
-    def __init__(self, denoiser: Denoiser, sigma_min: float = 1e-3, sigma_max: float = 80.0) -> None:
+    def __init__(
+        self, denoiser: Denoiser, sigma_min: float = 1e-3, sigma_max: float = 80.0, *, row_bytes: Optional[int] = None
+    ) -> None:
         if not callable(denoiser):
             raise TypeError("denoiser must be callable as denoiser(y, s, **cond)")
+        if row_bytes is not None and (isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 0):
+            raise ValueError(f"row_bytes must be None or an int >= 0, got {row_bytes!r}")
         self.denoiser = denoiser
+        self.row_bytes = row_bytes
         self.sigma_min, self.sigma_max = _check_range(sigma_min, sigma_max)
 
     def _denoise(self, y: torch.Tensor, s: torch.Tensor, **cond: Any) -> torch.Tensor:

@@ -126,7 +126,9 @@ def simulate(
     coupling = COUPLING_OF.get(method, "grs")
 
     n, T = setting.trajectories, setting.steps
-    limit = None if memory_gb is None else int(memory_gb * 1e9)
+    gmm = setting.mixture()
+    # the limit bounds the whole process: what it holds now counts as fixed
+    limit, source, fixed = memory.resolve_limit(memory_gb, "cpu", "memory_gb")
     mem = memory.estimate(
         trajectories=n,
         state_numel=setting.dim,
@@ -134,10 +136,11 @@ def simulate(
         verify=verify,
         lazy=lazy,
         steps=T,
+        model=gmm,
+        fixed_bytes=fixed,
         limit_bytes=limit,
-        limit_source=f"memory_gb={memory_gb:g}" if memory_gb is not None else "",
+        limit_source=source,
     )
-    gmm = setting.mixture()
     model, pad_rows = compiled(gmm, compile)
     x_T = initial_states(n, setting.dim, seed)
     noise_seed = derive_seed(seed, STREAM_NOISE)
@@ -222,6 +225,7 @@ def simulate(
         "chunks": len(starts),
         "max_rows": mem.max_rows,
         "memory_gb": mem.limit_bytes / 1e9,
+        "memory_estimate_gb": mem.total_bytes / 1e9,
         "bytes_per_trajectory": mem.trajectory_bytes,
         "specforest_version": __version__,
         "torch_version": torch.__version__,
@@ -245,7 +249,8 @@ def run_config(setting: GMMSetting, **options) -> dict:
         seed: seed of ``x_T`` and the sampling noise, ``>= 0``.
         lazy: realize only visited nodes (same law of samples and NFE, far less
             memory and time for big trees).
-        memory_gb: memory limit that sets the chunk size and ``max_rows`` (default
+        memory_gb: memory limit of the whole process (its resident set) that sets
+            the chunk size and ``max_rows`` (default
             :func:`specforest.memory.default_memory_limit`: 50% of RAM).
         progress: show the sampler's progress bar (stderr).
         tree: ``uniform``, ``optimal`` or ``adaptive`` (see :data:`specforest.planning.TREE_MODES`),
@@ -265,11 +270,13 @@ def run_config(setting: GMMSetting, **options) -> dict:
         (``(T - 2) / (NFE - 2)``), ``accept_rate`` (pooled per-step acceptance:
         accepts / verification problems), ``accept_rate_per_depth``,
         ``delta_per_depth``, ``wall_seconds``, ``warmup_seconds`` (0 without ``warmup``; not in
-        ``wall_seconds``), ``mode``, ``chunk_size`` and more.
+        ``wall_seconds``), ``mode``, ``chunk_size``, ``memory_estimate_gb`` (the estimated peak
+        of the process) and more.
         ``K, L`` are recorded as ``(0, 0)`` for ``standard`` and ``(1, B)`` for ``rmc``.
 
     Raises:
         ValueError / TypeError: on invalid options, naming the option.
-        MemoryError: if one trajectory does not fit ``memory_gb`` (use ``lazy``).
+        MemoryError: if one trajectory does not fit ``memory_gb`` (use ``lazy``),
+            before anything is sampled; the message gives the numbers.
     """
     return simulate(setting, **options).record

@@ -31,6 +31,7 @@ from ..common import (
     check_choice,
     check_churn,
     check_int,
+    check_number,
     choose_tree,
     compiled,
     derive_seed,
@@ -50,10 +51,10 @@ from .setting import (
 __all__ = ["ROW_BYTES", "PixelRun", "simulate"]
 
 ROW_BYTES = 10**6
-"""Peak bytes one row adds inside a call of the digits U-Net, for
-:func:`specforest.memory.estimate`: a heuristic of 1 MB. The float32 network
-measures about 0.14 MB per row at its peak on a CPU (inference mode, 2048 rows);
-the margin covers allocator slack and other devices."""
+"""Peak bytes one row is assumed to add inside the call of a ``model`` that declares no
+``row_bytes`` (:func:`specforest.memory.row_bytes_of`): 1 MB, a generous figure for a small
+image network. The shipped digits velocity declares its measured figure
+(:data:`specforest.models.digits.ROW_BYTES_FLOAT32`, 80 kB a float32 row)."""
 
 
 @dataclass
@@ -92,6 +93,7 @@ def simulate(
     classifier: Optional[DigitsClassifier] = None,
     compile: bool = False,
     warmup: bool = False,
+    memory_gb: Optional[float] = None,
 ) -> PixelRun:
     """Sample ``samples`` class-conditional digits with one method and summarize.
 
@@ -122,6 +124,8 @@ def simulate(
             (:func:`specforest.warmup.warm_up`; same samples), so that a fresh process does not
             pay its first calls at each shape inside ``wall_seconds``; with many images on a
             tree the calls are padded to :func:`specforest.warmup.pad_rows_for`'s sizes.
+        memory_gb: memory limit of the whole process in GB (> 0; default
+            :func:`specforest.memory.default_memory_limit`); it sets ``max_rows``.
 
     Returns:
         A :class:`PixelRun`; its record holds the options and ``budget``, the
@@ -131,7 +135,8 @@ def simulate(
         (``(T - 2) / (NFE - 2)``), ``accept_rate``, ``accept_rate_per_depth``,
         ``delta_per_depth`` (``None`` where a depth was never reached), ...),
         ``speedup_std``, ``wall_seconds``, ``warmup_seconds`` (0 without ``warmup``; not in
-        ``wall_seconds``), ``max_rows``, ``memory_peak_gb`` and ``classifier_accuracy``.
+        ``wall_seconds``), ``max_rows``, ``memory_peak_gb`` (the estimated peak of the process),
+        ``memory_gb`` (the limit) and ``classifier_accuracy``.
 
     Raises:
         ValueError / TypeError: on invalid options, naming the option.
@@ -149,6 +154,8 @@ def simulate(
     if method == "antithetic" and K % 2:
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     churn = check_churn(churn)
+    if memory_gb is not None:
+        memory_gb = check_number("memory_gb", memory_gb, 0.0, lo_open=True)
     K, L = normalize(method, K, L)
     tree_mode = tree
     model = load_velocity() if model is None else model
@@ -181,6 +188,10 @@ def simulate(
     else:
         tree, budget = choose_tree(method, K, L, T, tree_mode, budget, plan)
     lazy = bool(lazy) and tree is not None
+    # the limit bounds the whole process: what it holds now (the networks) counts as fixed
+    limit, source, fixed = memory.resolve_limit(memory_gb, x_T.device, "memory_gb")
+    cond_row = {"class_labels": labels[:1]}
+    declared = memory.row_bytes_of(model, x_T[:1], cond_row)
     mem = memory.estimate(
         trajectories=n,
         state_numel=math.prod(IMAGE_SHAPE),
@@ -188,7 +199,10 @@ def simulate(
         verify=verify,
         lazy=lazy,
         steps=T,
-        row_bytes=ROW_BYTES,
+        row_bytes=ROW_BYTES if declared is None else declared,
+        fixed_bytes=fixed,
+        limit_bytes=limit,
+        limit_source=source,
         device=x_T.device,
         chunked=False,
     )
@@ -255,6 +269,7 @@ def simulate(
         "tree_layers": None if tree is None else repr(tree),
         "max_rows": mem.max_rows,
         "memory_peak_gb": mem.total_bytes / 1e9,
+        "memory_gb": mem.limit_bytes / 1e9,
         "model": MODEL_NAME,
         "specforest_version": __version__,
         "torch_version": torch.__version__,
