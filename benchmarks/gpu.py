@@ -29,8 +29,9 @@ stops where it is, keeps what it measured and says what it did not reach:
    real shapes, guidance on (SD3: classifier-free, scale 7, both branches in one
    call; Flux: embedded guidance 3.5), T = 28 steps, churn 0.8, one image per run:
    the cost curve (sizes chosen from one timed call to fit the box), the tuner's
-   choice (draft ``x0``), and timed runs of the standard sampler, an RMC chain of
-   4 and the tuned configuration (sampler time per round, wall per image,
+   choice (:func:`specforest.latency.tune` on that curve, draft ``x0``, budgets up
+   to 8, one calibration image), and timed runs of the standard sampler, an RMC
+   chain of 4 and the tuned configuration (sampler time per round, wall per image,
    predicted, speedup).
 5. ``digits-throughput``: the digits protocol at 64 images per run, with the time left.
 
@@ -219,10 +220,10 @@ class Plan:
             steps=28,
             churn=0.8,
             curve_sizes=(1, 2, 4, 8, 16, 32),
-            curve_share=0.25,
+            curve_share=0.2,
             calibration_images=1,
-            budget_max=14,
-            race=2,
+            budget_max=8,
+            race=1,
             runs=2,
             throughput_batch=64,
             shares=SHARES,
@@ -591,6 +592,8 @@ def build_transformer(spec: TransformerSpec, device: str):
         torch.cuda.empty_cache()
     import diffusers
 
+    # (its warning that casting with to() keeps no module in float32: there is none to keep)
+    diffusers.utils.logging.set_verbosity_error()
     cls = diffusers.SD3Transformer2DModel if spec.family == "sd3" else diffusers.FluxTransformer2DModel
     t0 = time.perf_counter()
     devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
@@ -893,7 +896,8 @@ def report(plan: Plan, stages: dict, budget: float, total: float, command: str) 
         gpu += [
             "",
             f"**Transformers** (random weights, seed 0, bf16; random text embeddings of the real shapes; "
-            f"T = {plan.steps}, churn {plan.churn}, one image per run, draft x0 for every tree). With random "
+            f"T = {plan.steps}, churn {plan.churn}, one image per run, draft x0 for every tree, the tuner's "
+            f"candidates up to budget {plan.budget_max}). With random "
             "weights the acceptance is not a trained model's: what carries over is the cost curve and the "
             "sampler's own time per round; the tuned choice shows what the tuner does with them.",
             "",
