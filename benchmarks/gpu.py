@@ -177,7 +177,7 @@ def transformer_specs(dry: bool) -> list:
 
 @dataclass(frozen=True)
 class Plan:
-    """Sizes of every stage; :meth:`full` on the GPU, :meth:`dry` on the CPU."""
+    """Sizes of every stage; :meth:`full` on the GPU, :meth:`dry_run` on the CPU."""
 
     dry: bool
     device: str
@@ -285,7 +285,8 @@ class TimeBoxExpired(BaseException):
 
 @dataclass
 class Stage:
-    """One stage's record: its box, time used, status and what it measured."""
+    """One stage's record: its box (its share until :func:`run_stages` sets the box in seconds),
+    time used, status and what it measured."""
 
     name: str
     box: float = 0.0
@@ -945,7 +946,11 @@ def report(plan: Plan, stages: dict, budget: float, total: float, command: str) 
         if r.get("curve"):
             curves.append((r["label"], r["curve"]))
     if curves:
-        rows += ["", "Batch-cost curve of the target on the GPU, time(b) / time(1) (median of its calls per size):", ""]
+        rows += [
+            "",
+            f"Batch-cost curve of the target on {plan.device}, time(b) / time(1) (median of its calls per size):",
+            "",
+        ]
         rows += _curve_rows(curves)
     for key in ("digits-latency", "digits-throughput"):
         res = stages[key].result
