@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv test test-all demo bench lint clean
+.PHONY: venv test test-all demo bench bench-gpu bench-gpu-dry lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,14 @@ bench: venv
 	$(PY) benchmarks/wallclock.py
 	$(PY) benchmarks/warmup.py
 	$(PY) benchmarks/memory.py
+
+# on a CUDA machine, with its own python3 (no venv: nothing is downloaded there); not part of `bench`
+bench-gpu:
+	PYTHON=$(PYTHON) benchmarks/gpu.sh
+
+# the same stages at tiny sizes on the CPU, into a temporary copy of RESULTS.md
+bench-gpu-dry: venv
+	PYTHON=$(PY) benchmarks/gpu.sh --dry-run
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist src/*.egg-info

@@ -32,7 +32,9 @@ given device):
    random, so its own error is the drift, and the speedup error (predicted
    over measured speedup) is each row's error with that drift taken out.
 
-Regenerates the ``wallclock`` section of ``benchmarks/RESULTS.md``.
+Regenerates the ``wallclock`` section of ``benchmarks/RESULTS.md``, all but its GPU rows:
+those are the sub-block ``wallclock_gpu`` inside it, written by ``benchmarks/gpu.sh``
+(``benchmarks/gpu.py``) and carried over unchanged here.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ from pathlib import Path
 
 TIMING_SECONDS = 3.0
 """Each row is timed (``Predictor.time``) in turns until its runs took this long, or 5 turns."""
+GPU_ROWS = "wallclock_gpu"
+"""Marker name of the GPU rows' sub-block inside the ``wallclock`` section (``benchmarks/gpu.py`` writes it)."""
+GPU_ROWS_HEADING = "### GPU rows"
 
 
 def _setup(name: str, device: str):
@@ -78,15 +83,33 @@ def _configs(model, x, cond, opts, pred, tuned):
     ]
 
 
-def run_model(name: str, device: str, repeats: int, latency_runs: int, blocks: int) -> dict:
+def run_model(
+    name: str,
+    device: str,
+    repeats: int,
+    latency_runs: int,
+    blocks: int,
+    *,
+    batches: tuple = (1, 64),
+    steps: "int | None" = None,
+    timing_seconds: float = TIMING_SECONDS,
+) -> dict:
+    """The curve and the latency (batch 1) and throughput (batch 64) rows of one model.
+
+    ``batches``, ``steps`` (instead of the model's own) and ``timing_seconds`` (per row and
+    block) let ``benchmarks/gpu.py`` run the same protocol in its time budget, and its
+    dry run in seconds on a CPU.
+    """
     import torch
 
     import specforest
     from specforest.latency import Predictor, tune
 
     model, x_all, cond_all, opts = _setup(name, device)
+    if steps is not None:
+        opts = dict(opts, steps=steps)
     out = {"curve": None, "rows": {}}
-    for batch in (1, 64):
+    for batch in batches:
         x = x_all[:batch]
         cond = None if cond_all is None else {k: v[:batch] for k, v in cond_all.items()}
         t0 = time.perf_counter()
@@ -112,7 +135,7 @@ def run_model(name: str, device: str, repeats: int, latency_runs: int, blocks: i
                 # before each block of runs every row is timed again, side by side (one pooled
                 # network factor, the same stretch of the machine for every row), and predicted
                 # then: the prediction is made before its runs, seconds rather than minutes before
-                pred.time(list(keys.values()), min_seconds=TIMING_SECONDS, fresh=True)
+                pred.time(list(keys.values()), min_seconds=timing_seconds, fresh=True)
                 for label, key in keys.items():
                     predicted_in[label].append(pred.predict(*key))
             for label, kw in configs:
@@ -170,6 +193,49 @@ def run_model(name: str, device: str, repeats: int, latency_runs: int, blocks: i
             blocks=n_blocks,
         )
     return out
+
+
+def gpu_rows_block(path: Path) -> str:
+    """The GPU rows' sub-block of the ``wallclock`` section in ``path`` as it is (markers included),
+    or a placeholder when there is none yet."""
+    begin, end = f"<!-- {GPU_ROWS}:begin -->", f"<!-- {GPU_ROWS}:end -->"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if begin in text and end in text:
+        return begin + text.split(begin, 1)[1].split(end, 1)[0] + end
+    return (
+        f"{begin}\n{GPU_ROWS_HEADING}\n\nNot measured yet: `benchmarks/gpu.sh` on a CUDA machine writes them "
+        f"(the digits model, SD3-medium- and Flux-dev-sized transformers).\n{end}"
+    )
+
+
+def write_gpu_rows(path: Path, body: str) -> Path:
+    """Replace the GPU rows of the ``wallclock`` section of ``path`` by ``body``, leaving its CPU rows as they are.
+
+    The rows go in the sub-block :data:`GPU_ROWS` (made at the end of the section when missing; the
+    section itself, with the GPU rows alone, when the file has none).
+    """
+    from specforest.experiments.io import atomic_write_text
+    from specforest.experiments.results import replace_section
+
+    begin, end = f"<!-- {GPU_ROWS}:begin -->", f"<!-- {GPU_ROWS}:end -->"
+    block = f"{begin}\n{GPU_ROWS_HEADING}\n\n{body.rstrip()}\n{end}"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if begin in text and end in text:
+        return replace_section(path, GPU_ROWS, GPU_ROWS_HEADING, body)
+    section_end = "<!-- wallclock:end -->"
+    if section_end in text:
+        head, tail = text.split(section_end, 1)
+        paragraphs = head.rstrip().split("\n\n")
+        if paragraphs[-1].startswith("GPU rows ("):
+            # the one-line placeholder this script wrote before the GPU rows had a sub-block of their own
+            paragraphs.pop()
+        return atomic_write_text(path, "\n\n".join(paragraphs) + "\n\n" + block + "\n" + section_end + tail)
+    return replace_section(
+        path,
+        "wallclock",
+        "## Wall-clock: batch-cost curve, latency and throughput",
+        "CPU rows: not measured yet (`benchmarks/wallclock.py`).\n\n" + block,
+    )
 
 
 def _table(name: str, res: dict) -> list:
@@ -257,12 +323,9 @@ def main() -> None:
     ]
     for m, res in results.items():
         lines += _table(label[m], res)
-    lines += [
-        "",
-        "GPU rows (the digits model and a diffusers SD3 transformer of a real configuration, random weights, "
-        "fp16, 512x512 latents, classifier-free guidance): not measured (no GPU lent to this project's sessions yet).",
-    ]
     text = "\n".join(lines)
+    # the GPU rows are gpu.py's: carried over as they are
+    text += "\n\n" + gpu_rows_block(args.out)
     print(text)
     replace_section(args.out, "wallclock", "## Wall-clock: batch-cost curve, latency and throughput", text)
 
