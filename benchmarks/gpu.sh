@@ -11,10 +11,14 @@
 # $SPECFOREST_WHEELS (default: .whl in the checkout); without it those stages are skipped and
 # say so. The budget in seconds is $SPECFOREST_GPU_BUDGET (default 450; gpu.py keeps to it and
 # this script stops it 30 s after); other options pass through to gpu.py (--only STAGES, --json PATH).
+# The interpreter is $PYTHON, default the checkout's .venv/bin/python where it exists, else python3.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-python="${PYTHON:-python3}"
+# the checkout's venv (make venv) where there is one, else the machine's python3 (a CUDA image's)
+default_python=python3
+[[ -x "$root/.venv/bin/python" ]] && default_python="$root/.venv/bin/python"
+python="${PYTHON:-$default_python}"
 budget="${SPECFOREST_GPU_BUDGET:-450}"
 wheels="${SPECFOREST_WHEELS:-$root/.whl}"
 
