@@ -84,7 +84,8 @@ class Coupling:
         structured_siblings: the rule draws a node's children jointly through
             :meth:`structure_noise` (then every internal node needs the same
             number of children, and adaptive trees, which assume i.i.d.
-            children, are refused).
+            children, are refused); a direct call refuses children without
+            the structure (:meth:`structure_defect`).
     """
 
     name: str = "coupling"
@@ -106,22 +107,33 @@ class Coupling:
             mu_p: ``(P, D)`` proposal means.
             mu_q: ``(P, D)`` target means.
             scale: ``(P,)`` shared transition std, > 0.
-            children: ``(P, K, D)`` drafted children, i.i.d. from ``N(mu_p, scale^2 I)``
-                (or jointly by :meth:`structure_noise`).
+            children: ``(P, K, D)`` drafted children, i.i.d. from ``N(mu_p, scale^2 I)``;
+                for a rule with :attr:`structured_siblings`,
+                ``mu_p[:, None] + scale[:, None, None] * rule.structure_noise(z)`` with ``z``
+                ``(P, K, D)`` i.i.d. ``N(0, 1)`` (other children are refused).
             valid: ``(P, K)`` bool, a prefix of True per row (at least one).
             generator: a :class:`~specforest.streams.Stream` with ``P`` keys, or a
                 ``torch.Generator`` from which one is keyed.
 
         Returns:
             A :class:`CouplingResult`.
+
+        Raises:
+            ValueError: if the rule cannot take ``K`` children, or has structured
+                siblings and ``children`` lack the structure (:meth:`structure_defect`).
         """
         P, K, _ = children.shape
         self.check_children(K)
         work = children.dtype if children.dtype in (torch.float32, torch.float64) else torch.float32
         rng = generator if isinstance(generator, Stream) else Stream.from_generator(P, generator, children.device)
         s64 = scale.to(torch.float64)
+        mu_p_in = mu_p
         mu_p = mu_p.to(work)
         z = (children.to(work) - mu_p[:, None]) / s64.to(work)[:, None, None]
+        if self.structured_siblings:
+            # the sampler drafts through structure_noise and calls select directly, never this method:
+            # the check costs direct callers only
+            self._check_structure(z, valid, mu_p / s64.to(work)[:, None], (children.dtype, mu_p_in.dtype))
         s_hat, delta, e = project(z, mu_q.to(work) - mu_p, s64)
         accepted, index = self.select(s_hat, delta, valid, rng)
         children = children.to(work)
@@ -212,6 +224,41 @@ class Coupling:
             raise ValueError(
                 f"coupling {self.name!r} takes at most {self.max_children} child per node, "
                 f"got {K}; use a tree with K <= {self.max_children} or another coupling"
+            )
+
+    def structure_defect(self, z: torch.Tensor) -> torch.Tensor:
+        """How far standardized children ``z (P, K, D)`` are from noise :meth:`structure_noise` makes.
+
+        Only read by :meth:`__call__` (the sampler drafts through :meth:`structure_noise`
+        itself), for rules with :attr:`structured_siblings`. The default,
+        ``structure_noise(z) - z``, is zero exactly on the structured noise when
+        :meth:`structure_noise` is a projection onto it (it leaves structured noise as it
+        is, as mirroring does); a rule whose map is not one overrides this.
+
+        Returns:
+            ``(P, K, D)``: zero (up to rounding) for structured children, not for i.i.d. ones.
+        """
+        return self.structure_noise(z) - z
+
+    def _check_structure(self, z: torch.Tensor, valid: torch.Tensor, offset: torch.Tensor, dtypes: tuple) -> None:
+        """Refuse children without the rule's sibling structure, with how to draw them.
+
+        ``offset (P, D)`` is ``mu_p / s``: rounding the children moves ``z`` by up to a few ulps of
+        ``|mu_p| / s + |z|``, so the tolerance scales with it, at float32's precision or the
+        inputs' if coarser (children made in float32 and handed over in float64 still pass;
+        i.i.d. children are off by order one).
+        """
+        eps = max(torch.finfo(t if t.is_floating_point else torch.float32).eps for t in (torch.float32, *dtypes))
+        defect = self.structure_defect(z).abs()
+        tol = 16.0 * eps * (offset.abs()[:, None] + z.abs() + 1.0)
+        bad = ((defect > tol) & valid[..., None]).flatten(1).any(1)
+        if bool(bad.any()):
+            p = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"coupling {self.name!r} draws a node's children jointly (structured_siblings), but "
+                f"children lack that structure ({int(bad.sum())} of {z.shape[0]} problems, the first "
+                f"problem {p}); draw them as mu_p[:, None] + scale[:, None, None] * "
+                f"coupling.structure_noise(z) with z ~ N(0, 1) of shape (P, K, D)"
             )
 
     def structure_noise(self, z: torch.Tensor) -> torch.Tensor:
