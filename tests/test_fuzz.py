@@ -532,6 +532,64 @@ def test_random_parent_lists_give_the_same_tree_in_breadth_first_order(parents):
     assert torch.equal(same.parent, t.parent)
 
 
+def _coupling_args(name: str, P: int = 5, D: int = 3) -> dict:
+    """Valid arguments of a direct call of the named coupling (structured children where it needs them)."""
+    cp = get_coupling(name)
+    K = 1 if cp.max_children == 1 else 2
+    g = torch.Generator().manual_seed(0)
+    mu_p = torch.randn(P, D, generator=g)
+    z = torch.randn(P, K, D, generator=g)
+    z = cp.structure_noise(z) if cp.structured_siblings else z
+    scale = torch.full((P,), 0.4, dtype=torch.float64)
+    return dict(
+        mu_p=mu_p,
+        mu_q=mu_p + 0.2,
+        scale=scale,
+        children=mu_p[:, None] + 0.4 * z,
+        valid=torch.ones(P, K, dtype=torch.bool),
+    )
+
+
+# argument -> function of the valid arguments giving an invalid value
+INVALID_CALL = {
+    "scale": [
+        lambda a: torch.zeros_like(a["scale"]),
+        lambda a: -a["scale"],
+        lambda a: a["scale"] * math.nan,
+        lambda a: a["scale"][:-1],
+        lambda a: 0.4,
+    ],
+    "mu_p": [lambda a: a["mu_p"][:-1], lambda a: a["mu_p"] * math.inf, lambda a: a["mu_p"].long(), lambda a: None],
+    "mu_q": [lambda a: a["mu_q"][:, :-1], lambda a: a["mu_q"] * math.nan],
+    "children": [
+        lambda a: a["children"][:, 0],
+        lambda a: a["children"] * math.nan,
+        lambda a: a["children"][:, :0],
+        lambda a: [],
+    ],
+    "valid": [
+        lambda a: torch.zeros_like(a["valid"]),
+        lambda a: a["valid"].float(),
+        lambda a: a["valid"][:, :0],
+        lambda a: None,
+    ],
+    "generator": [lambda a: 3, lambda a: "seed"],
+}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    name=st.sampled_from(available_couplings()),
+    arg=st.sampled_from(sorted(INVALID_CALL)),
+    which=st.integers(0, 4),
+)
+def test_random_invalid_arguments_of_a_direct_coupling_call_are_refused_by_name(name, arg, which):
+    args = _coupling_args(name)
+    makers = INVALID_CALL[arg]
+    args[arg] = makers[which % len(makers)](args)
+    _expect_named(lambda: get_coupling(name)(**args), arg)
+
+
 # -- invalid inputs: the CLI ----------------------------------------------------------------
 
 # option -> strategy of values click or the library refuses; the error must name the option
@@ -680,6 +738,22 @@ def test_regression_generate_names_its_bad_indices_and_make_x():
     gen = specforest.generate(GAUSS, count=8, batch=2, tree=trees.uniform(2, 2), **{**opts, "make_x": make_x})
     with pytest.raises(ValueError, match="make_x must return finite floating-point states"):
         list(gen)
+
+
+def test_regression_a_direct_coupling_call_checks_its_arguments():
+    # a zero scale made the rank and antithetic residuals loop forever on a NaN delta; GRS returned NaN
+    for name in ("rank", "antithetic", "grs"):
+        args = _coupling_args(name)
+        args["scale"] = torch.zeros_like(args["scale"])
+        with pytest.raises(ValueError, match="scale must be finite and > 0"):
+            get_coupling(name)(**args)
+    args = _coupling_args("grs")
+    args["valid"] = torch.zeros_like(args["valid"])  # NaN states before
+    with pytest.raises(ValueError, match="valid must be a prefix of True"):
+        get_coupling("grs")(**args)
+    args = _coupling_args("grs")
+    res = get_coupling("grs")(**args)  # the valid call still runs
+    assert torch.isfinite(res.state).all()
 
 
 def test_regression_cli_refuses_what_crashed_it():

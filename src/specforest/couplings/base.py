@@ -62,6 +62,43 @@ def project(
     return s_hat, norm[..., 0].to(torch.float64) / scale, e
 
 
+def _check_call(mu_p, mu_q, scale, children, valid, generator) -> None:
+    """The arguments of a direct :meth:`Coupling.__call__`, each refused by name (the sampler calls
+    :meth:`Coupling.select` itself and never pays for this; a zero ``scale`` here made the rejection
+    residuals of the list couplings loop forever on a NaN ``delta``)."""
+    if not isinstance(children, torch.Tensor) or children.ndim != 3 or not children.is_floating_point():
+        got = (
+            f"{children.dtype} of shape {tuple(children.shape)}"
+            if isinstance(children, torch.Tensor)
+            else type(children).__name__
+        )
+        raise TypeError(f"children must be a floating-point tensor (P, K, D), got {got}")
+    P, K, D = children.shape
+    if K < 1:
+        raise ValueError(f"children must have K >= 1 children per problem, got shape {tuple(children.shape)}")
+    for name, t, shape in (("mu_p", mu_p, (P, D)), ("mu_q", mu_q, (P, D)), ("scale", scale, (P,))):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a floating-point tensor of shape {shape}, got {got}")
+    if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or tuple(valid.shape) != (P, K):
+        got = (
+            f"{valid.dtype} of shape {tuple(valid.shape)}" if isinstance(valid, torch.Tensor) else type(valid).__name__
+        )
+        raise TypeError(f"valid must be a bool tensor of shape {(P, K)}, got {got}")
+    if P and not bool(valid[:, 0].all() and (valid[:, 1:] <= valid[:, :-1]).all()):
+        raise ValueError("valid must be a prefix of True in every row (at least one real child)")
+    for name, t in (("mu_p", mu_p), ("mu_q", mu_q), ("children", children)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains NaN or inf")
+    if not bool(((scale > 0) & torch.isfinite(scale)).all()):
+        raise ValueError("scale must be finite and > 0 in every problem")
+    if isinstance(generator, Stream):
+        if generator.keys.shape != (P,):
+            raise ValueError(f"generator: a Stream needs one key per problem ({P}), got {tuple(generator.keys.shape)}")
+    elif generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a Stream, a torch.Generator or None, got {type(generator).__name__}")
+
+
 class Coupling:
     """Base class of verification rules (the ``Verify`` of Algorithm 1).
 
@@ -119,9 +156,12 @@ class Coupling:
             A :class:`CouplingResult`.
 
         Raises:
+            TypeError / ValueError: naming the argument whose type, shape or values are wrong
+                (non-finite numbers, ``scale <= 0``, a ``valid`` row that is not a prefix of True).
             ValueError: if the rule cannot take ``K`` children, or has structured
                 siblings and ``children`` lack the structure (:meth:`structure_defect`).
         """
+        _check_call(mu_p, mu_q, scale, children, valid, generator)
         P, K, _ = children.shape
         self.check_children(K)
         work = children.dtype if children.dtype in (torch.float32, torch.float64) else torch.float32
