@@ -12,6 +12,7 @@ from specforest.couplings import (
     RMC,
     AntitheticCoupling,
     RankCoupling,
+    available_couplings,
     get_coupling,
     grs_acceptance,
     grs_levels,
@@ -19,6 +20,7 @@ from specforest.couplings import (
     sample_grs_residual,
 )
 from specforest.rank_rules import log_rule_pdf, n_cells, table_rule
+from specforest.testing import P_TOL, Z_TOL, _ks_normal_p
 from specforest.testing import run_case as run_battery
 
 DELTAS = [0.0, 1e-6, 0.5, 1.0, 2.0, 4.0, 8.0]
@@ -244,3 +246,105 @@ def test_grs_with_padded_children_uses_only_valid_ones():
     p = float(grs_acceptance(torch.tensor(delta), 2))
     assert abs(res.accepted.double().mean() - p) < 4.5 * math.sqrt(p * (1 - p) / n)
     assert sps.kstest((res.state[:, 0] - delta).numpy(), "norm").pvalue > 1e-4
+
+
+# -- direct use: Coupling.__call__ as a user calls it ---------------------------------------
+
+
+class UncheckedAntithetic(AntitheticCoupling):
+    """The old ``__call__``: takes any children, i.i.d. ones included, without a word."""
+
+    def structure_defect(self, z):
+        return torch.zeros_like(z)
+
+
+def _direct_use_failures(cp, K: int, delta: float, d: int = 3, n: int = 4000, seed: int = 0) -> list:
+    """Call ``cp`` the way its docstring says: i.i.d. children from ``N(mu_p, s^2 I)``; if it refuses
+    them naming ``structure_noise``, the structured children the error describes. Returns what is
+    wrong with the law of the output (empty if nothing).
+
+    Power at n = 4000: the KS test at p < 1e-4 sees a CDF gap of about 0.035 (antithetic fed
+    i.i.d. children is off by 0.1); the moment z-scores a mean shift of 0.07 and a variance error of
+    10 %.
+    """
+    g = torch.Generator().manual_seed(seed)
+    mu_p = 2.0 * torch.randn(n, d, generator=g)
+    scale = 0.05 + torch.rand(n, generator=g, dtype=torch.float64)
+    e = torch.randn(n, d, generator=g, dtype=torch.float64)
+    e /= e.norm(dim=1, keepdim=True)
+    mu_q = mu_p + (delta * scale[:, None] * e).float()
+    valid = torch.ones(n, K, dtype=torch.bool)
+    z = torch.randn(n, K, d, generator=g)
+    kids = mu_p[:, None] + scale.float()[:, None, None] * z
+    try:
+        res = cp(mu_p, mu_q, scale, kids, valid, g)
+    except ValueError as err:
+        if not cp.structured_siblings or "structure_noise" not in str(err):
+            raise
+        kids = mu_p[:, None] + scale.float()[:, None, None] * cp.structure_noise(z)
+        res = cp(mu_p, mu_q, scale, kids, valid, g)
+    y = (res.state.double() - mu_p.double()) / scale[:, None]
+    s = (y * e).sum(1)
+    perp2 = (y - s[:, None] * e).square().sum(1)
+    checks = {
+        "projection KS": _ks_normal_p(s - delta) >= P_TOL,
+        "projection mean": abs(float(s.mean()) - delta) <= Z_TOL / math.sqrt(n),
+        "projection variance": abs(float(s.var()) - 1.0) <= Z_TOL * math.sqrt(2.0 / (n - 1)),
+        # |perp|^2 ~ chi^2_{d-1}: mean d - 1, variance 2 (d - 1)
+        "orthogonal norm": abs(float(perp2.mean()) - (d - 1)) <= Z_TOL * math.sqrt(2.0 * (d - 1) / n),
+    }
+    return [f"K={K}, delta={delta}: {name}" for name, ok in checks.items() if not ok]
+
+
+def _ks_of(cp) -> list:
+    """The numbers of children to try: even ones for structured siblings, else 1-3 within the rule's limit."""
+    out = []
+    for k in (2, 4) if cp.structured_siblings else (1, 2, 3):
+        try:
+            cp.check_children(k)
+            out.append(k)
+        except ValueError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("name", available_couplings())
+def test_every_registered_coupling_used_directly_keeps_the_target_law(name):
+    cp = get_coupling(name)
+    ks = _ks_of(cp)
+    assert ks, f"coupling {name!r} takes none of the numbers of children tried"
+    failures = [
+        f
+        for i, K in enumerate(ks)
+        for j, delta in enumerate((0.5, 2.0))
+        for f in _direct_use_failures(cp, K, delta, seed=10 * i + j)
+    ]
+    assert not failures, f"coupling {name!r} called directly: {failures}"
+
+
+def test_direct_use_check_rejects_antithetic_fed_iid_children():
+    """The same check on the old behaviour: antithetic taking i.i.d. children returns the wrong law."""
+    for i, K in enumerate((2, 4)):
+        for j, delta in enumerate((0.5, 2.0)):
+            failures = _direct_use_failures(UncheckedAntithetic(), K, delta, seed=10 * i + j)
+            assert any("KS" in f for f in failures), f"K={K}, delta={delta}: the wrong law passed"
+
+
+def test_antithetic_refuses_iid_children_and_says_how_to_draw_them():
+    cp = AntitheticCoupling()
+    g = torch.Generator().manual_seed(5)
+    mu_p, scale = torch.randn(8, 3, generator=g), torch.full((8,), 0.3, dtype=torch.float64)
+    z = torch.randn(8, 4, 3, generator=g)
+    valid = torch.ones(8, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"structure_noise\(z\)") as err:
+        cp(mu_p, mu_p + 0.1, scale, mu_p[:, None] + 0.3 * z, valid, g)
+    assert "8 of 8 problems" in str(err.value)
+    # one problem broken among structured ones is named
+    kids = mu_p[:, None] + 0.3 * cp.structure_noise(z)
+    kids[5, 3] += 0.01
+    with pytest.raises(ValueError, match="1 of 8 problems, the first problem 5"):
+        cp(mu_p, mu_p + 0.1, scale, kids, valid, g)
+    # structured children made in float32 and handed over in float64 are taken
+    kids = (mu_p[:, None] + 0.3 * cp.structure_noise(z)).double()
+    res = cp(mu_p.double(), mu_p.double() + 0.1, scale, kids, valid, g)
+    assert torch.isfinite(res.state).all()

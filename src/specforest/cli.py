@@ -68,10 +68,10 @@ def _setting_options(f):
         seed_option("x_T and the sampling noise; the mixture has its own seed"),
         click.option(
             "--mixture-seed",
-            type=click.IntRange(0),
+            type=click.IntRange(0, 2**64 - 1),
             default=0,
             show_default=True,
-            help="Seed (>= 0) of the mixture's means U([-2,2]^d) and stds U([0.10,0.25]).",
+            help="Seed (in [0, 2**64)) of the mixture's means U([-2,2]^d) and stds U([0.10,0.25]).",
         ),
         grid_option(),
         prefetch_option(),

@@ -49,6 +49,9 @@ CHURN = click.FloatRange(0.0, 1.0, min_open=True)
 POSITIVE = click.FloatRange(0.0, min_open=True)
 """A number > 0."""
 
+MAX_THREADS = 1024
+"""Most CPU threads ``--threads`` takes."""
+
 LIBRARY_ERRORS = (ValueError, TypeError, MemoryError, NotImplementedError, OSError, ImportError, FloatingPointError)
 """What the library raises on bad input or an unusable environment (``OSError``
 covers missing files); anything else is a bug and keeps its traceback."""
@@ -257,10 +260,11 @@ def threads_option():
     """``--threads``: torch's CPU threads for this process, chosen deliberately (see :func:`set_threads`)."""
     return click.option(
         "--threads",
-        type=click.IntRange(1),
+        # an absurd count aborts the process inside OpenMP (10**9 threads: 216 GB of thread state)
+        type=click.IntRange(1, MAX_THREADS),
         default=None,
         show_default="$OMP_NUM_THREADS if set, else the CPUs divided among torchrun's local processes",
-        help="Torch CPU threads of this process (>= 1). On a shared machine an oversubscribed default makes "
+        help=f"Torch CPU threads of this process (1 to {MAX_THREADS}). On a shared machine an oversubscribed default makes "
         "timings swing by 10x; one thread per process is the stable choice.",
     )
 

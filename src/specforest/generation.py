@@ -13,7 +13,8 @@ learn from the whole batch, so with them only the law is invariant).
 Host-device synchronizations: those of the rounds (:mod:`specforest.engine`)
 plus one read per round (the finished slots with the NaN flags; none before
 round ``T`` for the standard sampler); a refill copies the new indices'
-states and checks ``make_x``'s output once.
+states and checks ``make_x``'s output once (its shape at once, its finiteness
+at that one read, so a NaN from ``make_x`` is not blamed on the model).
 """
 
 from __future__ import annotations
@@ -127,14 +128,24 @@ class Generation:
         with outside_inference():
             cond = {} if self.make_cond is None else self.make_cond(idx)
         if not isinstance(cond, dict) or any(
-            not isinstance(v, torch.Tensor) or v.shape[:1] != (len(idx),) for v in cond.values()
+            not isinstance(k, str) or not isinstance(v, torch.Tensor) or v.shape[:1] != (len(idx),)
+            for k, v in cond.items()
         ):
-            raise ValueError(f"make_cond must return a dict of tensors with one row per index ({len(idx)})")
+            raise ValueError(
+                f"make_cond must return a dict of tensors with one row per index ({len(idx)}), keyed by str"
+            )
+        both = sorted(set(cond) & set(self.spec.model_kwargs))
+        if both:
+            raise ValueError(f"make_cond and model_kwargs both give {both}: each keyword of the model comes from one")
+        if not first:
+            # checked at the round's one read, before the model's own flag (which these states would set)
+            self._bad_x = self._bad_x | ~torch.isfinite(x).all()
         return x, cond
 
     def _start(self, idx: torch.Tensor) -> "tuple[engine.RunContext, engine.RunState, torch.Tensor]":
         x, cond = self._states(idx, first=True)
         dev = x.device
+        self._bad_x = torch.zeros((), dtype=torch.bool, device=dev)
         self._dtype, self._shape, self._device = x.dtype, tuple(x.shape[1:]), x.device
         self._work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
         keys = streams.sample_keys(self.seed, idx.to(dev))
@@ -208,9 +219,11 @@ class Generation:
             done = (state.step >= ctx.T) & live
             bad_x = (done & ~torch.isfinite(state.x).all(1)).any()
             # the one read of the round: finished slots, the target's NaN flag, non-finite finished states
-            n_done, bad_target, bad_state = engine.host_read(
-                torch.stack([done.sum(), ctx.target.bad.long(), bad_x.long()])
+            n_done, bad_target, bad_state, bad_made = engine.host_read(
+                torch.stack([done.sum(), ctx.target.bad.long(), bad_x.long(), self._bad_x.long()])
             )
+            if bad_made:
+                raise ValueError("make_x must return finite floating-point states (a refill got NaN or inf)")
             if bad_target:
                 ctx.target.raise_not_finite()
             if bad_state:
@@ -311,7 +324,10 @@ def generate(
     if count is not None:
         idx = torch.arange(check_int("count", count, 0))
     else:
-        idx = torch.as_tensor(indices)
+        try:
+            idx = torch.as_tensor(indices)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError("indices must be a 1-D sequence of integers in [0, 2**63)") from err
         if idx.numel() == 0:
             idx = idx.long().reshape(0)
         if idx.ndim != 1 or idx.is_floating_point() or idx.dtype == torch.bool:

@@ -141,6 +141,19 @@ class SampleResult:
     config: dict = field(default_factory=dict)
 
 
+def _as_sigmas(sigmas) -> torch.Tensor:
+    """An explicit grid as a float64 tensor, or an error naming ``sigmas``."""
+    try:
+        s = torch.as_tensor(sigmas)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"sigmas must be a (T + 1,) tensor of noise levels, got {type(sigmas).__name__}") from err
+    if s.is_complex() or s.dtype == torch.bool:
+        raise TypeError(f"sigmas must be a real tensor of noise levels, got {s.dtype}")
+    if s.ndim != 1 or s.numel() < 2:
+        raise ValueError(f"sigmas must be a 1-D tensor of T + 1 >= 2 noise levels, got shape {tuple(s.shape)}")
+    return s.to(torch.float64)
+
+
 def _make_sde(steps, sigmas, grid, shift, churn) -> ReverseSDE:
     if sigmas is None:
         if steps is None:
@@ -150,9 +163,11 @@ def _make_sde(steps, sigmas, grid, shift, churn) -> ReverseSDE:
         if type(steps) is int and type(shift) in (int, float) and type(churn) in (int, float):
             return _grid_sde(steps, grid, shift, churn)  # (anything else: the constructors name the bad value)
         sigmas = _grid_sigmas(steps, grid, shift)
-    elif steps is not None and int(steps) != len(sigmas) - 1:
-        raise ValueError(f"steps={steps} disagrees with len(sigmas) - 1 = {len(sigmas) - 1}")
-    return ReverseSDE(torch.as_tensor(sigmas, dtype=torch.float64), churn)
+    else:
+        sigmas = _as_sigmas(sigmas)
+        if steps is not None and int(steps) != len(sigmas) - 1:
+            raise ValueError(f"steps={steps} disagrees with len(sigmas) - 1 = {len(sigmas) - 1}")
+    return ReverseSDE(sigmas.to(torch.float64), churn)
 
 
 @functools.lru_cache(maxsize=32)
@@ -188,7 +203,10 @@ def _sample_keys(generator, seed, sample_index, B: int, device) -> torch.Tensor:
     if sample_index is None:
         index = torch.arange(B, device=device)
     else:
-        index = torch.as_tensor(sample_index, device=device)
+        try:
+            index = torch.as_tensor(sample_index, device=device)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"sample_index must be {B} integers in [0, 2**63) (one per row of x)") from err
         if index.shape != (B,) or index.is_floating_point() or index.dtype == torch.bool:
             raise ValueError(f"sample_index must be {B} integers (one per row of x), got shape {tuple(index.shape)}")
         if bool((index < 0).any()):
@@ -196,7 +214,8 @@ def _sample_keys(generator, seed, sample_index, B: int, device) -> torch.Tensor:
     return streams.sample_keys(seed, index.long())
 
 
-def _check_cond(cond, B: int) -> dict:
+def _check_cond(cond, B: int, model_kwargs: Optional[dict] = None) -> dict:
+    """``cond`` as a dict of ``(B, ...)`` tensors keyed by str, none of them also in ``model_kwargs``."""
     if cond is None:
         return {}
     if not isinstance(cond, dict):
@@ -204,9 +223,14 @@ def _check_cond(cond, B: int) -> dict:
             f"cond must be a dict of tensors with one row per trajectory or None, got {type(cond).__name__}"
         )
     for k, v in cond.items():
+        if not isinstance(k, str):
+            raise TypeError(f"cond's keys must be str (keyword arguments of the model), got {k!r}")
         if not isinstance(v, torch.Tensor) or v.ndim < 1 or v.shape[0] != B:
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(f"cond[{k!r}] must be a tensor with one row per trajectory ({B}, ...), got {got}")
+    both = sorted(set(cond) & set(model_kwargs or {}))
+    if both:
+        raise ValueError(f"cond and model_kwargs both give {both}: each keyword argument of the model comes from one")
     return dict(cond)
 
 
@@ -409,6 +433,8 @@ def prepare(
     proposal = get_proposal(draft)
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
+    if model_kwargs and not all(isinstance(k, str) for k in model_kwargs):
+        raise TypeError(f"model_kwargs' keys must be str (keyword arguments of the model), got {list(model_kwargs)!r}")
 
     L = fixed.L if fixed is not None else (min(policy.max_depth, sde.steps) if policy is not None else 0)
     if policy is not None:
@@ -642,7 +668,11 @@ def sample(
     dev = x.device
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     keys = _sample_keys(generator, seed, sample_index, B, dev)
-    cond = _check_cond(cond, B)
+    cond = _check_cond(cond, B, spec.model_kwargs)
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be None or callable as callback(dict), got {type(callback).__name__}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
     x0 = x.reshape(B, D).to(work, copy=True)
     if process_group is not None:
         # tree-parallel: every process starts from the first process's states and keys

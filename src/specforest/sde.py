@@ -28,11 +28,12 @@ Conventions
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .validation import check_int, check_number
 
 __all__ = [
     "ReverseSDE",
@@ -43,11 +44,27 @@ __all__ = [
 ]
 
 
+MAX_STEPS = 1_000_000
+"""Most grid steps a named grid takes (a million Euler steps is far past any use; the grid and the
+run's per-step tables would otherwise be allocated before anything says the run cannot fit)."""
+
+
 def _check_steps(steps: int) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise TypeError(f"steps must be an int >= 1, got {type(steps).__name__}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    if not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be in [1, {MAX_STEPS}], got {steps}")
+
+
+def _check_grid(sigmas: torch.Tensor, steps: int, shift: float) -> torch.Tensor:
+    """``sigmas`` if the shifted grid still decreases strictly; a shift so extreme that float64 rounds
+    its noise levels together would otherwise be reported as a bad ``sigmas`` the caller never gave."""
+    if bool((sigmas[:-1] <= sigmas[1:]).any()):
+        raise ValueError(
+            f"shift={shift} collapses the {steps}-step grid: its noise levels round to the same "
+            f"float64 value (got {sigmas[:3].tolist()} ... {sigmas[-3:].tolist()}); use a shift closer to 1"
+        )
+    return sigmas
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -58,14 +75,16 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
         shift: ``kappa > 0``; 1 leaves the grid unchanged.
 
     Returns:
-        The shifted noise levels, same shape; 0 and 1 are fixed points.
+        The shifted noise levels, same shape; 0 and 1 are fixed points (exactly: the formula
+        rounds at 1 for a shift far from 1, which would make the first step stochastic).
 
     Raises:
+        TypeError: if ``shift`` is not a real number (``bool`` is refused).
         ValueError: if ``shift`` is not a finite positive number.
     """
-    if not (isinstance(shift, (int, float)) and math.isfinite(shift) and shift > 0):
-        raise ValueError(f"shift must be a finite number > 0, got {shift!r}")
-    return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
+    shift = check_number("shift", shift, 0.0, lo_open=True)
+    out = shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
+    return torch.where((sigmas == 0) | (sigmas == 1), sigmas, out)
 
 
 def flow_match_grid(steps: int, *, shift: float = 1.0, num_train_timesteps: int = 1000) -> torch.Tensor:
@@ -77,35 +96,41 @@ def flow_match_grid(steps: int, *, shift: float = 1.0, num_train_timesteps: int 
     deterministic.
 
     Args:
-        steps: number of steps ``T >= 1``.
+        steps: number of steps ``1 <= T <=`` :data:`MAX_STEPS`.
         shift: timestep shift ``kappa`` of eq. (38).
         num_train_timesteps: the scheduler's training horizon (1000 in diffusers).
 
     Returns:
         ``sigmas`` of shape ``(T + 1,)``, float64, decreasing from 1 to 0.
+
+    Raises:
+        ValueError / TypeError: naming ``steps`` or ``shift`` (also a shift so far from 1 that
+        the grid's levels round together).
     """
     _check_steps(steps)
-    if num_train_timesteps < 2:
-        raise ValueError(f"num_train_timesteps must be >= 2, got {num_train_timesteps}")
+    check_int("num_train_timesteps", num_train_timesteps, 2)
     s = torch.linspace(1.0, 1.0 / num_train_timesteps, steps, dtype=torch.float64)
     s = shift_sigmas(s, shift)
-    return torch.cat([s, s.new_zeros(1)])
+    return _check_grid(torch.cat([s, s.new_zeros(1)]), steps, shift)
 
 
 def uniform_grid(steps: int, *, shift: float = 1.0) -> torch.Tensor:
     """The paper's uniform grid ``t_n = n / T``, i.e. ``sigma_n = 1 - n / T``.
 
     Args:
-        steps: number of steps ``T >= 1``.
+        steps: number of steps ``1 <= T <=`` :data:`MAX_STEPS`.
         shift: timestep shift ``kappa`` of eq. (38), applied to the noise levels.
 
     Returns:
         ``sigmas`` of shape ``(T + 1,)``, float64, from 1 to 0. The first and
         last steps are deterministic.
+
+    Raises:
+        ValueError / TypeError: as :func:`flow_match_grid`.
     """
     _check_steps(steps)
     s = 1.0 - torch.arange(steps + 1, dtype=torch.float64) / steps
-    return shift_sigmas(s, shift)
+    return _check_grid(shift_sigmas(s, shift), steps, shift)
 
 
 @dataclass(frozen=True)

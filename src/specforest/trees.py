@@ -16,6 +16,7 @@ topology on a run's device, with what a round reads of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Callable, Sequence
 
 import torch
@@ -46,6 +47,10 @@ class DraftTree:
 
     def __post_init__(self) -> None:
         p, d = self.parent, self.depth
+        for name, t in (("parent", p), ("depth", d)):
+            if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TypeError(f"{name} must be an integer tensor (see trees.from_parents for a list), got {got}")
         if p.ndim != 1 or d.shape != p.shape or p.numel() < 1:
             raise ValueError("parent and depth must be 1-D tensors of the same length >= 1")
         if p[0] != -1 or d[0] != 0:
@@ -148,16 +153,42 @@ class DraftTree:
         return text
 
 
+def _int_list(name: str, values: object) -> list:
+    """``values`` (a sequence of ints or a 1-D integer tensor) as a list of Python ints.
+
+    Raises:
+        TypeError: naming ``name`` if it is not one, or holds a non-integer (``2.5`` is not truncated).
+    """
+    if isinstance(values, torch.Tensor):
+        if values.ndim != 1 or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be a sequence of ints or a 1-D integer tensor, got {values.dtype} tensor of shape {tuple(values.shape)}"
+            )
+        return values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, Integral):
+            raise TypeError(f"{name}[{i}] must be an int, got {v!r}")
+    return [int(v) for v in values]
+
+
 def widths(ks: Sequence[int]) -> DraftTree:
     """A tree where every node at depth ``l - 1`` has ``ks[l - 1]`` children.
 
     Args:
-        ks: per-depth widths ``[K_1, ..., K_L]``, each >= 1; empty gives a lone root.
+        ks: per-depth widths ``[K_1, ..., K_L]``, ints >= 1; empty gives a lone root.
 
     Returns:
         The tree with ``prod(ks[:l])`` nodes at depth ``l``.
+
+    Raises:
+        TypeError: if ``ks`` is not a sequence of ints.
+        ValueError: if a width is < 1 or the tree would exceed 50 million nodes.
     """
-    ks = [check_int("K", int(k) if not isinstance(k, bool) else k, 1) for k in ks]
+    ks = _int_list("ks", ks)
+    for k in ks:
+        check_int("K", k, 1)
     total, layer = 1, 1
     for k in ks:
         layer *= k
@@ -200,9 +231,13 @@ def from_parents(parents: Sequence[int]) -> DraftTree:
     their relative order), so node ids of the result differ from the input's.
 
     Args:
-        parents: ``parents[v]`` is the parent of node ``v``; one entry is -1.
+        parents: ``parents[v]`` (an int) is the parent of node ``v``; one entry is -1.
+
+    Raises:
+        TypeError: if ``parents`` is not a sequence of ints.
+        ValueError: if it does not describe one rooted tree.
     """
-    par = [int(x) for x in parents]
+    par = _int_list("parents", parents)
     V = len(par)
     roots = [v for v, p in enumerate(par) if p == -1]
     if len(roots) != 1:

@@ -38,8 +38,11 @@ def check_number(name: str, value: object, lo: float, hi: float = math.inf, lo_o
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     v = float(value)
     if not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi):
-        rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise ValueError(f"{name} must be in {rng}, got {value}")
+        if hi == math.inf:
+            rng = f"> {lo}" if lo_open else f">= {lo}"
+        else:
+            rng = f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be a finite number {rng}, got {value}")
     return v
 
 

@@ -62,6 +62,43 @@ def project(
     return s_hat, norm[..., 0].to(torch.float64) / scale, e
 
 
+def _check_call(mu_p, mu_q, scale, children, valid, generator) -> None:
+    """The arguments of a direct :meth:`Coupling.__call__`, each refused by name (the sampler calls
+    :meth:`Coupling.select` itself and never pays for this; a zero ``scale`` here made the rejection
+    residuals of the list couplings loop forever on a NaN ``delta``)."""
+    if not isinstance(children, torch.Tensor) or children.ndim != 3 or not children.is_floating_point():
+        got = (
+            f"{children.dtype} of shape {tuple(children.shape)}"
+            if isinstance(children, torch.Tensor)
+            else type(children).__name__
+        )
+        raise TypeError(f"children must be a floating-point tensor (P, K, D), got {got}")
+    P, K, D = children.shape
+    if K < 1:
+        raise ValueError(f"children must have K >= 1 children per problem, got shape {tuple(children.shape)}")
+    for name, t, shape in (("mu_p", mu_p, (P, D)), ("mu_q", mu_q, (P, D)), ("scale", scale, (P,))):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a floating-point tensor of shape {shape}, got {got}")
+    if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or tuple(valid.shape) != (P, K):
+        got = (
+            f"{valid.dtype} of shape {tuple(valid.shape)}" if isinstance(valid, torch.Tensor) else type(valid).__name__
+        )
+        raise TypeError(f"valid must be a bool tensor of shape {(P, K)}, got {got}")
+    if P and not bool(valid[:, 0].all() and (valid[:, 1:] <= valid[:, :-1]).all()):
+        raise ValueError("valid must be a prefix of True in every row (at least one real child)")
+    for name, t in (("mu_p", mu_p), ("mu_q", mu_q), ("children", children)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains NaN or inf")
+    if not bool(((scale > 0) & torch.isfinite(scale)).all()):
+        raise ValueError("scale must be finite and > 0 in every problem")
+    if isinstance(generator, Stream):
+        if generator.keys.shape != (P,):
+            raise ValueError(f"generator: a Stream needs one key per problem ({P}), got {tuple(generator.keys.shape)}")
+    elif generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a Stream, a torch.Generator or None, got {type(generator).__name__}")
+
+
 class Coupling:
     """Base class of verification rules (the ``Verify`` of Algorithm 1).
 
@@ -84,7 +121,8 @@ class Coupling:
         structured_siblings: the rule draws a node's children jointly through
             :meth:`structure_noise` (then every internal node needs the same
             number of children, and adaptive trees, which assume i.i.d.
-            children, are refused).
+            children, are refused); a direct call refuses children without
+            the structure (:meth:`structure_defect`).
     """
 
     name: str = "coupling"
@@ -106,22 +144,36 @@ class Coupling:
             mu_p: ``(P, D)`` proposal means.
             mu_q: ``(P, D)`` target means.
             scale: ``(P,)`` shared transition std, > 0.
-            children: ``(P, K, D)`` drafted children, i.i.d. from ``N(mu_p, scale^2 I)``
-                (or jointly by :meth:`structure_noise`).
+            children: ``(P, K, D)`` drafted children, i.i.d. from ``N(mu_p, scale^2 I)``;
+                for a rule with :attr:`structured_siblings`,
+                ``mu_p[:, None] + scale[:, None, None] * rule.structure_noise(z)`` with ``z``
+                ``(P, K, D)`` i.i.d. ``N(0, 1)`` (other children are refused).
             valid: ``(P, K)`` bool, a prefix of True per row (at least one).
             generator: a :class:`~specforest.streams.Stream` with ``P`` keys, or a
                 ``torch.Generator`` from which one is keyed.
 
         Returns:
             A :class:`CouplingResult`.
+
+        Raises:
+            TypeError / ValueError: naming the argument whose type, shape or values are wrong
+                (non-finite numbers, ``scale <= 0``, a ``valid`` row that is not a prefix of True).
+            ValueError: if the rule cannot take ``K`` children, or has structured
+                siblings and ``children`` lack the structure (:meth:`structure_defect`).
         """
+        _check_call(mu_p, mu_q, scale, children, valid, generator)
         P, K, _ = children.shape
         self.check_children(K)
         work = children.dtype if children.dtype in (torch.float32, torch.float64) else torch.float32
         rng = generator if isinstance(generator, Stream) else Stream.from_generator(P, generator, children.device)
         s64 = scale.to(torch.float64)
+        mu_p_in = mu_p
         mu_p = mu_p.to(work)
         z = (children.to(work) - mu_p[:, None]) / s64.to(work)[:, None, None]
+        if self.structured_siblings:
+            # the sampler drafts through structure_noise and calls select directly, never this method:
+            # the check costs direct callers only
+            self._check_structure(z, valid, mu_p / s64.to(work)[:, None], (children.dtype, mu_p_in.dtype))
         s_hat, delta, e = project(z, mu_q.to(work) - mu_p, s64)
         accepted, index = self.select(s_hat, delta, valid, rng)
         children = children.to(work)
@@ -212,6 +264,41 @@ class Coupling:
             raise ValueError(
                 f"coupling {self.name!r} takes at most {self.max_children} child per node, "
                 f"got {K}; use a tree with K <= {self.max_children} or another coupling"
+            )
+
+    def structure_defect(self, z: torch.Tensor) -> torch.Tensor:
+        """How far standardized children ``z (P, K, D)`` are from noise :meth:`structure_noise` makes.
+
+        Only read by :meth:`__call__` (the sampler drafts through :meth:`structure_noise`
+        itself), for rules with :attr:`structured_siblings`. The default,
+        ``structure_noise(z) - z``, is zero exactly on the structured noise when
+        :meth:`structure_noise` is a projection onto it (it leaves structured noise as it
+        is, as mirroring does); a rule whose map is not one overrides this.
+
+        Returns:
+            ``(P, K, D)``: zero (up to rounding) for structured children, not for i.i.d. ones.
+        """
+        return self.structure_noise(z) - z
+
+    def _check_structure(self, z: torch.Tensor, valid: torch.Tensor, offset: torch.Tensor, dtypes: tuple) -> None:
+        """Refuse children without the rule's sibling structure, with how to draw them.
+
+        ``offset (P, D)`` is ``mu_p / s``: rounding the children moves ``z`` by up to a few ulps of
+        ``|mu_p| / s + |z|``, so the tolerance scales with it, at float32's precision or the
+        inputs' if coarser (children made in float32 and handed over in float64 still pass;
+        i.i.d. children are off by order one).
+        """
+        eps = max(torch.finfo(t if t.is_floating_point else torch.float32).eps for t in (torch.float32, *dtypes))
+        defect = self.structure_defect(z).abs()
+        tol = 16.0 * eps * (offset.abs()[:, None] + z.abs() + 1.0)
+        bad = ((defect > tol) & valid[..., None]).flatten(1).any(1)
+        if bool(bad.any()):
+            p = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"coupling {self.name!r} draws a node's children jointly (structured_siblings), but "
+                f"children lack that structure ({int(bad.sum())} of {z.shape[0]} problems, the first "
+                f"problem {p}); draw them as mu_p[:, None] + scale[:, None, None] * "
+                f"coupling.structure_noise(z) with z ~ N(0, 1) of shape (P, K, D)"
             )
 
     def structure_noise(self, z: torch.Tensor) -> torch.Tensor:

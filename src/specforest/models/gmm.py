@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from ..validation import check_int
+
 __all__ = ["GaussianMixture"]
 
 
@@ -70,7 +72,7 @@ class GaussianMixture:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
         if isinstance(components, bool) or not isinstance(components, int) or components < 1:
             raise ValueError(f"components must be an int >= 1, got {components!r}")
-        g = torch.Generator().manual_seed(int(seed))
+        g = torch.Generator().manual_seed(check_int("seed", seed, 0, 2**64 - 1))
         means = (torch.rand(components, dim, generator=g, dtype=torch.float64) * 2 - 1) * mean_range
         lo, hi = std_range
         stds = lo + (hi - lo) * torch.rand(components, generator=g, dtype=torch.float64)

@@ -66,7 +66,7 @@ class GMMSetting:
         check_int("components", self.components, 1)
         check_int("steps", self.steps, 3)
         check_int("trajectories", self.trajectories, 1)
-        check_int("mixture_seed", self.mixture_seed, 0)
+        check_int("mixture_seed", self.mixture_seed, 0, 2**64 - 1)
         check_choice("grid", self.grid, GRIDS)
         c = self.churn
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0.0 < c <= 1.0):
