@@ -35,10 +35,11 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from specforest.peak import run_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECFOREST = [sys.executable, "-m", "specforest"]
@@ -148,14 +149,9 @@ print(json.dumps(out))
 
 
 def measure(argv: list, env: "dict | None" = None) -> dict:
-    """Run ``argv`` in a fresh process; its peak resident set (``ru_maxrss``, waited children included)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=ROOT, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return {"rc": proc.returncode, "peak": usage.ru_maxrss * 1024, "stdout": out.read(), "stderr": err.read()}
+    """Run ``argv`` in a fresh process; its peak resident set (:func:`specforest.peak.run_measured`)."""
+    run = run_measured(argv, env=env, cwd=ROOT)
+    return {"rc": run.returncode, "peak": run.peak_bytes, "stdout": run.stdout, "stderr": run.stderr}
 
 
 def _estimate_of(run: dict) -> float:

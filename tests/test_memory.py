@@ -2,7 +2,9 @@
 
 Each run is a fresh process (``os.wait4``'s ``ru_maxrss``: the peak resident
 set, a launcher's waited workers included; on CUDA a child reports
-``torch.cuda.max_memory_allocated``). The limit bounds the whole process: the
+``torch.cuda.max_memory_allocated``). It is started and waited for by a small
+launcher (:func:`specforest.peak.run_measured`), not by the test process itself:
+a child of a 2.5 GB test process would report at least 2.5 GB whatever it held. The limit bounds the whole process: the
 interpreter, torch and the model count toward it, as the estimate's fixed bytes
 (:func:`specforest.memory.resolve_limit`), so nothing is subtracted from the
 measured peak. Two bounds per run:
@@ -23,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ import torch
 
 from specforest import memory, trees
 from specforest.experiments import gmm as gmm_exp
+from specforest.peak import run_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 BOUND = 1.25
@@ -85,19 +87,14 @@ print(json.dumps(out))
 
 def _measure(argv: list) -> dict:
     """Run ``argv`` in a fresh process: exit code, peak bytes, the last JSON line of stdout, stderr."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=ENV, cwd=ROOT, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
+    run = run_measured(argv, env=ENV, cwd=ROOT)
+    stdout, stderr, returncode, maxrss_bytes = run.stdout, run.stderr, run.returncode, run.peak_bytes
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     rec = json.loads(lines[-1]) if lines else None
-    peak = usage.ru_maxrss * 1024
+    peak = maxrss_bytes
     if rec is not None and "device_peak" in rec:
         peak = rec["device_peak"]  # on CUDA the limit bounds the device's allocated memory
-    return {"rc": proc.returncode, "peak": peak, "record": rec, "stderr": stderr}
+    return {"rc": returncode, "peak": peak, "record": rec, "stderr": stderr}
 
 
 def _cli(argv: list, wrong: "str | None" = None) -> dict:
@@ -229,3 +226,19 @@ def test_model_declarations_are_measured_figures():
     assert memory.row_bytes_of(object(), x) is None
     with pytest.raises(TypeError, match="row_bytes must be an int"):
         memory.row_bytes_of(type("M", (), {"row_bytes": 1.5})(), x)
+
+
+def test_a_peak_is_the_commands_own_not_its_parents():
+    """A child started straight from a large process reports the parent's peak (vfork, and ``ru_maxrss``
+    survives ``execve``); behind :func:`run_measured`'s launcher it reports its own."""
+    big = bytearray(1_000_000_000)
+    big[::4096] = b"\x01" * len(range(0, len(big), 4096))  # resident: 1 GB in this process
+    child = [sys.executable, "-c", "x = bytearray(100_000_000); x[::4096] = b'1' * len(range(0, len(x), 4096))"]
+    run = run_measured(child)
+    assert run.returncode == 0 and 100e6 <= run.peak_bytes < 300e6, run.peak_bytes
+    proc = subprocess.Popen(child)
+    _, _, usage = os.wait4(proc.pid, 0)
+    assert usage.ru_maxrss * 1024 > 1e9  # the wrong way: the parent's gigabyte
+    del big
+    with pytest.raises(TypeError, match="argv must be a non-empty sequence of str"):
+        run_measured("python -c pass")
