@@ -78,6 +78,7 @@ def test_diffusers_command_detects_the_family_and_makes_fewer_calls_than_steps(s
     assert pngs(out) == [f"{i:06d}.png" for i in range(4)]
     assert all(pixels(out / f"{i:06d}.png").shape == (16, 16, 3) for i in range(4))
     # captions i // 2, each image's NFE, fewer sequential transformer calls than steps
+    assert rec["captions"] == ["a photo of a cat", "a red car on the street"]
     assert [im["prompt"] for im in rec["images"]] == ["a photo of a cat"] * 2 + ["a red car on the street"] * 2
     assert len(rec["nfe"]) == 4 and rec["nfe"] == [im["nfe"] for im in rec["images"]]
     assert rec["nfe_mean"] < STEPS and rec["speedup"] == pytest.approx(STEPS / rec["nfe_mean"])

@@ -14,11 +14,7 @@ naming the family. Nothing here is specific to a family: a new entry of
 from __future__ import annotations
 
 import json
-import os
 import platform
-import secrets
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +68,9 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def family_shown(library_name: str) -> str:
-    """``the family's: sd3 7, flux 3.5``: each family's ``sample`` default of a parameter, for ``--help``
-    (``-`` where a family does not take it)."""
+def family_shown(library_name: str, none: str = "its own") -> str:
+    """``the family's: sd3 7.0, flux 3.5``: each family's ``sample`` default of a parameter, for ``--help``
+    (``-`` where a family does not take it, ``none`` where its default is ``None``)."""
     import inspect
 
     from .diffusers.families import FAMILIES
@@ -82,7 +78,7 @@ def family_shown(library_name: str) -> str:
     parts = []
     for f in FAMILIES:
         p = inspect.signature(f.sample).parameters.get(library_name)
-        shown = "-" if p is None else ("the pipeline's" if p.default is None else f"{p.default!r}".strip("'"))
+        shown = "-" if p is None else (none if p.default is None else f"{p.default!r}".strip("'"))
         parts.append(f"{f.name} {shown}")
     return "the family's: " + ", ".join(parts)
 
@@ -134,7 +130,7 @@ def family_pipeline_options(*, device: bool = True):
         click.option(
             "--negative-prompt",
             default=None,
-            show_default=family_shown("negative_prompt"),
+            show_default=family_shown("negative_prompt", "none"),
             help="Caption of the negative (unconditional) branch of every image; with Flux, true CFG needs one "
             "(an empty string is one).",
         ),
@@ -157,7 +153,7 @@ def family_pipeline_options(*, device: bool = True):
             "--shift",
             type=click.FloatRange(0.0, min_open=True),
             default=None,
-            show_default=family_shown("shift") + " (the scheduler's)",
+            show_default=family_shown("shift", "the scheduler's"),
             help="Static timestep shift (> 0) overriding the scheduler's (Flux's dynamic shift included).",
         ),
         click.option(
@@ -272,9 +268,11 @@ def diffusers_command(**o) -> None:
     function of (--seed, i) alone. Writes OUT/000000.png, ... and OUT/run.json: the family, the options,
     each image's caption and NFE (sequential transformer calls), and the wall time.
     """
-    from .diffusers.families import family_of_directory
-    from .experiments.common import derive_seed
-    from .experiments.pipelines import family_options, load_pipeline
+    import torch
+
+    from . import __version__
+    from .diffusers.families import family_of_directory, pipeline_class_name
+    from .experiments.pipelines import family_options, load_pipeline, sample_images
     from .experiments.sd3.loading import load_prompts
 
     family = library_errors(lambda: family_of_directory(o["pipeline_path"]))
@@ -286,93 +284,25 @@ def diffusers_command(**o) -> None:
     flags = {p.name: p.opts[0] for p in ctx.command.params}
     names = {FAMILY_FLAGS[k]: flags[k] for k in FAMILY_FLAGS}
     options = library_errors(lambda: family_options(family, "sample", family_given(o), names=names))
-    steps = options["num_inference_steps"]
-    out = Path(o["out"])
-    if out.exists():
+    if Path(o["out"]).exists():
         raise click.BadParameter(
-            f"{out} exists; choose another --out (a run never writes into an old one)", param_hint="--out"
+            f"{o['out']} exists; choose another (a run never writes into an old one)", param_hint="--out"
         )
-    import torch
-
     device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = o["dtype"] or ("float16" if device.startswith("cuda") else "float32")
     captions = library_errors(lambda: load_prompts(o["prompts_file"], o["num_prompts"]))
-    per_image = [c for c in captions for _ in range(o["num_images_per_prompt"])]
-    tree, coupling = library_errors(lambda: _tree_and_coupling(o, steps))
-    if not o["as_json"]:
-        click.echo(f"loading {o['pipeline_path']} ({family.name}, {dtype} on {device})", err=True)
+    tree, coupling = library_errors(lambda: _tree_and_coupling(o, options["num_inference_steps"]))
+    click.echo(f"loading {o['pipeline_path']} ({family.name}, {dtype} on {device})", err=True)
     pipe, _ = library_errors(lambda: load_pipeline(o["pipeline_path"], device=device, dtype=dtype))
-    batch = o["batch_size"] or len(per_image)
-    tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
-    tmp.mkdir(parents=True)
-    try:
-        nfe, config, t0 = [], None, time.perf_counter()
-        for start in range(0, len(per_image), batch):
-            idx = range(start, min(start + batch, len(per_image)))
-            # image i's latents and sampling noise from its own generator: the images do not depend on --batch-size
-            gens = [torch.Generator().manual_seed(derive_seed(o["seed"], i)) for i in idx]
-            res = library_errors(
-                lambda idx=idx, gens=gens: family.sample(
-                    pipe,
-                    [per_image[i] for i in idx],
-                    generator=gens,
-                    output_type="pil",
-                    tree=tree,
-                    coupling=coupling,
-                    draft=o["draft"],
-                    prefetch=o["prefetch"],
-                    verify=o["verify"],
-                    lazy=o["lazy"],
-                    max_memory_gb=o["max_memory_gb"],
-                    progress=o["progress"],
-                    **options,
-                )
-            )
-            for i, im in zip(idx, res.images, strict=True):
-                im.save(tmp / f"{i:06d}.png", format="PNG")
-            nfe += [int(v) for v in res.stats.nfe.tolist()]
-            config = config or res.config
-        wall = time.perf_counter() - t0
-        record = _record(o, family, options, captions, per_image, nfe, config, wall, device, dtype, threads, tuned)
-        (tmp / "run.json").write_text(json.dumps(record, indent=1, allow_nan=False) + "\n", encoding="utf-8")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # the folder appears complete or not at all
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if o["as_json"]:
-        click.echo(json.dumps(record, allow_nan=False))
-        return
-    click.echo(
-        f"{family.name} ({record['pipeline_class']}): {len(nfe)} images, NFE {record['nfe_mean']:.2f} per image "
-        f"for {steps} steps ({record['speedup']:.2f}x fewer calls), {wall:.1f} s; wrote {out}/ "
-        f"({len(nfe)} PNGs and run.json)"
-    )
-
-
-def _record(o, family, options, captions, per_image, nfe, config, wall, device, dtype, threads, tuned) -> dict:
-    """What ``run.json`` holds: the family, every option that made the images, per-image NFE, the wall time."""
-    import torch
-
-    from . import __version__
-    from .diffusers.families import pipeline_class_name
-
-    steps = options["num_inference_steps"]
-    nfe_mean = sum(nfe) / len(nfe)
     sampler = {k: o[k] for k in ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size")}
     if tuned is not None:
         sampler.update(tuned=tuned.label, tune_file=str(Path(o["tune_file"]).resolve()), coupling=tuned.coupling)
-    try:
-        import diffusers
-
-        diffusers_version = diffusers.__version__
-    except ImportError:  # pragma: no cover - the pipeline was loaded with it
-        diffusers_version = None
-    return {
+    record = {
         "family": family.name,
         "pipeline_class": pipeline_class_name(o["pipeline_path"]),
         "pipeline": str(Path(o["pipeline_path"]).resolve()),
         "prompts_file": str(Path(o["prompts_file"]).resolve()),
+        "captions": captions,
         "options": {
             **options,
             **sampler,
@@ -382,19 +312,44 @@ def _record(o, family, options, captions, per_image, nfe, config, wall, device, 
             "device": device,
             "threads": threads,
         },
-        "config": config,
-        "images": [
-            {"file": f"{i:06d}.png", "prompt": p, "caption_index": i // o["num_images_per_prompt"], "nfe": n}
-            for i, (p, n) in enumerate(zip(per_image, nfe, strict=True))
-        ],
-        "captions": captions,
-        "nfe": nfe,
-        "nfe_mean": nfe_mean,
-        "steps": steps,
-        "speedup": steps / nfe_mean,
-        "wall_seconds": wall,
         "specforest_version": __version__,
         "torch_version": torch.__version__,
-        "diffusers_version": diffusers_version,
+        "diffusers_version": _diffusers_version(),
         "platform": platform.platform(),
     }
+    rec = library_errors(
+        lambda: sample_images(
+            pipe,
+            family,
+            [c for c in captions for _ in range(o["num_images_per_prompt"])],
+            o["out"],
+            seed=o["seed"],
+            batch_size=o["batch_size"],
+            record=record,
+            tree=tree,
+            coupling=coupling,
+            draft=o["draft"],
+            prefetch=o["prefetch"],
+            verify=o["verify"],
+            lazy=o["lazy"],
+            max_memory_gb=o["max_memory_gb"],
+            progress=o["progress"],
+            **options,
+        )
+    )
+    if o["as_json"]:
+        click.echo(json.dumps(rec, allow_nan=False))
+        return
+    click.echo(
+        f"{family.name} ({rec['pipeline_class']}): {len(rec['nfe'])} images, NFE {rec['nfe_mean']:.2f} per image "
+        f"for {rec['steps']} steps ({rec['speedup']:.2f}x fewer calls), {rec['wall_seconds']:.1f} s; "
+        f"wrote {o['out']}/ ({len(rec['nfe'])} PNGs and run.json)"
+    )
+
+
+def _diffusers_version() -> "str | None":
+    try:
+        import diffusers
+    except ImportError:  # pragma: no cover - the pipeline was loaded with it
+        return None
+    return diffusers.__version__

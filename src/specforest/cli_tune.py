@@ -23,7 +23,7 @@ from .cli_common import (
     set_threads,
     threads_option,
 )
-from .cli_diffusers import FAMILY_FLAGS, family_given, family_shown
+from .cli_diffusers import FAMILY_FLAGS, family_given
 from .cli_sd3 import tune_pipeline_options
 
 __all__ = ["tune"]
@@ -162,13 +162,13 @@ def _tune_diffusers(o: dict, drafts: list):
     "--true-cfg-scale",
     type=click.FloatRange(0.0),
     default=None,
-    show_default=family_shown("true_cfg_scale"),
+    show_default="the family tuner's",
     help="diffusers: true classifier-free guidance (Flux; > 1 runs both branches in one call).",
 )
 @click.option(
     "--negative-prompt",
     default=None,
-    show_default=family_shown("negative_prompt"),
+    show_default="the family tuner's",
     help="diffusers: the negative caption of every image (Flux's true CFG).",
 )
 @click.option(
@@ -176,7 +176,7 @@ def _tune_diffusers(o: dict, drafts: list):
     type=click.FloatRange(0.0, min_open=True),
     default=None,
     show_default="free CUDA memory, or 50% of RAM",
-    help="sd3: memory limit in GB (> 0); calls above it are split.",
+    help="sd3, diffusers: memory limit in GB (> 0); calls above it are split.",
 )
 @threads_option()
 @progress_option()

@@ -1,4 +1,4 @@
-"""Loading a local diffusers pipeline of any supported family, and the options a family takes.
+"""Loading a local diffusers pipeline of any supported family, the options a family takes, its images.
 
 :func:`load_pipeline` reads the directory's ``model_index.json`` first
 (:func:`specforest.diffusers.family_of_directory`), so an unsupported or
@@ -6,20 +6,23 @@ missing pipeline is refused before anything is loaded, then loads the named
 diffusers class offline. :func:`family_options` checks a command's family
 options against the signature of the family function that will take them and
 fills in that function's defaults: the command line holds no per-family table.
+:func:`sample_images` is ``specforest diffusers``: images of a family's
+``sample``, each from its own seed, written to a new folder with their record.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
 
 from ..diffusers.families import Family, family_of_directory, pipeline_class_name
-from .common import check_choice
+from .common import check_choice, check_int
 from .sd3.loading import DTYPES
 
-__all__ = ["DTYPES", "family_options", "load_pipeline", "signature_defaults"]
+__all__ = ["DTYPES", "family_options", "load_pipeline", "sample_images", "signature_defaults"]
 
 
 def load_pipeline(
@@ -98,3 +101,94 @@ def family_options(
         )
     defaults = signature_defaults(fn)
     return {k: (v if v is not None else defaults.get(k)) for k, v in given.items() if k in params}
+
+
+def sample_images(
+    pipe: Any,
+    family: Family,
+    prompts: Sequence[str],
+    out: "str | os.PathLike[str]",
+    *,
+    seed: int,
+    batch_size: Optional[int] = None,
+    record: Optional[Mapping[str, Any]] = None,
+    **options: Any,
+) -> dict:
+    """One image per entry of ``prompts`` with ``family.sample``, written to the new folder ``out``.
+
+    Image ``i`` is sampled with its own generator seeded from ``(seed, i)`` (latents and sampling noise),
+    so it does not depend on ``batch_size``. ``out`` holds ``000000.png, ...`` and ``run.json``:
+    ``record``'s fields, then ``config`` (the family's, of the first call), ``images`` (file, prompt,
+    NFE of each), ``nfe``, ``nfe_mean``, ``steps``, ``speedup`` (steps / mean NFE) and ``wall_seconds``
+    (sampling, decoding and writing the PNGs). The folder is filled under a temporary name and renamed:
+    it appears complete or not at all.
+
+    Args:
+        pipe: the pipeline, of ``family``.
+        family: its :class:`~specforest.diffusers.families.Family`.
+        prompts: the caption of each image.
+        out: a folder that does not exist yet.
+        seed: the images' seed (``>= 0``).
+        batch_size: images per ``family.sample`` call (``None``: all at once).
+        record: fields of ``run.json`` before the results (the options that made the images).
+        options: ``family.sample``'s options (``num_inference_steps``, ``tree``, ``coupling``, ...).
+
+    Returns:
+        What ``run.json`` holds.
+
+    Raises:
+        FileExistsError: if ``out`` exists.
+        ValueError / TypeError / MemoryError / FloatingPointError: as ``family.sample``.
+    """
+    import json
+    import secrets
+    import shutil
+    import time
+
+    import torch
+
+    from .common import derive_seed
+
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose another folder (a run never writes into an old one)")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts must hold at least one caption")
+    seed = check_int("seed", seed, 0)
+    batch = len(prompts) if batch_size is None else check_int("batch_size", batch_size, 1)
+    steps = options.get("num_inference_steps", signature_defaults(family.sample).get("num_inference_steps"))
+    tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
+    tmp.mkdir(parents=True)
+    try:
+        nfe: list = []
+        config: Optional[dict] = None
+        t0 = time.perf_counter()
+        for start in range(0, len(prompts), batch):
+            idx = range(start, min(start + batch, len(prompts)))
+            gens = [torch.Generator().manual_seed(derive_seed(seed, i)) for i in idx]
+            res = family.sample(pipe, [prompts[i] for i in idx], generator=gens, output_type="pil", **options)
+            for i, im in zip(idx, res.images, strict=True):
+                im.save(tmp / f"{i:06d}.png", format="PNG")
+            nfe += [int(v) for v in res.stats.nfe.tolist()]
+            config = config or dict(res.config)
+        wall = time.perf_counter() - t0
+        nfe_mean = sum(nfe) / len(nfe)
+        data = {
+            **(record or {}),
+            "config": config,
+            "images": [
+                {"file": f"{i:06d}.png", "prompt": p, "nfe": n}
+                for i, (p, n) in enumerate(zip(prompts, nfe, strict=True))
+            ],
+            "nfe": nfe,
+            "nfe_mean": nfe_mean,
+            "steps": steps,
+            "speedup": steps / nfe_mean,
+            "wall_seconds": wall,
+        }
+        (tmp / "run.json").write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return data
