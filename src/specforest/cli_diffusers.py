@@ -39,6 +39,7 @@ from .cli_common import (
     tune_option,
     verify_option,
 )
+from .experiments.common import METHODS
 
 __all__ = [
     "FAMILY_FLAGS",
@@ -62,10 +63,6 @@ FAMILY_FLAGS = {
 }
 """Each family option: its click parameter name -> the family functions' parameter name. A
 family takes those of its ``sample``/``prepare``/``tune`` signatures; their defaults are its own."""
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def family_shown(library_name: str, none: str = "its own") -> str:
@@ -219,7 +216,7 @@ def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
 @click.option(
     "--num-images-per-prompt", type=click.IntRange(1), default=1, show_default=True, help="Images per caption (>= 1)."
 )
-@method_option(("standard", "rmc", "dgrs", "rank", "antithetic"))
+@method_option(METHODS)
 @tree_size_options(K=2, L=2)
 @steps_option(None, family_shown("num_inference_steps"))
 @churn_option(None, family_shown("churn"))
