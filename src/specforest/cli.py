@@ -370,6 +370,7 @@ def couplings_plot(out: str, K_values: str) -> None:
 
 def _register_optional_commands() -> None:
     """Commands whose modules import heavier dependencies only when run."""
+    from .cli_diffusers import diffusers_command
     from .cli_generate import generate
     from .cli_pixel import pixel, train
     from .cli_sd3 import sd3
@@ -378,6 +379,7 @@ def _register_optional_commands() -> None:
     main.add_command(pixel)
     main.add_command(train)
     main.add_command(sd3)
+    main.add_command(diffusers_command)
     main.add_command(generate)
     main.add_command(tune)
 

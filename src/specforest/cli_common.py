@@ -33,6 +33,7 @@ __all__ = [
     "float_list",
     "int_list",
     "library_errors",
+    "output_folder",
     "output_suffix",
     "prefetch_option",
     "read_tuned",
@@ -208,24 +209,24 @@ def tree_size_options(K: int, L: int):
     return wrap
 
 
-def steps_option(default: int):
-    """``--steps``: grid steps ``T >= 3``."""
+def steps_option(default: "int | None", shown: "str | None" = None):
+    """``--steps``: grid steps ``T >= 3`` (``default=None`` with ``shown``: a default chosen later, so described)."""
     return click.option(
         "--steps",
         type=click.IntRange(3),
         default=default,
-        show_default=True,
+        show_default=shown or True,
         help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
     )
 
 
-def churn_option(default: float):
-    """``--churn``: the churn ``eps`` in (0, 1]."""
+def churn_option(default: "float | None", shown: "str | None" = None):
+    """``--churn``: the churn ``eps`` in (0, 1] (``default=None`` with ``shown``: chosen later, so described)."""
     return click.option(
         "--churn",
         type=CHURN,
         default=default,
-        show_default=True,
+        show_default=shown or True,
         help="Churn eps in (0, 1] (0 would make speculation accept nothing).",
     )
 
@@ -322,6 +323,14 @@ def output_suffix(*suffixes: str, what: str) -> Callable[[click.Context, click.P
         return value
 
     return check
+
+
+def output_folder(ctx: click.Context, param: click.Parameter, value: "str | None") -> "str | None":
+    """A click callback for an ``--out`` that is a folder of PNGs: refuses an ``.npz`` or ``.json`` name (the
+    JSON beside a job's folder must not be the folder itself), before any work."""
+    if value is not None and Path(value).suffix.lower() in (".npz", ".json"):
+        raise click.BadParameter(f"must be a folder for the PNGs, not an {Path(value).suffix} file, got {value!r}")
+    return value
 
 
 def tune_option(

@@ -1,4 +1,4 @@
-"""Command line: ``specforest generate gmm|pixel|sd3``: a data set of samples, resumable, on one process or many.
+"""Command line: ``specforest generate gmm|pixel|sd3|diffusers``: a data set of samples, resumable, on one process or many.
 
 A thin shell over :func:`specforest.experiments.generate.run_job`. Run it as
 is, or with ``torchrun --nproc_per_node=N -m specforest generate ...`` (and
@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import click
 
@@ -27,6 +26,7 @@ from .cli_common import (
     grid_option,
     library_errors,
     method_option,
+    output_folder,
     output_suffix,
     prefetch_option,
     progress_option,
@@ -37,6 +37,7 @@ from .cli_common import (
     tune_option,
     verify_option,
 )
+from .cli_diffusers import FAMILY_FLAGS, family_given, family_pipeline_options, family_shown, tuned_run_keys
 from .cli_sd3 import pipeline_options
 from .experiments import generate as gen_exp
 from .experiments.common import METHODS
@@ -45,24 +46,22 @@ from .trees import DraftTree
 __all__ = ["generate"]
 
 
-def _folder(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """``--out`` of an SD3 job: a folder, and ``OUT.json`` beside it must not be ``OUT`` itself."""
-    if Path(value).suffix.lower() in (".npz", ".json"):
-        raise click.BadParameter(f"must be a folder for the PNGs, not an {Path(value).suffix} file, got {value!r}")
-    return value
-
-
 def _job_options(model: str, K: int, L: int, device: bool = True):
     """The options every ``generate`` model takes: the sampler's and the job's (``model``: as ``specforest tune``
-    names it, whose command defaults the grid takes)."""
-    steps, churn = MODEL_DEFAULTS[model]["steps"], MODEL_DEFAULTS[model]["churn"]
+    names it, whose command defaults the grid takes; ``diffusers``: the pipeline family's)."""
+    if model == "diffusers":
+        steps_opt = steps_option(None, family_shown("num_inference_steps"))
+        churn_opt = churn_option(None, family_shown("churn"))
+    else:
+        steps_opt = steps_option(MODEL_DEFAULTS[model]["steps"])
+        churn_opt = churn_option(MODEL_DEFAULTS[model]["churn"])
 
     def wrap(f):
         opts = [
             method_option(METHODS),
             tree_size_options(K=K, L=L),
-            steps_option(steps),
-            churn_option(churn),
+            steps_opt,
+            churn_opt,
             grid_option(),
             prefetch_option(),
             verify_option("internal"),
@@ -79,8 +78,11 @@ def _job_options(model: str, K: int, L: int, device: bool = True):
                 "--out",
                 type=click.Path(),
                 required=True,
-                callback=_folder if model == "sd3" else output_suffix(".npz", what="an .npz archive"),
-                help="The output: an .npz (gmm, pixel) or a folder of PNGs (sd3); PATH.json is written beside it "
+                callback=output_folder
+                if model in ("sd3", "diffusers")
+                else output_suffix(".npz", what="an .npz archive"),
+                help="The output: an .npz (gmm, pixel) or a folder of PNGs (sd3, diffusers); PATH.json is written "
+                "beside it "
                 "and PATH.parts/ holds the shards until the end.",
             ),
             click.option(
@@ -237,5 +239,46 @@ def generate_sd3(**o):
             width=width,
             shift=shift,
             max_sequence_length=max_sequence_length,
+        ),
+    )
+
+
+@generate.command("diffusers", context_settings=CONTEXT)
+@_job_options("diffusers", K=2, L=2, device=False)
+@family_pipeline_options()
+def generate_diffusers(**o):
+    """Images from a local diffusers pipeline of any supported family (read from DIR/model_index.json):
+    image i has caption i mod n; OUT is a folder of PNGs by index.
+
+    The family's options default to its own sampler's. The latents and all the sampling noise of image i
+    come from (--seed, i); OUT.json holds the options (the family among them) and the per-image NFE.
+    """
+    import torch
+
+    from .diffusers.families import family_of_directory
+    from .experiments.pipelines import family_options
+
+    family = library_errors(lambda: family_of_directory(o["pipeline_path"]))
+    o, _ = apply_tuned(o, "diffusers", run=tuned_run_keys(), fixed={"family": family.name})
+    ctx = click.get_current_context()
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    names = {lib: flags[k] for k, lib in FAMILY_FLAGS.items()}
+    given = family_given(o)
+    # the steps are the sampler's (its grid), the churn the chain's: both defaults are the family's sample's
+    o["churn"] = library_errors(lambda: family_options(family, "sample", {"churn": given.pop("churn")}))["churn"]
+    options = library_errors(lambda: family_options(family, "prepare", given, names=names))
+    o["steps"] = options.pop("num_inference_steps")
+    for k in FAMILY_FLAGS:
+        if k not in ("steps", "churn"):
+            o.pop(k)
+    pipeline, prompts_file, num_prompts = o.pop("pipeline_path"), o.pop("prompts_file"), o.pop("num_prompts")
+    device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    o["device"] = device
+    dtype = o.pop("dtype") or ("float16" if device.startswith("cuda") else "float32")
+    _run(
+        "diffusers",
+        o,
+        lambda: gen_exp.diffusers_options(
+            pipeline, prompts_file, num_prompts=num_prompts, dtype=dtype, options=options
         ),
     )

@@ -1,4 +1,4 @@
-"""Command line: ``specforest tune --model gmm|digits|sd3 --out tuned.json``: the fastest configuration here.
+"""Command line: ``specforest tune --model gmm|digits|sd3|diffusers --out tuned.json``: the fastest configuration here.
 
 A thin shell over :func:`specforest.latency.tune`: measures the target's
 batch-cost curve on the device, calibrates acceptance on a short run, times the
@@ -23,12 +23,13 @@ from .cli_common import (
     set_threads,
     threads_option,
 )
+from .cli_diffusers import FAMILY_FLAGS, family_given
 from .cli_sd3 import tune_pipeline_options
 
 __all__ = ["tune"]
 
-_STEPS_SHOWN = ", ".join(f"{m} {d['steps']}" for m, d in MODEL_DEFAULTS.items())
-_CHURNS_SHOWN = ", ".join(f"{m} {d['churn']:g}" for m, d in MODEL_DEFAULTS.items())
+_STEPS_SHOWN = ", ".join(f"{m} {d['steps']}" for m, d in MODEL_DEFAULTS.items()) + ", diffusers the family's"
+_CHURNS_SHOWN = ", ".join(f"{m} {d['churn']:g}" for m, d in MODEL_DEFAULTS.items()) + ", diffusers the family's"
 
 
 def _target(model: str, o: dict, n: int):
@@ -78,8 +79,49 @@ def _tune_sd3(o: dict, drafts: list):
     )
 
 
+def _tune_diffusers(o: dict, drafts: list):
+    """The family's tuner (``Family.tune``) on the pipeline of ``--pipeline``, its family from its
+    ``model_index.json``; ``o`` gets the family and its resolved options (steps, churn, ...) for the record."""
+    from .diffusers.families import family_of_directory
+    from .experiments import sd3 as sd3_exp
+    from .experiments.pipelines import family_options, load_pipeline
+
+    if not o["pipeline_path"] or not o["prompts_file"]:
+        raise click.UsageError("--model diffusers needs --pipeline DIR and --prompts FILE")
+    ctx = click.get_current_context()
+    family = library_errors(lambda: family_of_directory(o["pipeline_path"]))
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    names = {lib: flags[k] for k, lib in FAMILY_FLAGS.items() if k in flags}
+    # --guidance, --shift, --height, ... default to the SD3 paper's run here: not given, they are the family's
+    options = library_errors(lambda: family_options(family, "tune", family_given(o, ctx), names=names))
+    dtype = o["dtype"] or ("float16" if o["device"] == "cuda" else "float32")
+    prompts = library_errors(lambda: sd3_exp.load_prompts(o["prompts_file"], o["num_prompts"]))
+    pipe, _ = library_errors(lambda: load_pipeline(o["pipeline_path"], device=o["device"], dtype=dtype))
+    res = library_errors(
+        lambda: family.tune(
+            pipe,
+            prompts,
+            batch=o["batch"],
+            budget_max=o["budget_max"],
+            drafts=drafts,
+            max_memory_gb=o["max_memory_gb"],
+            progress=o["progress"],
+            **options,
+        )
+    )
+    o["family"] = family.name
+    for k, lib in FAMILY_FLAGS.items():
+        o[k] = options.get(lib)
+    return res, [k for k, lib in FAMILY_FLAGS.items() if lib in options and k not in ("steps", "churn")]
+
+
 @click.command("tune", context_settings=CONTEXT)
-@click.option("--model", type=click.Choice(["gmm", "digits", "sd3"]), required=True, help="The target to tune for.")
+@click.option(
+    "--model",
+    type=click.Choice(["gmm", "digits", "sd3", "diffusers"]),
+    required=True,
+    help="The target to tune for (diffusers: a pipeline of any family with a tuner, read from --pipeline).",
+)
 @click.option(
     "--steps",
     type=click.IntRange(3),
@@ -117,11 +159,24 @@ def _tune_sd3(o: dict, drafts: list):
 )
 @tune_pipeline_options
 @click.option(
+    "--true-cfg-scale",
+    type=click.FloatRange(0.0),
+    default=None,
+    show_default="the family tuner's",
+    help="diffusers: true classifier-free guidance (Flux; > 1 runs both branches in one call).",
+)
+@click.option(
+    "--negative-prompt",
+    default=None,
+    show_default="the family tuner's",
+    help="diffusers: the negative caption of every image (Flux's true CFG).",
+)
+@click.option(
     "--max-memory-gb",
     type=click.FloatRange(0.0, min_open=True),
     default=None,
     show_default="free CUDA memory, or 50% of RAM",
-    help="sd3: memory limit in GB (> 0); calls above it are split.",
+    help="sd3, diffusers: memory limit in GB (> 0); calls above it are split.",
 )
 @threads_option()
 @progress_option()
@@ -131,6 +186,10 @@ def tune(**o) -> None:
     --model sd3 tunes a local StableDiffusion3Pipeline (--pipeline DIR) on the
     captions of --prompts FILE: its transformer with classifier-free guidance
     on its scheduler's grid (by default the paper's run, as 'specforest sd3').
+    --model diffusers tunes a pipeline of any family that has a tuner (sd3, flux),
+    read from DIR/model_index.json, for 'specforest diffusers' and 'generate
+    diffusers': the family options not given (--steps, --churn, --guidance,
+    --shift, --height, ...) are the family's own defaults, not the SD3 paper's.
 
     The JSON holds the configuration (tree as its parent list, coupling, verify,
     draft), predicted_seconds_per_image, predicted_speedup over the standard
@@ -144,21 +203,24 @@ def tune(**o) -> None:
     """
     from .latency import tune as tune_fn
 
-    for key in ("steps", "churn"):
-        if o[key] is None:
-            o[key] = MODEL_DEFAULTS[o["model"]][key]
+    if o["model"] != "diffusers":
+        for key in ("steps", "churn"):
+            if o[key] is None:
+                o[key] = MODEL_DEFAULTS[o["model"]][key]
     threads = set_threads(o["threads"])
     drafts = [d.strip() for d in o["drafts"].split(",") if d.strip()]
-    if o["model"] == "sd3":
+    keys = ("model", "steps", "churn", "batch", "device")
+    if o["model"] == "diffusers":
+        res, family_keys = _tune_diffusers(o, drafts)
+        keys = ("model", "family", *keys[1:], *family_keys)
+    elif o["model"] == "sd3":
         res = _tune_sd3(o, drafts)
+        keys = ("model", "steps", "churn", "batch", "device", "guidance", "shift", "height", "width")
     else:
         res = _tune_small(o, drafts, tune_fn)
-    data = res.to_json()
-    keys = ("model", "steps", "churn", "batch", "device")
     if o["model"] == "gmm":
         keys += ("dim", "components")
-    if o["model"] == "sd3":
-        keys = ("model", "steps", "churn", "batch", "device", "guidance", "shift", "height", "width")
+    data = res.to_json()
     data["tuned_for"] = {k: o[k] for k in keys}
     data["tuned_for"]["threads"] = threads
     atomic_write_text(o["out"], json.dumps(data, indent=1) + "\n")

@@ -22,18 +22,30 @@ One entry point, a module per family:
 * :mod:`~specforest.diffusers.tuning`: :func:`tune` (SD3) and :func:`tune_flux`
   pick the fastest exact configuration of a pipeline on this device
   (:func:`specforest.latency.tune` on its transformer and scheduler grid).
+* :mod:`~specforest.diffusers.prepared`: a family's ``prepare`` takes a pipeline
+  apart (:class:`Prepared`: velocity, grid, per-caption conditioning, decoder)
+  for jobs that sample index by index (``specforest generate diffusers``).
 
 Trees come from :func:`specforest.planning.make_tree` and memory sizing from
 :mod:`specforest.memory`, as for every other command. diffusers itself is not
 imported: everything goes through the pipeline object that is passed in.
 """
 
-from .families import FAMILIES, Family, family_of, family_of_class_name, sample
+from .families import (
+    FAMILIES,
+    Family,
+    family_of,
+    family_of_class_name,
+    family_of_directory,
+    pipeline_class_name,
+    sample,
+)
 from .flow_matching import FlowMatchVelocity, transformer_row_bytes
 from .grid import scheduler_sigmas
 from .pipeline_flux import FluxResult, FluxVelocity, is_flux
 from .pipeline_sd3 import OUTPUT_TYPES, SD3Result
 from .pipeline_sdxl import is_sd, is_sdxl
+from .prepared import Prepared
 from .tuning import tune, tune_flux
 
 __all__ = [
@@ -43,12 +55,15 @@ __all__ = [
     "FlowMatchVelocity",
     "FluxResult",
     "FluxVelocity",
+    "Prepared",
     "SD3Result",
     "family_of",
     "family_of_class_name",
+    "family_of_directory",
     "is_flux",
     "is_sd",
     "is_sdxl",
+    "pipeline_class_name",
     "sample",
     "scheduler_sigmas",
     "transformer_row_bytes",

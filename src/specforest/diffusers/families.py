@@ -5,7 +5,12 @@ prompt, ...)``: it finds the family of ``pipe`` (:func:`family_of`) and calls th
 family's ``sample`` with the same arguments. A new family is one entry of
 :data:`FAMILIES`: a predicate on the pipeline object, the family module's
 ``sample``, and the ``model_index.json`` class names it covers (what a command
-line reads to pick the family before loading anything).
+line reads to pick the family before loading anything,
+:func:`family_of_directory`); optionally its tuner and its ``prepare``
+(:mod:`~specforest.diffusers.prepared`), which ``specforest tune --model
+diffusers`` and ``specforest generate diffusers`` call. The command line reads
+a family's options and defaults from these functions' signatures, so a new
+entry needs no change there.
 
 Predicates read class names only: diffusers is not imported.
 """
@@ -13,13 +18,26 @@ Predicates read class names only: diffusers is not imported.
 from __future__ import annotations
 
 import inspect
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
-from . import pipeline_flux, pipeline_sd3, pipeline_sdxl
+from . import pipeline_flux, pipeline_sd3, pipeline_sdxl, tuning
+from .prepared import prepare_flux, prepare_sd3
 
-__all__ = ["FAMILIES", "Family", "family_of", "family_of_class_name", "is_sd3", "sample"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "family_of",
+    "family_of_class_name",
+    "family_of_directory",
+    "is_sd3",
+    "pipeline_class_name",
+    "sample",
+]
 
 
 @dataclass(frozen=True)
@@ -32,12 +50,19 @@ class Family:
             ``_class_name`` of a ``model_index.json``); the first one names it in errors.
         is_family: ``is_family(pipe) -> bool``, cheap and without importing diffusers.
         sample: ``sample(pipe, prompt, **options)`` of the family's module.
+        tune: ``tune(pipe, prompt, **options) -> Tuned``, the family's tuner
+            (:mod:`~specforest.diffusers.tuning`); ``None``: not tunable yet.
+        prepare: ``prepare(pipe, prompts, **options) -> Prepared``, the parts of a run
+            (:mod:`~specforest.diffusers.prepared`) that ``specforest generate`` samples
+            index by index; ``None``: not available yet.
     """
 
     name: str
     pipeline_classes: tuple[str, ...]
     is_family: Callable[[Any], bool]
     sample: Callable[..., Any]
+    tune: Optional[Callable[..., Any]] = None
+    prepare: Optional[Callable[..., Any]] = None
 
 
 def _class_names(obj: Any) -> set[str]:
@@ -56,8 +81,15 @@ def is_sd3(pipe: Any) -> bool:
 # SD on their UNet's added embeddings and second text encoder), so the order only sets
 # the order of the names in errors.
 FAMILIES: tuple[Family, ...] = (
-    Family("sd3", ("StableDiffusion3Pipeline",), is_sd3, pipeline_sd3.sample),
-    Family("flux", ("FluxPipeline",), pipeline_flux.is_flux, pipeline_flux.sample),
+    Family("sd3", ("StableDiffusion3Pipeline",), is_sd3, pipeline_sd3.sample, tune=tuning.tune, prepare=prepare_sd3),
+    Family(
+        "flux",
+        ("FluxPipeline",),
+        pipeline_flux.is_flux,
+        pipeline_flux.sample,
+        tune=tuning.tune_flux,
+        prepare=prepare_flux,
+    ),
     Family("sdxl", ("StableDiffusionXLPipeline",), pipeline_sdxl.is_sdxl, pipeline_sdxl.sample),
     Family("sd", ("StableDiffusionPipeline",), pipeline_sdxl.is_sd, pipeline_sdxl.sample),
 )
@@ -95,6 +127,44 @@ def family_of_class_name(class_name: str) -> Family:
         if class_name in f.pipeline_classes:
             return f
     raise ValueError(f"pipeline class {class_name!r} is not supported; supported: {_supported()}")
+
+
+def pipeline_class_name(path: "str | os.PathLike[str]") -> str:
+    """The ``_class_name`` of a diffusers pipeline directory's ``model_index.json`` (nothing is loaded).
+
+    Raises:
+        FileNotFoundError: if ``path`` has no ``model_index.json``.
+        ValueError: if the file is not JSON or names no class.
+    """
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"{path} has no model_index.json: not a diffusers pipeline directory (a save_pretrained folder "
+            "or a downloaded pipeline repository)"
+        )
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{index} is not valid JSON ({e})") from e
+    name = data.get("_class_name") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{index} names no pipeline class (its _class_name is {name!r})")
+    return name
+
+
+def family_of_directory(path: "str | os.PathLike[str]") -> Family:
+    """The :class:`Family` of a diffusers pipeline directory, from its ``model_index.json``'s
+    ``_class_name`` (:func:`pipeline_class_name`), without loading anything.
+
+    Raises:
+        FileNotFoundError: if ``path`` has no ``model_index.json``.
+        ValueError: if it names no class, or one of no supported family (naming the supported ones).
+    """
+    name = pipeline_class_name(path)
+    try:
+        return family_of_class_name(name)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def sample(pipe: Any, prompt: "str | list[str] | None" = None, **options: Any) -> Any:

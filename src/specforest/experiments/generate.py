@@ -51,10 +51,24 @@ from ..trees import from_parents
 from ..warmup import pad_rows_for, warm_up
 from .common import COUPLING_OF, METHODS, check_choice, check_int, compiled, method_tree
 
-__all__ = ["MODELS", "GenerateResult", "JobSpec", "merge", "run_job", "sd3_options", "size_slots"]
+__all__ = [
+    "IMAGE_MODELS",
+    "MODELS",
+    "GenerateResult",
+    "JobSpec",
+    "diffusers_options",
+    "merge",
+    "run_job",
+    "sd3_options",
+    "size_slots",
+]
 
-MODELS = ("gmm", "pixel", "sd3")
-"""Models ``specforest generate`` samples (``sd3``: a local ``StableDiffusion3Pipeline`` and a captions file)."""
+MODELS = ("gmm", "pixel", "sd3", "diffusers")
+"""Models ``specforest generate`` samples (``sd3``: a local ``StableDiffusion3Pipeline`` and a captions file;
+``diffusers``: a local pipeline of any family of :data:`specforest.diffusers.FAMILIES` and a captions file)."""
+
+IMAGE_MODELS = ("sd3", "diffusers")
+"""The models whose output is a folder of PNGs, one per index."""
 
 # labels of the pixel job: a stream of their own, apart from the chain's
 _LABEL_TAG = 0x4C4142454C
@@ -65,13 +79,14 @@ class JobSpec:
     """A generation job: what to sample and how.
 
     Attributes:
-        model: ``gmm`` or ``pixel``.
+        model: one of :data:`MODELS`.
         count: samples ``M >= 1``.
         seed: the job's seed ``S >= 0``.
         sampler: sampler options (``method``, ``K``, ``L``, ``steps``, ``churn``,
             ``grid``, ``prefetch``, ``verify``, ``draft``; ``tree``, a parent list, for a
             tree given as it is, e.g. a tuned one).
-        model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``).
+        model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``; ``sd3``:
+            :func:`sd3_options`; ``diffusers``: :func:`diffusers_options`).
     """
 
     model: str
@@ -141,7 +156,8 @@ class _Model:
     sampler: dict  # keyword arguments of specforest.generate
     make_cond: Optional[Callable[[torch.Tensor], dict]] = None
     labels_of: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    save_images: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None  # sd3: PNGs per index
+    save_images: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None  # sd3, diffusers: PNGs per index
+    noise_scale: float = 1.0  # the initial state is noise_scale x N(0, I)
 
 
 def _tree_kwargs(o: dict) -> dict:
@@ -181,50 +197,55 @@ def _model(spec: JobSpec, out: Path, device: str) -> _Model:
             make_cond=lambda idx: {"class_labels": labels_of(idx).to(device)},
             labels_of=labels_of,
         )
-    return _sd3_model(spec, out, device)
+    return _image_model(spec, out, device)
 
 
-def _sd3_model(spec: JobSpec, out: Path, device: str) -> _Model:
-    """Image ``i`` of an SD3 job: caption ``i mod n``, latents and noise from ``(S, i)``, a PNG ``OUT/i.png``."""
-    from ..diffusers import pipeline_sd3 as sd3
-    from .sd3.loading import load_pipeline, load_prompts
+def _image_model(spec: JobSpec, out: Path, device: str) -> _Model:
+    """Image ``i`` of an image job: caption ``i mod n``, latents and noise from ``(S, i)``, a PNG ``OUT/i.png``.
+
+    The pipeline is taken apart by its family's ``prepare`` (:class:`specforest.diffusers.Prepared`); an
+    ``sd3`` job is the sd3 family's, its options under the names ``specforest generate sd3`` gave them.
+    """
+    from .pipelines import family_options, load_pipeline
+    from .sd3.loading import load_prompts
 
     m, o = spec.model_options, spec.sampler
-    pipe = load_pipeline(m["model"], device=device, dtype=m["dtype"])
+    if spec.model == "sd3":
+        from ..diffusers.prepared import prepare_sd3
+        from .sd3.loading import load_pipeline as load_sd3_pipeline
+
+        pipe, prepare = load_sd3_pipeline(m["model"], device=device, dtype=m["dtype"]), prepare_sd3
+        options = {k: m[k] for k in ("height", "width", "shift", "max_sequence_length")}
+        options["guidance_scale"] = m["guidance"]
+    else:
+        pipe, family = load_pipeline(m["pipeline"], device=device, dtype=m["dtype"])
+        if family.name != m["family"]:
+            raise ValueError(f"{m['pipeline']} now holds a {family.name} pipeline, not the job's {m['family']}")
+        options = family_options(family, "prepare", m["options"])
+        prepare = family.prepare
     prompts = load_prompts(m["prompts"], m["num_prompts"])
     if _prompts_digest(prompts) != m["prompts_sha256"]:
         raise ValueError(f"the captions in {m['prompts']} changed since the job started")
-    velocity, sigmas, latent_shape, dev = sd3.velocity_and_grid(
-        pipe,
-        num_inference_steps=o["steps"],
-        guidance_scale=m["guidance"],
-        height=m["height"],
-        width=m["width"],
-        shift=m["shift"],
-    )
-    with torch.no_grad():
-        pe, npe, ppe, nppe = pipe.encode_prompt(
-            prompt=prompts,
-            prompt_2=None,
-            prompt_3=None,
-            device=dev,
-            do_classifier_free_guidance=velocity.branches == 2,
-            max_sequence_length=m["max_sequence_length"],
-        )
-    table = sd3.cond_from_embeds(pe, ppe, npe, nppe, velocity, dev)
+    parts = prepare(pipe, prompts, num_inference_steps=o["steps"], **options)
     n = len(prompts)
 
     def make_cond(idx: torch.Tensor) -> dict:
-        rows = (idx % n).to(dev)
-        return {k: v[rows] for k, v in table.items()}
+        rows = (idx % n).to(parts.device)
+        return {k: v[rows] for k, v in parts.cond.items()}
 
     def save_images(index: torch.Tensor, latents: torch.Tensor) -> None:
-        images = sd3.decode(pipe, latents, "pil")
+        images = parts.decode(latents)
         for i, im in zip(index.tolist(), images, strict=True):
             atomic_write(out / f"{i:06d}.png", lambda f, im=im: im.save(f, format="PNG"), binary=True)
 
-    kw = _tree_kwargs(o)
-    return _Model(velocity, latent_shape, dict(sigmas=sigmas, **kw), make_cond=make_cond, save_images=save_images)
+    return _Model(
+        parts.velocity,
+        parts.latent_shape,
+        dict(sigmas=parts.sigmas, **_tree_kwargs(o)),
+        make_cond=make_cond,
+        save_images=save_images,
+        noise_scale=parts.noise_scale,
+    )
 
 
 def size_slots(
@@ -301,6 +322,53 @@ def sd3_options(
         "width": width,
         "shift": float(shift),
         "max_sequence_length": max_sequence_length,
+    }
+
+
+def diffusers_options(
+    pipeline: str,
+    prompts: str,
+    *,
+    num_prompts: Optional[int],
+    dtype: str,
+    options: dict,
+) -> dict:
+    """The ``model_options`` of a diffusers job: the pipeline directory and its family (read from its
+    ``model_index.json``, nothing loaded), the captions with their digest (a resumed job checks it), the
+    dtype, and the family's ``prepare`` options with its defaults filled in (a resumed job gets the
+    same run even if a default changes).
+
+    Args:
+        pipeline: a local diffusers pipeline directory.
+        prompts: the captions file.
+        num_prompts: keep the first ``N`` captions (``None``: all).
+        dtype: the models' dtype.
+        options: the family's options by their library names (``guidance_scale``, ``height``, ...; ``None``:
+            the family's default); ``num_inference_steps`` is the sampler's ``steps``, not one of them.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`specforest.diffusers.family_of_directory`; ValueError
+            naming an option the family does not take.
+        NotImplementedError: for a family without ``prepare``.
+    """
+    from ..diffusers.families import family_of_directory
+    from .pipelines import DTYPES, family_options
+    from .sd3.loading import load_prompts
+
+    check_choice("dtype", dtype, tuple(DTYPES))
+    family = family_of_directory(pipeline)
+    if "num_inference_steps" in options:
+        raise ValueError("num_inference_steps is the sampler's steps, not a model option")
+    resolved = family_options(family, "prepare", options)
+    caps = load_prompts(prompts, num_prompts)
+    return {
+        "pipeline": str(Path(pipeline).resolve()),
+        "family": family.name,
+        "prompts": str(Path(prompts).resolve()),
+        "num_prompts": num_prompts,
+        "prompts_sha256": _prompts_digest(caps),
+        "dtype": dtype,
+        "options": resolved,
     }
 
 
@@ -476,7 +544,7 @@ def _run_job(
     with distributed.together("writing the options", control):
         if rank == 0:
             parts_dir(out).mkdir(parents=True, exist_ok=True)
-            if spec.model == "sd3":
+            if spec.model in IMAGE_MODELS:
                 out.mkdir(parents=True, exist_ok=True)
             if not (parts_dir(out) / "options.json").exists():
                 atomic_write_text(parts_dir(out) / "options.json", json.dumps(spec.options(), indent=1) + "\n")
@@ -491,7 +559,8 @@ def _run_job(
     dev = getattr(model.velocity, "device", None) or device
 
     def make_x(idx: torch.Tensor) -> torch.Tensor:
-        return streams.randn(seed, idx, model.shape, device=dev)
+        x = streams.randn(seed, idx, model.shape, device=dev)
+        return x if model.noise_scale == 1.0 else model.noise_scale * x
 
     group = None
     if tree_parallel and distributed.is_distributed():
@@ -616,7 +685,7 @@ def merge(
         raise RuntimeError(f"{len(missing)} indices missing from {parts} (first: {missing[:5]}); rerun with --resume")
     rows = [chunks[i] for i in range(spec.count)]
     nfe = [int(r["nfe"]) for r in rows]
-    if spec.model == "sd3":
+    if spec.model in IMAGE_MODELS:
         absent = [i for i in range(spec.count) if not (out / f"{i:06d}.png").exists()]
         if absent:
             raise RuntimeError(f"{len(absent)} images missing from {out} (first: {absent[:5]}); rerun with --resume")
@@ -650,7 +719,7 @@ def merge(
         atomic_write_text(meta_path(out), json.dumps(meta, indent=1) + "\n")
     except BaseException:
         # the JSON is what marks the output complete: without it, no output either (the shards stay)
-        if spec.model != "sd3":
+        if spec.model not in IMAGE_MODELS:
             out.unlink(missing_ok=True)
         raise
     _remove_parts(out)

@@ -1,0 +1,214 @@
+"""A pipeline taken apart for :func:`specforest.sample` and :func:`specforest.generate`: :class:`Prepared`.
+
+A family's ``sample`` runs a whole batch of images in one call. A job that
+samples images one index at a time (``specforest generate diffusers``, with
+continuous batching, per-index random streams and several processes) needs the
+parts instead: the velocity, the grid, the latents' shape, one row of
+conditioning per caption and the decoder. ``prepare(pipe, prompts, ...)`` of a
+family returns them, built from the family module's own functions (the text
+encoding, grid and decoding that its ``sample`` uses), so a chain run from a
+:class:`Prepared` is the chain that ``sample`` runs. One function per family,
+registered as :attr:`~specforest.diffusers.families.Family.prepare`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..validation import check_int
+from . import pipeline_flux as _flux
+from . import pipeline_sd3 as _sd3
+
+__all__ = ["Prepared", "prepare_flux", "prepare_sd3"]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What sampling a family's pipeline needs, for ``n`` captions.
+
+    Attributes:
+        velocity: ``v(x, sigma, **cond)`` on the linear path, the library's model contract.
+        sigmas: ``(T + 1,)`` float64 grid, from the first level to 0.
+        latent_shape: ``(C, h, w)`` of one image's state.
+        device: where the velocity takes its states.
+        cond: per-caption conditioning, ``(n, ...)`` tensors (row ``j``: caption ``j``).
+        decode: ``decode(latents (B, C, h, w)) -> list of B PIL images``, as the pipeline decodes.
+        noise_scale: the initial state is ``noise_scale x N(0, I)`` (1 for flow matching, where the
+            grid starts at ``sigma = 1``).
+        config: the resolved options (image size, guidance, ...), for the record.
+    """
+
+    velocity: Any
+    sigmas: torch.Tensor
+    latent_shape: tuple
+    device: torch.device
+    cond: dict
+    decode: Callable[[torch.Tensor], list]
+    noise_scale: float = 1.0
+    config: dict = field(default_factory=dict)
+
+
+def _captions(prompts: Sequence[str]) -> list[str]:
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompts must be a caption or a non-empty list of captions")
+    return prompts
+
+
+def _negatives(negative_prompt: Optional[str], n: int) -> Optional[list]:
+    if negative_prompt is None:
+        return None
+    if not isinstance(negative_prompt, str):
+        raise TypeError(f"negative_prompt must be a str or None, got {type(negative_prompt).__name__}")
+    return [negative_prompt] * n
+
+
+def prepare_sd3(
+    pipe: Any,
+    prompts: "str | Sequence[str]",
+    *,
+    num_inference_steps: int = 50,
+    guidance_scale: float = 7.0,
+    negative_prompt: Optional[str] = None,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    shift: Optional[float] = None,
+    max_sequence_length: int = 256,
+) -> Prepared:
+    """The parts of a ``StableDiffusion3Pipeline`` run (:func:`~specforest.diffusers.pipeline_sd3.sample`'s
+    grid, velocity, text encoding and decoding) for the captions ``prompts``.
+
+    Args:
+        pipe: a ``StableDiffusion3Pipeline``.
+        prompts: ``n`` captions.
+        negative_prompt: the unconditional branch's caption for every image (``None``: SD3's "").
+        num_inference_steps, guidance_scale, height, width, shift, max_sequence_length: as in
+            :func:`~specforest.diffusers.pipeline_sd3.sample`.
+
+    Returns:
+        A :class:`Prepared`.
+
+    Raises:
+        ValueError / TypeError: naming the parameter.
+    """
+    prompts = _captions(prompts)
+    max_seq = check_int("max_sequence_length", max_sequence_length, 1, 512)
+    velocity, sigmas, latent_shape, device = _sd3.velocity_and_grid(
+        pipe,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        height=height,
+        width=width,
+        shift=shift,
+    )
+    pe, npe, ppe, nppe = _sd3.encode_text(
+        pipe,
+        prompts,
+        _negatives(negative_prompt, len(prompts)),
+        device=device,
+        guidance=velocity.branches == 2,
+        max_sequence_length=max_seq,
+    )
+    height, width = velocity.image_size
+    return Prepared(
+        velocity=velocity,
+        sigmas=sigmas,
+        latent_shape=latent_shape,
+        device=device,
+        cond=_sd3.cond_from_embeds(pe, ppe, npe, nppe, velocity, device),
+        decode=lambda latents: _sd3.decode(pipe, latents, "pil"),
+        config=dict(
+            family="sd3",
+            num_inference_steps=len(sigmas) - 1,
+            guidance_scale=float(guidance_scale),
+            height=height,
+            width=width,
+            shift=shift,
+            scheduler_shift=pipe.scheduler.config.get("shift"),
+        ),
+    )
+
+
+def prepare_flux(
+    pipe: Any,
+    prompts: "str | Sequence[str]",
+    *,
+    num_inference_steps: int = 28,
+    guidance_scale: float = 3.5,
+    true_cfg_scale: float = 1.0,
+    negative_prompt: Optional[str] = None,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    shift: Optional[float] = None,
+    max_sequence_length: int = 512,
+) -> Prepared:
+    """The parts of a ``FluxPipeline`` run (:func:`~specforest.diffusers.pipeline_flux.sample`'s grid,
+    packing velocity, text encoding and decoding) for the captions ``prompts``.
+
+    Args:
+        pipe: a ``FluxPipeline``.
+        prompts: ``n`` captions.
+        negative_prompt: the negative caption of true CFG for every image; required with
+            ``true_cfg_scale > 1`` (``""`` is an empty one), unused otherwise.
+        num_inference_steps, guidance_scale, true_cfg_scale, height, width, shift,
+            max_sequence_length: as in :func:`~specforest.diffusers.pipeline_flux.sample`.
+
+    Returns:
+        A :class:`Prepared`; the state is the unpacked latents ``(C, h, w)``.
+
+    Raises:
+        ValueError / TypeError: naming the parameter.
+    """
+    prompts = _captions(prompts)
+    max_seq = check_int("max_sequence_length", max_sequence_length, 1, 512)
+    velocity, sigmas, latent_shape, device = _flux.velocity_and_grid(
+        pipe,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        true_cfg_scale=true_cfg_scale,
+        height=height,
+        width=width,
+        shift=shift,
+    )
+    if velocity.do_true_cfg and negative_prompt is None:
+        # FluxPipeline would silently run without true CFG here
+        raise ValueError(
+            f'true_cfg_scale={true_cfg_scale} > 1 needs negative_prompt ("" for an empty one); or use true_cfg_scale=1'
+        )
+    pe, ppe, npe, nppe = _flux.encode_text(
+        pipe,
+        prompts,
+        _negatives(negative_prompt, len(prompts)),
+        device=device,
+        true_cfg=velocity.do_true_cfg,
+        max_sequence_length=max_seq,
+    )
+    if velocity.do_true_cfg and npe.shape != pe.shape:
+        raise ValueError(
+            f"the negative prompt embeddings have shape {tuple(npe.shape)} but the prompts' have "
+            f"{tuple(pe.shape)}; true CFG puts both in one call, so they must match"
+        )
+    height, width = velocity.image_size
+    return Prepared(
+        velocity=velocity,
+        sigmas=sigmas,
+        latent_shape=latent_shape,
+        device=device,
+        cond=_flux.cond_from_embeds(pe, ppe, npe, nppe, velocity, device),
+        decode=lambda latents: _sd3.decode(pipe, latents, "pil"),
+        config=dict(
+            family="flux",
+            num_inference_steps=len(sigmas) - 1,
+            guidance_scale=float(guidance_scale),
+            guidance_embeds=velocity.guidance_embeds,
+            true_cfg_scale=float(true_cfg_scale),
+            height=height,
+            width=width,
+            shift=shift,
+            dynamic_shift=bool(pipe.scheduler.config.get("use_dynamic_shifting", False)) and shift is None,
+        ),
+    )

@@ -1,0 +1,303 @@
+"""The diffusers command line on tiny saved pipelines: ``specforest diffusers``, ``generate diffusers`` and
+``tune --model diffusers`` for every family, the family read from ``model_index.json``.
+
+The pipelines are the tiny SD3 and Flux ones of ``test_diffusers_sd3`` and ``test_diffusers_flux``,
+written with ``save_pretrained`` so the commands load them from a directory as they would a download.
+``specforest sd3`` and ``generate sd3`` keep their own tests there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+from test_diffusers_flux import build_tiny_flux
+from test_diffusers_sd3 import SEQ, build_tiny_pipeline
+
+import specforest
+from specforest.cli import main
+from specforest.diffusers import families
+
+CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
+SIZE = ["--height", "16", "--width", "16", "--max-sequence-length", str(SEQ)]
+CPU = ["--dtype", "float32", "--no-progress"]
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``{family: directory}`` of the two tiny pipelines, and a captions file."""
+    threads = torch.get_num_threads()
+    # tiny matmuls on shared cores: one thread is many times faster than two contended ones
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("pipelines")
+    build_tiny_pipeline(tmp).save_pretrained(str(tmp / "sd3"))
+    build_tiny_flux().save_pretrained(str(tmp / "flux"))
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("a photo of a cat\n\na red car on the street\n")
+    try:
+        yield {"sd3": tmp / "sd3", "flux": tmp / "flux", "prompts": prompts}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def run_diffusers(saved, family, out, *extra):
+    args = ["diffusers", "--pipeline", saved[family], "--prompts", saved["prompts"], "--steps", STEPS]
+    return invoke(*args, *SIZE, *CPU, "--device", "cpu", "--out", out, *extra)
+
+
+def pngs(folder):
+    return sorted(p.name for p in folder.iterdir() if p.suffix == ".png")
+
+
+def pixels(path):
+    return np.asarray(Image.open(path), dtype=np.int16)
+
+
+# -- specforest diffusers ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_diffusers_command_detects_the_family_and_makes_fewer_calls_than_steps(saved, family, tmp_path):
+    out = tmp_path / "images"
+    res = run_diffusers(saved, family, out, "--num-images-per-prompt", 2, "--json", "--seed", 3)
+    assert res.exit_code == 0, res.output
+    rec = json.loads((out / "run.json").read_text())
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == rec  # --json prints the record
+    assert rec["family"] == family and rec["pipeline_class"] == CLASSES[family]
+    assert rec["config"]["num_inference_steps"] == STEPS and rec["steps"] == STEPS
+    assert pngs(out) == [f"{i:06d}.png" for i in range(4)]
+    assert all(pixels(out / f"{i:06d}.png").shape == (16, 16, 3) for i in range(4))
+    # captions i // 2, each image's NFE, fewer sequential transformer calls than steps
+    assert rec["captions"] == ["a photo of a cat", "a red car on the street"]
+    assert [im["prompt"] for im in rec["images"]] == ["a photo of a cat"] * 2 + ["a red car on the street"] * 2
+    assert len(rec["nfe"]) == 4 and rec["nfe"] == [im["nfe"] for im in rec["images"]]
+    assert rec["nfe_mean"] < STEPS and rec["speedup"] == pytest.approx(STEPS / rec["nfe_mean"])
+    assert rec["wall_seconds"] > 0 and rec["specforest_version"] == specforest.__version__
+    # the family's own defaults, taken from its sample's signature
+    opts = rec["options"]
+    assert opts["guidance_scale"] == {"sd3": 7.0, "flux": 3.5}[family] and opts["churn"] == 0.8
+    assert ("true_cfg_scale" in opts) == (family == "flux")
+    assert (opts["method"], opts["K"], opts["L"], opts["seed"], opts["dtype"]) == ("dgrs", 2, 2, 3, "float32")
+    assert rec["config"]["tree"].startswith("DraftTree(L=2")
+    # an existing output is never written into
+    again = run_diffusers(saved, family, out)
+    assert again.exit_code != 0 and "exists" in again.output
+
+
+def test_images_depend_on_the_seed_and_index_not_on_the_batch_size(saved, tmp_path):
+    a, b, c = tmp_path / "all", tmp_path / "one", tmp_path / "other"
+    assert run_diffusers(saved, "sd3", a).exit_code == 0
+    assert run_diffusers(saved, "sd3", b, "--batch-size", 1).exit_code == 0
+    assert run_diffusers(saved, "sd3", c, "--seed", 1).exit_code == 0
+    ra, rb = (json.loads((p / "run.json").read_text()) for p in (a, b))
+    assert ra["nfe"] == rb["nfe"] and rb["options"]["batch_size"] == 1
+    for name in pngs(a):
+        assert np.abs(pixels(a / name) - pixels(b / name)).max() <= 1
+    assert any(np.abs(pixels(a / n) - pixels(c / n)).max() > 1 for n in pngs(a))
+
+
+def test_standard_method_takes_one_call_per_step_and_flux_true_cfg_runs(saved, tmp_path):
+    res = run_diffusers(saved, "flux", tmp_path / "std", "--method", "standard")
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "std" / "run.json").read_text())["nfe"] == [STEPS, STEPS]
+    cfg = ["--true-cfg-scale", 3, "--negative-prompt", "", "--method", "rmc", "--L", 4]
+    res = run_diffusers(saved, "flux", tmp_path / "cfg", *cfg)
+    assert res.exit_code == 0, res.output
+    rec = json.loads((tmp_path / "cfg" / "run.json").read_text())
+    assert rec["config"]["true_cfg_scale"] == 3.0 and rec["config"]["coupling"] == "rmc"
+    assert rec["options"]["negative_prompt"] == "" and rec["nfe_mean"] < STEPS
+    # Flux's true CFG needs a negative prompt: the library's error, as a clean CLI error
+    res = run_diffusers(saved, "flux", tmp_path / "no-negative", "--true-cfg-scale", 3)
+    assert res.exit_code == 1 and "negative_prompt" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "no-negative").exists() and not list(tmp_path.glob(".no-negative*"))
+
+
+def test_an_option_the_family_does_not_take_is_refused_naming_the_family(saved, tmp_path):
+    res = run_diffusers(saved, "sd3", tmp_path / "x", "--true-cfg-scale", 2)
+    assert res.exit_code == 1 and "--true-cfg-scale: not an option of the sd3 family's sample" in res.output
+    res = invoke(
+        "generate",
+        "diffusers",
+        "--pipeline",
+        saved["sd3"],
+        "--prompts",
+        saved["prompts"],
+        "--count",
+        1,
+        "--out",
+        tmp_path / "g",
+        "--true-cfg-scale",
+        2,
+    )
+    assert res.exit_code == 1 and "--true-cfg-scale: not an option of the sd3 family's prepare" in res.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "g").exists()
+
+
+def _bad_pipelines(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "AudioLDMPipeline"}))
+    return empty, other
+
+
+@pytest.mark.parametrize("command", ["diffusers", "generate", "tune"])
+def test_a_directory_without_model_index_or_of_another_class_is_a_clear_error(saved, tmp_path, command):
+    empty, other = _bad_pipelines(tmp_path)
+    for path, message in ((empty, "has no model_index.json"), (other, "'AudioLDMPipeline' is not supported")):
+        args = ["--pipeline", path, "--prompts", saved["prompts"]]
+        if command == "diffusers":
+            res = invoke("diffusers", *args, "--out", tmp_path / "out")
+        elif command == "generate":
+            res = invoke("generate", "diffusers", *args, "--count", 1, "--out", tmp_path / "out")
+        else:
+            res = invoke("tune", "--model", "diffusers", *args, "--out", tmp_path / "t.json")
+        assert res.exit_code == 1 and message in res.output and "Traceback" not in res.output, res.output
+        if path is other:
+            # the supported classes, from FAMILIES
+            for f in families.FAMILIES:
+                assert f"{f.pipeline_classes[0]} ({f.name})" in res.output
+        assert not (tmp_path / "out").exists() and not (tmp_path / "t.json").exists()
+
+
+# -- specforest generate diffusers -----------------------------------------------------------------------
+
+
+def _generate(saved, family, out, *extra, model="diffusers"):
+    flag = "--pipeline" if model == "diffusers" else "--model"
+    args = ["generate", model, flag, saved[family], "--prompts", saved["prompts"], "--steps", STEPS]
+    return invoke(*args, *SIZE, *CPU, "--device", "cpu", "--count", 3, "--seed", 4, "--out", out, *extra)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_generate_diffusers_records_the_family_and_saves_calls(saved, family, tmp_path):
+    out = tmp_path / "job"
+    res = _generate(saved, family, out, "--batch", 2)
+    assert res.exit_code == 0, res.output
+    assert pngs(out) == ["000000.png", "000001.png", "000002.png"]
+    meta = json.loads((tmp_path / "job.json").read_text())
+    opts = meta["options"]
+    assert opts["model"] == "diffusers" and opts["sampler"]["steps"] == STEPS
+    m = opts["model_options"]
+    assert m["family"] == family and m["pipeline"] == str(saved[family].resolve()) and m["prompts_sha256"]
+    assert m["options"]["guidance_scale"] == {"sd3": 7.0, "flux": 3.5}[family] and m["options"]["height"] == 16
+    assert len(meta["nfe"]) == 3 and meta["nfe_mean"] < STEPS
+    again = _generate(saved, family, out, "--batch", 2, "--resume")
+    assert again.exit_code == 0 and "nothing to do" in again.output
+
+
+def test_generate_diffusers_on_sd3_is_generate_sd3(saved, tmp_path):
+    """The sd3 job model is the sd3 family's: the same images from the same seed, whichever command."""
+    assert _generate(saved, "sd3", tmp_path / "a", "--batch", 3).exit_code == 0
+    assert _generate(saved, "sd3", tmp_path / "b", "--batch", 1, model="sd3").exit_code == 0
+    ma, mb = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert ma["nfe"] == mb["nfe"] and mb["options"]["model"] == "sd3"
+    for i in range(3):
+        assert np.abs(pixels(tmp_path / "a" / f"{i:06d}.png") - pixels(tmp_path / "b" / f"{i:06d}.png")).max() <= 1
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_prepare_is_the_chain_that_sample_runs(saved, family):
+    """A family's prepare (what generate samples) and its sample give the same latents from one generator."""
+    from specforest.experiments.pipelines import load_pipeline
+
+    pipe, fam = load_pipeline(saved[family], device="cpu", dtype="float32")
+    assert fam.name == family
+    kw = dict(num_inference_steps=6, height=16, width=16, max_sequence_length=SEQ)
+    captions = ["a photo of a cat", "a red car"]
+    ref = fam.sample(pipe, captions, generator=torch.Generator().manual_seed(2), output_type="latent", **kw)
+    parts = fam.prepare(pipe, captions, **kw)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn((2, *parts.latent_shape), generator=g) * parts.noise_scale
+    mine = specforest.sample(parts.velocity, x, sigmas=parts.sigmas, cond=parts.cond, generator=g, churn=0.8)
+    assert torch.equal(mine.samples, ref.latents)
+    assert len(parts.decode(mine.samples)) == 2
+
+
+# -- specforest tune --model diffusers -----------------------------------------------------------------
+
+
+def _tune(saved, family, path, *extra):
+    args = ["tune", "--model", "diffusers", "--pipeline", saved[family], "--prompts", saved["prompts"]]
+    # a memory limit of a few rows keeps the measured cost curve short
+    args += ["--steps", STEPS, *SIZE, *CPU, "--budget-max", 3, "--drafts", "velocity", "--max-memory-gb", 0.001]
+    args += ["--out", path]
+    return invoke(*args, *extra)
+
+
+@pytest.fixture(scope="module")
+def tuned(saved, tmp_path_factory):
+    """``tuned(family)``: the file ``tune --model diffusers`` wrote for the family's pipeline (tuned once)."""
+    files = {}
+
+    def get(family):
+        if family not in files:
+            path = tmp_path_factory.mktemp("tuned") / f"{family}.json"
+            res = _tune(saved, family, path)
+            assert res.exit_code == 0, res.output
+            assert "chosen:" in res.output
+            files[family] = path
+        return files[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_tune_diffusers_dispatches_to_the_family_and_its_file_runs(saved, tuned, family, tmp_path):
+    path = tuned(family)
+    data = json.loads(path.read_text())
+    made_for = data["tuned_for"]
+    assert made_for["model"] == "diffusers" and made_for["family"] == family and made_for["steps"] == STEPS
+    # not given: the family's defaults, not the SD3 paper's --guidance 7 and --shift 3 of 'tune'
+    assert made_for["guidance"] == {"sd3": 7.0, "flux": 3.5}[family] and made_for["shift"] is None
+    assert ("true_cfg_scale" in made_for) == (family == "flux")
+    run = run_diffusers(saved, family, tmp_path / "run", "--tune", path)
+    assert run.exit_code == 0, run.output
+    opts = json.loads((tmp_path / "run" / "run.json").read_text())["options"]
+    assert opts["tuned"] == data["label"] and opts["batch_size"] == 1 and opts["guidance_scale"] == made_for["guidance"]
+    gen = _generate(saved, family, tmp_path / "job", "--tune", path)
+    assert gen.exit_code == 0, gen.output
+
+
+def test_a_tune_file_of_another_family_or_run_is_refused(saved, tuned, tmp_path):
+    path = tuned("flux")
+    res = run_diffusers(saved, "sd3", tmp_path / "x", "--tune", path)
+    assert res.exit_code == 2 and "family sd3 here" in res.output and "flux in the file" in res.output
+    res = run_diffusers(saved, "flux", tmp_path / "y", "--tune", path, "--guidance", 5)
+    assert res.exit_code == 2 and "--guidance 5.0 here, 3.5 in the file" in res.output
+    res = run_diffusers(saved, "flux", tmp_path / "z", "--tune", path, "--K", 3)
+    assert res.exit_code == 2 and "--K cannot be given with --tune" in res.output
+    assert not any((tmp_path / n).exists() for n in "xyz")
+
+
+def test_a_family_without_a_tuner_or_prepare_says_so(saved, tmp_path, monkeypatch):
+    """What a new family (SDXL, before its tuner exists) gets: a clear error naming it, nothing written."""
+    untunable = tuple(dataclasses.replace(f, tune=None, prepare=None) for f in families.FAMILIES)
+    monkeypatch.setattr(families, "FAMILIES", untunable)
+    res = _tune(saved, "flux", tmp_path / "t.json")
+    assert res.exit_code == 1 and "the flux family (FluxPipeline) has no tune yet" in res.output
+    res = _generate(saved, "flux", tmp_path / "job")
+    assert res.exit_code == 1 and "the flux family (FluxPipeline) has no prepare yet" in res.output
+    assert not (tmp_path / "t.json").exists() and not (tmp_path / "job").exists()
+
+
+def test_help_documents_the_family_defaults():
+    res = invoke("diffusers", "--help")
+    assert res.exit_code == 0
+    text = " ".join(res.output.split())
+    for part in ("the family's: sd3 7.0, flux 3.5", "the family's: sd3 50, flux 28", "--pipeline", "--tune"):
+        assert part in text, part
+    for cmd in (("generate", "diffusers", "--help"), ("tune", "--help")):
+        res = invoke(*cmd)
+        assert res.exit_code == 0 and "diffusers" in res.output
