@@ -830,7 +830,9 @@ def test_generate_sd3_writes_one_png_per_index_whatever_the_batch(pipe, tmp_path
 # -- tuning --------------------------------------------------------------------------------------------
 
 
-def test_tune_measures_the_pipeline_and_its_choice_runs(pipe):
+def test_tune_measures_the_pipeline_and_its_choice_runs(pipe, monkeypatch):
+    # max_memory_gb bounds the whole process: take the test session's own memory out of it
+    monkeypatch.setattr(specforest.memory, "held_bytes", lambda device="cpu": 0)
     from specforest.latency import Tuned
 
     tuned = sd.tune(
@@ -852,7 +854,9 @@ def test_tune_measures_the_pipeline_and_its_choice_runs(pipe):
     assert res.latents.shape == (1, 4, 4, 4) and torch.isfinite(res.latents).all()
 
 
-def test_tune_forwards_the_samplers_options_and_its_choice_checks_the_run(pipe):
+def test_tune_forwards_the_samplers_options_and_its_choice_checks_the_run(pipe, monkeypatch):
+    # max_memory_gb bounds the whole process: take the test session's own memory out of it
+    monkeypatch.setattr(specforest.memory, "held_bytes", lambda device="cpu": 0)
     kw = dict(num_inference_steps=6, height=8, width=8, max_sequence_length=SEQ, budget_max=3)
     kw.update(drafts=("velocity",), calibration_images=1, max_memory_gb=1.0)
     for name, value in (("grid", "uniform"), ("max_rows", 4), ("steps", 6)):
