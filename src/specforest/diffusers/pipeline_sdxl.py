@@ -439,8 +439,13 @@ def encode_cond(pipe: Any, velocity: UNetVelocity, text: dict, *, micro: dict, c
 
     Returns:
         ``{name: (n, ...)}`` on ``velocity.device`` in the UNet's dtype, row ``j`` caption ``j``.
+
+    Raises:
+        ValueError / TypeError: on a ``clip_skip`` that is not an int ``>= 0``.
     """
     family = _family(pipe)
+    if clip_skip is not None:
+        clip_skip = _check_int("clip_skip", clip_skip, 0)
     device, cfg = velocity.device, velocity.branches == 2
     cak = velocity.prediction.cross_attention_kwargs
     lora_scale = None if cak is None else cak.get("scale")
@@ -670,8 +675,6 @@ def sample(
         )
     if max_memory_gb is not None:
         max_memory_gb = _check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
-    if clip_skip is not None:
-        clip_skip = _check_int("clip_skip", clip_skip, 0)
     text, n = _check_text(
         family,
         ucfg,
