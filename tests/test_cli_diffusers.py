@@ -1,8 +1,9 @@
 """The diffusers command line on tiny saved pipelines: ``specforest diffusers``, ``generate diffusers`` and
 ``tune --model diffusers`` for every family, the family read from ``model_index.json``.
 
-The pipelines are the tiny SD3 and Flux ones of ``test_diffusers_sd3`` and ``test_diffusers_flux``,
-written with ``save_pretrained`` so the commands load them from a directory as they would a download.
+The pipelines are the tiny SD3, Flux, SDXL and SD 1.5 ones of ``test_diffusers_sd3``,
+``test_diffusers_flux`` and ``test_diffusers_sdxl``, written with ``save_pretrained`` so the commands load
+them from a directory as they would a download.
 ``specforest sd3`` and ``generate sd3`` keep their own tests there.
 """
 
@@ -18,30 +19,51 @@ from click.testing import CliRunner
 from PIL import Image
 from test_diffusers_flux import build_tiny_flux
 from test_diffusers_sd3 import SEQ, build_tiny_pipeline
+from test_diffusers_sdxl import build_tiny_pipeline as build_tiny_unet_pipeline
 
 import specforest
+import specforest.memory
+from specforest import streams
 from specforest.cli import main
 from specforest.diffusers import families
 
-CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
-SIZE = ["--height", "16", "--width", "16", "--max-sequence-length", str(SEQ)]
+FAMILY_NAMES = ["sd3", "flux", "sdxl", "sd"]
+CLASSES = {
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "sdxl": "StableDiffusionXLPipeline",
+    "sd": "StableDiffusionPipeline",
+}
+# image side in pixels: the transformers' 2 x 2 latent patches need 16, the UNets' native size is 8
+SIDE = {"sd3": 16, "flux": 16, "sdxl": 8, "sd": 8}
+# the guidance a family's sample defaults to; SDXL and SD default to None there (the pipeline's own)
+GUIDANCE = {"sd3": 7.0, "flux": 3.5, "sdxl": 5.0, "sd": 7.5}
+DEFAULT_GUIDANCE = {"sd3": 7.0, "flux": 3.5, "sdxl": None, "sd": None}
 CPU = ["--dtype", "float32", "--no-progress"]
 STEPS = 10
 
 
+def size(family):
+    """The size options of a family: the UNet families have no T5 encoder (no --max-sequence-length)."""
+    side = ["--height", SIDE[family], "--width", SIDE[family]]
+    return side + (["--max-sequence-length", SEQ] if family in ("sd3", "flux") else [])
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """``{family: directory}`` of the two tiny pipelines, and a captions file."""
+    """``{family: directory}`` of the four tiny pipelines, and a captions file."""
     threads = torch.get_num_threads()
     # tiny matmuls on shared cores: one thread is many times faster than two contended ones
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("pipelines")
     build_tiny_pipeline(tmp).save_pretrained(str(tmp / "sd3"))
     build_tiny_flux().save_pretrained(str(tmp / "flux"))
+    for kind in ("sdxl", "sd"):
+        build_tiny_unet_pipeline(kind).save_pretrained(str(tmp / kind))
     prompts = tmp / "prompts.txt"
     prompts.write_text("a photo of a cat\n\na red car on the street\n")
     try:
-        yield {"sd3": tmp / "sd3", "flux": tmp / "flux", "prompts": prompts}
+        yield {**{f: tmp / f for f in FAMILY_NAMES}, "prompts": prompts}
     finally:
         torch.set_num_threads(threads)
 
@@ -52,7 +74,7 @@ def invoke(*args):
 
 def run_diffusers(saved, family, out, *extra):
     args = ["diffusers", "--pipeline", saved[family], "--prompts", saved["prompts"], "--steps", STEPS]
-    return invoke(*args, *SIZE, *CPU, "--device", "cpu", "--out", out, *extra)
+    return invoke(*args, *size(family), *CPU, "--device", "cpu", "--out", out, *extra)
 
 
 def pngs(folder):
@@ -66,7 +88,7 @@ def pixels(path):
 # -- specforest diffusers ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_diffusers_command_detects_the_family_and_makes_fewer_calls_than_steps(saved, family, tmp_path):
     out = tmp_path / "images"
     res = run_diffusers(saved, family, out, "--num-images-per-prompt", 2, "--json", "--seed", 3)
@@ -76,7 +98,8 @@ def test_diffusers_command_detects_the_family_and_makes_fewer_calls_than_steps(s
     assert rec["family"] == family and rec["pipeline_class"] == CLASSES[family]
     assert rec["config"]["num_inference_steps"] == STEPS and rec["steps"] == STEPS
     assert pngs(out) == [f"{i:06d}.png" for i in range(4)]
-    assert all(pixels(out / f"{i:06d}.png").shape == (16, 16, 3) for i in range(4))
+    side = SIDE[family]
+    assert all(pixels(out / f"{i:06d}.png").shape == (side, side, 3) for i in range(4))
     # captions i // 2, each image's NFE, fewer sequential transformer calls than steps
     assert rec["captions"] == ["a photo of a cat", "a red car on the street"]
     assert [im["prompt"] for im in rec["images"]] == ["a photo of a cat"] * 2 + ["a red car on the street"] * 2
@@ -85,8 +108,10 @@ def test_diffusers_command_detects_the_family_and_makes_fewer_calls_than_steps(s
     assert rec["wall_seconds"] > 0 and rec["specforest_version"] == specforest.__version__
     # the family's own defaults, taken from its sample's signature
     opts = rec["options"]
-    assert opts["guidance_scale"] == {"sd3": 7.0, "flux": 3.5}[family] and opts["churn"] == 0.8
+    assert opts["guidance_scale"] == DEFAULT_GUIDANCE[family] and opts["churn"] == 0.8
+    assert rec["config"]["guidance_scale"] == GUIDANCE[family]
     assert ("true_cfg_scale" in opts) == (family == "flux")
+    assert ("max_sequence_length" in opts) == (family in ("sd3", "flux"))
     assert (opts["method"], opts["K"], opts["L"], opts["seed"], opts["dtype"]) == ("dgrs", 2, 2, 3, "float32")
     assert rec["config"]["tree"].startswith("DraftTree(L=2")
     # an existing output is never written into
@@ -177,10 +202,10 @@ def test_a_directory_without_model_index_or_of_another_class_is_a_clear_error(sa
 def _generate(saved, family, out, *extra, model="diffusers"):
     flag = "--pipeline" if model == "diffusers" else "--model"
     args = ["generate", model, flag, saved[family], "--prompts", saved["prompts"], "--steps", STEPS]
-    return invoke(*args, *SIZE, *CPU, "--device", "cpu", "--count", 3, "--seed", 4, "--out", out, *extra)
+    return invoke(*args, *size(family), *CPU, "--device", "cpu", "--count", 3, "--seed", 4, "--out", out, *extra)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_generate_diffusers_records_the_family_and_saves_calls(saved, family, tmp_path):
     out = tmp_path / "job"
     res = _generate(saved, family, out, "--batch", 2)
@@ -191,7 +216,7 @@ def test_generate_diffusers_records_the_family_and_saves_calls(saved, family, tm
     assert opts["model"] == "diffusers" and opts["sampler"]["steps"] == STEPS
     m = opts["model_options"]
     assert m["family"] == family and m["pipeline"] == str(saved[family].resolve()) and m["prompts_sha256"]
-    assert m["options"]["guidance_scale"] == {"sd3": 7.0, "flux": 3.5}[family] and m["options"]["height"] == 16
+    assert m["options"]["guidance_scale"] == DEFAULT_GUIDANCE[family] and m["options"]["height"] == SIDE[family]
     assert len(meta["nfe"]) == 3 and meta["nfe_mean"] < STEPS
     again = _generate(saved, family, out, "--batch", 2, "--resume")
     assert again.exit_code == 0 and "nothing to do" in again.output
@@ -207,22 +232,74 @@ def test_generate_diffusers_on_sd3_is_generate_sd3(saved, tmp_path):
         assert np.abs(pixels(tmp_path / "a" / f"{i:06d}.png") - pixels(tmp_path / "b" / f"{i:06d}.png")).max() <= 1
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+def library_size(family):
+    kw = dict(height=SIDE[family], width=SIDE[family])
+    return {**kw, "max_sequence_length": SEQ} if family in ("sd3", "flux") else kw
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_prepare_is_the_chain_that_sample_runs(saved, family):
     """A family's prepare (what generate samples) and its sample give the same latents from one generator."""
     from specforest.experiments.pipelines import load_pipeline
 
     pipe, fam = load_pipeline(saved[family], device="cpu", dtype="float32")
     assert fam.name == family
-    kw = dict(num_inference_steps=6, height=16, width=16, max_sequence_length=SEQ)
+    kw = dict(num_inference_steps=6, **library_size(family))
     captions = ["a photo of a cat", "a red car"]
     ref = fam.sample(pipe, captions, generator=torch.Generator().manual_seed(2), output_type="latent", **kw)
     parts = fam.prepare(pipe, captions, **kw)
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn((2, *parts.latent_shape), generator=g) * parts.noise_scale
-    mine = specforest.sample(parts.velocity, x, sigmas=parts.sigmas, cond=parts.cond, generator=g, churn=0.8)
+
+    def chain(scale):
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn((2, *parts.latent_shape), generator=g) * scale
+        return specforest.sample(parts.velocity, x, sigmas=parts.sigmas, cond=parts.cond, generator=g, churn=0.8)
+
+    mine = chain(parts.noise_scale)
     assert torch.equal(mine.samples, ref.latents)
     assert len(parts.decode(mine.samples)) == 2
+    assert parts.config["guidance_scale"] == GUIDANCE[family] == ref.config["guidance_scale"]
+    if family in ("sdxl", "sd"):
+        # the VP grid starts below t = 1, from the scheduler's initial noise on the linear path: started
+        # from unit noise, as a flow-matching grid is, it is another chain
+        assert float(parts.sigmas[0]) == ref.config["first_sigma"] < 1 and 0 < parts.noise_scale < 1
+        assert not torch.allclose(chain(1.0).samples, ref.latents, atol=1e-2)
+    if family == "sdxl":
+        # the micro-conditioning and pooled embeddings, one row per caption, with their negatives
+        for key in ("time_ids", "negative_time_ids", "text_embeds", "negative_text_embeds"):
+            assert parts.cond[key].shape[0] == 2, key
+        assert parts.cond["time_ids"][0].tolist() == [8.0, 8.0, 0.0, 0.0, 8.0, 8.0]
+        assert parts.config["original_size"] == (8, 8)
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd"])
+def test_generate_diffusers_images_are_the_prepared_chain_from_the_scheduler_noise(saved, family, tmp_path):
+    """Image i of ``generate diffusers`` is prepare's standard chain from ``(seed, i)``'s noise scaled by
+    ``noise_scale`` (its own seeding: ``specforest diffusers`` draws image i from a generator instead)."""
+    from specforest.experiments.pipelines import load_pipeline
+
+    res = _generate(saved, family, tmp_path / "job", "--method", "standard", "--batch", 2)
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "job.json").read_text())
+    assert meta["nfe"] == [STEPS] * 3
+    pipe, fam = load_pipeline(saved[family], device="cpu", dtype="float32")
+    parts = fam.prepare(
+        pipe, ["a photo of a cat", "a red car on the street"], num_inference_steps=STEPS, **library_size(family)
+    )
+    idx = torch.arange(3)
+    cond = {k: v[idx % 2] for k, v in parts.cond.items()}  # caption i mod n
+
+    def images(scale):
+        x = scale * streams.randn(4, idx, parts.latent_shape)
+        churn = meta["options"]["sampler"]["churn"]
+        out = specforest.sample(
+            parts.velocity, x, sigmas=parts.sigmas, cond=cond, seed=4, sample_index=idx, churn=churn
+        )
+        return [np.asarray(im, dtype=np.int16) for im in parts.decode(out.samples)]
+
+    written = [pixels(tmp_path / "job" / f"{i:06d}.png") for i in range(3)]
+    assert all(np.abs(w - im).max() <= 1 for w, im in zip(written, images(parts.noise_scale), strict=True))
+    # a job that ignored noise_scale would start from unit noise: other images
+    assert any(np.abs(w - im).max() > 1 for w, im in zip(written, images(1.0), strict=True))
 
 
 # -- specforest tune --model diffusers -----------------------------------------------------------------
@@ -231,9 +308,12 @@ def test_prepare_is_the_chain_that_sample_runs(saved, family):
 def _tune(saved, family, path, *extra):
     args = ["tune", "--model", "diffusers", "--pipeline", saved[family], "--prompts", saved["prompts"]]
     # a memory limit of a few rows keeps the measured cost curve short
-    args += ["--steps", STEPS, *SIZE, *CPU, "--budget-max", 3, "--drafts", "velocity", "--max-memory-gb", 0.001]
+    args += ["--steps", STEPS, *size(family), *CPU, "--budget-max", 3, "--drafts", "velocity", "--max-memory-gb", 0.001]
     args += ["--out", path]
-    return invoke(*args, *extra)
+    # the process's own memory (which the limit bounds, and which drifts from call to call) taken out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(specforest.memory, "held_bytes", lambda device="cpu": 0)
+        return invoke(*args, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -253,15 +333,16 @@ def tuned(saved, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_tune_diffusers_dispatches_to_the_family_and_its_file_runs(saved, tuned, family, tmp_path):
     path = tuned(family)
     data = json.loads(path.read_text())
     made_for = data["tuned_for"]
     assert made_for["model"] == "diffusers" and made_for["family"] == family and made_for["steps"] == STEPS
     # not given: the family's defaults, not the SD3 paper's --guidance 7 and --shift 3 of 'tune'
-    assert made_for["guidance"] == {"sd3": 7.0, "flux": 3.5}[family] and made_for["shift"] is None
+    assert made_for["guidance"] == DEFAULT_GUIDANCE[family] and made_for.get("shift") is None
     assert ("true_cfg_scale" in made_for) == (family == "flux")
+    assert ("shift" in made_for) == (family in ("sd3", "flux"))
     run = run_diffusers(saved, family, tmp_path / "run", "--tune", path)
     assert run.exit_code == 0, run.output
     opts = json.loads((tmp_path / "run" / "run.json").read_text())["options"]

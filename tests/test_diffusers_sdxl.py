@@ -765,3 +765,63 @@ def test_a_tuned_configuration_is_checked_against_the_run(sd):
     assert res.latents.shape[0] == 2
     with pytest.raises(ValueError, match=r"steps 6 \(tuned for 5\); 4 images \(tuned for 2\)"):
         px.sample(sd, PROMPTS, num_inference_steps=6, num_images_per_prompt=2, **BASE, **tuned)
+
+
+# -- (h) tuning and the parts that generate samples -------------------------------------------------------
+
+
+def test_tune_sdxl_measures_the_unet_and_its_choice_runs(sdxl, sd, monkeypatch):
+    import specforest.memory
+    from specforest import diffusers as sdiff
+    from specforest.diffusers.prepared import prepare_sdxl
+    from specforest.latency import Tuned
+
+    # a limit of a few rows keeps the measured cost curve short; the process's own memory (which the
+    # limit bounds, and which drifts from call to call) taken out of the arithmetic
+    monkeypatch.setattr(specforest.memory, "held_bytes", lambda device="cpu": 0)
+    tuned = sdiff.tune_sdxl(
+        sdxl,
+        PROMPTS,
+        num_inference_steps=8,
+        height=8,
+        width=8,
+        budget_max=4,
+        drafts=("velocity",),
+        calibration_images=2,
+        max_memory_gb=0.001,
+    )
+    assert isinstance(tuned, Tuned) and tuned.steps == 8 and tuned.batch == 1
+    assert tuned.predicted_seconds_per_image > 0 and {c["label"] for c in tuned.candidates} >= {"standard"}
+    res = px.sample(sdxl, PROMPTS[0], num_inference_steps=8, generator=gen(5), **BASE, **tuned)
+    assert res.latents.shape == (1, 4, 4, 4) and torch.isfinite(res.latents).all()
+    # the tuned run is checked: other steps or churn are refused, listing both
+    with pytest.raises(ValueError, match=r"steps 6 \(tuned for 8\).*churn 0.5"):
+        px.sample(sdxl, PROMPTS[0], num_inference_steps=6, churn=0.5, **BASE, **tuned)
+    # both UNet families tune and prepare through these; SD3's tuner points to this one
+    for pipe in (sdxl, sd):
+        fam = sdiff.family_of(pipe)
+        assert fam.tune is sdiff.tune_sdxl and fam.prepare is prepare_sdxl
+    with pytest.raises(TypeError, match="tune_sdxl"):
+        sdiff.tune(sd, PROMPTS, num_inference_steps=4)
+    with pytest.raises(ValueError, match="batch"):
+        sdiff.tune_sdxl(sd, PROMPTS, batch=0)
+
+
+def test_prepare_sdxl_refuses_bad_input_naming_it(sdxl, sd):
+    from specforest.diffusers.prepared import prepare_sdxl
+
+    kw = dict(num_inference_steps=3, height=8, width=8)
+    with pytest.raises(ValueError, match="micro-conditioning"):
+        prepare_sdxl(sd, PROMPTS, original_size=(8, 8), **kw)
+    with pytest.raises(ValueError, match="original_size must be a pair"):
+        prepare_sdxl(sdxl, PROMPTS, original_size=(8,), **kw)
+    with pytest.raises(ValueError, match="height must be divisible by vae_scale_factor = 2"):
+        prepare_sdxl(sdxl, PROMPTS, num_inference_steps=3, height=9, width=8)
+    with pytest.raises(TypeError, match="prompts must be a caption"):
+        prepare_sdxl(sdxl, [], **kw)
+    with pytest.raises(TypeError, match="negative_prompt must be a str"):
+        prepare_sdxl(sdxl, PROMPTS, negative_prompt=3, **kw)
+    with pytest.raises(ValueError, match="clip_skip"):
+        prepare_sdxl(sd, PROMPTS, clip_skip=-1, **kw)
+    with pytest.raises(TypeError, match="StableDiffusionXLPipeline or a StableDiffusionPipeline"):
+        prepare_sdxl(object(), PROMPTS, **kw)

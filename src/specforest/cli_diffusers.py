@@ -158,7 +158,7 @@ def family_pipeline_options(*, device: bool = True):
             type=click.IntRange(1),
             default=None,
             show_default="the pipeline's native size",
-            help="Image height in pixels (>= 1; divisible as the family requires, 16 for SD3 and Flux).",
+            help="Image height in pixels (>= 1; divisible as the family requires: 16 for SD3 and Flux, 8 for SDXL and SD).",
         ),
         click.option(
             "--width",

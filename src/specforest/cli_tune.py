@@ -120,7 +120,7 @@ def _tune_diffusers(o: dict, drafts: list):
     "--model",
     type=click.Choice(["gmm", "digits", "sd3", "diffusers"]),
     required=True,
-    help="The target to tune for (diffusers: a pipeline of any family with a tuner, read from --pipeline).",
+    help="The target to tune for (diffusers: a pipeline of any family, read from --pipeline).",
 )
 @click.option(
     "--steps",
@@ -186,7 +186,7 @@ def tune(**o) -> None:
     --model sd3 tunes a local StableDiffusion3Pipeline (--pipeline DIR) on the
     captions of --prompts FILE: its transformer with classifier-free guidance
     on its scheduler's grid (by default the paper's run, as 'specforest sd3').
-    --model diffusers tunes a pipeline of any family that has a tuner (sd3, flux),
+    --model diffusers tunes a pipeline of any family (sd3, flux, sdxl, sd),
     read from DIR/model_index.json, for 'specforest diffusers' and 'generate
     diffusers': the family options not given (--steps, --churn, --guidance,
     --shift, --height, ...) are the family's own defaults, not the SD3 paper's.

@@ -19,9 +19,10 @@ One entry point, a module per family:
   ``v(x, sigma, **cond)``, the library's model contract.
 * :mod:`~specforest.diffusers.grid`: :func:`scheduler_sigmas` rebuilds the
   scheduler's grid as data, without touching the pipeline's scheduler.
-* :mod:`~specforest.diffusers.tuning`: :func:`tune` (SD3) and :func:`tune_flux`
-  pick the fastest exact configuration of a pipeline on this device
-  (:func:`specforest.latency.tune` on its transformer and scheduler grid).
+* :mod:`~specforest.diffusers.tuning`: :func:`tune` (SD3), :func:`tune_flux` and
+  :func:`tune_sdxl` (SDXL and SD) pick the fastest exact configuration of a
+  pipeline on this device (:func:`specforest.latency.tune` on its transformer
+  or UNet and its scheduler grid).
 * :mod:`~specforest.diffusers.prepared`: a family's ``prepare`` takes a pipeline
   apart (:class:`Prepared`: velocity, grid, per-caption conditioning, decoder)
   for jobs that sample index by index (``specforest generate diffusers``).
@@ -46,7 +47,7 @@ from .pipeline_flux import FluxResult, FluxVelocity, is_flux
 from .pipeline_sd3 import OUTPUT_TYPES, SD3Result
 from .pipeline_sdxl import is_sd, is_sdxl
 from .prepared import Prepared
-from .tuning import tune, tune_flux
+from .tuning import tune, tune_flux, tune_sdxl
 
 __all__ = [
     "FAMILIES",
@@ -69,4 +70,5 @@ __all__ = [
     "transformer_row_bytes",
     "tune",
     "tune_flux",
+    "tune_sdxl",
 ]

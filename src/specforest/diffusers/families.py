@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import pipeline_flux, pipeline_sd3, pipeline_sdxl, tuning
-from .prepared import prepare_flux, prepare_sd3
+from .prepared import prepare_flux, prepare_sd3, prepare_sdxl
 
 __all__ = [
     "FAMILIES",
@@ -90,8 +90,22 @@ FAMILIES: tuple[Family, ...] = (
         tune=tuning.tune_flux,
         prepare=prepare_flux,
     ),
-    Family("sdxl", ("StableDiffusionXLPipeline",), pipeline_sdxl.is_sdxl, pipeline_sdxl.sample),
-    Family("sd", ("StableDiffusionPipeline",), pipeline_sdxl.is_sd, pipeline_sdxl.sample),
+    Family(
+        "sdxl",
+        ("StableDiffusionXLPipeline",),
+        pipeline_sdxl.is_sdxl,
+        pipeline_sdxl.sample,
+        tune=tuning.tune_sdxl,
+        prepare=prepare_sdxl,
+    ),
+    Family(
+        "sd",
+        ("StableDiffusionPipeline",),
+        pipeline_sdxl.is_sd,
+        pipeline_sdxl.sample,
+        tune=tuning.tune_sdxl,
+        prepare=prepare_sdxl,
+    ),
 )
 
 

@@ -43,7 +43,17 @@ from .flow_matching import module_dtype_device
 from .pipeline_sd3 import OUTPUT_TYPES, SD3Result, _check_embeds, _initial_latents, _plan_memory
 from .unet import PREDICTION_TYPES, UNetVelocity, VPSchedule, vp_schedule
 
-__all__ = ["decode", "is_sd", "is_sdxl", "sample", "unet_row_bytes"]
+__all__ = [
+    "decode",
+    "encode_cond",
+    "is_sd",
+    "is_sdxl",
+    "micro_conditioning",
+    "row_bytes_of",
+    "sample",
+    "unet_row_bytes",
+    "velocity_and_grid",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +203,22 @@ def _str_list(name: str, value: Any, n: Optional[int]) -> Optional[list[str]]:
     return list(vals)
 
 
-def _check_text(family: str, ucfg: Mapping, **kw: Any) -> tuple[dict, int]:
-    """Validate the text inputs; return what ``encode_prompt`` gets and the number of captions ``n``."""
+_TEXT_INPUTS = (
+    "prompt",
+    "prompt_2",
+    "prompt_embeds",
+    "negative_prompt",
+    "negative_prompt_2",
+    "negative_prompt_embeds",
+    "pooled_prompt_embeds",
+    "negative_pooled_prompt_embeds",
+)
+
+
+def _check_text(family: str, ucfg: Mapping, **given: Any) -> tuple[dict, int]:
+    """Validate the text inputs of :func:`sample` (by name; absent: ``None``); return what
+    ``encode_prompt`` gets and the number of captions ``n``."""
+    kw = {k: given.get(k) for k in _TEXT_INPUTS}
     sdxl = family == "sdxl"
     prompt, pe = kw["prompt"], kw["prompt_embeds"]
     npe, ppe, nppe = kw["negative_prompt_embeds"], kw["pooled_prompt_embeds"], kw["negative_pooled_prompt_embeds"]
@@ -297,6 +321,182 @@ def _time_ids(pipe: Any, pooled: torch.Tensor, dtype: torch.dtype, **sizes: Any)
     else:
         neg = pos
     return pos, neg
+
+
+def _guidance(family: str, guidance_scale: Optional[float]) -> float:
+    """The guidance scale ``g >= 0``; ``None``: the pipeline's own default."""
+    return _check_number("guidance_scale", _DEFAULT_GUIDANCE[family] if guidance_scale is None else guidance_scale, 0.0)
+
+
+def velocity_and_grid(
+    pipe: Any,
+    *,
+    num_inference_steps: int,
+    guidance_scale: Optional[float] = None,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    cross_attention_kwargs: Optional[dict] = None,
+) -> "tuple[UNetVelocity, VPSchedule, tuple, torch.device]":
+    """What :func:`specforest.sample` needs of an SDXL / SD pipeline: the velocity, the grid, the latents' shape.
+
+    Args:
+        pipe: a ``StableDiffusionXLPipeline`` or ``StableDiffusionPipeline``.
+        num_inference_steps: grid steps ``T >= 1``.
+        guidance_scale: classifier-free guidance ``g >= 0`` (``None``: the pipeline's, SDXL 5.0, SD 7.5).
+        height, width: image size in pixels, divisible by ``vae_scale_factor``
+            (default: the UNet's ``sample_size x vae_scale_factor``).
+        cross_attention_kwargs: passed to the UNet.
+
+    Returns:
+        ``(velocity, schedule, latent_shape (C, h, w), device)``: the
+        :class:`~specforest.diffusers.unet.UNetVelocity` (its ``image_size`` is ``(height,
+        width)``), the :class:`~specforest.diffusers.unet.VPSchedule` (the grid
+        ``schedule.sigmas`` starts below 1; the initial state is ``schedule.latent_scale x
+        N(0, I)``), one image's latent shape and where the UNet's inputs go.
+
+    Raises:
+        ValueError / TypeError: naming the parameter, or the supported pipelines.
+    """
+    family = _family(pipe)
+    ucfg = _check_pipeline(pipe, family)
+    steps = _check_int("num_inference_steps", num_inference_steps, 1)
+    guidance = _guidance(family, guidance_scale)
+    vsf = int(getattr(pipe, "vae_scale_factor", 2 ** (len(pipe.vae.config.block_out_channels) - 1)))
+    sample_size = ucfg.get("sample_size", 64)
+    sample_size = sample_size[0] if isinstance(sample_size, (list, tuple)) else int(sample_size)
+    height = sample_size * vsf if height is None else _check_int("height", height, 1)
+    width = sample_size * vsf if width is None else _check_int("width", width, 1)
+    for name, v in (("height", height), ("width", width)):
+        if v % vsf:
+            raise ValueError(
+                f"{name} must be divisible by vae_scale_factor = {vsf}, got {v} (nearest below: {v - v % vsf or vsf})"
+            )
+    latent_shape = (int(ucfg.get("in_channels", 4)), height // vsf, width // vsf)
+    schedule = vp_schedule(pipe.scheduler, steps)
+    device = getattr(pipe, "_execution_device", None)
+    _, u_device = module_dtype_device(pipe.unet)
+    device = torch.device(device) if device is not None else u_device
+    velocity = UNetVelocity(
+        pipe.unet,
+        schedule.alphas_cumprod,
+        prediction_type=pipe.scheduler.config.get("prediction_type", "epsilon"),
+        guidance_scale=guidance,
+        device=device,
+        cross_attention_kwargs=cross_attention_kwargs,
+    )
+    velocity.image_size = (height, width)
+    return velocity, schedule, latent_shape, device
+
+
+def micro_conditioning(
+    pipe: Any,
+    height: int,
+    width: int,
+    *,
+    original_size: Optional[tuple[int, int]] = None,
+    crops_coords_top_left: tuple[int, int] = (0, 0),
+    target_size: Optional[tuple[int, int]] = None,
+    negative_original_size: Optional[tuple[int, int]] = None,
+    negative_crops_coords_top_left: tuple[int, int] = (0, 0),
+    negative_target_size: Optional[tuple[int, int]] = None,
+) -> dict:
+    """SDXL's micro-conditioning with its defaults filled in (``original_size`` and ``target_size``:
+    ``(height, width)``); ``{}`` for an SD pipeline, which has none.
+
+    Raises:
+        ValueError: on a value that is not a pair of ints ``>= 0``, or on any of them given for SD.
+    """
+    micro = dict(
+        original_size=original_size,
+        crops_coords_top_left=crops_coords_top_left,
+        target_size=target_size,
+        negative_original_size=negative_original_size,
+        negative_crops_coords_top_left=negative_crops_coords_top_left,
+        negative_target_size=negative_target_size,
+    )
+    if _family(pipe) == "sd":
+        given = [k for k, v in micro.items() if v is not None and v != (0, 0)]
+        if given:
+            raise ValueError(f"{', '.join(given)} are SDXL's micro-conditioning; a StableDiffusionPipeline has none")
+        return {}
+    defaults = {"original_size": (height, width), "target_size": (height, width)}
+    return {k: _size(k, v, defaults.get(k)) for k, v in micro.items()}
+
+
+def encode_cond(pipe: Any, velocity: UNetVelocity, text: dict, *, micro: dict, clip_skip: Optional[int] = None) -> dict:
+    """The conditioning ``velocity`` reads, one row per caption, as the pipeline encodes it.
+
+    The pipeline's own ``encode_prompt`` (the negatives with guidance only, the LoRA
+    scale from the velocity's ``cross_attention_kwargs``); for SDXL the pooled
+    embeddings and the time ids of ``micro`` as per-row ``text_embeds`` and ``time_ids``.
+
+    Args:
+        pipe: the pipeline ``velocity`` was made from (:func:`velocity_and_grid`).
+        velocity: its velocity.
+        text: the checked text inputs, what ``encode_prompt`` gets (``_check_text``).
+        micro: SDXL's micro-conditioning (:func:`micro_conditioning`; ``{}`` for SD).
+        clip_skip: text encoder layers to skip.
+
+    Returns:
+        ``{name: (n, ...)}`` on ``velocity.device`` in the UNet's dtype, row ``j`` caption ``j``.
+
+    Raises:
+        ValueError / TypeError: on a ``clip_skip`` that is not an int ``>= 0``.
+    """
+    family = _family(pipe)
+    if clip_skip is not None:
+        clip_skip = _check_int("clip_skip", clip_skip, 0)
+    device, cfg = velocity.device, velocity.branches == 2
+    cak = velocity.prediction.cross_attention_kwargs
+    lora_scale = None if cak is None else cak.get("scale")
+    with torch.no_grad():
+        if family == "sdxl":
+            pe, npe, ppe, nppe = pipe.encode_prompt(
+                device=device,
+                num_images_per_prompt=1,
+                do_classifier_free_guidance=cfg,
+                lora_scale=lora_scale,
+                clip_skip=clip_skip,
+                **text,
+            )
+        else:
+            pe, npe = pipe.encode_prompt(
+                text["prompt"],
+                device,
+                1,
+                cfg,
+                text["negative_prompt"],
+                prompt_embeds=text["prompt_embeds"],
+                negative_prompt_embeds=text["negative_prompt_embeds"],
+                lora_scale=lora_scale,
+                clip_skip=clip_skip,
+            )
+    n = pe.shape[0]
+    conds = {"encoder_hidden_states": pe}
+    if cfg:
+        conds["negative_encoder_hidden_states"] = npe
+    if family == "sdxl":
+        ids, neg_ids = _time_ids(pipe, ppe, pe.dtype, **micro)
+        conds["text_embeds"] = ppe
+        conds["time_ids"] = ids.expand(n, -1)
+        if cfg:
+            conds["negative_text_embeds"] = nppe
+            conds["negative_time_ids"] = neg_ids.expand(n, -1)
+    return {k: v.to(device, velocity.dtype) for k, v in conds.items()}
+
+
+def row_bytes_of(pipe: Any, velocity: UNetVelocity, latent_shape: tuple, cond: dict) -> int:
+    """Bytes one sampler row adds inside a UNet call (:func:`unet_row_bytes`) with the per-row
+    conditioning ``cond`` (:func:`encode_cond`)."""
+    return unet_row_bytes(
+        pipe.unet.config,
+        latent_hw=tuple(latent_shape[1:]),
+        text_tokens=cond["encoder_hidden_states"].shape[1],
+        branches=velocity.branches,
+        dtype=velocity.dtype,
+        cond_numel=sum(v[0].numel() for k, v in cond.items() if not k.startswith("negative_")),
+        latent_numel=math.prod(latent_shape),
+    )
 
 
 def decode(pipe: Any, latents: torch.Tensor, output_type: str = "pil", batch: Optional[int] = None) -> tuple:
@@ -456,8 +656,7 @@ def sample(
     family = _family(pipe)
     ucfg = _check_pipeline(pipe, family)
     steps = _check_int("num_inference_steps", num_inference_steps, 1)
-    guidance = _DEFAULT_GUIDANCE[family] if guidance_scale is None else guidance_scale
-    guidance = _check_number("guidance_scale", guidance, 0.0)
+    guidance = _guidance(family, guidance_scale)
     churn = _check_number("churn", churn, 0.0, 1.0, lo_open=True)
     n_img = _check_int("num_images_per_prompt", num_images_per_prompt, 1)
     if output_type not in OUTPUT_TYPES:
@@ -476,22 +675,6 @@ def sample(
         )
     if max_memory_gb is not None:
         max_memory_gb = _check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
-    if clip_skip is not None:
-        clip_skip = _check_int("clip_skip", clip_skip, 0)
-    if cross_attention_kwargs is not None and not isinstance(cross_attention_kwargs, dict):
-        raise TypeError(f"cross_attention_kwargs must be a dict or None, got {type(cross_attention_kwargs).__name__}")
-    micro = dict(
-        original_size=original_size,
-        crops_coords_top_left=crops_coords_top_left,
-        target_size=target_size,
-        negative_original_size=negative_original_size,
-        negative_crops_coords_top_left=negative_crops_coords_top_left,
-        negative_target_size=negative_target_size,
-    )
-    if family == "sd":
-        given = [k for k, v in micro.items() if v is not None and v != (0, 0)]
-        if given:
-            raise ValueError(f"{', '.join(given)} are SDXL's micro-conditioning; a StableDiffusionPipeline has none")
     text, n = _check_text(
         family,
         ucfg,
@@ -507,76 +690,33 @@ def sample(
     check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=n * n_img, batch_name="images")
     tree = make_tree(K, L, coupling=coupling, tree=tree, steps=steps)
 
-    # -- sizes and grid -------------------------------------------------------------------
-    vsf = int(getattr(pipe, "vae_scale_factor", 2 ** (len(pipe.vae.config.block_out_channels) - 1)))
-    sample_size = ucfg.get("sample_size", 64)
-    sample_size = sample_size[0] if isinstance(sample_size, (list, tuple)) else int(sample_size)
-    height = sample_size * vsf if height is None else _check_int("height", height, 1)
-    width = sample_size * vsf if width is None else _check_int("width", width, 1)
-    for name, v in (("height", height), ("width", width)):
-        if v % vsf:
-            raise ValueError(
-                f"{name} must be divisible by vae_scale_factor = {vsf}, got {v} (nearest below: {v - v % vsf or vsf})"
-            )
-    if family == "sdxl":
-        for key in ("original_size", "target_size", "negative_original_size", "negative_target_size"):
-            micro[key] = _size(key, micro[key], (height, width) if key in ("original_size", "target_size") else None)
-        for key in ("crops_coords_top_left", "negative_crops_coords_top_left"):
-            micro[key] = _size(key, micro[key], (0, 0))
-    h, w = height // vsf, width // vsf
-    latent_shape = (int(ucfg.get("in_channels", 4)), h, w)
-    schedule: VPSchedule = vp_schedule(pipe.scheduler, steps)
-    prediction_type = pipe.scheduler.config.get("prediction_type", "epsilon")
-
-    device = getattr(pipe, "_execution_device", None)
-    u_dtype, u_device = module_dtype_device(pipe.unet)
-    device = torch.device(device) if device is not None else u_device
-    velocity = UNetVelocity(
-        pipe.unet,
-        schedule.alphas_cumprod,
-        prediction_type=prediction_type,
+    # -- velocity, grid and conditioning: the calls prepared.prepare_sdxl makes --------------------
+    velocity, schedule, latent_shape, device = velocity_and_grid(
+        pipe,
+        num_inference_steps=steps,
         guidance_scale=guidance,
-        device=device,
+        height=height,
+        width=width,
         cross_attention_kwargs=cross_attention_kwargs,
     )
-    cfg = velocity.branches == 2
-
-    # -- text -------------------------------------------------------------------------------
-    lora_scale = None if cross_attention_kwargs is None else cross_attention_kwargs.get("scale")
-    with torch.no_grad():
-        if family == "sdxl":
-            pe, npe, ppe, nppe = pipe.encode_prompt(
-                device=device,
-                num_images_per_prompt=1,
-                do_classifier_free_guidance=cfg,
-                lora_scale=lora_scale,
-                clip_skip=clip_skip,
-                **text,
-            )
-        else:
-            pe, npe = pipe.encode_prompt(
-                text["prompt"],
-                device,
-                1,
-                cfg,
-                text["negative_prompt"],
-                prompt_embeds=text["prompt_embeds"],
-                negative_prompt_embeds=text["negative_prompt_embeds"],
-                lora_scale=lora_scale,
-                clip_skip=clip_skip,
-            )
-    conds = {"encoder_hidden_states": pe}
-    if cfg:
-        conds["negative_encoder_hidden_states"] = npe
-    if family == "sdxl":
-        ids, neg_ids = _time_ids(pipe, ppe, pe.dtype, **micro)
-        conds["text_embeds"] = ppe
-        conds["time_ids"] = ids.expand(n, -1)
-        if cfg:
-            conds["negative_text_embeds"] = nppe
-            conds["negative_time_ids"] = neg_ids.expand(n, -1)
+    height, width = velocity.image_size
+    micro = micro_conditioning(
+        pipe,
+        height,
+        width,
+        original_size=original_size,
+        crops_coords_top_left=crops_coords_top_left,
+        target_size=target_size,
+        negative_original_size=negative_original_size,
+        negative_crops_coords_top_left=negative_crops_coords_top_left,
+        negative_target_size=negative_target_size,
+    )
+    u_dtype = velocity.dtype
     # one row per trajectory: each caption's rows repeated consecutively, as diffusers repeats them
-    cond = {k: v.to(device, u_dtype).repeat_interleave(n_img, dim=0) for k, v in conds.items()}
+    cond = {
+        k: v.repeat_interleave(n_img, dim=0)
+        for k, v in encode_cond(pipe, velocity, text, micro=micro, clip_skip=clip_skip).items()
+    }
     B = n * n_img
     if isinstance(generator, (list, tuple)) and len(generator) != B:
         raise ValueError(
@@ -585,18 +725,6 @@ def sample(
         )
 
     # -- memory -------------------------------------------------------------------------------
-    D = math.prod(latent_shape)
-    cond_numel = sum(v[0].numel() for k, v in cond.items() if not k.startswith("negative_"))
-    u_bytes = torch.empty((), dtype=u_dtype).element_size()
-    row_bytes = unet_row_bytes(
-        ucfg,
-        latent_hw=(h, w),
-        text_tokens=pe.shape[1],
-        branches=velocity.branches,
-        dtype=u_dtype,
-        cond_numel=cond_numel,
-        latent_numel=D,
-    )
     memory, decode_batch = _plan_memory(
         pipe,
         max_memory_gb=max_memory_gb,
@@ -610,8 +738,8 @@ def sample(
         verify=verify,
         lazy=lazy,
         steps=steps,
-        row_bytes=row_bytes,
-        cond_bytes=velocity.branches * cond_numel * u_bytes,
+        row_bytes=row_bytes_of(pipe, velocity, latent_shape, cond),
+        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
     )
 
     # -- sampling: from the scheduler's initial noise, x_lin = x_VE / (1 + s_0) ----------------------
@@ -651,7 +779,7 @@ def sample(
         out.config,
         family=family,
         scheduler=schedule.scheduler,
-        prediction_type=prediction_type,
+        prediction_type=velocity.prediction_type,
         first_timestep=float(schedule.timesteps[0]),
         first_sigma=float(schedule.sigmas[0]),
         init_noise_sigma=schedule.init_noise_sigma,
@@ -669,8 +797,7 @@ def sample(
         unet_dtype=str(u_dtype).replace("torch.", ""),
         device=str(device),
     )
-    if family == "sdxl":
-        config.update(micro)
+    config.update(micro)
     if nsfw is not None:
         config["nsfw_content_detected"] = nsfw
     return SD3Result(images=images, latents=latents, stats=out.stats, memory=memory, config=config)

@@ -22,8 +22,9 @@ import torch
 from ..validation import check_int
 from . import pipeline_flux as _flux
 from . import pipeline_sd3 as _sd3
+from . import pipeline_sdxl as _sdxl
 
-__all__ = ["Prepared", "prepare_flux", "prepare_sd3"]
+__all__ = ["Prepared", "prepare_flux", "prepare_sd3", "prepare_sdxl"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class Prepared:
         cond: per-caption conditioning, ``(n, ...)`` tensors (row ``j``: caption ``j``).
         decode: ``decode(latents (B, C, h, w)) -> list of B PIL images``, as the pipeline decodes.
         noise_scale: the initial state is ``noise_scale x N(0, I)`` (1 for flow matching, where the
-            grid starts at ``sigma = 1``).
+            grid starts at ``sigma = 1``; for a VP UNet, whose grid starts at ``t_0 < 1``, the
+            scheduler's initial noise on the linear path, ``init_noise_sigma / (1 + s_0)``).
         config: the resolved options (image size, guidance, ...), for the record.
     """
 
@@ -210,5 +212,95 @@ def prepare_flux(
             width=width,
             shift=shift,
             dynamic_shift=bool(pipe.scheduler.config.get("use_dynamic_shifting", False)) and shift is None,
+        ),
+    )
+
+
+def prepare_sdxl(
+    pipe: Any,
+    prompts: "str | Sequence[str]",
+    *,
+    num_inference_steps: int = 50,
+    guidance_scale: Optional[float] = None,
+    negative_prompt: Optional[str] = None,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    original_size: Optional[tuple[int, int]] = None,
+    crops_coords_top_left: tuple[int, int] = (0, 0),
+    target_size: Optional[tuple[int, int]] = None,
+    negative_original_size: Optional[tuple[int, int]] = None,
+    negative_crops_coords_top_left: tuple[int, int] = (0, 0),
+    negative_target_size: Optional[tuple[int, int]] = None,
+    clip_skip: Optional[int] = None,
+) -> Prepared:
+    """The parts of a ``StableDiffusionXLPipeline`` or ``StableDiffusionPipeline`` run
+    (:func:`~specforest.diffusers.pipeline_sdxl.sample`'s UNet velocity, VP grid, text
+    encoding with SDXL's micro-conditioning, and decoding) for the captions ``prompts``.
+
+    The grid starts below ``t = 1``, where the scheduler starts: the initial state is
+    ``noise_scale x N(0, I)`` with ``noise_scale = init_noise_sigma / (1 + s_0)``, the
+    scheduler's initial noise on the linear path, as ``sample`` draws it.
+
+    Args:
+        pipe: a ``StableDiffusionXLPipeline`` or ``StableDiffusionPipeline``.
+        prompts: ``n`` captions.
+        negative_prompt: the unconditional branch's caption for every image (``None``: the
+            pipeline's, "" or SDXL's zero embeddings).
+        num_inference_steps, guidance_scale, height, width, original_size,
+            crops_coords_top_left, target_size, negative_original_size,
+            negative_crops_coords_top_left, negative_target_size, clip_skip: as in
+            :func:`~specforest.diffusers.pipeline_sdxl.sample` (``guidance_scale=None``: SDXL
+            5.0, SD 7.5).
+
+    Returns:
+        A :class:`Prepared`; its ``cond`` holds the text embeddings and, for SDXL, the pooled
+        ``text_embeds`` and ``time_ids`` of each caption (with their negatives under guidance).
+
+    Raises:
+        ValueError / TypeError: naming the parameter, or the supported pipelines.
+    """
+    prompts = _captions(prompts)
+    velocity, schedule, latent_shape, device = _sdxl.velocity_and_grid(
+        pipe,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        height=height,
+        width=width,
+    )
+    family = _sdxl._family(pipe)
+    text, _ = _sdxl._check_text(
+        family, pipe.unet.config, prompt=prompts, negative_prompt=_negatives(negative_prompt, len(prompts))
+    )
+    height, width = velocity.image_size
+    micro = _sdxl.micro_conditioning(
+        pipe,
+        height,
+        width,
+        original_size=original_size,
+        crops_coords_top_left=crops_coords_top_left,
+        target_size=target_size,
+        negative_original_size=negative_original_size,
+        negative_crops_coords_top_left=negative_crops_coords_top_left,
+        negative_target_size=negative_target_size,
+    )
+    return Prepared(
+        velocity=velocity,
+        sigmas=schedule.sigmas,
+        latent_shape=latent_shape,
+        device=device,
+        cond=_sdxl.encode_cond(pipe, velocity, text, micro=micro, clip_skip=clip_skip),
+        decode=lambda latents: _sdxl.decode(pipe, latents, "pil")[0],
+        noise_scale=schedule.latent_scale,
+        config=dict(
+            family=family,
+            num_inference_steps=schedule.steps,
+            guidance_scale=velocity.guidance_scale,
+            height=height,
+            width=width,
+            scheduler=schedule.scheduler,
+            prediction_type=velocity.prediction_type,
+            first_sigma=float(schedule.sigmas[0]),
+            init_noise_sigma=schedule.init_noise_sigma,
+            **micro,
         ),
     )

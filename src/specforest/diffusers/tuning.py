@@ -1,10 +1,13 @@
-"""The fastest exact configuration of an SD3 (:func:`tune`) or Flux (:func:`tune_flux`) pipeline here.
+"""The fastest exact configuration of an SD3 (:func:`tune`), Flux (:func:`tune_flux`) or SDXL / SD
+(:func:`tune_sdxl`) pipeline here.
 
-The pipeline's transformer (with classifier-free guidance, one batched call of
-both branches) is the target; its batch-cost curve, the acceptance of the
-captions' chains and the sampler's own time per round are measured as
+The pipeline's transformer or UNet (with classifier-free guidance, one batched
+call of both branches) is the target; its batch-cost curve, the acceptance of
+the captions' chains and the sampler's own time per round are measured as
 :func:`specforest.latency.tune` does for any velocity, on the pipeline's own
-scheduler grid (:func:`~specforest.diffusers.grid.scheduler_sigmas`). Calls
+scheduler grid (:func:`~specforest.diffusers.grid.scheduler_sigmas`,
+:func:`~specforest.diffusers.pipeline_flux.flux_sigmas`,
+:func:`~specforest.diffusers.unet.vp_schedule`). Calls
 larger than the memory limit allows are split, as in
 :func:`~specforest.diffusers.pipeline_sd3.sample`, and the cost curve is
 measured up to that size and extended linearly beyond.
@@ -25,10 +28,13 @@ from ..latency import tune as _tune
 from ..trees import chain
 from ..validation import check_int, check_number
 from . import pipeline_flux as _flux
+from . import pipeline_sdxl as _sdxl
 from .grid import scheduler_sigmas
 from .pipeline_sd3 import _check_pipeline, cond_from_embeds, encode_text, row_bytes_of, velocity_and_grid
+from .prepared import prepare_sdxl
+from .unet import vp_schedule
 
-__all__ = ["tune", "tune_flux"]
+__all__ = ["tune", "tune_flux", "tune_sdxl"]
 
 _SET_HERE = {
     "steps": "num_inference_steps",
@@ -91,6 +97,10 @@ def tune(
     """
     if _flux.is_flux(pipe):
         raise TypeError("pipe is a FluxPipeline: tune it with specforest.diffusers.tuning.tune_flux")
+    if _sdxl.is_sdxl(pipe) or _sdxl.is_sd(pipe):
+        raise TypeError(
+            f"pipe is a {type(pipe).__name__} (a UNet pipeline): tune it with specforest.diffusers.tuning.tune_sdxl"
+        )
     set_here = [k for k in options if k in _SET_HERE]
     if set_here:
         raise ValueError(
@@ -273,6 +283,102 @@ def tune_flux(
         steps=num_inference_steps,
         churn=churn,
         cond=cond,
+        batch=batch,
+        budget_max=budget_max,
+        drafts=drafts,
+        calibration_trajectories=calibration_images,
+        seed=seed,
+        progress=progress,
+        sigmas_for=sigmas_for,
+        max_rows=max_rows,
+    )
+
+
+def tune_sdxl(
+    pipe: Any,
+    prompt: "str | Sequence[str]",
+    *,
+    num_inference_steps: int = 50,
+    guidance_scale: Optional[float] = None,
+    negative_prompt: Optional[str] = None,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    churn: float = 0.8,
+    batch: int = 1,
+    budget_max: int = 62,
+    drafts: Sequence[str] = ("velocity", "x0"),
+    calibration_images: int = 4,
+    max_memory_gb: Optional[float] = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> Tuned:
+    """:func:`tune` for a ``StableDiffusionXLPipeline`` or ``StableDiffusionPipeline``: its UNet (one call
+    per round, both guidance branches in it) on the scheduler's VP grid
+    (:func:`~specforest.diffusers.unet.vp_schedule`), from the scheduler's initial noise.
+
+    The velocity, grid and conditioning are :func:`~specforest.diffusers.prepared.prepare_sdxl`'s, the
+    chain that :func:`~specforest.diffusers.pipeline_sdxl.sample` runs; the shorter timing runs use the
+    scheduler's grid of their own number of steps.
+
+    Args:
+        pipe: a ``StableDiffusionXLPipeline`` or ``StableDiffusionPipeline``.
+        prompt: captions to calibrate on (repeated to ``max(batch, calibration_images)`` images).
+        num_inference_steps, guidance_scale, height, width, churn: the run to tune for, as in
+            :func:`~specforest.diffusers.pipeline_sdxl.sample` (``guidance_scale=None``: SDXL 5.0, SD 7.5).
+        negative_prompt: the negative caption of every image (``None``: the pipeline's).
+        batch, budget_max, drafts, calibration_images, max_memory_gb, seed, progress: as in :func:`tune`.
+
+    Returns:
+        A :class:`~specforest.latency.Tuned`; ``pipeline_sdxl.sample(pipe, ..., **tuned)`` runs it and
+        checks the run's steps, churn and images against it.
+
+    Raises:
+        ValueError / TypeError: naming the parameter, or the supported pipelines.
+    """
+    batch = check_int("batch", batch, 1)
+    calibration_images = check_int("calibration_images", calibration_images, 1)
+    churn = check_number("churn", churn, 0.0, 1.0, lo_open=True)
+    n = max(batch, calibration_images)
+    parts = prepare_sdxl(
+        pipe,
+        _captions(prompt, n),
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        negative_prompt=negative_prompt,
+        height=height,
+        width=width,
+    )
+    if max_memory_gb is not None:
+        max_memory_gb = check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
+    limit, source, fixed = _memory.resolve_limit(max_memory_gb, parts.device, "max_memory_gb")
+    # the largest run the tuner times, as for SD3: the batch on a tree of budget_max
+    sized = _memory.estimate(
+        trajectories=batch,
+        state_numel=math.prod(parts.latent_shape),
+        tree=chain(budget_max),
+        verify="drafted",
+        steps=num_inference_steps,
+        row_bytes=_sdxl.row_bytes_of(pipe, parts.velocity, parts.latent_shape, parts.cond),
+        cond_bytes=sum(v[0].numel() * v.element_size() for v in parts.cond.values()),
+        fixed_bytes=fixed,
+        limit_bytes=limit,
+        limit_source=source,
+        device=parts.device,
+        chunked=False,
+    )
+    max_rows = sized.max_rows or sized.rows_per_call
+
+    def sigmas_for(steps: int) -> torch.Tensor:
+        return vp_schedule(pipe.scheduler, steps).sigmas
+
+    # the run's initial states: the scheduler's initial noise on the linear path
+    x = parts.noise_scale * streams.randn(seed, torch.arange(n), parts.latent_shape, device=parts.device)
+    return _tune(
+        parts.velocity,
+        x,
+        steps=num_inference_steps,
+        churn=churn,
+        cond=parts.cond,
         batch=batch,
         budget_max=budget_max,
         drafts=drafts,
