@@ -39,7 +39,9 @@ SIDE = {"sd3": 16, "flux": 16, "sdxl": 8, "sd": 8}
 # the guidance a family's sample defaults to; SDXL and SD default to None there (the pipeline's own)
 GUIDANCE = {"sd3": 7.0, "flux": 3.5, "sdxl": 5.0, "sd": 7.5}
 DEFAULT_GUIDANCE = {"sd3": 7.0, "flux": 3.5, "sdxl": None, "sd": None}
-CPU = ["--dtype", "float32", "--no-progress"]
+# the commands set torch's threads themselves (default: every CPU); tiny models on shared cores run
+# many times faster, and their timings swing far less, on one thread
+CPU = ["--dtype", "float32", "--no-progress", "--threads", "1"]
 STEPS = 10
 
 
