@@ -428,7 +428,9 @@ def _no_temporary_files(root: Path) -> bool:
     return not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("extra", [[], ["--tree-parallel"]], ids=["data-parallel", "tree-parallel"])
+@pytest.mark.parametrize(
+    "extra", [[], pytest.param(["--tree-parallel"], marks=pytest.mark.slow)], ids=["data-parallel", "tree-parallel"]
+)
 def test_a_merge_failure_on_rank_0_stops_every_rank_and_resumes(extra, faulty_cli, reference, tmp_path):
     out = tmp_path / "job.npz"
     args = ["generate", "gmm", *GMM, "--count", "40", "--batch", "6", *extra, "--out", str(out)]
@@ -470,6 +472,7 @@ def test_a_model_error_on_rank_1_stops_every_rank_and_resumes(extra, faulty_cli,
     assert meta["nfe"] == reference[1]["nfe"]
 
 
+@pytest.mark.slow
 def test_a_complete_job_has_nothing_to_do_and_loads_no_model(faulty_cli, tmp_path, monkeypatch):
     out = tmp_path / "job.npz"
     args = ["generate", "gmm", *GMM, "--count", "3", "--out", str(out)]

@@ -200,6 +200,7 @@ def _tensor_count() -> int:
         return sum(type(o) is torch.Tensor or type(o) is torch.nn.Parameter for o in gc.get_objects())
 
 
+@pytest.mark.slow
 def test_no_autograd_graph_and_flat_memory():
     net = _Net()
     assert net.lin.weight.requires_grad

@@ -122,6 +122,7 @@ GMM = ["gmm", "--threads", "1", "--no-progress", "--json", "--steps", "10"]
 PIXEL = ["pixel", "--threads", "1", "--no-progress", "--json", "--steps", "6", "--verify", "drafted"]
 
 
+@pytest.mark.slow
 def test_gmm_full_chunked_run_holds_and_the_old_model_does_not():
     argv = [*GMM, "--K", "6", "--L", "4", "--trajectories", "24", "--verify", "internal", "--memory-gb", "0.6"]
     run = _cli(argv)
@@ -133,6 +134,7 @@ def test_gmm_full_chunked_run_holds_and_the_old_model_does_not():
     assert wrong["peak"] > BOUND * 0.6e9
 
 
+@pytest.mark.slow
 def test_gmm_full_run_in_one_chunk_holds():
     run = _cli([*GMM, "--K", "4", "--L", "4", "--trajectories", "32", "--memory-gb", "1.0"])
     _holds(run, 1.0)
@@ -155,6 +157,7 @@ def test_pixel_run_holds_and_the_estimate_without_row_bytes_does_not():
     assert wrong["peak"] > BOUND * 0.5e9
 
 
+@pytest.mark.slow
 def test_tiny_sd3_pipeline_holds():
     run = _measure([sys.executable, "-c", _SD3_CHILD, json.dumps({"images": 8, "limit_gb": 0.8}), str(ROOT / "tests")])
     _holds(run, 0.8)
@@ -171,6 +174,7 @@ def test_generate_tree_parallel_holds(tmp_path):
     _holds(run, 0.6)
 
 
+@pytest.mark.slow
 def test_generate_holds_with_fewer_slots(tmp_path):
     args = ["generate", "gmm", "--K", "4", "--L", "4", "--count", "96", "--batch", "96", "--steps", "8"]
     run = _measure(
