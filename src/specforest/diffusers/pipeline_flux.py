@@ -42,15 +42,15 @@ from ..couplings import Coupling
 from ..planning import make_tree
 from ..sampler import TunedFor, check_tuned_for
 from ..sampler import sample as _engine_sample
-from ..trees import VERIFY_MODES, DraftTree
+from ..trees import DraftTree
 from ..validation import check_int as _check_int
 from ..validation import check_number as _check_number
 from .flow_matching import module_dtype_device
 from .grid import scheduler_sigmas
 from .pipeline_sd3 import (
-    OUTPUT_TYPES,
     SD3Result,
     _check_prompts,
+    _check_run_options,
     _initial_latents,
     _plan_memory,
     decode,
@@ -572,30 +572,21 @@ def sample(
     """
     _check_pipeline(pipe)
     tcfg = pipe.transformer.config
-    steps = _check_int("num_inference_steps", num_inference_steps, 1)
+    steps, churn, n_img, max_memory_gb = _check_run_options(
+        num_inference_steps=num_inference_steps,
+        churn=churn,
+        num_images_per_prompt=num_images_per_prompt,
+        output_type=output_type,
+        verify=verify,
+        lazy=lazy,
+        generator=generator,
+        max_memory_gb=max_memory_gb,
+    )
     guidance = _check_number("guidance_scale", guidance_scale, 0.0)
     true_cfg = _check_number("true_cfg_scale", true_cfg_scale, 0.0)
-    churn = _check_number("churn", churn, 0.0, 1.0, lo_open=True)
-    n_img = _check_int("num_images_per_prompt", num_images_per_prompt, 1)
     max_seq = _check_int("max_sequence_length", max_sequence_length, 1)
     if max_seq > 512:
         raise ValueError(f"max_sequence_length must be <= 512, got {max_seq}")
-    if output_type not in OUTPUT_TYPES:
-        raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    if not isinstance(lazy, bool):
-        raise TypeError(f"lazy must be a bool, got {type(lazy).__name__}")
-    if isinstance(generator, (list, tuple)):
-        if not generator or not all(isinstance(g, torch.Generator) for g in generator):
-            raise TypeError("generator must be a torch.Generator, a list of them (one per image) or None")
-    elif generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator, a list of them (one per image) or None, "
-            f"got {type(generator).__name__}"
-        )
-    if max_memory_gb is not None:
-        max_memory_gb = _check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
     do_true_cfg = true_cfg > 1.0
     if do_true_cfg and negative_prompt is None and negative_prompt_embeds is None:
         # FluxPipeline would silently run without true CFG here

@@ -311,6 +311,44 @@ def cond_from_embeds(
     return {k: v.to(device, velocity.dtype) for k, v in cond.items()}
 
 
+def _check_run_options(
+    *,
+    num_inference_steps: Any,
+    churn: Any,
+    num_images_per_prompt: Any,
+    output_type: Any,
+    verify: Any,
+    lazy: Any,
+    generator: Any,
+    max_memory_gb: Any,
+) -> "tuple[int, float, int, Optional[float]]":
+    """The checks every family's ``sample`` makes of its run options, naming the parameter.
+
+    Returns:
+        ``(steps, churn, num_images_per_prompt, max_memory_gb)`` as validated numbers.
+    """
+    steps = _check_int("num_inference_steps", num_inference_steps, 1)
+    churn = _check_number("churn", churn, 0.0, 1.0, lo_open=True)
+    n_img = _check_int("num_images_per_prompt", num_images_per_prompt, 1)
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    if not isinstance(lazy, bool):
+        raise TypeError(f"lazy must be a bool, got {type(lazy).__name__}")
+    if isinstance(generator, (list, tuple)):
+        if not generator or not all(isinstance(g, torch.Generator) for g in generator):
+            raise TypeError("generator must be a torch.Generator, a list of them (one per image) or None")
+    elif generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator, a list of them (one per image) or None, "
+            f"got {type(generator).__name__}"
+        )
+    if max_memory_gb is not None:
+        max_memory_gb = _check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
+    return steps, churn, n_img, max_memory_gb
+
+
 def _plan_memory(
     pipe: Any,
     *,
@@ -495,29 +533,20 @@ def sample(
     _check_pipeline(pipe)
     tcfg = pipe.transformer.config
     sched_cfg = pipe.scheduler.config
-    steps = _check_int("num_inference_steps", num_inference_steps, 1)
+    steps, churn, n_img, max_memory_gb = _check_run_options(
+        num_inference_steps=num_inference_steps,
+        churn=churn,
+        num_images_per_prompt=num_images_per_prompt,
+        output_type=output_type,
+        verify=verify,
+        lazy=lazy,
+        generator=generator,
+        max_memory_gb=max_memory_gb,
+    )
     guidance = _check_number("guidance_scale", guidance_scale, 0.0)
-    churn = _check_number("churn", churn, 0.0, 1.0, lo_open=True)
-    n_img = _check_int("num_images_per_prompt", num_images_per_prompt, 1)
     max_seq = _check_int("max_sequence_length", max_sequence_length, 1)
     if max_seq > 512:
         raise ValueError(f"max_sequence_length must be <= 512, got {max_seq}")
-    if output_type not in OUTPUT_TYPES:
-        raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    if not isinstance(lazy, bool):
-        raise TypeError(f"lazy must be a bool, got {type(lazy).__name__}")
-    if isinstance(generator, (list, tuple)):
-        if not generator or not all(isinstance(g, torch.Generator) for g in generator):
-            raise TypeError("generator must be a torch.Generator, a list of them (one per image) or None")
-    elif generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator, a list of them (one per image) or None, "
-            f"got {type(generator).__name__}"
-        )
-    if max_memory_gb is not None:
-        max_memory_gb = _check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
     cfg = guidance > 1.0
     prompts, negatives, n = _check_prompts(
         prompt,
