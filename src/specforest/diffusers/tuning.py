@@ -108,11 +108,7 @@ def tune(
             + ": give those through specforest.diffusers.tune's own parameters"
         )
     _check_pipeline(pipe)
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    prompts = list(prompt)
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise TypeError("prompt must be a caption or a non-empty list of captions")
+    _captions(prompt, 1)  # a bad prompt is named before any work
     batch = check_int("batch", batch, 1)
     calibration_images = check_int("calibration_images", calibration_images, 1)
     churn = check_number("churn", churn, 0.0, 1.0, lo_open=True)
@@ -125,47 +121,85 @@ def tune(
         shift=shift,
     )
     n = max(batch, calibration_images)
-    captions = [prompts[i % len(prompts)] for i in range(n)]
     pe, npe, ppe, nppe = encode_text(
         pipe,
-        captions,
+        _captions(prompt, n),
         [""] * n,
         device=device,
         guidance=velocity.branches == 2,
         max_sequence_length=max_sequence_length,
     )
     cond = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
-    if max_memory_gb is not None:
-        max_memory_gb = check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
-    limit, source, fixed = _memory.resolve_limit(max_memory_gb, device, "max_memory_gb")
-    # the largest run the tuner times: the batch on a tree of budget_max (any tree of that budget
-    # holds as many nodes and rows); calls above the memory model's max_rows are split
-    sized = _memory.estimate(
-        trajectories=batch,
-        state_numel=math.prod(latent_shape),
-        tree=chain(budget_max),
-        verify="drafted",
-        steps=num_inference_steps,
-        row_bytes=row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
-        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
-        fixed_bytes=fixed,
-        limit_bytes=limit,
-        limit_source=source,
-        device=device,
-        chunked=False,
-    )
-    max_rows = sized.max_rows or sized.rows_per_call
     patch = int(pipe.transformer.config.get("patch_size", 1) or 1)
     tokens = (latent_shape[1] // patch) * (latent_shape[2] // patch)
 
     def sigmas_for(steps: int) -> torch.Tensor:
         return scheduler_sigmas(pipe.scheduler.config, steps, shift=shift, image_seq_len=tokens)
 
-    x = streams.randn(seed, torch.arange(n), latent_shape, device=device)
+    return _tune_sized(
+        velocity,
+        streams.randn(seed, torch.arange(n), latent_shape, device=device),
+        cond,
+        row_bytes=row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
+        max_memory_gb=max_memory_gb,
+        steps=num_inference_steps,
+        churn=churn,
+        batch=batch,
+        budget_max=budget_max,
+        drafts=drafts,
+        calibration_images=calibration_images,
+        seed=seed,
+        progress=progress,
+        sigmas_for=sigmas_for,
+        **options,
+    )
+
+
+def _tune_sized(
+    velocity: Any,
+    x: torch.Tensor,
+    cond: dict,
+    *,
+    row_bytes: int,
+    max_memory_gb: Optional[float],
+    steps: int,
+    churn: float,
+    batch: int,
+    budget_max: int,
+    drafts: Sequence[str],
+    calibration_images: int,
+    seed: int,
+    progress: bool,
+    sigmas_for: Any,
+    **options: Any,
+) -> Tuned:
+    """:func:`specforest.latency.tune` on a pipeline's network, its calls split as the memory limit needs.
+
+    The largest run the tuner times is the batch on a tree of ``budget_max`` (any tree of that
+    budget holds as many nodes and rows); calls above the memory model's ``max_rows`` are split.
+    ``x``: the calibration states ``(n, *latent_shape)``; ``cond``: their conditioning.
+    """
+    if max_memory_gb is not None:
+        max_memory_gb = check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
+    limit, source, fixed = _memory.resolve_limit(max_memory_gb, x.device, "max_memory_gb")
+    sized = _memory.estimate(
+        trajectories=batch,
+        state_numel=math.prod(x.shape[1:]),
+        tree=chain(budget_max),
+        verify="drafted",
+        steps=steps,
+        row_bytes=row_bytes,
+        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
+        fixed_bytes=fixed,
+        limit_bytes=limit,
+        limit_source=source,
+        device=x.device,
+        chunked=False,
+    )
     return _tune(
         velocity,
         x,
-        steps=num_inference_steps,
+        steps=steps,
         churn=churn,
         cond=cond,
         batch=batch,
@@ -175,7 +209,7 @@ def tune(
         seed=seed,
         progress=progress,
         sigmas_for=sigmas_for,
-        max_rows=max_rows,
+        max_rows=sized.max_rows or sized.rows_per_call,
         **options,
     )
 
@@ -252,45 +286,26 @@ def tune_flux(
         max_sequence_length=max_seq,
     )
     cond = _flux.cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
-    if max_memory_gb is not None:
-        max_memory_gb = check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
-    limit, source, fixed = _memory.resolve_limit(max_memory_gb, device, "max_memory_gb")
-    # the largest run the tuner times, as for SD3: the batch on a tree of budget_max
-    sized = _memory.estimate(
-        trajectories=batch,
-        state_numel=math.prod(latent_shape),
-        tree=chain(budget_max),
-        verify="drafted",
-        steps=num_inference_steps,
-        row_bytes=_flux.row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
-        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
-        fixed_bytes=fixed,
-        limit_bytes=limit,
-        limit_source=source,
-        device=device,
-        chunked=False,
-    )
-    max_rows = sized.max_rows or sized.rows_per_call
     tokens = (latent_shape[1] // 2) * (latent_shape[2] // 2)
 
     def sigmas_for(steps: int) -> torch.Tensor:
         return _flux.flux_sigmas(pipe.scheduler.config, steps, tokens, shift=shift)
 
-    x = streams.randn(seed, torch.arange(n), latent_shape, device=device)
-    return _tune(
+    return _tune_sized(
         velocity,
-        x,
+        streams.randn(seed, torch.arange(n), latent_shape, device=device),
+        cond,
+        row_bytes=_flux.row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
+        max_memory_gb=max_memory_gb,
         steps=num_inference_steps,
         churn=churn,
-        cond=cond,
         batch=batch,
         budget_max=budget_max,
         drafts=drafts,
-        calibration_trajectories=calibration_images,
+        calibration_images=calibration_images,
         seed=seed,
         progress=progress,
         sigmas_for=sigmas_for,
-        max_rows=max_rows,
     )
 
 
@@ -348,43 +363,25 @@ def tune_sdxl(
         height=height,
         width=width,
     )
-    if max_memory_gb is not None:
-        max_memory_gb = check_number("max_memory_gb", max_memory_gb, 0.0, lo_open=True)
-    limit, source, fixed = _memory.resolve_limit(max_memory_gb, parts.device, "max_memory_gb")
-    # the largest run the tuner times, as for SD3: the batch on a tree of budget_max
-    sized = _memory.estimate(
-        trajectories=batch,
-        state_numel=math.prod(parts.latent_shape),
-        tree=chain(budget_max),
-        verify="drafted",
-        steps=num_inference_steps,
-        row_bytes=_sdxl.row_bytes_of(pipe, parts.velocity, parts.latent_shape, parts.cond),
-        cond_bytes=sum(v[0].numel() * v.element_size() for v in parts.cond.values()),
-        fixed_bytes=fixed,
-        limit_bytes=limit,
-        limit_source=source,
-        device=parts.device,
-        chunked=False,
-    )
-    max_rows = sized.max_rows or sized.rows_per_call
 
     def sigmas_for(steps: int) -> torch.Tensor:
         return vp_schedule(pipe.scheduler, steps).sigmas
 
     # the run's initial states: the scheduler's initial noise on the linear path
     x = parts.noise_scale * streams.randn(seed, torch.arange(n), parts.latent_shape, device=parts.device)
-    return _tune(
+    return _tune_sized(
         parts.velocity,
         x,
+        parts.cond,
+        row_bytes=_sdxl.row_bytes_of(pipe, parts.velocity, parts.latent_shape, parts.cond),
+        max_memory_gb=max_memory_gb,
         steps=num_inference_steps,
         churn=churn,
-        cond=parts.cond,
         batch=batch,
         budget_max=budget_max,
         drafts=drafts,
-        calibration_trajectories=calibration_images,
+        calibration_images=calibration_images,
         seed=seed,
         progress=progress,
         sigmas_for=sigmas_for,
-        max_rows=max_rows,
     )
