@@ -66,6 +66,7 @@ import torch
 from . import sampler
 from .models.edm import EDMDenoiserVelocity
 from .proposals import Proposal
+from .validation import check_states
 
 __all__ = ["PATHS", "linear_grid", "sample", "sample_speculative"]
 
@@ -262,17 +263,6 @@ def _split_extra_args(extra_args: Optional[dict], B: int, row_args: Any, shared_
     return cond, {k: v for k, v in extra.items() if k not in cond}
 
 
-def _check_x(x: Any) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor of shape (batch, *shape), got {type(x).__name__}")
-    if x.ndim < 2 or x.shape[0] < 1 or x.numel() == 0:
-        raise ValueError(f"x must have shape (batch, *shape) with batch >= 1 (e.g. (B, C, H, W)), got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-    if not torch.isfinite(x).all():
-        raise ValueError("x contains NaN or inf")
-
-
 def _progress(disable: Any) -> bool:
     if disable is None:
         # tqdm's convention, which k-diffusion's trange follows: no bar when stderr is not a terminal
@@ -300,7 +290,7 @@ def sample(
     Same arguments as :func:`sample_speculative`; ``result.samples`` is what it returns, and
     ``result.stats`` the run's NFE, rounds and acceptance (see :func:`specforest.sample`).
     """
-    _check_x(x)
+    check_states(x, example=" (e.g. (B, C, H, W))")
     t = linear_grid(sigmas, path)
     unknown = sorted(k for k in options if k not in _PASSED)
     if unknown:

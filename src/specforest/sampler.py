@@ -38,6 +38,7 @@ from .proposals import Proposal, get_proposal
 from .sde import ReverseSDE, flow_match_grid, uniform_grid
 from .target import Target, outside_inference
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
+from .validation import check_states
 
 __all__ = [
     "PREFETCH_POLICIES",
@@ -637,14 +638,7 @@ def sample(
     t0 = time.perf_counter()
     if not callable(model):
         raise TypeError("model must be callable as model(x, sigma)")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor of shape (batch, *shape), got {type(x).__name__}")
-    if x.ndim < 2 or x.shape[0] < 1 or x.numel() == 0:
-        raise ValueError(f"x must have shape (batch, *shape) with batch >= 1, got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-    if not torch.isfinite(x).all():
-        raise ValueError("x contains NaN or inf")
+    check_states(x)
     steps = check_tuned_for(tuned_for, steps=steps, sigmas=sigmas, churn=churn, batch=x.shape[0])
     spec = prepare(
         steps=steps,

@@ -9,7 +9,9 @@ import math
 from collections.abc import Sequence
 from numbers import Integral, Real
 
-__all__ = ["check_choice", "check_int", "check_number"]
+import torch
+
+__all__ = ["check_choice", "check_int", "check_number", "check_states"]
 
 
 def check_int(name: str, value: object, lo: int, hi: float = math.inf) -> int:
@@ -55,3 +57,24 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
     return str(value)
+
+
+def check_states(x: object, *, example: str = "") -> None:
+    """Check that ``x`` is a finite floating-point ``(batch, *shape)`` tensor with ``batch >= 1``.
+
+    Args:
+        x: the initial states a sampler is given.
+        example: a shape shown in the message, e.g. ``" (e.g. (B, C, H, W))"``.
+
+    Raises:
+        TypeError: if ``x`` is not a floating-point tensor.
+        ValueError: if it has no batch dimension, no elements, or NaN or inf.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor of shape (batch, *shape), got {type(x).__name__}")
+    if x.ndim < 2 or x.shape[0] < 1 or x.numel() == 0:
+        raise ValueError(f"x must have shape (batch, *shape) with batch >= 1{example}, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if not torch.isfinite(x).all():
+        raise ValueError("x contains NaN or inf")

@@ -46,7 +46,7 @@ import torch
 from .sampler import _check_cond, prepare
 from .target import Target
 from .trees import TreeTables
-from .validation import check_int
+from .validation import check_int, check_states
 
 __all__ = ["MAX_SHAPES", "network_rows", "pad_rows_for", "warm_up"]
 
@@ -253,14 +253,7 @@ def warm_up(
     t0 = time.perf_counter()
     if not callable(model):
         raise TypeError("model must be callable as model(x, sigma)")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor of shape (batch, *shape), got {type(x).__name__}")
-    if x.ndim < 2 or x.shape[0] < 1 or x.numel() == 0:
-        raise ValueError(f"x must have shape (batch, *shape) with batch >= 1, got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("x contains NaN or inf")
+    check_states(x)
     max_shapes = check_int("max_shapes", max_shapes, 1)
     repeats = check_int("repeats", repeats, 1)
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
