@@ -608,6 +608,17 @@ def test_argument_errors_name_the_parameter(pipe):
         (dict(prompt=PROMPT, output_type="jpg"), "output_type"),
         (dict(prompt=PROMPT, max_sequence_length=513), "max_sequence_length"),
         (dict(prompt=PROMPT, verify="all"), "verify"),
+        # true CFG's two branches in one call need embeddings of one shape
+        (
+            dict(
+                prompt_embeds=pe,
+                pooled_prompt_embeds=ppe,
+                negative_prompt=["", ""],
+                max_sequence_length=pe.shape[1] + 1,
+                true_cfg_scale=2.0,
+            ),
+            r"negative prompt embeddings have shape .* true CFG puts both in one call",
+        ),
     ]
     base = {**BASE, "num_inference_steps": 4}
     for kw, match in cases:

@@ -409,6 +409,10 @@ def encode_text(
     """``(prompt_embeds, pooled, negative_prompt_embeds, negative_pooled)`` as ``FluxPipeline`` encodes them.
 
     The negatives are encoded (or passed through) with true CFG only, else ``None``.
+
+    Raises:
+        ValueError: with true CFG, if the negative embeddings' shape is not the prompts'
+            (both branches go in one call).
     """
     with torch.no_grad():
         pe, ppe, _ = pipe.encode_prompt(
@@ -430,6 +434,11 @@ def encode_text(
             prompt_embeds=negative_prompt_embeds,
             pooled_prompt_embeds=negative_pooled_prompt_embeds,
             max_sequence_length=max_sequence_length,
+        )
+    if npe.shape != pe.shape:
+        raise ValueError(
+            f"the negative prompt embeddings have shape {tuple(npe.shape)} but the prompts' have "
+            f"{tuple(pe.shape)}; true CFG puts both in one call, so they must match"
         )
     return pe, ppe, npe, nppe
 
@@ -630,11 +639,6 @@ def sample(
         negative_prompt_embeds=negative_prompt_embeds,
         negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
     )
-    if do_true_cfg and npe.shape != pe.shape:
-        raise ValueError(
-            f"the negative prompt embeddings have shape {tuple(npe.shape)} but the prompt's have "
-            f"{tuple(pe.shape)}; true CFG puts both in one call, so they must match"
-        )
     # each caption's rows repeated consecutively, as diffusers repeats them
     conds = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
     cond = {k: v.repeat_interleave(n_img, dim=0) for k, v in conds.items()}

@@ -189,11 +189,6 @@ def prepare_flux(
         true_cfg=velocity.do_true_cfg,
         max_sequence_length=max_seq,
     )
-    if velocity.do_true_cfg and npe.shape != pe.shape:
-        raise ValueError(
-            f"the negative prompt embeddings have shape {tuple(npe.shape)} but the prompts' have "
-            f"{tuple(pe.shape)}; true CFG puts both in one call, so they must match"
-        )
     height, width = velocity.image_size
     return Prepared(
         velocity=velocity,
