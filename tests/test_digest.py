@@ -1,0 +1,124 @@
+"""A recorded digest of samples: refactors of the engine keep every sample as it was.
+
+Each configuration (every registered coupling, every tree family, every draft,
+lazy and full, the standard sampler, continuous batching through ``generate``,
+the digits network) is run with a fixed seed and compared with the samples and
+per-sample NFE recorded in ``tests/data/sample_digest.pt``. The mixture runs in
+float64 and is compared bitwise; the digits network within 1e-5 (its last bits
+may depend on the machine's kernels). Regenerate the record, only when a change
+of the samples is intended and understood, with ``python tests/test_digest.py``.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import specforest
+from specforest import planning, trees
+from specforest.models import GaussianMixture
+
+RECORD = Path(__file__).parent / "data" / "sample_digest.pt"
+GMM = GaussianMixture.paper(dim=6, components=3, seed=1)
+X = torch.randn(6, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+BASE = dict(steps=16, churn=0.5, seed=2024)
+
+CONFIGS = {
+    "standard": dict(tree=None),
+    "rmc_chain": dict(tree=trees.chain(4), coupling="rmc"),
+    "grs_chain_velocity": dict(tree=trees.chain(3)),
+    "grs_uniform_x0": dict(tree=trees.uniform(2, 3), draft="x0"),
+    "grs_optimal_lazy": dict(tree=trees.optimal(lambda level, k: 1 - 0.5 ** (k + level), 12, 3), lazy=True),
+    "grs_drafted_parent": dict(tree=trees.uniform(3, 2), verify="drafted", prefetch="parent"),
+    "grs_widths_eps": dict(tree=trees.widths([3, 2, 1]), draft="eps"),
+    "grs_x0_extrap_chunked": dict(tree=trees.uniform(2, 2), draft="x0_extrap", max_rows=3),
+    "grs_auto": dict(tree=trees.uniform(2, 3), draft="auto"),
+    "grs_drift": dict(tree=trees.chain(4), draft="drift"),
+    "grs_adaptive": dict(tree=planning.AdaptiveTree(budget=10, max_depth=3)),
+    "rank_uniform": dict(tree=trees.uniform(3, 2), coupling="rank"),
+    "rank_lazy": dict(tree=trees.uniform(2, 3), coupling="rank", lazy=True),
+    "antithetic_uniform": dict(tree=trees.uniform(2, 3), coupling="antithetic"),
+    "antithetic_pruned": dict(tree=trees.from_parents([-1, 0, 0, 1, 1, 3, 3]), coupling="antithetic"),
+    "draft_model": dict(tree=trees.uniform(2, 2), draft=lambda x, s: 0.9 * GMM(x, s)),
+}
+
+
+def _gmm(name: str) -> dict:
+    r = specforest.sample(GMM, X, **BASE, **CONFIGS[name])
+    return {"samples": r.samples, "nfe": r.stats.nfe}
+
+
+def _generated() -> dict:
+    g = specforest.generate(
+        GMM,
+        count=7,
+        make_x=lambda idx: torch.stack([X[int(i) % 6] * (1 + 0.1 * int(i)) for i in idx]),
+        seed=11,
+        batch=3,
+        steps=16,
+        churn=0.5,
+        tree=trees.uniform(2, 2),
+        coupling="rank",
+    )
+    out = {}
+    for fin in g:
+        for j, i in enumerate(fin.index.tolist()):
+            out[i] = (fin.samples[j], fin.stats.nfe[j])
+    order = sorted(out)
+    return {"samples": torch.stack([out[i][0] for i in order]), "nfe": torch.stack([out[i][1] for i in order])}
+
+
+def _digits() -> dict:
+    from specforest.models import digits
+
+    v = digits.load_velocity()
+    x = specforest.streams.randn(3, torch.arange(3), (1, 8, 8))
+    labels = torch.tensor([1, 4, 7])
+    r = specforest.sample(
+        v, x, steps=12, churn=0.3, seed=9, tree=trees.chain(3), draft="x0", cond={"class_labels": labels}
+    )
+    return {"samples": r.samples, "nfe": r.stats.nfe}
+
+
+def _all() -> dict:
+    torch.set_num_threads(1)
+    out = {name: _gmm(name) for name in CONFIGS}
+    out["generate"] = _generated()
+    out["digits"] = _digits()
+    return out
+
+
+@pytest.fixture(scope="module")
+def record() -> dict:
+    return torch.load(RECORD, weights_only=True)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_mixture_samples_are_the_recorded_ones(record, name):
+    got = _gmm(name)
+    assert torch.equal(got["nfe"], record[name]["nfe"])
+    assert torch.equal(got["samples"], record[name]["samples"])
+
+
+def test_generated_samples_are_the_recorded_ones(record):
+    got = _generated()
+    assert torch.equal(got["nfe"], record["generate"]["nfe"])
+    assert torch.equal(got["samples"], record["generate"]["samples"])
+
+
+def test_digits_samples_are_the_recorded_ones(record):
+    got = _digits()
+    assert torch.equal(got["nfe"], record["digits"]["nfe"])
+    torch.testing.assert_close(got["samples"], record["digits"]["samples"], rtol=0, atol=1e-5)
+
+
+def test_a_changed_sampler_fails_the_digest(record):
+    # the same comparison refuses a run that differs only in its seed
+    got = specforest.sample(GMM, X, **{**BASE, "seed": 2025}, **CONFIGS["grs_chain_velocity"])
+    assert not torch.equal(got.samples, record["grs_chain_velocity"]["samples"])
+
+
+if __name__ == "__main__":
+    RECORD.parent.mkdir(exist_ok=True)
+    torch.save(_all(), RECORD)
+    print(f"wrote {RECORD}")
