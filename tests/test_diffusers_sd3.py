@@ -25,7 +25,7 @@ import specforest
 from specforest import diffusers as sd
 from specforest import trees
 from specforest.cli import main
-from specforest.cli_sd3 import sd3 as sd3_command
+from specforest.cli.sd3 import sd3 as sd3_command
 from specforest.couplings import GRS
 from specforest.experiments import sd3 as sd3_exp
 

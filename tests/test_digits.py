@@ -19,7 +19,8 @@ from scipy import stats as sps
 
 import specforest
 from specforest import memory, trees
-from specforest.cli_pixel import pixel, train
+from specforest.cli.pixel import pixel
+from specforest.cli.train import train
 from specforest.couplings import Coupling
 from specforest.experiments import pixel as pixel_exp
 from specforest.models import digits

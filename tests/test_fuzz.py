@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import specforest
 from specforest import streams, testing, trees
 from specforest.cli import main as cli_main
-from specforest.cli_common import MAX_THREADS
+from specforest.cli.common import MAX_THREADS
 from specforest.couplings import GRS, available_couplings, get_coupling
 from specforest.experiments import gmm as gmm_exp
 from specforest.models import GaussianMixture

@@ -96,7 +96,7 @@ def test_the_compile_flag_compiles_the_target_and_pads_its_rows(monkeypatch):
 
 
 def test_thread_count_is_chosen_deliberately(monkeypatch):
-    from specforest.cli_common import set_threads
+    from specforest.cli.common import set_threads
 
     threads = torch.get_num_threads()
     try:

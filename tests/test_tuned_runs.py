@@ -241,7 +241,9 @@ def _file(tmp_path, tuned: Tuned, **made_for) -> str:
 
 
 def test_tune_defaults_to_the_models_own_command(monkeypatch, tmp_path):
-    from specforest import cli_common, cli_pixel, cli_sd3
+    from specforest.cli import common as cli_common
+    from specforest.cli import pixel as cli_pixel
+    from specforest.cli import sd3 as cli_sd3
 
     seen = {}
 

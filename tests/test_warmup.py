@@ -275,7 +275,7 @@ def pipe(tmp_path_factory):
 
 def test_sd3_warm_up_keeps_the_latents_and_the_sd3_command_reports_it(pipe, tmp_path):
     from specforest import diffusers as sd
-    from specforest.cli_sd3 import sd3 as sd3_command
+    from specforest.cli.sd3 import sd3 as sd3_command
 
     kw = dict(num_inference_steps=6, churn=0.8, tree=trees.chain(3), coupling="rmc", height=8, width=8)
     kw.update(progress=False, max_sequence_length=8, output_type="latent")

@@ -12,8 +12,8 @@ import json
 
 import click
 
-from .atomic import atomic_write_text
-from .cli_common import (
+from ..atomic import atomic_write_text
+from .common import (
     CHURN,
     CONTEXT,
     MODEL_DEFAULTS,
@@ -23,8 +23,8 @@ from .cli_common import (
     set_threads,
     threads_option,
 )
-from .cli_diffusers import FAMILY_FLAGS, family_given
-from .cli_sd3 import tune_pipeline_options
+from .diffusers import FAMILY_FLAGS, family_given
+from .sd3 import tune_pipeline_options
 
 __all__ = ["tune"]
 
@@ -35,15 +35,15 @@ _CHURNS_SHOWN = ", ".join(f"{m} {d['churn']:g}" for m, d in MODEL_DEFAULTS.items
 def _target(model: str, o: dict, n: int):
     import torch
 
-    from . import streams
+    from .. import streams
 
     idx = torch.arange(n)
     if model == "gmm":
-        from .models import GaussianMixture
+        from ..models import GaussianMixture
 
         gmm = GaussianMixture.paper(dim=o["dim"], components=o["components"], seed=o["mixture_seed"])
         return gmm, streams.randn(0, idx, (o["dim"],), device=o["device"]), None
-    from .models.digits import IMAGE_SHAPE, load_velocity
+    from ..models.digits import IMAGE_SHAPE, load_velocity
 
     cond = {"class_labels": (idx % 10).to(o["device"])}
     return load_velocity(device=o["device"]), streams.randn(0, idx, IMAGE_SHAPE, device=o["device"]), cond
@@ -51,8 +51,8 @@ def _target(model: str, o: dict, n: int):
 
 def _tune_sd3(o: dict, drafts: list):
     """``specforest.diffusers.tune`` on the pipeline and captions of ``--pipeline`` and ``--prompts``."""
-    from . import diffusers as sd
-    from .experiments import sd3 as sd3_exp
+    from .. import diffusers as sd
+    from ..experiments import sd3 as sd3_exp
 
     if not o["pipeline_path"] or not o["prompts_file"]:
         raise click.UsageError("--model sd3 needs --pipeline DIR and --prompts FILE")
@@ -82,9 +82,9 @@ def _tune_sd3(o: dict, drafts: list):
 def _tune_diffusers(o: dict, drafts: list):
     """The family's tuner (``Family.tune``) on the pipeline of ``--pipeline``, its family from its
     ``model_index.json``; ``o`` gets the family and its resolved options (steps, churn, ...) for the record."""
-    from .diffusers.families import family_of_directory
-    from .experiments import sd3 as sd3_exp
-    from .experiments.pipelines import family_options, load_pipeline
+    from ..diffusers.families import family_of_directory
+    from ..experiments import sd3 as sd3_exp
+    from ..experiments.pipelines import family_options, load_pipeline
 
     if not o["pipeline_path"] or not o["prompts_file"]:
         raise click.UsageError("--model diffusers needs --pipeline DIR and --prompts FILE")
@@ -201,7 +201,7 @@ def tune(**o) -> None:
     batch, device and threads where they are not given, and refuses a run that
     differs from them.
     """
-    from .latency import tune as tune_fn
+    from ..latency import tune as tune_fn
 
     if o["model"] != "diffusers":
         for key in ("steps", "churn"):

@@ -15,8 +15,11 @@ from collections.abc import Callable
 
 import click
 
-from . import distributed
-from .cli_common import (
+from .. import distributed
+from ..experiments import generate as gen_exp
+from ..experiments.common import METHODS
+from ..trees import DraftTree
+from .common import (
     CONTEXT,
     MODEL_DEFAULTS,
     apply_tuned,
@@ -37,11 +40,8 @@ from .cli_common import (
     tune_option,
     verify_option,
 )
-from .cli_diffusers import FAMILY_FLAGS, family_given, family_pipeline_options, family_shown, tuned_run_keys
-from .cli_sd3 import pipeline_options
-from .experiments import generate as gen_exp
-from .experiments.common import METHODS
-from .trees import DraftTree
+from .diffusers import FAMILY_FLAGS, family_given, family_pipeline_options, family_shown, tuned_run_keys
+from .sd3 import pipeline_options
 
 __all__ = ["generate"]
 
@@ -255,8 +255,8 @@ def generate_diffusers(**o):
     """
     import torch
 
-    from .diffusers.families import family_of_directory
-    from .experiments.pipelines import family_options
+    from ..diffusers.families import family_of_directory
+    from ..experiments.pipelines import family_options
 
     family = library_errors(lambda: family_of_directory(o["pipeline_path"]))
     o, _ = apply_tuned(o, "diffusers", run=tuned_run_keys(), fixed={"family": family.name})

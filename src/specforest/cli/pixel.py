@@ -1,20 +1,19 @@
-"""Command line of the pixel-space experiment: ``specforest pixel`` (one configuration),
-``specforest pixel sweep`` (Figures 4 and 8) and ``specforest train digits``.
+"""Command line of the pixel-space experiment: ``specforest pixel`` (one configuration) and
+``specforest pixel sweep`` (Figures 4 and 8).
 
-A thin shell over :mod:`specforest.experiments.pixel` and
-:mod:`specforest.experiments.train_digits`; register the two groups in the main
-CLI with ``main.add_command(pixel)`` and ``main.add_command(train)``.
+A thin shell over :mod:`specforest.experiments.pixel`.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 import numpy as np
 
-from .cli_common import (
+from ..experiments import pixel as pixel_exp
+from ..experiments.io import atomic_write
+from .common import (
     CONTEXT,
     MODEL_DEFAULTS,
     apply_tuned,
@@ -30,6 +29,7 @@ from .cli_common import (
     output_suffix,
     prefetch_option,
     progress_option,
+    refuse_group_options,
     seed_option,
     set_threads,
     steps_option,
@@ -39,10 +39,8 @@ from .cli_common import (
     tune_option,
     verify_option,
 )
-from .experiments import pixel as pixel_exp
-from .experiments.io import atomic_write
 
-__all__ = ["pixel", "train"]
+__all__ = ["pixel"]
 
 
 def _pairs(value: str) -> list[tuple[int, int]]:
@@ -121,15 +119,7 @@ def pixel(ctx: click.Context, **o) -> None:
     reach 2.2-2.6x / 2.0-2.2x; this model has d = 64.
     """
     if ctx.invoked_subcommand is not None:
-        given = [
-            p.opts[0]
-            for p in ctx.command.params
-            if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE
-        ]
-        if given:
-            raise click.UsageError(
-                f"options {', '.join(given)} belong to 'pixel' itself; put them after '{ctx.invoked_subcommand}'"
-            )
+        refuse_group_options(ctx)
         return
     o, _ = apply_tuned(o, "digits", run={"batch": "samples"}, fixed={"device": "cpu"})
     set_threads(o["threads"])
@@ -243,77 +233,3 @@ def sweep(out_dir: str, pairs: str, churns: list[float], methods: list[str], **o
     click.echo(f"ran {res.ran} configuration(s), skipped {res.skipped} already done")
     for p in res.files:
         click.echo(f"wrote {p}")
-
-
-@click.group(context_settings=CONTEXT)
-def train() -> None:
-    """Train the models the experiments ship with."""
-
-
-@train.command("digits", context_settings=CONTEXT)
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False),
-    default="results/train_digits",
-    show_default=True,
-    help="Directory of loss.png and train_log.json.",
-)
-@click.option(
-    "--weights-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    show_default="the package's models/weights",
-    help="Where the safetensors files and manifest.json are written (atomically).",
-)
-@click.option("--steps", type=click.IntRange(1), default=3000, show_default=True, help="Denoiser optimizer steps.")
-@click.option(
-    "--max-minutes",
-    type=click.FloatRange(0.0, min_open=True),
-    default=18.0,
-    show_default=True,
-    help="Stop the denoiser's training early after this many minutes.",
-)
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Training seed (>= 0).")
-@click.option(
-    "--eval-samples",
-    type=click.IntRange(0),
-    default=500,
-    show_default=True,
-    help="Standard-sampler samples drawn after training to measure the classifier's accuracy.",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(1),
-    default=1,
-    show_default=True,
-    help="torch CPU threads (1 is fastest on a shared 2-core machine).",
-)
-@progress_option("Progress bars on stderr.")
-def train_digits(
-    out_dir: str,
-    weights_dir: str | None,
-    steps: int,
-    max_minutes: float,
-    seed: int,
-    eval_samples: int,
-    threads: int,
-    progress: bool,
-) -> None:
-    """Train the digits denoiser (EDM U-Net, EMA weights) and the evaluation classifier."""
-    import torch
-
-    from .experiments.train_digits import TrainConfig, main_train
-    from .models.digits import WEIGHTS_DIR
-
-    torch.set_num_threads(threads)
-    cfg = TrainConfig(steps=steps, max_minutes=max_minutes, seed=seed, eval_samples=eval_samples)
-    library_errors(
-        lambda: main_train(
-            out_dir,
-            weights_dir=Path(weights_dir) if weights_dir else WEIGHTS_DIR,
-            config=cfg,
-            progress=progress,
-            log=lambda line: click.echo(line, err=True),
-        )
-    )

@@ -2,7 +2,7 @@
 
 A thin shell over :mod:`specforest.experiments.sd3`: options are parsed and
 range-checked here, everything else happens in the library. ``sd3`` is a
-:class:`click.Command`, registered in the main group by :mod:`specforest.cli`.
+:class:`click.Command`, added to the root group by :mod:`specforest.cli`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import click
 import torch
 
-from .cli_common import (
+from ..experiments import sd3 as sd3_exp
+from .common import (
     CONTEXT,
     MODEL_DEFAULTS,
     apply_tuned,
@@ -26,7 +27,6 @@ from .cli_common import (
     tune_option,
     verify_option,
 )
-from .experiments import sd3 as sd3_exp
 
 __all__ = ["pipeline_options", "sd3", "tune_pipeline_options"]
 

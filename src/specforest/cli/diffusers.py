@@ -20,7 +20,8 @@ from typing import Any
 
 import click
 
-from .cli_common import (
+from ..experiments.common import METHODS
+from .common import (
     CONTEXT,
     apply_tuned,
     churn_option,
@@ -39,7 +40,6 @@ from .cli_common import (
     tune_option,
     verify_option,
 )
-from .experiments.common import METHODS
 
 __all__ = [
     "FAMILY_FLAGS",
@@ -70,7 +70,7 @@ def family_shown(library_name: str, none: str = "its own") -> str:
     (``-`` where a family does not take it, ``none`` where its default is ``None``)."""
     import inspect
 
-    from .diffusers.families import FAMILIES
+    from ..diffusers.families import FAMILIES
 
     parts = []
     for f in FAMILIES:
@@ -96,14 +96,14 @@ def family_given(o: dict, ctx: "click.Context | None" = None) -> dict:
 
 
 def tuned_run_keys() -> dict:
-    """``run`` of :func:`~specforest.cli_common.apply_tuned` for a diffusers run: the family options a
+    """``run`` of :func:`~specforest.cli.common.apply_tuned` for a diffusers run: the family options a
     ``tune --model diffusers`` file records (``steps`` and ``churn`` map to themselves already)."""
     return {k: k for k in FAMILY_FLAGS if k not in ("steps", "churn")}
 
 
 def family_pipeline_options(*, device: bool = True):
     """The pipeline, captions and family options of ``specforest diffusers`` and ``generate diffusers``."""
-    from .experiments.pipelines import DTYPES
+    from ..experiments.pipelines import DTYPES
 
     opts = [
         click.option(
@@ -202,8 +202,8 @@ def family_pipeline_options(*, device: bool = True):
 
 def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
     """The draft tree and coupling of the command's method, or of its ``--tune`` file."""
-    from .experiments.common import COUPLING_OF, method_tree
-    from .trees import DraftTree
+    from ..experiments.common import COUPLING_OF, method_tree
+    from ..trees import DraftTree
 
     coupling = COUPLING_OF.get(o["method"], "grs")
     if isinstance(o.get("tree_mode"), DraftTree):
@@ -267,10 +267,10 @@ def diffusers_command(**o) -> None:
     """
     import torch
 
-    from . import __version__
-    from .diffusers.families import family_of_directory, pipeline_class_name
-    from .experiments.pipelines import family_options, load_pipeline, sample_images
-    from .experiments.sd3.loading import load_prompts
+    from .. import __version__
+    from ..diffusers.families import family_of_directory, pipeline_class_name
+    from ..experiments.pipelines import family_options, load_pipeline, sample_images
+    from ..experiments.sd3.loading import load_prompts
 
     family = library_errors(lambda: family_of_directory(o["pipeline_path"]))
     o, tuned = apply_tuned(

@@ -1,19 +1,20 @@
-"""Command line: ``specforest gmm`` (one configuration) and ``specforest gmm sweep``.
+"""Command line: ``specforest gmm`` (one configuration), ``specforest gmm sweep`` and ``specforest gmm drafts``.
 
-A thin shell over :mod:`specforest.experiments.gmm`: options are parsed and
-range-checked here, everything else happens in the library.
+A thin shell over :mod:`specforest.experiments.gmm` (and
+:mod:`specforest.experiments.drafts`): options are parsed and range-checked
+here, everything else happens in the library.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 import numpy as np
 
-from .cli_common import (
-    CONTEXT,
+from ..experiments import gmm as gmm_exp
+from ..experiments.io import atomic_write
+from .common import (
     MODEL_DEFAULTS,
     POSITIVE,
     apply_tuned,
@@ -21,7 +22,6 @@ from .cli_common import (
     churn_option,
     compile_option,
     draft_option,
-    float_list,
     grid_option,
     int_list,
     json_option,
@@ -30,6 +30,7 @@ from .cli_common import (
     output_suffix,
     prefetch_option,
     progress_option,
+    refuse_group_options,
     seed_option,
     set_threads,
     steps_option,
@@ -39,10 +40,8 @@ from .cli_common import (
     tune_option,
     verify_option,
 )
-from .experiments import gmm as gmm_exp
-from .experiments.io import atomic_write
 
-__all__ = ["main"]
+__all__ = ["gmm"]
 
 
 def _setting_options(f):
@@ -103,13 +102,7 @@ def _setting(o: dict) -> gmm_exp.GMMSetting:
     )
 
 
-@click.group(context_settings=CONTEXT)
-@click.version_option(package_name="specforest")
-def main() -> None:
-    """specforest: exact speculative sampling for diffusion models on draft trees."""
-
-
-@main.group(invoke_without_command=True)
+@click.group(invoke_without_command=True)
 @method_option(gmm_exp.METHODS)
 @tree_size_options(K=6, L=6)
 @_setting_options
@@ -139,15 +132,7 @@ def gmm(ctx: click.Context, **o) -> None:
     reported as T/NFE and in the paper's accounting (T-2)/(NFE-2).
     """
     if ctx.invoked_subcommand is not None:
-        given = [
-            p.opts[0]
-            for p in ctx.command.params
-            if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE
-        ]
-        if given:
-            raise click.UsageError(
-                f"options {', '.join(given)} belong to 'gmm' itself; put them after '{ctx.invoked_subcommand}'"
-            )
+        refuse_group_options(ctx)
         return
     o, _ = apply_tuned(
         o, "gmm", run={"batch": "trajectories", "dim": "dim", "components": "components"}, fixed={"device": "cpu"}
@@ -269,10 +254,6 @@ def sweep(out_dir: str, K_values: list[int], L_values: list[int], methods: list[
         click.echo(f"wrote {p}")
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
-
 @gmm.command("drafts")
 @click.option(
     "--out",
@@ -298,7 +279,7 @@ if __name__ == "__main__":  # pragma: no cover
 @seed_option("the trajectories")
 def gmm_drafts(out: str, model: str, trajectories: int, depth: int, seed: int) -> None:
     """Plot delta and acceptance per step and per depth for each draft kind (velocity, drift, x0, eps, auto)."""
-    from .experiments.drafts import draft_diagnostics, plot_draft_diagnostics
+    from ..experiments.drafts import draft_diagnostics, plot_draft_diagnostics
 
     res = library_errors(lambda: draft_diagnostics(model, trajectories=trajectories, depth=depth, seed=seed))
     plot_draft_diagnostics(res, out, title=f"{model}: chain of {depth}, {trajectories} trajectories, lazy")
@@ -308,80 +289,3 @@ def gmm_drafts(out: str, model: str, trajectories: int, depth: int, seed: int) -
             + " ".join(f"{v:.2f}" for v in r["delta_depth"][1:])
         )
     click.echo(f"wrote {out}")
-
-
-@main.group()
-def couplings() -> None:
-    """Acceptance of the couplings against the mismatch delta, and the i.i.d. list bound."""
-
-
-@couplings.command("table")
-@click.option(
-    "--json", "as_json", is_flag=True, help="One JSON object per line (delta, K, rmc, grs, rank, antithetic, bound)."
-)
-@click.option("--K-values", "K_values", default="1,2,4,8", show_default=True, help="Comma list of K (>= 1).")
-@click.option(
-    "--deltas",
-    default=",".join(f"{0.25 * i:g}" for i in range(21)),
-    show_default=True,
-    callback=float_list("deltas", 0.0, 50.0),
-    help="Comma list of delta values in [0, 50].",
-)
-def couplings_table(as_json: bool, K_values: str, deltas: list[float]) -> None:
-    """Per-step acceptance of RMC, GRS, rank and antithetic couplings and the bound.
-
-    rmc is the single-proposal maximal coupling (independent of K); antithetic
-    (K/2 mirrored pairs) is defined for even K only (null otherwise) and can
-    exceed the bound, which holds for i.i.d. children.
-    """
-    from .landscape import acceptance_table
-
-    Ks = int_list("K-values", 1)(None, None, K_values)
-    rows = acceptance_table(deltas, Ks)
-    if as_json:
-        for r in rows:
-            click.echo(json.dumps(r))
-        return
-    click.echo(f"{'K':>3} {'delta':>6} {'rmc':>8} {'grs':>8} {'rank':>8} {'anti':>8} {'bound':>8}")
-    for r in rows:
-        anti = "-" if r["antithetic"] is None else f"{r['antithetic']:.4f}"
-        click.echo(
-            f"{r['K']:>3} {r['delta']:>6.2f} {r['rmc']:>8.4f} {r['grs']:>8.4f} {r['rank']:>8.4f} {anti:>8} {r['bound']:>8.4f}"
-        )
-
-
-@couplings.command("plot")
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False),
-    default="acceptance_landscape.png",
-    show_default=True,
-    callback=output_suffix(".png", what="a PNG image"),
-    help="PNG file to write.",
-)
-@click.option("--K-values", "K_values", default="1,2,4,8", show_default=True, help="Comma list of K (>= 1).")
-def couplings_plot(out: str, K_values: str) -> None:
-    """Plot per-step acceptance against delta in [0, 5] for each K (one panel per K)."""
-    from .landscape import plot_landscape
-
-    plot_landscape(out, Ks=int_list("K-values", 1)(None, None, K_values))
-    click.echo(f"wrote {out}")
-
-
-def _register_optional_commands() -> None:
-    """Commands whose modules import heavier dependencies only when run."""
-    from .cli_diffusers import diffusers_command
-    from .cli_generate import generate
-    from .cli_pixel import pixel, train
-    from .cli_sd3 import sd3
-    from .cli_tune import tune
-
-    main.add_command(pixel)
-    main.add_command(train)
-    main.add_command(sd3)
-    main.add_command(diffusers_command)
-    main.add_command(generate)
-    main.add_command(tune)
-
-
-_register_optional_commands()

@@ -15,29 +15,43 @@ from typing import Any, Callable, TypeVar
 
 import click
 
-from .planning import TREE_MODES
-from .proposals import DRAFT_KINDS
-from .sampler import GRIDS, PREFETCH_POLICIES
-from .trees import VERIFY_MODES
+from ..planning import TREE_MODES
+from ..proposals import DRAFT_KINDS
+from ..sampler import GRIDS, PREFETCH_POLICIES
+from ..trees import VERIFY_MODES
 
 __all__ = [
     "CHURN",
     "CONTEXT",
-    "POSITIVE",
     "LIBRARY_ERRORS",
+    "MAX_THREADS",
     "MODEL_DEFAULTS",
+    "POSITIVE",
     "SAMPLER_PARAMS",
     "apply_tuned",
     "choice_list",
+    "churn_option",
+    "compile_option",
     "draft_option",
     "float_list",
+    "grid_option",
     "int_list",
+    "json_option",
     "library_errors",
+    "method_option",
     "output_folder",
     "output_suffix",
     "prefetch_option",
+    "progress_option",
     "read_tuned",
+    "refuse_group_options",
+    "seed_option",
+    "set_threads",
+    "steps_option",
+    "threads_option",
     "tree_options",
+    "tree_size_options",
+    "tune_option",
     "verify_option",
 ]
 
@@ -66,6 +80,25 @@ def library_errors(fn: Callable[[], T]) -> T:
         return fn()
     except LIBRARY_ERRORS as e:
         raise click.ClickException(str(e)) from e
+
+
+def refuse_group_options(ctx: click.Context) -> None:
+    """Refuse, in a group that is also a command (``gmm``, ``pixel``), the group's own options given on
+    the command line before one of its subcommands (``specforest gmm --dim 8 sweep``), which would
+    silently not apply to it.
+
+    Raises:
+        click.UsageError: naming those options and where they belong.
+    """
+    given = [
+        p.opts[0]
+        for p in ctx.command.params
+        if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE
+    ]
+    if given:
+        raise click.UsageError(
+            f"options {', '.join(given)} belong to '{ctx.info_name}' itself; put them after '{ctx.invoked_subcommand}'"
+        )
 
 
 def float_list(
@@ -119,6 +152,7 @@ def choice_list(name: str, choices: "tuple[str, ...]") -> Callable[[click.Contex
 
 
 def prefetch_option():
+    """``--prefetch``: which evaluated node the next round drafts from after a rejection."""
     return click.option(
         "--prefetch",
         type=click.Choice(PREFETCH_POLICIES),
@@ -129,6 +163,7 @@ def prefetch_option():
 
 
 def verify_option(default: str):
+    """``--verify drafted|internal`` (``default``: the command's protocol)."""
     return click.option(
         "--verify",
         type=click.Choice(VERIFY_MODES),
@@ -140,6 +175,7 @@ def verify_option(default: str):
 
 
 def draft_option():
+    """``--draft``: what a draft freezes from the prefetched evaluation."""
     return click.option(
         "--draft",
         type=click.Choice(DRAFT_KINDS),
@@ -278,7 +314,7 @@ def set_threads(threads: "int | None") -> int:
 
     import torch
 
-    from .allocator import keep_freed_memory
+    from ..allocator import keep_freed_memory
 
     keep_freed_memory()
 
@@ -363,7 +399,7 @@ def read_tuned(path: str) -> "tuple[Any, dict]":
     """
     import json
 
-    from .latency import Tuned
+    from ..latency import Tuned
 
     try:
         data = json.loads(open(path, encoding="utf-8").read())

@@ -1,0 +1,88 @@
+"""Command line: ``specforest train digits``, the models the experiments ship with.
+
+A thin shell over :mod:`specforest.experiments.train_digits`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .common import CONTEXT, library_errors, progress_option
+
+__all__ = ["train"]
+
+
+@click.group(context_settings=CONTEXT)
+def train() -> None:
+    """Train the models the experiments ship with."""
+
+
+@train.command("digits", context_settings=CONTEXT)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="results/train_digits",
+    show_default=True,
+    help="Directory of loss.png and train_log.json.",
+)
+@click.option(
+    "--weights-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    show_default="the package's models/weights",
+    help="Where the safetensors files and manifest.json are written (atomically).",
+)
+@click.option("--steps", type=click.IntRange(1), default=3000, show_default=True, help="Denoiser optimizer steps.")
+@click.option(
+    "--max-minutes",
+    type=click.FloatRange(0.0, min_open=True),
+    default=18.0,
+    show_default=True,
+    help="Stop the denoiser's training early after this many minutes.",
+)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Training seed (>= 0).")
+@click.option(
+    "--eval-samples",
+    type=click.IntRange(0),
+    default=500,
+    show_default=True,
+    help="Standard-sampler samples drawn after training to measure the classifier's accuracy.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="torch CPU threads (1 is fastest on a shared 2-core machine).",
+)
+@progress_option("Progress bars on stderr.")
+def train_digits(
+    out_dir: str,
+    weights_dir: str | None,
+    steps: int,
+    max_minutes: float,
+    seed: int,
+    eval_samples: int,
+    threads: int,
+    progress: bool,
+) -> None:
+    """Train the digits denoiser (EDM U-Net, EMA weights) and the evaluation classifier."""
+    import torch
+
+    from ..experiments.train_digits import TrainConfig, main_train
+    from ..models.digits import WEIGHTS_DIR
+
+    torch.set_num_threads(threads)
+    cfg = TrainConfig(steps=steps, max_minutes=max_minutes, seed=seed, eval_samples=eval_samples)
+    library_errors(
+        lambda: main_train(
+            out_dir,
+            weights_dir=Path(weights_dir) if weights_dir else WEIGHTS_DIR,
+            config=cfg,
+            progress=progress,
+            log=lambda line: click.echo(line, err=True),
+        )
+    )
