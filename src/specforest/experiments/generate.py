@@ -26,16 +26,19 @@ rank 0 writes. The processes meet through
 output check, the model's loading, the merge) raises on every process; a
 failure while sampling ends its process, and the others stop as soon as they
 see it gone (torchrun's SIGTERM, or the next meeting).
+
+This module is the driver (:func:`run_job`, ending in :func:`merge`); the job itself and the
+options it records are in :mod:`.generate_job`, what it samples on a process and how many slots
+fit in :mod:`.generate_model`, and its files on disk in :mod:`.generate_shards`. Their public
+names are importable from here too.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import secrets
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,11 +48,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .. import __version__, distributed, generate, memory, streams
+from .. import __version__, distributed, generate, streams
 from ..atomic import atomic_write, atomic_write_text
-from ..trees import from_parents
 from ..warmup import pad_rows_for, warm_up
-from .common import COUPLING_OF, METHODS, check_choice, check_int, compiled, method_tree
+from .common import check_int, compiled
+from .generate_job import IMAGE_MODELS, MODELS, JobSpec, diffusers_options, sd3_options
+from .generate_model import JobModel, gmm_model, image_model, pixel_model, size_slots
+from .generate_shards import check_start, done_indices, meta_path, parts_dir, remove_parts
 
 __all__ = [
     "IMAGE_MODELS",
@@ -57,59 +62,14 @@ __all__ = [
     "GenerateResult",
     "JobSpec",
     "diffusers_options",
+    "done_indices",
     "merge",
+    "meta_path",
+    "parts_dir",
     "run_job",
     "sd3_options",
     "size_slots",
 ]
-
-MODELS = ("gmm", "pixel", "sd3", "diffusers")
-"""Models ``specforest generate`` samples (``sd3``: a local ``StableDiffusion3Pipeline`` and a captions file;
-``diffusers``: a local pipeline of any family of :data:`specforest.diffusers.FAMILIES` and a captions file)."""
-
-IMAGE_MODELS = ("sd3", "diffusers")
-"""The models whose output is a folder of PNGs, one per index."""
-
-# labels of the pixel job: a stream of their own, apart from the chain's
-_LABEL_TAG = 0x4C4142454C
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """A generation job: what to sample and how.
-
-    Attributes:
-        model: one of :data:`MODELS`.
-        count: samples ``M >= 1``.
-        seed: the job's seed ``S >= 0``.
-        sampler: sampler options (``method``, ``K``, ``L``, ``steps``, ``churn``,
-            ``grid``, ``prefetch``, ``verify``, ``draft``; ``tree``, a parent list, for a
-            tree given as it is, e.g. a tuned one).
-        model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``; ``sd3``:
-            :func:`sd3_options`; ``diffusers``: :func:`diffusers_options`).
-    """
-
-    model: str
-    count: int
-    seed: int
-    sampler: dict
-    model_options: dict
-
-    def __post_init__(self) -> None:
-        check_choice("model", self.model, MODELS)
-        check_int("count", self.count, 1)
-        check_int("seed", self.seed, 0)
-        check_choice("method", self.sampler.get("method"), METHODS)
-
-    def options(self) -> dict:
-        """What identifies the job's samples (``--batch`` and the process count do not)."""
-        return {
-            "model": self.model,
-            "count": self.count,
-            "seed": self.seed,
-            "sampler": dict(self.sampler),
-            "model_options": dict(self.model_options),
-        }
 
 
 @dataclass
@@ -137,289 +97,13 @@ class GenerateResult:
     warmup_seconds: float = 0.0
 
 
-def parts_dir(out: Path) -> Path:
-    """Where the job's shards live until it is complete."""
-    return Path(str(out) + ".parts")
-
-
-def meta_path(out: Path) -> Path:
-    """The JSON beside the output: its name with the suffix ``.json`` (``gmm.npz`` -> ``gmm.json``)."""
-    return out.with_suffix(".json")
-
-
-@dataclass
-class _Model:
-    """What a job samples: the velocity, the states' shape, per-index conditioning and how results are kept."""
-
-    velocity: Callable
-    shape: tuple
-    sampler: dict  # keyword arguments of specforest.generate
-    make_cond: Optional[Callable[[torch.Tensor], dict]] = None
-    labels_of: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    save_images: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None  # sd3, diffusers: PNGs per index
-    noise_scale: float = 1.0  # the initial state is noise_scale x N(0, I)
-
-
-def _tree_kwargs(o: dict) -> dict:
-    method = o["method"]
-    # a tuned tree comes as its parent list; otherwise the method's (K, L) tree
-    tree = from_parents(o["tree"]) if o.get("tree") is not None else method_tree(method, o["K"], o["L"], o["steps"])
-    return dict(
-        tree=tree,
-        coupling=COUPLING_OF.get(method, "grs"),
-        draft=o["draft"],
-        prefetch=o["prefetch"],
-        verify=o["verify"],
-        churn=o["churn"],
-    )
-
-
-def _model(spec: JobSpec, out: Path, device: str) -> _Model:
-    o = spec.sampler
+def _model(spec: JobSpec, out: Path, device: str) -> JobModel:
+    """The job's model on this process (every process loads it, at the meeting "loading the model")."""
     if spec.model == "gmm":
-        from ..models import GaussianMixture
-
-        m = spec.model_options
-        # the mixture moves its parameters to the states' device itself
-        gmm = GaussianMixture.paper(dim=m["dim"], components=m["components"], seed=m["mixture_seed"])
-        return _Model(gmm, (m["dim"],), dict(steps=o["steps"], grid=o["grid"], **_tree_kwargs(o)))
+        return gmm_model(spec)
     if spec.model == "pixel":
-        from ..models.digits import IMAGE_SHAPE, NUM_CLASSES, load_velocity
-
-        def labels_of(idx: torch.Tensor) -> torch.Tensor:
-            keys = streams.fold(streams.sample_keys(spec.seed, idx.cpu()), _LABEL_TAG)
-            return (streams.uniform(keys, 1)[:, 0] * NUM_CLASSES).long().clamp(max=NUM_CLASSES - 1)
-
-        return _Model(
-            load_velocity(device=device),
-            tuple(IMAGE_SHAPE),
-            dict(steps=o["steps"], grid=o["grid"], **_tree_kwargs(o)),
-            make_cond=lambda idx: {"class_labels": labels_of(idx).to(device)},
-            labels_of=labels_of,
-        )
-    return _image_model(spec, out, device)
-
-
-def _image_model(spec: JobSpec, out: Path, device: str) -> _Model:
-    """Image ``i`` of an image job: caption ``i mod n``, latents and noise from ``(S, i)``, a PNG ``OUT/i.png``.
-
-    The pipeline is taken apart by its family's ``prepare`` (:class:`specforest.diffusers.Prepared`); an
-    ``sd3`` job is the sd3 family's, its options under the names ``specforest generate sd3`` gave them.
-    """
-    from .pipelines import family_options, load_pipeline
-    from .sd3.loading import load_prompts
-
-    m, o = spec.model_options, spec.sampler
-    if spec.model == "sd3":
-        from ..diffusers.prepared import prepare_sd3
-        from .sd3.loading import load_pipeline as load_sd3_pipeline
-
-        pipe, prepare = load_sd3_pipeline(m["model"], device=device, dtype=m["dtype"]), prepare_sd3
-        options = {k: m[k] for k in ("height", "width", "shift", "max_sequence_length")}
-        options["guidance_scale"] = m["guidance"]
-    else:
-        pipe, family = load_pipeline(m["pipeline"], device=device, dtype=m["dtype"])
-        if family.name != m["family"]:
-            raise ValueError(f"{m['pipeline']} now holds a {family.name} pipeline, not the job's {m['family']}")
-        options = family_options(family, "prepare", m["options"])
-        prepare = family.prepare
-    prompts = load_prompts(m["prompts"], m["num_prompts"])
-    if _prompts_digest(prompts) != m["prompts_sha256"]:
-        raise ValueError(f"the captions in {m['prompts']} changed since the job started")
-    parts = prepare(pipe, prompts, num_inference_steps=o["steps"], **options)
-    n = len(prompts)
-
-    def make_cond(idx: torch.Tensor) -> dict:
-        rows = (idx % n).to(parts.device)
-        return {k: v[rows] for k, v in parts.cond.items()}
-
-    def save_images(index: torch.Tensor, latents: torch.Tensor) -> None:
-        images = parts.decode(latents)
-        for i, im in zip(index.tolist(), images, strict=True):
-            atomic_write(out / f"{i:06d}.png", lambda f, im=im: im.save(f, format="PNG"), binary=True)
-
-    return _Model(
-        parts.velocity,
-        parts.latent_shape,
-        dict(sigmas=parts.sigmas, **_tree_kwargs(o)),
-        make_cond=make_cond,
-        save_images=save_images,
-        noise_scale=parts.noise_scale,
-    )
-
-
-def size_slots(
-    model: _Model,
-    spec: JobSpec,
-    batch: int,
-    memory_gb: Optional[float],
-    *,
-    world: int = 1,
-    device: "str | torch.device" = "cpu",
-) -> memory.MemoryEstimate:
-    """How many of ``batch`` slots fit the memory limit on this process, and the rows per network call.
-
-    The slots are the trajectories of :func:`specforest.memory.estimate` (with per-sample streams
-    their number changes no sample); ``world`` processes share each call's rows with
-    ``tree_parallel``. The limit bounds this process, what it holds now (the model) counting as fixed.
-
-    Raises:
-        MemoryError: if one slot does not fit, with the numbers.
-    """
-    limit, source, fixed = memory.resolve_limit(memory_gb, device, "--memory-gb")
-    idx = torch.zeros(1, dtype=torch.long)
-    cond_row = model.make_cond(idx) if model.make_cond is not None else {}
-    kw = model.sampler
-    steps = kw.get("steps") or spec.sampler["steps"]
-    return memory.estimate(
-        trajectories=batch,
-        state_numel=math.prod(model.shape),
-        tree=kw.get("tree"),
-        verify=kw.get("verify", "internal"),
-        steps=steps,
-        model=model.velocity,
-        x_row=torch.zeros((1, *model.shape)),
-        cond_row=cond_row,
-        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond_row.values() if isinstance(v, torch.Tensor)),
-        fixed_bytes=fixed,
-        limit_bytes=limit,
-        limit_source=source,
-        device=device,
-        world=world,
-    )
-
-
-def _prompts_digest(prompts: list) -> str:
-    import hashlib
-
-    return hashlib.sha256("\n".join(prompts).encode("utf-8")).hexdigest()
-
-
-def sd3_options(
-    model: str,
-    prompts: str,
-    *,
-    num_prompts: Optional[int],
-    dtype: str,
-    guidance: float,
-    height: int,
-    width: int,
-    shift: float,
-    max_sequence_length: int,
-) -> dict:
-    """The ``model_options`` of an SD3 job, with a digest of its captions (a resumed job checks it)."""
-    from .sd3.loading import load_prompts
-
-    caps = load_prompts(prompts, num_prompts)
-    return {
-        "model": str(Path(model).resolve()),
-        "prompts": str(Path(prompts).resolve()),
-        "num_prompts": num_prompts,
-        "prompts_sha256": _prompts_digest(caps),
-        "dtype": dtype,
-        "guidance": float(guidance),
-        "height": height,
-        "width": width,
-        "shift": float(shift),
-        "max_sequence_length": max_sequence_length,
-    }
-
-
-def diffusers_options(
-    pipeline: str,
-    prompts: str,
-    *,
-    num_prompts: Optional[int],
-    dtype: str,
-    options: dict,
-) -> dict:
-    """The ``model_options`` of a diffusers job: the pipeline directory and its family (read from its
-    ``model_index.json``, nothing loaded), the captions with their digest (a resumed job checks it), the
-    dtype, and the family's ``prepare`` options with its defaults filled in (a resumed job gets the
-    same run even if a default changes).
-
-    Args:
-        pipeline: a local diffusers pipeline directory.
-        prompts: the captions file.
-        num_prompts: keep the first ``N`` captions (``None``: all).
-        dtype: the models' dtype.
-        options: the family's options by their library names (``guidance_scale``, ``height``, ...; ``None``:
-            the family's default); ``num_inference_steps`` is the sampler's ``steps``, not one of them.
-
-    Raises:
-        FileNotFoundError / ValueError: as :func:`specforest.diffusers.family_of_directory`; ValueError
-            naming an option the family does not take.
-        NotImplementedError: for a family without ``prepare``.
-    """
-    from ..diffusers.families import family_of_directory
-    from .pipelines import DTYPES, family_options
-    from .sd3.loading import load_prompts
-
-    check_choice("dtype", dtype, tuple(DTYPES))
-    family = family_of_directory(pipeline)
-    if "num_inference_steps" in options:
-        raise ValueError("num_inference_steps is the sampler's steps, not a model option")
-    resolved = family_options(family, "prepare", options)
-    caps = load_prompts(prompts, num_prompts)
-    return {
-        "pipeline": str(Path(pipeline).resolve()),
-        "family": family.name,
-        "prompts": str(Path(prompts).resolve()),
-        "num_prompts": num_prompts,
-        "prompts_sha256": _prompts_digest(caps),
-        "dtype": dtype,
-        "options": resolved,
-    }
-
-
-def done_indices(out: Path) -> set:
-    """Indices already in the job's shards; stale temporary files of a killed run are removed."""
-    parts = parts_dir(out)
-    done: set = set()
-    if not parts.exists():
-        return done
-    for p in parts.iterdir():
-        if p.name.endswith(".tmp"):
-            p.unlink(missing_ok=True)
-        elif p.name.startswith("shard-") and p.suffix == ".npz":
-            with np.load(p) as z:
-                done.update(int(i) for i in z["index"])
-    return done
-
-
-def _check_start(out: Path, spec: JobSpec, resume: bool) -> bool:
-    """Refuse what would mix or overwrite jobs; True when the job is already complete."""
-    parts, meta = parts_dir(out), meta_path(out)
-    opts = spec.options()
-    if not resume:
-        for p in (out, parts, meta):
-            if p.exists():
-                raise FileExistsError(f"{p} exists; pass --resume to continue that job, or choose another --out")
-        return False
-    if out.exists() and meta.exists():
-        # the output and its JSON are written last: the job is complete (a kill may have left parts behind)
-        old = json.loads(meta.read_text())["options"]
-        if old != opts:
-            raise ValueError(f"--resume with options that differ from those of {out}: {_diff(old, opts)}")
-        return True
-    if (parts / "options.json").exists():
-        old = json.loads((parts / "options.json").read_text())
-        if old != opts:
-            raise ValueError(f"--resume with options that differ from those on disk in {parts}: {_diff(old, opts)}")
-    elif out.exists():
-        raise FileExistsError(f"{out} exists but is not a specforest generate output; choose another --out")
-    return False
-
-
-def _diff(old: dict, new: dict) -> str:
-    flat = lambda d, p="": {  # noqa: E731
-        k2: v2
-        for k, v in d.items()
-        for k2, v2 in (flat(v, f"{p}{k}.").items() if isinstance(v, dict) else [(p + k, v)])
-    }
-    a, b = flat(old), flat(new)
-    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    return ", ".join(f"{k}: {a.get(k)!r} on disk, {b.get(k)!r} now" for k in keys)
+        return pixel_model(spec, device)
+    return image_model(spec, out, device)
 
 
 def _control_group() -> Any:
@@ -532,11 +216,11 @@ def _run_job(
     rank = distributed.rank()
     # every rank checks, so that every rank raises the same error
     with distributed.together("checking the output", control):
-        complete = _check_start(out, spec, resume)
+        complete = check_start(out, spec, resume)
     if complete:
         with distributed.together("removing the parts", control):
             if rank == 0:
-                _remove_parts(out)
+                remove_parts(out)
         log(f"{out} is complete; nothing to do")
         return GenerateResult(out, 0, spec.count, float("nan"), 0, 0.0, True)
     with distributed.together("loading the model", control):
@@ -722,13 +406,4 @@ def merge(
         if spec.model not in IMAGE_MODELS:
             out.unlink(missing_ok=True)
         raise
-    _remove_parts(out)
-
-
-def _remove_parts(out: Path) -> None:
-    """Remove the shards of a complete job: renamed away first, so a kill never leaves half a parts folder."""
-    parts = parts_dir(out)
-    trash = parts.with_name(parts.name + ".trash")
-    if parts.exists():
-        os.replace(parts, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    remove_parts(out)

@@ -1,0 +1,145 @@
+"""A ``specforest generate`` job: what it samples (:class:`JobSpec`) and the model options it records.
+
+Everything here is what identifies a job's samples, and so what ``--resume`` compares with the
+options on disk: the model, the count ``M``, the seed ``S``, the sampler's options and the
+model's (for an image job, the captions' digest among them, so changed captions are refused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .common import METHODS, check_choice, check_int
+
+__all__ = ["IMAGE_MODELS", "MODELS", "JobSpec", "diffusers_options", "prompts_digest", "sd3_options"]
+
+MODELS = ("gmm", "pixel", "sd3", "diffusers")
+"""Models ``specforest generate`` samples (``sd3``: a local ``StableDiffusion3Pipeline`` and a captions file;
+``diffusers``: a local pipeline of any family of :data:`specforest.diffusers.FAMILIES` and a captions file)."""
+
+IMAGE_MODELS = ("sd3", "diffusers")
+"""The models whose output is a folder of PNGs, one per index."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A generation job: what to sample and how.
+
+    Attributes:
+        model: one of :data:`MODELS`.
+        count: samples ``M >= 1``.
+        seed: the job's seed ``S >= 0``.
+        sampler: sampler options (``method``, ``K``, ``L``, ``steps``, ``churn``,
+            ``grid``, ``prefetch``, ``verify``, ``draft``; ``tree``, a parent list, for a
+            tree given as it is, e.g. a tuned one).
+        model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``; ``sd3``:
+            :func:`sd3_options`; ``diffusers``: :func:`diffusers_options`).
+    """
+
+    model: str
+    count: int
+    seed: int
+    sampler: dict
+    model_options: dict
+
+    def __post_init__(self) -> None:
+        check_choice("model", self.model, MODELS)
+        check_int("count", self.count, 1)
+        check_int("seed", self.seed, 0)
+        check_choice("method", self.sampler.get("method"), METHODS)
+
+    def options(self) -> dict:
+        """What identifies the job's samples (``--batch`` and the process count do not)."""
+        return {
+            "model": self.model,
+            "count": self.count,
+            "seed": self.seed,
+            "sampler": dict(self.sampler),
+            "model_options": dict(self.model_options),
+        }
+
+
+def prompts_digest(prompts: list) -> str:
+    """The SHA-256 of the captions, one a line: what a resumed image job checks its captions against."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(prompts).encode("utf-8")).hexdigest()
+
+
+def sd3_options(
+    model: str,
+    prompts: str,
+    *,
+    num_prompts: Optional[int],
+    dtype: str,
+    guidance: float,
+    height: int,
+    width: int,
+    shift: float,
+    max_sequence_length: int,
+) -> dict:
+    """The ``model_options`` of an SD3 job, with a digest of its captions (a resumed job checks it)."""
+    from .sd3.loading import load_prompts
+
+    caps = load_prompts(prompts, num_prompts)
+    return {
+        "model": str(Path(model).resolve()),
+        "prompts": str(Path(prompts).resolve()),
+        "num_prompts": num_prompts,
+        "prompts_sha256": prompts_digest(caps),
+        "dtype": dtype,
+        "guidance": float(guidance),
+        "height": height,
+        "width": width,
+        "shift": float(shift),
+        "max_sequence_length": max_sequence_length,
+    }
+
+
+def diffusers_options(
+    pipeline: str,
+    prompts: str,
+    *,
+    num_prompts: Optional[int],
+    dtype: str,
+    options: dict,
+) -> dict:
+    """The ``model_options`` of a diffusers job: the pipeline directory and its family (read from its
+    ``model_index.json``, nothing loaded), the captions with their digest (a resumed job checks it), the
+    dtype, and the family's ``prepare`` options with its defaults filled in (a resumed job gets the
+    same run even if a default changes).
+
+    Args:
+        pipeline: a local diffusers pipeline directory.
+        prompts: the captions file.
+        num_prompts: keep the first ``N`` captions (``None``: all).
+        dtype: the models' dtype.
+        options: the family's options by their library names (``guidance_scale``, ``height``, ...; ``None``:
+            the family's default); ``num_inference_steps`` is the sampler's ``steps``, not one of them.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`specforest.diffusers.family_of_directory`; ValueError
+            naming an option the family does not take.
+        NotImplementedError: for a family without ``prepare``.
+    """
+    from ..diffusers.families import family_of_directory
+    from .pipelines import DTYPES, family_options
+    from .sd3.loading import load_prompts
+
+    check_choice("dtype", dtype, tuple(DTYPES))
+    family = family_of_directory(pipeline)
+    if "num_inference_steps" in options:
+        raise ValueError("num_inference_steps is the sampler's steps, not a model option")
+    resolved = family_options(family, "prepare", options)
+    caps = load_prompts(prompts, num_prompts)
+    return {
+        "pipeline": str(Path(pipeline).resolve()),
+        "family": family.name,
+        "prompts": str(Path(prompts).resolve()),
+        "num_prompts": num_prompts,
+        "prompts_sha256": prompts_digest(caps),
+        "dtype": dtype,
+        "options": resolved,
+    }
