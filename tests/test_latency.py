@@ -89,23 +89,23 @@ def test_a_round_drafts_from_the_evaluation_the_previous_round_left():
 def test_one_trajectory_is_predicted_by_its_expectation_which_simulated_runs_approach(tree, verify):
     """The exact expectation of one trajectory's run against 3000 simulated runs of the same law
     (within 4 standard errors), with a curve that prices rows, two stretches and a row-dependent round."""
-    from specforest import latency
+    from specforest.latency import law
 
     curve = CostCurve((1, 1024), (1.0, 3.0))
     bins = [(0.4, lambda level, k: 0.95 - 0.1 * level), (0.6, lambda level, k: 0.7 - 0.05 * level + 0.05 * k)]
     seconds, calls = predict_seconds(curve, 40, 1, tree, verify, bins, lambda rows: 0.01 * rows)
     captured = {}
-    real = latency._simulated
+    real = law._simulated
 
     def spy(*args, **kwargs):
         captured["args"] = args[1:5]
         return real(*args, **kwargs)
 
-    latency._simulated = spy
+    law._simulated = spy
     try:
         predict_seconds(curve, 40, 2, tree, verify, bins, lambda rows: 0.01 * rows)  # the same law, simulated
     finally:
-        latency._simulated = real
+        law._simulated = real
     many = 3000
     runs = [real(1, *captured["args"], runs=1, seed=i) for i in range(many)]
     ends = 3 * (curve(1) + 0.01)  # the first step, the fetch and the last step
@@ -118,7 +118,7 @@ def test_one_trajectory_is_predicted_by_its_expectation_which_simulated_runs_app
 @pytest.mark.parametrize("verify", ["internal", "drafted"])
 @pytest.mark.parametrize("tree", [trees.chain(5), trees.uniform(2, 3), trees.widths([3, 1, 2])], ids=str)
 def test_the_round_law_with_the_next_prefetch_sums_to_the_law_of_committed_steps(tree, verify):
-    from specforest.latency import PREFETCH_KINDS, _round_law, _steps_law
+    from specforest.latency.law import PREFETCH_KINDS, _round_law, _steps_law
 
     def acc(level, k):
         return 0.9 - 0.1 * level + 0.02 * k
@@ -325,7 +325,7 @@ def test_plan_tree_optimizes_latency_on_request(gmm):
 
 @pytest.mark.parametrize("tree", [trees.chain(6), trees.uniform(2, 3), trees.widths([3, 1, 2])], ids=str)
 def test_the_simulated_law_of_committed_steps_has_the_closed_form_moments(tree):
-    from specforest.latency import _steps_law
+    from specforest.latency.law import _steps_law
 
     def acc(level, k):
         return 0.9 - 0.1 * level + 0.02 * k
@@ -383,32 +383,43 @@ def test_the_allocator_keeps_freed_memory_on_linux():
     assert keep_freed_memory() is keep_freed_memory()  # once per process
 
 
-def _virtually_timed(gmm, monkeypatch, cost):
+def _virtually_timed(gmm, monkeypatch, cost, runs=None):
     """The mixture as a model whose calls take ``cost(inside a sampling run, rows)`` seconds on a
-    virtual clock (far above the mixture's real time: no timing noise), as the tuner sees it."""
+    virtual clock (far above the mixture's real time: no timing noise), as the tuner sees it.
+    With ``runs`` a list, each run the tuner makes is appended to it as ``(its options, its stats)``."""
     import time
 
-    from specforest import latency
+    from specforest.latency import measure
 
     inside = [False]
-    real_sample = latency.sample
+    real_sample = measure.sample
 
     def in_run(*args, **kwargs):
         inside[0] = True
         try:
-            return real_sample(*args, **kwargs)
+            out = real_sample(*args, **kwargs)
         finally:
             inside[0] = False
+        if runs is not None:
+            runs.append((kwargs, out.stats))
+        return out
 
     virtual, real_clock = [0.0], time.perf_counter
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + virtual[0])
-    monkeypatch.setattr(latency, "sample", in_run)
+    monkeypatch.setattr(measure, "sample", in_run)
 
     def model(x, sigma, **kw):
         virtual[0] += cost(inside[0], x.shape[0])
         return gmm(x, sigma, **kw)
 
     return model
+
+
+def _timing(calibrator, tree=None, coupling="grs"):
+    """The timing a calibrator recorded for a configuration (verified ``internal``, draft ``velocity``)."""
+    from specforest.latency import Config
+
+    return calibrator.calibration.timings[Config(tree, coupling)]
 
 
 def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
@@ -419,65 +430,71 @@ def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
 
     model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 4.0 if in_run else 2.0)
     x = streams.randn(0, torch.arange(2), (8,))
-    pred = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2)
+    pred = latency.Calibrator.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2)
     assert pred.network_factor() == 1.0  # nothing timed yet
     seconds, calls, s_round = pred.predict(None)
     factor = pred.network_factor()
     assert 1.95 < factor < 2.05, factor
-    setup = pred.setup_seconds(None, "grs", "internal", "velocity")
+    setup = _timing(pred).setup_seconds
     assert setup >= 0 and seconds == pytest.approx(setup + 6 * (factor * pred.curve(1) + s_round))
-    given = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2, curve=pred.curve)
+    given = latency.Calibrator.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2, curve=pred.curve)
     given.predict(None)
     assert given.network_factor() == 1.0
 
 
 def test_configurations_timed_side_by_side_take_turns_and_keep_their_timed_runs(gmm, monkeypatch):
-    """``Predictor.time``: each turn makes an untimed then a timed run of every configuration in
+    """``Calibrator.time``: each turn makes an untimed then a timed run of every configuration in
     turn (up to TIMING_RUNS turns while a configuration's runs are cheap); the median of the timed
     runs replaces the earlier timing, and the untimed runs count for nothing."""
+    from dataclasses import replace
+
     from specforest import latency
+    from specforest.latency import Config, TimingRun
 
     x = streams.randn(0, torch.arange(2), (8,))
-    pred = latency.Predictor.calibrate(gmm, x, steps=6, churn=0.3, batch=1, budget_max=2)
+    pred = latency.Calibrator.calibrate(gmm, x, steps=6, churn=0.3, batch=1, budget_max=2)
     chain = trees.chain(2)
     pred.predict(chain, "rmc")  # an earlier, sequential timing
     order = []
 
-    def fake(self, tree, coupling, verify, draft, index):
-        order.append((coupling, index))
-        per_round = 100.0 if index % 2 == 0 else 0.001 * (index // 2 + 1) * (2 if coupling == "rmc" else 1)
-        return per_round, 0.0, per_round, 0.0, 0.0, [], 0.01
+    def run(per_round, wall):
+        return TimingRun(per_round, 0.0, per_round, 0.0, 0.0, (), wall)
 
-    monkeypatch.setattr(latency.Predictor, "_timing_run", fake)
-    pred.time([(None, "grs", "internal", "velocity"), (chain, "rmc", "internal", "velocity")])
+    def fake(self, config, index):
+        order.append((config.coupling, index))
+        return run(100.0 if index % 2 == 0 else 0.001 * (index // 2 + 1) * (2 if config.coupling == "rmc" else 1), 0.01)
+
+    monkeypatch.setattr(latency.Calibrator, "_timing_run", fake)
+    standard, chained = Config(None, "grs"), (chain, "rmc", "internal", "velocity")  # a Config or its tuple
+    pred.time([standard, chained])
     turns = latency.TIMING_RUNS
     assert order == [(c, i) for t in range(turns) for c in ("grs", "rmc") for i in (2 * t, 2 * t + 1)]
     # the timed runs' median: 0.001 x (1 .. turns), twice that for the chain
     mid = (turns - 1) // 2 + 1
-    assert pred.sampler_seconds_per_round(None, "grs", "internal", "velocity") == pytest.approx(0.001 * mid)
-    assert pred.sampler_seconds_per_round(chain, "rmc", "internal", "velocity") == pytest.approx(0.002 * mid)
+    assert _timing(pred).seconds_per_round == pytest.approx(0.001 * mid)
+    assert _timing(pred, chain, "rmc").seconds_per_round == pytest.approx(0.002 * mid)
     # a configuration whose runs took long enough stops after its first turn
     order.clear()
 
-    def slow(self, tree, coupling, verify, draft, index):
-        order.append((coupling, index))
-        return 0.001, 0.0, 0.001, 0.0, 0.0, [], latency.REPEAT_BELOW_SECONDS if coupling == "rmc" else 0.01
+    def slow(self, config, index):
+        order.append((config.coupling, index))
+        return run(0.001, latency.REPEAT_BELOW_SECONDS if config.coupling == "rmc" else 0.01)
 
-    monkeypatch.setattr(latency.Predictor, "_timing_run", slow)
-    pred.time([(None, "grs", "internal", "velocity"), (chain, "rmc", "internal", "velocity")])
+    monkeypatch.setattr(latency.Calibrator, "_timing_run", slow)
+    pred.time([standard, chained])
     assert [o for o in order if o[0] == "rmc"] == [("rmc", 0), ("rmc", 1)]
     assert len([o for o in order if o[0] == "grs"]) == 2 * turns
     order.clear()
-    pred.time([(chain, "rmc", "internal", "velocity")], min_seconds=10 * latency.REPEAT_BELOW_SECONDS)
+    pred.time([chained], min_seconds=10 * latency.REPEAT_BELOW_SECONDS)
     assert len(order) == 2 * turns  # a longer budget: every turn
     # fresh: the calls and timings of before are forgotten (the factor follows the machine now)
-    pred._calls = [(1, 5.0)] * 10
-    assert pred.factor_by_rows()(1) == 5.0
-    pred.time([(None, "grs", "internal", "velocity")], fresh=True)
-    assert pred._calls == [] and pred.factor_by_rows()(1) != 5.0
+    pred.calibration = replace(pred.calibration, calls=((1, 5.0),) * 10)
+    assert pred.predictor.factor_by_rows()(1) == 5.0
+    pred.time([standard], fresh=True)
+    assert pred.calibration.calls == () and pred.predictor.factor_by_rows()(1) == 1.0  # the fakes time no call
     with pytest.raises(ValueError, match="min_seconds must be >= 0"):
-        pred.time([(None, "grs", "internal", "velocity")], min_seconds=-1.0)
-    assert pred._key(chain, "rmc", "internal", "velocity") not in pred._sampler_time
+        pred.time([standard], min_seconds=-1.0)
+    assert set(pred.calibration.timings) == {standard}
 
 
 def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm, monkeypatch):
@@ -486,12 +503,12 @@ def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm
     sampler's own factor is 3, a chain's (whose rounds evaluate up to three rows) about 2, their
     median is the pooled factor, and the predictions price each call by its rows (3 at one row,
     1 at more), which no single factor does."""
-    from specforest import latency
+    from specforest.latency import Calibrator, Config, Predictor, RoundCost, Timing, measure
 
     model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 6.0 if in_run and rows == 1 else 2.0)
-    monkeypatch.setattr(latency, "TIMING_RUNS", 1)
+    monkeypatch.setattr(measure, "TIMING_RUNS", 1)
     x = streams.randn(0, torch.arange(2), (8,))
-    pred = latency.Predictor.calibrate(model, x, steps=8, churn=0.3, batch=1, budget_max=2)
+    pred = Calibrator.calibrate(model, x, steps=8, churn=0.3, batch=1, budget_max=2)
     pred.predict(None)
     chain = trees.chain(3)
     pred.predict(chain, "rmc")
@@ -502,15 +519,24 @@ def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm
     # a configuration not timed yet is priced at the pooled factor
     assert pred.network_factor(trees.chain(2), "rmc") == pred.network_factor()
     # the predictions price a call by its rows, from every timed call
-    by_rows = pred.factor_by_rows()
+    by_rows = pred.predictor.factor_by_rows()
     assert by_rows(1) == pytest.approx(3.0, rel=0.02) and by_rows(3) == pytest.approx(1.0, rel=0.02)
     seconds, _, s_round = pred.predict(None)
-    setup = pred.setup_seconds(None, "grs", "internal", "velocity")
-    assert seconds == pytest.approx(setup + 8 * (by_rows(1) * pred.curve(1) + s_round))
+    assert seconds == pytest.approx(_timing(pred).setup_seconds + 8 * (by_rows(1) * pred.curve(1) + s_round))
     # one slow configuration's runs move its own factor and the pool's median, not the per-row prices
-    pred._network_of[("slow",)] = (50.0, 1.0)
-    assert pred.network_factor() == pytest.approx(max(own, standard))
-    assert pred.factor_by_rows()(1) == by_rows(1)
+    slow = Timing(0.0, 0.0, RoundCost(0.0), network_seconds=50.0, curve_seconds=1.0)
+    more = Predictor(pred.calibration.timed(Config(trees.chain(5), "rmc"), slow))
+    assert more.network_factor() == pytest.approx(max(own, standard))
+    assert more.factor_by_rows()(1) == by_rows(1)
+    assert pred.network_factor() == pytest.approx((own + standard) / 2)  # a new record: this one is as it was
+
+
+def _racing(gmm, monkeypatch, runs=None):
+    """A model whose call costs 5 s on the virtual clock whatever its rows, long against a round's own
+    time on any machine, so that trees are predicted faster than the standard sampler and reach the race."""
+    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 5.0, runs)
+    x = streams.randn(0, torch.arange(4), (8,))
+    return model, x, dict(steps=12, churn=0.3, batch=1, budget_max=4, drafts=("velocity",))
 
 
 def test_a_finalist_must_beat_the_standard_sampler_in_every_repeat_of_the_race(gmm, monkeypatch):
@@ -518,47 +544,62 @@ def test_a_finalist_must_beat_the_standard_sampler_in_every_repeat_of_the_race(g
     median gain is within the machine's noise); one at least 6% faster in every repeat is."""
     from specforest import latency
 
-    # a call of 5 s on the virtual clock, long against a round's own time on any machine, so that
-    # trees are predicted faster than the standard sampler and reach the race
-    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 5.0)
+    model, x, opts = _racing(gmm, monkeypatch)
 
     def fake_race(times_of_first):
-        def race(pred, entries, repeats):
-            out = {e[3]: [1.0, 1.0, 1.0] for e in entries}
-            out[entries[1][3]] = list(times_of_first)  # the finalist predicted fastest
+        def race(self, configs, repeats):
+            out = [[1.0, 1.0, 1.0] for _ in configs]
+            out[1] = list(times_of_first)  # the finalist predicted fastest
             return out
 
         return race
 
-    x = streams.randn(0, torch.arange(4), (8,))
-    opts = dict(steps=12, churn=0.3, batch=1, budget_max=4, drafts=("velocity",))
-    pred = latency.Predictor.calibrate(model, x, **{k: v for k, v in opts.items() if k != "budget_max"})
-    monkeypatch.setattr(latency, "_race", fake_race([0.8, 0.8, 1.02]))
+    pred = latency.Calibrator.calibrate(model, x, **{k: v for k, v in opts.items() if k != "budget_max"})
+    monkeypatch.setattr(latency.Calibrator, "race", fake_race([0.8, 0.8, 1.02]))
     assert tune(model, x, predictor=pred, **opts).label == "standard"
-    monkeypatch.setattr(latency, "_race", fake_race([0.9, 0.9, 0.94]))
+    monkeypatch.setattr(latency.Calibrator, "race", fake_race([0.9, 0.9, 0.94]))
     chosen = tune(model, x, predictor=pred, **opts)
     assert chosen.label != "standard" and chosen.measured_speedup == pytest.approx(1.0 / 0.9)
 
 
 def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):
-    """With a measured curve the finalists race the standard sampler in full runs, and the fastest
-    measured is chosen; a model whose call costs 5 s whatever its rows makes trees pay (long
-    against a round's own time, so that some tree reaches the race): 5 s on the virtual clock."""
+    """With a measured curve the finalists race the standard sampler in full runs, interleaved, and
+    what the race records for each is the time of its own full runs: 5 s of virtual clock per call
+    of that run (the real time of the mixture's calls and rounds is far below the tolerance)."""
     from specforest import latency
 
-    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 5.0)
+    runs: list = []
+    model, x, opts = _racing(gmm, monkeypatch, runs)
+    races: list = []
+    real_race = latency.Calibrator.race
 
-    x = streams.randn(0, torch.arange(4), (8,))
-    opts = dict(steps=12, churn=0.3, batch=1, budget_max=4, drafts=("velocity",))
+    def recorded(self, configs, repeats):
+        first = len(runs)
+        times = real_race(self, configs, repeats)
+        races.append((configs, times, runs[first:]))
+        return times
+
+    monkeypatch.setattr(latency.Calibrator, "race", recorded)
     tuned = tune(model, x, **opts)
     raced = [c for c in tuned.candidates if c.get("measured_seconds_per_image") is not None]
     assert tuned.measured_speedup is not None and {"standard"} < {c["label"] for c in raced} and len(raced) <= 4
     back = Tuned.from_json(json.loads(json.dumps(tuned.to_json())))
     assert back.measured_speedup == tuned.measured_speedup
-    # the race decides: the choice is a finalist measured faster than the standard sampler, or the
-    # standard sampler (which finalist, under the every-repeat rule: the faked race below)
-    measured = {c["label"]: c["measured_seconds_per_image"] for c in raced}
-    assert tuned.label in measured and measured[tuned.label] <= measured["standard"]
+    # the race ran, repeat after repeat, each entry's full run (all 12 steps, the tuned batch, the
+    # entry's own configuration) and timed that run: 5 s per call it made
+    ((configs, times, made),) = races
+    assert len(made) == 3 * len(configs) and configs[0].tree is None and len(configs) == len(raced)
+    for k, (kw, stats) in enumerate(made):
+        config = configs[k % len(configs)]
+        assert kw["steps"] == 12 and stats.steps == 12 and kw["tree"] is config.tree
+        assert (kw["coupling"], kw["verify"], kw["draft"]) == (config.coupling, config.verify, config.draft)
+        assert times[k % len(configs)][k // len(configs)] == pytest.approx(5.0 * stats.calls, abs=0.5)
+    assert times[0] == pytest.approx([5.0 * 12] * 3, abs=0.5)  # the standard sampler: one call a step
+    # the table's measured seconds are the medians of those runs, and the speedup their ratio
+    medians = sorted(sorted(t)[1] for t in times)
+    assert sorted(c["measured_seconds_per_image"] for c in raced) == pytest.approx(medians)
+    chosen = next(c for c in raced if c["label"] == tuned.label)
+    assert tuned.measured_speedup == pytest.approx(sorted(times[0])[1] / chosen["measured_seconds_per_image"])
     no_race = tune(model, x, race=0, **opts)
     assert no_race.measured_speedup is None
     with pytest.raises(ValueError, match=r"race must be an int >= 0"):
@@ -567,17 +608,19 @@ def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):
         tune(model, x, race_repeats=0, **opts)
     with pytest.raises(TypeError, match="sigmas_for must be callable"):
         tune(model, x, sigmas_for=[1.0, 0.0], **opts)
-    calls = []
-    monkeypatch.setattr(latency, "_race", lambda *a: calls.append(a) or {})
+    races.clear()
     tune(model, x, curve=CostCurve((1, 4096), (1.0, 1.0)), **opts)  # a given curve: no race
-    assert calls == []
+    assert races == []
 
 
 def _predictor_with_records(records: torch.Tensor, steps: int):
-    """A predictor whose RMC calibration is ``records (n, 3)`` rows ``(depth, step, delta)``, nothing measured."""
-    from specforest import latency
+    """A predictor whose RMC calibration is ``records (n, 3)`` rows ``(depth, step, delta)``, nothing timed."""
+    from specforest.latency import Calibration, Predictor
 
-    return latency.Predictor(None, None, None, steps, 0.3, 1, None, {("velocity", "rmc"): records}, 0, {})
+    curve = CostCurve((1,), (1.0,))
+    return Predictor(
+        Calibration(steps=steps, churn=0.3, batch=1, curve=curve, acceptance={("velocity", "rmc"): records})
+    )
 
 
 def test_acceptance_bins_resolve_each_step_and_borrow_where_records_are_few():

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import specforest
 from specforest import latency, streams, trees
 from specforest.cli import main
-from specforest.latency import CostCurve, Tuned, TunedFor
+from specforest.latency import CostCurve, Tuned, TunedFor, measure
 from specforest.models import GaussianMixture
 
 
@@ -166,14 +166,14 @@ def test_the_tuner_takes_every_option_of_sample(gmm, monkeypatch, name):
         return gmm(x, sigma)
 
     calls: list = []
-    real = latency.sample
+    real = measure.sample
 
     def recorded(m, x, **kw):
         calls.append(kw)
         return real(m, x, **kw)
 
-    monkeypatch.setattr(latency, "sample", recorded)
-    monkeypatch.setattr(latency, "TIMING_RUNS", 1)
+    monkeypatch.setattr(measure, "sample", recorded)
+    monkeypatch.setattr(measure, "TIMING_RUNS", 1)
     x = streams.randn(0, torch.arange(6), (4,))
     kw = dict(steps=8, churn=0.3, batch=2, budget_max=6 if name == "verify" else 3, calibration_trajectories=4)
     kw.update(race=0, curve=CostCurve((1, 4096), (1e-4, 1e-1)), drafts=("velocity",))
@@ -208,19 +208,24 @@ def test_the_tuner_refuses_what_is_not_an_option_and_constraints_outside_its_sea
         latency.tune(gmm, x, draft=gmm, **kw)
     # False is what the timed runs do: accepted
     assert isinstance(latency.tune(gmm, x, lazy=False, record_deltas=False, budget_max=2, **kw), Tuned)
-    pred = latency.Predictor.calibrate(gmm, x, steps=8, churn=0.3, batch=1, curve=CostCurve((1,), (1.0,)))
+    pred = latency.Calibrator.calibrate(gmm, x, steps=8, churn=0.3, batch=1, curve=CostCurve((1,), (1.0,)))
     with pytest.raises(ValueError, match="prefetch: the predictor was calibrated with other values"):
         latency.tune(gmm, x, predictor=pred, prefetch="parent", **kw)
     with pytest.raises(ValueError, match="a predictor prices every configuration"):
-        latency.Predictor.calibrate(gmm, x, steps=8, churn=0.3, verify="drafted", curve=CostCurve((1,), (1.0,)))
+        latency.Calibrator.calibrate(gmm, x, steps=8, churn=0.3, verify="drafted", curve=CostCurve((1,), (1.0,)))
+    with pytest.raises(TypeError, match="predictor must be a Calibrator"):
+        latency.tune(gmm, x, predictor=pred.predictor, **kw)
 
 
-def test_a_padded_call_is_priced_at_its_padded_rows(gmm):
+def test_a_padded_call_is_priced_at_its_padded_rows():
+    from specforest.latency import Calibration, Predictor
+
     curve = CostCurve((4, 8, 64), (1.0, 2.0, 16.0))
-    pred = latency.Predictor(gmm, None, None, 8, 0.3, 1, curve, {}, 0, {"pad_rows": [4, 8, 64], "max_rows": 8})
+    padded = Calibration(steps=8, churn=0.3, batch=1, curve=curve, pad_rows=[4, 8, 64], max_rows=8)
+    pred = Predictor(padded)
     # 3 rows pad to 4; 9 rows split at max_rows 8: one call of 8 and one of 1 padded to 4
     assert pred.call_seconds(3) == 1.0 and pred.call_seconds(9) == 2.0 + 1.0
-    assert latency.Predictor(gmm, None, None, 8, 0.3, 1, curve, {}, 0, {}).call_seconds(6) == curve(6)
+    assert Predictor(Calibration(steps=8, churn=0.3, batch=1, curve=curve)).call_seconds(6) == curve(6)
 
 
 # -- the CLI -----------------------------------------------------------------------------------
