@@ -653,3 +653,83 @@ def test_acceptance_bins_resolve_each_step_and_borrow_where_records_are_few():
     assert len(whole) == 1 and 0.3 < whole[0] < 0.7
     with pytest.raises(ValueError, match="bins must be an int >= 1"):
         pred.acceptance_bins("rmc", "velocity", bins=0)
+
+
+def _records(steps: int) -> torch.Tensor:
+    """Made-up calibration records ``(depth, step, delta)``: 4 a depth at each stochastic step, easier early."""
+    rows = [(float(d), float(s), 0.2 * d + 0.1 * s) for s in range(1, steps - 1) for d in range(1, 5)]
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def test_a_prediction_is_a_pure_function_of_a_calibration_built_by_hand():
+    from dataclasses import FrozenInstanceError
+
+    from specforest.latency import Calibration, Config, Predictor, RoundCost, Timing
+
+    chain, standard = Config(trees.chain(4), "rmc"), Config()
+    cal = Calibration(
+        steps=20,
+        churn=0.3,
+        batch=2,
+        curve=CostCurve((1, 64), (1.0, 3.0)),
+        acceptance={("velocity", "grs"): _records(20), ("velocity", "rmc"): _records(20)},
+        curve_measured=True,
+        timings={
+            standard: Timing(0.1, 0.5, RoundCost(0.1), network_seconds=2.4, curve_seconds=2.0),
+            chain: Timing(0.2, 0.5, RoundCost(0.05, 0.01), network_seconds=3.0, curve_seconds=2.0),
+        },
+        calls=((1, 1.2),) * 8 + ((64, 0.9),) * 8,
+    )
+    pred = Predictor(cal)
+    first = pred.predict(chain)
+    # predict_seconds on the calibration's ingredients: the stretches' acceptance, the chain's round
+    # cost and set-up, the calls priced by their rows (1.2 at one row, 0.9 at 64)
+    by_rows = pred.factor_by_rows()
+    assert by_rows(1) == pytest.approx(1.2) and by_rows(64) == pytest.approx(0.9)
+    bins = pred.acceptance_bins("rmc", "velocity")
+    assert len(bins) == 18 and bins[0][1](1, 1) > bins[-1][1](1, 1)  # easier early
+    seconds, calls = predict_seconds(
+        cal.curve, 20, 2, chain.tree, "internal", bins, RoundCost(0.05, 0.01), by_rows, 0.5
+    )
+    assert first.seconds_per_image == seconds / 2 and first.calls == calls and first.sampler_seconds_per_round == 0.2
+    # what was asked before changes nothing, and a second predictor of the same record answers the same
+    pred.predict(standard), pred.network_seconds(Config(trees.uniform(2, 2))), pred.network_factor()
+    assert pred.predict(chain) == first == Predictor(cal).predict(chain)
+    assert pred.network_factor(chain) == 1.5 and pred.network_factor() == pytest.approx(1.35)
+    # a configuration the calibration did not time is refused, not timed
+    with pytest.raises(ValueError, match="was not timed"):
+        pred.predict(Config(trees.uniform(2, 2)))
+    # the record cannot change under a predictor; a new timing is a new record
+    with pytest.raises(FrozenInstanceError):
+        cal.steps = 30
+    with pytest.raises(TypeError):
+        cal.timings[standard] = None
+    more = cal.timed(Config(trees.uniform(2, 2)), Timing(0.3, 0.0, RoundCost(0.3), 10.0, 2.0))
+    assert Predictor(more).network_factor() == pytest.approx(1.5) and pred.network_factor() == pytest.approx(1.35)
+    assert Config(trees.chain(4), "rmc") == chain and len({chain, Config(trees.chain(4), "rmc"), standard}) == 2
+    with pytest.raises(TypeError, match="timings must map each Config"):
+        Calibration(steps=20, churn=0.3, batch=2, curve=cal.curve, timings={"standard": cal.timings[standard]})
+
+
+def test_tune_predicts_every_candidate_from_its_final_calibration(gmm, monkeypatch):
+    """Calls that cost more inside a run, and more with their rows (virtual clock): the network factor by
+    rows moves as candidates are timed, and the table, the choice and its prediction are the predictor's
+    of the calibration with every timing run in it; the pruned candidates were never timed."""
+    from specforest.latency import Calibrator, tuner
+
+    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: (3.0 if in_run else 2.0) + 0.5 * rows)
+    x = streams.randn(0, torch.arange(4), (8,))
+    opts = dict(steps=12, churn=0.3, batch=2, drafts=("velocity",))
+    meter = Calibrator.calibrate(model, x, **opts)
+    tuned = tune(model, x, predictor=meter, budget_max=6, race=0, **opts)
+    pred = meter.predictor
+    cands = {c.name: c.config for c in tuner.candidates(pred.acceptance("grs", "velocity"), 6, 12, ["velocity"])}
+    timed = [c for c in tuned.candidates if c["timed"]]
+    assert timed and len(timed) < len(tuned.candidates)  # some were pruned
+    assert set(meter.calibration.timings) == {cands[c["label"]] for c in timed}
+    for c in timed:
+        p = pred.predict(cands[c["label"]])
+        assert (c["seconds_per_image"], c["calls"], c["sampler_seconds_per_round"]) == tuple(p), c["label"]
+    chosen = pred.predict(cands[tuned.label])
+    assert (tuned.predicted_seconds_per_image, tuned.predicted_calls) == (chosen.seconds_per_image, chosen.calls)
+    assert tuned.standard_seconds_per_image == pred.predict(cands["standard"]).seconds_per_image
