@@ -367,3 +367,80 @@ def test_an_sd3_job_is_a_folder_not_an_archive(tmp_path):
         "generate", "sd3", "--count", 1, "--out", tmp_path / "x.npz", "--model", tmp_path, "--prompts", __file__
     )
     assert res.exit_code == 2 and "must be a folder" in res.output
+
+
+def _written_tuned(tree, coupling: str, verify: str) -> Tuned:
+    """A tuned configuration as ``specforest tune`` writes one (draft x0), for the --tune tests."""
+    return Tuned(
+        label="test",
+        tree=tree,
+        coupling=coupling,
+        verify=verify,
+        draft="x0",
+        batch=1,
+        steps=10,
+        predicted_seconds_per_image=1.0,
+        predicted_speedup=1.0,
+        standard_seconds_per_image=1.0,
+        predicted_calls=5.0,
+        curve=CostCurve((1,), (1.0,)),
+    )
+
+
+@pytest.mark.parametrize(
+    "tree,coupling,method",
+    [(trees.uniform(2, 2), "grs", "dgrs"), (trees.chain(5), "rmc", "rmc"), (None, "grs", "standard")],
+)
+def test_gmm_and_pixel_run_a_tuned_file(tmp_path, tree, coupling, method):
+    from click.testing import CliRunner
+
+    from specforest.cli import main
+
+    tuned = _written_tuned(tree, coupling, "drafted")
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "gmm"})))
+    # the file's steps (10) and batch (1 trajectory) where none are given
+    args = ["gmm", "--dim", "8", "--json", "--no-progress", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(main, [*args, "--tune", str(path)])
+        assert res.exit_code == 0, res.output
+        rec = json.loads(res.stdout)
+        assert rec["method"] == method and rec["steps"] == 10 and rec["trajectories"] == 1
+        if tree is not None:
+            assert rec["verify"] == "drafted" and rec["draft"] == "x0"
+            assert rec["budget"] == tree.budget
+        res = CliRunner().invoke(main, ["pixel", "--tune", str(path)])
+        assert res.exit_code != 0 and "--model digits here, gmm in the file" in res.output
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_pixel_runs_a_tuned_tree(tmp_path):
+    from click.testing import CliRunner
+
+    from specforest.cli import main
+
+    tuned = _written_tuned(trees.widths([2, 1]), "grs", "internal")
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "digits"})))
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(
+            main,
+            [
+                "pixel",
+                "--json",
+                "--no-progress",
+                "--threads",
+                "1",
+                "--tune",
+                str(path),
+            ],
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.stdout)
+    assert rec["method"] == "dgrs" and rec["tree"] == "custom" and rec["budget"] == 4 and rec["draft"] == "x0"
+    assert rec["steps"] == 10 and rec["samples"] == 1
