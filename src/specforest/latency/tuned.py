@@ -19,7 +19,7 @@ def _tree_to_json(tree: Optional[DraftTree]) -> Optional[list]:
 
 @dataclass
 class Tuned(Mapping):
-    """The configuration :func:`~specforest.latency.tune` chose, with its prediction; ``sample(model, x, **tuned)`` runs it.
+    """The configuration :func:`~specforest.latency.tune` chose, with its prediction: ``sample(model, x, **tuned)``.
 
     As a mapping it holds :func:`specforest.sample`'s options ``tree``, ``coupling``,
     ``verify``, ``draft`` and ``prefetch`` (:meth:`options`) and ``tuned_for``, the run

@@ -86,23 +86,23 @@ def candidates(
     """
     tag = "" if verify in (None, "internal") else f" {verify}"
     mode = verify or "internal"
-    trees: list = []
+    found: list = []
     for B in CHAIN_BUDGETS:
         if B <= min(budget_max, steps):
-            trees.append((f"RMC chain B={B}{tag}", chain(B), "rmc", mode))
+            found.append((f"RMC chain B={B}{tag}", chain(B), "rmc", mode))
     for K, L in UNIFORM_SHAPES:
         t = uniform(K, L)
         if t.budget <= budget_max:
             for m in ("internal", "drafted") if verify is None else (verify,):
-                trees.append((f"D-GRS ({K},{L}) {m}", t, "grs", m))
+                found.append((f"D-GRS ({K},{L}) {m}", t, "grs", m))
     for B in OPTIMAL_BUDGETS:
         if B <= budget_max:
             t = optimal(acceptance, B, min(B, steps), kmax=8)
-            trees.append((f"D-GRS optimal B={B}{tag}", t, "grs", mode))
+            found.append((f"D-GRS optimal B={B}{tag}", t, "grs", mode))
     if couplings is not None:
-        trees = [t for t in trees if t[2] in couplings]
+        found = [t for t in found if t[2] in couplings]
     out = [Candidate("standard", Config(None, "grs", mode, drafts[0]))]
-    out += [Candidate(label, Config(t, c, m, d)) for label, t, c, m in trees for d in drafts]
+    out += [Candidate(label, Config(t, c, m, d)) for label, t, c, m in found for d in drafts]
     return out
 
 
@@ -240,7 +240,8 @@ def tune(
         differ = [k for k, v in sample_kwargs.items() if not same(v, predictor.sample_kwargs.get(k, UNSET))]
         if differ:
             raise ValueError(
-                f"{', '.join(differ)}: the predictor was calibrated with other values; give them to Calibrator.calibrate"
+                f"{', '.join(differ)}: the predictor was calibrated with other values; "
+                "give them to Calibrator.calibrate"
             )
         if draft is not None and draft not in predictor.drafts:
             raise ValueError(f"draft={draft!r} was not calibrated by the predictor (it has {predictor.drafts})")
