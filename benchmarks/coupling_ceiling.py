@@ -32,11 +32,11 @@ import torch
 from tqdm.auto import tqdm
 
 import specforest
+from specforest.acceptance import acceptance_model
 from specforest.couplings import Coupling
 from specforest.experiments import gmm as gmm_exp
 from specforest.experiments.results import machine_line, replace_section
 from specforest.landscape import list_bound
-from specforest.planning import acceptance_model
 
 BUDGET = 155
 DRAFTS = ("velocity", "auto")

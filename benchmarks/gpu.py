@@ -664,7 +664,8 @@ def stage_transformer(plan: Plan, spec: TransformerSpec, st: Stage) -> None:
 
     import specforest
     from specforest import trees
-    from specforest.latency import CURVE_PASSES, Predictor, measure_cost_curve, tune
+    from specforest.latency import CURVE_PASSES, measure_cost_curve, tune
+    from specforest.latency import Calibrator as Predictor
 
     dev = plan.device
     model, build_seconds = build_transformer(spec, dev)

@@ -103,7 +103,8 @@ def run_model(
     import torch
 
     import specforest
-    from specforest.latency import Predictor, tune
+    from specforest.latency import Calibrator as Predictor
+    from specforest.latency import tune
 
     model, x_all, cond_all, opts = _setup(name, device)
     if steps is not None:

@@ -872,7 +872,7 @@ def test_tune_forwards_the_samplers_options_and_its_choice_checks_the_run(pipe, 
 
 def test_tune_measures_no_call_larger_than_the_memory_limit(pipe, monkeypatch):
     """A tiny memory limit caps the cost curve's sizes (the sampler splits calls above it)."""
-    from specforest import latency
+    from specforest.latency import measure as latency  # where tune measures the curve
 
     monkeypatch.setattr(specforest.memory, "held_bytes", lambda device="cpu": 0)
     seen = []

@@ -1,18 +1,14 @@
-"""The wall-clock cost model: the cost curve, expected steps against closed forms, and tuning decisions."""
+"""The wall-clock cost model: the cost curve, the round law and the run's simulation against closed
+forms, the sampler-time fit, and the predictor as a pure function of a calibration."""
 
 from __future__ import annotations
-
-import json
-import math
 
 import pytest
 import torch
 from scipy import stats as sps
 
-import specforest
-from specforest import streams, trees
-from specforest.latency import CostCurve, Tuned, TunedFor, expected_steps, predict_seconds, steps_moments, tune
-from specforest.models import GaussianMixture
+from specforest import trees
+from specforest.latency import CostCurve, expected_steps, predict_seconds, steps_moments
 
 
 def test_cost_curve_interpolates_and_extends_by_the_last_slope():
@@ -89,23 +85,23 @@ def test_a_round_drafts_from_the_evaluation_the_previous_round_left():
 def test_one_trajectory_is_predicted_by_its_expectation_which_simulated_runs_approach(tree, verify):
     """The exact expectation of one trajectory's run against 3000 simulated runs of the same law
     (within 4 standard errors), with a curve that prices rows, two stretches and a row-dependent round."""
-    from specforest import latency
+    from specforest.latency import law
 
     curve = CostCurve((1, 1024), (1.0, 3.0))
     bins = [(0.4, lambda level, k: 0.95 - 0.1 * level), (0.6, lambda level, k: 0.7 - 0.05 * level + 0.05 * k)]
     seconds, calls = predict_seconds(curve, 40, 1, tree, verify, bins, lambda rows: 0.01 * rows)
     captured = {}
-    real = latency._simulated
+    real = law._simulated
 
     def spy(*args, **kwargs):
         captured["args"] = args[1:5]
         return real(*args, **kwargs)
 
-    latency._simulated = spy
+    law._simulated = spy
     try:
         predict_seconds(curve, 40, 2, tree, verify, bins, lambda rows: 0.01 * rows)  # the same law, simulated
     finally:
-        latency._simulated = real
+        law._simulated = real
     many = 3000
     runs = [real(1, *captured["args"], runs=1, seed=i) for i in range(many)]
     ends = 3 * (curve(1) + 0.01)  # the first step, the fetch and the last step
@@ -118,7 +114,7 @@ def test_one_trajectory_is_predicted_by_its_expectation_which_simulated_runs_app
 @pytest.mark.parametrize("verify", ["internal", "drafted"])
 @pytest.mark.parametrize("tree", [trees.chain(5), trees.uniform(2, 3), trees.widths([3, 1, 2])], ids=str)
 def test_the_round_law_with_the_next_prefetch_sums_to_the_law_of_committed_steps(tree, verify):
-    from specforest.latency import PREFETCH_KINDS, _round_law, _steps_law
+    from specforest.latency.law import PREFETCH_KINDS, _round_law, _steps_law
 
     def acc(level, k):
         return 0.9 - 0.1 * level + 0.02 * k
@@ -136,196 +132,9 @@ def test_the_round_law_with_the_next_prefetch_sums_to_the_law_of_committed_steps
     assert (sum(joint[PREFETCH_KINDS.index("own")]) > 0) == (verify == "drafted")
 
 
-@pytest.fixture(scope="module")
-def gmm():
-    return GaussianMixture.paper(dim=8, components=3, seed=0)
-
-
-def test_tuning_follows_the_hardware(gmm):
-    x = streams.randn(0, torch.arange(8), (8,))
-    opts = dict(steps=20, churn=0.3, drafts=("velocity",), budget_max=14)
-    # a network whose call costs 1 s whatever its rows: speculation pays
-    flat = tune(gmm, x, batch=1, curve=CostCurve((1, 4096), (1.0, 1.0)), **opts)
-    assert flat.tree is not None and flat.predicted_speedup > 1.5
-    # a call that costs 1 s per row: nothing beats one row per step
-    linear = tune(gmm, x, batch=1, curve=CostCurve((1, 4096), (1.0, 4096.0)), **opts)
-    assert linear.tree is None and linear.label == "standard" and linear.predicted_speedup == 1.0
-    assert [c["label"] for c in linear.candidates][0] == "standard"
-    # most trees' calls alone cost more than the standard sampler's: they are not timed
-    untimed = [c for c in linear.candidates if not c["timed"]]
-    assert len(untimed) > len(linear.candidates) / 2
-    assert all(c["network_seconds_per_image_at_least"] > linear.standard_seconds_per_image for c in untimed)
-    # an untimed candidate's calls alone cost more than the chosen configuration's whole prediction
-    best = flat.predicted_seconds_per_image
-    assert all(c["network_seconds_per_image_at_least"] > best for c in flat.candidates if not c["timed"])
-    assert any(c["timed"] and c["label"] == flat.label for c in flat.candidates)
-
-
-def test_a_tuned_configuration_runs_and_survives_json(gmm):
-    x = streams.randn(0, torch.arange(8), (8,))
-    tuned = tune(
-        gmm,
-        x,
-        steps=20,
-        churn=0.3,
-        batch=2,
-        curve=CostCurve((1, 4096), (1.0, 1.0)),
-        drafts=("velocity",),
-        budget_max=6,
-    )
-    assert set(tuned) == {"tree", "coupling", "verify", "draft", "prefetch", "tuned_for"}
-    assert set(tuned.options()) == {"tree", "coupling", "verify", "draft", "prefetch"}
-    assert tuned.tuned_for == TunedFor(steps=20, batch=2, churn=0.3)
-    back = Tuned.from_json(json.loads(json.dumps(tuned.to_json())))
-    assert back.label == tuned.label and back.predicted_seconds_per_image == tuned.predicted_seconds_per_image
-    assert (back.tree is None) == (tuned.tree is None)
-    if tuned.tree is not None:
-        assert back.tree.parent.tolist() == tuned.tree.parent.tolist()
-    assert back.tuned_for == tuned.tuned_for and back.prefetch == tuned.prefetch
-    out = specforest.sample(gmm, x[:2], steps=20, churn=0.3, seed=0, **back)
-    assert torch.isfinite(out.samples).all() and math.isfinite(back.predicted_speedup)
-    with pytest.raises(ValueError, match="batch must be in"):
-        tune(gmm, x, steps=20, churn=0.3, batch=9, curve=CostCurve((1,), (1.0,)))
-
-
-def test_the_tune_command_writes_its_choice_and_prediction(tmp_path):
-    from click.testing import CliRunner
-
-    from specforest.cli import main
-
-    out = tmp_path / "tuned.json"
-    threads = torch.get_num_threads()
-    try:
-        res = CliRunner().invoke(
-            main,
-            [
-                "tune",
-                "--model",
-                "gmm",
-                "--dim",
-                "8",
-                "--components",
-                "3",
-                "--steps",
-                "12",
-                "--budget-max",
-                "6",
-                "--drafts",
-                "velocity",
-                "--threads",
-                "1",
-                "--no-progress",
-                "--out",
-                str(out),
-            ],
-        )
-    finally:
-        torch.set_num_threads(threads)
-    assert res.exit_code == 0, res.output
-    data = json.loads(out.read_text())
-    assert {"predicted_seconds_per_image", "predicted_speedup", "coupling", "verify", "draft", "tree"} <= set(data)
-    assert data["predicted_seconds_per_image"] > 0 and data["tuned_for"]["threads"] == 1
-    assert "chosen:" in res.output and Tuned.from_json(data).label == data["label"]
-
-
-def _written_tuned(tree, coupling: str, verify: str) -> Tuned:
-    """A tuned configuration as ``specforest tune`` writes one (draft x0), for the --tune tests."""
-    return Tuned(
-        label="test",
-        tree=tree,
-        coupling=coupling,
-        verify=verify,
-        draft="x0",
-        batch=1,
-        steps=10,
-        predicted_seconds_per_image=1.0,
-        predicted_speedup=1.0,
-        standard_seconds_per_image=1.0,
-        predicted_calls=5.0,
-        curve=CostCurve((1,), (1.0,)),
-    )
-
-
-@pytest.mark.parametrize(
-    "tree,coupling,method",
-    [(trees.uniform(2, 2), "grs", "dgrs"), (trees.chain(5), "rmc", "rmc"), (None, "grs", "standard")],
-)
-def test_gmm_and_pixel_run_a_tuned_file(tmp_path, tree, coupling, method):
-    from click.testing import CliRunner
-
-    from specforest.cli import main
-
-    tuned = _written_tuned(tree, coupling, "drafted")
-    path = tmp_path / "tuned.json"
-    path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "gmm"})))
-    # the file's steps (10) and batch (1 trajectory) where none are given
-    args = ["gmm", "--dim", "8", "--json", "--no-progress", "--threads", "1"]
-    threads = torch.get_num_threads()
-    try:
-        res = CliRunner().invoke(main, [*args, "--tune", str(path)])
-        assert res.exit_code == 0, res.output
-        rec = json.loads(res.stdout)
-        assert rec["method"] == method and rec["steps"] == 10 and rec["trajectories"] == 1
-        if tree is not None:
-            assert rec["verify"] == "drafted" and rec["draft"] == "x0"
-            assert rec["budget"] == tree.budget
-        res = CliRunner().invoke(main, ["pixel", "--tune", str(path)])
-        assert res.exit_code != 0 and "--model digits here, gmm in the file" in res.output
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_pixel_runs_a_tuned_tree(tmp_path):
-    from click.testing import CliRunner
-
-    from specforest.cli import main
-
-    tuned = _written_tuned(trees.widths([2, 1]), "grs", "internal")
-    path = tmp_path / "tuned.json"
-    path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "digits"})))
-    threads = torch.get_num_threads()
-    try:
-        res = CliRunner().invoke(
-            main,
-            [
-                "pixel",
-                "--json",
-                "--no-progress",
-                "--threads",
-                "1",
-                "--tune",
-                str(path),
-            ],
-        )
-    finally:
-        torch.set_num_threads(threads)
-    assert res.exit_code == 0, res.output
-    rec = json.loads(res.stdout)
-    assert rec["method"] == "dgrs" and rec["tree"] == "custom" and rec["budget"] == 4 and rec["draft"] == "x0"
-    assert rec["steps"] == 10 and rec["samples"] == 1
-
-
-def test_plan_tree_optimizes_latency_on_request(gmm):
-    from specforest import planning
-
-    x = streams.randn(0, torch.arange(8), (8,))
-    kw = dict(budget=14, steps=16, churn=0.3, coupling="grs", seed=0)
-    calls = planning.plan_tree(gmm, x, **kw)
-    assert calls is not None and calls.budget <= 14
-    # a call that costs 1 s per row (no timing in the decision): no tree pays in seconds
-    linear = CostCurve((1, 4096), (1.0, 4096.0))
-    assert planning.plan_tree(gmm, x, objective="latency", curve=linear, **kw) is None
-    flat = CostCurve((1, 4096), (1.0, 1.0))
-    assert planning.plan_tree(gmm, x, objective="latency", curve=flat, **kw) is not None
-    with pytest.raises(ValueError, match="objective must be one of"):
-        planning.plan_tree(gmm, x, objective="nfe", **kw)
-    tuned = planning.tune(gmm, x, steps=16, churn=0.3, batch=1, drafts=("velocity",), budget_max=6, curve=flat)
-    assert isinstance(tuned, Tuned)
-
-
 @pytest.mark.parametrize("tree", [trees.chain(6), trees.uniform(2, 3), trees.widths([3, 1, 2])], ids=str)
 def test_the_simulated_law_of_committed_steps_has_the_closed_form_moments(tree):
-    from specforest.latency import _steps_law
+    from specforest.latency.law import _steps_law
 
     def acc(level, k):
         return 0.9 - 0.1 * level + 0.02 * k
@@ -383,201 +192,14 @@ def test_the_allocator_keeps_freed_memory_on_linux():
     assert keep_freed_memory() is keep_freed_memory()  # once per process
 
 
-def _virtually_timed(gmm, monkeypatch, cost):
-    """The mixture as a model whose calls take ``cost(inside a sampling run, rows)`` seconds on a
-    virtual clock (far above the mixture's real time: no timing noise), as the tuner sees it."""
-    import time
-
-    from specforest import latency
-
-    inside = [False]
-    real_sample = latency.sample
-
-    def in_run(*args, **kwargs):
-        inside[0] = True
-        try:
-            return real_sample(*args, **kwargs)
-        finally:
-            inside[0] = False
-
-    virtual, real_clock = [0.0], time.perf_counter
-    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + virtual[0])
-    monkeypatch.setattr(latency, "sample", in_run)
-
-    def model(x, sigma, **kw):
-        virtual[0] += cost(inside[0], x.shape[0])
-        return gmm(x, sigma, **kw)
-
-    return model
-
-
-def test_calls_slower_inside_a_run_are_measured_and_predicted(gmm, monkeypatch):
-    """A model whose calls cost 4 s inside a run and 2 s back to back on the virtual clock (as when the sampler's work
-    between calls evicts the network from the caches): the factor is 2, and the standard sampler's
-    prediction carries it; with a given curve nothing is assumed about the model (factor 1)."""
-    from specforest import latency
-
-    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 4.0 if in_run else 2.0)
-    x = streams.randn(0, torch.arange(2), (8,))
-    pred = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2)
-    assert pred.network_factor() == 1.0  # nothing timed yet
-    seconds, calls, s_round = pred.predict(None)
-    factor = pred.network_factor()
-    assert 1.95 < factor < 2.05, factor
-    setup = pred.setup_seconds(None, "grs", "internal", "velocity")
-    assert setup >= 0 and seconds == pytest.approx(setup + 6 * (factor * pred.curve(1) + s_round))
-    given = latency.Predictor.calibrate(model, x, steps=6, churn=0.3, batch=1, budget_max=2, curve=pred.curve)
-    given.predict(None)
-    assert given.network_factor() == 1.0
-
-
-def test_configurations_timed_side_by_side_take_turns_and_keep_their_timed_runs(gmm, monkeypatch):
-    """``Predictor.time``: each turn makes an untimed then a timed run of every configuration in
-    turn (up to TIMING_RUNS turns while a configuration's runs are cheap); the median of the timed
-    runs replaces the earlier timing, and the untimed runs count for nothing."""
-    from specforest import latency
-
-    x = streams.randn(0, torch.arange(2), (8,))
-    pred = latency.Predictor.calibrate(gmm, x, steps=6, churn=0.3, batch=1, budget_max=2)
-    chain = trees.chain(2)
-    pred.predict(chain, "rmc")  # an earlier, sequential timing
-    order = []
-
-    def fake(self, tree, coupling, verify, draft, index):
-        order.append((coupling, index))
-        per_round = 100.0 if index % 2 == 0 else 0.001 * (index // 2 + 1) * (2 if coupling == "rmc" else 1)
-        return per_round, 0.0, per_round, 0.0, 0.0, [], 0.01
-
-    monkeypatch.setattr(latency.Predictor, "_timing_run", fake)
-    pred.time([(None, "grs", "internal", "velocity"), (chain, "rmc", "internal", "velocity")])
-    turns = latency.TIMING_RUNS
-    assert order == [(c, i) for t in range(turns) for c in ("grs", "rmc") for i in (2 * t, 2 * t + 1)]
-    # the timed runs' median: 0.001 x (1 .. turns), twice that for the chain
-    mid = (turns - 1) // 2 + 1
-    assert pred.sampler_seconds_per_round(None, "grs", "internal", "velocity") == pytest.approx(0.001 * mid)
-    assert pred.sampler_seconds_per_round(chain, "rmc", "internal", "velocity") == pytest.approx(0.002 * mid)
-    # a configuration whose runs took long enough stops after its first turn
-    order.clear()
-
-    def slow(self, tree, coupling, verify, draft, index):
-        order.append((coupling, index))
-        return 0.001, 0.0, 0.001, 0.0, 0.0, [], latency.REPEAT_BELOW_SECONDS if coupling == "rmc" else 0.01
-
-    monkeypatch.setattr(latency.Predictor, "_timing_run", slow)
-    pred.time([(None, "grs", "internal", "velocity"), (chain, "rmc", "internal", "velocity")])
-    assert [o for o in order if o[0] == "rmc"] == [("rmc", 0), ("rmc", 1)]
-    assert len([o for o in order if o[0] == "grs"]) == 2 * turns
-    order.clear()
-    pred.time([(chain, "rmc", "internal", "velocity")], min_seconds=10 * latency.REPEAT_BELOW_SECONDS)
-    assert len(order) == 2 * turns  # a longer budget: every turn
-    # fresh: the calls and timings of before are forgotten (the factor follows the machine now)
-    pred._calls = [(1, 5.0)] * 10
-    assert pred.factor_by_rows()(1) == 5.0
-    pred.time([(None, "grs", "internal", "velocity")], fresh=True)
-    assert pred._calls == [] and pred.factor_by_rows()(1) != 5.0
-    with pytest.raises(ValueError, match="min_seconds must be >= 0"):
-        pred.time([(None, "grs", "internal", "velocity")], min_seconds=-1.0)
-    assert pred._key(chain, "rmc", "internal", "velocity") not in pred._sampler_time
-
-
-def test_the_network_factor_is_measured_per_configuration_and_priced_by_rows(gmm, monkeypatch):
-    """Calls of one row cost 3x the curve inside a run, calls of more rows 1x (6 s and 2 s of virtual
-    clock, so that the real time of the calls is noise below the tolerances even on a loaded machine): the standard
-    sampler's own factor is 3, a chain's (whose rounds evaluate up to three rows) about 2, their
-    median is the pooled factor, and the predictions price each call by its rows (3 at one row,
-    1 at more), which no single factor does."""
-    from specforest import latency
-
-    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 6.0 if in_run and rows == 1 else 2.0)
-    monkeypatch.setattr(latency, "TIMING_RUNS", 1)
-    x = streams.randn(0, torch.arange(2), (8,))
-    pred = latency.Predictor.calibrate(model, x, steps=8, churn=0.3, batch=1, budget_max=2)
-    pred.predict(None)
-    chain = trees.chain(3)
-    pred.predict(chain, "rmc")
-    standard, own = pred.network_factor(None, "grs"), pred.network_factor(chain, "rmc")
-    assert 2.9 < standard < 3.1, standard
-    assert own < 0.8 * standard, (own, standard)
-    assert pred.network_factor() == pytest.approx((own + standard) / 2)
-    # a configuration not timed yet is priced at the pooled factor
-    assert pred.network_factor(trees.chain(2), "rmc") == pred.network_factor()
-    # the predictions price a call by its rows, from every timed call
-    by_rows = pred.factor_by_rows()
-    assert by_rows(1) == pytest.approx(3.0, rel=0.02) and by_rows(3) == pytest.approx(1.0, rel=0.02)
-    seconds, _, s_round = pred.predict(None)
-    setup = pred.setup_seconds(None, "grs", "internal", "velocity")
-    assert seconds == pytest.approx(setup + 8 * (by_rows(1) * pred.curve(1) + s_round))
-    # one slow configuration's runs move its own factor and the pool's median, not the per-row prices
-    pred._network_of[("slow",)] = (50.0, 1.0)
-    assert pred.network_factor() == pytest.approx(max(own, standard))
-    assert pred.factor_by_rows()(1) == by_rows(1)
-
-
-def test_a_finalist_must_beat_the_standard_sampler_in_every_repeat_of_the_race(gmm, monkeypatch):
-    """A finalist 25% faster at the median of three repeats but 2% slower in one is not chosen (its
-    median gain is within the machine's noise); one at least 6% faster in every repeat is."""
-    from specforest import latency
-
-    # a call of 5 s on the virtual clock, long against a round's own time on any machine, so that
-    # trees are predicted faster than the standard sampler and reach the race
-    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 5.0)
-
-    def fake_race(times_of_first):
-        def race(pred, entries, repeats):
-            out = {e[3]: [1.0, 1.0, 1.0] for e in entries}
-            out[entries[1][3]] = list(times_of_first)  # the finalist predicted fastest
-            return out
-
-        return race
-
-    x = streams.randn(0, torch.arange(4), (8,))
-    opts = dict(steps=12, churn=0.3, batch=1, budget_max=4, drafts=("velocity",))
-    pred = latency.Predictor.calibrate(model, x, **{k: v for k, v in opts.items() if k != "budget_max"})
-    monkeypatch.setattr(latency, "_race", fake_race([0.8, 0.8, 1.02]))
-    assert tune(model, x, predictor=pred, **opts).label == "standard"
-    monkeypatch.setattr(latency, "_race", fake_race([0.9, 0.9, 0.94]))
-    chosen = tune(model, x, predictor=pred, **opts)
-    assert chosen.label != "standard" and chosen.measured_speedup == pytest.approx(1.0 / 0.9)
-
-
-def test_the_race_measures_the_finalists_side_by_side(gmm, monkeypatch):
-    """With a measured curve the finalists race the standard sampler in full runs, and the fastest
-    measured is chosen; a model whose call costs 5 s whatever its rows makes trees pay (long
-    against a round's own time, so that some tree reaches the race): 5 s on the virtual clock."""
-    from specforest import latency
-
-    model = _virtually_timed(gmm, monkeypatch, lambda in_run, rows: 5.0)
-
-    x = streams.randn(0, torch.arange(4), (8,))
-    opts = dict(steps=12, churn=0.3, batch=1, budget_max=4, drafts=("velocity",))
-    tuned = tune(model, x, **opts)
-    raced = [c for c in tuned.candidates if c.get("measured_seconds_per_image") is not None]
-    assert tuned.measured_speedup is not None and {"standard"} < {c["label"] for c in raced} and len(raced) <= 4
-    back = Tuned.from_json(json.loads(json.dumps(tuned.to_json())))
-    assert back.measured_speedup == tuned.measured_speedup
-    # the race decides: the choice is a finalist measured faster than the standard sampler, or the
-    # standard sampler (which finalist, under the every-repeat rule: the faked race below)
-    measured = {c["label"]: c["measured_seconds_per_image"] for c in raced}
-    assert tuned.label in measured and measured[tuned.label] <= measured["standard"]
-    no_race = tune(model, x, race=0, **opts)
-    assert no_race.measured_speedup is None
-    with pytest.raises(ValueError, match=r"race must be an int >= 0"):
-        tune(model, x, race=-1, **opts)
-    with pytest.raises(ValueError, match=r"race_repeats must be an int >= 1"):
-        tune(model, x, race_repeats=0, **opts)
-    with pytest.raises(TypeError, match="sigmas_for must be callable"):
-        tune(model, x, sigmas_for=[1.0, 0.0], **opts)
-    calls = []
-    monkeypatch.setattr(latency, "_race", lambda *a: calls.append(a) or {})
-    tune(model, x, curve=CostCurve((1, 4096), (1.0, 1.0)), **opts)  # a given curve: no race
-    assert calls == []
-
-
 def _predictor_with_records(records: torch.Tensor, steps: int):
-    """A predictor whose RMC calibration is ``records (n, 3)`` rows ``(depth, step, delta)``, nothing measured."""
-    from specforest import latency
+    """A predictor whose RMC calibration is ``records (n, 3)`` rows ``(depth, step, delta)``, nothing timed."""
+    from specforest.latency import Calibration, Predictor
 
-    return latency.Predictor(None, None, None, steps, 0.3, 1, None, {("velocity", "rmc"): records}, 0, {})
+    curve = CostCurve((1,), (1.0,))
+    return Predictor(
+        Calibration(steps=steps, churn=0.3, batch=1, curve=curve, acceptance={("velocity", "rmc"): records})
+    )
 
 
 def test_acceptance_bins_resolve_each_step_and_borrow_where_records_are_few():
@@ -601,3 +223,59 @@ def test_acceptance_bins_resolve_each_step_and_borrow_where_records_are_few():
     assert len(whole) == 1 and 0.3 < whole[0] < 0.7
     with pytest.raises(ValueError, match="bins must be an int >= 1"):
         pred.acceptance_bins("rmc", "velocity", bins=0)
+
+
+def _records(steps: int) -> torch.Tensor:
+    """Made-up calibration records ``(depth, step, delta)``: 4 a depth at each stochastic step, easier early."""
+    rows = [(float(d), float(s), 0.2 * d + 0.1 * s) for s in range(1, steps - 1) for d in range(1, 5)]
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def test_a_prediction_is_a_pure_function_of_a_calibration_built_by_hand():
+    from dataclasses import FrozenInstanceError
+
+    from specforest.latency import Calibration, Config, Predictor, RoundCost, Timing
+
+    chain, standard = Config(trees.chain(4), "rmc"), Config()
+    cal = Calibration(
+        steps=20,
+        churn=0.3,
+        batch=2,
+        curve=CostCurve((1, 64), (1.0, 3.0)),
+        acceptance={("velocity", "grs"): _records(20), ("velocity", "rmc"): _records(20)},
+        curve_measured=True,
+        timings={
+            standard: Timing(0.1, 0.5, RoundCost(0.1), network_seconds=2.4, curve_seconds=2.0),
+            chain: Timing(0.2, 0.5, RoundCost(0.05, 0.01), network_seconds=3.0, curve_seconds=2.0),
+        },
+        calls=((1, 1.2),) * 8 + ((64, 0.9),) * 8,
+    )
+    pred = Predictor(cal)
+    first = pred.predict(chain)
+    # predict_seconds on the calibration's ingredients: the stretches' acceptance, the chain's round
+    # cost and set-up, the calls priced by their rows (1.2 at one row, 0.9 at 64)
+    by_rows = pred.factor_by_rows()
+    assert by_rows(1) == pytest.approx(1.2) and by_rows(64) == pytest.approx(0.9)
+    bins = pred.acceptance_bins("rmc", "velocity")
+    assert len(bins) == 18 and bins[0][1](1, 1) > bins[-1][1](1, 1)  # easier early
+    seconds, calls = predict_seconds(
+        cal.curve, 20, 2, chain.tree, "internal", bins, RoundCost(0.05, 0.01), by_rows, 0.5
+    )
+    assert first.seconds_per_image == seconds / 2 and first.calls == calls and first.sampler_seconds_per_round == 0.2
+    # what was asked before changes nothing, and a second predictor of the same record answers the same
+    pred.predict(standard), pred.network_seconds(Config(trees.uniform(2, 2))), pred.network_factor()
+    assert pred.predict(chain) == first == Predictor(cal).predict(chain)
+    assert pred.network_factor(chain) == 1.5 and pred.network_factor() == pytest.approx(1.35)
+    # a configuration the calibration did not time is refused, not timed
+    with pytest.raises(ValueError, match="was not timed"):
+        pred.predict(Config(trees.uniform(2, 2)))
+    # the record cannot change under a predictor; a new timing is a new record
+    with pytest.raises(FrozenInstanceError):
+        cal.steps = 30
+    with pytest.raises(TypeError):
+        cal.timings[standard] = None
+    more = cal.timed(Config(trees.uniform(2, 2)), Timing(0.3, 0.0, RoundCost(0.3), 10.0, 2.0))
+    assert Predictor(more).network_factor() == pytest.approx(1.5) and pred.network_factor() == pytest.approx(1.35)
+    assert Config(trees.chain(4), "rmc") == chain and len({chain, Config(trees.chain(4), "rmc"), standard}) == 2
+    with pytest.raises(TypeError, match="timings must map each Config"):
+        Calibration(steps=20, churn=0.3, batch=2, curve=cal.curve, timings={"standard": cal.timings[standard]})

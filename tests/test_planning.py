@@ -160,14 +160,15 @@ def test_auto_draft_means_are_the_frozen_kinds_means():
 
     tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
     g = torch.Generator().manual_seed(0)
-    B, D = 3, 5
+    batch, dim = 3, 5
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    pre = Prefetch(r(B, D), r(B, D), torch.tensor([3, 5, 7]), r(B, D), r(B, D), torch.tensor([2, 4, 6]),
-                   torch.tensor([True, False, True]), torch.ones(B, dtype=torch.bool))  # fmt: skip
+    live = torch.ones(batch, dtype=torch.bool)
+    pre = Prefetch(r(batch, dim), r(batch, dim), torch.tensor([3, 5, 7]), r(batch, dim), r(batch, dim),
+                   torch.tensor([2, 4, 6]), torch.tensor([True, False, True]), live)  # fmt: skip
     steps = torch.tensor([[4, 5, 6, 7], [6, 7, 8, 9], [8, 9, 10, 11]])
-    y = r(B, 4, D)
+    y = r(batch, 4, dim)
     coef, (ys, vs, x0p) = AutoDraft._all_kinds(tab, steps, pre)
-    A, alpha, beta, eps = coef  # (5, B, 4) each
+    A, alpha, beta, eps = coef  # (5, batch, 4) each
     for i, kind in enumerate(FROZEN_KINDS):
         Ak, Ck = FrozenPrediction(kind).coefficients(tab, steps, pre, None)
         ours = A[i][..., None] * y + alpha[i][..., None] * ys[:, None] + beta[i][..., None] * vs[:, None]
@@ -190,10 +191,11 @@ def test_auto_draft_shared_round_terms_change_nothing():
 
     tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
     g = torch.Generator().manual_seed(1)
-    B, D, n = 3, 5, 4
+    batch, dim, n = 3, 5, 4
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    pre = Prefetch(r(B, D), r(B, D), torch.tensor([3, 5, 7]), r(B, D), r(B, D), torch.tensor([2, 4, 6]),
-                   torch.tensor([True, False, True]), torch.ones(B, dtype=torch.bool))  # fmt: skip
+    live = torch.ones(batch, dtype=torch.bool)
+    pre = Prefetch(r(batch, dim), r(batch, dim), torch.tensor([3, 5, 7]), r(batch, dim), r(batch, dim),
+                   torch.tensor([2, 4, 6]), torch.tensor([True, False, True]), live)  # fmt: skip
     steps = pre.step[:, None] + 1 + torch.arange(n)
     auto = AutoDraft()
     # a state that picks a different kind at each offset
@@ -207,7 +209,7 @@ def test_auto_draft_shared_round_terms_change_nothing():
     ):
         assert torch.equal(a, b)
     rows, cols = torch.tensor([0, 0, 1, 2, 2]), torch.tensor([0, 1, 0, 2, 3])
-    y, mu_q, scale = r(5, D), r(5, D), torch.rand(5, generator=g, dtype=torch.float64) + 0.1
+    y, mu_q, scale = r(5, dim), r(5, dim), torch.rand(5, generator=g, dtype=torch.float64) + 0.1
     st = steps[rows, cols]
     args = (state, tab, y, mu_q, st, pre.take(rows), scale)
     shared = auto.observe(*args, auto.take_terms(terms, rows, cols))

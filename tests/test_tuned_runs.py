@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import specforest
 from specforest import latency, streams, trees
 from specforest.cli import main
-from specforest.latency import CostCurve, Tuned, TunedFor
+from specforest.latency import CostCurve, Tuned, TunedFor, measure
 from specforest.models import GaussianMixture
 
 
@@ -166,14 +166,14 @@ def test_the_tuner_takes_every_option_of_sample(gmm, monkeypatch, name):
         return gmm(x, sigma)
 
     calls: list = []
-    real = latency.sample
+    real = measure.sample
 
     def recorded(m, x, **kw):
         calls.append(kw)
         return real(m, x, **kw)
 
-    monkeypatch.setattr(latency, "sample", recorded)
-    monkeypatch.setattr(latency, "TIMING_RUNS", 1)
+    monkeypatch.setattr(measure, "sample", recorded)
+    monkeypatch.setattr(measure, "TIMING_RUNS", 1)
     x = streams.randn(0, torch.arange(6), (4,))
     kw = dict(steps=8, churn=0.3, batch=2, budget_max=6 if name == "verify" else 3, calibration_trajectories=4)
     kw.update(race=0, curve=CostCurve((1, 4096), (1e-4, 1e-1)), drafts=("velocity",))
@@ -208,19 +208,24 @@ def test_the_tuner_refuses_what_is_not_an_option_and_constraints_outside_its_sea
         latency.tune(gmm, x, draft=gmm, **kw)
     # False is what the timed runs do: accepted
     assert isinstance(latency.tune(gmm, x, lazy=False, record_deltas=False, budget_max=2, **kw), Tuned)
-    pred = latency.Predictor.calibrate(gmm, x, steps=8, churn=0.3, batch=1, curve=CostCurve((1,), (1.0,)))
+    pred = latency.Calibrator.calibrate(gmm, x, steps=8, churn=0.3, batch=1, curve=CostCurve((1,), (1.0,)))
     with pytest.raises(ValueError, match="prefetch: the predictor was calibrated with other values"):
         latency.tune(gmm, x, predictor=pred, prefetch="parent", **kw)
     with pytest.raises(ValueError, match="a predictor prices every configuration"):
-        latency.Predictor.calibrate(gmm, x, steps=8, churn=0.3, verify="drafted", curve=CostCurve((1,), (1.0,)))
+        latency.Calibrator.calibrate(gmm, x, steps=8, churn=0.3, verify="drafted", curve=CostCurve((1,), (1.0,)))
+    with pytest.raises(TypeError, match="predictor must be a Calibrator"):
+        latency.tune(gmm, x, predictor=pred.predictor, **kw)
 
 
-def test_a_padded_call_is_priced_at_its_padded_rows(gmm):
+def test_a_padded_call_is_priced_at_its_padded_rows():
+    from specforest.latency import Calibration, Predictor
+
     curve = CostCurve((4, 8, 64), (1.0, 2.0, 16.0))
-    pred = latency.Predictor(gmm, None, None, 8, 0.3, 1, curve, {}, 0, {"pad_rows": [4, 8, 64], "max_rows": 8})
+    padded = Calibration(steps=8, churn=0.3, batch=1, curve=curve, pad_rows=[4, 8, 64], max_rows=8)
+    pred = Predictor(padded)
     # 3 rows pad to 4; 9 rows split at max_rows 8: one call of 8 and one of 1 padded to 4
     assert pred.call_seconds(3) == 1.0 and pred.call_seconds(9) == 2.0 + 1.0
-    assert latency.Predictor(gmm, None, None, 8, 0.3, 1, curve, {}, 0, {}).call_seconds(6) == curve(6)
+    assert Predictor(Calibration(steps=8, churn=0.3, batch=1, curve=curve)).call_seconds(6) == curve(6)
 
 
 # -- the CLI -----------------------------------------------------------------------------------
@@ -364,3 +369,80 @@ def test_an_sd3_job_is_a_folder_not_an_archive(tmp_path):
         "generate", "sd3", "--count", 1, "--out", tmp_path / "x.npz", "--model", tmp_path, "--prompts", __file__
     )
     assert res.exit_code == 2 and "must be a folder" in res.output
+
+
+def _written_tuned(tree, coupling: str, verify: str) -> Tuned:
+    """A tuned configuration as ``specforest tune`` writes one (draft x0), for the --tune tests."""
+    return Tuned(
+        label="test",
+        tree=tree,
+        coupling=coupling,
+        verify=verify,
+        draft="x0",
+        batch=1,
+        steps=10,
+        predicted_seconds_per_image=1.0,
+        predicted_speedup=1.0,
+        standard_seconds_per_image=1.0,
+        predicted_calls=5.0,
+        curve=CostCurve((1,), (1.0,)),
+    )
+
+
+@pytest.mark.parametrize(
+    "tree,coupling,method",
+    [(trees.uniform(2, 2), "grs", "dgrs"), (trees.chain(5), "rmc", "rmc"), (None, "grs", "standard")],
+)
+def test_gmm_and_pixel_run_a_tuned_file(tmp_path, tree, coupling, method):
+    from click.testing import CliRunner
+
+    from specforest.cli import main
+
+    tuned = _written_tuned(tree, coupling, "drafted")
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "gmm"})))
+    # the file's steps (10) and batch (1 trajectory) where none are given
+    args = ["gmm", "--dim", "8", "--json", "--no-progress", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(main, [*args, "--tune", str(path)])
+        assert res.exit_code == 0, res.output
+        rec = json.loads(res.stdout)
+        assert rec["method"] == method and rec["steps"] == 10 and rec["trajectories"] == 1
+        if tree is not None:
+            assert rec["verify"] == "drafted" and rec["draft"] == "x0"
+            assert rec["budget"] == tree.budget
+        res = CliRunner().invoke(main, ["pixel", "--tune", str(path)])
+        assert res.exit_code != 0 and "--model digits here, gmm in the file" in res.output
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_pixel_runs_a_tuned_tree(tmp_path):
+    from click.testing import CliRunner
+
+    from specforest.cli import main
+
+    tuned = _written_tuned(trees.widths([2, 1]), "grs", "internal")
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(dict(tuned.to_json(), tuned_for={"model": "digits"})))
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(
+            main,
+            [
+                "pixel",
+                "--json",
+                "--no-progress",
+                "--threads",
+                "1",
+                "--tune",
+                str(path),
+            ],
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.stdout)
+    assert rec["method"] == "dgrs" and rec["tree"] == "custom" and rec["budget"] == 4 and rec["draft"] == "x0"
+    assert rec["steps"] == 10 and rec["samples"] == 1
