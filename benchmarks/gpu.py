@@ -665,7 +665,7 @@ def stage_transformer(plan: Plan, spec: TransformerSpec, st: Stage) -> None:
     import specforest
     from specforest import trees
     from specforest.latency import CURVE_PASSES, measure_cost_curve, tune
-    from specforest.latency import Calibrator as Predictor
+    from specforest.latency import Calibrator
 
     dev = plan.device
     model, build_seconds = build_transformer(spec, dev)
@@ -705,7 +705,7 @@ def stage_transformer(plan: Plan, spec: TransformerSpec, st: Stage) -> None:
     st.result["curve"] = curve
     t0 = time.perf_counter()
     opts = dict(steps=plan.steps, churn=plan.churn)
-    pred = Predictor.calibrate(
+    pred = Calibrator.calibrate(
         velocity,
         x,
         cond=cond,

@@ -20,10 +20,10 @@ given device):
    untimed run of the same configuration, Python's cyclic collector off during
    each run as in ``timeit``) and the speedup over the standard
    sampler in the same run, next to the cost model's prediction
-   (``latency.Predictor``), and the pooled factor by which a call inside a
+   (``latency.Calibrator``), and the pooled factor by which a call inside a
    run costs more than on the curve. The runs come in ``--blocks`` blocks (4);
    before each, every row is timed again side by side
-   (``Predictor.time(..., fresh=True)``) and predicted, and a row's prediction
+   (``Calibrator.time(..., fresh=True)``) and predicted, and a row's prediction
    is the mean of its blocks'. Each prediction is made before its runs, and
    seconds rather than minutes before them: on a shared machine the speed
    drifts by 15-25% within a minute, which no model of the configuration can
@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 TIMING_SECONDS = 3.0
-"""Each row is timed (``Predictor.time``) in turns until its runs took this long, or 5 turns."""
+"""Each row is timed (``Calibrator.time``) in turns until its runs took this long, or 5 turns."""
 GPU_ROWS = "wallclock_gpu"
 """Marker name of the GPU rows' sub-block inside the ``wallclock`` section (``benchmarks/gpu.py`` writes it)."""
 GPU_ROWS_HEADING = "### GPU rows"
@@ -103,7 +103,7 @@ def run_model(
     import torch
 
     import specforest
-    from specforest.latency import Calibrator as Predictor
+    from specforest.latency import Calibrator
     from specforest.latency import tune
 
     model, x_all, cond_all, opts = _setup(name, device)
@@ -114,7 +114,7 @@ def run_model(
         x = x_all[:batch]
         cond = None if cond_all is None else {k: v[:batch] for k, v in cond_all.items()}
         t0 = time.perf_counter()
-        pred = Predictor.calibrate(model, x_all, cond=cond_all, batch=batch, drafts=("velocity", "x0"), **opts)
+        pred = Calibrator.calibrate(model, x_all, cond=cond_all, batch=batch, drafts=("velocity", "x0"), **opts)
         tuned = tune(model, x_all, predictor=pred, **opts)
         tune_seconds = time.perf_counter() - t0
         if out["curve"] is None:
@@ -315,7 +315,7 @@ def main() -> None:
     lines += [
         "",
         "Error = predicted over measured wall time per image, minus 1. The runs come in blocks; before each "
-        "block every row is timed again side by side (`Predictor.time(..., fresh=True)`) and predicted, and a "
+        "block every row is timed again side by side (`Calibrator.time(..., fresh=True)`) and predicted, and a "
         "row's prediction is the mean of its blocks' (each made before its runs, seconds before them: the "
         "machine's speed drifts by 15-25% within a minute). "
         "The standard sampler's number of calls is not random, so its error is the machine's drift between "
