@@ -19,7 +19,7 @@ import torch
 
 import specforest
 from specforest import diffusers as sd
-from specforest.diffusers import families
+from specforest.diffusers import families, flux_velocity
 from specforest.diffusers import pipeline_flux as flux
 
 WORDS = ["a", "photo", "of", "cat", "dog", "red", "blue", "car", "on", "the", "street", "tree", "green", "house"]
@@ -507,8 +507,8 @@ def test_speculative_samplers_have_the_standard_chains_law(pipe, monkeypatch):
         assert st.nfe.double().mean() < T - 0.5  # speculation did save calls
         assert _z(f, ref) < 4.5, kw  # 7 features: family-wise level ~5e-5
     # the same test rejects an adapter with the wrong 2 x 2 packing (here z ~ 25) ...
-    monkeypatch.setattr(flux, "pack_latents", _wrong_pack)
-    monkeypatch.setattr(flux, "unpack_latents", _wrong_unpack)
+    monkeypatch.setattr(flux_velocity, "pack_latents", _wrong_pack)
+    monkeypatch.setattr(flux_velocity, "unpack_latents", _wrong_unpack)
     f, _ = features(K=2, L=2)
     assert _z(f, ref) > 8
     monkeypatch.undo()

@@ -8,18 +8,17 @@ classifier-free guidance included, in one batched call per round.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from ..validation import check_int, check_number
 
 __all__ = ["FlowMatchVelocity", "module_dtype_device", "transformer_row_bytes"]
 
 
 # peak activation of one transformer row per branch, in tokens x hidden x the transformer's
-# element size: measured 8.5-11.1 on SD3 transformers of hidden 16-256, 20-144 tokens, one and
-# three layers, float32 on a CPU (benchmarks/memory.py); the layers run one after another, so
-# their number does not add. The attention weights are never materialized by PyTorch's fused
-# attention (the head count changed nothing at a fixed hidden size).
+# element size: a bound on what benchmarks/memory.py measures on SD3 transformers (docs/diffusers.md,
+# "Memory"). The layers run one after another, so their number does not add; PyTorch's fused
+# attention never materializes the attention weights, so the head count does not enter.
 _ACTIVATION_FACTOR = 12
 
 
@@ -36,8 +35,8 @@ def transformer_row_bytes(
 ) -> int:
     """Peak bytes one sampler row adds inside a transformer call (all its guidance branches).
 
-    Per branch ``12 x tokens x hidden`` in the transformer's dtype (measured,
-    see the constant's note), the gathered conditioning and the input and output
+    Per branch ``12 x tokens x hidden`` in the transformer's dtype (a bound on
+    what ``benchmarks/memory.py`` measures, see ``docs/diffusers.md``), the gathered conditioning and the input and output
     latents; plus the float32 guided velocity. ``heads`` is accepted for the
     callers' convenience and does not enter (fused attention).
     """
@@ -96,17 +95,9 @@ class FlowMatchVelocity:
     ) -> None:
         if not callable(transformer):
             raise TypeError("transformer must be a callable torch module")
-        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)):
-            raise TypeError(f"guidance_scale must be a number >= 0, got {type(guidance_scale).__name__}")
-        if not (math.isfinite(guidance_scale) and guidance_scale >= 0):
-            raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale}")
-        if isinstance(num_train_timesteps, bool) or not isinstance(num_train_timesteps, int):
-            raise TypeError(f"num_train_timesteps must be an int >= 1, got {type(num_train_timesteps).__name__}")
-        if num_train_timesteps < 1:
-            raise ValueError(f"num_train_timesteps must be >= 1, got {num_train_timesteps}")
         self.transformer = transformer
-        self.guidance_scale = float(guidance_scale)
-        self.num_train_timesteps = num_train_timesteps
+        self.guidance_scale = check_number("guidance_scale", guidance_scale, 0.0)
+        self.num_train_timesteps = check_int("num_train_timesteps", num_train_timesteps, 1)
         self.dtype, own = module_dtype_device(transformer)
         self.device = torch.device(device) if device is not None else own
         self.joint_attention_kwargs = joint_attention_kwargs
