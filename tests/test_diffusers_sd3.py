@@ -94,7 +94,7 @@ def _t5_tokenizer(tmp):
 
 
 def build_tiny_pipeline(tmp):
-    """A complete ``StableDiffusion3Pipeline`` with tiny random models (seconds on a CPU).
+    """A complete ``StableDiffusion3Pipeline`` with tiny random models, built in code.
 
     Latents are ``(4, h, w)`` with a VAE scale factor 2 and transformer patches of 2,
     so 8 x 8 images give 4 x 4 x 4 latents and 4 image tokens.
