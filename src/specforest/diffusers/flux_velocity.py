@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from ..validation import check_number as _check_number
-from .flow_matching import module_dtype_device
+from .flow_matching import branch_inputs, check_rows, guide, module_dtype_device
 
 __all__ = ["FluxVelocity", "latent_image_ids", "pack_latents", "unpack_latents"]
 
@@ -165,22 +165,20 @@ class FluxVelocity:
                     "(one call carries both branches)"
                 )
             cond += [negative_encoder_hidden_states, negative_pooled_projections]
-        if sigma.shape != (M,) or any(c.shape[0] != M for c in cond):
-            raise ValueError(
-                f"x has {M} rows but sigma has shape {tuple(sigma.shape)} and the embeddings have "
-                f"{[c.shape[0] for c in cond]} rows"
-            )
+        check_rows(M, sigma, cond)
         dev, dt = self.device, self.dtype
         img_ids, txt_ids = self.ids(h, w, encoder_hidden_states.shape[1])
-        hidden = pack_latents(x.to(dev, dt))
-        t = sigma.to(dev, torch.float32)
-        enc = encoder_hidden_states.to(dev, dt)
-        pooled = pooled_projections.to(dev, dt)
-        if self.do_true_cfg:
-            hidden = torch.cat([hidden, hidden])
-            t = torch.cat([t, t])
-            enc = torch.cat([negative_encoder_hidden_states.to(dev, dt), enc])
-            pooled = torch.cat([negative_pooled_projections.to(dev, dt), pooled])
+        hidden, t, enc, pooled = branch_inputs(
+            pack_latents(x.to(dev, dt)),
+            sigma.to(dev, torch.float32),
+            encoder_hidden_states,
+            pooled_projections,
+            negative_encoder_hidden_states,
+            negative_pooled_projections,
+            guided=self.do_true_cfg,
+            device=dev,
+            dtype=dt,
+        )
         guidance = torch.full_like(t, self.guidance_scale) if self.guidance_embeds else None
         out = self.transformer(
             hidden_states=hidden,
@@ -193,8 +191,7 @@ class FluxVelocity:
             return_dict=False,
         )[0].to(torch.float32)
         if self.do_true_cfg:
-            v_neg, v_pos = out.chunk(2)
-            out = v_neg + self.true_cfg_scale * (v_pos - v_neg)
+            out = guide(out, self.true_cfg_scale)
         return unpack_latents(out, h, w).to(x.device)
 
     def __repr__(self) -> str:

@@ -46,7 +46,7 @@ import torch
 
 from ..models.edm import EDMDenoiserVelocity, VPDenoiser
 from ..validation import check_int, check_number
-from .flow_matching import module_dtype_device
+from .flow_matching import guide, module_dtype_device
 
 __all__ = ["PREDICTION_TYPES", "UNetPrediction", "UNetVelocity", "VPSchedule", "unet_row_bytes", "vp_schedule"]
 
@@ -296,8 +296,7 @@ class UNetPrediction:
             kwargs["cross_attention_kwargs"] = self.cross_attention_kwargs
         out = self.unet(h, t, return_dict=False, **kwargs)[0].to(torch.float32)
         if cfg:
-            u, c = out.chunk(2)
-            out = u + self.guidance_scale * (c - u)
+            out = guide(out, self.guidance_scale)
         return out.to(x_k.device)
 
     def __repr__(self) -> str:
