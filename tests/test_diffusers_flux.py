@@ -19,7 +19,7 @@ import torch
 
 import specforest
 from specforest import diffusers as sd
-from specforest.diffusers import families
+from specforest.diffusers import families, flux_velocity
 from specforest.diffusers import pipeline_flux as flux
 
 WORDS = ["a", "photo", "of", "cat", "dog", "red", "blue", "car", "on", "the", "street", "tree", "green", "house"]
@@ -391,14 +391,14 @@ def test_standard_path_is_the_engines_standard_sampler(pipe):
 
 @pytest.mark.parametrize("kw", [dict(K=2, L=2), dict(coupling="rmc", L=6, true_cfg_scale=3.0, negative_prompt="")])
 def test_speculative_run_makes_fewer_calls_than_steps(pipe, kw):
-    T, B = 10, 8
+    T, images = 10, 8
     calls, handle = _record_calls(pipe.transformer)
     try:
         res = sd.sample(
             pipe,
             ["a photo of a cat", "a red car"],
             num_inference_steps=T,
-            num_images_per_prompt=B // 2,
+            num_images_per_prompt=images // 2,
             generator=gen(5),
             **{**BASE, "height": 16, "width": 16, "output_type": "np"},
             **kw,
@@ -406,11 +406,11 @@ def test_speculative_run_makes_fewer_calls_than_steps(pipe, kw):
     finally:
         handle.remove()
     assert isinstance(res, sd.FluxResult) and res.config["family"] == "flux"
-    assert res.images.shape == (B, 16, 16, 3) and torch.isfinite(res.latents).all()
-    assert res.latents.shape == (B, 4, 8, 8)
+    assert res.images.shape == (images, 16, 16, 3) and torch.isfinite(res.latents).all()
+    assert res.latents.shape == (images, 4, 8, 8)
     assert len(calls) == res.stats.nfe.max().item() < T  # one batched call per round
     branches = 2 if "true_cfg_scale" in kw else 1
-    assert calls[0]["hidden_states"].shape[0] >= B * branches  # every image's states in the first call
+    assert calls[0]["hidden_states"].shape[0] >= images * branches  # every image's states in the first call
     for c in calls:
         rows = c["hidden_states"].shape[0]
         assert rows % branches == 0 and c["hidden_states"].shape[1:] == (16, 16)  # 16 tokens of 2 x 2 x 4
@@ -507,8 +507,8 @@ def test_speculative_samplers_have_the_standard_chains_law(pipe, monkeypatch):
         assert st.nfe.double().mean() < T - 0.5  # speculation did save calls
         assert _z(f, ref) < 4.5, kw  # 7 features: family-wise level ~5e-5
     # the same test rejects an adapter with the wrong 2 x 2 packing (here z ~ 25) ...
-    monkeypatch.setattr(flux, "pack_latents", _wrong_pack)
-    monkeypatch.setattr(flux, "unpack_latents", _wrong_unpack)
+    monkeypatch.setattr(flux_velocity, "pack_latents", _wrong_pack)
+    monkeypatch.setattr(flux_velocity, "unpack_latents", _wrong_unpack)
     f, _ = features(K=2, L=2)
     assert _z(f, ref) > 8
     monkeypatch.undo()

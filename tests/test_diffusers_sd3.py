@@ -94,7 +94,7 @@ def _t5_tokenizer(tmp):
 
 
 def build_tiny_pipeline(tmp):
-    """A complete ``StableDiffusion3Pipeline`` with tiny random models (seconds on a CPU).
+    """A complete ``StableDiffusion3Pipeline`` with tiny random models, built in code.
 
     Latents are ``(4, h, w)`` with a VAE scale factor 2 and transformer patches of 2,
     so 8 x 8 images give 4 x 4 x 4 latents and 4 image tokens.
@@ -347,7 +347,7 @@ def test_guidance_needs_negative_embeddings(pipe):
 @pytest.mark.parametrize("output_type", ["latent", "np"])
 def test_two_steps_reproduce_the_diffusers_pipeline(pipe, output_type):
     # T = 2: both steps are deterministic Euler steps, so the chain is diffusers' own sampler
-    B, g = 2, 7.0
+    images, g = 2, 7.0
     ours = sd.sample(
         pipe,
         ["a photo of a cat", "a blue house"],
@@ -356,7 +356,7 @@ def test_two_steps_reproduce_the_diffusers_pipeline(pipe, output_type):
         generator=gen(3),
         **{**BASE, "output_type": output_type},
     )
-    x_T = torch.randn(B, 4, 4, 4, generator=gen(3))
+    x_T = torch.randn(images, 4, 4, 4, generator=gen(3))
     ref = copy.deepcopy(pipe)(
         ["a photo of a cat", "a blue house"],
         num_inference_steps=2,
@@ -421,19 +421,19 @@ def test_standard_path_is_the_engines_standard_sampler(pipe):
     ids=["dgrs-2-2", "rmc-6", "dgrs-3-2-drafted", "lazy", "widths"],
 )
 def test_speculative_runs_give_finite_images_and_save_calls(pipe, kw):
-    T, B = 10, 12
+    T, images = 10, 12
     res = sd.sample(
         pipe,
         ["a photo of a cat", "a red car"],
         num_inference_steps=T,
-        num_images_per_prompt=B // 2,
+        num_images_per_prompt=images // 2,
         generator=gen(5),
         **{**BASE, "height": 16, "width": 16, "output_type": "np"},
         **kw,
     )
-    assert res.images.shape == (B, 16, 16, 3)
+    assert res.images.shape == (images, 16, 16, 3)
     assert res.images.min() >= 0 and res.images.max() <= 1 and torch.isfinite(res.latents).all()
-    assert res.stats.nfe.shape == (B,)
+    assert res.stats.nfe.shape == (images,)
     assert res.stats.nfe.double().mean() < T
     assert (res.stats.speedup > 1).any()
 

@@ -113,8 +113,8 @@ SIGMAS = karras_sigmas(12)
 CHURN = 0.5
 
 
-def noise(B: int, sigmas: torch.Tensor = SIGMAS, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
-    return torch.randn(B, 3, generator=torch.Generator().manual_seed(seed), dtype=dtype) * float(sigmas[0])
+def noise(batch: int, sigmas: torch.Tensor = SIGMAS, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
+    return torch.randn(batch, 3, generator=torch.Generator().manual_seed(seed), dtype=dtype) * float(sigmas[0])
 
 
 def test_signature_is_k_diffusions():
@@ -174,8 +174,8 @@ def test_standard_chain_is_the_ancestral_form_pathwise():
     the identity denoiser (D = x: d = 0, x' = x + sigma_up z) exposes each step's sigma_up z, which
     a k-diffusion-style loop with another denoiser then reuses.
     """
-    B, T = 2000, SIGMAS.numel() - 1
-    x = noise(B)
+    batch, T = 2000, SIGMAS.numel() - 1
+    x = noise(batch)
     states = []
     last = kd.sample_speculative(
         lambda y, s: y.clone(), x, SIGMAS, churn=CHURN, seed=5, callback=lambda d: states.append(d["x"])
@@ -190,13 +190,13 @@ def test_standard_chain_is_the_ancestral_form_pathwise():
             assert float(incr[i].abs().max()) < 1e-9 * float(SIGMAS[i])
             continue
         var = incr[i].var(0)
-        z = (var - up * up) / (up * up * math.sqrt(2.0 / (B - 1)))
+        z = (var - up * up) / (up * up * math.sqrt(2.0 / (batch - 1)))
         assert float(z.abs().max()) < Z_TOL, (i, var.tolist(), up * up)
     # a k-diffusion-style loop with the Karras denoiser and those increments: the library's chain, pathwise
     model = KarrasDenoiser()
     out = kd.sample_speculative(model, x, SIGMAS, churn=CHURN, seed=5)
     y = x.clone()
-    s_in = torch.ones(B, dtype=torch.float64)
+    s_in = torch.ones(batch, dtype=torch.float64)
     for i in range(T):
         denoised = model(y, SIGMAS[i] * s_in)
         down, _ = chain_step(float(SIGMAS[i]), float(SIGMAS[i + 1]), CHURN)
@@ -233,12 +233,12 @@ SPECULATIVE = [
 def test_speculative_chain_keeps_the_law(tree, coupling):
     """Power at 2000 samples (final std 0.48): |z| <= 4.5 detects a mean shift of 0.05 and a variance
     error of 14 %; the wrong mapping below shifts the variance by far more."""
-    B, T = 2000, SIGMAS.numel() - 1
-    out = kd.sample(KarrasDenoiser(), noise(B), SIGMAS, churn=CHURN, seed=11, tree=tree, coupling=coupling)
+    batch, T = 2000, SIGMAS.numel() - 1
+    out = kd.sample(KarrasDenoiser(), noise(batch), SIGMAS, churn=CHURN, seed=11, tree=tree, coupling=coupling)
     assert law_z(out.samples, SIGMAS, CHURN) < Z_TOL
     assert float(out.stats.nfe.double().mean()) < T
     # the standard chain on the same grid passes the same test
-    std = kd.sample_speculative(KarrasDenoiser(), noise(B), SIGMAS, churn=CHURN, seed=12)
+    std = kd.sample_speculative(KarrasDenoiser(), noise(batch), SIGMAS, churn=CHURN, seed=12)
     assert law_z(std, SIGMAS, CHURN) < Z_TOL
 
 
@@ -273,16 +273,16 @@ def test_linear_path_denoiser_matches_the_velocity_model():
 
 @pytest.mark.parametrize("tree", [None, specforest.trees.uniform(2, 2)], ids=["standard", "tree"])
 def test_callback_gives_k_diffusions_dict(tree):
-    B, T = 5, SIGMAS.numel() - 1
+    batch, T = 5, SIGMAS.numel() - 1
     seen = []
-    x = noise(B)
+    x = noise(batch)
     out = kd.sample(exact_denoiser, x, SIGMAS, callback=seen.append, churn=CHURN, seed=7, tree=tree)
     assert seen
     for d in seen:
         assert list(d)[:5] == list(kd.KEYS) == ["x", "i", "sigma", "sigma_hat", "denoised"]
         assert type(d["i"]) is int and d["sigma"].ndim == 0
         assert float(d["sigma"]) == float(SIGMAS[d["i"]]) == float(d["sigma_hat"])
-        assert d["x"].shape == d["denoised"].shape == (B, 3)
+        assert d["x"].shape == d["denoised"].shape == (batch, 3)
         active = d["step"] < T
         assert int(d["step"][active].min()) == d["i"]
         # each active row: its state at its own level and the model's output there
@@ -300,15 +300,15 @@ def test_callback_gives_k_diffusions_dict(tree):
         # every round but the first (which only evaluates the roots) makes one
         assert len(seen) == out.stats.calls - 1 < T
     # the callbacks account for every committed step (the first round of a tree commits none)
-    assert int(sum(int(d["committed"].sum()) for d in seen)) == B * T
+    assert int(sum(int(d["committed"].sum()) for d in seen)) == batch * T
 
 
 def test_extra_args_per_row_and_shared():
-    B = 4
+    batch = 4
     labels = torch.tensor([0.0, 1.0, -2.0, 3.0], dtype=torch.float64)
     offset = torch.tensor(0.25, dtype=torch.float64)
     model = KarrasDenoiser()
-    x = noise(B)
+    x = noise(batch)
     tree = specforest.trees.uniform(2, 2)
     opts = dict(churn=CHURN, seed=9, tree=tree)
     out = kd.sample(model, x, SIGMAS, {"labels": labels, "offset": offset}, row_args=("labels",), **opts)
@@ -316,9 +316,9 @@ def test_extra_args_per_row_and_shared():
     for rows, _, kw in model.calls:
         assert kw["offset"] is offset  # shared: passed as it is
         assert kw["labels"].shape == (rows,)  # per row: one label per evaluated state
-    assert any(rows != B for rows, _, _ in model.calls)
+    assert any(rows != batch for rows, _, _ in model.calls)
     # each sample alone (its own index and label) is the same sample: the labels followed its rows
-    for b in range(B):
+    for b in range(batch):
         alone = kd.sample_speculative(
             KarrasDenoiser(),
             x[b : b + 1],
@@ -333,34 +333,34 @@ def test_extra_args_per_row_and_shared():
     many = kd.sample_speculative(
         KarrasDenoiser(), noise(400, seed=1), SIGMAS, {"labels": labels.repeat(100)}, row_args=("labels",), **opts
     )
-    shift = many.view(100, B, 3).mean((0, 2)) - MU.mean()
+    shift = many.view(100, batch, 3).mean((0, 2)) - MU.mean()
     torch.testing.assert_close(shift, labels, rtol=0, atol=0.15)
 
 
 def test_undeclared_per_row_tensor_is_refused_or_passed_when_shared():
-    B = 3
-    table = torch.zeros(B, dtype=torch.float64)  # B rows, meant as a shared table
+    batch = 3
+    table = torch.zeros(batch, dtype=torch.float64)  # batch rows, meant as a shared table
     model = KarrasDenoiser()
     with pytest.raises(ValueError, match=r"extra_args\['offset'\].*row_args.*shared_args"):
-        kd.sample_speculative(model, noise(B), SIGMAS, {"offset": table}, churn=CHURN, seed=0)
+        kd.sample_speculative(model, noise(batch), SIGMAS, {"offset": table}, churn=CHURN, seed=0)
     out = kd.sample_speculative(
-        model, noise(B), SIGMAS, {"offset": table[:1]}, churn=CHURN, seed=0, tree=specforest.trees.chain(2)
+        model, noise(batch), SIGMAS, {"offset": table[:1]}, churn=CHURN, seed=0, tree=specforest.trees.chain(2)
     )
-    assert out.shape == (B, 3)
+    assert out.shape == (batch, 3)
     model.calls.clear()
-    kd.sample_speculative(model, noise(B), SIGMAS, {"offset": table}, shared_args=("offset",), churn=CHURN, seed=0)
+    kd.sample_speculative(model, noise(batch), SIGMAS, {"offset": table}, shared_args=("offset",), churn=CHURN, seed=0)
     assert all(kw["offset"] is table for _, _, kw in model.calls)
     # a batch of one: nothing is ambiguous
     kd.sample_speculative(model, noise(1), SIGMAS, {"offset": table[:1]}, churn=CHURN, seed=0)
 
 
 def test_a_draft_denoiser_gets_the_same_extra_args():
-    B, T = 8, SIGMAS.numel() - 1
-    labels = torch.arange(B, dtype=torch.float64)
+    batch, T = 8, SIGMAS.numel() - 1
+    labels = torch.arange(batch, dtype=torch.float64)
     target, draft = KarrasDenoiser(), KarrasDenoiser()
     out = kd.sample(
         target,
-        noise(B),
+        noise(batch),
         SIGMAS,
         {"labels": labels, "offset": 0.5},
         row_args=("labels",),

@@ -48,10 +48,10 @@ derivation and what the tests check.
 Conditioning. k-diffusion passes ``extra_args`` unchanged to every call, whose
 batch is ``x``'s. A speculative call evaluates other rows (a tree's nodes, each
 trajectory a different number of them), so an argument with one row per sample
-must be declared: names in ``row_args`` are tensors ``(B, ...)`` given row by row
+must be declared: names in ``row_args`` are tensors ``(batch, ...)`` given row by row
 (each call receives the rows of the trajectories its states belong to, through
 :func:`specforest.sample`'s ``cond``); every other argument is passed as it is.
-An undeclared tensor whose first dimension is the batch (``B > 1``) is refused,
+An undeclared tensor with one row per sample (a batch of more than one) is refused,
 unless ``shared_args`` names it: it could be either.
 """
 
@@ -160,8 +160,8 @@ class _Roots:
     among the round's calls (several with ``max_rows`` or ``lazy``).
     """
 
-    def __init__(self, B: int) -> None:
-        self.B = B
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
         self.x: Optional[torch.Tensor] = None
         self.denoised: Optional[torch.Tensor] = None
         self.sigma: Optional[torch.Tensor] = None
@@ -172,9 +172,9 @@ class _Roots:
 
     def record(self, rows: torch.Tensor, y: torch.Tensor, s: torch.Tensor, d: torch.Tensor) -> None:
         if self.sigma is None:
-            self.x = y.new_zeros((self.B, *y.shape[1:]))
+            self.x = y.new_zeros((self.batch, *y.shape[1:]))
             self.denoised = torch.zeros_like(self.x)
-            self.sigma = torch.full((self.B,), -1.0, dtype=y.dtype, device=y.device)
+            self.sigma = torch.full((self.batch,), -1.0, dtype=y.dtype, device=y.device)
         s = s.to(self.sigma.dtype)
         best = self.sigma.scatter_reduce(0, rows, s, "amax")
         top = s >= best[rows]
@@ -227,7 +227,7 @@ def _names(name: str, value: Any) -> tuple:
     return tuple(value)
 
 
-def _split_extra_args(extra_args: Optional[dict], B: int, row_args: Any, shared_args: Any) -> tuple[dict, dict]:
+def _split_extra_args(extra_args: Optional[dict], batch: int, row_args: Any, shared_args: Any) -> tuple[dict, dict]:
     """``extra_args`` as (per-row conditioning, arguments passed as they are); see the module docstring."""
     extra = {} if extra_args is None else extra_args
     if not isinstance(extra, dict):
@@ -245,16 +245,16 @@ def _split_extra_args(extra_args: Optional[dict], B: int, row_args: Any, shared_
     cond = {}
     for k in rows:
         v = extra[k]
-        if not isinstance(v, torch.Tensor) or v.ndim < 1 or v.shape[0] != B:
+        if not isinstance(v, torch.Tensor) or v.ndim < 1 or v.shape[0] != batch:
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(
-                f"extra_args[{k!r}] is in row_args: it must be a tensor ({B}, ...), one row per sample, got {got}"
+                f"extra_args[{k!r}] is in row_args: it must be a tensor ({batch}, ...), one row per sample, got {got}"
             )
         cond[k] = v
     for k, v in extra.items():
         if k in cond or k in shared:
             continue
-        if B > 1 and isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == B:
+        if batch > 1 and isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch:
             raise ValueError(
                 f"extra_args[{k!r}] has one row per sample (shape {tuple(v.shape)}), but a speculative call "
                 f"evaluates other rows: name it in row_args=({k!r},) to give each call its rows' values, or "
@@ -290,7 +290,7 @@ def sample(
     Same arguments as :func:`sample_speculative`; ``result.samples`` is what it returns, and
     ``result.stats`` the run's NFE, rounds and acceptance (see :func:`specforest.sample`).
     """
-    check_states(x, example=" (e.g. (B, C, H, W))")
+    check_states(x, example=" (e.g. (batch, C, H, W))")
     t = linear_grid(sigmas, path)
     unknown = sorted(k for k in options if k not in _PASSED)
     if unknown:
@@ -306,12 +306,12 @@ def sample(
         raise ValueError(
             "callback with process_group is not supported: each process evaluates only its share of the roots"
         )
-    B = x.shape[0]
-    cond, shared = _split_extra_args(extra_args, B, row_args, shared_args)
+    batch = x.shape[0]
+    cond, shared = _split_extra_args(extra_args, batch, row_args, shared_args)
     s = sigmas.detach().to("cpu", torch.float64)
-    roots = _Roots(B) if callback is not None else None
+    roots = _Roots(batch) if callback is not None else None
     if roots is not None:
-        cond = {**cond, _ROW: torch.arange(B, device=x.device)}
+        cond = {**cond, _ROW: torch.arange(batch, device=x.device)}
     velocity = _velocity(_Denoiser(model, shared, roots), s, path)
     draft = options.get("draft", "velocity")
     if callable(draft) and not isinstance(draft, (str, Proposal)):
@@ -386,25 +386,25 @@ def sample_speculative(
         model: a k-diffusion denoiser ``model(x: (M, *shape), sigma: (M,), **extra_args) -> (M, *shape)``,
             an estimate of ``E[x_0 | x = x_0 + sigma xi]``. ``M`` is the call's rows: tree nodes of
             several trajectories at several noise levels, not ``x``'s batch.
-        x: ``(B, *shape)`` initial states at ``sigmas[0]`` (noise times ``sigmas[0]``, or a noised
+        x: ``(batch, *shape)`` initial states at ``sigmas[0]`` (noise times ``sigmas[0]``, or a noised
             image for img2img).
         sigmas: ``(T + 1,)`` schedule, strictly decreasing, ending in 0 (``get_sigmas_karras``, ...).
         extra_args: the model's keyword arguments: those named in ``row_args`` row by row, the
             others as they are.
         callback: called after every round that commits a step (one model call each; the first
             speculative round only evaluates and makes none) with k-diffusion's keys first:
-            ``x`` ``(B, *shape)`` each trajectory's state at the round's start, the one its model
+            ``x`` ``(batch, *shape)`` each trajectory's state at the round's start, the one its model
             call saw (VE scale; a trajectory that has finished: its sample), ``i`` (int) the
             slowest trajectory's step (non-decreasing; every step when ``tree=None``), ``sigma``
             and ``sigma_hat`` ``sigmas[i]`` (the chain evaluates the model at the state's own
-            level: no ``sigma_hat > sigma``), ``denoised`` ``(B, *shape)`` the model's output at
-            ``x`` (finished: the sample); then ``step`` ``(B,)`` each trajectory's step at the
-            round's start (``T`` when finished), ``row_sigma`` ``(B,)`` the level each row of ``x``
-            was evaluated at (0 when finished), ``committed`` ``(B,)`` steps the round committed,
+            level: no ``sigma_hat > sigma``), ``denoised`` ``(batch, *shape)`` the model's output at
+            ``x`` (finished: the sample); then ``step`` ``(batch,)`` each trajectory's step at the
+            round's start (``T`` when finished), ``row_sigma`` ``(batch,)`` the level each row of ``x``
+            was evaluated at (0 when finished), ``committed`` ``(batch,)`` steps the round committed,
             ``round``.
         disable: ``True`` no progress bar, ``False`` a bar, ``None`` a bar when stderr is a terminal.
-        row_args: names in ``extra_args`` of tensors ``(B, ...)`` with one row per sample.
-        shared_args: names in ``extra_args`` of tensors with ``B`` rows to pass as they are.
+        row_args: names in ``extra_args`` of tensors ``(batch, ...)`` with one row per sample.
+        shared_args: names in ``extra_args`` of tensors with ``batch`` rows to pass as they are.
         path: ``"ve"`` (k-diffusion, EDM, ComfyUI's EPS / V_PREDICTION models) or ``"linear"``
             (ComfyUI's CONST models: ``x = (1 - sigma) x_0 + sigma xi``).
         **options: :func:`specforest.sample`'s options: ``churn`` (required, in (0, 1]), ``tree``,
@@ -415,7 +415,7 @@ def sample_speculative(
             ``process_group`` (not with ``callback``).
 
     Returns:
-        ``(B, *shape)`` final states at ``sigma = 0`` in ``x``'s dtype (the sampler works in
+        ``(batch, *shape)`` final states at ``sigma = 0`` in ``x``'s dtype (the sampler works in
         float32, or float64 for float64 ``x``).
 
     Raises:

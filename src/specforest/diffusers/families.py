@@ -12,7 +12,8 @@ diffusers`` and ``specforest generate diffusers`` call. The command line reads
 a family's options and defaults from these functions' signatures, so a new
 entry needs no change there.
 
-Predicates read class names only: diffusers is not imported.
+The predicates (:mod:`~specforest.diffusers.detection`) read class names only:
+diffusers is not imported.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import pipeline_flux, pipeline_sd3, pipeline_sdxl, tuning
+from .detection import is_flux, is_sd, is_sd3, is_sdxl
 from .prepared import prepare_flux, prepare_sd3, prepare_sdxl
 
 __all__ = [
@@ -65,18 +67,6 @@ class Family:
     prepare: Optional[Callable[..., Any]] = None
 
 
-def _class_names(obj: Any) -> set[str]:
-    return {c.__name__ for c in type(obj).__mro__}
-
-
-def is_sd3(pipe: Any) -> bool:
-    """Whether ``pipe`` is a Stable Diffusion 3 pipeline: a ``StableDiffusion3*Pipeline`` or any
-    object whose ``transformer`` is an ``SD3Transformer2DModel``."""
-    if any(n.startswith("StableDiffusion3") and n.endswith("Pipeline") for n in _class_names(pipe)):
-        return True
-    return "SD3Transformer2DModel" in _class_names(getattr(pipe, "transformer", None))
-
-
 # The predicates are disjoint (SD3 and Flux key on their transformer class, SDXL and
 # SD on their UNet's added embeddings and second text encoder), so the order only sets
 # the order of the names in errors.
@@ -85,7 +75,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "flux",
         ("FluxPipeline",),
-        pipeline_flux.is_flux,
+        is_flux,
         pipeline_flux.sample,
         tune=tuning.tune_flux,
         prepare=prepare_flux,
@@ -93,7 +83,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "sdxl",
         ("StableDiffusionXLPipeline",),
-        pipeline_sdxl.is_sdxl,
+        is_sdxl,
         pipeline_sdxl.sample,
         tune=tuning.tune_sdxl,
         prepare=prepare_sdxl,
@@ -101,7 +91,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "sd",
         ("StableDiffusionPipeline",),
-        pipeline_sdxl.is_sd,
+        is_sd,
         pipeline_sdxl.sample,
         tune=tuning.tune_sdxl,
         prepare=prepare_sdxl,
@@ -201,7 +191,7 @@ def sample(pipe: Any, prompt: "str | list[str] | None" = None, **options: Any) -
     Returns:
         The family's result (:class:`~specforest.diffusers.SD3Result`,
         :class:`~specforest.diffusers.FluxResult`): ``images``, ``latents``
-        ``(B, C, h, w)``, ``stats``, ``memory``, ``config``.
+        ``(N, C, h, w)``, ``stats``, ``memory``, ``config``.
 
     Raises:
         TypeError: for a pipeline of no supported family (naming the supported

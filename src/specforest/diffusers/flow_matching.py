@@ -3,23 +3,26 @@
 Stable Diffusion 3 is a rectified flow: its transformer predicts the velocity
 ``v = E[xi - x_0 | x_sigma]`` of the linear path ``x_sigma = (1 - sigma) x_0 +
 sigma xi`` at ``timestep = 1000 sigma``. :class:`FlowMatchVelocity` adapts it,
-classifier-free guidance included, in one batched call per round.
+classifier-free guidance included, in one batched call per round. The parts of a
+guided call, :func:`check_rows`, :func:`branch_inputs` (both branches in one
+batch) and :func:`guide` (their combination), serve Flux's adapter
+(:class:`~specforest.diffusers.flux_velocity.FluxVelocity`) too, and :func:`guide`
+the UNet's.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-__all__ = ["FlowMatchVelocity", "module_dtype_device", "transformer_row_bytes"]
+from ..validation import check_int, check_number
+
+__all__ = ["FlowMatchVelocity", "branch_inputs", "check_rows", "guide", "module_dtype_device", "transformer_row_bytes"]
 
 
 # peak activation of one transformer row per branch, in tokens x hidden x the transformer's
-# element size: measured 8.5-11.1 on SD3 transformers of hidden 16-256, 20-144 tokens, one and
-# three layers, float32 on a CPU (benchmarks/memory.py); the layers run one after another, so
-# their number does not add. The attention weights are never materialized by PyTorch's fused
-# attention (the head count changed nothing at a fixed hidden size).
+# element size: a bound on what benchmarks/memory.py measures on SD3 transformers (docs/diffusers.md,
+# "Memory"). The layers run one after another, so their number does not add; PyTorch's fused
+# attention never materializes the attention weights, so the head count does not enter.
 _ACTIVATION_FACTOR = 12
 
 
@@ -36,8 +39,8 @@ def transformer_row_bytes(
 ) -> int:
     """Peak bytes one sampler row adds inside a transformer call (all its guidance branches).
 
-    Per branch ``12 x tokens x hidden`` in the transformer's dtype (measured,
-    see the constant's note), the gathered conditioning and the input and output
+    Per branch ``12 x tokens x hidden`` in the transformer's dtype (a bound on
+    what ``benchmarks/memory.py`` measures, see ``docs/diffusers.md``), the gathered conditioning and the input and output
     latents; plus the float32 guided velocity. ``heads`` is accepted for the
     callers' convenience and does not enter (fused attention).
     """
@@ -55,6 +58,59 @@ def module_dtype_device(module: torch.nn.Module) -> tuple[torch.dtype, torch.dev
         p = next(module.parameters())
         dtype, device = p.dtype, p.device
     return dtype, device
+
+
+def check_rows(rows: int, sigma: torch.Tensor, cond: list) -> None:
+    """A call's ``sigma`` is ``(rows,)`` and each of its conditioning tensors has ``rows`` rows, as ``x``.
+
+    Raises:
+        ValueError: with the shapes seen.
+    """
+    if sigma.shape != (rows,) or any(c.shape[0] != rows for c in cond):
+        raise ValueError(
+            f"x has {rows} rows but sigma has shape {tuple(sigma.shape)} and the embeddings have "
+            f"{[c.shape[0] for c in cond]} rows"
+        )
+
+
+def branch_inputs(
+    hidden: torch.Tensor,
+    t: torch.Tensor,
+    enc: torch.Tensor,
+    pooled: torch.Tensor,
+    negative_enc: torch.Tensor | None,
+    negative_pooled: torch.Tensor | None,
+    *,
+    guided: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One transformer call's ``(hidden, t, enc, pooled)`` for ``M`` states: the embeddings in the
+    transformer's dtype on ``device``; ``guided``: ``2M`` rows, the negative branch first
+    (``[negative; positive]``, as the diffusers pipelines order them).
+
+    Args:
+        hidden: ``(M, ...)`` the states, already in the transformer's layout, dtype and device.
+        t: ``(M,)`` float32 timesteps on ``device``.
+        enc, pooled: ``(M, ...)`` the positive branch's embeddings.
+        negative_enc, negative_pooled: ``(M, ...)`` the negative branch's, read when ``guided``.
+    """
+    enc = enc.to(device, dtype)
+    pooled = pooled.to(device, dtype)
+    if not guided:
+        return hidden, t, enc, pooled
+    return (
+        torch.cat([hidden, hidden]),
+        torch.cat([t, t]),
+        torch.cat([negative_enc.to(device, dtype), enc]),
+        torch.cat([negative_pooled.to(device, dtype), pooled]),
+    )
+
+
+def guide(out: torch.Tensor, scale: float) -> torch.Tensor:
+    """``v_neg + scale (v_pos - v_neg)`` of a ``[negative; positive]`` call's float32 output ``(2M, ...)``."""
+    v_neg, v_pos = out.chunk(2)
+    return v_neg + scale * (v_pos - v_neg)
 
 
 class FlowMatchVelocity:
@@ -96,17 +152,9 @@ class FlowMatchVelocity:
     ) -> None:
         if not callable(transformer):
             raise TypeError("transformer must be a callable torch module")
-        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)):
-            raise TypeError(f"guidance_scale must be a number >= 0, got {type(guidance_scale).__name__}")
-        if not (math.isfinite(guidance_scale) and guidance_scale >= 0):
-            raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale}")
-        if isinstance(num_train_timesteps, bool) or not isinstance(num_train_timesteps, int):
-            raise TypeError(f"num_train_timesteps must be an int >= 1, got {type(num_train_timesteps).__name__}")
-        if num_train_timesteps < 1:
-            raise ValueError(f"num_train_timesteps must be >= 1, got {num_train_timesteps}")
         self.transformer = transformer
-        self.guidance_scale = float(guidance_scale)
-        self.num_train_timesteps = num_train_timesteps
+        self.guidance_scale = check_number("guidance_scale", guidance_scale, 0.0)
+        self.num_train_timesteps = check_int("num_train_timesteps", num_train_timesteps, 1)
         self.dtype, own = module_dtype_device(transformer)
         self.device = torch.device(device) if device is not None else own
         self.joint_attention_kwargs = joint_attention_kwargs
@@ -185,30 +233,28 @@ class FlowMatchVelocity:
         Raises:
             ValueError: on missing negative embeddings or mismatched row counts.
         """
-        M = x.shape[0]
+        cfg = self.do_classifier_free_guidance
         cond = [encoder_hidden_states, pooled_projections]
-        if self.do_classifier_free_guidance:
+        if cfg:
             if negative_encoder_hidden_states is None or negative_pooled_projections is None:
                 raise ValueError(
                     f"guidance_scale={self.guidance_scale} > 1 needs negative_encoder_hidden_states "
                     "and negative_pooled_projections"
                 )
             cond += [negative_encoder_hidden_states, negative_pooled_projections]
-        if sigma.shape != (M,) or any(c.shape[0] != M for c in cond):
-            raise ValueError(
-                f"x has {M} rows but sigma has shape {tuple(sigma.shape)} and the embeddings have "
-                f"{[c.shape[0] for c in cond]} rows"
-            )
+        check_rows(x.shape[0], sigma, cond)
         dev, dt = self.device, self.dtype
-        h = x.to(dev, dt)
-        t = sigma.to(dev, torch.float32) * self.num_train_timesteps
-        enc = encoder_hidden_states.to(dev, dt)
-        pooled = pooled_projections.to(dev, dt)
-        if self.do_classifier_free_guidance:
-            h = torch.cat([h, h])
-            t = torch.cat([t, t])
-            enc = torch.cat([negative_encoder_hidden_states.to(dev, dt), enc])
-            pooled = torch.cat([negative_pooled_projections.to(dev, dt), pooled])
+        h, t, enc, pooled = branch_inputs(
+            x.to(dev, dt),
+            sigma.to(dev, torch.float32) * self.num_train_timesteps,
+            encoder_hidden_states,
+            pooled_projections,
+            negative_encoder_hidden_states,
+            negative_pooled_projections,
+            guided=cfg,
+            device=dev,
+            dtype=dt,
+        )
         kwargs = {} if self.joint_attention_kwargs is None else {"joint_attention_kwargs": self.joint_attention_kwargs}
         out = self.transformer(
             hidden_states=h,
@@ -218,9 +264,8 @@ class FlowMatchVelocity:
             return_dict=False,
             **kwargs,
         )[0].to(torch.float32)
-        if self.do_classifier_free_guidance:
-            v_uncond, v_cond = out.chunk(2)
-            out = v_uncond + self.guidance_scale * (v_cond - v_uncond)
+        if cfg:
+            out = guide(out, self.guidance_scale)
         return out.to(x.device)
 
     def __repr__(self) -> str:

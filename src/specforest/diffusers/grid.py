@@ -2,18 +2,23 @@
 
 :func:`scheduler_sigmas` reproduces the scheduler's ``set_timesteps`` from its
 config alone (static or dynamic shift, ``shift_terminal``, the scheduler's own
-levels or the ones a pipeline passes, as Flux passes ``linspace(1, 1/T, T)``),
-so the pipeline's scheduler is never touched.
+levels or the ones a pipeline passes), so the pipeline's scheduler is never
+touched; :func:`flux_sigmas` is the grid ``FluxPipeline`` asks it for
+(``linspace(1, 1/T, T)``, shifted once). The VP grid of the UNet pipelines is
+:func:`specforest.diffusers.unet.vp_schedule`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Optional
 
 import torch
 
-__all__ = ["scheduler_sigmas"]
+from ..validation import check_int, check_number
+
+__all__ = ["flux_sigmas", "scheduler_sigmas"]
 
 # Scheduler options that replace the shifted linspace by another family of grids.
 _UNSUPPORTED_SCHEDULER_OPTIONS = (
@@ -79,10 +84,7 @@ def scheduler_sigmas(
         ValueError: on invalid arguments, or a config that uses Karras,
             exponential, beta or inverted sigmas (not a shifted linspace).
     """
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"num_inference_steps must be an int >= 1, got {type(steps).__name__}")
-    if steps < 1:
-        raise ValueError(f"num_inference_steps must be >= 1, got {steps}")
+    steps = check_int("num_inference_steps", steps, 1)
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping (scheduler.config), got {type(config).__name__}")
     bad = [k for k in _UNSUPPORTED_SCHEDULER_OPTIONS if config.get(k)]
@@ -95,14 +97,7 @@ def scheduler_sigmas(
     if N < 2:
         raise ValueError(f"scheduler num_train_timesteps must be >= 2, got {N}")
     dynamic = bool(config.get("use_dynamic_shifting", False)) and shift is None
-    if shift is None:
-        kappa = float(config.get("shift", 1.0))
-    else:
-        if isinstance(shift, bool) or not isinstance(shift, (int, float)):
-            raise TypeError(f"shift must be a number > 0 or None, got {type(shift).__name__}")
-        kappa = float(shift)
-    if not (math.isfinite(kappa) and kappa > 0):
-        raise ValueError(f"shift must be a finite number > 0, got {kappa}")
+    kappa = check_number("shift", float(config.get("shift", 1.0)) if shift is None else shift, 0.0, lo_open=True)
 
     def static(s: torch.Tensor) -> torch.Tensor:
         return kappa * s / (1.0 + (kappa - 1.0) * s)
@@ -137,3 +132,21 @@ def scheduler_sigmas(
         one_minus = 1.0 - s
         s = 1.0 - one_minus / (one_minus[-1] / (1.0 - float(terminal)))
     return torch.cat([s, s.new_zeros(1)])
+
+
+def flux_sigmas(config: Mapping, steps: int, image_seq_len: int, *, shift: Optional[float] = None) -> torch.Tensor:
+    """``FluxPipeline``'s grid: ``set_timesteps(sigmas=linspace(1, 1/T, T), mu=calculate_shift(seq))``.
+
+    Args:
+        config: the scheduler's config (``use_dynamic_shifting`` for dev, a static
+            shift for schnell).
+        steps: ``T >= 1``.
+        image_seq_len: the packed sequence length ``(h/2) (w/2)`` (``mu`` under dynamic shifting).
+        shift: a static shift overriding the config, as in :func:`scheduler_sigmas`.
+
+    Returns:
+        ``(T + 1,)`` float64 levels from 1 to 0.
+    """
+    steps = check_int("num_inference_steps", steps, 1)
+    base = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)
+    return scheduler_sigmas(config, steps, shift=shift, image_seq_len=image_seq_len, sigmas=base)

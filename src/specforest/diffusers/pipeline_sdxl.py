@@ -18,16 +18,19 @@ the first one included, and the run's first speculative round fetches the
 root's velocity (one call that commits nothing), as after SD3's deterministic
 first step.
 
-:func:`is_sdxl` and :func:`is_sd` tell the two families apart from a
-pipeline's components. diffusers itself is not imported here.
+This module is the two families' part: the pipeline's checks,
+:func:`velocity_and_grid`, SDXL's micro-conditioning (:func:`micro_conditioning`),
+the text encoding (:func:`encode_cond`) and :func:`sample`. The UNet adapter, its
+grid and its memory heuristic are :mod:`~specforest.diffusers.unet`; which family a
+pipeline is, :func:`~specforest.diffusers.detection.is_sdxl` and
+:func:`~specforest.diffusers.detection.is_sd`; the decoding,
+:func:`~specforest.diffusers.decoding.decode_unet`. diffusers itself is not imported here.
 """
 
 from __future__ import annotations
 
-import copy
-import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -35,13 +38,15 @@ import torch
 from ..couplings import Coupling
 from ..planning import make_tree
 from ..sampler import TunedFor, check_tuned_for
-from ..sampler import sample as _engine_sample
 from ..trees import DraftTree
 from ..validation import check_int as _check_int
 from ..validation import check_number as _check_number
-from .flow_matching import module_dtype_device
-from .pipeline_sd3 import OUTPUT_TYPES, SD3Result, _check_embeds, _check_run_options, _initial_latents, _plan_memory
-from .unet import PREDICTION_TYPES, UNetVelocity, VPSchedule, vp_schedule
+from .checks import check_run_options, image_size, vae_scale_factor
+from .decoding import decode_unet as decode
+from .detection import is_sd, is_sdxl, unet_family
+from .run import SD3Result, execution_device, run_sampler
+from .text import check_unet_text
+from .unet import PREDICTION_TYPES, UNetVelocity, VPSchedule, unet_row_bytes, vp_schedule
 
 __all__ = [
     "decode",
@@ -55,117 +60,7 @@ __all__ = [
     "velocity_and_grid",
 ]
 
-logger = logging.getLogger(__name__)
-
-# Pipelines with these words in their class name have the components of a
-# text-to-image pipeline but other inputs or another guidance: not this module's.
-_OTHER_TASKS = ("Img2Img", "Inpaint", "InstructPix2Pix", "ControlNet", "Adapter", "Upscale", "Depth2Img", "PAG")
-
-# Heuristic peak activation of one UNet row at each resolution level, in units of
-# tokens x channels x bytes: skip connections kept for the up path, resnet
-# temporaries, q/k/v and the GEGLU feed-forward (8x) of the transformer blocks.
-# Attention probabilities are counted as if materialised (float32 scores and
-# softmax), which overestimates fused kernels: the estimate errs towards
-# smaller sub-batches, never towards OOM.
-_UNET_ACTIVATION_FACTOR = 24
-
 _DEFAULT_GUIDANCE = {"sdxl": 5.0, "sd": 7.5}  # the pipelines' own defaults
-
-
-def _unet_config(pipe: Any) -> Optional[Mapping]:
-    cfg = getattr(getattr(pipe, "unet", None), "config", None)
-    return cfg if isinstance(cfg, Mapping) else None
-
-
-def _has_text_to_image_parts(pipe: Any) -> bool:
-    if any(tag in type(pipe).__name__ for tag in _OTHER_TASKS):
-        return False
-    vae_cfg = getattr(getattr(pipe, "vae", None), "config", None)
-    return (
-        isinstance(vae_cfg, Mapping)
-        and getattr(pipe, "scheduler", None) is not None
-        and callable(getattr(pipe, "encode_prompt", None))
-        and getattr(pipe, "image_processor", None) is not None
-    )
-
-
-def is_sdxl(pipe: Any) -> bool:
-    """Whether ``pipe`` is a Stable Diffusion XL text-to-image pipeline (base model).
-
-    Decided from its components, not its class alone: a UNet whose
-    ``addition_embed_type`` is ``"text_time"`` (the micro-conditioning), a second
-    text encoder slot (``text_encoder_2``, ``tokenizer_2``), a VAE, a scheduler
-    and ``encode_prompt``; class names of other tasks (img2img, inpainting,
-    ControlNet, PAG, ...) are excluded.
-    """
-    cfg = _unet_config(pipe)
-    return (
-        cfg is not None
-        and cfg.get("addition_embed_type") == "text_time"
-        and hasattr(pipe, "text_encoder_2")
-        and hasattr(pipe, "tokenizer_2")
-        and _has_text_to_image_parts(pipe)
-    )
-
-
-def is_sd(pipe: Any) -> bool:
-    """Whether ``pipe`` is a Stable Diffusion 1.x / 2.x text-to-image pipeline.
-
-    A UNet without added embeddings (``addition_embed_type`` unset), one CLIP
-    text encoder and tokenizer (no ``text_encoder_2``), a VAE, a scheduler and
-    ``encode_prompt``; class names of other tasks are excluded.
-    """
-    cfg = _unet_config(pipe)
-    return (
-        cfg is not None
-        and cfg.get("addition_embed_type") is None
-        and hasattr(pipe, "text_encoder")
-        and hasattr(pipe, "tokenizer")
-        and not hasattr(pipe, "text_encoder_2")
-        and _has_text_to_image_parts(pipe)
-    )
-
-
-def _family(pipe: Any) -> str:
-    if is_sdxl(pipe):
-        return "sdxl"
-    if is_sd(pipe):
-        return "sd"
-    raise TypeError(
-        "pipe must be a StableDiffusionXLPipeline or a StableDiffusionPipeline (or one with the same components: "
-        f"unet, vae, scheduler, text encoders, encode_prompt), got {type(pipe).__name__}"
-    )
-
-
-def unet_row_bytes(
-    config: Mapping,
-    *,
-    latent_hw: tuple[int, int],
-    text_tokens: int,
-    branches: int,
-    dtype: torch.dtype,
-    cond_numel: int,
-    latent_numel: int,
-) -> int:
-    """Peak bytes one sampler row adds inside a UNet call (all its guidance branches).
-
-    A heuristic upper bound: per branch and resolution level ``l`` (``h w / 4^l``
-    tokens, ``block_out_channels[l]`` channels) ``24 x tokens x channels`` in the
-    UNet's dtype, plus float32 self- and cross-attention scores ``2 x heads x
-    tokens x (tokens + text_tokens)`` at levels with attention; plus the gathered
-    conditioning, the input and output latents and the float32 velocity.
-    """
-    mb = torch.empty((), dtype=dtype).element_size()
-    h, w = latent_hw
-    heads_cfg = config.get("num_attention_heads") or config.get("attention_head_dim") or 8
-    per_branch = 0
-    for level, (chans, kind) in enumerate(zip(config["block_out_channels"], config["down_block_types"], strict=True)):
-        tokens = math.ceil(h / 2**level) * math.ceil(w / 2**level)
-        per_branch += _UNET_ACTIVATION_FACTOR * tokens * int(chans) * mb
-        if "CrossAttn" in kind:
-            heads = heads_cfg[level] if isinstance(heads_cfg, Sequence) else heads_cfg
-            per_branch += 2 * 4 * int(heads) * tokens * (tokens + text_tokens)
-    return branches * (per_branch + 2 * cond_numel * mb + 2 * latent_numel * mb) + 3 * latent_numel * 4
 
 
 def _check_pipeline(pipe: Any, family: str) -> Mapping:
@@ -189,101 +84,6 @@ def _check_pipeline(pipe: Any, family: str) -> Mapping:
             f"({family} UNets predict the noise or v)"
         )
     return ucfg
-
-
-def _str_list(name: str, value: Any, n: Optional[int]) -> Optional[list[str]]:
-    """``value`` as a list of ``n`` captions (a str repeats), or ``None``."""
-    if value is None:
-        return None
-    vals = [value] * (n or 1) if isinstance(value, str) else value
-    if not isinstance(vals, (list, tuple)) or not vals or not all(isinstance(p, str) for p in vals):
-        raise TypeError(f"{name} must be a str or a non-empty list of str")
-    if n is not None and len(vals) != n:
-        raise ValueError(f"{name} has {len(vals)} entries but there are {n} prompts")
-    return list(vals)
-
-
-_TEXT_INPUTS = (
-    "prompt",
-    "prompt_2",
-    "prompt_embeds",
-    "negative_prompt",
-    "negative_prompt_2",
-    "negative_prompt_embeds",
-    "pooled_prompt_embeds",
-    "negative_pooled_prompt_embeds",
-)
-
-
-def _check_text(family: str, ucfg: Mapping, **given: Any) -> tuple[dict, int]:
-    """Validate the text inputs of :func:`sample` (by name; absent: ``None``); return what
-    ``encode_prompt`` gets and the number of captions ``n``."""
-    kw = {k: given.get(k) for k in _TEXT_INPUTS}
-    sdxl = family == "sdxl"
-    prompt, pe = kw["prompt"], kw["prompt_embeds"]
-    npe, ppe, nppe = kw["negative_prompt_embeds"], kw["pooled_prompt_embeds"], kw["negative_pooled_prompt_embeds"]
-    if not sdxl:
-        sdxl_only = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-        given = [k for k in sdxl_only if kw[k] is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} are SDXL inputs; a StableDiffusionPipeline has one text encoder")
-    if (prompt is None) == (pe is None):
-        raise ValueError("give exactly one of prompt (str or list of str) and prompt_embeds")
-    if prompt is not None:
-        prompts = _str_list("prompt", prompt, None)
-        n = len(prompts)
-        if any(t is not None for t in (npe, ppe, nppe)):
-            raise ValueError(
-                "negative_prompt_embeds / pooled_prompt_embeds / negative_pooled_prompt_embeds go with "
-                "prompt_embeds, not with prompt"
-            )
-    else:
-        prompts = None
-        _check_embeds("prompt_embeds", pe, 3)
-        n = pe.shape[0]
-        if kw["prompt_2"] is not None:
-            raise ValueError("prompt_2 goes with prompt, not with prompt_embeds")
-        if sdxl:
-            if ppe is None:
-                raise ValueError("prompt_embeds needs pooled_prompt_embeds (from the same text encoders)")
-            _check_embeds("pooled_prompt_embeds", ppe, 2)
-            if ppe.shape[0] != n:
-                raise ValueError(f"pooled_prompt_embeds has {ppe.shape[0]} rows but prompt_embeds has {n}")
-        dim = ucfg.get("cross_attention_dim")
-        if isinstance(dim, int) and pe.shape[-1] != dim:
-            raise ValueError(
-                f"prompt_embeds has last dimension {pe.shape[-1]} but the UNet's cross_attention_dim is {dim}"
-            )
-    negs = _str_list("negative_prompt", kw["negative_prompt"], n)
-    if negs is not None and npe is not None:
-        raise ValueError("give at most one of negative_prompt and negative_prompt_embeds")
-    if npe is not None:
-        _check_embeds("negative_prompt_embeds", npe, 3)
-        if npe.shape != pe.shape:
-            raise ValueError(
-                f"negative_prompt_embeds has shape {tuple(npe.shape)} but prompt_embeds has {tuple(pe.shape)}; "
-                "they must match"
-            )
-        if sdxl and nppe is None:
-            raise ValueError("negative_prompt_embeds needs negative_pooled_prompt_embeds")
-    if nppe is not None:
-        if npe is None:
-            raise ValueError("negative_pooled_prompt_embeds goes with negative_prompt_embeds")
-        _check_embeds("negative_pooled_prompt_embeds", nppe, 2)
-        if nppe.shape != ppe.shape:
-            raise ValueError(
-                f"negative_pooled_prompt_embeds has shape {tuple(nppe.shape)} but pooled_prompt_embeds has "
-                f"{tuple(ppe.shape)}; they must match"
-            )
-    text = {"prompt": prompts, "negative_prompt": negs, "prompt_embeds": pe, "negative_prompt_embeds": npe}
-    if sdxl:
-        text.update(
-            prompt_2=_str_list("prompt_2", kw["prompt_2"], n),
-            negative_prompt_2=_str_list("negative_prompt_2", kw["negative_prompt_2"], n),
-            pooled_prompt_embeds=ppe,
-            negative_pooled_prompt_embeds=nppe,
-        )
-    return text, n
 
 
 def _size(name: str, value: Any, default: Optional[tuple]) -> Optional[tuple]:
@@ -357,25 +157,17 @@ def velocity_and_grid(
     Raises:
         ValueError / TypeError: naming the parameter, or the supported pipelines.
     """
-    family = _family(pipe)
+    family = unet_family(pipe)
     ucfg = _check_pipeline(pipe, family)
     steps = _check_int("num_inference_steps", num_inference_steps, 1)
     guidance = _guidance(family, guidance_scale)
-    vsf = int(getattr(pipe, "vae_scale_factor", 2 ** (len(pipe.vae.config.block_out_channels) - 1)))
+    vsf = vae_scale_factor(pipe)
     sample_size = ucfg.get("sample_size", 64)
     sample_size = sample_size[0] if isinstance(sample_size, (list, tuple)) else int(sample_size)
-    height = sample_size * vsf if height is None else _check_int("height", height, 1)
-    width = sample_size * vsf if width is None else _check_int("width", width, 1)
-    for name, v in (("height", height), ("width", width)):
-        if v % vsf:
-            raise ValueError(
-                f"{name} must be divisible by vae_scale_factor = {vsf}, got {v} (nearest below: {v - v % vsf or vsf})"
-            )
+    height, width = image_size(height, width, default=sample_size * vsf, multiple=vsf, what=f"vae_scale_factor = {vsf}")
     latent_shape = (int(ucfg.get("in_channels", 4)), height // vsf, width // vsf)
     schedule = vp_schedule(pipe.scheduler, steps)
-    device = getattr(pipe, "_execution_device", None)
-    _, u_device = module_dtype_device(pipe.unet)
-    device = torch.device(device) if device is not None else u_device
+    device = execution_device(pipe, pipe.unet)
     velocity = UNetVelocity(
         pipe.unet,
         schedule.alphas_cumprod,
@@ -414,7 +206,7 @@ def micro_conditioning(
         negative_crops_coords_top_left=negative_crops_coords_top_left,
         negative_target_size=negative_target_size,
     )
-    if _family(pipe) == "sd":
+    if unet_family(pipe) == "sd":
         given = [k for k, v in micro.items() if v is not None and v != (0, 0)]
         if given:
             raise ValueError(f"{', '.join(given)} are SDXL's micro-conditioning; a StableDiffusionPipeline has none")
@@ -433,7 +225,7 @@ def encode_cond(pipe: Any, velocity: UNetVelocity, text: dict, *, micro: dict, c
     Args:
         pipe: the pipeline ``velocity`` was made from (:func:`velocity_and_grid`).
         velocity: its velocity.
-        text: the checked text inputs, what ``encode_prompt`` gets (``_check_text``).
+        text: the checked text inputs, what ``encode_prompt`` gets (:func:`~specforest.diffusers.text.check_unet_text`).
         micro: SDXL's micro-conditioning (:func:`micro_conditioning`; ``{}`` for SD).
         clip_skip: text encoder layers to skip.
 
@@ -443,7 +235,7 @@ def encode_cond(pipe: Any, velocity: UNetVelocity, text: dict, *, micro: dict, c
     Raises:
         ValueError / TypeError: on a ``clip_skip`` that is not an int ``>= 0``.
     """
-    family = _family(pipe)
+    family = unet_family(pipe)
     if clip_skip is not None:
         clip_skip = _check_int("clip_skip", clip_skip, 0)
     device, cfg = velocity.device, velocity.branches == 2
@@ -497,54 +289,6 @@ def row_bytes_of(pipe: Any, velocity: UNetVelocity, latent_shape: tuple, cond: d
         cond_numel=sum(v[0].numel() for k, v in cond.items() if not k.startswith("negative_")),
         latent_numel=math.prod(latent_shape),
     )
-
-
-def decode(pipe: Any, latents: torch.Tensor, output_type: str = "pil", batch: Optional[int] = None) -> tuple:
-    """Latents ``(B, C, h, w)`` to images as the SDXL / SD pipeline decodes them, ``batch`` images per VAE call.
-
-    ``latents / scaling_factor`` (SDXL: ``latents * latents_std / scaling_factor +
-    latents_mean`` where the VAE config has them), ``vae.decode``, then SDXL's
-    watermark or SD's safety checker where the pipeline has one, and the image
-    processor. An SDXL float16 VAE with ``force_upcast`` decodes in a float32
-    copy (the pipeline upcasts its own VAE in place; this one is left as it is).
-
-    Returns:
-        ``(images, nsfw)``: what the pipeline returns for ``output_type`` (``pil``,
-        ``np`` or ``pt``) and its safety checker's flags (``None`` without one).
-    """
-    if output_type not in OUTPUT_TYPES or output_type == "latent":
-        raise ValueError(f"output_type must be one of pil, np, pt to decode, got {output_type!r}")
-    family = _family(pipe)
-    vae = pipe.vae
-    vae_dtype, vae_device = module_dtype_device(vae)
-    if family == "sdxl" and vae_dtype == torch.float16 and vae.config.get("force_upcast"):
-        vae, vae_dtype = copy.deepcopy(vae).to(torch.float32), torch.float32
-    device = getattr(pipe, "_execution_device", None) or vae_device
-    vcfg = vae.config
-    mean, std = vcfg.get("latents_mean"), vcfg.get("latents_std")
-    B = latents.shape[0]
-    batch = B if batch is None else max(1, int(batch))
-    parts, flags = [], []
-    with torch.no_grad():
-        for i in range(0, B, batch):
-            z = latents[i : i + batch].to(device, vae_dtype)
-            if family == "sdxl" and mean is not None and std is not None:
-                m = torch.tensor(mean).view(1, -1, 1, 1).to(z)
-                sd = torch.tensor(std).view(1, -1, 1, 1).to(z)
-                z = z * sd / vcfg.scaling_factor + m
-            else:
-                z = z / vcfg.scaling_factor
-            image = vae.decode(z, return_dict=False)[0]
-            if family == "sd" and getattr(pipe, "safety_checker", None) is not None:
-                image, nsfw = pipe.run_safety_checker(image, device, image.dtype)
-                flags.extend(bool(f) for f in nsfw)
-            parts.append(image)
-        image = torch.cat(parts)
-        if family == "sdxl" and getattr(pipe, "watermark", None) is not None:
-            image = pipe.watermark.apply_watermark(image)
-    nsfw = flags or None
-    denorm = None if nsfw is None else [not f for f in nsfw]
-    return pipe.image_processor.postprocess(image, output_type=output_type, do_denormalize=denorm), nsfw
 
 
 def sample(
@@ -623,7 +367,7 @@ def sample(
         generator: the only source of randomness (latents, then the sampler's
             seed); a list of one generator per image makes image ``i`` a function
             of ``generator[i]`` alone.
-        num_images_per_prompt: images per caption; ``B = n x num_images_per_prompt``.
+        num_images_per_prompt: images per caption; ``N = n x num_images_per_prompt`` images.
         output_type: ``pil``, ``np``, ``pt`` or ``latent``.
         churn: ``eps`` in (0, 1].
         tree, K, L, coupling, draft, prefetch, verify, lazy: as in
@@ -653,9 +397,9 @@ def sample(
         MemoryError: if the run would not fit the memory limit.
         FloatingPointError: if the UNet returns NaN or inf.
     """
-    family = _family(pipe)
+    family = unet_family(pipe)
     ucfg = _check_pipeline(pipe, family)
-    steps, churn, n_img, max_memory_gb = _check_run_options(
+    steps, churn, n_img, max_memory_gb = check_run_options(
         num_inference_steps=num_inference_steps,
         churn=churn,
         num_images_per_prompt=num_images_per_prompt,
@@ -666,7 +410,7 @@ def sample(
         max_memory_gb=max_memory_gb,
     )
     guidance = _guidance(family, guidance_scale)
-    text, n = _check_text(
+    text, n = check_unet_text(
         family,
         ucfg,
         prompt=prompt,
@@ -708,66 +452,45 @@ def sample(
         k: v.repeat_interleave(n_img, dim=0)
         for k, v in encode_cond(pipe, velocity, text, micro=micro, clip_skip=clip_skip).items()
     }
-    B = n * n_img
-    if isinstance(generator, (list, tuple)) and len(generator) != B:
-        raise ValueError(
-            f"a list of generators must hold one per image ({B} = prompts x num_images_per_prompt), "
-            f"got {len(generator)}"
-        )
-
-    # -- memory -------------------------------------------------------------------------------
-    memory, decode_batch = _plan_memory(
+    images = n * n_img
+    run = run_sampler(
         pipe,
-        max_memory_gb=max_memory_gb,
-        device=device,
-        images=B,
-        latent_shape=latent_shape,
-        height=height,
-        width=width,
-        output_type=output_type,
-        tree=tree,
-        verify=verify,
-        lazy=lazy,
-        steps=steps,
-        row_bytes=row_bytes_of(pipe, velocity, latent_shape, cond),
-        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
-    )
-
-    # -- sampling: from the scheduler's initial noise, x_lin = x_VE / (1 + s_0) ----------------------
-    if generator is None:
-        generator = torch.Generator(device="cpu")
-        generator.seed()
-    if isinstance(generator, (list, tuple)):
-        xi = torch.cat([_initial_latents((1, *latent_shape), g, device) for g in generator])
-    else:
-        xi = _initial_latents((B, *latent_shape), generator, device)
-    out = _engine_sample(
         velocity,
-        xi * schedule.latent_scale,
         sigmas=schedule.sigmas,
+        latent_shape=latent_shape,
+        device=device,
+        cond=cond,
+        images=images,
+        generator=generator,
+        steps=steps,
         churn=churn,
         tree=tree,
         coupling=coupling,
         draft=draft,
         prefetch=prefetch,
         verify=verify,
-        generator=generator,
-        progress=progress,
-        max_rows=memory.max_rows,
-        cond=cond,
         lazy=lazy,
+        progress=progress,
+        max_memory_gb=max_memory_gb,
+        output_type=output_type,
+        height=height,
+        width=width,
+        row_bytes=row_bytes_of(pipe, velocity, latent_shape, cond),
+        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
+        # from the scheduler's initial noise: x_lin = x_VE / (1 + s_0)
+        noise_scale=schedule.latent_scale,
     )
-    latents = out.samples
+    latents = run.out.samples
 
     # -- decoding, as the pipelines do it ---------------------------------------------------------
     nsfw = None
     if output_type == "latent":
-        images: Any = latents.to(u_dtype)
+        out_images: Any = latents.to(u_dtype)
     else:
-        images, nsfw = decode(pipe, latents, output_type, decode_batch)
+        out_images, nsfw = decode(pipe, latents, output_type, run.decode_batch)
 
     config = dict(
-        out.config,
+        run.out.config,
         family=family,
         scheduler=schedule.scheduler,
         prediction_type=velocity.prediction_type,
@@ -778,17 +501,17 @@ def sample(
         guidance_scale=guidance,
         height=height,
         width=width,
-        num_images=B,
+        num_images=images,
         num_images_per_prompt=n_img,
         K=K,
         L=L,
         lazy=lazy,
-        max_rows=memory.max_rows,
-        decode_batch=decode_batch,
+        max_rows=run.memory.max_rows,
+        decode_batch=run.decode_batch,
         unet_dtype=str(u_dtype).replace("torch.", ""),
         device=str(device),
     )
     config.update(micro)
     if nsfw is not None:
         config["nsfw_content_detected"] = nsfw
-    return SD3Result(images=images, latents=latents, stats=out.stats, memory=memory, config=config)
+    return SD3Result(images=out_images, latents=latents, stats=run.out.stats, memory=run.memory, config=config)

@@ -23,6 +23,9 @@ from ..validation import check_int
 from . import pipeline_flux as _flux
 from . import pipeline_sd3 as _sd3
 from . import pipeline_sdxl as _sdxl
+from .decoding import decode_flow_match, decode_unet
+from .detection import unet_family
+from .text import check_unet_text, cond_from_embeds
 
 __all__ = ["Prepared", "prepare_flux", "prepare_sd3", "prepare_sdxl"]
 
@@ -37,7 +40,7 @@ class Prepared:
         latent_shape: ``(C, h, w)`` of one image's state.
         device: where the velocity takes its states.
         cond: per-caption conditioning, ``(n, ...)`` tensors (row ``j``: caption ``j``).
-        decode: ``decode(latents (B, C, h, w)) -> list of B PIL images``, as the pipeline decodes.
+        decode: ``decode(latents (N, C, h, w)) -> list of N PIL images``, as the pipeline decodes.
         noise_scale: the initial state is ``noise_scale x N(0, I)`` (1 for flow matching, where the
             grid starts at ``sigma = 1``; for a VP UNet, whose grid starts at ``t_0 < 1``, the
             scheduler's initial noise on the linear path, ``init_noise_sigma / (1 + s_0)``).
@@ -121,8 +124,8 @@ def prepare_sd3(
         sigmas=sigmas,
         latent_shape=latent_shape,
         device=device,
-        cond=_sd3.cond_from_embeds(pe, ppe, npe, nppe, velocity, device),
-        decode=lambda latents: _sd3.decode(pipe, latents, "pil"),
+        cond=cond_from_embeds(pe, ppe, npe, nppe, velocity, device),
+        decode=lambda latents: decode_flow_match(pipe, latents, "pil"),
         config=dict(
             family="sd3",
             num_inference_steps=len(sigmas) - 1,
@@ -195,8 +198,8 @@ def prepare_flux(
         sigmas=sigmas,
         latent_shape=latent_shape,
         device=device,
-        cond=_flux.cond_from_embeds(pe, ppe, npe, nppe, velocity, device),
-        decode=lambda latents: _sd3.decode(pipe, latents, "pil"),
+        cond=cond_from_embeds(pe, ppe, npe, nppe, velocity, device),
+        decode=lambda latents: decode_flow_match(pipe, latents, "pil"),
         config=dict(
             family="flux",
             num_inference_steps=len(sigmas) - 1,
@@ -262,8 +265,8 @@ def prepare_sdxl(
         height=height,
         width=width,
     )
-    family = _sdxl._family(pipe)
-    text, _ = _sdxl._check_text(
+    family = unet_family(pipe)
+    text, _ = check_unet_text(
         family, pipe.unet.config, prompt=prompts, negative_prompt=_negatives(negative_prompt, len(prompts))
     )
     height, width = velocity.image_size
@@ -284,7 +287,7 @@ def prepare_sdxl(
         latent_shape=latent_shape,
         device=device,
         cond=_sdxl.encode_cond(pipe, velocity, text, micro=micro, clip_skip=clip_skip),
-        decode=lambda latents: _sdxl.decode(pipe, latents, "pil")[0],
+        decode=lambda latents: decode_unet(pipe, latents, "pil")[0],
         noise_scale=schedule.latent_scale,
         config=dict(
             family=family,

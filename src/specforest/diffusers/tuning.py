@@ -6,7 +6,7 @@ call of both branches) is the target; its batch-cost curve, the acceptance of
 the captions' chains and the sampler's own time per round are measured as
 :func:`specforest.latency.tune` does for any velocity, on the pipeline's own
 scheduler grid (:func:`~specforest.diffusers.grid.scheduler_sigmas`,
-:func:`~specforest.diffusers.pipeline_flux.flux_sigmas`,
+:func:`~specforest.diffusers.grid.flux_sigmas`,
 :func:`~specforest.diffusers.unet.vp_schedule`). Calls
 larger than the memory limit allows are split, as in
 :func:`~specforest.diffusers.pipeline_sd3.sample`, and the cost curve is
@@ -29,9 +29,11 @@ from ..trees import chain
 from ..validation import check_int, check_number
 from . import pipeline_flux as _flux
 from . import pipeline_sdxl as _sdxl
-from .grid import scheduler_sigmas
-from .pipeline_sd3 import _check_pipeline, cond_from_embeds, encode_text, row_bytes_of, velocity_and_grid
+from .detection import is_flux, is_sd, is_sdxl
+from .grid import flux_sigmas, scheduler_sigmas
+from .pipeline_sd3 import _check_pipeline, encode_text, row_bytes_of, velocity_and_grid
 from .prepared import prepare_sdxl
+from .text import cond_from_embeds
 from .unet import vp_schedule
 
 __all__ = ["tune", "tune_flux", "tune_sdxl"]
@@ -95,9 +97,9 @@ def tune(
     Raises:
         ValueError / TypeError: naming the parameter.
     """
-    if _flux.is_flux(pipe):
+    if is_flux(pipe):
         raise TypeError("pipe is a FluxPipeline: tune it with specforest.diffusers.tuning.tune_flux")
-    if _sdxl.is_sdxl(pipe) or _sdxl.is_sd(pipe):
+    if is_sdxl(pipe) or is_sd(pipe):
         raise TypeError(
             f"pipe is a {type(pipe).__name__} (a UNet pipeline): tune it with specforest.diffusers.tuning.tune_sdxl"
         )
@@ -243,7 +245,7 @@ def tune_flux(
     progress: bool = False,
 ) -> Tuned:
     """:func:`tune` for a ``FluxPipeline``: its transformer (one call per round, both true-CFG
-    branches in it) on ``FluxPipeline``'s grid (:func:`~specforest.diffusers.pipeline_flux.flux_sigmas`).
+    branches in it) on ``FluxPipeline``'s grid (:func:`~specforest.diffusers.grid.flux_sigmas`).
 
     Args:
         pipe: a ``FluxPipeline``.
@@ -285,11 +287,11 @@ def tune_flux(
         true_cfg=velocity.do_true_cfg,
         max_sequence_length=max_seq,
     )
-    cond = _flux.cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
+    cond = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
     tokens = (latent_shape[1] // 2) * (latent_shape[2] // 2)
 
     def sigmas_for(steps: int) -> torch.Tensor:
-        return _flux.flux_sigmas(pipe.scheduler.config, steps, tokens, shift=shift)
+        return flux_sigmas(pipe.scheduler.config, steps, tokens, shift=shift)
 
     return _tune_sized(
         velocity,

@@ -38,16 +38,17 @@ built from its config; the pipeline's own is never touched).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from ..models.edm import EDMDenoiserVelocity, VPDenoiser
-from .flow_matching import module_dtype_device
+from ..validation import check_int, check_number
+from .flow_matching import guide, module_dtype_device
 
-__all__ = ["PREDICTION_TYPES", "UNetPrediction", "UNetVelocity", "VPSchedule", "vp_schedule"]
+__all__ = ["PREDICTION_TYPES", "UNetPrediction", "UNetVelocity", "VPSchedule", "unet_row_bytes", "vp_schedule"]
 
 PREDICTION_TYPES = VPDenoiser.PREDICTIONS
 """The UNet parameterizations :class:`UNetVelocity` converts (diffusers' ``prediction_type`` names)."""
@@ -129,10 +130,7 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
             such as KDPM2), continuous timesteps, or an infinite noise level
             (zero terminal SNR without the Euler scheduler's clamp).
     """
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"num_inference_steps must be an int >= 1, got {type(steps).__name__}")
-    if steps < 1:
-        raise ValueError(f"num_inference_steps must be >= 1, got {steps}")
+    steps = check_int("num_inference_steps", steps, 1)
     config = getattr(scheduler, "config", None)
     name = type(scheduler).__name__
     if not isinstance(config, Mapping) or getattr(scheduler, "alphas_cumprod", None) is None:
@@ -213,16 +211,13 @@ class UNetPrediction:
     ) -> None:
         if not callable(unet):
             raise TypeError("unet must be a callable torch module")
-        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)):
-            raise TypeError(f"guidance_scale must be a number >= 0, got {type(guidance_scale).__name__}")
-        if not (math.isfinite(guidance_scale) and guidance_scale >= 0):
-            raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale}")
+        guidance_scale = check_number("guidance_scale", guidance_scale, 0.0)
         if cross_attention_kwargs is not None and not isinstance(cross_attention_kwargs, dict):
             raise TypeError(
                 f"cross_attention_kwargs must be a dict or None, got {type(cross_attention_kwargs).__name__}"
             )
         self.unet = unet
-        self.guidance_scale = float(guidance_scale)
+        self.guidance_scale = guidance_scale
         self.dtype, own = module_dtype_device(unet)
         self.device = torch.device(device) if device is not None else own
         self.cross_attention_kwargs = cross_attention_kwargs
@@ -301,8 +296,7 @@ class UNetPrediction:
             kwargs["cross_attention_kwargs"] = self.cross_attention_kwargs
         out = self.unet(h, t, return_dict=False, **kwargs)[0].to(torch.float32)
         if cfg:
-            u, c = out.chunk(2)
-            out = u + self.guidance_scale * (c - u)
+            out = guide(out, self.guidance_scale)
         return out.to(x_k.device)
 
     def __repr__(self) -> str:
@@ -385,3 +379,43 @@ class UNetVelocity(EDMDenoiserVelocity):
             f"UNetVelocity({type(self.prediction.unet).__name__}, prediction_type={self.prediction_type!r}, "
             f"guidance_scale={self.guidance_scale}, dtype={self.dtype}, device={self.device})"
         )
+
+
+# Heuristic peak activation of one UNet row at each resolution level, in units of
+# tokens x channels x bytes: skip connections kept for the up path, resnet
+# temporaries, q/k/v and the GEGLU feed-forward (8x) of the transformer blocks.
+# Attention probabilities are counted as if materialised (float32 scores and
+# softmax), which overestimates fused kernels: the estimate errs towards
+# smaller sub-batches, never towards OOM.
+_UNET_ACTIVATION_FACTOR = 24
+
+
+def unet_row_bytes(
+    config: Mapping,
+    *,
+    latent_hw: tuple[int, int],
+    text_tokens: int,
+    branches: int,
+    dtype: torch.dtype,
+    cond_numel: int,
+    latent_numel: int,
+) -> int:
+    """Peak bytes one sampler row adds inside a UNet call (all its guidance branches).
+
+    A heuristic upper bound: per branch and resolution level ``l`` (``h w / 4^l``
+    tokens, ``block_out_channels[l]`` channels) ``24 x tokens x channels`` in the
+    UNet's dtype, plus float32 self- and cross-attention scores ``2 x heads x
+    tokens x (tokens + text_tokens)`` at levels with attention; plus the gathered
+    conditioning, the input and output latents and the float32 velocity.
+    """
+    mb = torch.empty((), dtype=dtype).element_size()
+    h, w = latent_hw
+    heads_cfg = config.get("num_attention_heads") or config.get("attention_head_dim") or 8
+    per_branch = 0
+    for level, (chans, kind) in enumerate(zip(config["block_out_channels"], config["down_block_types"], strict=True)):
+        tokens = math.ceil(h / 2**level) * math.ceil(w / 2**level)
+        per_branch += _UNET_ACTIVATION_FACTOR * tokens * int(chans) * mb
+        if "CrossAttn" in kind:
+            heads = heads_cfg[level] if isinstance(heads_cfg, Sequence) else heads_cfg
+            per_branch += 2 * 4 * int(heads) * tokens * (tokens + text_tokens)
+    return branches * (per_branch + 2 * cond_numel * mb + 2 * latent_numel * mb) + 3 * latent_numel * 4

@@ -13,13 +13,19 @@ fills in that function's defaults: the command line holds no per-family table.
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import secrets
+import shutil
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from ..diffusers.families import Family, family_of_directory, pipeline_class_name
-from .common import check_choice, check_int
+from .common import check_choice, check_int, derive_seed
 from .sd3.loading import DTYPES
 
 __all__ = ["DTYPES", "family_options", "load_pipeline", "sample_images", "signature_defaults"]
@@ -140,15 +146,6 @@ def sample_images(
         FileExistsError: if ``out`` exists.
         ValueError / TypeError / MemoryError / FloatingPointError: as ``family.sample``.
     """
-    import json
-    import secrets
-    import shutil
-    import time
-
-    import torch
-
-    from .common import derive_seed
-
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; choose another folder (a run never writes into an old one)")
