@@ -20,8 +20,8 @@ from specforest.models import GaussianMixture
 from specforest.proposals import FrozenPrediction, available_drafts, get_proposal, register_draft
 
 GMM = GaussianMixture.paper(dim=12, components=3, seed=0)
-B = 12
-X = torch.randn(B, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+BATCH = 12
+X = torch.randn(BATCH, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 
 CONFIGS = {
     "standard": dict(tree=None),
@@ -86,7 +86,7 @@ def test_seed_generator_and_generator_lists():
     b = specforest.sample(GMM, X, generator=g(5), **kw)
     assert torch.equal(b.samples, specforest.sample(GMM, X, generator=g(5), **kw).samples)
     # one generator per sample (diffusers' convention): sample i depends on generator i only
-    gens = [g(100 + i) for i in range(B)]
+    gens = [g(100 + i) for i in range(BATCH)]
     c = specforest.sample(GMM, X, generator=gens, **kw)
     d = specforest.sample(GMM, X[[3, 1]], generator=[g(103), g(101)], **kw)
     assert torch.equal(d.samples, c.samples[[3, 1]])
@@ -223,11 +223,11 @@ def test_no_autograd_graph_and_flat_memory():
     assert max(counts[-cycle:]) <= max(counts[cycle : 2 * cycle]) + 5
     # the check can fail: outside the sampler the same target builds a graph, and a loop that keeps
     # its outputs grows the live tensors every step
-    assert net(X.float(), torch.ones(B)).grad_fn is not None
+    assert net(X.float(), torch.ones(BATCH)).grad_fn is not None
     kept, grown = [], []
     x = X.float()
     for _ in range(10):
-        x = x + 0.01 * net(x, torch.ones(B))
+        x = x + 0.01 * net(x, torch.ones(BATCH))
         kept.append(x)
         grown.append(_tensor_count())
     assert grown[-1] > grown[2] + 5
@@ -273,7 +273,7 @@ def test_cond_is_explicit_and_validated():
         assert label.shape == (x.shape[0],) and scale == 2.0
         return GMM(x, sigma)
 
-    label = torch.arange(B)
+    label = torch.arange(BATCH)
     specforest.sample(
         model,
         X,

@@ -303,7 +303,7 @@ def test_image_shaped_states_and_model_kwargs():
 
 @pytest.mark.parametrize("lazy", [False, True])
 def test_per_trajectory_conditioning_follows_rows(lazy):
-    """Labels (B,) in cond reach each state of that trajectory, tree nodes included."""
+    """Labels (batch,) in cond reach each state of that trajectory, tree nodes included."""
     centers = torch.tensor([[-5.0, 0.0, 0.0], [5.0, 0.0, 0.0]], dtype=torch.float64)
     comps = [GaussianMixture(c[None], torch.tensor([0.2])) for c in centers]
 

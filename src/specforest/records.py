@@ -70,7 +70,8 @@ class TreeSteps:
 
     Made once per run for a fixed tree (with the context) and once per planned tree for an
     adaptive policy (in the schedule); steps past the end are clamped to ``T - 1`` (their rows
-    are never used).
+    are never used). In lazy mode only ``tt`` and ``lookahead`` are made (the lazy walk gathers
+    per visited node); the node tables are ``None``.
 
     Attributes:
         tt: the tree's tables.
@@ -83,10 +84,10 @@ class TreeSteps:
     """
 
     tt: TreeTables
-    step: torch.Tensor
-    sig: torch.Tensor
-    draft_scale: torch.Tensor
-    level: torch.Tensor
+    step: Optional[torch.Tensor]
+    sig: Optional[torch.Tensor]
+    draft_scale: Optional[torch.Tensor]
+    level: Optional[torch.Tensor]
     lookahead: torch.Tensor
 
 
