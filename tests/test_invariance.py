@@ -14,14 +14,14 @@ import torch
 from scipy import stats as sps
 
 import specforest
-from specforest import engine, streams, trees
+from specforest import lockstep, records, streams, trees
 from specforest.couplings import GRS, available_couplings, get_coupling, register_coupling
 from specforest.models import GaussianMixture
 from specforest.proposals import FrozenPrediction, available_drafts, get_proposal, register_draft
 
 GMM = GaussianMixture.paper(dim=12, components=3, seed=0)
-B = 12
-X = torch.randn(B, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+BATCH = 12
+X = torch.randn(BATCH, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 
 CONFIGS = {
     "standard": dict(tree=None),
@@ -86,7 +86,7 @@ def test_seed_generator_and_generator_lists():
     b = specforest.sample(GMM, X, generator=g(5), **kw)
     assert torch.equal(b.samples, specforest.sample(GMM, X, generator=g(5), **kw).samples)
     # one generator per sample (diffusers' convention): sample i depends on generator i only
-    gens = [g(100 + i) for i in range(B)]
+    gens = [g(100 + i) for i in range(BATCH)]
     c = specforest.sample(GMM, X, generator=gens, **kw)
     d = specforest.sample(GMM, X[[3, 1]], generator=[g(103), g(101)], **kw)
     assert torch.equal(d.samples, c.samples[[3, 1]])
@@ -147,25 +147,25 @@ def test_draws_made_in_one_pass_are_the_numbers_of_each_draw():
 
 @pytest.mark.parametrize("steps_per_block", [2, 3, 16])
 def test_the_standard_sampler_s_noise_drawn_in_blocks_of_steps_is_each_step_s_draw(monkeypatch, steps_per_block):
-    """The standard sampler draws the noise of several steps in one pass (``engine._exact_noise``):
+    """The standard sampler draws the noise of several steps in one pass (``lockstep._exact_noise``):
     its samples must be those of one draw per step, with blocks that do not divide the steps; a
     block read one step off is caught."""
     gmm = GaussianMixture.paper(dim=6, components=3, seed=0)
     x = streams.randn(2, torch.arange(5), (6,), dtype=torch.float64)
 
     def run(elements):
-        monkeypatch.setattr(engine, "NOISE_BLOCK_ELEMENTS", elements)
+        monkeypatch.setattr(lockstep, "NOISE_BLOCK_ELEMENTS", elements)
         return specforest.sample(gmm, x, steps=11, churn=0.4, seed=9).samples
 
     per_step = run(1)  # blocks of one step
     assert torch.equal(run(steps_per_block * 5 * 6), per_step)
-    real = engine._exact_noise
+    real = lockstep._exact_noise
 
     def off_by_one(ctx, state):
         noise, block = real(ctx, state)
-        return block[1][min(state.rounds - block[0] + 1, block[1].shape[0] - 1)], block
+        return block.noise[min(state.rounds - block.first + 1, block.noise.shape[0] - 1)], block
 
-    monkeypatch.setattr(engine, "_exact_noise", off_by_one)
+    monkeypatch.setattr(lockstep, "_exact_noise", off_by_one)
     assert not torch.equal(run(steps_per_block * 5 * 6), per_step)
 
 
@@ -218,16 +218,16 @@ def test_no_autograd_graph_and_flat_memory():
     # live tensors do not grow with the rounds (a kept graph would hold every round's tensors): the
     # counters hold at most FLUSH_ROUNDS rounds' outcomes, so the count cycles: its peak over the last
     # cycle is that of the second one (the first builds the run's caches)
-    cycle = engine.FLUSH_ROUNDS + 2
+    cycle = records.FLUSH_ROUNDS + 2
     assert len(counts) > 4 * cycle
     assert max(counts[-cycle:]) <= max(counts[cycle : 2 * cycle]) + 5
     # the check can fail: outside the sampler the same target builds a graph, and a loop that keeps
     # its outputs grows the live tensors every step
-    assert net(X.float(), torch.ones(B)).grad_fn is not None
+    assert net(X.float(), torch.ones(BATCH)).grad_fn is not None
     kept, grown = [], []
     x = X.float()
     for _ in range(10):
-        x = x + 0.01 * net(x, torch.ones(B))
+        x = x + 0.01 * net(x, torch.ones(BATCH))
         kept.append(x)
         grown.append(_tensor_count())
     assert grown[-1] > grown[2] + 5
@@ -273,7 +273,7 @@ def test_cond_is_explicit_and_validated():
         assert label.shape == (x.shape[0],) and scale == 2.0
         return GMM(x, sigma)
 
-    label = torch.arange(B)
+    label = torch.arange(BATCH)
     specforest.sample(
         model,
         X,

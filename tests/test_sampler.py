@@ -303,7 +303,7 @@ def test_image_shaped_states_and_model_kwargs():
 
 @pytest.mark.parametrize("lazy", [False, True])
 def test_per_trajectory_conditioning_follows_rows(lazy):
-    """Labels (B,) in cond reach each state of that trajectory, tree nodes included."""
+    """Labels (batch,) in cond reach each state of that trajectory, tree nodes included."""
     centers = torch.tensor([[-5.0, 0.0, 0.0], [5.0, 0.0, 0.0]], dtype=torch.float64)
     comps = [GaussianMixture(c[None], torch.tensor([0.2])) for c in centers]
 
@@ -444,3 +444,143 @@ def test_progress_and_callback():
     _run(callback=lambda d: seen.append((d["round"], d["step"].clone())), progress=True)
     assert seen and seen[-1][1].eq(10).all()
     assert [r for r, _ in seen] == list(range(1, len(seen) + 1))
+
+
+def _per_row(record, batch: int, prefix: str = "") -> dict:
+    """Every per-trajectory tensor of a run's state (a tensor field with one row per trajectory),
+    found through its records, by dotted name."""
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(record):
+        v = getattr(record, f.name)
+        if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == batch:
+            out[prefix + f.name] = v
+        elif dataclasses.is_dataclass(v):
+            out.update(_per_row(v, batch, f"{prefix}{f.name}."))
+    return out
+
+
+def _restart_failures(old, new, fresh, rows) -> list:
+    """What differs from a restart: rows ``rows`` of every per-trajectory tensor as in ``fresh``, the others as in ``old``."""
+    batch = old.x.shape[0]
+    other = torch.ones(batch, dtype=torch.bool)
+    other[rows] = False
+    want_new, want_old = _per_row(fresh, batch), _per_row(old, batch)
+    got = _per_row(new, batch)
+    bad = sorted(set(want_new) ^ set(got) | set(want_old) ^ set(got))
+    for name in sorted(set(want_new) & set(got) & set(want_old)):
+        if not torch.equal(got[name][rows], want_new[name][rows]) or not torch.equal(
+            got[name][other], want_old[name][other]
+        ):
+            bad.append(name)
+    return bad
+
+
+def test_restart_resets_every_per_trajectory_field_of_the_state():
+    """``RunState.restart`` (continuous batching's refill) gives the restarted rows of every per-trajectory
+    field what ``init_state`` gives a fresh trajectory, keeps the other rows and the run's own fields: a
+    field it forgot would fail here, and a broken restart is caught."""
+    from dataclasses import replace
+
+    from specforest import engine, streams
+    from specforest.sampler import prepare
+
+    spec = prepare(
+        steps=12,
+        churn=0.5,
+        sigmas=None,
+        grid="flow_match",
+        shift=1.0,
+        tree=trees.uniform(2, 2),
+        coupling="grs",
+        draft="x0_extrap",
+        prefetch="nearest",
+        verify="internal",
+        max_rows=None,
+        model_kwargs=None,
+        lazy=False,
+        record_deltas=True,
+    )
+    gmm = GaussianMixture.paper(dim=4, components=3, seed=0)
+    batch = 5
+    ctx = spec.context(gmm, (4,), torch.float64, torch.device("cpu"), batch, {})
+    x0, keys = (
+        streams.randn(1, torch.arange(batch), (4,), dtype=torch.float64),
+        streams.sample_keys(1, torch.arange(batch)),
+    )
+    with torch.inference_mode():
+        old = engine.init_state(ctx, x0, keys)
+        for _ in range(5):  # prefetched evaluations with a history, pending counters, records
+            old = engine.run_round(ctx, old)
+        rows = torch.tensor([1, 3])
+        x_new = streams.randn(1, torch.tensor([7, 8]), (4,), dtype=torch.float64)
+        keys_new = streams.sample_keys(1, torch.tensor([7, 8]))
+        new = old.restart(rows, x_new, keys_new)
+        fresh = engine.init_state(ctx, x0.index_copy(0, rows, x_new), keys.index_copy(0, rows, keys_new))
+    assert old.counters.pending and bool(old.pre.has_prev[rows].all()) and old.records
+    flushed = replace(old, counters=old.counters.flushed())
+    names = _per_row(fresh, batch)
+    assert {"x", "step", "keys", "pre.y", "pre.prev_v", "pre.has_prev", "counters.nfe", "counters.per_depth"} <= set(
+        names
+    )
+    assert _restart_failures(flushed, new, fresh, rows) == []
+    # the run's own fields are kept
+    assert (new.rounds, new.records, new.draft_calls, new.seconds) == (
+        old.rounds,
+        old.records,
+        old.draft_calls,
+        old.seconds,
+    )
+    assert new.draft_state is old.draft_state and new.counters.pending == () and new.noise is None
+    # the check has teeth: a restart that kept a prefetch field, or left a field out, is caught
+    kept = replace(new, pre=replace(new.pre, prev_y=old.pre.prev_y))
+    assert _restart_failures(flushed, kept, fresh, rows) == ["pre.prev_y"]
+    lost = replace(new, counters=replace(new.counters, commits=None))
+    assert _restart_failures(flushed, lost, fresh, rows) == ["counters.commits"]
+
+
+def _tensors(value, name: str, out: dict) -> dict:
+    """Every tensor reachable from a run's context through its records and tuples, by dotted name."""
+    import dataclasses
+
+    if isinstance(value, torch.Tensor):
+        out[name] = value
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _tensors(v, f"{name}[{i}]", out)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _tensors(getattr(value, f.name), f"{name}.{f.name}", out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "tree,lazy",
+    [(None, False), (trees.uniform(2, 2), False), (trees.widths([3, 2]), True), (AdaptiveTree(6, kmax=3), False)],
+)
+def test_rounds_never_change_the_run_context(tree, lazy):
+    """No round writes the ``RunContext``: its fields stay the same objects and none of its tensors is
+    changed in place (their version counters do not move), the per-run tables included."""
+    from specforest import engine, streams
+    from specforest.sampler import prepare
+
+    if isinstance(tree, trees.DraftTree):
+        tree = trees.from_parents(tree.parent.tolist())  # its own tables, made here in normal mode
+    spec = prepare(
+        steps=None, churn=0.5, sigmas=flow_match_grid(10), grid="flow_match", shift=1.0, tree=tree,
+        coupling="grs", draft="velocity", prefetch="nearest", verify="internal", max_rows=None,
+        model_kwargs=None, lazy=lazy, record_deltas=False,
+    )  # fmt: skip
+    gmm = GaussianMixture.paper(dim=4, components=3, seed=0)
+    ctx = spec.context(gmm, (4,), torch.float64, torch.device("cpu"), 4, {})
+    state = engine.init_state(ctx, streams.randn(0, torch.arange(4), (4,), dtype=torch.float64), torch.arange(4))
+    fields = {k: id(v) for k, v in vars(ctx).items()}
+    before = {k: (id(t), t._version) for k, t in _tensors(ctx, "ctx", {}).items()}
+    assert len(before) > 10
+    with torch.inference_mode():
+        while (nxt := engine.run_round(ctx, state)) is not None:
+            state = nxt
+    assert bool((state.step == 10).all())
+    assert {k: id(v) for k, v in vars(ctx).items()} == fields
+    assert {k: (id(t), t._version) for k, t in _tensors(ctx, "ctx", {}).items()} == before

@@ -22,24 +22,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from . import engine, streams
 from .distributed import broadcast_
-from .sampler import (
-    RunSpec,
-    SampleStats,
-    TunedFor,
-    VelocityFn,
-    check_tuned_for,
-    prepare,
-    returned,
-    stats_of,
-    step_keys,
-)
+from .records import RunContext, RunState
+from .results import SampleStats, returned, stats_of
+from .sampler import RunSpec, TunedFor, VelocityFn, check_tuned_for, prepare
 from .target import outside_inference
 from .validation import check_int
 
@@ -142,7 +134,7 @@ class Generation:
             self._bad_x = self._bad_x | ~torch.isfinite(x).all()
         return x, cond
 
-    def _start(self, idx: torch.Tensor) -> "tuple[engine.RunContext, engine.RunState, torch.Tensor]":
+    def _start(self, idx: torch.Tensor) -> "tuple[RunContext, RunState, torch.Tensor]":
         x, cond = self._states(idx, first=True)
         dev = x.device
         self._bad_x = torch.zeros((), dtype=torch.bool, device=dev)
@@ -153,12 +145,13 @@ class Generation:
         if self.group is not None:
             broadcast_(keys, self.group)
             broadcast_(x0, self.group)
-        ctx = self.spec.context(self.model, self._shape, self._work, dev, keys, cond, group=self.group)
-        state = engine.init_state(ctx, x0, self.spec.L)
+        ctx = self.spec.context(self.model, self._shape, self._work, dev, len(idx), cond, group=self.group)
+        state = engine.init_state(ctx, x0, keys)
         return ctx, state, idx.to(dev)
 
-    def _refill(self, ctx, state, slot_idx, slots: torch.Tensor, new: torch.Tensor):
-        """Slots ``slots`` restart at step 0 as samples ``new``."""
+    def _refill(self, ctx: RunContext, state: RunState, slot_idx: torch.Tensor, slots: torch.Tensor, new: torch.Tensor):
+        """Slots ``slots`` restart at step 0 as samples ``new``: their states, keys and counters
+        (:meth:`~specforest.records.RunState.restart`) and their conditioning."""
         x, cond = self._states(new, first=False)
         dev = ctx.device
         slots, new = slots.to(dev), new.to(dev)
@@ -167,29 +160,8 @@ class Generation:
         if self.group is not None:
             broadcast_(keys, self.group)
             broadcast_(x, self.group)
-        ctx = replace(ctx, step_keys=ctx.step_keys.index_copy(0, slots, step_keys(keys, ctx.T)))
         ctx.target.set_rows(slots, cond)
-        pre = replace(
-            state.pre,
-            valid=state.pre.valid.index_fill(0, slots, False),
-            has_prev=state.pre.has_prev.index_fill(0, slots, False),
-        )
-        c = state.counters.flushed()
-        counters = replace(
-            c,
-            nfe=c.nfe.index_fill(0, slots, 0),
-            per_traj=c.per_traj.index_fill(0, slots, 0),
-            per_depth=c.per_depth.index_fill(0, slots, 0),
-            commits=c.commits.index_fill(0, slots, 0),
-        )
-        state = replace(
-            state,
-            x=state.x.index_copy(0, slots, x),
-            step=state.step.index_fill(0, slots, 0),
-            pre=pre,
-            counters=counters,
-        )
-        return ctx, state, slot_idx.index_copy(0, slots, new)
+        return state.restart(slots, x, keys), slot_idx.index_copy(0, slots, new)
 
     @torch.inference_mode()
     def __iter__(self) -> Iterator[Finished]:
@@ -203,19 +175,18 @@ class Generation:
             return
         t0 = time.perf_counter()
         T = self.spec.sde.steps
-        B = self.stats.slots
-        standard = self.spec.tree is None and self.spec.policy is None
-        ctx, state, slot_idx = self._start(self.indices[:B])
-        live = torch.ones(B, dtype=torch.bool, device=ctx.device)
-        n_live, nxt_i, seconds = B, B, 0.0
+        slots = self.stats.slots
+        ctx, state, slot_idx = self._start(self.indices[:slots])
+        live = torch.ones(slots, dtype=torch.bool, device=ctx.device)
+        n_live, nxt_i, seconds = slots, slots, 0.0
         while n_live:
             nxt = engine.run_round(ctx, state)
             if nxt is not None:
                 state = nxt
                 self.stats.rounds += 1
                 self.stats.slot_rounds += n_live
-            if standard and nxt is not None and state.rounds < T:
-                continue  # the standard sampler's trajectories all finish at round T: nothing to read before
+            if ctx.lockstep and nxt is not None and state.rounds < T:
+                continue  # a lockstep run's trajectories all finish at round T: nothing to read before
             done = (state.step >= ctx.T) & live
             bad_x = (done & ~torch.isfinite(state.x).all(1)).any()
             # the one read of the round: finished slots, the target's NaN flag, non-finite finished states
@@ -251,7 +222,7 @@ class Generation:
                 ctx, state, slot_idx = self._start(new)
                 live = torch.ones(k, dtype=torch.bool, device=ctx.device)
             else:
-                ctx, state, slot_idx = self._refill(ctx, state, slot_idx, rows[:k], new)
+                state, slot_idx = self._refill(ctx, state, slot_idx, rows[:k], new)
                 live = live.index_fill(0, rows[:k], True)
             n_live += k
         self.stats.target_seconds = seconds + ctx.target.total_seconds()

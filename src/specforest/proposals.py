@@ -52,13 +52,13 @@ class Prefetch:
     """Per-trajectory target evaluation reused by the next round's draft.
 
     Attributes:
-        y: ``(B, D)`` state at which the target was evaluated.
-        v: ``(B, D)`` the target velocity there.
-        step: ``(B,)`` long step index of that evaluation.
+        y: ``(batch, D)`` state at which the target was evaluated.
+        v: ``(batch, D)`` the target velocity there.
+        step: ``(batch,)`` long step index of that evaluation.
         prev_y, prev_v, prev_step: the evaluation prefetched before it, for
             drafts that extrapolate in time.
-        has_prev: ``(B,)`` bool, True where ``prev_*`` hold a real evaluation.
-        valid: ``(B,)`` bool, True where ``y, v, step`` hold an evaluation.
+        has_prev: ``(batch,)`` bool, True where ``prev_*`` hold a real evaluation.
+        valid: ``(batch,)`` bool, True where ``y, v, step`` hold an evaluation.
     """
 
     y: torch.Tensor
@@ -71,26 +71,30 @@ class Prefetch:
     valid: torch.Tensor
 
     @classmethod
-    def empty(cls, B: int, D: int, dtype: torch.dtype, device: torch.device) -> "Prefetch":
-        """No evaluation yet for any of ``B`` trajectories."""
-        z = torch.zeros(B, D, dtype=dtype, device=device)
-        zi = torch.zeros(B, dtype=torch.long, device=device)
-        zb = torch.zeros(B, dtype=torch.bool, device=device)
-        return cls(z, z, zi, z, z, zi, zb, zb)
+    def empty(cls, batch: int, D: int, dtype: torch.dtype, device: torch.device) -> "Prefetch":
+        """No evaluation yet for any of ``batch`` trajectories."""
+        z = torch.zeros(batch, D, dtype=dtype, device=device)
+        zi = torch.zeros(batch, dtype=torch.long, device=device)
+        zb = torch.zeros(batch, dtype=torch.bool, device=device)
+        return cls(y=z, v=z, step=zi, prev_y=z, prev_v=z, prev_step=zi, has_prev=zb, valid=zb)
+
+    def restart(self, rows: torch.Tensor) -> "Prefetch":
+        """Rows ``rows`` as :meth:`empty` makes them (no evaluation), the others unchanged."""
+        return Prefetch(**{f.name: getattr(self, f.name).index_fill(0, rows, 0) for f in fields(self)})
 
     def take(self, idx: torch.Tensor, history: bool = True) -> "Prefetch":
         """The rows ``idx`` of every field (of ``y, v, step, valid`` only unless ``history``)."""
         if history:
-            return Prefetch(*(getattr(self, f.name)[idx] for f in fields(self)))
+            return Prefetch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
         return Prefetch(
-            self.y[idx],
-            self.v[idx],
-            self.step[idx],
-            self.prev_y,
-            self.prev_v,
-            self.prev_step,
-            self.has_prev,
-            self.valid[idx],
+            y=self.y[idx],
+            v=self.v[idx],
+            step=self.step[idx],
+            prev_y=self.prev_y,
+            prev_v=self.prev_v,
+            prev_step=self.prev_step,
+            has_prev=self.has_prev,
+            valid=self.valid[idx],
         )
 
     def replaced(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, history: bool = True) -> "Prefetch":
@@ -98,7 +102,9 @@ class Prefetch:
         valid = torch.ones_like(self.valid)
         if not history:
             return replace(self, y=y, v=v, step=step, valid=valid)
-        return Prefetch(y, v, step, self.y, self.v, self.step, self.valid, valid)
+        return Prefetch(
+            y=y, v=v, step=step, prev_y=self.y, prev_v=self.v, prev_step=self.step, has_prev=self.valid, valid=valid
+        )
 
     def with_rows(
         self,
@@ -117,22 +123,22 @@ class Prefetch:
             return replace(self, y=put(self.y, y), v=put(self.v, v), step=put(self.step, step), valid=valid)
         keep = torch.full_like(idx, keep_prev, dtype=torch.bool) & self.valid[idx]
         return Prefetch(
-            put(self.y, y),
-            put(self.v, v),
-            put(self.step, step),
-            put(self.prev_y, self.y[idx]),
-            put(self.prev_v, self.v[idx]),
-            put(self.prev_step, self.step[idx]),
-            put(self.has_prev, keep),
-            valid,
+            y=put(self.y, y),
+            v=put(self.v, v),
+            step=put(self.step, step),
+            prev_y=put(self.prev_y, self.y[idx]),
+            prev_v=put(self.prev_v, self.v[idx]),
+            prev_step=put(self.prev_step, self.step[idx]),
+            has_prev=put(self.has_prev, keep),
+            valid=valid,
         )
 
 
 class Proposal:
     """Base class: the draft transition mean ``m^p(y)`` at drafted parents.
 
-    States are flattened and trajectory-major: ``y (Bs, n, D)`` holds ``n``
-    parents of each of ``Bs`` trajectories, all at the step ``steps (Bs, n)``.
+    States are flattened and trajectory-major: ``y (G, n, D)`` holds ``n``
+    parents of each of ``G`` trajectories, all at the step ``steps (G, n)``.
 
     Declared needs (class attributes, read by the sampler):
         needs_prefetch: the proposal needs a target evaluation per round (the
@@ -169,26 +175,26 @@ class Proposal:
 
         Args:
             tab: the SDE's step tables in the states' dtype.
-            steps: ``(Bs, n)`` long steps of the parents.
-            pre: the ``Bs`` trajectories' prefetched evaluations.
+            steps: ``(G, n)`` long steps of the parents.
+            pre: the ``G`` trajectories' prefetched evaluations.
             state: the proposal's state.
             terms: :meth:`round_terms` of the same ``steps`` and ``pre`` when the
                 sampler made them (a drafted round), else ``None``.
 
         Returns:
-            ``A (Bs, n, 1)`` and ``C (Bs, n, D)``.
+            ``A (G, n, 1)`` and ``C (G, n, D)``.
         """
         raise NotImplementedError
 
     def round_terms(self, tab: StepTables, steps: torch.Tensor, pre: Prefetch) -> Any:
         """What :meth:`coefficients` and :meth:`observe` both compute from the parents' steps
-        ``(Bs, n)`` and prefetch, made once per drafted round; ``None`` (the default) when nothing is
+        ``(G, n)`` and prefetch, made once per drafted round; ``None`` (the default) when nothing is
         shared. The sampler passes it to :meth:`coefficients`, and :meth:`take_terms` of it at the
         verified parents to :meth:`observe`."""
         return None
 
     def take_terms(self, terms: Any, rows: torch.Tensor, cols: torch.Tensor) -> Any:
-        """:meth:`round_terms` at parents ``(rows[i], cols[i])`` of its ``(Bs, n)`` grid, ``(P,)`` each."""
+        """:meth:`round_terms` at parents ``(rows[i], cols[i])`` of its ``(G, n)`` grid, ``(P,)`` each."""
         raise NotImplementedError
 
     def mean(
@@ -201,10 +207,10 @@ class Proposal:
         shape: tuple[int, ...],
         state: Any,
     ) -> torch.Tensor:
-        """Draft means ``(Bs, n, D)`` at parents ``y (Bs, n, D)`` at ``steps (Bs, n)``.
+        """Draft means ``(G, n, D)`` at parents ``y (G, n, D)`` at ``steps (G, n)``.
 
-        ``cond`` holds the ``Bs`` trajectories' per-trajectory conditioning
-        (``(Bs, ...)`` tensors); ``shape`` is the per-sample state shape.
+        ``cond`` holds the ``G`` trajectories' per-trajectory conditioning
+        (``(G, ...)`` tensors); ``shape`` is the per-sample state shape.
         """
         A, C = self.coefficients(tab, steps, pre, state)
         return torch.addcmul(C, A, y)
@@ -233,8 +239,8 @@ class Proposal:
 
 
 def _frozen_coefficients(kind: str, tab: StepTables, steps: torch.Tensor, pre: Prefetch):
-    """``(A (Bs, n, 1), C (Bs, n, D))`` of one frozen parameterization (see :class:`FrozenPrediction`)."""
-    ac = tab.ac[steps]  # (Bs, n, 2)
+    """``(A (G, n, 1), C (G, n, D))`` of one frozen parameterization (see :class:`FrozenPrediction`)."""
+    ac = tab.ac[steps]  # (G, n, 2)
     a, c = ac[..., :1], ac[..., 1:]
     ys, vs = pre.y[:, None], pre.v[:, None]
     if kind == "velocity":
@@ -325,15 +331,15 @@ class DraftModel(Proposal):
         self.fn = fn
 
     def mean(self, tab, y, steps, pre, cond, shape, state):
-        Bs, n, D = y.shape
+        G, n, D = y.shape
         sig = tab.sig[steps].reshape(-1)
         # trajectory-major rows: row b * n + i belongs to trajectory b
         kw = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
         with outside_inference():
-            v = self.fn(y.reshape(Bs * n, *shape), sig, **kw)
+            v = self.fn(y.reshape(G * n, *shape), sig, **kw)
         if not isinstance(v, torch.Tensor) or v.numel() != y.numel():
-            raise ValueError(f"the draft model must return a tensor of shape {(Bs * n, *shape)}")
-        v = v.reshape(Bs, n, D).to(y.dtype)
+            raise ValueError(f"the draft model must return a tensor of shape {(G * n, *shape)}")
+        v = v.reshape(G, n, D).to(y.dtype)
         if not torch.isfinite(v).all():
             raise FloatingPointError("the draft model returned NaN or inf")
         return tab.mean(y, v, steps)
@@ -389,9 +395,9 @@ class AutoDraft(Proposal):
     def _all_kinds(tab, steps, pre):
         """Every frozen kind's mean as ``A y + alpha y* + beta v* + eps x0_prev``.
 
-        Returns ``coef (4, 5, Bs, n)``: ``A, alpha, beta, eps`` of the five kinds (in
-        :data:`FROZEN_KINDS` order) at each parent, and the vectors ``y* (Bs, D)``,
-        ``v* (Bs, D)`` and ``x0_prev (Bs, D)``. The same affine maps as
+        Returns ``coef (4, 5, G, n)``: ``A, alpha, beta, eps`` of the five kinds (in
+        :data:`FROZEN_KINDS` order) at each parent, and the vectors ``y* (G, D)``,
+        ``v* (G, D)`` and ``x0_prev (G, D)``. The same affine maps as
         :class:`FrozenPrediction`'s, written so that the five kinds cost a few scalar ops
         and three vector ones, not five vector computations (``velocity`` is bit-identical
         to its own; the others agree to rounding). What depends on one step only is
@@ -429,8 +435,8 @@ class AutoDraft(Proposal):
     def coefficients(self, tab, steps, pre, state, terms=None):
         coef, (ys, vs, x0p) = self._all_kinds(tab, steps, pre) if terms is None else terms
         offset = (steps - pre.step[:, None]).clamp(0, self.max_offset)
-        pick = self.choice(state)[offset]  # (Bs, n)
-        A, alpha, beta, eps = coef.gather(1, pick.expand(4, 1, *pick.shape))[:, 0, ..., None].unbind(0)  # (Bs, n, 1)
+        pick = self.choice(state)[offset]  # (G, n)
+        A, alpha, beta, eps = coef.gather(1, pick.expand(4, 1, *pick.shape))[:, 0, ..., None].unbind(0)  # (G, n, 1)
         C = torch.addcmul(torch.addcmul(alpha * ys[:, None], beta, vs[:, None]), eps, x0p[:, None])
         return A, C
 

@@ -1,24 +1,14 @@
 """The public sampler: :func:`sample` validates, sets up a run and drives :mod:`specforest.engine`.
 
 Each round, every unfinished trajectory contributes rows to **one** batched
-target call and advances by what that call buys it:
-
-* on a deterministic step (ERRATA 6) it takes the plain Euler step;
-* on a stochastic step without a prefetched evaluation (the run's first
-  speculative round) it only evaluates its root, which the next round drafts
-  from (``fetch``);
-* otherwise it drafts its tree layer by layer, has the root and the internal
-  nodes (or every node, ``verify="drafted"``) evaluated, walks down from the
-  root with the coupling until the first rejection, commits, and keeps one
-  evaluation of this round as the next round's prefetched drift.
-
-The standard Euler-Maruyama sampler is the same loop with no tree: every
-stochastic round evaluates the state and draws the exact transition.
-
-Trajectories run at their own steps; a trajectory that has finished takes no
-rows. The loop knows neither the coupling's nor the proposal's internals.
-The phases of a round and the host-device synchronizations they need are in
-:mod:`specforest.engine`.
+target call and advances by what that call buys it: a deterministic step, the
+fetch of its first root evaluation, or a speculative round on its draft tree
+(draft, evaluate, walk with the coupling until the first rejection, commit).
+The standard Euler-Maruyama sampler (no tree) runs the same loop over its own
+round (:mod:`specforest.lockstep`). Trajectories run at their own steps; a
+trajectory that has finished takes no rows. The loop knows neither the
+coupling's nor the proposal's internals. The phases of a round and the
+host-device synchronizations they need are in :mod:`specforest.engine`.
 """
 
 from __future__ import annotations
@@ -26,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -35,6 +25,8 @@ from . import engine, streams
 from .couplings import Coupling, get_coupling
 from .engine import PREFETCH_POLICIES
 from .proposals import Proposal, get_proposal
+from .records import RunContext
+from .results import SampleResult, SampleStats, returned, stats_of
 from .sde import ReverseSDE, flow_match_grid, uniform_grid
 from .target import Target, outside_inference
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
@@ -55,91 +47,6 @@ __all__ = [
 GRIDS = ("flow_match", "uniform")
 
 VelocityFn = Callable[..., torch.Tensor]
-
-
-@dataclass
-class SampleStats:
-    """Per-trajectory statistics of a run. ``B`` trajectories, tree depth ``L``.
-
-    Attributes:
-        nfe: ``(B,)`` target calls each trajectory took part in (its sequential NFE).
-        rounds: ``(B,)`` speculative rounds (rounds that drafted a tree).
-        spec_steps: ``(B,)`` steps committed by speculative rounds.
-        attempts: ``(B, L)`` verification problems met at each depth.
-        accepts: ``(B, L)`` of which a drafted child was accepted.
-        delta_sum: ``(B, L)`` float64 sum of the observed ``delta`` at each depth.
-        commits: ``(B, L + 1)`` rounds that committed ``j`` steps (column ``j``).
-        rows: ``(B,)`` states each trajectory had evaluated by the target.
-        deltas: with ``record_deltas=True``, ``(n, 4)`` float64 rows
-            ``(depth, step, delta, accepted)`` of every verification problem of the
-            run (``step`` is the verified parent's step; for calibrating tree plans
-            and for per-step diagnostics).
-        calls: batched target calls of the whole run (the batch's NFE).
-        draft_calls: calls of an independent draft model (0 for frozen drafts).
-        steps: number of steps ``T`` of the grid.
-        wall_seconds: wall-clock time of the run.
-        target_seconds: time spent inside target calls (CUDA: measured with
-            events, read once at the end of the run).
-        phase_seconds: host time per phase of the round engine
-            (:data:`specforest.engine.PHASES`; the target call excluded).
-    """
-
-    nfe: torch.Tensor
-    rounds: torch.Tensor
-    spec_steps: torch.Tensor
-    attempts: torch.Tensor
-    accepts: torch.Tensor
-    delta_sum: torch.Tensor
-    commits: torch.Tensor
-    rows: torch.Tensor
-    deltas: Optional[torch.Tensor] = None
-    calls: int = 0
-    draft_calls: int = 0
-    steps: int = 0
-    wall_seconds: float = 0.0
-    target_seconds: float = 0.0
-    phase_seconds: dict = field(default_factory=dict)
-
-    @property
-    def sampler_seconds(self) -> float:
-        """The sampler's own time: ``wall_seconds - target_seconds``."""
-        return self.wall_seconds - self.target_seconds
-
-    @property
-    def accept_rate_per_depth(self) -> torch.Tensor:
-        """``(L,)`` pooled acceptance rate at each depth (NaN where never reached)."""
-        a = self.attempts.sum(0).double()
-        return self.accepts.sum(0).double() / a
-
-    @property
-    def delta_per_depth(self) -> torch.Tensor:
-        """``(L,)`` mean observed ``delta`` at each depth (NaN where never reached)."""
-        return self.delta_sum.sum(0) / self.attempts.sum(0).double()
-
-    @property
-    def speedup(self) -> torch.Tensor:
-        """``(B,)`` float64 ``T / nfe``: speedup over the standard sampler's ``T`` calls."""
-        return self.steps / self.nfe.double()
-
-    @property
-    def steps_per_round(self) -> torch.Tensor:
-        """``(B,)`` mean steps committed per speculative round."""
-        return self.spec_steps.double() / self.rounds.double()
-
-
-@dataclass
-class SampleResult:
-    """What :func:`sample` returns.
-
-    Attributes:
-        samples: ``(B, *shape)`` final states at ``sigma = 0``.
-        stats: the run's :class:`SampleStats`.
-        config: the options that produced it (names as in :func:`sample`).
-    """
-
-    samples: torch.Tensor
-    stats: SampleStats
-    config: dict = field(default_factory=dict)
 
 
 def _as_sigmas(sigmas) -> torch.Tensor:
@@ -331,41 +238,33 @@ class RunSpec:
         shape: tuple,
         work: torch.dtype,
         device: torch.device,
-        keys: torch.Tensor,
+        batch: int,
         cond: dict,
         group: Any = None,
-    ) -> engine.RunContext:
-        """The engine's context for trajectories with per-sample ``keys (B,)`` and conditioning ``cond``."""
-        T = self.sde.steps
+    ) -> RunContext:
+        """The engine's context for ``batch`` trajectories with conditioning ``cond``."""
         target = Target(
             model, shape, work, self.max_rows, cond, self.model_kwargs, device, group=group, pad_rows=self.pad_rows
         )
-        ctx = engine.RunContext(
+        return engine.make_context(
             tab=self.sde.tables(device, work),
             tab64=self.sde.tables(device, torch.float64),
-            T=T,
+            T=self.sde.steps,
             coupling=self.coupling,
             proposal=self.proposal,
             target=target,
             verify=self.verify,
             prefetch=self.prefetch,
             lazy=self.lazy,
+            record=self.record,
             tree=self.tree,
             policy=self.policy,
+            depth=self.L,
             shape=shape,
             work=work,
             device=device,
-            step_keys=step_keys(keys, T),
-            record=self.record,
+            batch=batch,
         )
-        if self.tree is not None:
-            ctx.tables(self.tree)  # the tree's device tables, made once before the rounds
-        return ctx
-
-
-def step_keys(keys: torch.Tensor, T: int) -> torch.Tensor:
-    """``(B, T)`` int64 key of each trajectory at each step, from its sample key ``keys (B,)``."""
-    return streams.fold(keys[:, None], torch.arange(T, device=keys.device)[None])
 
 
 def prepare(
@@ -486,32 +385,6 @@ def pad_sizes(pad_rows: "Optional[str | Sequence[int]]") -> Optional[tuple]:
     if any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in pad_rows):
         raise ValueError(f"pad_rows must list ints >= 1, got {pad_rows!r}")
     return tuple(sorted(set(pad_rows)))
-
-
-def returned(stats: SampleStats) -> SampleStats:
-    """``stats`` with every tensor a normal one (a clone made outside inference mode), to hand to the caller."""
-    with outside_inference():
-        values = {f.name: getattr(stats, f.name) for f in fields(stats)}
-        return replace(stats, **{k: v.clone() for k, v in values.items() if isinstance(v, torch.Tensor)})
-
-
-def stats_of(state: engine.RunState, T: int, rows: Any = None) -> SampleStats:
-    """The :class:`SampleStats` of a run's final ``state`` (rows ``rows`` of it, default all)."""
-    c = state.counters.flushed()
-    sel = (lambda t: t) if rows is None else (lambda t: t[rows])
-    return SampleStats(
-        nfe=sel(c.nfe),
-        rounds=sel(c.per_traj[:, 0]),
-        spec_steps=sel(c.per_traj[:, 1]),
-        attempts=sel(c.per_depth[..., 0].long()),
-        accepts=sel(c.per_depth[..., 1].long()),
-        delta_sum=sel(c.per_depth[..., 2]),
-        commits=sel(c.commits),
-        rows=sel(c.per_traj[:, 2]),
-        calls=state.rounds,
-        draft_calls=state.draft_calls,
-        steps=T,
-    )
 
 
 @torch.inference_mode()
@@ -675,9 +548,9 @@ def sample(
 
         broadcast_(keys, process_group)
         broadcast_(x0, process_group)
-    ctx = spec.context(model, shape, work, dev, keys, cond, group=process_group)
+    ctx = spec.context(model, shape, work, dev, B, cond, group=process_group)
     target, T = ctx.target, spec.sde.steps
-    state = engine.init_state(ctx, x0, spec.L)
+    state = engine.init_state(ctx, x0, keys)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -712,7 +585,7 @@ def sample(
     if record_deltas:
         stats.deltas = torch.cat(state.records) if state.records else torch.zeros(0, 4, dtype=torch.float64)
     stats.target_seconds = target.total_seconds()
-    stats.phase_seconds = dict(ctx.phase_seconds)
+    stats.phase_seconds = state.phase_seconds
     stats.wall_seconds = time.perf_counter() - t0
     # the run's tensors are inference tensors; the caller gets normal ones
     with outside_inference():

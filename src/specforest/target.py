@@ -22,11 +22,15 @@ random streams, then commits the same states everywhere.
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Target"]
+__all__ = ["ALL_ROWS", "Target"]
+
+ALL_ROWS = "all"
+"""The :meth:`Target.cond_rows` key of every trajectory in order (``traj`` an arange)."""
 
 
 class Target:
@@ -37,7 +41,7 @@ class Target:
         shape: per-sample state shape.
         dtype: the coupling arithmetic's dtype (outputs are cast to it).
         max_rows: split each call into sub-batches of at most this many rows.
-        cond: per-trajectory conditioning, tensors ``(B, ...)``: each call gets
+        cond: per-trajectory conditioning, tensors ``(batch, ...)``: each call gets
             the rows of the trajectories its states belong to.
         model_kwargs: passed to every call as they are.
         device: where the NaN flag lives (the states' device).
@@ -68,26 +72,30 @@ class Target:
             max_rows = min(max_rows or pad_rows[-1], pad_rows[-1])
         self.max_rows = max_rows
         self.cond, self.kwargs = cond, model_kwargs
-        self._last_rows: Optional[tuple] = None  # (traj, its conditioning rows): see cond_rows
+        self._rows: dict = {}  # (key, rows) -> the conditioning rows of a named pattern: see cond_rows
         self.seconds = 0.0
         self.calls = 0
         self._events: list = []
         self.bad = torch.zeros((), dtype=torch.long, device=device)  # 1 once some output was NaN or inf
 
-    def cond_rows(self, traj: torch.Tensor) -> dict:
+    def cond_rows(self, traj: torch.Tensor, key: Hashable = None) -> dict:
         """The conditioning of trajectories ``traj (n,)``.
 
-        The rows of the last ``traj`` are kept: a run whose calls evaluate the same trajectories
-        every round (the standard sampler, one image's trees) passes the same index tensor, and
-        indexes its conditioning once.
+        ``key``, when given, names the pattern of ``traj``: a caller passes the same key only with
+        the same trajectories (:data:`ALL_ROWS` for every trajectory in order, say), so their rows
+        are gathered once and kept until :meth:`set_rows` gives the trajectories new conditioning.
+        A run whose calls evaluate the same trajectories every round (the standard sampler, one
+        image's trees) then indexes its conditioning once.
         """
-        last = self._last_rows
-        if last is not None and last[0] is traj:
-            return last[1]
+        if key is not None:
+            hit = self._rows.get((key, traj.shape[0]))
+            if hit is not None:
+                return hit
         # conditioning stays on its own device (labels on the CPU next to a CUDA model, say); a
         # Python test of the device costs less than a ``to`` that does nothing
         rows = {k: v[traj if traj.device == v.device else traj.to(v.device)] for k, v in self.cond.items()}
-        self._last_rows = (traj, rows)  # (traj kept alive with them: its identity stays its own)
+        if key is not None:
+            self._rows[key, traj.shape[0]] = rows
         return rows
 
     def set_rows(self, traj: torch.Tensor, cond: dict) -> None:
@@ -101,13 +109,16 @@ class Target:
             k: v.index_copy(0, traj.to(v.device), cond[k].to(device=v.device, dtype=v.dtype))
             for k, v in self.cond.items()
         }
-        self._last_rows = None
+        self._rows = {}
 
-    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
-        """Velocities ``(M, D)`` at flattened states ``x (M, D)``, noise levels ``(M,)``, trajectories ``(M,)``."""
+    def __call__(
+        self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, rows_key: Hashable = None
+    ) -> torch.Tensor:
+        """Velocities ``(M, D)`` at flattened states ``x (M, D)``, noise levels ``(M,)``, trajectories
+        ``(M,)``; ``rows_key`` names the pattern of ``traj`` as in :meth:`cond_rows`."""
         if self.group is not None:
             return self._split(x, sigma, traj)
-        return self._local(x, sigma, traj)
+        return self._local(x, sigma, traj, rows_key=rows_key)
 
     def _split(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
         """Tree-parallel: this process evaluates its share of the rows; the shares are gathered."""
@@ -126,9 +137,12 @@ class Target:
         self.bad = self.bad | _not_finite(v)
         return v
 
-    def _local(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, flag: bool = True) -> torch.Tensor:
+    def _local(
+        self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, flag: bool = True, rows_key: Hashable = None
+    ) -> torch.Tensor:
         M, D = x.shape
         chunk = self.max_rows or M
+        key = rows_key if chunk >= M else None  # (a chunk's trajectories are a part of the pattern)
         cuda = x.device.type == "cuda"
         outs = []
         for i in range(0, M, chunk):
@@ -140,7 +154,7 @@ class Target:
                 xc, sc, tc = _pad(xc, sc, tc, next(p for p in self.pad_rows if p >= m))
             xi = xc.reshape(-1, *self.shape)
             si = sc if sc.dtype == x.dtype else sc.to(x.dtype)
-            rows = self.cond_rows(tc)
+            rows = self.cond_rows(tc, key)
             # only the network call itself is timed: the rest is the sampler's own time
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -193,14 +207,14 @@ class outside_inference:  # noqa: N801 (used as a function: ``with outside_infer
     """Run user code (a model, a draft model, a callback) in normal mode, without autograd.
 
     The sampler's own arithmetic runs under :func:`torch.inference_mode` (its
-    tensor ops dispatch 15-20% faster there); the code it calls runs as it would
-    under :func:`torch.no_grad`, so a model that caches tensors (rotary tables,
-    say) does not keep inference tensors that would fail later in training.
+    small tensor ops dispatch faster there, ``docs/engine.md``); the code it calls
+    runs as it would under :func:`torch.no_grad`, so a model that caches tensors
+    (rotary tables, say) does not keep inference tensors that would fail later in
+    training.
 
     Entered on every target call: a slotted class that holds the inference-mode
-    guard and the grad flag itself, not ``torch.inference_mode(False)`` inside
-    ``torch.no_grad()`` inside a generator (8 us a call against 3 here, measured
-    hot; after a network call has left the caches cold, 73 us).
+    guard and the grad flag itself, cheaper than ``torch.inference_mode(False)``
+    inside ``torch.no_grad()`` inside a generator (timings in ``docs/engine.md``).
     """
 
     __slots__ = ("_guard", "_grad")

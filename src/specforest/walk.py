@@ -1,7 +1,7 @@
 """The walk of a round (phase 4 of Algorithm 1): from each root down the tree until the first rejection.
 
-For every speculating trajectory of a group (``Bs`` of them, the rows of a
-:class:`~specforest.engine.Draft`), :func:`walk` starts at the root (node 0)
+For every speculating trajectory of a group (``G`` of them, the rows of a
+:class:`~specforest.records.Draft`), :func:`walk` starts at the root (node 0)
 and, depth after depth up to the group's deepest lookahead ``Lr``, meets the
 verification problem at its current node: the ``K`` drafted children
 (``K = K_max``, the tree's widest node; padding marked by ``valid (.., K)``),
@@ -11,17 +11,16 @@ rejects them all (the walk stops, and its new state is the coupling's residual
 draw at that node). A walk also stops at a leaf and at its own lookahead
 ``Ls``. Then the prefetch rule (:data:`~specforest.engine.PREFETCH_POLICIES`)
 picks the evaluation the next round drafts from, and the walk returns a
-:class:`WalkResult`: new states ``(Bs, D)``, committed steps ``(Bs,)`` and the
-per-depth statistics ``(Bs, Lw)`` over the ``Lw <= Lr`` depths walked.
+:class:`~specforest.records.WalkResult`: new states ``(G, D)``, committed steps
+``(G,)`` and the per-depth statistics ``(G, Lw)`` over the ``Lw <= Lr`` depths walked.
 
 There is one walk for both execution strategies of a round; they differ only
-in the *realizer* that the walk asks for a node's decision, state and
-evaluation (``descend``, ``problem``, ``state``, ``velocity`` and
-``children_states``):
+in the *realizer* (:class:`Realizer`) that the walk asks for a node's decision,
+state and evaluation:
 
 * :class:`FullTree`: the tree truncated to depth ``Lr`` (``V_r`` nodes) was
-  drafted (``Y (Bs, V_r, D)``) and the nodes the round evaluates were evaluated
-  (``V (Bs, V_r, D)``) before the walk, in the round's one target call. It
+  drafted (``Y (G, V_r, D)``) and the nodes the round evaluates were evaluated
+  (``V (G, V_r, D)``) before the walk, in the round's one target call. It
   decides every verification problem (the ``V_i`` nodes of depth ``< Lr``) in
   **one** coupling call, so the walk only follows the decisions, all depths
   at once;
@@ -30,11 +29,11 @@ evaluation (``descend``, ``problem``, ``state``, ``velocity`` and
   evaluates a prefetch source (a sibling, the committed leaf) only when the
   full round would have had it evaluated.
 
-The full round's draft (:func:`specforest.engine.draft`) and :class:`OnDemand`
-draw a node's children through :func:`sibling_noise` from the same addressed
-keys (:mod:`specforest.streams`), so the two give the same numbers, not only
-the same law. Acceptance, statistics, the residual's reconstruction and
-the prefetch rule are written once, here.
+The full round's draft (:func:`specforest.drafting.draft`) and :class:`OnDemand`
+draw a node's children through :func:`~specforest.drafting.sibling_noise` from
+the same addressed keys (:mod:`specforest.streams`), so the two give the same
+numbers, not only the same law. Acceptance, statistics, the residual's
+reconstruction and the prefetch rule are written once, here.
 
 Host-device synchronizations of a full walk: one, the rejected trajectories
 (``nonzero``), whose residual draws have a data-dependent size; the full tree's
@@ -45,76 +44,16 @@ depth, to stop when every walk has ended.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 
 from . import streams
 from .couplings import project
+from .drafting import chain_draft, sibling_noise
+from .records import Draft, Observed, RunContext, RunState, WalkResult
 
-if TYPE_CHECKING:
-    from .engine import Draft, RunContext, RunState
-
-__all__ = [
-    "FullTree",
-    "Level",
-    "OnDemand",
-    "WalkResult",
-    "chain_draft",
-    "coupling_stream",
-    "sibling_noise",
-    "tree_draws",
-    "walk",
-]
-
-
-def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
-    """Standard noise ``(..., n, D)`` of nodes with keys ``(..., n)``, ``n`` a multiple of ``K``.
-
-    The nodes come in blocks of ``K`` siblings (every internal node of a tree a
-    coupling with structured siblings accepts has ``K`` children, stored
-    together), so the coupling's sibling structure applies block by block; the
-    full tree (:func:`specforest.engine.draft`) and the lazy walk
-    (:class:`OnDemand`) both draw through here.
-    """
-    return _structured(ctx, streams.normal(keys, D, ctx.work, streams.TAG_DRAFT), K)
-
-
-def chain_draft(proposal, tt, Lr: int) -> bool:
-    """Whether a round to depth ``Lr`` of tree tables ``tt`` drafts its nodes as a chain: an affine
-    proposal on one node a depth, node ``l`` being ``A_l y_{l-1} + (C_l + scale_l z_l)`` in one op.
-
-    The full draft (:func:`specforest.engine.draft`) and the lazy walk (:class:`OnDemand`) both ask
-    here, so they use the same formula and give the same numbers.
-    """
-    return proposal.affine and tt.size_at(Lr) - 1 == Lr
-
-
-def _structured(ctx: RunContext, z: torch.Tensor, K: int) -> torch.Tensor:
-    if ctx.coupling.structured_siblings:
-        z = ctx.coupling.structure_noise(z.reshape(-1, K, z.shape[-1])).reshape(z.shape)
-    return z
-
-
-def tree_draws(ctx: RunContext, keys: torch.Tensor, Vi: int, K: int, D: int) -> tuple:
-    """A full tree's random numbers in one pass of the mixer (:func:`specforest.streams.uniforms`).
-
-    Args:
-        keys: ``(Bs, V_r)`` node keys.
-        Vi: the nodes that may be verified (``0 .. V_i - 1``).
-
-    Returns:
-        ``(Z, U)``: the noise of nodes ``1 .. V_r - 1``, ``(Bs, V_r - 1, D)``
-        (:func:`sibling_noise`'s numbers), and the coupling's declared uniforms
-        (:meth:`~specforest.couplings.Coupling.uniform_draws`) at nodes
-        ``0 .. V_i - 1``, ``(Bs, V_i, C)``, or ``None`` when it declares none.
-    """
-    layout = ctx.coupling.uniform_draws(K)
-    if not layout:
-        return sibling_noise(ctx, keys[:, 1:], K, D), None
-    at = tuple((streams.SLOT_COUPLE + slot, n) for slot, n in layout)
-    u, U = streams.uniforms((keys[:, 1:], ((streams.TAG_DRAFT, D),)), (keys[:, :Vi], at))
-    return _structured(ctx, torch.special.ndtri(u).to(ctx.work), K), U
+__all__ = ["Descent", "FullTree", "Level", "OnDemand", "Problem", "Realizer", "coupling_stream", "walk"]
 
 
 def coupling_stream(ctx: RunContext, keys: torch.Tensor, U: Optional[torch.Tensor], K: int) -> streams.Stream:
@@ -126,25 +65,90 @@ def coupling_stream(ctx: RunContext, keys: torch.Tensor, U: Optional[torch.Tenso
 
 @dataclass(frozen=True)
 class Level:
-    """What the walk learns at one depth for every trajectory of a group (``(Bs,)`` each; rows not active are junk)."""
+    """What the lazy walk learns at one depth for every trajectory of a group (``(G,)`` each; rows
+    not active are junk)."""
 
     verified: torch.Tensor  # a verification problem met at this depth
     accepted: torch.Tensor  # ... and a child accepted (implies verified)
     next: torch.Tensor  # the accepted child
     delta: torch.Tensor
-    y: Optional[torch.Tensor] = None  # (Bs, D) verified parent, when the proposal observes
+    y: Optional[torch.Tensor] = None  # (G, D) verified parent, when the proposal observes
     mu_q: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
 class Descent:
-    """Where the walks of a group went: ``Lw <= Lr`` depths, rows as in the :class:`~specforest.engine.Draft`."""
+    """Where the walks of a group went: ``Lw <= Lr`` depths, rows as in the :class:`~specforest.records.Draft`.
 
-    cur: torch.Tensor  # (Bs,) the node each walk ended at (a rejected walk: the parent of the rejected children)
-    act: torch.Tensor  # (Bs, Lw) bool: a verification problem met at depth l
-    acc: torch.Tensor  # (Bs, Lw) bool: ... and a child accepted
-    delta: torch.Tensor  # (Bs, Lw) float64 mismatch of the problem met (junk where not ``act``)
-    observed: Optional[tuple] = None  # (y, mu_q, steps, rows) of the verified parents, level-major
+    Attributes:
+        cur: ``(G,)`` the node each walk ended at (a rejected walk: the parent of the rejected children).
+        act: ``(G, Lw)`` bool, a verification problem met at depth ``l``.
+        acc: ``(G, Lw)`` bool, ... and a child accepted.
+        delta: ``(G, Lw)`` float64 mismatch of the problem met (junk where not ``act``).
+        observed: the verified parents, when the proposal observes.
+    """
+
+    cur: torch.Tensor
+    act: torch.Tensor
+    acc: torch.Tensor
+    delta: torch.Tensor
+    observed: Optional[Observed] = None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The verification problems where ``P`` walks stopped: the inputs of the coupling's
+    :meth:`~specforest.couplings.Coupling.rejected_state`.
+
+    Attributes:
+        s_hat: ``(P, K)`` the children's projections.
+        delta: ``(P,)`` the mismatch.
+        valid: ``(P, K)`` bool, real children.
+        idx: ``(P,)`` the child the coupling kept.
+        stream: the problems' random stream.
+        e: ``(P, D)`` the direction of the mismatch.
+        scale: ``(P,)`` float64 transition scale.
+        kids: ``(P, K, D)`` the children's states.
+    """
+
+    s_hat: torch.Tensor
+    delta: torch.Tensor
+    valid: torch.Tensor
+    idx: torch.Tensor
+    stream: streams.Stream
+    e: torch.Tensor
+    scale: torch.Tensor
+    kids: torch.Tensor
+
+
+class Realizer(Protocol):
+    """How the walk reaches a group's nodes (rows as in its :class:`~specforest.records.Draft`).
+
+    Attributes:
+        draft_calls: calls of a draft model the realizer made (read after the walk).
+    """
+
+    draft_calls: int
+
+    def descend(self) -> Descent:
+        """Every walk of the group from its root to where it ends."""
+        ...
+
+    def problem(self, rows: torch.Tensor, nodes: torch.Tensor) -> Problem:
+        """The verification problem whose children walk ``rows (P,)`` rejected at ``nodes (P,)``."""
+        ...
+
+    def state(self, nodes: torch.Tensor) -> torch.Tensor:
+        """``(G, D)`` the state of each walk's node ``nodes (G,)`` (on its path or a child of its last node)."""
+        ...
+
+    def velocity(self, nodes: torch.Tensor) -> torch.Tensor:
+        """``(G, D)`` the target velocity at each walk's node ``nodes (G,)``, one the full round evaluates."""
+        ...
+
+    def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        """``(P, K, D)`` the states of the children of ``nodes (P,)`` of walks ``rows (P,)``."""
+        ...
 
 
 def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys, U=None):
@@ -169,11 +173,13 @@ class FullTree:
     drawn only where a walk stopped.
     """
 
+    draft_calls = 0
+
     def __init__(self, ctx: RunContext, d: Draft, V: torch.Tensor) -> None:
-        tt, Bs = d.tt, d.ids.numel()
+        tt, G = d.tt, d.ids.numel()
         Vi = d.Mp.shape[1]
         self.ctx, self.d, self.V = ctx, d, V
-        steps = ctx.node_steps(tt).step[d.s0, :Vi]
+        steps = d.steps.step[d.s0, :Vi]
         # nodes a walk never verifies (leaves, beyond a trajectory's lookahead) get junk but finite
         # problems: their velocity is 0 and their scale at least positive (``scale_safe``)
         self.mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps)
@@ -181,14 +187,14 @@ class FullTree:
         K = ch.shape[1]
         Vr = d.Y.shape[1]
         if Vr - 1 == Vi * K and all(lay[2] == K for lay in tt.layers[: d.Lr]):
-            zk = d.Z.reshape(Bs, Vi, K, -1)
+            zk = d.Z.reshape(G, Vi, K, -1)
             self.chain = K == 1
         else:
             zk = d.Z[:, (ch.clamp(min=0) - 1).clamp(max=Vr - 2)]
             self.chain = False
         self.scale = ctx.tab64.scale_safe[steps]
         self.ckeys = d.keys[:, :Vi]
-        self.valid = tt.valid[None, :Vi].expand(Bs, Vi, K)
+        self.valid = tt.valid[None, :Vi].expand(G, Vi, K)
         self.s_hat, self.delta, self.e, acc, self.idx = _problem_inputs(
             ctx, zk, d.Mp, self.mu_q, self.scale, self.valid, self.ckeys, d.U
         )
@@ -197,9 +203,9 @@ class FullTree:
         self.verified = tt.verify_at[d.Ls][:, :Vi]
         self.moved = self.verified & acc
         if not self.chain:  # (a chain's accepted child is the next node)
-            child = ch.expand(Bs, Vi, K).gather(2, self.idx[..., None])[..., 0]
+            child = ch.expand(G, Vi, K).gather(2, self.idx[..., None])[..., 0]
             self.next = torch.where(self.moved, child, tt.node_ids[:Vi])
-        self.rows = ctx.rows_all[:Bs]
+        self.rows = ctx.rows_all[:G]
 
     def descend(self) -> Descent:
         """Every walk of the group at once, from the decisions: no synchronization.
@@ -222,7 +228,7 @@ class FullTree:
             for _ in range(Lr):
                 node = self.next.gather(1, node)
                 nodes.append(node)
-            walked = torch.cat(nodes, 1)  # (Bs, Lr + 1): the node at each depth, the last one after the end
+            walked = torch.cat(nodes, 1)  # (G, Lr + 1): the node at each depth, the last one after the end
             cur, path = walked[:, Lr], walked[:, :Lr]
             verified = self.verified.gather(1, path)
             ended = tt.depth[cur][:, None]
@@ -238,23 +244,22 @@ class FullTree:
             nodes = path.T.reshape(-1)[m]
             rows = self.rows.repeat(Lr)[m]
             steps = (d.s0[None] + self.ctx.depth_cols[:Lr, None]).reshape(-1)[m]
-            observed = (d.Y[rows, nodes], self.mu_q[rows, nodes], steps, rows)
-        return Descent(cur, act, acc, delta, observed)
+            observed = Observed(y=d.Y[rows, nodes], mu_q=self.mu_q[rows, nodes], steps=steps, rows=rows)
+        return Descent(cur=cur, act=act, acc=acc, delta=delta, observed=observed)
 
-    def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
-        """The verification problem at ``nodes`` of trajectories ``rows``: inputs of the residual and reconstruction."""
+    def problem(self, rows: torch.Tensor, nodes: torch.Tensor) -> Problem:
         r, u = rows, nodes
-        return (
-            self.s_hat[r, u],
-            self.delta[r, u],
-            self.valid[r, u],
-            self.idx[r, u],
-            coupling_stream(
+        return Problem(
+            s_hat=self.s_hat[r, u],
+            delta=self.delta[r, u],
+            valid=self.valid[r, u],
+            idx=self.idx[r, u],
+            stream=coupling_stream(
                 self.ctx, self.ckeys[r, u], None if self.d.U is None else self.d.U[r, u], self.valid.shape[2]
             ),
-            self.e[r, u],
-            self.scale[r, u],
-            self.d.Y[r[:, None], self.d.tt.kids[u]],
+            e=self.e[r, u],
+            scale=self.scale[r, u],
+            kids=self.d.Y[r[:, None], self.d.tt.kids[u]],
         )
 
     def state(self, nodes: torch.Tensor) -> torch.Tensor:
@@ -279,18 +284,18 @@ class OnDemand:
 
     def __init__(self, ctx: RunContext, d: Draft, state: RunState) -> None:
         self.ctx, self.d, self.draft_state = ctx, d, state.draft_state
-        Bs, D = d.ids.numel(), state.x.shape[1]
-        self.rows = ctx.rows_all[:Bs]
-        self.cur = torch.zeros(Bs, dtype=torch.long, device=ctx.device)
+        G, D = d.ids.numel(), state.x.shape[1]
+        self.rows = ctx.rows_all[:G]
+        self.cur = torch.zeros(G, dtype=torch.long, device=ctx.device)
         self.cur_y = state.x[d.ids].clone()
         self.cur_v = torch.zeros_like(self.cur_y)
         self.cur_evaluated = torch.zeros_like(self.cur, dtype=torch.bool)  # cur_v holds cur's velocity
         self.par = torch.full_like(self.cur, -1)
         self.par_y, self.par_v = self.cur_y.clone(), torch.zeros_like(self.cur_y)
         K = d.tt.children.shape[1]
-        self.kids = torch.zeros(Bs, K, D, dtype=ctx.work, device=ctx.device)
-        self.kid_nodes = torch.full((Bs, K), -1, dtype=torch.long, device=ctx.device)
-        self.prob: Optional[list] = None
+        self.kids = torch.zeros(G, K, D, dtype=ctx.work, device=ctx.device)
+        self.kid_nodes = torch.full((G, K), -1, dtype=torch.long, device=ctx.device)
+        self.prob: Optional[dict] = None  # the last problem met by each row, by Problem's field names
         self.draft_calls = 0
 
     def level(self, level: int, cur: torch.Tensor, alive: torch.Tensor) -> Optional[Level]:
@@ -331,13 +336,11 @@ class OnDemand:
         s_hat, delta, e, acc, idx = _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, ckeys)
         self.kids[a], self.kid_nodes[a] = kids, ch
         # the last problem of each row: where a rejected walk stopped
+        met = dict(s_hat=s_hat, delta=delta, valid=valid, idx=idx, keys=ckeys, e=e, scale=scale, kids=kids)
         if self.prob is None:
-            self.prob = [
-                t.new_zeros((len(self.rows),) + tuple(t.shape[1:]))
-                for t in (s_hat, delta, valid, idx, ckeys, e, scale, kids)
-            ]
-        for buf, t in zip(self.prob, (s_hat, delta, valid, idx, ckeys, e, scale, kids), strict=True):
-            buf[a] = t
+            self.prob = {k: t.new_zeros((len(self.rows),) + tuple(t.shape[1:])) for k, t in met.items()}
+        for k, t in met.items():
+            self.prob[k][a] = t
         # advance the accepted rows to their child
         take = a[acc]
         self.par[take], self.par_y[take], self.par_v[take] = u[acc], yu[acc], vu[acc]
@@ -350,15 +353,17 @@ class OnDemand:
         if prop.observes:
             y_full = torch.zeros_like(self.cur_y).index_put((a,), yu)
             q_full = torch.zeros_like(self.cur_y).index_put((a,), mu_q)
-            return Level(act, full(acc, False), nxt, full(delta, 0.0), y_full, q_full)
-        return Level(act, full(acc, False), nxt, full(delta, 0.0))
+            return Level(
+                verified=act, accepted=full(acc, False), next=nxt, delta=full(delta, 0.0), y=y_full, mu_q=q_full
+            )
+        return Level(verified=act, accepted=full(acc, False), next=nxt, delta=full(delta, 0.0))
 
     def descend(self) -> Descent:
         """The walks depth by depth, each depth drafted and evaluated as the walks reach it."""
         d, dev = self.d, self.ctx.device
-        Bs = d.ids.numel()
-        cur = torch.zeros(Bs, dtype=torch.long, device=dev)
-        alive = torch.ones(Bs, dtype=torch.bool, device=dev)
+        G = d.ids.numel()
+        cur = torch.zeros(G, dtype=torch.long, device=dev)
+        alive = torch.ones(G, dtype=torch.bool, device=dev)
         acts, accs, deltas, obs = [], [], [], []
         for level in range(1, d.Lr + 1):
             # a walk goes on while every child so far was accepted, within its lookahead, above a leaf
@@ -376,14 +381,21 @@ class OnDemand:
         observed = None
         if obs:
             act_o = torch.cat([o[0] for o in obs])
-            rows = torch.arange(Bs, device=dev).repeat(len(obs))[act_o]
+            rows = torch.arange(G, device=dev).repeat(len(obs))[act_o]
             steps = torch.cat([d.s0 + o[3] - 1 for o in obs])[act_o]
-            observed = (torch.cat([o[1] for o in obs])[act_o], torch.cat([o[2] for o in obs])[act_o], steps, rows)
-        return Descent(cur, torch.stack(acts, 1), torch.stack(accs, 1), torch.stack(deltas, 1), observed)
+            observed = Observed(
+                y=torch.cat([o[1] for o in obs])[act_o],
+                mu_q=torch.cat([o[2] for o in obs])[act_o],
+                steps=steps,
+                rows=rows,
+            )
+        return Descent(
+            cur=cur, act=torch.stack(acts, 1), acc=torch.stack(accs, 1), delta=torch.stack(deltas, 1), observed=observed
+        )
 
-    def problem(self, rows: torch.Tensor, nodes: torch.Tensor):
-        s_hat, delta, valid, idx, ckeys, e, scale, kids = (t[rows] for t in self.prob)
-        return s_hat, delta, valid, idx, streams.Stream(ckeys, streams.SLOT_COUPLE), e, scale, kids
+    def problem(self, rows: torch.Tensor, nodes: torch.Tensor) -> Problem:
+        p = {k: t[rows] for k, t in self.prob.items()}
+        return Problem(stream=streams.Stream(p.pop("keys"), streams.SLOT_COUPLE), **p)
 
     def state(self, nodes: torch.Tensor) -> torch.Tensor:
         out = torch.where((nodes == self.par)[:, None], self.par_y, self.cur_y)
@@ -409,24 +421,7 @@ class OnDemand:
         return self.kids[rows]
 
 
-@dataclass(frozen=True)
-class WalkResult:
-    """One group's outcome (rows as in its :class:`Draft`): new states, commits, prefetch, statistics
-    and observations."""
-
-    x: torch.Tensor  # (Bs, D)
-    committed: torch.Tensor  # (Bs,)
-    pre_y: torch.Tensor
-    pre_v: torch.Tensor
-    pre_step: torch.Tensor
-    act: torch.Tensor  # (Bs, Lw) bool: verification met at depth l
-    acc: torch.Tensor  # (Bs, Lw) bool
-    delta: torch.Tensor  # (Bs, Lw) float64
-    observed: Optional[tuple] = None  # (y, mu_q, steps, rows) of the verified parents
-    draft_calls: int = 0
-
-
-def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
+def walk(ctx: RunContext, d: Draft, R: Realizer) -> WalkResult:
     """From each root down to the first rejection, the residual there, and the prefetch rule (phase 4)."""
     tt = d.tt
     desc = R.descend()
@@ -437,8 +432,8 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
     r = rejected.nonzero()[:, 0]
     if r.numel():
         rej_node = cur[r]  # the parent of the rejected children
-        s_hat, delta, valid, idx, rng, e, scale, kids = R.problem(r, rej_node)
-        x_rej = ctx.coupling.rejected_state(s_hat, delta, valid, idx, rng, kids, scale, e)
+        p = R.problem(r, rej_node)
+        x_rej = ctx.coupling.rejected_state(p.s_hat, p.delta, p.valid, p.idx, p.stream, p.kids, p.scale, p.e)
         new_x = new_x.index_put((r,), x_rej)
 
     # -- prefetch: which evaluation the next round drafts from ----------------------------------
@@ -459,14 +454,14 @@ def walk(ctx: RunContext, d: Draft, R) -> WalkResult:
     pre_y, pre_v = R.state(src), R.velocity(src)
     pre_step = d.s0 + tt.depth[src]
     return WalkResult(
-        new_x,
-        ncom,
-        pre_y,
-        pre_v,
-        pre_step,
-        act_t,
-        acc_t,
-        desc.delta,
-        desc.observed,
-        getattr(R, "draft_calls", 0),
+        x=new_x,
+        committed=ncom,
+        pre_y=pre_y,
+        pre_v=pre_v,
+        pre_step=pre_step,
+        act=act_t,
+        acc=acc_t,
+        delta=desc.delta,
+        observed=desc.observed,
+        draft_calls=R.draft_calls,
     )

@@ -1,0 +1,170 @@
+"""Drafting (phase 2 of a round): the speculating trajectories' trees, and the draws they are made of.
+
+:func:`draft` drafts a group's trees to its deepest lookahead ``Lr``: in full
+mode every node at once (node states ``Y``, their noise ``Z`` and the draft
+means ``Mp``, kept for the coupling), in lazy mode only the roots, the lazy
+walk (:class:`~specforest.walk.OnDemand`) drafting the nodes it reaches. Both
+draw a node's children through :func:`sibling_noise` from the same addressed
+keys (:mod:`specforest.streams`) and ask :func:`chain_draft` which formula a
+chain uses, so the two give the same numbers, not only the same law.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import streams
+from .records import Draft, Group, RunContext, RunState
+from .target import ALL_ROWS
+
+__all__ = ["chain_draft", "draft", "sibling_noise", "tree_draws"]
+
+
+def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
+    """Standard noise ``(..., n, D)`` of nodes with keys ``(..., n)``, ``n`` a multiple of ``K``.
+
+    The nodes come in blocks of ``K`` siblings (every internal node of a tree a
+    coupling with structured siblings accepts has ``K`` children, stored
+    together), so the coupling's sibling structure applies block by block; the
+    full tree (:func:`draft`) and the lazy walk (:class:`~specforest.walk.OnDemand`)
+    both draw through here.
+    """
+    return _structured(ctx, streams.normal(keys, D, ctx.work, streams.TAG_DRAFT), K)
+
+
+def chain_draft(proposal, tt, Lr: int) -> bool:
+    """Whether a round to depth ``Lr`` of tree tables ``tt`` drafts its nodes as a chain: an affine
+    proposal on one node a depth, node ``l`` being ``A_l y_{l-1} + (C_l + scale_l z_l)`` in one op.
+
+    The full draft (:func:`draft`) and the lazy walk (:class:`~specforest.walk.OnDemand`) both ask
+    here, so they use the same formula and give the same numbers.
+    """
+    return proposal.affine and tt.size_at(Lr) - 1 == Lr
+
+
+def _structured(ctx: RunContext, z: torch.Tensor, K: int) -> torch.Tensor:
+    if ctx.coupling.structured_siblings:
+        z = ctx.coupling.structure_noise(z.reshape(-1, K, z.shape[-1])).reshape(z.shape)
+    return z
+
+
+def tree_draws(
+    ctx: RunContext, keys: torch.Tensor, Vi: int, K: int, D: int
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A full tree's random numbers in one pass of the mixer (:func:`specforest.streams.uniforms`).
+
+    Args:
+        keys: ``(G, V_r)`` node keys.
+        Vi: the nodes that may be verified (``0 .. V_i - 1``).
+
+    Returns:
+        ``(Z, U)``: the noise of nodes ``1 .. V_r - 1``, ``(G, V_r - 1, D)``
+        (:func:`sibling_noise`'s numbers), and the coupling's declared uniforms
+        (:meth:`~specforest.couplings.Coupling.uniform_draws`) at nodes
+        ``0 .. V_i - 1``, ``(G, V_i, C)``, or ``None`` when it declares none.
+    """
+    layout = ctx.coupling.uniform_draws(K)
+    if not layout:
+        return sibling_noise(ctx, keys[:, 1:], K, D), None
+    at = tuple((streams.SLOT_COUPLE + slot, n) for slot, n in layout)
+    u, U = streams.uniforms((keys[:, 1:], ((streams.TAG_DRAFT, D),)), (keys[:, :Vi], at))
+    return _structured(ctx, torch.special.ndtri(u).to(ctx.work), K), U
+
+
+def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
+    """Draft the trees of ``group`` to its deepest lookahead (phase 2)."""
+    ids, Ls, Lr, ts = group.ids, group.Ls, group.Lr, group.steps
+    tt = ts.tt
+    tab = ctx.tab
+    if group.everyone:
+        s0, pre, x0 = state.step, state.pre, state.x
+        keys = state.keys.gather(1, s0[:, None])
+    else:
+        s0, pre, x0 = state.step[ids], state.pre.take(ids, history=ctx.proposal.uses_history), state.x[ids]
+        keys = state.keys[ids, s0][:, None]
+    Vr = tt.size_at(Lr)
+    # a node's key is the step key XOR the node's mixed id: every draw at the node then mixes
+    # that key with its own mixed counter (streams.uniform), so no second mixing pass is needed
+    keys = keys ^ tt.code[None, :Vr]
+    if ctx.lazy:
+        return Draft(steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre)
+    G, D = ids.numel(), state.x.shape[1]
+    Vi = tt.size_at(Lr - 1)
+    # (G, Vr - 1, D): noise of nodes 1..Vr-1, drawn with the coupling's uniforms at nodes 0..Vi-1
+    Z, U = tree_draws(ctx, keys, Vi, tt.children.shape[1], D)
+    # every drafted node's noise times its transition scale, in one op (the lazy walk does the same per node)
+    SZ = ts.draft_scale[s0, : Vr - 1] * Z
+    Y = torch.empty(G, Vr, D, dtype=ctx.work, device=ctx.device)
+    Y[:, 0] = x0
+    Mp = torch.empty(G, Vi, D, dtype=ctx.work, device=ctx.device)
+    steps = ts.level[s0, :Lr]  # (G, Lr) parents' steps
+    prop = ctx.proposal
+    calls = 0
+    terms = None
+    if prop.affine:
+        terms = prop.round_terms(tab, steps, pre)
+        if terms is None:
+            A, C = prop.coefficients(tab, steps, pre, state.draft_state)
+        else:
+            A, C = prop.coefficients(tab, steps, pre, state.draft_state, terms)
+    if chain_draft(prop, tt, Lr):
+        # one op a depth, and the draft means after it in one op
+        # (split_with_sizes: Tensor.split's Python wrapper costs more than the op, docs/engine.md)
+        ones = (1,) * Lr
+        Yl, Wl, Al = (
+            Y.split_with_sizes(ones + (1,), 1),
+            torch.add(C, SZ).split_with_sizes(ones, 1),
+            A.split_with_sizes(ones, 1),
+        )
+        for level in range(Lr):
+            torch.addcmul(Wl[level], Al[level], Yl[level], out=Yl[level + 1])
+        torch.addcmul(C, A, Y[:, :Lr], out=Mp)
+    else:
+        sizes = tt.sizes(Lr)
+        # per-layer views, made in one call each
+        Yl, SZl, Mpl = (
+            Y.split_with_sizes(sizes, 1),
+            SZ.split_with_sizes(sizes[1:], 1),
+            Mp.split_with_sizes(sizes[:-1], 1),
+        )
+        if prop.affine:
+            Al, Cl = A.split_with_sizes((1,) * Lr, 1), C.split_with_sizes((1,) * Lr, 1)
+        else:
+            cond = ctx.target.cond_rows(ids, ALL_ROWS if group.everyone else None)
+        for level in range(1, Lr + 1):
+            p0, p1, k = tt.layers[level - 1]
+            c0, c1, _ = tt.layers[level]
+            if prop.affine:
+                m = torch.addcmul(Cl[level - 1], Al[level - 1], Yl[level - 1], out=Mpl[level - 1])
+            else:
+                m = Mpl[level - 1]
+                m.copy_(
+                    prop.mean(
+                        tab,
+                        Yl[level - 1],
+                        steps[:, level - 1 : level].expand(-1, p1 - p0),
+                        pre,
+                        cond,
+                        ctx.shape,
+                        state.draft_state,
+                    )
+                )
+                calls += 1
+            if k == 1:
+                torch.add(m, SZl[level - 1], out=Yl[level])
+            elif k:
+                view = (G, p1 - p0, k, D)
+                torch.add(m[:, :, None], SZl[level - 1].view(view), out=Yl[level].view(view))
+            else:
+                rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
+                torch.add(rep, SZl[level - 1], out=Yl[level])
+    full = dict(steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre)
+    drawn = dict(Y=Y, Z=Z, Mp=Mp, U=U, terms=terms, draft_calls=calls)
+    if group.even and tt.eval_prefix[Lr] >= Vi:
+        # every tree evaluates the same first nodes, the verified ones among them: a view of Y, no scatter
+        return Draft(**full, **drawn, n_first=tt.eval_prefix[Lr])
+    # the (trajectory, node) pairs the target evaluates, without a synchronization: their number is known
+    emask = torch.nonzero_static(tt.eval_at[Ls][:, :Vr], size=group.rows).T
+    return Draft(**full, **drawn, emask=emask)

@@ -1,0 +1,555 @@
+"""The round engine's records: what a run reads, what it carries between rounds, what a round hands on.
+
+Every record has named fields and is built with keywords. The ones a round
+makes (:class:`Group`, :class:`Schedule`, :class:`Draft`, :class:`Evaluations`,
+:class:`Observed`, :class:`WalkResult`, :class:`Outcome`, :class:`RoundEntry`)
+and the run's state (:class:`RunState`, :class:`Counters`) are frozen values: a
+phase returns a new one instead of changing the one it was given.
+:class:`RunContext` is frozen too, and nothing in it is filled in by a round:
+what a round reads per tree and per step is tabulated when the context is made
+(:func:`specforest.engine.make_context`) or when an adaptive policy plans a tree
+(:class:`TreeSteps`).
+
+Shapes: ``batch`` trajectories of state dimension ``D``; a group of ``G`` of them
+speculating on one tree of ``V`` nodes (``V_r`` within the round's deepest
+lookahead ``Lr``, ``V_i`` of depth below it); ``T`` steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import streams
+from .couplings import Coupling
+from .proposals import Prefetch, Proposal
+from .sde import StepTables
+from .target import Target
+from .trees import DraftTree, TreePolicy, TreeTables
+
+__all__ = [
+    "PHASES",
+    "Counters",
+    "Draft",
+    "Evaluations",
+    "Group",
+    "LockstepStep",
+    "NoiseBlock",
+    "Observed",
+    "Outcome",
+    "RoundEntry",
+    "RunContext",
+    "RunState",
+    "Schedule",
+    "TreeSteps",
+    "WalkResult",
+    "step_keys",
+]
+
+PHASES = ("schedule", "draft", "evaluate", "walk", "commit")
+"""The phases of a round, as timed in ``SampleStats.phase_seconds`` (``evaluate`` excludes the
+target call itself, which is ``target_seconds``). Host wall time: on CUDA, kernel launch time."""
+
+FLUSH_ROUNDS = 16
+"""Rounds whose counters are added together (:meth:`Counters.with_round`): memory for ``16 (batch, L)`` outcomes."""
+
+
+def step_keys(keys: torch.Tensor, T: int) -> torch.Tensor:
+    """``(n, T)`` int64 key of each trajectory at each step, from its sample key ``keys (n,)``."""
+    return streams.fold(keys[:, None], torch.arange(T, device=keys.device)[None])
+
+
+# -- what a run reads ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeSteps:
+    """One tree's tables with what its rounds gather per root step ``s`` (``T + 1`` rows).
+
+    Made once per run for a fixed tree (with the context) and once per planned tree for an
+    adaptive policy (in the schedule); steps past the end are clamped to ``T - 1`` (their rows
+    are never used). In lazy mode only ``tt`` and ``lookahead`` are made (the lazy walk gathers
+    per visited node); the node tables are ``None``.
+
+    Attributes:
+        tt: the tree's tables.
+        step: ``(T + 1, V)`` long, the step of node ``u`` of a tree rooted at ``s``.
+        sig: ``(T + 1, V)`` its noise level.
+        draft_scale: ``(T + 1, V - 1, 1)`` the transition scale that drafts nodes ``1 .. V - 1``.
+        level: ``(T + 1, L)`` long, the parents' step at each depth ``0 .. L - 1``.
+        lookahead: ``(T + 1,)`` long, the lookahead the tree takes at each step
+            (:attr:`RunContext.lookaheads` at its depth).
+    """
+
+    tt: TreeTables
+    step: Optional[torch.Tensor]
+    sig: Optional[torch.Tensor]
+    draft_scale: Optional[torch.Tensor]
+    level: Optional[torch.Tensor]
+    lookahead: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LockstepStep:
+    """What the lockstep round reads at one step, where every trajectory is: the noise level
+    ``sig (batch,)`` and the transition's 0-d ``c``, ``a`` and ``scale`` (views made once per run)."""
+
+    sig: torch.Tensor
+    c: torch.Tensor
+    a: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class RunContext:
+    """What every round of a run reads; no round changes it.
+
+    Made by :func:`specforest.engine.make_context`, which also tabulates the
+    per-run tables below and picks the run's round function once. The tensors are
+    never written; the one collaborator with state of its own is the
+    :class:`~specforest.target.Target`, which counts, times and checks its calls
+    and holds the trajectories' conditioning.
+
+    Attributes:
+        tab, tab64: the SDE's tables in the working dtype and in float64 (the coupling's scale).
+        T: steps of the grid.
+        coupling, proposal, target, verify, prefetch, lazy, record: the run's options.
+        tree, policy: the fixed tree or the adaptive policy (both ``None``: the standard sampler).
+        depth: the deepest round ``L`` (columns of the per-depth counters).
+        shape, work, device: the per-sample state shape, working dtype and device.
+        round_fn: the run's round, :func:`~specforest.engine.speculative_round` or
+            :func:`~specforest.lockstep.lockstep_round`, chosen once.
+        lockstep: the run is the standard sampler's: every trajectory at step ``rounds``.
+        rows_all: ``(batch,)`` arange.
+        no_fetch: ``(batch,)`` False.
+        depth_cols: ``(max(T, 1),)`` arange.
+        stoch_at: ``(T + 1,)`` bool, the step is stochastic (False at ``T``, finished).
+        lookaheads: per depth ``L`` (up to ``depth``), ``(T + 1,)`` the lookahead a depth-``L``
+            tree takes at each step: to the end of its stochastic run, at most ``L``; 0 on
+            deterministic steps and at ``T``.
+        fixed: the fixed tree's :class:`TreeSteps`, or ``None``.
+        schedule_table: with a fixed tree, ``(2 (T + 1), 6)`` long: what a trajectory at step ``s``
+            does in a round, at row ``s`` without a prefetched evaluation and ``T + 1 + s`` with
+            one. Columns: unfinished, takes a single row, speculates, only fetches its root's
+            evaluation, the rows its tree evaluates, its lookahead.
+        tree_rows: with a fixed tree, per lookahead ``Lr``: ``(batch n,)`` every trajectory ``n``
+            times in a row, the trajectories of the target rows of a round where every trajectory
+            evaluates the first ``n`` nodes (``None`` where no round does).
+        lockstep_steps: the lockstep round's :class:`LockstepStep` per step (empty otherwise).
+    """
+
+    tab: StepTables
+    tab64: StepTables
+    T: int
+    coupling: Coupling
+    proposal: Proposal
+    target: Target
+    verify: str
+    prefetch: str
+    lazy: bool
+    record: bool
+    tree: Optional[DraftTree]
+    policy: Optional[TreePolicy]
+    depth: int
+    shape: tuple
+    work: torch.dtype
+    device: torch.device
+    round_fn: Callable[[RunContext, RunState], Optional[RunState]]
+    lockstep: bool
+    rows_all: torch.Tensor
+    no_fetch: torch.Tensor
+    depth_cols: torch.Tensor
+    stoch_at: torch.Tensor
+    lookaheads: tuple
+    fixed: Optional[TreeSteps] = None
+    schedule_table: Optional[torch.Tensor] = None
+    tree_rows: tuple = ()
+    lockstep_steps: tuple = ()
+
+    def tables(self, tree: DraftTree) -> TreeTables:
+        """The device tables of ``tree`` (made once per tree and kept on it)."""
+        return TreeTables.of(tree, self.verify, self.device)
+
+
+# -- the state between rounds ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One speculating group's outcome in a round, as :class:`Counters` add it.
+
+    Attributes:
+        ids: ``(G,)`` its trajectories.
+        committed: ``(G,)`` steps each committed.
+        rows: ``(G,)`` rows each had evaluated.
+        act: ``(G, Lw)`` bool, a verification problem met at each depth walked.
+        acc: ``(G, Lw)`` bool, ... and a child accepted.
+        delta: ``(G, Lw)`` float64 mismatch of the problem met (junk where not ``act``).
+    """
+
+    ids: torch.Tensor
+    committed: torch.Tensor
+    rows: torch.Tensor
+    act: torch.Tensor
+    acc: torch.Tensor
+    delta: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class RoundEntry:
+    """A speculative round's outcome, pending in :class:`Counters`.
+
+    Attributes:
+        active: ``(batch,)`` bool or 0/1 long, the trajectories that took part.
+        single: ``(n1,)`` trajectories that took a single row (one evaluated row each, not a
+            speculative round), or ``None``.
+        outcomes: the speculating groups'.
+    """
+
+    active: torch.Tensor
+    single: Optional[torch.Tensor]
+    outcomes: tuple
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Per-trajectory counters, accumulated in batches of rounds so that a round adds no ops.
+
+    A round appends its outcome to ``pending`` (a Python tuple: no tensor op);
+    every :data:`FLUSH_ROUNDS` rounds, and whenever they are read
+    (:meth:`flushed`), the pending rounds are added in a few ops for all of
+    them together.
+
+    Attributes:
+        nfe: ``(batch,)`` target calls each trajectory took part in.
+        per_traj: ``(batch, 3)`` long: speculative rounds, steps they committed, evaluated rows.
+        per_depth: ``(batch, L, 3)`` float64: verifications met, accepted, summed ``delta`` at each depth.
+        commits: ``(batch, L + 1)`` long: rounds that committed ``j`` steps.
+        pending: :class:`RoundEntry` of the rounds not yet added.
+        lockstep: lockstep rounds not yet added (every trajectory evaluated one row): a Python
+            int, so that such a round adds no tensor op.
+
+    See :class:`specforest.sampler.SampleStats` for their meaning.
+    """
+
+    nfe: torch.Tensor
+    per_traj: torch.Tensor
+    per_depth: torch.Tensor
+    commits: torch.Tensor
+    pending: tuple = ()
+    lockstep: int = 0
+
+    @classmethod
+    def zeros(cls, batch: int, L: int, device: torch.device) -> Counters:
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
+        return cls(
+            nfe=z(batch),
+            per_traj=z(batch, 3),
+            per_depth=torch.zeros(batch, L, 3, dtype=torch.float64, device=device),
+            commits=z(batch, L + 1),
+        )
+
+    def with_round(self, entry: RoundEntry) -> Counters:
+        """These counters with one more speculative round."""
+        out = Counters(
+            nfe=self.nfe,
+            per_traj=self.per_traj,
+            per_depth=self.per_depth,
+            commits=self.commits,
+            pending=self.pending + (entry,),
+            lockstep=self.lockstep,
+        )
+        return out.flushed() if len(out.pending) >= FLUSH_ROUNDS else out
+
+    def with_lockstep_round(self) -> Counters:
+        """These counters with one more lockstep round (every trajectory, one row)."""
+        return Counters(
+            nfe=self.nfe,
+            per_traj=self.per_traj,
+            per_depth=self.per_depth,
+            commits=self.commits,
+            pending=self.pending,
+            lockstep=self.lockstep + 1,
+        )
+
+    @staticmethod
+    def _one_row(ids: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([[0, 0, 1]], dtype=torch.long, device=ids.device)
+
+    def flushed(self) -> Counters:
+        """The counters with every pending round added."""
+        if self.lockstep:
+            n = self.lockstep
+            one_row = self._one_row(self.nfe)
+            out = Counters(
+                nfe=self.nfe + n,
+                per_traj=self.per_traj + n * one_row,
+                per_depth=self.per_depth,
+                commits=self.commits,
+                pending=self.pending,
+            )
+            return out.flushed()
+        if not self.pending:
+            return self
+        actives = [e.active for e in self.pending]
+        nfe = self.nfe + (torch.stack(actives).sum(0) if len(actives) > 1 else actives[0])
+        per_traj, per_depth, commits = self.per_traj, self.per_depth, self.commits
+        single = [e.single for e in self.pending if e.single is not None]
+        if single:
+            # a single row is not a speculative round: it counts one evaluated row only
+            ids = torch.cat(single) if len(single) > 1 else single[0]
+            per_traj = per_traj.index_add(0, ids, self._one_row(ids).expand(ids.numel(), 3))
+        spec = [o for e in self.pending for o in e.outcomes]
+        if spec:
+            ids = torch.cat([o.ids for o in spec])
+            committed = torch.cat([o.committed for o in spec])
+            rows = torch.cat([o.rows for o in spec])
+            per_traj = per_traj.index_add(0, ids, torch.stack([torch.ones_like(ids), committed, rows], 1))
+            commits = commits.index_put((ids, committed), torch.ones_like(ids), accumulate=True)
+            by_depth: dict = {}
+            for o in spec:
+                by_depth.setdefault(o.act.shape[1], []).append(o)
+            for Lw, group in by_depth.items():
+                act = torch.cat([o.act for o in group])
+                acc = torch.cat([o.acc for o in group])
+                delta = torch.cat([o.delta for o in group])
+                gid = torch.cat([o.ids for o in group])
+                cols = torch.arange(Lw, device=gid.device)
+                per_depth = per_depth.index_put(
+                    (gid[:, None], cols[None]),
+                    torch.stack([act.double(), acc.double(), torch.where(act, delta, 0.0)], -1),
+                    accumulate=True,
+                )
+        return Counters(nfe=nfe, per_traj=per_traj, per_depth=per_depth, commits=commits)
+
+    def restart(self, rows: torch.Tensor) -> Counters:
+        """The counters (pending rounds added) with trajectories ``rows`` back at zero."""
+        c = self.flushed()
+        return Counters(
+            nfe=c.nfe.index_fill(0, rows, 0),
+            per_traj=c.per_traj.index_fill(0, rows, 0),
+            per_depth=c.per_depth.index_fill(0, rows, 0),
+            commits=c.commits.index_fill(0, rows, 0),
+        )
+
+
+@dataclass(frozen=True)
+class NoiseBlock:
+    """The lockstep round's noise of steps ``first .. first + n - 1``: ``noise (n, batch, D)``."""
+
+    first: int
+    noise: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The state of a run between rounds.
+
+    Per trajectory (one row each, reset by :meth:`restart`): ``x``, ``step``, ``keys``, ``pre``
+    and ``counters``. The rest belongs to the run.
+
+    Attributes:
+        x: ``(batch, D)`` current states (working dtype).
+        step: ``(batch,)`` long step of each state (``T`` when finished).
+        keys: ``(batch, T)`` int64 key of each trajectory at each step (:func:`step_keys`).
+        pre: the prefetched evaluations.
+        counters: per-trajectory statistics.
+        draft_state: the proposal's learnt state.
+        records: ``(n, 4)`` float64 tensors ``(depth, step, delta, accepted)`` of
+            every verification so far (kept when recording or planning adaptively).
+        rounds: rounds run (the batch's NFE).
+        draft_calls: calls of a non-frozen draft.
+        noise: the lockstep round's :class:`NoiseBlock`, or ``None``.
+        seconds: host seconds spent in each of the :data:`PHASES` so far.
+    """
+
+    x: torch.Tensor
+    step: torch.Tensor
+    keys: torch.Tensor
+    pre: Prefetch
+    counters: Counters
+    draft_state: Any
+    records: tuple = ()
+    rounds: int = 0
+    draft_calls: int = 0
+    noise: Optional[NoiseBlock] = None
+    seconds: tuple = (0.0,) * len(PHASES)
+
+    @property
+    def phase_seconds(self) -> dict:
+        """``seconds`` by phase name."""
+        return dict(zip(PHASES, self.seconds, strict=True))
+
+    def restart(self, rows: torch.Tensor, x: torch.Tensor, keys: torch.Tensor) -> RunState:
+        """The state with trajectories ``rows (n,)`` started afresh from states ``x (n, D)`` with
+        sample keys ``keys (n,)``: every per-trajectory field of those rows as :func:`init_state`
+        makes it (step 0, no prefetched evaluation, zero counters); the other rows and the run's
+        own fields (the proposal's state, the records, the rounds, the timings) unchanged.
+
+        For a speculative run (:func:`specforest.generate` refills finished slots); a lockstep
+        run's trajectories all finish at round ``T`` and start again as a new run. The noise
+        block of a lockstep run is dropped (it holds the old keys' numbers).
+        """
+        return RunState(
+            x=self.x.index_copy(0, rows, x),
+            step=self.step.index_fill(0, rows, 0),
+            keys=self.keys.index_copy(0, rows, step_keys(keys, self.keys.shape[1])),
+            pre=self.pre.restart(rows),
+            counters=self.counters.restart(rows),
+            draft_state=self.draft_state,
+            records=self.records,
+            rounds=self.rounds,
+            draft_calls=self.draft_calls,
+            noise=None,
+            seconds=self.seconds,
+        )
+
+
+# -- what a round hands on -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Trajectories that speculate on one tree this round.
+
+    Attributes:
+        ids: ``(G,)`` the trajectories.
+        steps: the tree's :class:`TreeSteps`.
+        Ls: ``(G,)`` their lookaheads.
+        Lr: the deepest one.
+        rows: the rows their trees evaluate.
+        everyone: every trajectory of the run speculates, in order (``ids`` is
+            :attr:`RunContext.rows_all`): no row is selected.
+        even: ``everyone`` and every lookahead is ``Lr``.
+    """
+
+    ids: torch.Tensor
+    steps: TreeSteps
+    Ls: torch.Tensor
+    Lr: int
+    rows: int
+    everyone: bool = False
+    even: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Who does what this round.
+
+    Attributes:
+        single: ``(n1,)`` trajectories with one row: a deterministic step or the first root fetch.
+        fetch: ``(n1,)`` bool, which of them only fetch their root's evaluation.
+        groups: the speculating trajectories, one :class:`Group` per tree.
+        active: ``(batch,)`` unfinished trajectories, bool or 0/1 long (a column of
+            :attr:`RunContext.schedule_table`).
+        n_fetch: how many fetch.
+    """
+
+    single: torch.Tensor
+    fetch: torch.Tensor
+    groups: tuple
+    active: torch.Tensor
+    n_fetch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """One group's drafted trees (trajectory-major: row ``b`` is trajectory ``ids[b]``).
+
+    Attributes:
+        steps: the tree's :class:`TreeSteps` (its tables: :attr:`tt`).
+        ids, s0, Ls: ``(G,)`` trajectories, root steps and lookaheads.
+        Lr: the deepest lookahead of the group.
+        everyone: as in :class:`Group`.
+        keys: ``(G, V_r)`` int64 node keys.
+        pre: the group's prefetched evaluations.
+        Y: ``(G, V_r, D)`` node states (full mode; ``None`` lazy).
+        Z: ``(G, V_r - 1, D)`` standard noise of the drafted nodes (full mode).
+        Mp: ``(G, V_i, D)`` draft means at the nodes of depth ``< Lr`` (full mode).
+        emask: ``(2, n)`` long ``(row, node)`` pairs the target evaluates (full mode), or ``None``
+            when every row evaluates nodes ``0 .. n_first - 1``.
+        n_first: see ``emask``.
+        U: ``(G, V_i, C)`` the coupling's declared uniforms at the nodes of depth ``< Lr``,
+            drawn with ``Z`` (:func:`~specforest.drafting.tree_draws`; full mode), or ``None``.
+        terms: the proposal's :meth:`~specforest.proposals.Proposal.round_terms` at the
+            ``(G, Lr)`` parent steps (full mode), or ``None``.
+        draft_calls: calls of a draft model made drafting it.
+    """
+
+    steps: TreeSteps
+    ids: torch.Tensor
+    s0: torch.Tensor
+    Ls: torch.Tensor
+    Lr: int
+    everyone: bool
+    keys: torch.Tensor
+    pre: Prefetch
+    Y: Optional[torch.Tensor] = None
+    Z: Optional[torch.Tensor] = None
+    Mp: Optional[torch.Tensor] = None
+    emask: Optional[torch.Tensor] = None
+    n_first: int = 0
+    U: Optional[torch.Tensor] = None
+    terms: Any = None
+    draft_calls: int = 0
+
+    @property
+    def tt(self) -> TreeTables:
+        """The tree's tables."""
+        return self.steps.tt
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluations:
+    """The round's target velocities: ``single (n1, D)`` and per draft ``(G, V_r, D)`` (``None`` lazy)."""
+
+    single: torch.Tensor
+    trees: list
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """A group's verified parents, level-major, for a proposal that observes
+    (:meth:`~specforest.proposals.Proposal.observe`).
+
+    Attributes:
+        y: ``(P, D)`` the parents.
+        mu_q: ``(P, D)`` their exact target means.
+        steps: ``(P,)`` their steps.
+        rows: ``(P,)`` their rows in the group.
+    """
+
+    y: torch.Tensor
+    mu_q: torch.Tensor
+    steps: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class WalkResult:
+    """One group's outcome (rows as in its :class:`Draft`).
+
+    Attributes:
+        x: ``(G, D)`` new states.
+        committed: ``(G,)`` steps committed.
+        pre_y, pre_v, pre_step: ``(G, D)``, ``(G, D)``, ``(G,)`` the evaluation the next round
+            drafts from (:data:`~specforest.engine.PREFETCH_POLICIES`).
+        act: ``(G, Lw)`` bool, a verification problem met at each depth walked.
+        acc: ``(G, Lw)`` bool, ... and a child accepted.
+        delta: ``(G, Lw)`` float64 mismatch of the problem met (junk where not ``act``).
+        observed: the verified parents, when the proposal observes.
+        draft_calls: calls of a draft model the walk made (the lazy walk's).
+    """
+
+    x: torch.Tensor
+    committed: torch.Tensor
+    pre_y: torch.Tensor
+    pre_v: torch.Tensor
+    pre_step: torch.Tensor
+    act: torch.Tensor
+    acc: torch.Tensor
+    delta: torch.Tensor
+    observed: Optional[Observed] = None
+    draft_calls: int = 0
