@@ -65,6 +65,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .trees import DraftTree, TreePolicy
+from .validation import check_int
 
 __all__ = [
     "DEFAULT_ROW_STATES",
@@ -173,11 +174,7 @@ def row_bytes_of(model: Any, x_row: torch.Tensor, cond_row: Optional[dict] = Non
     value = decl(x_row, **(cond_row or {})) if callable(decl) else decl
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"model.row_bytes must be an int (bytes per row), got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"model.row_bytes must be >= 0, got {value}")
-    return value
+    return check_int("model.row_bytes", value, 0)
 
 
 def resolve_limit(

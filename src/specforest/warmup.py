@@ -46,7 +46,7 @@ import torch
 from .sampler import _check_cond, prepare
 from .target import Target
 from .trees import TreeTables
-from .validation import check_int, check_states
+from .validation import check_int, check_ints, check_states
 
 __all__ = ["MAX_SHAPES", "network_rows", "pad_rows_for", "warm_up"]
 
@@ -83,9 +83,7 @@ _IGNORED_OPTIONS = ("seed", "generator", "sample_index", "callback", "progress",
 
 def _batches(batch: "int | Sequence[int]") -> tuple:
     if isinstance(batch, Sequence) and not isinstance(batch, str):
-        if not batch:
-            raise ValueError("batch must be an int >= 1 or a non-empty list of them")
-        return tuple(sorted({check_int("batch", b, 1) for b in batch}))
+        return tuple(sorted(set(check_ints("batch", batch, 1, nonempty=True))))
     return (check_int("batch", batch, 1),)
 
 
