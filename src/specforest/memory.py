@@ -265,7 +265,7 @@ class MemoryEstimate:
     """What a run holds in memory, estimated before it starts. Sizes in bytes.
 
     Attributes:
-        trajectories: trajectories of the run ``B``.
+        trajectories: trajectories of the run (its batch).
         state_numel: elements of one state ``D``.
         nodes: realized states per trajectory in a round.
         rows: target rows per trajectory and call (before guidance branches).
@@ -274,7 +274,7 @@ class MemoryEstimate:
         row_bytes: peak bytes one row adds inside a target call.
         fixed_bytes: bytes held whatever the batch: the process's baseline given
             to :func:`estimate` and the tree's tables.
-        chunk: trajectories run together (``B``: one chunk).
+        chunk: trajectories run together (``trajectories``: one chunk).
         max_rows: rows per target sub-batch (``None``: a whole call at once).
         limit_bytes: the memory limit.
         limit_source: where the limit comes from.
@@ -377,7 +377,7 @@ def estimate(
     bytes, live bytes and the allocator slack) is at most ``limit_bytes``.
 
     Args:
-        trajectories: trajectories ``B >= 1``.
+        trajectories: trajectories of the run (its batch), ``>= 1``.
         state_numel: elements ``D`` of one state.
         tree: the run's tree (see :func:`tree_footprint`).
         verify, lazy, steps: as in :func:`specforest.sample`.

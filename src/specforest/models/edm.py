@@ -53,7 +53,7 @@ with an exact denoiser it returns the exact velocity (tested against the closed
 form of :class:`~specforest.models.GaussianMixture`).
 
 Conditioning. Keyword arguments (for example ``class_labels``) are passed to the
-network unchanged. Per-sample labels ``(B,)`` go in :func:`specforest.sample`'s
+network unchanged. Per-sample labels ``(batch,)`` go in :func:`specforest.sample`'s
 ``cond={"class_labels": labels}``: every call then receives the labels of the
 trajectories its rows belong to. ``class_labels=None`` is unconditional use.
 """
