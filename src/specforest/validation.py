@@ -31,6 +31,10 @@ def is_int(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
 def _int_range(lo: int, hi: float) -> str:
     return f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
 
@@ -111,7 +115,7 @@ def check_number(name: str, value: object, lo: float, hi: float = math.inf, lo_o
         rng = f"> {lo}" if lo_open else f">= {lo}"
     else:
         rng = f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
-    if isinstance(value, bool) or not isinstance(value, Real):
+    if not _is_real(value):
         raise TypeError(f"{name} must be a finite number {rng}, got {type(value).__name__}")
     v = float(value)
     if not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi):
@@ -126,7 +130,7 @@ def check_churn(churn: object) -> float:
         TypeError: if ``churn`` is not a real number (``bool`` is refused).
         ValueError: if it is outside ``(0, 1]`` (NaN included), saying why 0 is refused.
     """
-    if isinstance(churn, bool) or not isinstance(churn, Real):
+    if not _is_real(churn):
         raise TypeError(f"churn must be a float in (0, 1], got {type(churn).__name__}")
     if not 0.0 < float(churn) <= 1.0:
         raise ValueError(
