@@ -41,7 +41,7 @@ from pathlib import Path
 
 _FRESH_NO_WARMUP = """
 import json
-from specforest.cli.common import set_threads
+from specforest.devices import set_threads
 from specforest.experiments import pixel
 from specforest.trees import from_parents
 set_threads({threads})
@@ -107,7 +107,7 @@ def main() -> None:
         ap.error(f"--churn must be in (0, 1], got {args.churn}")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
 
-    from specforest.cli.common import set_threads
+    from specforest.devices import set_threads
     from specforest.experiments import pixel
     from specforest.experiments.results import machine_line, replace_section
     from specforest.latency import Tuned

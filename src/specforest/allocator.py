@@ -1,16 +1,14 @@
 """Steady CPU memory allocation: keep freed memory in the process instead of returning it each round.
 
-A speculative round on the CPU allocates its trees (``(B, V, D)`` states, noise,
+A speculative round on the CPU allocates its trees (``(batch, V, D)`` states, noise,
 evaluations) and frees them at its end. With glibc's default ``malloc``, blocks
 above a threshold (128 KiB, raised as large blocks are freed, up to 32 MiB)
 are mapped fresh for each allocation and unmapped when freed, and the top of
 the heap is trimmed back to the system whenever enough of it is free: every
 round then pays page faults on memory it had a moment ago, and how many
-depends on the process's allocation history. Measured on the Gaussian mixture
-with 64 trajectories (d = 500): a D-GRS (2,3) round costs 8-9 ms instead of
-7 ms, the mixture's own calls of 512 rows cost 2-6 times more back to back than
-inside a run, and the same configuration timed at two moments of one process
-differs by 40%.
+depends on the process's allocation history, so that a round's time, and the
+tuner's timings, depend on what the process did before (measurements in
+``docs/latency.md``, "The allocator").
 
 :func:`keep_freed_memory` sets glibc's thresholds so that freed memory stays
 with the process (its resident size stays at its peak). It changes the whole

@@ -35,6 +35,9 @@ from typing import Any, Optional
 
 import torch
 
+from .devices import default_device
+from .validation import is_int
+
 __all__ = [
     "PeerError",
     "agree",
@@ -98,7 +101,7 @@ def shard(indices: "int | Sequence[int] | torch.Tensor", group: Any = None) -> t
     Returns:
         ``(n,)`` long indices; empty on idle ranks when there are fewer indices than processes.
     """
-    if isinstance(indices, int) and not isinstance(indices, bool):
+    if is_int(indices):
         if indices < 0:
             raise ValueError(f"indices must be a count >= 0 or a sequence of indices, got {indices}")
         idx = torch.arange(indices)
@@ -227,7 +230,7 @@ def init_from_env(device: Optional[str] = None) -> bool:
         return dist.get_world_size() > 1
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    cuda = (device or default_device()).startswith("cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend="nccl" if cuda else "gloo")

@@ -65,6 +65,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .trees import DraftTree, TreePolicy
+from .validation import check_int
 
 __all__ = [
     "DEFAULT_ROW_STATES",
@@ -173,11 +174,7 @@ def row_bytes_of(model: Any, x_row: torch.Tensor, cond_row: Optional[dict] = Non
     value = decl(x_row, **(cond_row or {})) if callable(decl) else decl
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"model.row_bytes must be an int (bytes per row), got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"model.row_bytes must be >= 0, got {value}")
-    return value
+    return check_int("model.row_bytes", value, 0)
 
 
 def resolve_limit(
@@ -268,7 +265,7 @@ class MemoryEstimate:
     """What a run holds in memory, estimated before it starts. Sizes in bytes.
 
     Attributes:
-        trajectories: trajectories of the run ``B``.
+        trajectories: trajectories of the run (its batch).
         state_numel: elements of one state ``D``.
         nodes: realized states per trajectory in a round.
         rows: target rows per trajectory and call (before guidance branches).
@@ -277,7 +274,7 @@ class MemoryEstimate:
         row_bytes: peak bytes one row adds inside a target call.
         fixed_bytes: bytes held whatever the batch: the process's baseline given
             to :func:`estimate` and the tree's tables.
-        chunk: trajectories run together (``B``: one chunk).
+        chunk: trajectories run together (``trajectories``: one chunk).
         max_rows: rows per target sub-batch (``None``: a whole call at once).
         limit_bytes: the memory limit.
         limit_source: where the limit comes from.
@@ -380,7 +377,7 @@ def estimate(
     bytes, live bytes and the allocator slack) is at most ``limit_bytes``.
 
     Args:
-        trajectories: trajectories ``B >= 1``.
+        trajectories: trajectories of the run (its batch), ``>= 1``.
         state_numel: elements ``D`` of one state.
         tree: the run's tree (see :func:`tree_footprint`).
         verify, lazy, steps: as in :func:`specforest.sample`.

@@ -50,6 +50,8 @@ from typing import Callable, Literal, Optional
 
 import torch
 
+from .validation import check_int
+
 __all__ = [
     "BASES",
     "EDGES",
@@ -186,13 +188,13 @@ def rule_log_density(
     call costs a few gathers instead of a ``(n, m, C, M)`` tensor.
 
     Raises:
-        ValueError: if ``base`` is not one of :data:`BASES`, ``M`` is not an int >= 1, or ``W``
+        TypeError: if ``M`` is not an int.
+        ValueError: if ``base`` is not one of :data:`BASES`, ``M`` is not >= 1, or ``W``
             is not ``(P, n_cells(base), M)``.
     """
     if base not in BASES:
         raise ValueError(f"base must be one of {BASES}, got {base!r}")
-    if type(M) is not int or M < 1:
-        raise ValueError(f"M must be an int >= 1, got {M!r}")
+    M = check_int("M", M, 1)
     if W.dim() != 3 or tuple(W.shape[1:]) != (n_cells(base), M):
         raise ValueError(f"W must have shape (P, {n_cells(base)}, {M}) for base {base!r}, got {tuple(W.shape)}")
     if M > 2:

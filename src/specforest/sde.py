@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from .validation import check_int, check_number
+from .validation import check_churn, check_int, check_number
 
 __all__ = [
     "ReverseSDE",
@@ -50,9 +50,8 @@ run's per-step tables would otherwise be allocated before anything says the run 
 
 
 def _check_steps(steps: int) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"steps must be an int >= 1, got {type(steps).__name__}")
-    if not 1 <= steps <= MAX_STEPS:
+    check_int("steps", steps, 1)
+    if steps > MAX_STEPS:
         raise ValueError(f"steps must be in [1, {MAX_STEPS}], got {steps}")
 
 
@@ -161,17 +160,8 @@ class ReverseSDE:
                 "sigmas must decrease strictly from at most 1 to exactly 0, "
                 f"got first {s[0].item():.6g} and last {s[-1].item():.6g}"
             )
-        churn = self.churn
-        if isinstance(churn, bool) or not isinstance(churn, (int, float)):
-            raise TypeError(f"churn must be a float in (0, 1], got {type(churn).__name__}")
-        if not (0.0 < churn <= 1.0):
-            raise ValueError(
-                f"churn must be in (0, 1], got {churn}: with churn 0 the transitions "
-                "are point masses, draft and target never coincide and speculation "
-                "accepts nothing (ERRATA 8)"
-            )
         object.__setattr__(self, "sigmas", s)
-        object.__setattr__(self, "churn", float(churn))
+        object.__setattr__(self, "churn", check_churn(self.churn))
         gamma = s[:-1] - s[1:]
         stochastic = (s[:-1] < 1.0) & (s[1:] > 0.0)
         t = (1.0 - s[:-1]).clamp_min(1e-300)

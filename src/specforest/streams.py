@@ -91,7 +91,7 @@ def _consts(device: torch.device) -> tuple:
 
 
 def _mix_(z: torch.Tensor) -> torch.Tensor:
-    """:func:`mix` on a tensor the caller owns: in place when it is large (3x faster, no temporaries)."""
+    """:func:`mix` on a tensor the caller owns: in place when it is large (no temporaries)."""
     consts = _consts(z.device)
     if z.numel() < 1 << 16:
         # tiny tensors: fewer dispatches beat fewer allocations
@@ -222,13 +222,13 @@ def key_from_generator(generator: Optional[torch.Generator]) -> int:
 
 
 def sample_keys(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """Per-sample keys ``(B,)`` int64 from a run seed and the samples' global indices ``(B,)``."""
+    """Per-sample keys ``(batch,)`` int64 from a run seed and the samples' global indices ``(batch,)``."""
     base = _mix_(torch.tensor(_signed(int(seed) % (1 << 64)), dtype=torch.int64, device=index.device))
     return fold(base.expand(index.shape), index)
 
 
 def keys_from_generators(generators: Sequence[torch.Generator], device: "torch.device | str") -> torch.Tensor:
-    """``(B,)`` per-sample keys, one drawn from each generator (diffusers' list convention)."""
+    """``(batch,)`` per-sample keys, one drawn from each generator (diffusers' list convention)."""
     seeds = [key_from_generator(g) for g in generators]
     return sample_keys(0, torch.tensor(seeds, dtype=torch.int64, device=device))
 

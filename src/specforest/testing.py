@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from .couplings import Coupling, get_coupling
+from .validation import check_int, check_ints, check_number
 
 __all__ = ["ChainReport", "CouplingReport", "check_chain_law", "check_coupling", "chain_law"]
 
@@ -205,21 +206,19 @@ def check_coupling(
         A :class:`CouplingReport`; ``report.passed``, ``report.assert_exact()``.
 
     Raises:
-        ValueError: on an invalid argument.
+        TypeError: if an argument is not of its kind (``K`` or ``dims`` not ints, a delta not a number).
+        ValueError: if one is out of its range, or ``K``, ``deltas`` or ``dims`` is empty.
     """
     cp = get_coupling(coupling)
-    ks = tuple(_default_ks(cp) if K is None else K)
-    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
-        raise ValueError(f"K must be ints >= 1, got {ks!r}")
-    if any(not (isinstance(d, (int, float)) and math.isfinite(d) and d >= 0) for d in deltas) or not deltas:
-        raise ValueError(f"deltas must be finite numbers >= 0, got {tuple(deltas)!r}")
-    if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims) or not dims:
-        raise ValueError(f"dims must be ints >= 1, got {tuple(dims)!r}")
-    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 100:
-        raise ValueError(f"draws must be an int >= 100, got {draws!r}")
+    ks = check_ints("K", _default_ks(cp) if K is None else tuple(K), 1, nonempty=True)
+    deltas = [check_number(f"deltas[{i}]", d, 0) for i, d in enumerate(deltas)]
+    if not deltas:
+        raise ValueError("deltas must hold at least one finite number >= 0, got none")
+    dims = check_ints("dims", tuple(dims), 1, nonempty=True)
+    draws = check_int("draws", draws, 100)
     report = CouplingReport(cp.name, draws)
     for i, (k, delta, d) in enumerate((k, delta, d) for k in ks for delta in deltas for d in dims):
-        report.cases.append(run_case(cp, float(delta), int(k), int(d), draws, seed * 7919 + i))
+        report.cases.append(run_case(cp, delta, k, d, draws, seed * 7919 + i))
     return report
 
 
@@ -329,8 +328,7 @@ def check_chain_law(
     from .sampler import sample
     from .sde import flow_match_grid, uniform_grid
 
-    if isinstance(trajectories, bool) or not isinstance(trajectories, int) or trajectories < 100:
-        raise ValueError(f"trajectories must be an int >= 100, got {trajectories!r}")
+    trajectories = check_int("trajectories", trajectories, 100)
     mu0, s0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 0.3
     gauss = GaussianMixture(mu0[None], torch.tensor([s0]))
     x = torch.randn(trajectories, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)

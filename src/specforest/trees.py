@@ -16,13 +16,12 @@ topology on a run's device, with what a round reads of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Callable, Sequence
 
 import torch
 
 from . import streams
-from .validation import check_int
+from .validation import check_int, check_ints
 
 __all__ = ["DraftTree", "TreePolicy", "chain", "uniform", "widths", "from_parents", "optimal", "VERIFY_MODES"]
 
@@ -153,26 +152,6 @@ class DraftTree:
         return text
 
 
-def _int_list(name: str, values: object) -> list:
-    """``values`` (a sequence of ints or a 1-D integer tensor) as a list of Python ints.
-
-    Raises:
-        TypeError: naming ``name`` if it is not one, or holds a non-integer (``2.5`` is not truncated).
-    """
-    if isinstance(values, torch.Tensor):
-        if values.ndim != 1 or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise TypeError(
-                f"{name} must be a sequence of ints or a 1-D integer tensor, got {values.dtype} tensor of shape {tuple(values.shape)}"
-            )
-        return values.tolist()
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, Integral):
-            raise TypeError(f"{name}[{i}] must be an int, got {v!r}")
-    return [int(v) for v in values]
-
-
 def widths(ks: Sequence[int]) -> DraftTree:
     """A tree where every node at depth ``l - 1`` has ``ks[l - 1]`` children.
 
@@ -186,7 +165,7 @@ def widths(ks: Sequence[int]) -> DraftTree:
         TypeError: if ``ks`` is not a sequence of ints.
         ValueError: if a width is < 1 or the tree would exceed 50 million nodes.
     """
-    ks = _int_list("ks", ks)
+    ks = check_ints("ks", ks)
     for k in ks:
         check_int("K", k, 1)
     total, layer = 1, 1
@@ -237,7 +216,7 @@ def from_parents(parents: Sequence[int]) -> DraftTree:
         TypeError: if ``parents`` is not a sequence of ints.
         ValueError: if it does not describe one rooted tree.
     """
-    par = _int_list("parents", parents)
+    par = check_ints("parents", parents)
     V = len(par)
     roots = [v for v, p in enumerate(par) if p == -1]
     if len(roots) != 1:

@@ -1,6 +1,8 @@
 """Argument checks at the public boundary: each error names the parameter and the accepted range.
 
-``assert`` is never used for input checks (it vanishes under ``python -O``).
+Every check refuses ``bool`` where a number is meant (``True`` is an ``int`` to Python, never a
+count or a level to a user) and raises ``TypeError`` for a value of the wrong kind, ``ValueError``
+for one out of range. ``assert`` is never used for input checks (it vanishes under ``python -O``).
 """
 
 from __future__ import annotations
@@ -8,10 +10,42 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from numbers import Integral, Real
+from typing import Optional
 
 import torch
 
-__all__ = ["check_choice", "check_int", "check_number", "check_states"]
+__all__ = [
+    "check_choice",
+    "check_churn",
+    "check_int",
+    "check_ints",
+    "check_number",
+    "check_optional_int",
+    "check_states",
+    "is_int",
+]
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer (Python's, NumPy's, ...) and not a ``bool``."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _int_range(lo: int, hi: float) -> str:
+    return f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
+
+
+def _int(name: str, value: object, lo: int, hi: float, kind: str) -> int:
+    rng = _int_range(lo, hi)
+    if not is_int(value):
+        raise TypeError(f"{name} must be {kind} {rng}, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be {kind} {rng}, got {value}")
+    return int(value)
 
 
 def check_int(name: str, value: object, lo: int, hi: float = math.inf) -> int:
@@ -21,12 +55,53 @@ def check_int(name: str, value: object, lo: int, hi: float = math.inf) -> int:
         TypeError: if ``value`` is not an integer (``bool`` is refused).
         ValueError: if it is out of range.
     """
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int >= {lo}, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        rng = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be an int {rng}, got {value}")
-    return int(value)
+    return _int(name, value, lo, hi, "an int")
+
+
+def check_optional_int(name: str, value: object, lo: int, hi: float = math.inf) -> Optional[int]:
+    """``None``, or ``value`` as an ``int`` in ``[lo, hi]``.
+
+    Raises:
+        TypeError: if ``value`` is neither ``None`` nor an integer (``bool`` is refused).
+        ValueError: if it is out of range.
+    """
+    return None if value is None else _int(name, value, lo, hi, "None or an int")
+
+
+def check_ints(
+    name: str, values: object, lo: Optional[int] = None, hi: float = math.inf, *, nonempty: bool = False
+) -> list[int]:
+    """``values`` (a sequence of integers or a 1-D integer tensor) as a list of Python ints.
+
+    Args:
+        name: the parameter, named in errors (an element as ``name[i]``).
+        values: the integers.
+        lo, hi: the range of every element, ``[lo, hi]``; with ``lo=None`` only their type is checked
+            (for a caller whose range depends on the element's place, e.g. a parent list).
+        nonempty: refuse an empty sequence.
+
+    Raises:
+        TypeError: if ``values`` is not such a sequence, or holds a non-integer (``2.5`` is not truncated).
+        ValueError: if an element is out of range, or ``values`` is empty with ``nonempty``.
+    """
+    if isinstance(values, torch.Tensor):
+        if values.ndim != 1 or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be a sequence of ints or a 1-D integer tensor, "
+                f"got {values.dtype} tensor of shape {tuple(values.shape)}"
+            )
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    if nonempty and not values:
+        rng = "" if lo is None else f" {_int_range(lo, hi)}"
+        raise ValueError(f"{name} must hold at least one int{rng}, got none")
+    if lo is None:
+        for i, v in enumerate(values):
+            if not is_int(v):
+                raise TypeError(f"{name}[{i}] must be an int, got {v!r}")
+        return [int(v) for v in values]
+    return [check_int(f"{name}[{i}]", v, lo, hi) for i, v in enumerate(values)]
 
 
 def check_number(name: str, value: object, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
@@ -34,18 +109,36 @@ def check_number(name: str, value: object, lo: float, hi: float = math.inf, lo_o
 
     Raises:
         TypeError: if ``value`` is not a real number (``bool`` is refused).
-        ValueError: if it is not finite or out of range.
+        ValueError: if it is not finite (NaN included) or out of range.
     """
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if hi == math.inf:
+        rng = f"> {lo}" if lo_open else f">= {lo}"
+    else:
+        rng = f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a finite number {rng}, got {type(value).__name__}")
     v = float(value)
     if not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi):
-        if hi == math.inf:
-            rng = f"> {lo}" if lo_open else f">= {lo}"
-        else:
-            rng = f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be a finite number {rng}, got {value}")
     return v
+
+
+def check_churn(churn: object) -> float:
+    """``churn`` as a ``float`` in ``(0, 1]``, the sampler's noise level.
+
+    Raises:
+        TypeError: if ``churn`` is not a real number (``bool`` is refused).
+        ValueError: if it is outside ``(0, 1]`` (NaN included), saying why 0 is refused.
+    """
+    if not _is_real(churn):
+        raise TypeError(f"churn must be a float in (0, 1], got {type(churn).__name__}")
+    if not 0.0 < float(churn) <= 1.0:
+        raise ValueError(
+            f"churn must be in (0, 1], got {churn}: with churn 0 the transitions "
+            "are point masses, draft and target never coincide and speculation "
+            "accepts nothing (ERRATA 8)"
+        )
+    return float(churn)
 
 
 def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
@@ -64,7 +157,7 @@ def check_states(x: object, *, example: str = "") -> None:
 
     Args:
         x: the initial states a sampler is given.
-        example: a shape shown in the message, e.g. ``" (e.g. (B, C, H, W))"``.
+        example: a shape shown in the message, e.g. ``" (e.g. (batch, C, H, W))"``.
 
     Raises:
         TypeError: if ``x`` is not a floating-point tensor.

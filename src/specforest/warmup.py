@@ -46,7 +46,7 @@ import torch
 from .sampler import _check_cond, prepare
 from .target import Target
 from .trees import TreeTables
-from .validation import check_int, check_states
+from .validation import check_int, check_ints, check_states
 
 __all__ = ["MAX_SHAPES", "network_rows", "pad_rows_for", "warm_up"]
 
@@ -83,9 +83,7 @@ _IGNORED_OPTIONS = ("seed", "generator", "sample_index", "callback", "progress",
 
 def _batches(batch: "int | Sequence[int]") -> tuple:
     if isinstance(batch, Sequence) and not isinstance(batch, str):
-        if not batch:
-            raise ValueError("batch must be an int >= 1 or a non-empty list of them")
-        return tuple(sorted({check_int("batch", b, 1) for b in batch}))
+        return tuple(sorted(set(check_ints("batch", batch, 1, nonempty=True))))
     return (check_int("batch", batch, 1),)
 
 
@@ -232,10 +230,10 @@ def warm_up(
 
     Args:
         model: the target velocity ``v(x, sigma, **cond, **model_kwargs)``, as in :func:`specforest.sample`.
-        x: ``(B, *shape)`` the run's initial states (their shape, dtype and device, and rows to call with).
-        cond: the run's per-trajectory conditioning, tensors ``(B, ...)``.
+        x: ``(n, *shape)`` the run's initial states (their shape, dtype and device, and rows to call with).
+        cond: the run's per-trajectory conditioning, tensors ``(n, ...)``.
         model_kwargs: the run's extra keyword arguments of every call.
-        batch: the trajectories per run (default ``B``), or a list of sizes for runs of several
+        batch: the trajectories per run (default ``n``), or a list of sizes for runs of several
             (see :func:`network_rows`).
         max_shapes: refuse to warm more row counts than this (pass ``pad_rows``, e.g. from
             :func:`pad_rows_for`, to the warm-up and the run).
@@ -258,9 +256,9 @@ def warm_up(
     repeats = check_int("repeats", repeats, 1)
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
-    B = x.shape[0]
-    cond = _check_cond(cond, B)
-    rows = network_rows(B if batch is None else batch, **options)
+    n = x.shape[0]
+    cond = _check_cond(cond, n)
+    rows = network_rows(n if batch is None else batch, **options)
     if len(rows) > max_shapes:
         raise ValueError(
             f"the run can call the network with {len(rows)} row counts (from {rows[0]} to {rows[-1]}), more than "
@@ -271,11 +269,11 @@ def warm_up(
     shape, dev = tuple(x.shape[1:]), x.device
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     target = Target(model, shape, work, spec.max_rows, cond, model_kwargs or {}, dev, pad_rows=spec.pad_rows)
-    flat = x.reshape(B, -1).to(work)
+    flat = x.reshape(n, -1).to(work)
     sig = spec.sde.sigmas
     level = float(sig[len(sig) // 2])
     for m in rows:
-        traj = torch.arange(m, device=dev) % B
+        traj = torch.arange(m, device=dev) % n
         xs, sigma = flat[traj], torch.full((m,), level, dtype=work, device=dev)
         for _ in range(repeats):
             target(xs, sigma, traj)

@@ -15,6 +15,7 @@ from typing import Any, Callable, TypeVar
 
 import click
 
+from ..devices import set_threads
 from ..planning import TREE_MODES
 from ..proposals import DRAFT_KINDS
 from ..sampler import GRIDS, PREFETCH_POLICIES
@@ -304,29 +305,6 @@ def threads_option():
         help=f"Torch CPU threads of this process (1 to {MAX_THREADS}). On a shared machine an oversubscribed default makes "
         "timings swing by 10x; one thread per process is the stable choice.",
     )
-
-
-def set_threads(threads: "int | None") -> int:
-    """Set up this process's CPU work: torch's intra-op threads (``threads``, else ``$OMP_NUM_THREADS``,
-    else the CPUs of this process divided among ``$LOCAL_WORLD_SIZE`` processes), and an allocator
-    that keeps freed memory (:func:`specforest.allocator.keep_freed_memory`). Returns the thread count."""
-    import os
-
-    import torch
-
-    from ..allocator import keep_freed_memory
-
-    keep_freed_memory()
-
-    if threads is None:
-        env = os.environ.get("OMP_NUM_THREADS", "")
-        if env.isdigit() and int(env) >= 1:
-            threads = int(env)
-        else:
-            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            threads = max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    torch.set_num_threads(int(threads))
-    return int(threads)
 
 
 def compile_option():

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from ..devices import default_device, default_dtype
 from ..experiments.common import METHODS
 from .common import (
     CONTEXT,
@@ -285,8 +286,8 @@ def diffusers_command(**o) -> None:
         raise click.BadParameter(
             f"{o['out']} exists; choose another (a run never writes into an old one)", param_hint="--out"
         )
-    device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = o["dtype"] or ("float16" if device.startswith("cuda") else "float32")
+    device = o["device"] or default_device()
+    dtype = o["dtype"] or default_dtype(device)
     captions = library_errors(lambda: load_prompts(o["prompts_file"], o["num_prompts"]))
     tree, coupling = library_errors(lambda: _tree_and_coupling(o, options["num_inference_steps"]))
     click.echo(f"loading {o['pipeline_path']} ({family.name}, {dtype} on {device})", err=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import click
 
 from .. import distributed
+from ..devices import default_device, default_dtype
 from ..experiments import generate as gen_exp
 from ..experiments.common import METHODS
 from ..trees import DraftTree
@@ -217,15 +218,14 @@ def generate_sd3(**o):
     The latents and all the sampling noise of image i come from (--seed, i); OUT.json holds the options and
     the per-image NFE.
     """
-    import torch
 
     o, _ = apply_tuned(o, "sd3", run={k: k for k in ("guidance", "shift", "height", "width")})
     model, prompts_file, num_prompts = o.pop("model"), o.pop("prompts_file"), o.pop("num_prompts")
     guidance, shift, height, width = (o.pop(k) for k in ("guidance", "shift", "height", "width"))
     max_sequence_length = o.pop("max_sequence_length")
-    device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = o["device"] or default_device()
     o["device"] = device
-    dtype = o.pop("dtype") or ("float16" if device.startswith("cuda") else "float32")
+    dtype = o.pop("dtype") or default_dtype(device)
     _run(
         "sd3",
         o,
@@ -253,7 +253,6 @@ def generate_diffusers(**o):
     The family's options default to its own sampler's. The latents and all the sampling noise of image i
     come from (--seed, i); OUT.json holds the options (the family among them) and the per-image NFE.
     """
-    import torch
 
     from ..diffusers.families import family_of_directory
     from ..experiments.pipelines import family_options
@@ -272,9 +271,9 @@ def generate_diffusers(**o):
         if k not in ("steps", "churn"):
             o.pop(k)
     pipeline, prompts_file, num_prompts = o.pop("pipeline_path"), o.pop("prompts_file"), o.pop("num_prompts")
-    device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = o["device"] or default_device()
     o["device"] = device
-    dtype = o.pop("dtype") or ("float16" if device.startswith("cuda") else "float32")
+    dtype = o.pop("dtype") or default_dtype(device)
     _run(
         "diffusers",
         o,

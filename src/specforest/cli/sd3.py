@@ -8,8 +8,8 @@ range-checked here, everything else happens in the library. ``sd3`` is a
 from __future__ import annotations
 
 import click
-import torch
 
+from ..devices import default_device, default_dtype
 from ..experiments import sd3 as sd3_exp
 from .common import (
     CONTEXT,
@@ -199,8 +199,8 @@ def sd3(**o) -> None:
         sampler=False,
     )
     set_threads(o.pop("threads"))
-    device = o["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = o["dtype"] or ("float16" if device.startswith("cuda") else "float32")
+    device = o["device"] or default_device()
+    dtype = o["dtype"] or default_dtype(device)
 
     def log(line: str) -> None:
         click.echo(line, err=True)

@@ -13,6 +13,7 @@ import json
 import click
 
 from ..atomic import atomic_write_text
+from ..devices import default_dtype
 from .common import (
     CHURN,
     CONTEXT,
@@ -56,7 +57,7 @@ def _tune_sd3(o: dict, drafts: list):
 
     if not o["pipeline_path"] or not o["prompts_file"]:
         raise click.UsageError("--model sd3 needs --pipeline DIR and --prompts FILE")
-    dtype = o["dtype"] or ("float16" if o["device"] == "cuda" else "float32")
+    dtype = o["dtype"] or default_dtype(o["device"])
     prompts = library_errors(lambda: sd3_exp.load_prompts(o["prompts_file"], o["num_prompts"]))
     pipe = library_errors(lambda: sd3_exp.load_pipeline(o["pipeline_path"], device=o["device"], dtype=dtype))
     return library_errors(
@@ -94,7 +95,7 @@ def _tune_diffusers(o: dict, drafts: list):
     names = {lib: flags[k] for k, lib in FAMILY_FLAGS.items() if k in flags}
     # --guidance, --shift, --height, ... default to the SD3 paper's run here: not given, they are the family's
     options = library_errors(lambda: family_options(family, "tune", family_given(o, ctx), names=names))
-    dtype = o["dtype"] or ("float16" if o["device"] == "cuda" else "float32")
+    dtype = o["dtype"] or default_dtype(o["device"])
     prompts = library_errors(lambda: sd3_exp.load_prompts(o["prompts_file"], o["num_prompts"]))
     pipe, _ = library_errors(lambda: load_pipeline(o["pipeline_path"], device=o["device"], dtype=dtype))
     res = library_errors(

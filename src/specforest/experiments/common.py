@@ -26,7 +26,7 @@ import torch
 from ..planning import TREE_MODES, AdaptiveTree, make_tree
 from ..plots import pyplot, save_figure
 from ..trees import DraftTree
-from ..validation import check_choice, check_int, check_number
+from ..validation import check_choice, check_churn, check_int, check_number
 from .io import atomic_write_text, records_csv
 
 __all__ = [
@@ -69,13 +69,6 @@ SWEEP_METHODS = ("dgrs", "rank", "antithetic")
 
 METHOD_LABELS = {"standard": "standard", "rmc": "RMC", "dgrs": "D-GRS", "rank": "rank", "antithetic": "antithetic"}
 """Short names of the methods for tables and legends."""
-
-
-def check_churn(churn: object) -> float:
-    """``churn`` as a float in (0, 1] (``ValueError`` otherwise)."""
-    if isinstance(churn, bool) or not isinstance(churn, (int, float)) or not 0.0 < churn <= 1.0:
-        raise ValueError(f"churn must be a number in (0, 1], got {churn!r}")
-    return float(churn)
 
 
 def check_sweep_methods(methods: Sequence[str]) -> list[str]:

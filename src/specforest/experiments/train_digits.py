@@ -1,7 +1,7 @@
 """Training of the shipped digits models (``specforest train digits``).
 
 Two networks are trained on scikit-learn's digits (1797 images, ``1 x 8 x 8``,
-scaled to ``[-1, 1]``), on the CPU, in about ten minutes on one CPU core:
+scaled to ``[-1, 1]``), on the CPU:
 
 * the class-conditional EDM denoiser (:mod:`specforest.models.unet`): EDM's loss
   ``lambda(s) |D(x_0 + s n; s, c) - x_0|^2`` with ``lambda = (s^2 + sd^2) / (s sd)^2``,

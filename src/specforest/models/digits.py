@@ -194,7 +194,7 @@ def load_velocity(
     """The digits model as a linear-path velocity ``v(x, sigma, class_labels=...)``.
 
     ``class_labels`` may be ``None`` (unconditional), one integer for every row,
-    or a ``(M,)`` tensor; through :func:`specforest.sample` pass a ``(B,)`` tensor
+    or a ``(M,)`` tensor; through :func:`specforest.sample` pass a ``(batch,)`` tensor
     as ``cond={"class_labels": labels}`` and each call gets the labels of its rows' trajectories.
     The EDM noise level is clipped to ``[sigma_min, sigma_max]`` (the paper's
     ``[1e-3, 80]``). It declares its memory per row (:data:`ROW_BYTES_FLOAT32`,

@@ -53,7 +53,7 @@ with an exact denoiser it returns the exact velocity (tested against the closed
 form of :class:`~specforest.models.GaussianMixture`).
 
 Conditioning. Keyword arguments (for example ``class_labels``) are passed to the
-network unchanged. Per-sample labels ``(B,)`` go in :func:`specforest.sample`'s
+network unchanged. Per-sample labels ``(batch,)`` go in :func:`specforest.sample`'s
 ``cond={"class_labels": labels}``: every call then receives the labels of the
 trajectories its rows belong to. ``class_labels=None`` is unconditional use.
 """
@@ -65,6 +65,8 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+
+from ..validation import check_number, check_optional_int
 
 __all__ = [
     "EDMDenoiserVelocity",
@@ -84,12 +86,11 @@ def linear_to_edm_sigma(sigma: torch.Tensor) -> torch.Tensor:
 
 
 def _check_range(sigma_min: float, sigma_max: float) -> tuple[float, float]:
-    for name, val in (("sigma_min", sigma_min), ("sigma_max", sigma_max)):
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
-            raise ValueError(f"{name} must be a finite number > 0, got {val!r}")
+    sigma_min = check_number("sigma_min", sigma_min, 0, lo_open=True)
+    sigma_max = check_number("sigma_max", sigma_max, 0, lo_open=True)
     if sigma_min >= sigma_max:
         raise ValueError(f"need sigma_min < sigma_max, got {sigma_min} and {sigma_max}")
-    return float(sigma_min), float(sigma_max)
+    return sigma_min, sigma_max
 
 
 def _unwrap(out: Any) -> torch.Tensor:
@@ -126,8 +127,9 @@ class EDMDenoiserVelocity:
     and keeps its own precision.
 
     Raises:
-        ValueError: on an invalid clipping range, or (at call time) on ``sigma``
-            outside ``[0, 1]`` or of the wrong length.
+        TypeError: if the clipping range is not numbers or ``row_bytes`` not ``None`` or an int.
+        ValueError: on an invalid clipping range or a negative ``row_bytes``, or (at call time)
+            on ``sigma`` outside ``[0, 1]`` or of the wrong length.
     """
 
     def __init__(
@@ -135,10 +137,8 @@ class EDMDenoiserVelocity:
     ) -> None:
         if not callable(denoiser):
             raise TypeError("denoiser must be callable as denoiser(y, s, **cond)")
-        if row_bytes is not None and (isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 0):
-            raise ValueError(f"row_bytes must be None or an int >= 0, got {row_bytes!r}")
         self.denoiser = denoiser
-        self.row_bytes = row_bytes
+        self.row_bytes = check_optional_int("row_bytes", row_bytes, 0)
         self.sigma_min, self.sigma_max = _check_range(sigma_min, sigma_max)
 
     def _denoise(self, y: torch.Tensor, s: torch.Tensor, **cond: Any) -> torch.Tensor:

@@ -68,10 +68,8 @@ class GaussianMixture:
         Drawn once from ``seed`` (a CPU ``torch.Generator``), so the same seed
         gives the same mixture on every machine.
         """
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be an int >= 1, got {dim!r}")
-        if isinstance(components, bool) or not isinstance(components, int) or components < 1:
-            raise ValueError(f"components must be an int >= 1, got {components!r}")
+        dim = check_int("dim", dim, 1)
+        components = check_int("components", components, 1)
         g = torch.Generator().manual_seed(check_int("seed", seed, 0, 2**64 - 1))
         means = (torch.rand(components, dim, generator=g, dtype=torch.float64) * 2 - 1) * mean_range
         lo, hi = std_range

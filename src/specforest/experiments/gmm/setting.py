@@ -10,7 +10,7 @@ import torch
 from ...models import GaussianMixture
 from ...sampler import GRIDS
 from ...sde import ReverseSDE, flow_match_grid, uniform_grid
-from ..common import check_choice, check_int, derive_seed
+from ..common import check_choice, check_churn, check_int, derive_seed
 
 __all__ = ["KEY_FIELDS", "GMMSetting", "initial_states", "mixture_fingerprint"]
 
@@ -68,10 +68,7 @@ class GMMSetting:
         check_int("trajectories", self.trajectories, 1)
         check_int("mixture_seed", self.mixture_seed, 0, 2**64 - 1)
         check_choice("grid", self.grid, GRIDS)
-        c = self.churn
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0.0 < c <= 1.0):
-            raise ValueError(f"churn must be a number in (0, 1], got {c!r}")
-        object.__setattr__(self, "churn", float(c))
+        object.__setattr__(self, "churn", check_churn(self.churn))
 
     def mixture(self) -> GaussianMixture:
         """The mixture drawn from ``mixture_seed`` (independent of the sampling seed)."""

@@ -18,7 +18,7 @@ exactly ``T`` NFE), ``rmc`` (Algorithm 2 on a chain of ``B`` drafted states;
 ``(K, L)`` tree, ``B = K + ... + K^L``, ERRATA 7), and the ``rank`` and
 ``antithetic`` couplings on the same trees.
 
-Conditioning: the labels are a ``(B,)`` tensor passed as ``cond``; the sampler
+Conditioning: the labels are a ``(batch,)`` tensor passed as ``cond``; the sampler
 indexes per-trajectory tensors per row, so the nodes of different trajectories
 share one batched call with their own labels, and one :func:`specforest.sample`
 call covers every class.
