@@ -664,8 +664,7 @@ def stage_transformer(plan: Plan, spec: TransformerSpec, st: Stage) -> None:
 
     import specforest
     from specforest import trees
-    from specforest.latency import CURVE_PASSES, measure_cost_curve, tune
-    from specforest.latency import Calibrator
+    from specforest.latency import CURVE_PASSES, Calibrator, measure_cost_curve, tune
 
     dev = plan.device
     model, build_seconds = build_transformer(spec, dev)

@@ -103,8 +103,7 @@ def run_model(
     import torch
 
     import specforest
-    from specforest.latency import Calibrator
-    from specforest.latency import tune
+    from specforest.latency import Calibrator, tune
 
     model, x_all, cond_all, opts = _setup(name, device)
     if steps is not None:

@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 import specforest
-from specforest import trees
+from specforest import planning, trees
 from specforest.cli import main
 from specforest.couplings import grs_acceptance
 from specforest.models import GaussianMixture
@@ -369,3 +369,18 @@ def test_allocator_slack_and_its_inverse():
     for room in (10**6, 10**9, 10**11):
         d = memory._dynamic_room(room, "cpu")
         assert d + memory.allocator_slack(d) <= room < (d + 10) + memory.allocator_slack(d + 10)
+
+
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        (dict(budget=0), ValueError, "budget must be an int >= 1"),
+        (dict(budget=True), TypeError, "budget must be an int"),
+        (dict(budget=8, kmax=0), ValueError, "kmax must be an int >= 1"),
+        (dict(budget=8, max_depth=2.5), TypeError, "max_depth must be an int"),
+        (dict(budget=8, max_depth=0), ValueError, "max_depth must be an int >= 1"),
+    ],
+)
+def test_adaptive_tree_refuses_bad_sizes_by_name(kw, err, match):
+    with pytest.raises(err, match=match):
+        planning.AdaptiveTree(**kw)

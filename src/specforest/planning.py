@@ -24,6 +24,7 @@ from .couplings import Coupling, get_coupling
 from .latency import tune
 from .sampler import sample
 from .trees import DraftTree, TreePolicy, chain, optimal, uniform
+from .validation import check_int, check_optional_int
 
 __all__ = ["OBJECTIVES", "TREE_MODES", "AdaptiveTree", "acceptance_model", "make_tree", "plan_tree", "tune"]
 
@@ -36,13 +37,6 @@ TREE_MODES = ("uniform", "optimal", "adaptive")
 :func:`plan_tree` for a budget, from an acceptance model calibrated on a
 separate short run; ``adaptive``: :class:`AdaptiveTree`, re-planned every round
 from the run's own statistics."""
-
-
-def _check_size(name: str, v: object) -> None:
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-        raise TypeError(f"{name} must be None or an int >= 1, got {type(v).__name__}")
-    if v is not None and v < 1:
-        raise ValueError(f"{name} must be None or an int >= 1, got {v}")
 
 
 def make_tree(
@@ -76,8 +70,8 @@ def make_tree(
     Raises:
         ValueError / TypeError: naming the offending parameter.
     """
-    _check_size("K", K)
-    _check_size("L", L)
+    check_optional_int("K", K, 1)
+    check_optional_int("L", L, 1)
     if tree is not None:
         if not isinstance(tree, DraftTree):
             raise TypeError(f"tree must be a DraftTree (see specforest.trees) or None, got {type(tree).__name__}")
@@ -204,14 +198,12 @@ class AdaptiveTree(TreePolicy):
     def __init__(
         self, budget: int, kmax: int = 16, initial: Optional[DraftTree] = None, max_depth: Optional[int] = None
     ) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be an int >= 1, got {budget!r}")
-        if isinstance(kmax, bool) or not isinstance(kmax, int) or kmax < 1:
-            raise ValueError(f"kmax must be an int >= 1, got {kmax!r}")
+        check_int("budget", budget, 1)
+        check_int("kmax", kmax, 1)
         if initial is not None and (not isinstance(initial, DraftTree) or initial.budget > budget or initial.L < 1):
             raise ValueError("initial must be a DraftTree of depth >= 1 within the budget")
         self.budget, self.kmax = budget, kmax
-        self.max_depth = budget if max_depth is None else int(max_depth)
+        self.max_depth = budget if max_depth is None else check_int("max_depth", max_depth, 1)
         self.initial = initial if initial is not None else chain(min(budget, 8))
 
     def plan(self, deltas: Optional[torch.Tensor], coupling: Coupling, max_depth: int) -> DraftTree:
