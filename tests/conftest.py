@@ -1,15 +1,22 @@
-"""The suite's own rule: the fast tier (``-m "not slow"``, ``make test``) runs a test of every test file.
+"""The suite's setup and its own rule.
 
-A file whose every test carries ``@pytest.mark.slow`` would drop out of ``make test`` without a word;
-a run that collects the whole suite refuses to start then, naming the file. (A run of a few files, or of
-selected tests, checks nothing: what it leaves out is not missing.)
+* torch on one thread (``OMP_NUM_THREADS=1`` unless the environment sets it, before anything imports
+  torch, so the commands the tests start inherit it): the tests' models are tiny, and on a loaded machine
+  two threads per process fighting over the cores made the same tests several times slower.
+* The fast tier (``-m "not slow"``, ``make test``) runs a test of every test file. A file whose every
+  test carries ``@pytest.mark.slow`` would drop out of ``make test`` without a word; a run that collects
+  the whole suite refuses to start then, naming the file. (A run of a few files, or of selected tests,
+  checks nothing: what it leaves out is not missing.)
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TESTS = Path(__file__).resolve().parent
 
