@@ -25,11 +25,20 @@ from specforest.testing import run_case as run_battery
 
 DELTAS = [0.0, 1e-6, 0.5, 1.0, 2.0, 4.0, 8.0]
 DIMS = [1, 3, 64]
+# the fast tier's covering subset: every coupling at every K, in one dimension, at a few deltas
+# (equality, a moderate and a large mismatch); the other dimensions and deltas are slow
+FAST_DIM, FAST_DELTAS = 3, (0.0, 1.0, 4.0)
 
 # Every coupling and the K it supports: a new coupling adds one line here and
 # inherits the whole battery.
 COUPLINGS = [(RMC, [1]), (GRS, [1, 2, 3, 7]), (RankCoupling, [1, 2, 3, 7]), (AntitheticCoupling, [2, 4])]
-CASES = [(cls, K, delta, d) for cls, ks in COUPLINGS for K in ks for delta in DELTAS for d in DIMS]
+CASES = [
+    pytest.param(cls, K, delta, d, marks=() if d == FAST_DIM and delta in FAST_DELTAS else pytest.mark.slow)
+    for cls, ks in COUPLINGS
+    for K in ks
+    for delta in DELTAS
+    for d in DIMS
+]
 
 
 class UnfixedGRS(GRS):

@@ -830,6 +830,7 @@ def test_generate_sd3_writes_one_png_per_index_whatever_the_batch(pipe, tmp_path
 # -- tuning --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tune_measures_the_pipeline_and_its_choice_runs(pipe, monkeypatch):
     # max_memory_gb bounds the whole process: take the test session's own memory out of it
     monkeypatch.setattr(specforest.memory, "held_bytes", lambda device="cpu": 0)
@@ -870,6 +871,7 @@ def test_tune_forwards_the_samplers_options_and_its_choice_checks_the_run(pipe, 
     assert res.config["prefetch"] == "parent" and torch.isfinite(res.latents).all()
 
 
+@pytest.mark.slow
 def test_tune_measures_no_call_larger_than_the_memory_limit(pipe, monkeypatch):
     """A tiny memory limit caps the cost curve's sizes (the sampler splits calls above it)."""
     from specforest.latency import measure as latency  # where tune measures the curve
@@ -897,6 +899,7 @@ def test_tune_measures_no_call_larger_than_the_memory_limit(pipe, monkeypatch):
         sd.tune(pipe, PROMPT, num_inference_steps=4, height=8, width=8, max_sequence_length=SEQ, max_memory_gb=1e-9)
 
 
+@pytest.mark.slow
 def test_tune_and_sd3_commands_choose_then_run_the_tuned_configuration(pipe, tmp_path):
     model = tmp_path / "tiny-sd3"
     pipe.save_pretrained(str(model))

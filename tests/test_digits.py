@@ -158,7 +158,9 @@ def standard_statistics(velocity, real):
 
 
 @pytest.mark.parametrize(
-    "tree,coupling", [(trees.uniform(2, 3), "grs"), (trees.chain(6), "rmc")], ids=["dgrs-2x3", "rmc-6"]
+    "tree,coupling",
+    [(trees.uniform(2, 3), "grs"), pytest.param(trees.chain(6), "rmc", marks=pytest.mark.slow)],
+    ids=["dgrs-2x3", "rmc-6"],
 )
 def test_speculative_has_the_standard_law(velocity, real, standard_statistics, tree, coupling):
     spec = _statistics(real, _run(velocity, tree, coupling, seed=2))
@@ -185,6 +187,7 @@ def test_a_bf16_network_keeps_its_dtype_and_the_sampler_its_precision(velocity_b
     assert out.samples.dtype == torch.float32 and torch.isfinite(out.samples).all()
 
 
+@pytest.mark.slow
 def test_bf16_speculative_has_the_bf16_standard_law(velocity_bf16, real):
     """The same bf16 network through D-GRS and through the standard sampler: the same law;
     the unverified draft fails the same check."""
@@ -346,9 +349,24 @@ def test_cli_sweep_writes_results_and_figures(tmp_path):
     assert "skipped 3" in again.output and "ran 0" in again.output
 
 
-def test_train_cli_is_registered_without_training():
-    res = _invoke(train, "digits", "--help")
-    assert "--steps" in res.output and "--max-minutes" in res.output
+def test_train_cli_hands_its_options_to_the_training_and_refuses_bad_ones(tmp_path, monkeypatch):
+    """The command's options reach ``main_train`` as they were given, its defaults are the library's (the
+    shipped weights' directory included), and a bad value is refused before any training starts."""
+    from specforest.experiments import train_digits
+
+    calls = []
+    monkeypatch.setattr(train_digits, "main_train", lambda out, **kw: calls.append((out, kw)))
+    args = ["--out", str(tmp_path / "o"), "--weights-dir", str(tmp_path / "w"), "--steps", "7"]
+    _invoke(train, "digits", *args, "--max-minutes", "0.5", "--seed", "3", "--eval-samples", "0", "--no-progress")
+    ((out, kw),) = calls
+    assert out == str(tmp_path / "o") and kw["weights_dir"] == tmp_path / "w" and kw["progress"] is False
+    assert kw["config"] == train_digits.TrainConfig(steps=7, max_minutes=0.5, seed=3, eval_samples=0)
+    _invoke(train, "digits")
+    assert calls[1][1]["weights_dir"] == digits.WEIGHTS_DIR and calls[1][1]["config"] == train_digits.TrainConfig()
+    for bad in (["--steps", "0"], ["--max-minutes", "0"], ["--seed", "-1"], ["--threads", "0"]):
+        res = CliRunner().invoke(train, ["digits", *bad])
+        assert res.exit_code == 2 and bad[0] in res.output, res.output
+    assert len(calls) == 2
 
 
 def test_pixel_cli_planned_and_adaptive_trees_and_new_methods():

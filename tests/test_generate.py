@@ -162,28 +162,34 @@ def test_one_process_output(reference):
     assert 0 < meta["occupancy"] <= 1
 
 
-def test_two_processes_data_parallel_and_tree_parallel_equal_one(reference, tmp_path):
+@pytest.mark.slow
+def test_two_processes_tree_parallel_equal_one(reference, tmp_path):
+    # (two data-parallel processes: test_a_merge_failure_on_rank_0_stops_every_rank_and_resumes, whose
+    # resume merges the shards they wrote, compares them with the same reference)
     ref, meta = reference
-    for extra in ([], ["--tree-parallel"]):
-        out = tmp_path / f"two{len(extra)}.npz"
-        res = _torchrun(2, ["generate", "gmm", *GMM, "--count", "40", "--batch", "6", "--out", str(out), *extra])
-        assert res.returncode == 0, res.stderr[-3000:]
-        arrays, m = _load(out)
-        np.testing.assert_allclose(arrays["samples"], ref["samples"], atol=1e-6, rtol=0)
-        assert m["nfe"] == meta["nfe"] and m["processes"] == 2
-        assert not Path(str(out) + ".parts").exists()
+    out = tmp_path / "two.npz"
+    res = _torchrun(2, ["generate", "gmm", *GMM, "--count", "40", "--batch", "6", "--out", str(out), "--tree-parallel"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    arrays, m = _load(out)
+    np.testing.assert_allclose(arrays["samples"], ref["samples"], atol=1e-6, rtol=0)
+    assert m["nfe"] == meta["nfe"] and m["processes"] == 2
+    assert not Path(str(out) + ".parts").exists()
 
 
+@pytest.mark.slow
 def test_more_processes_than_samples_leaves_ranks_idle(tmp_path):
     out = tmp_path / "few.npz"
     res = _torchrun(3, ["generate", "gmm", *GMM, "--count", "2", "--out", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
-    arrays, _ = _load(out)
+    arrays, meta = _load(out)
+    # a data-parallel job that merges: rank 0 writes the output and its JSON, and removes the shards
+    assert meta["processes"] == 3 and not Path(str(out) + ".parts").exists()
     one = tmp_path / "one.npz"
     assert CliRunner().invoke(main, ["generate", "gmm", *GMM, "--count", "2", "--out", str(one)]).exit_code == 0
     np.testing.assert_array_equal(arrays["samples"], _load(one)[0]["samples"])
 
 
+@pytest.mark.slow
 def test_tree_parallel_digits_equal_one_process(tmp_path):
     args = ["generate", "pixel", "--steps", "16", "--count", "5", "--batch", "5", "--no-progress"]
     one, two = tmp_path / "one.npz", tmp_path / "two.npz"
@@ -197,11 +203,23 @@ def test_tree_parallel_digits_equal_one_process(tmp_path):
     assert a[1]["nfe"] == b[1]["nfe"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_a_killed_run_resumes_to_the_uninterrupted_output(sig, tmp_path):
-    args = ["generate", "gmm", "--dim", "8", "--components", "3", "--steps", "30", "--count", "600", "--batch", "4"]
-    ref = tmp_path / "ref.npz"
-    assert CliRunner().invoke(main, [*args, "--no-progress", "--out", str(ref)]).exit_code == 0
+KILLED = ["generate", "gmm", "--dim", "8", "--components", "3", "--steps", "30", "--count", "600", "--batch", "4"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The uninterrupted output of the job the kill tests interrupt (one run for both signals)."""
+    ref = tmp_path_factory.mktemp("uninterrupted") / "ref.npz"
+    res = CliRunner().invoke(main, [*KILLED, "--no-progress", "--out", str(ref)])
+    assert res.exit_code == 0, res.output
+    return ref
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGKILL"]
+)
+def test_a_killed_run_resumes_to_the_uninterrupted_output(sig, uninterrupted, tmp_path):
+    args, ref = KILLED, uninterrupted
     out = tmp_path / "killed.npz"
     parts = Path(str(out) + ".parts")
     cmd = [sys.executable, "-m", "specforest", *args, "--no-progress", "--out", str(out)]
@@ -307,6 +325,7 @@ def test_a_generation_leaves_the_callers_grad_mode_alone():
         assert torch.is_grad_enabled()
 
 
+@pytest.mark.slow
 def test_tree_parallel_needs_no_seed_agreement(tmp_path):
     """Each process gives its own seed and states: the first process's are used everywhere."""
     script = tmp_path / "tp.py"
@@ -413,15 +432,14 @@ def faulty_cli(tmp_path_factory) -> Path:
     return script
 
 
-def _run_faulty(
-    script: Path, fault: str, tmp_path: Path, args: list
-) -> "tuple[subprocess.CompletedProcess, float, dict]":
-    """Two processes with ``fault``: the result, the job's wall time and each process's end."""
+def _run_faulty(script: Path, fault: str, tmp_path: Path, args: list) -> "tuple[subprocess.CompletedProcess, dict]":
+    """Two processes with ``fault``: the result and each process's end.
+
+    A process left waiting for a peer that failed never ends: ``_torchrun``'s timeout fails the test then.
+    """
     ends = Path(tempfile.mkdtemp(prefix=f"ends-{fault}-", dir=tmp_path))
-    t0 = time.perf_counter()
-    res = _torchrun(2, args, script=script, env={"SPECFOREST_FAULT": fault, "SPECFOREST_ENDS": str(ends)}, timeout=120)
-    seconds = time.perf_counter() - t0
-    return res, seconds, {p.name: p.read_text() for p in ends.iterdir()}
+    res = _torchrun(2, args, script=script, env={"SPECFOREST_FAULT": fault, "SPECFOREST_ENDS": str(ends)})
+    return res, {p.name: p.read_text() for p in ends.iterdir()}
 
 
 def _no_temporary_files(root: Path) -> bool:
@@ -434,9 +452,7 @@ def _no_temporary_files(root: Path) -> bool:
 def test_a_merge_failure_on_rank_0_stops_every_rank_and_resumes(extra, faulty_cli, reference, tmp_path):
     out = tmp_path / "job.npz"
     args = ["generate", "gmm", *GMM, "--count", "40", "--batch", "6", *extra, "--out", str(out)]
-    res, seconds, ends = _run_faulty(faulty_cli, "merge", tmp_path, args)
-    # the limit the command promises: every process gone within 30 s of a failure (here: of the start)
-    assert seconds < 30, seconds
+    res, ends = _run_faulty(faulty_cli, "merge", tmp_path, args)
     assert res.returncode != 0 and ends == {"rank0": "1", "rank1": "1"}, (ends, res.stderr[-3000:])
     assert "injected: no space left on device" in res.stderr
     # rank 1 reports the failure of rank 0, not a broken connection
@@ -445,6 +461,7 @@ def test_a_merge_failure_on_rank_0_stops_every_rank_and_resumes(extra, faulty_cl
     parts = Path(str(out) + ".parts")
     assert not out.exists() and not out.with_suffix(".json").exists() and _no_temporary_files(tmp_path)
     assert len(gen_exp.done_indices(out)) == 40
+    # the resume only merges the shards the two processes wrote: they must equal one process's samples
     res = CliRunner().invoke(main, ["generate", "gmm", *GMM, "--count", "40", "--out", str(out), "--resume"])
     assert res.exit_code == 0, res.output
     arrays, meta = _load(out)
@@ -452,19 +469,22 @@ def test_a_merge_failure_on_rank_0_stops_every_rank_and_resumes(extra, faulty_cl
     assert meta["nfe"] == reference[1]["nfe"] and not parts.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--tree-parallel"]], ids=["data-parallel", "tree-parallel"])
 def test_a_model_error_on_rank_1_stops_every_rank_and_resumes(extra, faulty_cli, reference, tmp_path):
     out = tmp_path / "job.npz"
     args = ["generate", "gmm", *GMM, "--count", "40", "--batch", "2", *extra, "--out", str(out)]
-    res, seconds, ends = _run_faulty(faulty_cli, "sample", tmp_path, args)
-    # data-parallel, rank 0 sleeps 1 s a call: had it not been stopped, its share alone would take over 30 s
-    assert seconds < 30, seconds
+    res, ends = _run_faulty(faulty_cli, "sample", tmp_path, args)
     assert res.returncode != 0 and ends.get("rank1") == "RuntimeError", (ends, res.stderr[-3000:])
     assert ends.get("rank0") not in (None, "0"), (ends, res.stderr[-3000:])
     assert "injected model error on rank 1" in res.stderr
     assert not out.exists() and _no_temporary_files(tmp_path)
     done = gen_exp.done_indices(out)
     assert 0 < len(done) < 40  # rank 1 wrote shards before it failed, and the job is not complete
+    if not extra:
+        # data-parallel, rank 0 sleeps 1 s a call: it was stopped long before it finished its share
+        # (every other index, from 0); unstopped, it would have finished it and failed at the merge
+        assert len({i for i in done if i % 2 == 0}) < 20, sorted(done)
     res = CliRunner().invoke(main, ["generate", "gmm", *GMM, "--count", "40", "--out", str(out), "--resume"])
     assert res.exit_code == 0, res.output
     arrays, meta = _load(out)
@@ -483,12 +503,12 @@ def test_a_complete_job_has_nothing_to_do_and_loads_no_model(faulty_cli, tmp_pat
     res = CliRunner().invoke(main, [*args, "--resume"])
     assert res.exit_code == 0 and "nothing to do" in res.output and loads == [1]
     # two processes, one of which cannot load the model: a complete job never tries
-    res, _, ends = _run_faulty(faulty_cli, "load", tmp_path, [*args, "--resume"])
+    res, ends = _run_faulty(faulty_cli, "load", tmp_path, [*args, "--resume"])
     assert res.returncode == 0 and ends == {"rank0": "0", "rank1": "0"}, res.stderr[-3000:]
     assert "nothing to do" in res.stderr
     # the same processes on a job still to do: rank 1 fails to load it, and rank 0 stops with it
     fresh = [*args[:-1], str(tmp_path / "fresh.npz")]
-    res, seconds, ends = _run_faulty(faulty_cli, "load", tmp_path, fresh)
-    assert seconds < 30 and ends == {"rank0": "1", "rank1": "1"}, (ends, res.stderr[-3000:])
+    res, ends = _run_faulty(faulty_cli, "load", tmp_path, fresh)
+    assert ends == {"rank0": "1", "rank1": "1"}, (ends, res.stderr[-3000:])
     assert "injected: rank 1 cannot load the model" in res.stderr
     assert "process 0: loading the model failed on process 1 of 2: OSError: injected" in res.stderr

@@ -61,6 +61,25 @@ from specforest.cli import main
 main(a["argv"], prog_name="specforest")
 """
 
+# the resident bytes a fresh process gives back when it frees 16 blocks of 16 MiB, with glibc's
+# defaults or after keep_freed_memory (the module loaded alone: no torch, a small process)
+_FREE_CHILD = r"""
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("allocator", sys.argv[1])
+allocator = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(allocator)
+kept = allocator.keep_freed_memory() if sys.argv[2] == "keep" else None
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+blocks = [bytearray(16 << 20) for _ in range(16)]  # zero-filled: resident
+peak = resident()
+del blocks
+print(json.dumps({"kept": kept, "released": peak - resident()}))
+"""
+
 _SD3_CHILD = r"""
 import json, sys, tempfile
 from pathlib import Path
@@ -147,6 +166,7 @@ def test_gmm_lazy_run_holds():
     assert run["record"]["mode"] == "lazy"
 
 
+@pytest.mark.slow
 def test_pixel_run_holds_and_the_estimate_without_row_bytes_does_not():
     argv = [*PIXEL, "--K", "4", "--L", "3", "--samples", "64", "--memory-gb", "0.5"]
     run = _cli(argv)
@@ -246,3 +266,24 @@ def test_a_peak_is_the_commands_own_not_its_parents():
     del big
     with pytest.raises(TypeError, match="argv must be a non-empty sequence of str"):
         run_measured("python -c pass")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc thresholds")
+def test_keep_freed_memory_keeps_freed_heap_blocks_resident():
+    """After :func:`specforest.allocator.keep_freed_memory` a process keeps the blocks under 32 MiB it
+    frees for reuse; with glibc's defaults each is mapped and unmapped, so the next round pays its page
+    faults again."""
+
+    def released(mode: str) -> dict:
+        path = ROOT / "src" / "specforest" / "allocator.py"
+        res = subprocess.run([sys.executable, "-c", _FREE_CHILD, str(path), mode], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    freed = 16 * 16 << 20
+    kept = released("keep")
+    if not kept["kept"]:
+        pytest.skip("no glibc mallopt here: keep_freed_memory changes nothing")
+    assert kept["released"] <= 0.1 * freed, kept
+    default = released("default")
+    assert default["released"] >= 0.9 * freed, default  # the behaviour it replaces: every block goes back

@@ -1,6 +1,11 @@
-"""The shipped exactness checks (specforest.testing) and the docs example that uses them."""
+"""The shipped exactness checks (specforest.testing), the docs example that uses them, and the suite's
+rule that the fast tier runs a test of every file (tests/conftest.py)."""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +67,27 @@ def test_the_documented_examples_run(doc):
     assert blocks
     for code in blocks:
         exec(compile(code, doc, "exec"), {})
+
+
+def test_a_test_file_left_out_of_the_fast_tier_stops_the_run(tmp_path):
+    """tests/conftest.py in a suite of two files: the whole suite runs while each file has a fast test,
+    and refuses to, naming the file, once every test of one is marked slow."""
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
+    (tmp_path / "test_a.py").write_text("def test_fast():\n    pass\n")
+    mixed = "import pytest\n\n\n@pytest.mark.slow\ndef test_slow():\n    pass\n"
+
+    def collect(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args]
+        env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # (the installed plugins: seconds a start)
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    (tmp_path / "test_b.py").write_text(mixed + "\n\ndef test_fast():\n    pass\n")
+    ok = collect("-m", "not slow")
+    assert ok.returncode == 0 and "test_b.py::test_fast" in ok.stdout, ok.stdout + ok.stderr
+    (tmp_path / "test_b.py").write_text(mixed)
+    refused = collect("-m", "not slow")
+    assert refused.returncode == pytest.ExitCode.USAGE_ERROR, refused.stdout + refused.stderr
+    assert "every test of test_b.py is marked slow" in refused.stderr, refused.stderr
+    # a run of one file checks nothing: the other files are left out on purpose
+    assert collect("test_b.py").returncode == 0
