@@ -770,6 +770,7 @@ def test_a_tuned_configuration_is_checked_against_the_run(sd):
 # -- (h) tuning and the parts that generate samples -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tune_sdxl_measures_the_unet_and_its_choice_runs(sdxl, sd, monkeypatch):
     import specforest.memory
     from specforest import diffusers as sdiff

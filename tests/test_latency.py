@@ -183,15 +183,6 @@ def test_a_rounds_cost_grows_with_its_rows_and_adds_up_to_the_measured_time():
     assert predict_seconds(curve, 30, 4, None, "internal", None, cost)[0] == pytest.approx(30 * (1.0 + cost(4)))
 
 
-def test_the_allocator_keeps_freed_memory_on_linux():
-    import sys
-
-    from specforest.allocator import keep_freed_memory
-
-    assert keep_freed_memory() is sys.platform.startswith("linux")
-    assert keep_freed_memory() is keep_freed_memory()  # once per process
-
-
 def _predictor_with_records(records: torch.Tensor, steps: int):
     """A predictor whose RMC calibration is ``records (n, 3)`` rows ``(depth, step, delta)``, nothing timed."""
     from specforest.latency import Calibration, Predictor
