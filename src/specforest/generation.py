@@ -29,9 +29,9 @@ import torch
 
 from . import engine, streams
 from .distributed import broadcast_
+from .options import SamplerOptions, TunedFor, resolve
 from .records import RunContext, RunState
 from .results import SampleStats, returned, stats_of
-from .options import SamplerOptions, TunedFor, resolve
 from .sampler import RunSpec, VelocityFn, prepare
 from .target import outside_inference
 from .validation import check_indices, check_int, check_seed, refuse_non_finite, working_dtype
