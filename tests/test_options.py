@@ -78,7 +78,7 @@ def test_tuned_for_fills_the_steps_of_keywords_and_checks_an_object(gmm):
     "kwargs,exc,match",
     [
         (dict(churn=0.0), ValueError, r"churn must be in \(0, 1\]"),
-        (dict(churn=0.5, steps=0), ValueError, "steps must be an int >= 1"),
+        (dict(churn=0.5, steps=0), ValueError, "steps must be >= 1"),
         (dict(churn=0.5, steps=True), TypeError, "steps must be an int"),
         (dict(churn=0.5, prefetch="first"), ValueError, "prefetch must be one of"),
         (dict(churn=0.5, verify="all"), ValueError, "verify must be one of"),

@@ -384,7 +384,7 @@ def test_budget_drafted_states_per_round():
         (dict(churn=0.0), ValueError, "churn must be in \\(0, 1\\]"),
         (dict(churn=-0.1), ValueError, "churn"),
         (dict(churn=1.5), ValueError, "churn"),
-        (dict(steps=0), ValueError, "steps must be an int >= 1"),
+        (dict(steps=0), ValueError, "steps must be >= 1"),
         (dict(steps=2.5), TypeError, "steps must be an int"),
         (dict(prefetch="first"), ValueError, "prefetch must be one of"),
         (dict(verify="all"), ValueError, "verify must be one of"),

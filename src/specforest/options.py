@@ -110,7 +110,10 @@ class SamplerOptions:
 
     def __post_init__(self) -> None:
         if self.steps is not None:
-            check_int("steps", self.steps, 1)
+            if isinstance(self.steps, bool) or not isinstance(self.steps, int):
+                raise TypeError(f"steps must be an int >= 1, got {type(self.steps).__name__}")
+            if self.steps < 1:
+                raise ValueError(f"steps must be >= 1, got {self.steps}")
         check_choice("prefetch", self.prefetch, PREFETCH_POLICIES)
         check_choice("verify", self.verify, VERIFY_MODES)
         if self.max_rows is not None:
