@@ -475,20 +475,7 @@ def test_restart_resets_every_per_trajectory_field_of_the_state():
     from specforest.sampler import prepare
 
     spec = prepare(
-        steps=12,
-        churn=0.5,
-        sigmas=None,
-        grid="flow_match",
-        shift=1.0,
-        tree=trees.uniform(2, 2),
-        coupling="grs",
-        draft="x0_extrap",
-        prefetch="nearest",
-        verify="internal",
-        max_rows=None,
-        model_kwargs=None,
-        lazy=False,
-        record_deltas=True,
+        specforest.SamplerOptions(steps=12, churn=0.5, tree=trees.uniform(2, 2), draft="x0_extrap", record_deltas=True)
     )
     gmm = GaussianMixture.paper(dim=4, components=3, seed=0)
     batch = 5
@@ -555,11 +542,7 @@ def test_rounds_never_change_the_run_context(tree, lazy):
 
     if isinstance(tree, trees.DraftTree):
         tree = trees.from_parents(tree.parent.tolist())  # its own tables, made here in normal mode
-    spec = prepare(
-        steps=None, churn=0.5, sigmas=flow_match_grid(10), grid="flow_match", shift=1.0, tree=tree,
-        coupling="grs", draft="velocity", prefetch="nearest", verify="internal", max_rows=None,
-        model_kwargs=None, lazy=lazy, record_deltas=False,
-    )  # fmt: skip
+    spec = prepare(specforest.SamplerOptions(churn=0.5, sigmas=flow_match_grid(10), tree=tree, lazy=lazy))
     gmm = GaussianMixture.paper(dim=4, components=3, seed=0)
     ctx = spec.context(gmm, (4,), torch.float64, torch.device("cpu"), 4, {})
     state = engine.init_state(ctx, streams.randn(0, torch.arange(4), (4,), dtype=torch.float64), torch.arange(4))

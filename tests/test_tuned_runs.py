@@ -15,6 +15,7 @@ from specforest import latency, streams, trees
 from specforest.cli import main
 from specforest.latency import CostCurve, Tuned, TunedFor, measure
 from specforest.models import GaussianMixture
+from specforest.options import RUN_INPUTS
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,8 @@ def test_generate_with_a_tuned_configuration_fills_its_slots_and_refuses_others(
 # -- the tuner takes every option of sample ------------------------------------------------------
 
 
-_SIGNATURE = [p for p in inspect.signature(specforest.sample).parameters if p not in ("model", "x")]
+# every option (a field of SamplerOptions) and every other keyword of sample (a run's input)
+_SIGNATURE = [*specforest.SamplerOptions.names(), *RUN_INPUTS]
 
 
 def _every_call(key, value):
@@ -146,6 +148,8 @@ OPTION_CASES = {
 
 def test_every_option_of_sample_has_a_tuner_case():
     # a new option of sample without a case here (and a treatment in latency.SAMPLE_OPTIONS) fails
+    keywords = inspect.signature(specforest.sample).parameters.values()
+    assert [p.name for p in keywords if p.kind is inspect.Parameter.KEYWORD_ONLY] == list(RUN_INPUTS)
     assert set(OPTION_CASES) == set(_SIGNATURE)
     assert set(latency.SAMPLE_OPTIONS) == set(_SIGNATURE)
 

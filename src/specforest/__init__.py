@@ -9,9 +9,10 @@ Quick start::
     out.samples, out.stats.nfe
 """
 
-from . import couplings, engine, proposals, sde, streams, trees
+from . import couplings, proposals, sde, streams, trees
 from .couplings import GRS, RMC, Coupling, register_coupling
 from .generation import Finished, Generation, generate
+from .options import SamplerOptions
 from .proposals import DraftModel, FrozenPrediction, register_draft
 from .sampler import SampleResult, SampleStats, sample, standard_sample
 from .sde import ReverseSDE, flow_match_grid, uniform_grid
@@ -29,8 +30,8 @@ __all__ = [
     "ReverseSDE",
     "SampleResult",
     "SampleStats",
+    "SamplerOptions",
     "couplings",
-    "engine",
     "flow_match_grid",
     "generate",
     "proposals",

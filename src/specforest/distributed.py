@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 
 from .devices import default_device
-from .validation import is_int
+from .validation import check_indices, is_int
 
 __all__ = [
     "PeerError",
@@ -100,16 +100,16 @@ def shard(indices: "int | Sequence[int] | torch.Tensor", group: Any = None) -> t
 
     Returns:
         ``(n,)`` long indices; empty on idle ranks when there are fewer indices than processes.
+
+    Raises:
+        ValueError: if ``indices`` is a negative count, or not a 1-D sequence of non-negative integers.
     """
     if is_int(indices):
         if indices < 0:
             raise ValueError(f"indices must be a count >= 0 or a sequence of indices, got {indices}")
         idx = torch.arange(indices)
     else:
-        idx = torch.as_tensor(indices)
-        if idx.numel() and (idx.is_floating_point() or idx.dtype == torch.bool):
-            raise ValueError(f"indices must be integers, got dtype {idx.dtype}")
-        idx = idx.long().reshape(-1)
+        idx = check_indices("indices", indices)
     r = rank(group)
     if r < 0:  # not a member of the group: no share
         return idx[:0]

@@ -29,11 +29,12 @@ import torch
 
 from . import engine, streams
 from .distributed import broadcast_
+from .options import SamplerOptions, TunedFor, resolve
 from .records import RunContext, RunState
 from .results import SampleStats, returned, stats_of
-from .sampler import RunSpec, TunedFor, VelocityFn, check_tuned_for, prepare
+from .sampler import RunSpec, VelocityFn, prepare
 from .target import outside_inference
-from .validation import check_int
+from .validation import check_indices, check_int, check_seed, refuse_non_finite, working_dtype
 
 __all__ = ["Finished", "Generation", "GenerationStats", "generate"]
 
@@ -139,7 +140,7 @@ class Generation:
         dev = x.device
         self._bad_x = torch.zeros((), dtype=torch.bool, device=dev)
         self._dtype, self._shape, self._device = x.dtype, tuple(x.shape[1:]), x.device
-        self._work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+        self._work = working_dtype(x.dtype)
         keys = streams.sample_keys(self.seed, idx.to(dev))
         x0 = x.reshape(len(idx), -1).to(self._work, copy=True)
         if self.group is not None:
@@ -197,8 +198,7 @@ class Generation:
                 raise ValueError("make_x must return finite floating-point states (a refill got NaN or inf)")
             if bad_target:
                 ctx.target.raise_not_finite()
-            if bad_state:
-                raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
+            refuse_non_finite(bool(bad_state))
             if not n_done:
                 continue
             rows = torch.nonzero_static(done, size=n_done)[:, 0]
@@ -238,22 +238,10 @@ def generate(
     make_cond: Optional[Callable[[torch.Tensor], dict]] = None,
     seed: int,
     batch: Optional[int] = None,
-    steps: Optional[int] = None,
-    churn: float,
-    sigmas: Optional[torch.Tensor] = None,
-    grid: str = "flow_match",
-    shift: float = 1.0,
-    tree: Any = None,
-    coupling: Any = "grs",
-    draft: Any = "velocity",
-    prefetch: str = "nearest",
-    verify: str = "internal",
-    max_rows: Optional[int] = None,
-    model_kwargs: Optional[dict] = None,
-    lazy: bool = False,
+    options: Optional[SamplerOptions] = None,
     process_group: Any = None,
-    pad_rows: Any = None,
     tuned_for: Optional[TunedFor] = None,
+    **option_kwargs: Any,
 ) -> Generation:
     """Sample many indices through ``batch`` slots, refilling each slot the round it finishes.
 
@@ -273,10 +261,11 @@ def generate(
         make_cond: ``make_cond(idx) -> dict`` of per-trajectory conditioning, one row per index.
         seed: the job's seed (an int).
         batch: slots in flight, ``>= 1`` (default 64, or the tuned batch with ``tuned_for``).
+        options: the sampler's options (:class:`~specforest.options.SamplerOptions`), or give them
+            as keywords (``**option_kwargs``, as in :func:`specforest.sample`; the keywords override
+            the object's fields). ``record_deltas`` is :func:`specforest.sample`'s alone.
         process_group: tree-parallel verification (see :func:`specforest.sample`);
             every process of the group must make the same call.
-        steps, churn, sigmas, grid, shift, tree, coupling, draft, prefetch, verify,
-            max_rows, model_kwargs, lazy, pad_rows: as in :func:`specforest.sample`.
         tuned_for: the run a tuned configuration was chosen for, as in :func:`specforest.sample`
             (``generate(model, ..., **tuned)``); the slots ``batch`` are its batch.
 
@@ -295,44 +284,16 @@ def generate(
     if count is not None:
         idx = torch.arange(check_int("count", count, 0))
     else:
-        try:
-            idx = torch.as_tensor(indices)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise ValueError("indices must be a 1-D sequence of integers in [0, 2**63)") from err
-        if idx.numel() == 0:
-            idx = idx.long().reshape(0)
-        if idx.ndim != 1 or idx.is_floating_point() or idx.dtype == torch.bool:
-            raise ValueError(f"indices must be a 1-D sequence of integers, got shape {tuple(idx.shape)}")
-        if bool((idx < 0).any()):
-            raise ValueError("indices must be non-negative")
-        idx = idx.long().cpu()
-        if len(torch.unique(idx)) != len(idx):
-            raise ValueError("indices must not repeat: each index is one sample")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        idx = check_indices("indices", indices, unique=True).cpu()
+    seed = check_seed(seed)
     if batch is None:
         batch = 64 if tuned_for is None or not isinstance(tuned_for, TunedFor) else tuned_for.batch
     batch = check_int("batch", batch, 1)
-    steps = check_tuned_for(tuned_for, steps=steps, sigmas=sigmas, churn=churn, batch=batch, batch_name="slots")
+    opts = resolve(options, option_kwargs, tuned_for=tuned_for, batch=batch, batch_name="slots")
+    if opts.record_deltas:
+        raise TypeError("generate does not take record_deltas=True: its Finished stats carry no deltas (use sample)")
     if not callable(make_x):
         raise TypeError("make_x must be callable as make_x(indices) -> (n, *shape) states")
     if make_cond is not None and not callable(make_cond):
         raise TypeError("make_cond must be None or callable as make_cond(indices) -> dict")
-    spec = prepare(
-        steps=steps,
-        churn=churn,
-        sigmas=sigmas,
-        grid=grid,
-        shift=shift,
-        tree=tree,
-        coupling=coupling,
-        draft=draft,
-        prefetch=prefetch,
-        verify=verify,
-        max_rows=max_rows,
-        model_kwargs=model_kwargs,
-        lazy=lazy,
-        record_deltas=False,
-        pad_rows=pad_rows,
-    )
-    return Generation(model, spec, idx, make_x, make_cond, batch, seed, process_group)
+    return Generation(model, prepare(opts), idx, make_x, make_cond, batch, seed, process_group)

@@ -65,8 +65,9 @@ import torch
 
 from . import sampler
 from .models.edm import EDMDenoiserVelocity
+from .options import RUN_INPUTS, SamplerOptions
 from .proposals import Proposal
-from .validation import check_states
+from .validation import check_states, working_dtype
 
 __all__ = ["PATHS", "linear_grid", "sample", "sample_speculative"]
 
@@ -87,21 +88,11 @@ _GIVEN_OTHERWISE = {
     "model_kwargs": "pass conditioning in extra_args",
     "progress": "the progress bar is disable=False",
 }
-_PASSED = (
-    "churn",
-    "tree",
-    "coupling",
-    "draft",
-    "prefetch",
-    "verify",
-    "generator",
-    "seed",
-    "sample_index",
-    "max_rows",
-    "lazy",
-    "record_deltas",
-    "process_group",
-    "pad_rows",
+# the options and run inputs of specforest.sample this signature passes on (callback is its own)
+_PASSED = tuple(
+    name
+    for name in (*SamplerOptions.names(), *RUN_INPUTS)
+    if name not in _GIVEN_OTHERWISE and name not in ("callback", "tuned_for")
 )
 _ROW = "_specforest_row"  # the trajectory of each row, given to the denoiser wrapper only when a callback records
 
@@ -317,7 +308,7 @@ def sample(
     if callable(draft) and not isinstance(draft, (str, Proposal)):
         # a draft model in k-diffusion's convention: a denoiser, called with the same extra_args
         options["draft"] = _velocity(_Denoiser(draft, shared, None), s, path)
-    work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    work = working_dtype(x.dtype)
     x_lin = x.to(work) / float(_ve_scale(s[0])) if path == "ve" else x
     hook = None if callback is None else _callback(callback, roots, sigmas, t.numel() - 1)
     out = sampler.sample(velocity, x_lin, sigmas=t, cond=cond, callback=hook, progress=_progress(disable), **options)

@@ -171,3 +171,75 @@ def check_states(x: object, *, example: str = "") -> None:
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     if not torch.isfinite(x).all():
         raise ValueError("x contains NaN or inf")
+
+
+# -- the checks the sampler and generate share ---------------------------------------------------
+
+__all__ += ["check_indices", "check_seed", "refuse_non_finite", "working_dtype"]
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the sampler's arithmetic for states of ``dtype``: float64 or float32 as given,
+    float32 for anything else (half precision: the coupling's arithmetic needs more)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def refuse_non_finite(bad: bool) -> None:
+    """Refuse to return samples with NaN or inf (``bad``: a host bool the caller read).
+
+    Raises:
+        FloatingPointError: if ``bad``.
+    """
+    if bad:
+        raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
+
+
+def check_seed(seed: object) -> int:
+    """``seed`` as an ``int`` (any value; ``bool`` is refused).
+
+    Raises:
+        TypeError: if it is not an int.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, Integral):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    return int(seed)
+
+
+def check_indices(
+    name: str,
+    value: object,
+    *,
+    length: "int | None" = None,
+    unique: bool = False,
+    device: "torch.device | None" = None,
+    per: str = "",
+) -> torch.Tensor:
+    """``value`` as a ``(n,)`` long tensor of sample indices, integers in ``[0, 2**63)``.
+
+    Args:
+        name: the parameter, for the messages.
+        value: a sequence or tensor of integers (an empty sequence is ``(0,)``).
+        length: the ``n`` it must have (``None``: any).
+        unique: refuse repeated indices (each index is one sample).
+        device: where the tensor is made (``None``: the CPU, or ``value``'s device).
+        per: what one index stands for, for the messages (``" (one per row of x)"``).
+
+    Raises:
+        ValueError: naming ``name``, if it is not 1-D, not integers, negative or repeats.
+    """
+    count = "a 1-D sequence of" if length is None else f"{length}"
+    try:
+        idx = torch.as_tensor(value, device=device)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{name} must be {count} integers in [0, 2**63){per}") from err
+    if idx.numel() == 0 and length is None:
+        idx = idx.long().reshape(0)
+    wrong = idx.ndim != 1 if length is None else idx.shape != (length,)
+    if wrong or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise ValueError(f"{name} must be {count} integers{per}, got shape {tuple(idx.shape)} {idx.dtype}")
+    if bool((idx < 0).any()):
+        raise ValueError(f"{name} must be non-negative")
+    idx = idx.long()
+    if unique and len(torch.unique(idx)) != len(idx):
+        raise ValueError(f"{name} must not repeat: each index is one sample")
+    return idx

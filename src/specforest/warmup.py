@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 import torch
 
+from .options import SamplerOptions
 from .sampler import _check_cond, prepare
 from .target import Target
 from .trees import TreeTables
@@ -56,23 +57,8 @@ MAX_SHAPES = 64
 
 def _spec(options: dict):
     """The validated :class:`~specforest.sampler.RunSpec` of ``sample``'s shape-relevant options."""
-    return prepare(
-        steps=options.get("steps"),
-        churn=options["churn"],
-        sigmas=options.get("sigmas"),
-        grid=options.get("grid", "flow_match"),
-        shift=options.get("shift", 1.0),
-        tree=options.get("tree"),
-        coupling=options.get("coupling", "grs"),
-        draft=options.get("draft", "velocity"),
-        prefetch=options.get("prefetch", "nearest"),
-        verify=options.get("verify", "internal"),
-        max_rows=options.get("max_rows"),
-        model_kwargs=None,
-        lazy=options.get("lazy", False),
-        record_deltas=False,
-        pad_rows=options.get("pad_rows"),
-    )
+    shaping = {k: v for k, v in options.items() if k in SamplerOptions.names()}
+    return prepare(SamplerOptions.from_kwargs(**{**shaping, "model_kwargs": None, "record_deltas": False}))
 
 
 _SHAPE_OPTIONS = ("steps", "sigmas", "grid", "shift", "tree", "coupling", "draft", "prefetch", "verify")

@@ -186,7 +186,11 @@ def sample(pipe: Any, prompt: "str | list[str] | None" = None, **options: Any) -
     ``*prompt_embeds``); defaults are each pipeline's own (Flux: 28 steps,
     guidance 3.5; SDXL 5.0 and SD 7.5 with ``guidance_scale=None``). Flux adds
     ``true_cfg_scale``; SDXL ``prompt_2`` and its size and crop conditioning. SDXL
-    and SD take no ``shift`` or ``max_sequence_length``.
+    and SD take no ``shift`` or ``max_sequence_length``. The sampler's options
+    among them (``churn``, ``tree``, ``coupling``, ``draft``, ``prefetch``,
+    ``verify``, ``lazy``, SD3's ``pad_rows``) mean what
+    :class:`~specforest.options.SamplerOptions` documents: the family's ``sample``
+    makes one of them (:func:`~specforest.diffusers.run.sampler_options`) with its grid.
 
     Returns:
         The family's result (:class:`~specforest.diffusers.SD3Result`,

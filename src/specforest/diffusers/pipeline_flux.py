@@ -55,7 +55,7 @@ from .detection import is_flux
 from .flow_matching import transformer_row_bytes
 from .flux_velocity import FluxVelocity, latent_image_ids, pack_latents, unpack_latents
 from .grid import flux_sigmas
-from .run import SD3Result, execution_device, run_sampler
+from .run import SD3Result, execution_device, run_sampler, sampler_options
 from .text import check_prompts, cond_from_embeds
 
 __all__ = [
@@ -385,20 +385,21 @@ def sample(
     run = run_sampler(
         pipe,
         velocity,
-        sigmas=sigmas,
+        options=sampler_options(
+            sigmas=sigmas,
+            churn=churn,
+            tree=tree,
+            coupling=coupling,
+            draft=draft,
+            prefetch=prefetch,
+            verify=verify,
+            lazy=lazy,
+        ),
         latent_shape=latent_shape,
         device=device,
         cond=cond,
         images=images,
         generator=generator,
-        steps=steps,
-        churn=churn,
-        tree=tree,
-        coupling=coupling,
-        draft=draft,
-        prefetch=prefetch,
-        verify=verify,
-        lazy=lazy,
         progress=progress,
         max_memory_gb=max_memory_gb,
         output_type=output_type,

@@ -36,7 +36,7 @@ from .decoding import OUTPUT_TYPES
 from .decoding import decode_flow_match as decode
 from .flow_matching import FlowMatchVelocity, transformer_row_bytes
 from .grid import scheduler_sigmas
-from .run import SD3Result, execution_device, run_sampler
+from .run import SD3Result, execution_device, run_sampler, sampler_options
 from .text import check_prompts, cond_from_embeds
 
 __all__ = [
@@ -324,20 +324,22 @@ def sample(
     run = run_sampler(
         pipe,
         velocity,
-        sigmas=sigmas,
+        options=sampler_options(
+            sigmas=sigmas,
+            churn=churn,
+            tree=tree,
+            coupling=coupling,
+            draft=draft,
+            prefetch=prefetch,
+            verify=verify,
+            lazy=lazy,
+            pad_rows=pad_rows,
+        ),
         latent_shape=latent_shape,
         device=device,
         cond=cond,
         images=images,
         generator=generator,
-        steps=steps,
-        churn=churn,
-        tree=tree,
-        coupling=coupling,
-        draft=draft,
-        prefetch=prefetch,
-        verify=verify,
-        lazy=lazy,
         progress=progress,
         max_memory_gb=max_memory_gb,
         output_type=output_type,
@@ -345,7 +347,6 @@ def sample(
         width=width,
         row_bytes=row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
         cond_bytes=velocity.branches * (pe[0].numel() + ppe[0].numel()) * t_bytes,
-        pad_rows=pad_rows,
         warmup=warmup,
     )
     latents = run.out.samples

@@ -44,7 +44,7 @@ from ..validation import check_number as _check_number
 from .checks import check_run_options, image_size, vae_scale_factor
 from .decoding import decode_unet as decode
 from .detection import is_sd, is_sdxl, unet_family
-from .run import SD3Result, execution_device, run_sampler
+from .run import SD3Result, execution_device, run_sampler, sampler_options
 from .text import check_unet_text
 from .unet import PREDICTION_TYPES, UNetVelocity, VPSchedule, unet_row_bytes, vp_schedule
 
@@ -456,20 +456,21 @@ def sample(
     run = run_sampler(
         pipe,
         velocity,
-        sigmas=schedule.sigmas,
+        options=sampler_options(
+            sigmas=schedule.sigmas,
+            churn=churn,
+            tree=tree,
+            coupling=coupling,
+            draft=draft,
+            prefetch=prefetch,
+            verify=verify,
+            lazy=lazy,
+        ),
         latent_shape=latent_shape,
         device=device,
         cond=cond,
         images=images,
         generator=generator,
-        steps=steps,
-        churn=churn,
-        tree=tree,
-        coupling=coupling,
-        draft=draft,
-        prefetch=prefetch,
-        verify=verify,
-        lazy=lazy,
         progress=progress,
         max_memory_gb=max_memory_gb,
         output_type=output_type,

@@ -10,6 +10,7 @@ from the caller's generator(s) as diffusers draws them, and one run of
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import torch
 
 from .. import memory as _memory
 from ..couplings import Coupling
+from ..options import SamplerOptions
 from ..sampler import SampleResult, SampleStats
 from ..sampler import sample as _engine_sample
 from ..trees import DraftTree
@@ -27,7 +29,7 @@ from .checks import check_generators
 from .decoding import decode_bytes
 from .flow_matching import module_dtype_device
 
-__all__ = ["Run", "SD3Result", "execution_device", "plan_memory", "run_sampler"]
+__all__ = ["Run", "SD3Result", "execution_device", "plan_memory", "run_sampler", "sampler_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,17 +145,9 @@ class Run:
     warmup_seconds: float
 
 
-def run_sampler(
-    pipe: Any,
-    velocity: Any,
+def sampler_options(
     *,
     sigmas: torch.Tensor,
-    latent_shape: tuple,
-    device: torch.device,
-    cond: dict,
-    images: int,
-    generator: "torch.Generator | list[torch.Generator] | None",
-    steps: int,
     churn: float,
     tree: Optional[DraftTree],
     coupling: "str | Coupling",
@@ -161,6 +155,37 @@ def run_sampler(
     prefetch: str,
     verify: str,
     lazy: bool,
+    pad_rows: Any = None,
+) -> SamplerOptions:
+    """The sampler's options of a family's run, made here for every family: its grid ``sigmas``
+    ``(T + 1,)`` and the options of its ``sample`` (as in :class:`~specforest.options.SamplerOptions`).
+
+    Raises:
+        ValueError / TypeError: naming the option.
+    """
+    return SamplerOptions(
+        sigmas=sigmas,
+        churn=churn,
+        tree=tree,
+        coupling=coupling,
+        draft=draft,
+        prefetch=prefetch,
+        verify=verify,
+        lazy=lazy,
+        pad_rows=pad_rows,
+    )
+
+
+def run_sampler(
+    pipe: Any,
+    velocity: Any,
+    *,
+    options: SamplerOptions,
+    latent_shape: tuple,
+    device: torch.device,
+    cond: dict,
+    images: int,
+    generator: "torch.Generator | list[torch.Generator] | None",
     progress: bool,
     max_memory_gb: Optional[float],
     output_type: str,
@@ -169,7 +194,6 @@ def run_sampler(
     row_bytes: int,
     cond_bytes: int,
     noise_scale: Optional[float] = None,
-    pad_rows: Any = None,
     warmup: bool = False,
 ) -> Run:
     """Size, draw and sample ``images`` images of a family's run (:func:`specforest.sample` on the churned SDE).
@@ -183,14 +207,14 @@ def run_sampler(
     Args:
         pipe: the pipeline (its VAE sizes the decode).
         velocity: the family's velocity ``v(x, sigma, **cond)``.
-        sigmas: ``(T + 1,)`` the grid.
+        options: the sampler's options (:func:`sampler_options`: the grid ``sigmas`` among them);
+            the memory plan sets their ``max_rows``.
         latent_shape: ``(C, h, w)`` of one image.
         device: where the states live.
         cond: per-image conditioning, ``(images, ...)`` tensors.
         images: the number of images ``N``.
         generator: a generator, one per image, or ``None``.
-        steps, churn, tree, coupling, draft, prefetch, verify, lazy, progress, pad_rows:
-            as in :func:`specforest.sample`.
+        progress: as in :func:`specforest.sample`.
         max_memory_gb, output_type, height, width: as in the family's ``sample``.
         row_bytes: bytes one row adds inside a network call.
         cond_bytes: bytes of one image's conditioning (all branches).
@@ -212,10 +236,10 @@ def run_sampler(
         height=height,
         width=width,
         output_type=output_type,
-        tree=tree,
-        verify=verify,
-        lazy=lazy,
-        steps=steps,
+        tree=options.tree,
+        verify=options.verify,
+        lazy=options.lazy,
+        steps=len(options.sigmas) - 1,
         row_bytes=row_bytes,
         cond_bytes=cond_bytes,
     )
@@ -229,20 +253,14 @@ def run_sampler(
         x_T = _initial_latents((images, *latent_shape), generator, device)
     if noise_scale is not None:
         x_T = x_T * noise_scale
-    opts = dict(
-        sigmas=sigmas,
-        churn=churn,
-        tree=tree,
-        coupling=coupling,
-        draft=draft,
-        prefetch=prefetch,
-        verify=verify,
-        max_rows=memory.max_rows,
-        lazy=lazy,
-    )
+    options = dataclasses.replace(options, max_rows=memory.max_rows)
     warmup_seconds = 0.0
     if warmup:
-        pad_rows = pad_rows or pad_rows_for(images, **opts)
-        warmup_seconds = warm_up(velocity, x_T, cond=cond, pad_rows=pad_rows, **opts)
-    out = _engine_sample(velocity, x_T, generator=generator, progress=progress, cond=cond, pad_rows=pad_rows, **opts)
-    return Run(out=out, memory=memory, decode_batch=decode_batch, pad_rows=pad_rows, warmup_seconds=warmup_seconds)
+        # the warm-up takes the options that shape a call (a pipeline passes no model_kwargs)
+        shaping = {k: v for k, v in options.as_dict().items() if k not in ("model_kwargs", "pad_rows")}
+        options = dataclasses.replace(options, pad_rows=options.pad_rows or pad_rows_for(images, **shaping))
+        warmup_seconds = warm_up(velocity, x_T, cond=cond, pad_rows=options.pad_rows, **shaping)
+    out = _engine_sample(velocity, x_T, options, generator=generator, progress=progress, cond=cond)
+    return Run(
+        out=out, memory=memory, decode_batch=decode_batch, pad_rows=options.pad_rows, warmup_seconds=warmup_seconds
+    )

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..options import RUN_INPUTS, SamplerOptions
+
 __all__ = ["SAMPLE_OPTIONS"]
 
 UNSET = object()
 """An option not given (distinct from every value, ``None`` included)."""
 
 
-SAMPLE_OPTIONS: "dict[str, str]" = {
+_OPTIONS = {
     # tune's own parameters, of the same name and meaning
     "steps": "tuner",
     "churn": "tuner",
-    "cond": "tuner",
-    "seed": "tuner",
-    "progress": "tuner",
     # constraints on the search
     "verify": "constraint",
     "draft": "constraint",
@@ -31,15 +30,25 @@ SAMPLE_OPTIONS: "dict[str, str]" = {
     # refused, for the reasons of _REFUSED (lazy and record_deltas only when True)
     "tree": "refused",
     "sigmas": "refused",
+    "lazy": "refused",
+    "record_deltas": "refused",
+}
+_RUN_INPUTS = {
+    "cond": "tuner",
+    "seed": "tuner",
+    "progress": "tuner",
     "generator": "refused",
     "sample_index": "refused",
     "callback": "refused",
     "process_group": "refused",
     "tuned_for": "refused",
-    "lazy": "refused",
-    "record_deltas": "refused",
 }
-"""How :func:`~specforest.latency.tune` treats each option of :func:`specforest.sample` (``model`` and ``x`` aside):
+SAMPLE_OPTIONS: "dict[str, str]" = {
+    **{name: _OPTIONS[name] for name in SamplerOptions.names()},
+    **{name: _RUN_INPUTS[name] for name in RUN_INPUTS},
+}
+"""How :func:`~specforest.latency.tune` treats each option of :func:`specforest.sample` (every field of
+:class:`~specforest.options.SamplerOptions`, then every input of a run, :data:`~specforest.options.RUN_INPUTS`):
 ``tuner`` (its own parameter), ``constraint`` (restricts the search), ``passed`` (given to
 every run it makes) or ``refused`` (a ``ValueError`` that says why)."""
 

@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..trees import VERIFY_MODES, chain, optimal, uniform
+from ..options import SamplerOptions
+from ..trees import chain, optimal, uniform
 from ..validation import check_int
 from .calibration import Config
 from .curve import CostCurve
@@ -210,9 +211,9 @@ def tune(
     """
     race, race_repeats = check_int("race", race, 0), check_int("race_repeats", race_repeats, 1)
     constraints, sample_kwargs = split_options(sample_kwargs)
+    # the sampler's own checks of every option given (the tree aside: it is what is chosen)
+    SamplerOptions(steps=steps, churn=churn, **constraints, **sample_kwargs)
     verify = constraints.get("verify")
-    if verify is not None and verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
     draft = constraints.get("draft")
     if draft is not None:
         if not isinstance(draft, str):

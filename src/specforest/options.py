@@ -1,0 +1,362 @@
+"""The sampler's options: one frozen, validated record, :class:`SamplerOptions`, taken by every entry point.
+
+:func:`specforest.sample`, :func:`specforest.generate`, :func:`specforest.latency.tune`,
+the diffusers pipelines and the CLI all take the same options; this module is their
+one list (a new option is a new field here) and the one place they are checked.
+The inputs of a single run (``generator``, ``seed``, ``sample_index``, ``callback``,
+``progress``, ``cond``, ``process_group``, ``tuned_for``: :data:`RUN_INPUTS`) are not
+options: they are the arguments of the call that runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .couplings import Coupling, get_coupling
+from .engine import PREFETCH_POLICIES
+from .proposals import Proposal, get_proposal
+from .sde import ReverseSDE, flow_match_grid, uniform_grid
+from .trees import VERIFY_MODES, DraftTree, TreePolicy
+from .validation import check_choice, check_int
+
+__all__ = [
+    "GRIDS",
+    "RUN_INPUTS",
+    "SamplerOptions",
+    "TunedFor",
+    "check_tuned_for",
+    "make_sde",
+    "pad_sizes",
+    "resolve",
+]
+
+GRIDS = ("flow_match", "uniform")
+"""The named grids of the ``grid`` option."""
+
+RUN_INPUTS = ("generator", "seed", "sample_index", "callback", "progress", "cond", "process_group", "tuned_for")
+"""The keyword arguments of :func:`specforest.sample` that are a run's inputs, not options."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerOptions:
+    """The options of the exact speculative sampler, validated when made.
+
+    ``sample(model, x, SamplerOptions(...), seed=0)`` and ``sample(model, x, steps=..., churn=..., seed=0)``
+    are the same run. The values are kept as given (names, objects): a stateful draft (``"auto"``)
+    or tree policy (``planning.AdaptiveTree``) is resolved by each run, as it would be from keywords.
+    :meth:`from_kwargs` makes one from keywords and names any that is not an option;
+    ``dataclasses.replace(options, ...)`` changes some (and checks again).
+
+    Attributes:
+        steps: number of steps ``T >= 1`` on the chosen ``grid`` (or give ``sigmas``).
+        churn: ``eps`` in (0, 1] (ERRATA 8: 0 makes speculation vacuous). Required.
+        sigmas: an explicit ``(T + 1,)`` grid, decreasing from <= 1 to 0.
+        grid: ``flow_match`` (diffusers' default grid) or ``uniform`` (the paper's text).
+        shift: timestep shift ``kappa`` of eq. (38).
+        tree: draft topology (a :class:`~specforest.trees.DraftTree`), a
+            :class:`~specforest.trees.TreePolicy` re-planned every round
+            (``planning.AdaptiveTree``), or ``None`` for the standard sampler.
+        coupling: a registered name (``grs`` (D-GRS, Algorithm 3), ``rmc``
+            (Algorithm 2, chains only), ``rank``, ``antithetic``, see
+            :func:`~specforest.couplings.register_coupling`) or a
+            :class:`~specforest.couplings.Coupling`.
+        draft: a registered draft name (``velocity``, ``drift``, ``x0``, ``eps``,
+            ``x0_extrap``, ``auto``), a :class:`~specforest.proposals.Proposal`,
+            or a draft-model callable.
+        prefetch: ``nearest`` or ``parent``, see :data:`specforest.engine.PREFETCH_POLICIES`.
+        verify: ``internal`` (evaluate root and internal nodes) or ``drafted``
+            (every node, leaves included).
+        max_rows: split each target call into sub-batches of at most this many
+            states (still one call, one NFE; bounds peak memory of the model).
+        model_kwargs: extra keyword arguments passed to every call as they are.
+        lazy: cost simulation: realize only the nodes the acceptance walk visits
+            (same samples, NFE and acceptance as the full tree, at a fraction of
+            the compute). NFE and ``rows`` are accounted as for the full tree;
+            the model is called several times per round with few rows.
+        record_deltas: keep every verification's ``(depth, step, delta, accepted)`` in ``stats.deltas``
+            (:func:`specforest.sample` only).
+        pad_rows: pad every network call's rows up to the next of a few sizes
+            (``"pow2"`` or a list of ints; a larger call is split), for a
+            ``torch.compile(mode="reduce-overhead")`` or CUDA-graph model that
+            would otherwise recompile for each new row count. Padding rows repeat
+            a real row; their outputs are never used, so the samples do not change.
+
+    Raises:
+        ValueError / TypeError: naming the option and what it accepts.
+    """
+
+    steps: Optional[int] = None
+    churn: float
+    sigmas: Optional[torch.Tensor] = None
+    grid: str = "flow_match"
+    shift: float = 1.0
+    tree: "Optional[DraftTree | TreePolicy]" = None
+    coupling: "str | Coupling" = "grs"
+    draft: "str | Proposal | Callable" = "velocity"
+    prefetch: str = "nearest"
+    verify: str = "internal"
+    max_rows: Optional[int] = None
+    model_kwargs: Optional[dict] = None
+    lazy: bool = False
+    record_deltas: bool = False
+    pad_rows: "Optional[str | Sequence[int]]" = None
+
+    def __post_init__(self) -> None:
+        if self.steps is not None:
+            if isinstance(self.steps, bool) or not isinstance(self.steps, int):
+                raise TypeError(f"steps must be an int >= 1, got {type(self.steps).__name__}")
+            if self.steps < 1:
+                raise ValueError(f"steps must be >= 1, got {self.steps}")
+        check_choice("prefetch", self.prefetch, PREFETCH_POLICIES)
+        check_choice("verify", self.verify, VERIFY_MODES)
+        if self.max_rows is not None:
+            check_int("max_rows", self.max_rows, 1)
+        tree = self.tree
+        if tree is not None and not isinstance(tree, (DraftTree, TreePolicy)):
+            raise TypeError(
+                f"tree must be a DraftTree (see specforest.trees), a TreePolicy (planning.AdaptiveTree) or None, "
+                f"got {type(tree).__name__}"
+            )
+        fixed = tree if isinstance(tree, DraftTree) else None
+        if fixed is not None and fixed.L < 1:
+            raise ValueError("tree must have depth L >= 1; use tree=None for the standard sampler")
+        for name in ("lazy", "record_deltas"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        make_sde(self.steps, self.sigmas, self.grid, self.shift, self.churn)
+        cp = get_coupling(self.coupling)
+        if isinstance(tree, TreePolicy) and cp.structured_siblings:
+            raise ValueError(f"coupling {cp.name!r} draws structured siblings; an adaptive tree needs i.i.d. children")
+        if fixed is not None:
+            k = fixed.num_children[fixed.internal]
+            if cp.structured_siblings and (k != k[0]).any():
+                raise ValueError(
+                    f"coupling {cp.name!r} draws structured siblings: every internal node of the tree "
+                    "needs the same number of children (e.g. trees.uniform(4, L) for antithetic)"
+                )
+            for children in k.unique().tolist():
+                try:
+                    cp.check_children(int(children))
+                except ValueError as err:
+                    raise ValueError(f"tree: {err}") from None
+        get_proposal(self.draft)  # a name is checked here; each run makes its own instance
+        mk = self.model_kwargs
+        if mk is not None and not isinstance(mk, dict):
+            raise TypeError(f"model_kwargs must be a dict or None, got {type(mk).__name__}")
+        if mk and not all(isinstance(k, str) for k in mk):
+            raise TypeError(f"model_kwargs' keys must be str (keyword arguments of the model), got {list(mk)!r}")
+        pad_sizes(self.pad_rows)
+
+    @classmethod
+    def names(cls) -> "tuple[str, ...]":
+        """The options' names, in the order of the fields."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "SamplerOptions":
+        """The options given as keywords (``churn`` required).
+
+        Raises:
+            TypeError: naming a keyword that is not an option (and listing the options), or a missing ``churn``.
+        """
+        check_names(kwargs)
+        if "churn" not in kwargs:
+            raise TypeError("churn is required: a float in (0, 1], the chain's churn (see SamplerOptions)")
+        return cls(**kwargs)
+
+    def as_dict(self) -> dict:
+        """The options as keywords (``sample(model, x, **options.as_dict())``); values as given, not copied."""
+        return {name: getattr(self, name) for name in self.names()}
+
+
+def check_names(kwargs: dict) -> None:
+    """Refuse a keyword that is not a field of :class:`SamplerOptions`, listing the options.
+
+    Raises:
+        TypeError: naming the unknown keywords.
+    """
+    unknown = sorted(k for k in kwargs if k not in SamplerOptions.names())
+    if unknown:
+        raise TypeError(
+            f"unexpected option(s) {', '.join(unknown)}; the sampler's options are "
+            f"{', '.join(SamplerOptions.names())} (see specforest.SamplerOptions)"
+        )
+
+
+def _as_sigmas(sigmas) -> torch.Tensor:
+    """An explicit grid as a float64 tensor, or an error naming ``sigmas``."""
+    try:
+        s = torch.as_tensor(sigmas)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"sigmas must be a (T + 1,) tensor of noise levels, got {type(sigmas).__name__}") from err
+    if s.is_complex() or s.dtype == torch.bool:
+        raise TypeError(f"sigmas must be a real tensor of noise levels, got {s.dtype}")
+    if s.ndim != 1 or s.numel() < 2:
+        raise ValueError(f"sigmas must be a 1-D tensor of T + 1 >= 2 noise levels, got shape {tuple(s.shape)}")
+    return s.to(torch.float64)
+
+
+def make_sde(steps, sigmas, grid, shift, churn) -> ReverseSDE:
+    """The SDE of the options ``steps`` (on ``grid`` with ``shift``) or ``sigmas``, with ``churn``.
+
+    Raises:
+        ValueError / TypeError: naming the option (:class:`~specforest.sde.ReverseSDE` checks the grid and churn).
+    """
+    if sigmas is None:
+        if steps is None:
+            raise ValueError("give steps (an int >= 1) or sigmas (a (T + 1,) tensor)")
+        check_choice("grid", grid, GRIDS)
+        if type(steps) is int and type(shift) in (int, float) and type(churn) in (int, float):
+            return _grid_sde(steps, grid, shift, churn)  # (anything else: the constructors name the bad value)
+        sigmas = _grid_sigmas(steps, grid, shift)
+    else:
+        sigmas = _as_sigmas(sigmas)
+        if steps is not None and int(steps) != len(sigmas) - 1:
+            raise ValueError(f"steps={steps} disagrees with len(sigmas) - 1 = {len(sigmas) - 1}")
+    return ReverseSDE(sigmas.to(torch.float64), churn)
+
+
+@functools.lru_cache(maxsize=32)
+def _grid_sde(steps: int, grid: str, shift: float, churn: float) -> ReverseSDE:
+    """The SDE of a named grid, made once per (steps, grid, shift, churn): its tables are cached on it,
+    so repeated runs (one image at a time, say) do not rebuild them."""
+    return ReverseSDE(_grid_sigmas(steps, grid, shift).to(torch.float64), churn)
+
+
+def _grid_sigmas(steps, grid: str, shift) -> torch.Tensor:
+    return flow_match_grid(steps, shift=shift) if grid == "flow_match" else uniform_grid(steps, shift=shift)
+
+
+def pad_sizes(pad_rows: "Optional[str | Sequence[int]]") -> Optional[tuple]:
+    """The ascending row counts of ``pad_rows``: ``"pow2"`` (1, 2, 4, ..., 2**16), a list of ints, or ``None``.
+
+    Raises:
+        ValueError: naming ``pad_rows`` and what it accepts.
+    """
+    if pad_rows is None:
+        return None
+    if pad_rows == "pow2":
+        return tuple(2**k for k in range(17))
+    if isinstance(pad_rows, str) or not isinstance(pad_rows, Sequence) or not pad_rows:
+        raise ValueError(f"pad_rows must be None, 'pow2' or a non-empty list of ints >= 1, got {pad_rows!r}")
+    if any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in pad_rows):
+        raise ValueError(f"pad_rows must list ints >= 1, got {pad_rows!r}")
+    return tuple(sorted(set(pad_rows)))
+
+
+@dataclass(frozen=True)
+class TunedFor:
+    """The run a tuned configuration was chosen for, as :func:`specforest.sample` checks it.
+
+    A :class:`~specforest.latency.Tuned` passes one as ``tuned_for`` with its
+    options (``sample(model, x, **tuned)``): the measured choice holds only for the
+    grid, churn and batch it was measured at.
+
+    Attributes:
+        steps: grid steps ``T``.
+        batch: trajectories per run (rows of ``x``; slots of :func:`specforest.generate`).
+        churn: the churn, or ``None`` where it was not recorded (files written before it was).
+    """
+
+    steps: int
+    batch: int
+    churn: Optional[float] = None
+
+
+def check_tuned_for(
+    tuned_for: Optional[TunedFor],
+    *,
+    steps: Optional[int],
+    sigmas: Optional[torch.Tensor],
+    churn: Any,
+    batch: Optional[int],
+    batch_name: str = "rows of x",
+) -> Optional[int]:
+    """The steps of a run given with ``tuned_for``: its own, or the tuned run's when neither ``steps``
+    nor ``sigmas`` is given.
+
+    Args:
+        tuned_for: the tuned run (``None``: nothing is checked, ``steps`` is returned).
+        steps, sigmas, churn: the run's options, as given to :func:`specforest.sample`.
+        batch: the run's trajectories (``None``: not checked).
+        batch_name: what ``batch`` counts, for the message.
+
+    Raises:
+        TypeError: if ``tuned_for`` is not a :class:`TunedFor`.
+        ValueError: listing every difference between the run and the tuned one.
+    """
+    if tuned_for is None:
+        return steps
+    if not isinstance(tuned_for, TunedFor):
+        raise TypeError(
+            f"tuned_for must be a specforest.sampler.TunedFor (passed by sample(model, x, **tuned)) or None, "
+            f"got {type(tuned_for).__name__}"
+        )
+    diffs = []
+    run_steps = steps if sigmas is None else len(sigmas) - 1
+    if run_steps is None:
+        steps = tuned_for.steps
+    elif run_steps != tuned_for.steps:
+        diffs.append(f"steps {run_steps} (tuned for {tuned_for.steps})")
+    if (
+        tuned_for.churn is not None
+        and isinstance(churn, (int, float))
+        and not math.isclose(float(churn), tuned_for.churn, rel_tol=1e-9, abs_tol=1e-12)
+    ):
+        diffs.append(f"churn {churn:g} (tuned for {tuned_for.churn:g})")
+    if batch is not None and batch != tuned_for.batch:
+        diffs.append(f"{batch} {batch_name} (tuned for {tuned_for.batch})")
+    if diffs:
+        raise ValueError(
+            "the tuned configuration was chosen for another run: "
+            + "; ".join(diffs)
+            + ". Run it as tuned, tune again for this run, or pass tuned.options() to run the configuration unchecked"
+        )
+    return steps
+
+
+def resolve(
+    options: Optional[SamplerOptions],
+    option_kwargs: dict,
+    *,
+    tuned_for: Optional[TunedFor] = None,
+    batch: Optional[int] = None,
+    batch_name: str = "rows of x",
+) -> SamplerOptions:
+    """The options of one call: ``options`` with ``option_kwargs`` over it (the keywords win), checked
+    against ``tuned_for`` (whose steps it takes when neither ``steps`` nor ``sigmas`` is given).
+
+    Args:
+        options: the options object, or ``None`` (then the keywords are all: ``churn`` among them).
+        option_kwargs: options given as keywords.
+        tuned_for, batch, batch_name: as in :func:`check_tuned_for`.
+
+    Raises:
+        TypeError: if ``options`` is not a :class:`SamplerOptions`, a keyword is not an option, or
+            ``churn`` is missing.
+        ValueError: as :func:`check_tuned_for` and :class:`SamplerOptions`.
+    """
+    if options is not None and not isinstance(options, SamplerOptions):
+        raise TypeError(f"options must be a specforest.SamplerOptions or None, got {type(options).__name__}")
+    check_names(option_kwargs)
+    given = {**({} if options is None else options.as_dict()), **option_kwargs}
+    steps = check_tuned_for(
+        tuned_for,
+        steps=given.get("steps"),
+        sigmas=given.get("sigmas"),
+        churn=given.get("churn"),
+        batch=batch,
+        batch_name=batch_name,
+    )
+    if steps is not given.get("steps"):
+        option_kwargs = {**option_kwargs, "steps": steps}
+    if options is None:
+        return SamplerOptions.from_kwargs(**option_kwargs)
+    return dataclasses.replace(options, **option_kwargs) if option_kwargs else options
