@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 import torch
 
-from .options import SamplerOptions
+from .options import RUN_INPUTS, SamplerOptions
 from .sampler import _check_cond, prepare
 from .target import Target
 from .trees import TreeTables
@@ -61,10 +61,14 @@ def _spec(options: dict):
     return prepare(SamplerOptions.from_kwargs(**{**shaping, "model_kwargs": None, "record_deltas": False}))
 
 
-_SHAPE_OPTIONS = ("steps", "sigmas", "grid", "shift", "tree", "coupling", "draft", "prefetch", "verify")
-_SHAPE_OPTIONS += ("max_rows", "lazy", "pad_rows", "process_group")
-# sample's options that change no call's shape: accepted so that a sample call's options pass as they are
-_IGNORED_OPTIONS = ("seed", "generator", "sample_index", "callback", "progress", "record_deltas")
+_SHAPE_OPTIONS = tuple(n for n in SamplerOptions.names() if n not in ("churn", "model_kwargs", "record_deltas"))
+_SHAPE_OPTIONS += ("process_group",)
+# sample's options and inputs that change no call's shape: accepted so that a sample call's options pass as
+# they are (``cond`` and ``model_kwargs`` are warm_up's own arguments, passed to the network as they are)
+_IGNORED_OPTIONS = tuple(n for n in RUN_INPUTS if n not in ("cond", "process_group")) + (
+    "record_deltas",
+    "model_kwargs",
+)
 
 
 def _batches(batch: "int | Sequence[int]") -> tuple:
@@ -86,7 +90,7 @@ def _check_options(options: dict) -> None:
 
 def _trajectory_rows(spec) -> list:
     """The rows one trajectory can add to a call of a fixed-tree run: 0 (finished), 1, and the rows its
-    tree evaluates at each lookahead it can take (:meth:`~specforest.engine.RunContext.lookahead`)."""
+    tree evaluates at each lookahead it can take (the lookaheads of :class:`~specforest.records.RunContext`)."""
     sde, L = spec.sde, spec.tree.L
     s = torch.arange(sde.steps)
     lookahead = torch.where(sde.stochastic, torch.clamp(sde.run_end[:-1] - s, max=L), 0)

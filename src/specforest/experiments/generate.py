@@ -41,7 +41,7 @@ import platform
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -261,18 +261,19 @@ def _run_job(
         slots = mem.chunk
         sizes = sorted({min(slots, len(mine)), len(mine) % slots or slots})
         first = mine[: sizes[-1]]
-        pad_rows = pad_rows or pad_rows_for(sizes, **model.sampler)
+        pad_rows = pad_rows or pad_rows_for(sizes, **model.sampler.as_dict())
+    # the job's options with the rows per call that fit and the padding of a compiled model
+    options = replace(model.sampler, max_rows=mem.max_rows, pad_rows=pad_rows)
+    if warmup and len(mine):
         cond = None if model.make_cond is None else model.make_cond(first)
         warmup_seconds = warm_up(
             velocity,
             make_x(first),
             cond=cond,
             batch=sizes,
-            max_rows=mem.max_rows,
-            pad_rows=pad_rows,
             process_group=group,
             repeats=3 if compile else 1,
-            **model.sampler,
+            **options.as_dict(),
         )
     gen = generate(
         velocity,
@@ -281,10 +282,8 @@ def _run_job(
         make_cond=model.make_cond,
         seed=seed,
         batch=mem.chunk,
-        max_rows=mem.max_rows,
         process_group=group,
-        pad_rows=pad_rows,
-        **model.sampler,
+        options=options,
     )
     bar = None
     if progress and rank == 0:

@@ -17,6 +17,7 @@ import torch
 
 from .. import memory, streams
 from ..atomic import atomic_write
+from ..options import SamplerOptions
 from ..trees import from_parents
 from .common import COUPLING_OF, method_tree
 from .generate_job import JobSpec, prompts_digest
@@ -34,7 +35,7 @@ class JobModel:
     Attributes:
         velocity: the target, ``v(x, t, **cond)``.
         shape: one state's shape (without the batch dimension).
-        sampler: keyword arguments of :func:`specforest.generate` (grid, tree, coupling, ...).
+        sampler: the job's :class:`~specforest.options.SamplerOptions` (grid, tree, coupling, ...).
         make_cond: indices ``(n,)`` -> their conditioning (``None``: unconditional).
         labels_of: indices ``(n,)`` -> their class labels ``(n,)``, kept in the output (pixel).
         save_images: ``(index (n,), latents (n, *shape))`` -> writes one PNG per index (image jobs).
@@ -43,7 +44,7 @@ class JobModel:
 
     velocity: Callable
     shape: tuple
-    sampler: dict
+    sampler: SamplerOptions
     make_cond: Optional[Callable[[torch.Tensor], dict]] = None
     labels_of: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     save_images: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
@@ -72,7 +73,7 @@ def gmm_model(spec: JobSpec) -> JobModel:
     o, m = spec.sampler, spec.model_options
     # the mixture moves its parameters to the states' device itself
     gmm = GaussianMixture.paper(dim=m["dim"], components=m["components"], seed=m["mixture_seed"])
-    return JobModel(gmm, (m["dim"],), dict(steps=o["steps"], grid=o["grid"], **_tree_kwargs(o)))
+    return JobModel(gmm, (m["dim"],), SamplerOptions(steps=o["steps"], grid=o["grid"], **_tree_kwargs(o)))
 
 
 def pixel_model(spec: JobSpec, device: str) -> JobModel:
@@ -88,7 +89,7 @@ def pixel_model(spec: JobSpec, device: str) -> JobModel:
     return JobModel(
         load_velocity(device=device),
         tuple(IMAGE_SHAPE),
-        dict(steps=o["steps"], grid=o["grid"], **_tree_kwargs(o)),
+        SamplerOptions(steps=o["steps"], grid=o["grid"], **_tree_kwargs(o)),
         make_cond=lambda idx: {"class_labels": labels_of(idx).to(device)},
         labels_of=labels_of,
     )
@@ -135,7 +136,7 @@ def image_model(spec: JobSpec, out: Path, device: str) -> JobModel:
     return JobModel(
         parts.velocity,
         parts.latent_shape,
-        dict(sigmas=parts.sigmas, **_tree_kwargs(o)),
+        SamplerOptions(sigmas=parts.sigmas, **_tree_kwargs(o)),
         make_cond=make_cond,
         save_images=save_images,
         noise_scale=parts.noise_scale,
@@ -164,12 +165,12 @@ def size_slots(
     idx = torch.zeros(1, dtype=torch.long)
     cond_row = model.make_cond(idx) if model.make_cond is not None else {}
     kw = model.sampler
-    steps = kw.get("steps") or spec.sampler["steps"]
+    steps = kw.steps or spec.sampler["steps"]
     return memory.estimate(
         trajectories=batch,
         state_numel=math.prod(model.shape),
-        tree=kw.get("tree"),
-        verify=kw.get("verify", "internal"),
+        tree=kw.tree,
+        verify=kw.verify,
         steps=steps,
         model=model.velocity,
         x_row=torch.zeros((1, *model.shape)),
