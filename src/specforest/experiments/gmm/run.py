@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ... import __version__, memory, sample
+from ...options import SamplerOptions
 from ...planning import AdaptiveTree, plan_tree
 from ...proposals import DRAFT_KINDS
 from ...sampler import PREFETCH_POLICIES
@@ -146,7 +147,7 @@ def simulate(
     noise_seed = derive_seed(seed, STREAM_NOISE)
 
     starts = list(range(0, n, mem.chunk))
-    opts = dict(
+    opts = SamplerOptions(
         steps=T,
         churn=setting.churn,
         grid=setting.grid,
@@ -162,9 +163,11 @@ def simulate(
     if warmup:
         # the chunks' sizes: every full one and the last
         sizes = sorted({min(mem.chunk, n - start) for start in starts})
-        pad_rows = pad_rows or pad_rows_for(sizes, **opts)
+        pad_rows = pad_rows or pad_rows_for(sizes, **opts.as_dict())
+    opts = replace(opts, pad_rows=pad_rows)
+    if warmup:
         reps = 3 if compile else 1
-        warmup_seconds = warm_up(model, x_T[: sizes[-1]], batch=sizes, pad_rows=pad_rows, repeats=reps, **opts)
+        warmup_seconds = warm_up(model, x_T[: sizes[-1]], batch=sizes, repeats=reps, **opts.as_dict())
     t0 = time.perf_counter()
     names = ("nfe", "attempts", "accepts", "delta_sum", "rows", "rounds", "spec_steps")
     parts: dict[str, list] = {k: [] for k in ("samples", *names)}
@@ -173,13 +176,7 @@ def simulate(
         stop = min(start + mem.chunk, n)
         # per-sample streams: trajectory i's noise depends on (seed, i) only, not on the chunking
         out = sample(
-            model,
-            x_T[start:stop],
-            seed=noise_seed,
-            sample_index=torch.arange(start, stop),
-            pad_rows=pad_rows,
-            progress=progress,
-            **opts,
+            model, x_T[start:stop], opts, seed=noise_seed, sample_index=torch.arange(start, stop), progress=progress
         )
         s = out.stats
         parts["samples"].append(out.samples.to(torch.float32))

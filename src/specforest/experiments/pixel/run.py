@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from ... import __version__, memory, sample
 from ...models.digits import IMAGE_SHAPE, DigitsClassifier, load_classifier, load_velocity
+from ...options import SamplerOptions
 from ...planning import plan_tree
 from ...proposals import DRAFT_KINDS
 from ...sampler import GRIDS, PREFETCH_POLICIES
@@ -209,7 +210,7 @@ def simulate(
 
     g = torch.Generator().manual_seed(derive_seed(seed, STREAM_NOISE))
     target, pad_rows = compiled(model, compile)
-    opts = dict(
+    opts = SamplerOptions(
         steps=T,
         churn=churn,
         grid=grid,
@@ -224,9 +225,11 @@ def simulate(
     cond = {"class_labels": labels}
     warmup_seconds = 0.0
     if warmup:
-        pad_rows = pad_rows or pad_rows_for(n, **opts)
-        warmup_seconds = warm_up(target, x_T, cond=cond, pad_rows=pad_rows, repeats=3 if compile else 1, **opts)
-    out = sample(target, x_T, generator=g, progress=progress, cond=cond, pad_rows=pad_rows, **opts)
+        pad_rows = pad_rows or pad_rows_for(n, **opts.as_dict())
+    opts = replace(opts, pad_rows=pad_rows)
+    if warmup:
+        warmup_seconds = warm_up(target, x_T, cond=cond, repeats=3 if compile else 1, **opts.as_dict())
+    out = sample(target, x_T, opts, generator=g, progress=progress, cond=cond)
     s = out.stats
     speedup = T / s.nfe.double()
     with torch.no_grad():
