@@ -34,6 +34,9 @@ CONFIGS = {
     "antithetic": dict(tree=trees.uniform(2, 3), coupling="antithetic"),
     "antithetic_pruned": dict(tree=trees.from_parents([-1, 0, 0, 1, 1, 3, 3]), coupling="antithetic"),
     "x0_extrap_drift": dict(tree=trees.widths([3, 2, 1]), draft="x0_extrap"),
+    "memory_chain": dict(tree=trees.chain(6), coupling="rmc", draft="memory"),
+    "memory_chain_drafted": dict(tree=trees.chain(4), draft="memory", verify="drafted", prefetch="parent"),
+    "memory_tree": dict(tree=trees.uniform(2, 2), draft="memory"),
     "draft_model": dict(tree=trees.uniform(2, 2), draft=lambda x, s: 0.9 * GMM(x, s)),
 }
 

@@ -64,6 +64,14 @@ CONFIGS = {
     "antithetic_pairs_k4_lazy_parent": dict(
         tree=trees.uniform(4, 3), coupling="antithetic", lazy=True, prefetch="parent", draft="x0"
     ),
+    # the previous round's evaluations at the same step, on noise aligned by step
+    "memory_rmc_chain": dict(tree=trees.chain(5), coupling="rmc", draft="memory"),
+    "memory_grs_chain_drafted": dict(tree=trees.chain(4), coupling="grs", draft="memory", verify="drafted"),
+    "memory_rank_chain_lazy_parent": dict(
+        tree=trees.chain(6), coupling="rank", draft="memory", lazy=True, prefetch="parent"
+    ),
+    "memory_tree": dict(tree=trees.uniform(2, 3), draft="memory"),
+    "memory_antithetic_tree": dict(tree=trees.uniform(2, 2), coupling="antithetic", draft="memory"),
 }
 
 

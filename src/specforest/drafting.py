@@ -44,6 +44,19 @@ def chain_draft(proposal, tt, Lr: int) -> bool:
     return proposal.affine and tt.size_at(Lr) - 1 == Lr
 
 
+def _aligned_keys(step_keys: torch.Tensor, s0: torch.Tensor, tt, Vr: int) -> torch.Tensor:
+    """``(G, Vr)`` keys of a chain rooted at steps ``s0 (G,)`` whose node at step ``t > s0`` is keyed
+    by the transition into ``t``: ``step_keys[t - 1] ^ code[1]``, the root as usual
+    (``step_keys[s0] ^ code[0]``). A round rooted at ``s`` then draws its depth-1 node with the key
+    an earlier round's node at step ``s + 1`` had; the walk never made a decision with the draws
+    of a node past the one it stopped at, so they are fresh for the later round."""
+    node = torch.arange(Vr, device=s0.device)
+    code = tt.code[:2][(node > 0).long()]
+    # nodes past the chain's end (beyond the trajectory's lookahead, never drafted from) share its last key
+    at = (s0[:, None] + (node - 1).clamp(min=0)).clamp(max=step_keys.shape[1] - 1)
+    return step_keys.gather(1, at) ^ code
+
+
 def _structured(ctx: RunContext, z: torch.Tensor, K: int) -> torch.Tensor:
     if ctx.coupling.structured_siblings:
         z = ctx.coupling.structure_noise(z.reshape(-1, K, z.shape[-1])).reshape(z.shape)
@@ -85,9 +98,13 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
         s0, pre, x0 = state.step[ids], state.pre.take(ids, history=ctx.proposal.uses_history), state.x[ids]
         keys = state.keys[ids, s0][:, None]
     Vr = tt.size_at(Lr)
-    # a node's key is the step key XOR the node's mixed id: every draw at the node then mixes
-    # that key with its own mixed counter (streams.uniform), so no second mixing pass is needed
-    keys = keys ^ tt.code[None, :Vr]
+    prop = ctx.proposal
+    if prop.aligned_noise and chain_draft(prop, tt, Lr):
+        keys = _aligned_keys(state.keys if group.everyone else state.keys[ids], s0, tt, Vr)
+    else:
+        # a node's key is the step key XOR the node's mixed id: every draw at the node then mixes
+        # that key with its own mixed counter (streams.uniform), so no second mixing pass is needed
+        keys = keys ^ tt.code[None, :Vr]
     if ctx.lazy:
         return Draft(steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre)
     G, D = ids.numel(), state.x.shape[1]
@@ -100,7 +117,6 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
     Y[:, 0] = x0
     Mp = torch.empty(G, Vi, D, dtype=ctx.work, device=ctx.device)
     steps = ts.level[s0, :Lr]  # (G, Lr) parents' steps
-    prop = ctx.proposal
     calls = 0
     terms = None
     if prop.affine:

@@ -68,7 +68,7 @@ import torch
 
 from . import lockstep
 from .couplings import Coupling
-from .drafting import draft
+from .drafting import chain_draft, draft
 from .proposals import Prefetch, Proposal
 from .records import (
     PHASES,
@@ -147,6 +147,8 @@ def make_context(
     (:func:`~specforest.lockstep.lockstep_round`); otherwise rounds are
     :func:`speculative_round`. ``depth`` is the deepest round (``0`` for the standard sampler).
     """
+    # a proposal that reads every evaluated node of the previous round needs them all evaluated
+    lazy = lazy and not proposal.uses_memory
     rows_all = torch.arange(batch, device=device)
     stoch_at = torch.cat([tab.stochastic, tab.stochastic.new_zeros(1)])
     standard = tree is None and policy is None
@@ -238,7 +240,7 @@ def init_state(ctx: RunContext, x: torch.Tensor, keys: torch.Tensor) -> RunState
         x=x,
         step=torch.zeros(batch, dtype=torch.long, device=ctx.device),
         keys=step_keys(keys, ctx.T),
-        pre=Prefetch.empty(batch, D, ctx.work, ctx.device),
+        pre=Prefetch.empty(batch, D, ctx.work, ctx.device, memory=ctx.depth if ctx.proposal.uses_memory else 0),
         counters=Counters.zeros(batch, ctx.depth, ctx.device),
         draft_state=ctx.proposal.init_state(ctx.device),
     )
@@ -397,7 +399,7 @@ def commit(
     dstate = state.draft_state
     hist = ctx.proposal.uses_history
     outcomes = []
-    for w, d in zip(walks, drafts, strict=True):
+    for w, d, V in zip(walks, drafts, ev.trees, strict=True):
         ids = d.ids
         if d.everyone:
             x, committed = w.x, w.committed
@@ -406,6 +408,8 @@ def commit(
             x = x.index_put((ids,), w.x)
             committed = committed.index_put((ids,), w.committed)
             pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True, history=hist)
+        if ctx.proposal.uses_memory and chain_draft(ctx.proposal, d.tt, d.Lr):
+            pre = _remember(ctx, pre, d, V)
         Lw = w.act.shape[1]
         cols = ctx.depth_cols[:Lw]
         rows = d.tt.rows_at[d.Ls]
@@ -436,6 +440,15 @@ def commit(
         draft_calls=state.draft_calls + calls,
         seconds=state.seconds,
     )
+
+
+def _remember(ctx: RunContext, pre: Prefetch, d: Draft, V: torch.Tensor) -> Prefetch:
+    """``pre`` with the round's evaluated chain of draft ``d`` as its trajectories' memory: the
+    clean-data predictions ``y - sigma v`` of parents ``0 .. Ls - 1`` (full mode: ``V`` holds them)."""
+    Lr = d.Lr
+    steps = d.steps.level[d.s0, :Lr]  # (G, Lr)
+    x0 = d.Y[:, :Lr] - ctx.tab.sig[steps][..., None] * V[:, :Lr].to(d.Y.dtype)
+    return pre.with_memory(None if d.everyone else d.ids, x0, d.s0, d.Ls)
 
 
 def speculative_round(ctx: RunContext, state: RunState) -> Optional[RunState]:

@@ -31,6 +31,7 @@ __all__ = [
     "AutoDraft",
     "DraftModel",
     "FrozenPrediction",
+    "MemoryDraft",
     "Prefetch",
     "Proposal",
     "available_drafts",
@@ -38,9 +39,10 @@ __all__ = [
     "register_draft",
 ]
 
-DRAFT_KINDS = ("velocity", "drift", "x0", "eps", "x0_extrap", "auto")
+DRAFT_KINDS = ("velocity", "drift", "x0", "eps", "x0_extrap", "auto", "memory")
 """Parameterizations a frozen prediction can be held fixed in; ``auto`` picks one
-per draft offset from the mismatch observed in earlier rounds (:class:`AutoDraft`)."""
+per draft offset from the mismatch observed in earlier rounds (:class:`AutoDraft`); ``memory``
+drafts each step from the previous round's evaluation at that step (:class:`MemoryDraft`)."""
 
 FROZEN_KINDS = DRAFT_KINDS[:5]
 
@@ -59,6 +61,12 @@ class Prefetch:
             drafts that extrapolate in time.
         has_prev: ``(batch,)`` bool, True where ``prev_*`` hold a real evaluation.
         valid: ``(batch,)`` bool, True where ``y, v, step`` hold an evaluation.
+        mem_x0: ``(batch, W, D)`` the clean-data predictions ``y - sigma v`` of the last
+            speculative round's evaluated chain nodes, node ``j`` at step ``mem_s0 + j``, for
+            drafts that read the previous round at the same step (:class:`MemoryDraft`);
+            ``W = 0`` when the proposal keeps no memory.
+        mem_s0: ``(batch,)`` long step of ``mem_x0``'s first node.
+        mem_n: ``(batch,)`` long number of valid nodes in ``mem_x0`` (0: no memory).
     """
 
     y: torch.Tensor
@@ -69,14 +77,29 @@ class Prefetch:
     prev_step: torch.Tensor
     has_prev: torch.Tensor
     valid: torch.Tensor
+    mem_x0: Optional[torch.Tensor] = None
+    mem_s0: Optional[torch.Tensor] = None
+    mem_n: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        # no memory given: none kept (W = 0)
+        if self.mem_x0 is None:
+            batch, D = self.y.shape
+            object.__setattr__(self, "mem_x0", self.y.new_zeros(batch, 0, D))
+        for name in ("mem_s0", "mem_n"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, torch.zeros_like(self.step))
 
     @classmethod
-    def empty(cls, batch: int, D: int, dtype: torch.dtype, device: torch.device) -> "Prefetch":
-        """No evaluation yet for any of ``batch`` trajectories."""
+    def empty(cls, batch: int, D: int, dtype: torch.dtype, device: torch.device, memory: int = 0) -> "Prefetch":
+        """No evaluation yet for any of ``batch`` trajectories (room for ``memory`` nodes of memory)."""
         z = torch.zeros(batch, D, dtype=dtype, device=device)
         zi = torch.zeros(batch, dtype=torch.long, device=device)
         zb = torch.zeros(batch, dtype=torch.bool, device=device)
-        return cls(y=z, v=z, step=zi, prev_y=z, prev_v=z, prev_step=zi, has_prev=zb, valid=zb)
+        zm = torch.zeros(batch, memory, D, dtype=dtype, device=device)
+        return cls(
+            y=z, v=z, step=zi, prev_y=z, prev_v=z, prev_step=zi, has_prev=zb, valid=zb, mem_x0=zm, mem_s0=zi, mem_n=zi
+        )
 
     def restart(self, rows: torch.Tensor) -> "Prefetch":
         """Rows ``rows`` as :meth:`empty` makes them (no evaluation), the others unchanged."""
@@ -86,15 +109,15 @@ class Prefetch:
         """The rows ``idx`` of every field (of ``y, v, step, valid`` only unless ``history``)."""
         if history:
             return Prefetch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
-        return Prefetch(
+        return replace(
+            self,
             y=self.y[idx],
             v=self.v[idx],
             step=self.step[idx],
-            prev_y=self.prev_y,
-            prev_v=self.prev_v,
-            prev_step=self.prev_step,
-            has_prev=self.has_prev,
             valid=self.valid[idx],
+            mem_x0=self.mem_x0[idx],
+            mem_s0=self.mem_s0[idx],
+            mem_n=self.mem_n[idx],
         )
 
     def replaced(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, history: bool = True) -> "Prefetch":
@@ -102,8 +125,16 @@ class Prefetch:
         valid = torch.ones_like(self.valid)
         if not history:
             return replace(self, y=y, v=v, step=step, valid=valid)
-        return Prefetch(
-            y=y, v=v, step=step, prev_y=self.y, prev_v=self.v, prev_step=self.step, has_prev=self.valid, valid=valid
+        return replace(
+            self,
+            y=y,
+            v=v,
+            step=step,
+            prev_y=self.y,
+            prev_v=self.v,
+            prev_step=self.step,
+            has_prev=self.valid,
+            valid=valid,
         )
 
     def with_rows(
@@ -122,7 +153,8 @@ class Prefetch:
         if not history:
             return replace(self, y=put(self.y, y), v=put(self.v, v), step=put(self.step, step), valid=valid)
         keep = torch.full_like(idx, keep_prev, dtype=torch.bool) & self.valid[idx]
-        return Prefetch(
+        return replace(
+            self,
             y=put(self.y, y),
             v=put(self.v, v),
             step=put(self.step, step),
@@ -131,6 +163,25 @@ class Prefetch:
             prev_step=put(self.prev_step, self.step[idx]),
             has_prev=put(self.has_prev, keep),
             valid=valid,
+        )
+
+    def with_memory(
+        self, idx: Optional[torch.Tensor], x0: torch.Tensor, s0: torch.Tensor, n: torch.Tensor
+    ) -> "Prefetch":
+        """Rows ``idx`` (every row if ``None``) remember a round's chain: ``x0 (G, W', D)`` clean-data
+        predictions of its nodes from step ``s0 (G,)`` on, the first ``n (G,)`` of them valid."""
+        W = self.mem_x0.shape[1]
+        if x0.shape[1] < W:
+            x0 = torch.cat([x0, x0.new_zeros(x0.shape[0], W - x0.shape[1], x0.shape[2])], 1)
+        x0 = x0[:, :W]
+        n = n.clamp(max=W)
+        if idx is None:
+            return replace(self, mem_x0=x0, mem_s0=s0, mem_n=n)
+        return replace(
+            self,
+            mem_x0=self.mem_x0.index_put((idx,), x0),
+            mem_s0=self.mem_s0.index_put((idx,), s0),
+            mem_n=self.mem_n.index_put((idx,), n),
         )
 
 
@@ -150,6 +201,13 @@ class Proposal:
             of each round's verified parents.
         uses_history: the proposal reads the evaluation prefetched before the
             last one (``Prefetch.prev_*``); otherwise the sampler does not track it.
+        uses_memory: the proposal reads the previous round's evaluated chain
+            (``Prefetch.mem_*``, kept by the sampler only then); such a run
+            evaluates every node of its rounds, so ``lazy`` runs it as a full round.
+        aligned_noise: a chain draws its node at step ``t`` from the key of the
+            transition into ``t`` (the same in every round) rather than from
+            the round's root, so a node redrafted in a later round gets the
+            noise it had before (:class:`MemoryDraft`).
         name: short name recorded in results.
 
     A proposal's learnt state (if any) is an explicit value: :meth:`init_state`
@@ -162,6 +220,8 @@ class Proposal:
     affine: bool = False
     observes: bool = False
     uses_history: bool = False
+    uses_memory: bool = False
+    aligned_noise: bool = False
     name: str = "proposal"
 
     def init_state(self, device: torch.device) -> Any:
@@ -309,6 +369,54 @@ class FrozenPrediction(Proposal):
 
     def __repr__(self) -> str:
         return f"FrozenPrediction(kind={self.kind!r})"
+
+
+class MemoryDraft(Proposal):
+    """Time-aligned memory (``draft="memory"``): a parent at step ``s`` is drafted from the target's
+    clean-data prediction at step ``s`` made by the previous round's verification call.
+
+    What it reads, all made before the round's verification call:
+
+    * ``Prefetch.mem_x0``: ``x0_j = y_j - sigma_j v_j`` at the previous speculative round's
+      evaluated chain nodes ``j`` (steps ``mem_s0 + j``, ``j < mem_n``);
+    * the prefetched evaluation ``(y*, v*, step*)``, as the ``x0`` kind does.
+
+    Rule: at a parent of step ``s``, with ``j = min(s - mem_s0, mem_n - 1)``, the draft velocity is
+    ``v = (y - x0_j) / sigma_s`` when ``s >= mem_s0`` and node ``j`` is not older than the
+    prefetch (``mem_s0 + j >= step*``), else the ``x0`` kind's ``(y - x0*) / sigma_s``. Past the
+    previous round's chain it freezes its last node's prediction, the latest the run has.
+
+    With :attr:`aligned_noise`, a chain redrafts the steps the previous round evaluated but did
+    not accept with the noise they had then (those draws made no decision: the walk stopped
+    before them), so the redrafted nodes lie near the evaluated ones and the memory's error is
+    the prediction's change over that small distance, not over a whole step's noise. The draft
+    is exact for any memory: it only moves the acceptance. Memory is kept for chain trees (one
+    node a depth); on a wider tree the rule falls back to the ``x0`` kind.
+    """
+
+    affine = True
+    uses_memory = True
+    aligned_noise = True
+    name = "memory"
+
+    def coefficients(self, tab, steps, pre, state, terms=None):
+        if pre is None:
+            raise ValueError("the memory draft needs a prefetched evaluation")
+        ac = tab.ac[steps]  # (G, n, 2)
+        a, c = ac[..., :1], ac[..., 1:]
+        k = c / tab.sig[steps][..., None]
+        x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]  # (G, 1, D)
+        if pre.mem_x0.shape[1]:
+            n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
+            t = steps - s0
+            j = torch.minimum(t, n - 1).clamp(min=0)  # (G, n)
+            use = (n > 0) & (t >= 0) & (s0 + j >= pre.step[:, None])
+            mem = pre.mem_x0.gather(1, j[..., None].expand(-1, -1, pre.mem_x0.shape[2]))
+            x0 = torch.where(use[..., None], mem, x0)
+        return a + k, -k * x0
+
+    def __repr__(self) -> str:
+        return "MemoryDraft()"
 
 
 class DraftModel(Proposal):
@@ -478,7 +586,7 @@ def _kind_tables(tab: StepTables) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _DRAFTS: Registry[Proposal] = Registry(
-    "draft", {**{k: (lambda k=k: FrozenPrediction(k)) for k in FROZEN_KINDS}, "auto": AutoDraft}
+    "draft", {**{k: (lambda k=k: FrozenPrediction(k)) for k in FROZEN_KINDS}, "auto": AutoDraft, "memory": MemoryDraft}
 )
 
 
