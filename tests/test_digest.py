@@ -34,6 +34,8 @@ CONFIGS = {
     "grs_x0_extrap_chunked": dict(tree=trees.uniform(2, 2), draft="x0_extrap", max_rows=3),
     "grs_auto": dict(tree=trees.uniform(2, 3), draft="auto"),
     "grs_drift": dict(tree=trees.chain(4), draft="drift"),
+    "rmc_memory_chain": dict(tree=trees.chain(4), coupling="rmc", draft="memory"),
+    "grs_auto_chain_drafted": dict(tree=trees.chain(3), draft="auto", verify="drafted"),
     "grs_adaptive": dict(tree=planning.AdaptiveTree(budget=10, max_depth=3)),
     "rank_uniform": dict(tree=trees.uniform(3, 2), coupling="rank"),
     "rank_lazy": dict(tree=trees.uniform(2, 3), coupling="rank", lazy=True),

@@ -118,3 +118,27 @@ def test_memory_draft_cuts_target_calls_on_the_mixture():
         for d in ("x0", "memory")
     }
     assert nfe["memory"] < 0.85 * nfe["x0"]
+
+
+class NaNAtStep7(FrozenPrediction):
+    """A draft whose mean comes out NaN at step 7 (a broken extrapolation)."""
+
+    def __init__(self):
+        super().__init__("x0")
+        self.name = "bad"
+
+    def coefficients(self, tab, steps, pre, state, terms=None):
+        A, C = super().coefficients(tab, steps, pre, state, terms)
+        return A, torch.where(steps[..., None] == 7, float("nan"), C)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("tree", [trees.chain(4), trees.uniform(2, 2)], ids=["chain", "tree"])
+def test_a_draft_that_gives_nan_stops_the_run_naming_draft_and_step(lazy, tree):
+    gmm = GaussianMixture.paper(dim=10, seed=0)
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with pytest.raises(FloatingPointError, match=r"draft 'bad'.*step 7"):
+        specforest.sample(gmm, x, steps=20, churn=0.3, tree=tree, draft=NaNAtStep7(), seed=1, lazy=lazy)
+    # the same run with the sound draft finishes with finite samples
+    out = specforest.sample(gmm, x, steps=20, churn=0.3, tree=tree, draft="x0", seed=1, lazy=lazy)
+    assert torch.isfinite(out.samples).all()

@@ -57,6 +57,10 @@ if a.get("wrong") == "no_row_bytes":
     import specforest.experiments.pixel.run as pixel_run
     memory.row_bytes_of = lambda *args, **kw: None
     pixel_run.ROW_BYTES = 3 * 64 * 4
+if a.get("wrong") == "memory_draft_as_lazy":
+    # a draft that remembers its chain sized as the lazy run the command asked for
+    estimate = memory.estimate
+    memory.estimate = lambda **kw: estimate(**{**kw, "lazy": True, "draft": None})
 from specforest.cli import main
 main(a["argv"], prog_name="specforest")
 """
@@ -164,6 +168,20 @@ def test_gmm_lazy_run_holds():
     run = _cli([*GMM, "--K", "6", "--L", "6", "--trajectories", "30", "--lazy", "--memory-gb", "0.5"])
     _holds(run, 0.5)
     assert run["record"]["mode"] == "lazy"
+
+
+@pytest.mark.slow
+def test_gmm_memory_draft_run_holds_and_the_lazy_estimate_does_not():
+    """``--lazy`` with the memory draft runs full (it remembers every node of its chain) and keeps a
+    state per node: sized so, the run holds; sized as the lazy run asked for, it does not."""
+    argv = [*GMM, "--method", "rmc", "--L", "10", "--draft", "memory", "--lazy"]
+    argv += ["--dim", "20000", "--trajectories", "96", "--memory-gb", "0.7"]
+    run = _cli(argv)
+    _holds(run, 0.7)
+    assert run["record"]["mode"] == "full" and run["record"]["chunks"] > 1
+    wrong = _cli(argv, wrong="memory_draft_as_lazy")
+    assert wrong["rc"] == 0 and wrong["record"]["chunks"] == 1
+    assert wrong["peak"] > BOUND * 0.7e9
 
 
 @pytest.mark.slow

@@ -44,6 +44,17 @@ def chain_draft(proposal, tt, Lr: int) -> bool:
     return proposal.affine and tt.size_at(Lr) - 1 == Lr
 
 
+def remembers_chain(proposal, tree) -> bool:
+    """Whether a run of ``proposal`` with ``tree`` (a :class:`~specforest.trees.DraftTree`, a
+    :class:`~specforest.trees.TreePolicy` or ``None``) keeps each round's evaluated chain for the
+    next (:attr:`~specforest.proposals.Proposal.uses_memory`): it must then evaluate every node
+    of a chain round, so it runs full. A tree whose first level branches never drafts a chain
+    (:func:`chain_draft`), and the standard sampler drafts nothing."""
+    if not getattr(proposal, "uses_memory", False) or tree is None:
+        return False
+    return not hasattr(tree, "size_at_depth") or tree.size_at_depth(1) == 2
+
+
 def _aligned_keys(step_keys: torch.Tensor, s0: torch.Tensor, tt, Vr: int) -> torch.Tensor:
     """``(G, Vr)`` keys of a chain rooted at steps ``s0 (G,)`` whose node at step ``t > s0`` is keyed
     by the transition into ``t``: ``step_keys[t - 1] ^ code[1]``, the root as usual

@@ -68,7 +68,7 @@ import torch
 
 from . import lockstep
 from .couplings import Coupling
-from .drafting import chain_draft, draft
+from .drafting import chain_draft, draft, remembers_chain
 from .proposals import Prefetch, Proposal
 from .records import (
     PHASES,
@@ -147,8 +147,8 @@ def make_context(
     (:func:`~specforest.lockstep.lockstep_round`); otherwise rounds are
     :func:`speculative_round`. ``depth`` is the deepest round (``0`` for the standard sampler).
     """
-    # a proposal that reads every evaluated node of the previous round needs them all evaluated
-    lazy = lazy and not proposal.uses_memory
+    # a proposal that remembers the previous round's chain needs all its nodes evaluated
+    lazy = lazy and not remembers_chain(proposal, tree if policy is None else policy)
     rows_all = torch.arange(batch, device=device)
     stoch_at = torch.cat([tab.stochastic, tab.stochastic.new_zeros(1)])
     standard = tree is None and policy is None
@@ -240,10 +240,19 @@ def init_state(ctx: RunContext, x: torch.Tensor, keys: torch.Tensor) -> RunState
         x=x,
         step=torch.zeros(batch, dtype=torch.long, device=ctx.device),
         keys=step_keys(keys, ctx.T),
-        pre=Prefetch.empty(batch, D, ctx.work, ctx.device, memory=ctx.depth if ctx.proposal.uses_memory else 0),
+        pre=Prefetch.empty(batch, D, ctx.work, ctx.device, memory=remembered_states(ctx)),
         counters=Counters.zeros(batch, ctx.depth, ctx.device),
         draft_state=ctx.proposal.init_state(ctx.device),
+        draft_bad=torch.full((), -1, dtype=torch.long, device=ctx.device),
     )
+
+
+def remembered_states(ctx: RunContext) -> int:
+    """States per trajectory a run keeps of its last chain round (``0`` unless its proposal
+    remembers one: :func:`~specforest.drafting.remembers_chain`); a chain never runs past the grid."""
+    if not remembers_chain(ctx.proposal, ctx.tree if ctx.policy is None else ctx.policy):
+        return 0
+    return min(ctx.depth, ctx.T)
 
 
 def run_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
@@ -275,6 +284,8 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         fetch = stoch & ~spec if ctx.proposal.needs_prefetch else ctx.no_fetch
         single = active & ~spec
         # an adaptive plan reads the records on the host anyway
+        if state.draft_bad is not None and int(state.draft_bad) >= 0:
+            ctx.raise_bad_draft(int(state.draft_bad))
         ctx.target.check_finite()
         if not bool(active.any()):
             return None
@@ -287,8 +298,11 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
     at = table[torch.add(step, state.pre.valid, alpha=T + 1) if ctx.proposal.needs_prefetch else step]
     active, single, spec, fetch, _, Ls = at.unbind(1)
     Lmin, Lmax = Ls.aminmax()
-    counts = host_read(torch.cat([at.sum(0), torch.stack([Lmax, Lmin, ctx.target.bad])]))
-    n_active, n1, ns, nf, rows, _, Lr, Lmin, bad = counts
+    flags = [ctx.target.bad, ctx.target.bad.new_full((), -1) if state.draft_bad is None else state.draft_bad]
+    counts = host_read(torch.cat([at.sum(0), torch.stack([Lmax, Lmin, *flags])]))
+    n_active, n1, ns, nf, rows, _, Lr, Lmin, bad, bad_draft = counts
+    if bad_draft >= 0:
+        ctx.raise_bad_draft(bad_draft)
     if bad:
         ctx.target.raise_not_finite()
     if n_active == 0:
@@ -398,6 +412,7 @@ def commit(
     records = state.records
     dstate = state.draft_state
     hist = ctx.proposal.uses_history
+    draft_bad = state.draft_bad
     outcomes = []
     for w, d, V in zip(walks, drafts, ev.trees, strict=True):
         ids = d.ids
@@ -412,6 +427,7 @@ def commit(
             pre = _remember(ctx, pre, d, V)
         Lw = w.act.shape[1]
         cols = ctx.depth_cols[:Lw]
+        draft_bad = _first_bad_draft(ctx, w, d, cols, draft_bad)
         rows = d.tt.rows_at[d.Ls]
         outcomes.append(Outcome(ids=ids, committed=w.committed, rows=rows, act=w.act, acc=w.acc, delta=w.delta))
         if ctx.record or ctx.policy is not None:
@@ -439,7 +455,20 @@ def commit(
         rounds=state.rounds + 1,
         draft_calls=state.draft_calls + calls,
         seconds=state.seconds,
+        draft_bad=draft_bad,
     )
+
+
+def _first_bad_draft(
+    ctx: RunContext, w: WalkResult, d: Draft, cols: torch.Tensor, bad: Optional[torch.Tensor]
+) -> Optional[torch.Tensor]:
+    """``bad`` (the first step where the draft's mean was NaN or inf, ``-1`` for none; ``()`` long)
+    updated with this walk, on the device: a non-finite draft mean makes the mismatch of its
+    verification non-finite (the target's means are checked apart)."""
+    if bad is None:
+        return None
+    at = torch.where(w.act & ~torch.isfinite(w.delta), d.s0[:, None] + cols[None], ctx.T).amin()
+    return torch.where((bad < 0) & (at < ctx.T), at, bad)
 
 
 def _remember(ctx: RunContext, pre: Prefetch, d: Draft, V: torch.Tensor) -> Prefetch:

@@ -94,5 +94,6 @@ def lockstep_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
         rounds=s + 1,
         draft_calls=state.draft_calls,
         noise=block,
+        draft_bad=state.draft_bad,
         seconds=(sched, drafted, evaluated + (t1 - t0 - inside), walked, committed + (t2 - t1)),
     )

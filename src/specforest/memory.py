@@ -64,6 +64,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .drafting import remembers_chain
+from .proposals import get_proposal
 from .trees import DraftTree, TreePolicy
 from .validation import check_int
 
@@ -367,6 +369,7 @@ def estimate(
     cond_row: Optional[dict] = None,
     work_bytes: int = _F32,
     world: int = 1,
+    draft: Any = None,
 ) -> MemoryEstimate:
     """Estimate a run's memory and choose ``chunk`` and ``max_rows`` so it fits.
 
@@ -397,6 +400,10 @@ def estimate(
         work_bytes: element size of the sampler's working dtype (4: float32, 8: float64).
         world: processes of tree-parallel verification (each holds the whole tree
             and its share of every call's rows).
+        draft: the run's draft (a name or a proposal; default: one that keeps nothing between
+            rounds). One that remembers the last chain round
+            (:func:`~specforest.drafting.remembers_chain`) runs full and keeps one state per
+            chain node and trajectory.
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -409,6 +416,11 @@ def estimate(
     device = torch.device(device)
     if limit_bytes is None:
         limit_bytes, limit_source = default_memory_limit(device)
+    remembered = 0
+    if draft is not None and remembers_chain(get_proposal(draft), tree):
+        lazy = False
+        remembered = int(getattr(tree, "max_depth", None) or tree.L)
+        remembered = remembered if steps is None else min(remembered, max(int(steps), 1))
     nodes, inner, rows, children, size = _counts(tree, verify, lazy, steps)
     D, w, world = int(state_numel), int(work_bytes), max(int(world), 1)
     row_source = "given"
@@ -424,6 +436,7 @@ def estimate(
         states = _LAZY_CHILD_STATES * children + _SCRATCH_STATES
     else:
         states = _NODE_STATES * nodes + _INNER_STATES * inner + _ROW_STATES * rows + _SCRATCH_STATES
+    states += remembered
     if world > 1:
         states += _SPLIT_ROW_STATES * rows
     per = D * w * states + _KEY_BYTES * size + int(cond_bytes)

@@ -26,6 +26,7 @@ from .sde import StepTables
 from .target import outside_inference
 
 __all__ = [
+    "AUTO_KINDS",
     "DRAFT_KINDS",
     "FROZEN_KINDS",
     "AutoDraft",
@@ -45,6 +46,9 @@ per draft offset from the mismatch observed in earlier rounds (:class:`AutoDraft
 drafts each step from the previous round's evaluation at that step (:class:`MemoryDraft`)."""
 
 FROZEN_KINDS = DRAFT_KINDS[:5]
+
+AUTO_KINDS = (*FROZEN_KINDS, "memory")
+"""What ``auto`` chooses among, in its state's column order."""
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -406,12 +410,8 @@ class MemoryDraft(Proposal):
         a, c = ac[..., :1], ac[..., 1:]
         k = c / tab.sig[steps][..., None]
         x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]  # (G, 1, D)
-        if pre.mem_x0.shape[1]:
-            n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
-            t = steps - s0
-            j = torch.minimum(t, n - 1).clamp(min=0)  # (G, n)
-            use = (n > 0) & (t >= 0) & (s0 + j >= pre.step[:, None])
-            mem = pre.mem_x0.gather(1, j[..., None].expand(-1, -1, pre.mem_x0.shape[2]))
+        mem, use = _memory_at(steps, pre)
+        if mem is not None:
             x0 = torch.where(use[..., None], mem, x0)
         return a + k, -k * x0
 
@@ -448,8 +448,12 @@ class DraftModel(Proposal):
         if not isinstance(v, torch.Tensor) or v.numel() != y.numel():
             raise ValueError(f"the draft model must return a tensor of shape {(G * n, *shape)}")
         v = v.reshape(G, n, D).to(y.dtype)
-        if not torch.isfinite(v).all():
-            raise FloatingPointError("the draft model returned NaN or inf")
+        bad = ~torch.isfinite(v).all(-1)
+        if bad.any():
+            at = sorted(set(steps[bad].tolist()))
+            raise FloatingPointError(
+                f"the draft model returned NaN or inf at step {at[0]} (steps {at}); refusing to continue"
+            )
         return tab.mean(y, v, steps)
 
     def __repr__(self) -> str:
@@ -457,23 +461,27 @@ class DraftModel(Proposal):
 
 
 class AutoDraft(Proposal):
-    """Frozen prediction whose parameterization is chosen online (``draft="auto"``).
+    """The draft chosen online among :data:`AUTO_KINDS` (``draft="auto"``).
 
     After every verification the sampler reports the exact target mean; for each
-    kind in :data:`FROZEN_KINDS` the draft mean that kind *would* have used is a
-    deterministic function of the same parent and prefetch, so the mismatch
-    ``delta_kind = |m_q - m_p^kind| / sigma`` of every kind is observed at once.
-    Rule: for a parent ``k`` steps after its prefetched evaluation (the draft
-    offset), use the kind with the smallest running mean of ``delta`` at that
-    offset over the rounds so far (an unseen offset takes the choice of the
-    nearest smaller seen one; ``velocity`` before anything is seen).
-    The state is the running sums ``(offsets, kinds)`` and counts; a round
-    drafts with the state it started with, so the sampler stays exact.
+    kind in :data:`AUTO_KINDS` (the frozen kinds and ``memory``) the draft mean that
+    kind *would* have used is a deterministic function of the same parent, prefetch
+    and memory, so the mismatch ``delta_kind = |m_q - m_p^kind| / sigma`` of every
+    kind is observed at once. Rule: for a parent ``k`` steps after its prefetched
+    evaluation (the draft offset), use the kind with the smallest running mean of
+    ``delta`` at that offset over the rounds so far (an unseen offset takes the
+    choice of the nearest smaller seen one; ``velocity`` before anything is seen).
+    The state is the running sums ``(offsets, kinds)`` and counts; a round drafts
+    with the state it started with, so the sampler stays exact. It keeps the
+    memory of :class:`MemoryDraft` and its step-aligned chain noise, so a chain run
+    evaluates every node (``lazy`` runs as full).
     """
 
     affine = True
     observes = True
     uses_history = True
+    uses_memory = True
+    aligned_noise = True
     name = "auto"
 
     def __init__(self, max_offset: int = 64) -> None:
@@ -482,13 +490,13 @@ class AutoDraft(Proposal):
     def init_state(self, device):
         n = self.max_offset + 1
         return (
-            torch.zeros(n, len(FROZEN_KINDS), dtype=torch.float64, device=device),
+            torch.zeros(n, len(AUTO_KINDS), dtype=torch.float64, device=device),
             torch.zeros(n, dtype=torch.float64, device=device),
         )
 
     @staticmethod
     def choice(state) -> torch.Tensor:
-        """``(max_offset + 1,)`` index into :data:`FROZEN_KINDS` used at each offset.
+        """``(max_offset + 1,)`` index into :data:`AUTO_KINDS` used at each offset.
 
         An offset never observed takes the choice of the nearest smaller observed
         offset (``velocity`` when there is none).
@@ -501,15 +509,16 @@ class AutoDraft(Proposal):
 
     @staticmethod
     def _all_kinds(tab, steps, pre):
-        """Every frozen kind's mean as ``A y + alpha y* + beta v* + eps x0_prev``.
+        """Every kind's mean as ``A y + alpha y* + beta v* + eps x0_prev + mu x0_mem``.
 
-        Returns ``coef (4, 5, G, n)``: ``A, alpha, beta, eps`` of the five kinds (in
-        :data:`FROZEN_KINDS` order) at each parent, and the vectors ``y* (G, D)``,
-        ``v* (G, D)`` and ``x0_prev (G, D)``. The same affine maps as
-        :class:`FrozenPrediction`'s, written so that the five kinds cost a few scalar ops
-        and three vector ones, not five vector computations (``velocity`` is bit-identical
-        to its own; the others agree to rounding). What depends on one step only is
-        tabulated once per run (:func:`_kind_tables`).
+        Returns ``coef (5, 6, G, n)``: ``A, alpha, beta, eps, mu`` of the six kinds (in
+        :data:`AUTO_KINDS` order) at each parent, and the vectors ``y* (G, D)``, ``v* (G, D)``,
+        ``x0_prev (G, D)`` and ``x0_mem (G, n, D)`` (the memory node each parent would read,
+        ``None`` when the run keeps no memory). The same affine maps as
+        :class:`FrozenPrediction`'s and :class:`MemoryDraft`'s, written so that the kinds cost a
+        few scalar ops and four vector ones, not six vector computations (``velocity`` is
+        bit-identical to its own; the others agree to rounding). What depends on one step only
+        is tabulated once per run (:func:`_kind_tables`).
         """
         by_step, by_src = _kind_tables(tab)
         at = by_step[steps].unbind(-1)
@@ -521,48 +530,73 @@ class AutoDraft(Proposal):
         r = torch.where(ok, (sig - sig_src) / torch.where(ok, gap, torch.ones_like(gap)), torch.zeros_like(gap))
         k0r = k0 * (1.0 + r)
         zero = torch.zeros_like(c)
-        # A, alpha, beta, eps of velocity, drift, x0, eps, x0_extrap
+        x0_mem, use = _memory_at(steps, pre)
+        keep = zero if use is None else (~use).to(c.dtype)  # 1 where the memory kind falls back to x0
+        mu = zero if use is None else neg_k0 * use.to(c.dtype)
+        x0_alpha, x0_beta = neg_k0 if use is None else neg_k0 * keep, k0 * sig_src
+        mem_beta = x0_beta if use is None else x0_beta * keep
+        # A, alpha, beta, eps, mu of velocity, drift, x0, eps, x0_extrap, memory
         coef = torch.stack(
             [
                 *at[:5],
-                *(zero, neg_g * k, neg_k0, ke, -k0r),
-                *(c, neg_g * f, k0 * sig_src, ke * one_minus_src, k0r * sig_src),
-                *(zero, zero, zero, zero, k0 * r),
+                at[2],
+                *(zero, neg_g * k, neg_k0, ke, -k0r, x0_alpha),
+                *(c, neg_g * f, x0_beta, ke * one_minus_src, k0r * sig_src, mem_beta),
+                *(zero, zero, zero, zero, k0 * r, zero),
+                *(zero, zero, zero, zero, zero, mu),
             ]
-        ).view(4, 5, *c.shape)
+        ).view(5, 6, *c.shape)
         x0_prev = pre.prev_y - sig_prev * pre.prev_v
-        return coef, (pre.y, pre.v, x0_prev)
+        return coef, (pre.y, pre.v, x0_prev, x0_mem)
 
     def round_terms(self, tab, steps, pre):
         return self._all_kinds(tab, steps, pre)
 
     def take_terms(self, terms, rows, cols):
-        coef, vecs = terms
-        return coef[:, :, rows, cols], tuple(v[rows] for v in vecs)
+        coef, (ys, vs, x0p, x0m) = terms
+        return coef[:, :, rows, cols], (ys[rows], vs[rows], x0p[rows], None if x0m is None else x0m[rows, cols])
 
     def coefficients(self, tab, steps, pre, state, terms=None):
-        coef, (ys, vs, x0p) = self._all_kinds(tab, steps, pre) if terms is None else terms
+        coef, (ys, vs, x0p, x0m) = self._all_kinds(tab, steps, pre) if terms is None else terms
         offset = (steps - pre.step[:, None]).clamp(0, self.max_offset)
         pick = self.choice(state)[offset]  # (G, n)
-        A, alpha, beta, eps = coef.gather(1, pick.expand(4, 1, *pick.shape))[:, 0, ..., None].unbind(0)  # (G, n, 1)
+        A, alpha, beta, eps, mu = coef.gather(1, pick.expand(5, 1, *pick.shape))[:, 0, ..., None].unbind(0)
         C = torch.addcmul(torch.addcmul(alpha * ys[:, None], beta, vs[:, None]), eps, x0p[:, None])
+        if x0m is not None:
+            C = torch.addcmul(C, mu, x0m)
         return A, C
 
     def observe(self, state, tab, y, mu_q, steps, pre, scale, terms=None):
         total, count = state
         if terms is None:
-            coef, (ys, vs, x0p) = self._all_kinds(tab, steps[:, None], pre)  # (4, 5, P, 1)
+            coef, (ys, vs, x0p, x0m) = self._all_kinds(tab, steps[:, None], pre)  # (5, 6, P, 1)
+            x0m = None if x0m is None else x0m[:, 0]
         else:
-            coef, (ys, vs, x0p) = terms
+            coef, (ys, vs, x0p, x0m) = terms
             coef = coef[..., None]
-        A, alpha, beta, eps = coef.unbind(0)  # (5, P, 1) each
-        m = torch.addcmul(torch.addcmul(torch.addcmul(alpha * ys, beta, vs), eps, x0p), A, y)  # (5, P, D)
-        d = torch.linalg.vector_norm((mu_q[None] - m).double(), dim=-1) / scale.double()  # (5, P)
+        A, alpha, beta, eps, mu = coef.unbind(0)  # (6, P, 1) each
+        m = torch.addcmul(torch.addcmul(torch.addcmul(alpha * ys, beta, vs), eps, x0p), A, y)  # (6, P, D)
+        if x0m is not None:
+            m = torch.addcmul(m, mu, x0m)
+        d = torch.linalg.vector_norm((mu_q[None] - m).double(), dim=-1) / scale.double()  # (6, P)
         offset = (steps - pre.step).clamp(0, self.max_offset)
         return (total.index_add(0, offset, d.T), count.index_add(0, offset, torch.ones_like(d[0])))
 
     def __repr__(self) -> str:
         return "AutoDraft()"
+
+
+def _memory_at(steps: torch.Tensor, pre: Prefetch) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The memory node a parent at ``steps (G, n)`` reads (:class:`MemoryDraft`'s rule):
+    ``x0_mem (G, n, D)`` and ``use (G, n)`` bool (False: fall back to the prefetch's ``x0``);
+    ``(None, None)`` when the run keeps no memory."""
+    if not pre.mem_x0.shape[1]:
+        return None, None
+    n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
+    t = steps - s0
+    j = torch.minimum(t, n - 1).clamp(min=0)
+    use = (n > 0) & (t >= 0) & (s0 + j >= pre.step[:, None])
+    return pre.mem_x0.gather(1, j[..., None].expand(-1, -1, pre.mem_x0.shape[2])), use
 
 
 def _kind_tables(tab: StepTables) -> tuple[torch.Tensor, torch.Tensor]:

@@ -168,6 +168,12 @@ class RunContext:
     tree_rows: tuple = ()
     lockstep_steps: tuple = ()
 
+    def raise_bad_draft(self, step: int) -> None:
+        """Stop the run: the draft's mean was NaN or inf at ``step``."""
+        raise FloatingPointError(
+            f"draft {self.proposal.name!r} gave a NaN or inf mean at step {step}; refusing to continue"
+        )
+
     def tables(self, tree: DraftTree) -> TreeTables:
         """The device tables of ``tree`` (made once per tree and kept on it)."""
         return TreeTables.of(tree, self.verify, self.device)
@@ -363,6 +369,9 @@ class RunState:
         draft_calls: calls of a non-frozen draft.
         noise: the lockstep round's :class:`NoiseBlock`, or ``None``.
         seconds: host seconds spent in each of the :data:`PHASES` so far.
+        draft_bad: ``()`` long, the first step at which the draft's mean came out NaN or inf
+            (``-1``: none so far; ``None`` for a run without drafts); set on the device by the
+            rounds, read with the round's one synchronization (:func:`~specforest.engine.schedule`).
     """
 
     x: torch.Tensor
@@ -376,6 +385,7 @@ class RunState:
     draft_calls: int = 0
     noise: Optional[NoiseBlock] = None
     seconds: tuple = (0.0,) * len(PHASES)
+    draft_bad: Optional[torch.Tensor] = None
 
     @property
     def phase_seconds(self) -> dict:
@@ -404,6 +414,7 @@ class RunState:
             draft_calls=self.draft_calls,
             noise=None,
             seconds=self.seconds,
+            draft_bad=self.draft_bad,
         )
 
 

@@ -176,16 +176,17 @@ def verify_option(default: str):
 
 
 def draft_option():
-    """``--draft``: what a draft freezes from the prefetched evaluation."""
+    """``--draft``: what the draft reads from the evaluations made before the round."""
     return click.option(
         "--draft",
         type=click.Choice(DRAFT_KINDS),
         default="velocity",
         show_default=True,
-        help="What the draft freezes from the prefetched evaluation: the velocity (the paper's protocol), "
-        "the whole drift (App. C.1), the clean-data prediction x0, the noise prediction eps, x0 "
-        "extrapolated in time (x0_extrap), or auto (chosen online per draft offset); the exactly "
-        "known rest is recomputed at each drafted state.",
+        help="What the draft reads from the evaluations made before the round: the prefetched "
+        "velocity (the paper's protocol), the whole drift (App. C.1), the clean-data prediction x0, "
+        "the noise prediction eps, x0 extrapolated in time (x0_extrap), the previous round's x0 at "
+        "each drafted step (memory; the run goes full), or auto (chosen online per draft offset "
+        "among all of them); the exactly known rest is recomputed at each drafted state.",
     )
 
 

@@ -85,6 +85,7 @@ def plan_memory(
     steps: int,
     row_bytes: int,
     cond_bytes: int,
+    draft: Any = None,
 ) -> "tuple[_memory.MemoryEstimate, int]":
     """The run's memory estimate and the images per VAE call, before anything is allocated.
 
@@ -111,6 +112,7 @@ def plan_memory(
         steps=steps,
         row_bytes=row_bytes,
         cond_bytes=cond_bytes,
+        draft=draft,
         fixed_bytes=fixed,
         limit_bytes=limit,
         limit_source=source,
@@ -242,6 +244,7 @@ def run_sampler(
         steps=len(options.sigmas) - 1,
         row_bytes=row_bytes,
         cond_bytes=cond_bytes,
+        draft=options.draft,
     )
     if generator is None:
         generator = torch.Generator(device="cpu")

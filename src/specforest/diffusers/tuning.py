@@ -25,6 +25,7 @@ from .. import memory as _memory
 from .. import streams
 from ..latency import Tuned
 from ..latency import tune as _tune
+from ..proposals import get_proposal
 from ..trees import chain
 from ..validation import check_int, check_number
 from . import pipeline_flux as _flux
@@ -189,6 +190,8 @@ def _tune_sized(
         state_numel=math.prod(x.shape[1:]),
         tree=chain(budget_max),
         verify="drafted",
+        # the calibration chains of a draft that remembers run full
+        draft=next((d for d in drafts if get_proposal(d).uses_memory), None),
         steps=steps,
         row_bytes=row_bytes,
         cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),

@@ -181,4 +181,5 @@ def size_slots(
         limit_source=source,
         device=device,
         world=world,
+        draft=kw.draft,
     )

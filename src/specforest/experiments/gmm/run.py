@@ -19,7 +19,7 @@ import torch
 from ... import __version__, memory, sample
 from ...options import SamplerOptions
 from ...planning import AdaptiveTree, plan_tree
-from ...proposals import DRAFT_KINDS
+from ...proposals import DRAFT_KINDS, get_proposal
 from ...sampler import PREFETCH_POLICIES
 from ...trees import VERIFY_MODES, DraftTree
 from ...warmup import pad_rows_for, warm_up
@@ -120,8 +120,8 @@ def simulate(
             )
 
         tree, budget = choose_tree(method, K, L, setting.steps, tree_mode, budget, plan)
-    # a tree-less run has nothing to realize lazily
-    lazy = bool(lazy) and tree is not None
+    # a tree-less run has nothing to realize lazily; a draft that remembers the chain runs full
+    lazy = bool(lazy) and tree is not None and not get_proposal(draft).uses_memory
     if method == "antithetic" and tree_mode != "custom" and K % 2:
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     coupling = COUPLING_OF.get(method, "grs")
@@ -138,6 +138,7 @@ def simulate(
         lazy=lazy,
         steps=T,
         model=gmm,
+        draft=draft,
         fixed_bytes=fixed,
         limit_bytes=limit,
         limit_source=source,
@@ -241,8 +242,9 @@ def run_config(setting: GMMSetting, **options) -> dict:
         L: tree depth for the tree methods; chain length ``B`` for ``rmc``; ``>= 1``.
         prefetch: ``nearest`` or ``parent`` (ERRATA 9).
         verify: ``internal`` or ``drafted``.
-        draft: frozen prediction of the draft: ``velocity`` (default, the
-            paper's protocol), ``drift``, ``x0`` or ``eps``.
+        draft: the draft (:data:`specforest.proposals.DRAFT_KINDS`): ``velocity`` (default,
+            the paper's protocol), ``drift``, ``x0``, ``eps``, ``x0_extrap``, ``memory`` (the
+            previous round's evaluation at each step; the run goes full) or ``auto``.
         seed: seed of ``x_T`` and the sampling noise, ``>= 0``.
         lazy: realize only visited nodes (same law of samples and NFE, far less
             memory and time for big trees).

@@ -21,7 +21,7 @@ from ... import __version__, memory, sample
 from ...models.digits import IMAGE_SHAPE, DigitsClassifier, load_classifier, load_velocity
 from ...options import SamplerOptions
 from ...planning import plan_tree
-from ...proposals import DRAFT_KINDS
+from ...proposals import DRAFT_KINDS, get_proposal
 from ...sampler import GRIDS, PREFETCH_POLICIES
 from ...trees import VERIFY_MODES, DraftTree
 from ...warmup import pad_rows_for, warm_up
@@ -110,8 +110,9 @@ def simulate(
         prefetch: ``nearest`` or ``parent`` (ERRATA 9).
         verify: ``internal`` or ``drafted``.
         lazy: realize only visited nodes (same law and NFE; wall-clock not comparable).
-        draft: frozen-prediction kind of the draft (``velocity``, ``drift``, ``x0``,
-            ``eps``, ``x0_extrap`` or ``auto``).
+        draft: the draft (:data:`specforest.proposals.DRAFT_KINDS`): a frozen prediction
+            (``velocity``, ``drift``, ``x0``, ``eps``, ``x0_extrap``), ``memory`` (the previous
+            round's evaluation at each step; the run goes full) or ``auto``.
         tree: ``uniform`` (the (K, L) tree), ``optimal`` (planned for ``budget`` from
             a short calibration run) or ``adaptive`` (re-planned every round); see
             :func:`specforest.experiments.common.choose_tree`.
@@ -188,7 +189,8 @@ def simulate(
         K, L = tree.max_children, tree.L
     else:
         tree, budget = choose_tree(method, K, L, T, tree_mode, budget, plan)
-    lazy = bool(lazy) and tree is not None
+    # a tree-less run has nothing to realize lazily; a draft that remembers the chain runs full
+    lazy = bool(lazy) and tree is not None and not get_proposal(draft).uses_memory
     # the limit bounds the whole process: what it holds now (the networks) counts as fixed
     limit, source, fixed = memory.resolve_limit(memory_gb, x_T.device, "memory_gb")
     cond_row = {"class_labels": labels[:1]}
@@ -200,6 +202,7 @@ def simulate(
         verify=verify,
         lazy=lazy,
         steps=T,
+        draft=draft,
         row_bytes=ROW_BYTES if declared is None else declared,
         fixed_bytes=fixed,
         limit_bytes=limit,

@@ -1,0 +1,192 @@
+"""Every registered draft at the settings of the draft issue, beside a perfect draft's bound.
+
+    .venv/bin/python benchmarks/drafts.py [--trajectories 200] [--big-trajectories 16] [--images 100]
+    .venv/bin/python benchmarks/drafts.py --dry-run   # a few trajectories, prints, writes nothing
+
+Three settings, each with every draft of :data:`specforest.proposals.DRAFT_KINDS`:
+
+* the paper's mixture (d = 500, T = 30, churn 0.1, flow_match grid): RMC chains of B = 14 and
+  62, rank on planned trees of B = 62 and 155 (``tree="optimal"``) and on the uniform (5, 3) tree;
+* the mixture at d = 65,536 (the size of a 512x512 SD3 latent): the RMC chain and rank (5, 3) at B = 155;
+* the digits model (T = 100, churn 0.3): the RMC chain of B = 14.
+
+Prefetch nearest, verify drafted, lazy mode where the draft allows it (``memory`` and ``auto``
+remember each chain round and run full; same law of samples and NFE either way). The "oracle" row
+drafts with the target itself (a draft model whose mean is the target's, so every node is
+accepted): the fewest calls a chain of that depth can make, the bound any free draft stays under.
+The per-depth table shows the acceptance and the mean mismatch ``delta`` of the RMC chain's
+verifications at depths 1 to 8. Regenerates the ``drafts`` section of ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import specforest
+from specforest.experiments import gmm as gmm_exp
+from specforest.experiments import pixel as pixel_exp
+from specforest.experiments.results import machine_line, replace_section
+from specforest.models.digits import load_classifier, load_velocity
+from specforest.proposals import DRAFT_KINDS
+
+MIXTURE_ROWS = [  # (B, method, K, L, tree)
+    (14, "rmc", 1, 14, "uniform"),
+    (62, "rmc", 1, 62, "uniform"),
+    (62, "rank", 2, 5, "optimal"),
+    (155, "rank", 5, 3, "optimal"),
+    (155, "rank", 5, 3, "uniform"),
+]
+BIG_ROWS = [(155, "rmc", 1, 155, "uniform"), (155, "rank", 5, 3, "uniform")]
+DIGITS_ROWS = [(14, "rmc", 1, 14, "uniform")]
+DEPTHS = 8
+LABEL = {"rmc": "RMC chain", "rank": "rank"}
+HEAD = "| B | method | tree | draft | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |"
+SEP = "| --- | --- | --- | --- | --- | --- | --- | --- |"
+
+
+def fmt(r: dict) -> str:
+    acc = "" if r.get("accept_rate") is None else f"{r['accept_rate']:.3f}"
+    return (
+        f"{r['nfe_mean']:.2f} ± {r['nfe_sem']:.2f} | {r['speedup_mean']:.3f} ± {r['speedup_sem']:.3f} | "
+        f"{r['speedup_paper_mean']:.3f} ± {r['speedup_paper_sem']:.3f} | {acc}"
+    )
+
+
+def summary(nfe: torch.Tensor, steps: int) -> dict:
+    """Mean ± standard error of NFE and both speedup accountings, per trajectory."""
+    n = nfe.double()
+    sq = math.sqrt(n.numel())
+    out = {}
+    for key, v in (("nfe", n), ("speedup", steps / n), ("speedup_paper", (steps - 2) / (n - 2))):
+        out[f"{key}_mean"], out[f"{key}_sem"] = float(v.mean()), float(v.std() / sq)
+    return out
+
+
+def tree_label(tree: str, K: int, L: int, r: dict) -> str:
+    if tree == "optimal":
+        return f"planned, B = {r['budget']}"
+    return f"chain L = {L}" if K == 1 else f"({K}, {L})"
+
+
+def oracle(model, x: torch.Tensor, *, L: int, steps: int, churn: float, cond: dict, seed: int) -> dict:
+    """The RMC chain of depth ``L`` drafting with the target itself (every node accepted)."""
+    out = specforest.sample(
+        model,
+        x,
+        steps=steps,
+        churn=churn,
+        tree=specforest.trees.chain(L),
+        coupling="rmc",
+        draft=model,
+        cond=cond,
+        prefetch="nearest",
+        verify="drafted",
+        seed=seed,
+    )
+    att, acc = out.stats.attempts.sum(), out.stats.accepts.sum()
+    return {**summary(out.stats.nfe, steps), "accept_rate": float(acc / att)}
+
+
+def per_depth_table(rows: list) -> list:
+    head = "| setting | draft | " + " | ".join(f"depth {d}" for d in range(1, DEPTHS + 1)) + " |"
+    lines = [head, "| --- | --- | " + " | ".join("---" for _ in range(DEPTHS)) + " |"]
+    for setting, draft, r in rows:
+        cells = []
+        for a, d in list(zip(r["accept_rate_per_depth"], r["delta_per_depth"], strict=True))[:DEPTHS]:
+            cells.append("" if a is None else f"{a:.2f} (δ {d:.2f})")
+        cells += [""] * (DEPTHS - len(cells))
+        lines.append(f"| {setting} | {draft} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trajectories", type=int, default=200, help="mixture trajectories at d = 500 (>= 2)")
+    ap.add_argument("--big-trajectories", type=int, default=16, help="mixture trajectories at d = 65,536 (>= 2)")
+    ap.add_argument("--images", type=int, default=100, help="digits images (>= 2)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of x_T and the sampling noise (>= 0)")
+    ap.add_argument("--dry-run", action="store_true", help="3 trajectories per setting; print, write nothing")
+    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    args = ap.parse_args()
+    if min(args.trajectories, args.big_trajectories, args.images) < 2:
+        ap.error("--trajectories, --big-trajectories and --images must be >= 2")
+    if args.seed < 0:
+        ap.error("--seed must be >= 0")
+    if args.dry_run:
+        args.trajectories = args.big_trajectories = args.images = 3
+    t0 = time.perf_counter()
+    common = dict(prefetch="nearest", verify="drafted", seed=args.seed, lazy=True)
+    depth_rows: list = []
+
+    def mixture(setting, rows, title) -> list:
+        lines = ["", f"### {title}", "", HEAD, SEP]
+        gmm = setting.mixture()
+        x = gmm_exp.initial_states(setting.trajectories, setting.dim, args.seed)
+        for B, method, K, L, tree in tqdm(rows, desc=title[:30]):
+            for draft in DRAFT_KINDS:
+                kw = dict(budget=B) if tree == "optimal" else {}
+                r = gmm_exp.run_config(setting, method=method, K=K, L=L, draft=draft, tree=tree, **kw, **common)
+                t = tree_label(tree, K, L, r)
+                lines.append(f"| {r['budget']} | {LABEL[method]} | {t} | {draft} | {fmt(r)} |")
+                tqdm.write(lines[-1], file=sys.stderr)
+                if method == "rmc" and L == rows[0][3]:
+                    depth_rows.append((f"d = {setting.dim}, {t}", draft, r))
+            if method == "rmc":
+                r = oracle(gmm, x, L=L, steps=setting.steps, churn=setting.churn, cond={}, seed=args.seed)
+                lines.append(f"| {B} | {LABEL[method]} | chain L = {L} | oracle (the target) | {fmt(r)} |")
+        return lines
+
+    small = gmm_exp.GMMSetting(trajectories=args.trajectories)
+    big = gmm_exp.GMMSetting(dim=65536, trajectories=args.big_trajectories)
+    lines = [
+        f"Measured with `benchmarks/drafts.py --trajectories {args.trajectories} --big-trajectories "
+        f"{args.big_trajectories} --images {args.images}` on {machine_line()}, {torch.get_num_threads()} threads.",
+        "",
+        "Every registered draft; prefetch nearest, verify drafted, lazy mode where the draft allows it "
+        "(`memory` and `auto` remember each chain round and run full). Mean ± standard error over "
+        "trajectories; the paper's accounting (T-2)/(NFE-2) beside T/NFE. The oracle row drafts with "
+        "the target itself: every node accepted, the fewest calls a chain of that depth makes.",
+    ]
+    lines += mixture(small, MIXTURE_ROWS, "Mixture, paper setting (d = 500, T = 30, churn 0.1)")
+    lines += mixture(big, BIG_ROWS, f"Mixture at d = 65,536 ({args.big_trajectories} trajectories)")
+
+    model, clf = load_velocity(), load_classifier()
+    lines += ["", f"### Digits (T = 100, churn 0.3, {args.images} images)", "", HEAD, SEP]
+    for B, method, K, L, _ in DIGITS_ROWS:
+        for draft in DRAFT_KINDS:
+            r = pixel_exp.simulate(
+                method=method,
+                K=K,
+                L=L,
+                churn=0.3,
+                samples=args.images,
+                steps=100,
+                draft=draft,
+                model=model,
+                classifier=clf,
+                **common,
+            ).record
+            lines.append(f"| {B} | {LABEL[method]} | chain L = {L} | {draft} | {fmt(r)} |")
+            tqdm.write(lines[-1], file=sys.stderr)
+            depth_rows.append((f"digits, chain L = {L}", draft, r))
+        x, labels = pixel_exp.initial_states(args.images, args.seed)
+        r = oracle(model, x, L=L, steps=100, churn=0.3, cond={"class_labels": labels}, seed=args.seed)
+        lines.append(f"| {B} | {LABEL[method]} | chain L = {L} | oracle (the target) | {fmt(r)} |")
+    lines += ["", "### Acceptance (and mean mismatch δ) per depth, RMC chain", ""]
+    lines += per_depth_table(depth_rows)
+    lines += ["", f"Total wall time {(time.perf_counter() - t0) / 60:.1f} min."]
+    text = "\n".join(lines)
+    if not args.dry_run:
+        replace_section(args.out, "drafts", "## Drafts: every registered draft against a perfect one", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
