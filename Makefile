@@ -38,6 +38,7 @@ bench: venv
 	$(PY) benchmarks/gmm_beyond.py
 	$(PY) benchmarks/gmm_planning.py
 	$(PY) benchmarks/digits_drafts.py
+	$(PY) benchmarks/drafts.py
 	$(PY) benchmarks/pixel_quality.py
 	$(PY) benchmarks/sampler_overhead.py
 	$(PY) benchmarks/distributed.py

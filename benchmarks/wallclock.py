@@ -11,7 +11,8 @@ given device):
 2. per-image latency (one image per run) and throughput (64 images per run)
    of the standard sampler, the RMC chain of 14, D-GRS (2, 3), rank (2, 3),
    the call-optimal planned tree (``planning.plan_tree``, budget 62) and the
-   latency-optimal tuned configuration (``latency.tune``): target calls, rows
+   latency-optimal tuned configuration (``latency.tune`` over every registered
+   draft): target calls, rows
    per image, the sampler's own time per round, wall time per image (one image
    per run: the mean of ``--latency-runs`` runs, 20, with its standard error,
    since a run's time follows its random number of rounds and the prediction is
@@ -104,6 +105,7 @@ def run_model(
 
     import specforest
     from specforest.latency import Calibrator, tune
+    from specforest.proposals import available_drafts
 
     model, x_all, cond_all, opts = _setup(name, device)
     if steps is not None:
@@ -113,7 +115,7 @@ def run_model(
         x = x_all[:batch]
         cond = None if cond_all is None else {k: v[:batch] for k, v in cond_all.items()}
         t0 = time.perf_counter()
-        pred = Calibrator.calibrate(model, x_all, cond=cond_all, batch=batch, drafts=("velocity", "x0"), **opts)
+        pred = Calibrator.calibrate(model, x_all, cond=cond_all, batch=batch, drafts=available_drafts(), **opts)
         tuned = tune(model, x_all, predictor=pred, **opts)
         tune_seconds = time.perf_counter() - t0
         if out["curve"] is None:

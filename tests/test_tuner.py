@@ -390,3 +390,29 @@ def test_tune_predicts_every_candidate_from_its_final_calibration(gmm, monkeypat
     chosen = pred.predict(cands[tuned.label])
     assert (tuned.predicted_seconds_per_image, tuned.predicted_calls) == (chosen.seconds_per_image, chosen.calls)
     assert tuned.standard_seconds_per_image == pred.predict(cands["standard"]).seconds_per_image
+
+
+def test_a_draft_that_remembers_its_chain_is_a_candidate_on_chains_only():
+    """``memory`` and ``auto`` are calibrated on a chain and remember chain rounds only: the tuner
+    pairs them with chains, the frozen drafts with every tree."""
+    from specforest.latency import tuner
+
+    cands = tuner.candidates(lambda level, k: 0.7, 62, 30, ["x0", "memory", "auto"])
+    by = {d: [c.config.tree for c in cands[1:] if c.config.draft == d] for d in ("x0", "memory", "auto")}
+    assert any(t.budget != t.L for t in by["x0"])
+    for d in ("memory", "auto"):
+        assert by[d] and all(t.budget == t.L for t in by[d])
+    assert len(by["memory"]) == sum(t.budget == t.L for t in by["x0"])
+
+
+def test_the_tune_command_considers_every_registered_draft_and_refuses_an_unknown_one():
+    from click.testing import CliRunner
+
+    from specforest.cli import main
+    from specforest.cli.tune import parse_drafts
+    from specforest.proposals import available_drafts
+
+    assert parse_drafts("all") == list(available_drafts()) and "memory" in parse_drafts("all")
+    assert parse_drafts(" x0, memory ") == ["x0", "memory"]
+    res = CliRunner().invoke(main, ["tune", "--model", "gmm", "--drafts", "x0,nope", "--out", "t.json"])
+    assert res.exit_code == 2 and "--drafts" in res.output and "nope" in res.output

@@ -50,6 +50,21 @@ def _target(model: str, o: dict, n: int):
     return load_velocity(device=o["device"]), streams.randn(0, idx, IMAGE_SHAPE, device=o["device"]), cond
 
 
+def parse_drafts(text: str) -> list:
+    """``--drafts``: a comma list of registered draft names, or ``all`` (every registered draft)."""
+    from ..proposals import available_drafts
+
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    if names == ["all"]:
+        return list(available_drafts())
+    unknown = [d for d in names if d not in available_drafts()]
+    if not names or unknown:
+        raise click.BadParameter(
+            f"expected a comma list of {', '.join(available_drafts())} or 'all', got {text!r}", param_hint="--drafts"
+        )
+    return names
+
+
 def _tune_sd3(o: dict, drafts: list):
     """``specforest.diffusers.tune`` on the pipeline and captions of ``--pipeline`` and ``--prompts``."""
     from .. import diffusers as sd
@@ -149,7 +164,13 @@ def _tune_diffusers(o: dict, drafts: list):
 @click.option("--dim", type=click.IntRange(1), default=500, show_default=True, help="gmm: dimension.")
 @click.option("--components", type=click.IntRange(1), default=5, show_default=True, help="gmm: components.")
 @click.option("--mixture-seed", type=click.IntRange(0), default=0, show_default=True, help="gmm: mixture seed.")
-@click.option("--drafts", default="velocity,x0", show_default=True, help="Comma list of draft kinds to consider.")
+@click.option(
+    "--drafts",
+    default="all",
+    show_default=True,
+    help="Comma list of registered drafts to consider, or 'all': every registered draft (a draft that "
+    "remembers the last chain round, memory or auto, is considered on chains only).",
+)
 @click.option("--budget-max", type=click.IntRange(1), default=62, show_default=True, help="Largest budget tried.")
 @click.option(
     "--out",
@@ -209,7 +230,7 @@ def tune(**o) -> None:
             if o[key] is None:
                 o[key] = MODEL_DEFAULTS[o["model"]][key]
     threads = set_threads(o["threads"])
-    drafts = [d.strip() for d in o["drafts"].split(",") if d.strip()]
+    drafts = parse_drafts(o["drafts"])
     keys = ("model", "steps", "churn", "batch", "device")
     if o["model"] == "diffusers":
         res, family_keys = _tune_diffusers(o, drafts)

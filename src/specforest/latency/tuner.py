@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from ..options import SamplerOptions
+from ..proposals import get_proposal
 from ..trees import chain, optimal, uniform
 from ..validation import check_int
 from .calibration import Config
@@ -81,7 +82,9 @@ def candidates(
         acceptance: ``a(l, k)`` the budget-optimal trees are planned with.
         budget_max: the largest budget ``B`` considered.
         steps: grid steps (a chain is no longer than the grid).
-        drafts: the draft kinds; every tree is considered with each, the standard sampler with the first.
+        drafts: the draft kinds; every tree is considered with each (a draft that remembers the last
+            chain round, :attr:`~specforest.proposals.Proposal.uses_memory`, with chains only), the
+            standard sampler with the first.
         verify: every tree verified this way (``None``: both modes for uniform trees, ``internal`` otherwise).
         couplings: only trees of these couplings (``None``: all).
     """
@@ -103,7 +106,14 @@ def candidates(
     if couplings is not None:
         found = [t for t in found if t[2] in couplings]
     out = [Candidate("standard", Config(None, "grs", mode, drafts[0]))]
-    out += [Candidate(label, Config(t, c, m, d)) for label, t, c, m in found for d in drafts]
+    # a draft that remembers the last chain round is calibrated on chains and drafts like x0 in a tree
+    chains_only = {d for d in drafts if get_proposal(d).uses_memory}
+    out += [
+        Candidate(label, Config(t, c, m, d))
+        for label, t, c, m in found
+        for d in drafts
+        if d not in chains_only or t.budget == t.L
+    ]
     return out
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ... import __version__, memory, sample
+from ...drafting import remembers_chain
 from ...options import SamplerOptions
 from ...planning import AdaptiveTree, plan_tree
 from ...proposals import DRAFT_KINDS, get_proposal
@@ -120,8 +121,8 @@ def simulate(
             )
 
         tree, budget = choose_tree(method, K, L, setting.steps, tree_mode, budget, plan)
-    # a tree-less run has nothing to realize lazily; a draft that remembers the chain runs full
-    lazy = bool(lazy) and tree is not None and not get_proposal(draft).uses_memory
+    # a tree-less run has nothing to realize lazily; a draft that remembers its chain runs chains full
+    lazy = bool(lazy) and tree is not None and not remembers_chain(get_proposal(draft), tree)
     if method == "antithetic" and tree_mode != "custom" and K % 2:
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     coupling = COUPLING_OF.get(method, "grs")

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ... import __version__, memory, sample
+from ...drafting import remembers_chain
 from ...models.digits import IMAGE_SHAPE, DigitsClassifier, load_classifier, load_velocity
 from ...options import SamplerOptions
 from ...planning import plan_tree
@@ -189,8 +190,8 @@ def simulate(
         K, L = tree.max_children, tree.L
     else:
         tree, budget = choose_tree(method, K, L, T, tree_mode, budget, plan)
-    # a tree-less run has nothing to realize lazily; a draft that remembers the chain runs full
-    lazy = bool(lazy) and tree is not None and not get_proposal(draft).uses_memory
+    # a tree-less run has nothing to realize lazily; a draft that remembers its chain runs chains full
+    lazy = bool(lazy) and tree is not None and not remembers_chain(get_proposal(draft), tree)
     # the limit bounds the whole process: what it holds now (the networks) counts as fixed
     limit, source, fixed = memory.resolve_limit(memory_gb, x_T.device, "memory_gb")
     cond_row = {"class_labels": labels[:1]}
