@@ -512,3 +512,19 @@ def test_a_complete_job_has_nothing_to_do_and_loads_no_model(faulty_cli, tmp_pat
     assert ends == {"rank0": "1", "rank1": "1"}, (ends, res.stderr[-3000:])
     assert "injected: rank 1 cannot load the model" in res.stderr
     assert "process 0: loading the model failed on process 1 of 2: OSError: injected" in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["data", "tree"])
+def test_the_memory_draft_gives_the_same_samples_on_two_processes(tmp_path, parallel):
+    """The memory draft keeps each trajectory's last chain in its own prefetch row: refilled slots,
+    shards (data-parallel) and shared calls (tree-parallel) give every sample as one process does."""
+    args = ["generate", "gmm", *GMM, "--method", "rmc", "--L", "5", "--draft", "memory", "--count", "9", "--batch", "4"]
+    one, two = tmp_path / "one.npz", tmp_path / "two.npz"
+    res = CliRunner().invoke(main, [*args, "--out", str(one)])
+    assert res.exit_code == 0, res.output
+    res = _torchrun(2, [*args, "--out", str(two), *(["--tree-parallel"] if parallel == "tree" else [])])
+    assert res.returncode == 0, res.stderr[-3000:]
+    (a, ma), (b, mb) = _load(one), _load(two)
+    np.testing.assert_allclose(b["samples"], a["samples"], atol=1e-6, rtol=0)
+    assert mb["nfe"] == ma["nfe"] and mb["processes"] == 2
