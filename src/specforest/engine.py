@@ -284,7 +284,7 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         fetch = stoch & ~spec if ctx.proposal.needs_prefetch else ctx.no_fetch
         single = active & ~spec
         # an adaptive plan reads the records on the host anyway
-        if state.draft_bad is not None and int(state.draft_bad) >= 0:
+        if int(state.draft_bad) >= 0:
             ctx.raise_bad_draft(int(state.draft_bad))
         ctx.target.check_finite()
         if not bool(active.any()):
@@ -298,8 +298,7 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
     at = table[torch.add(step, state.pre.valid, alpha=T + 1) if ctx.proposal.needs_prefetch else step]
     active, single, spec, fetch, _, Ls = at.unbind(1)
     Lmin, Lmax = Ls.aminmax()
-    flags = [ctx.target.bad, ctx.target.bad.new_full((), -1) if state.draft_bad is None else state.draft_bad]
-    counts = host_read(torch.cat([at.sum(0), torch.stack([Lmax, Lmin, *flags])]))
+    counts = host_read(torch.cat([at.sum(0), torch.stack([Lmax, Lmin, ctx.target.bad, state.draft_bad])]))
     n_active, n1, ns, nf, rows, _, Lr, Lmin, bad, bad_draft = counts
     if bad_draft >= 0:
         ctx.raise_bad_draft(bad_draft)
@@ -459,14 +458,10 @@ def commit(
     )
 
 
-def _first_bad_draft(
-    ctx: RunContext, w: WalkResult, d: Draft, cols: torch.Tensor, bad: Optional[torch.Tensor]
-) -> Optional[torch.Tensor]:
+def _first_bad_draft(ctx: RunContext, w: WalkResult, d: Draft, cols: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     """``bad`` (the first step where the draft's mean was NaN or inf, ``-1`` for none; ``()`` long)
     updated with this walk, on the device: a non-finite draft mean makes the mismatch of its
     verification non-finite (the target's means are checked apart)."""
-    if bad is None:
-        return None
     at = torch.where(w.act & ~torch.isfinite(w.delta), d.s0[:, None] + cols[None], ctx.T).amin()
     return torch.where((bad < 0) & (at < ctx.T), at, bad)
 

@@ -241,21 +241,26 @@ def tree_footprint(
     return nodes, rows
 
 
+def _depth(tree: Any, steps: Optional[int]) -> int:
+    """The deepest round of ``tree`` (a :class:`DraftTree`, or a policy's ``max_depth``, default its
+    budget), capped at ``steps``: a round never drafts past the grid."""
+    depth = tree.L if isinstance(tree, DraftTree) else int(getattr(tree, "max_depth", tree.budget))
+    return depth if steps is None else min(depth, max(steps, 1))
+
+
 def _counts(tree: Any, verify: str, lazy: bool, steps: Optional[int]) -> tuple[int, int, int, int, int]:
     """``(nodes, inner, rows, children, size)``: realized nodes, nodes above the last layer (full
     rounds), target rows per call, children drawn at once per trajectory, and the tree's nodes
     (whose keys and tables every round holds, lazy or not)."""
     if tree is None:
         return 1, 0, 1, 0, 1
+    depth = _depth(tree, steps)
     if not isinstance(tree, DraftTree):
         budget = int(tree.budget)
         kmax = int(getattr(tree, "kmax", budget))
-        depth = int(getattr(tree, "max_depth", budget))
-        depth = depth if steps is None else min(depth, max(steps, 1))
         if lazy:
             return 1 + kmax * depth, 0, 1, kmax, budget + 1
         return budget + 1, budget, budget + 1, budget, budget + 1
-    depth = tree.L if steps is None else min(tree.L, max(steps, 1))
     t = tree.truncate(depth)
     if lazy:
         return 1 + t.max_children * depth, 0, 1, t.max_children, t.size
@@ -418,9 +423,9 @@ def estimate(
         limit_bytes, limit_source = default_memory_limit(device)
     remembered = 0
     if draft is not None and remembers_chain(get_proposal(draft), tree):
+        # the run goes full and keeps a state per node of its deepest chain
         lazy = False
-        remembered = int(getattr(tree, "max_depth", None) or tree.L)
-        remembered = remembered if steps is None else min(remembered, max(int(steps), 1))
+        remembered = _depth(tree, steps)
     nodes, inner, rows, children, size = _counts(tree, verify, lazy, steps)
     D, w, world = int(state_numel), int(work_bytes), max(int(world), 1)
     row_source = "given"

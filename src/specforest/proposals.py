@@ -531,19 +531,19 @@ class AutoDraft(Proposal):
         k0r = k0 * (1.0 + r)
         zero = torch.zeros_like(c)
         x0_mem, use = _memory_at(steps, pre)
-        keep = zero if use is None else (~use).to(c.dtype)  # 1 where the memory kind falls back to x0
-        mu = zero if use is None else neg_k0 * use.to(c.dtype)
-        x0_alpha, x0_beta = neg_k0 if use is None else neg_k0 * keep, k0 * sig_src
-        mem_beta = x0_beta if use is None else x0_beta * keep
+        # the memory kind: mu x0_mem where it reads a node, the x0 kind (times keep = 1) where not
+        reads = zero if use is None else use.to(c.dtype)
+        keep = 1.0 - reads
+        x0_beta = k0 * sig_src
         # A, alpha, beta, eps, mu of velocity, drift, x0, eps, x0_extrap, memory
         coef = torch.stack(
             [
                 *at[:5],
                 at[2],
-                *(zero, neg_g * k, neg_k0, ke, -k0r, x0_alpha),
-                *(c, neg_g * f, x0_beta, ke * one_minus_src, k0r * sig_src, mem_beta),
+                *(zero, neg_g * k, neg_k0, ke, -k0r, neg_k0 * keep),
+                *(c, neg_g * f, x0_beta, ke * one_minus_src, k0r * sig_src, x0_beta * keep),
                 *(zero, zero, zero, zero, k0 * r, zero),
-                *(zero, zero, zero, zero, zero, mu),
+                *(zero, zero, zero, zero, zero, neg_k0 * reads),
             ]
         ).view(5, 6, *c.shape)
         x0_prev = pre.prev_y - sig_prev * pre.prev_v

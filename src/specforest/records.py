@@ -363,15 +363,15 @@ class RunState:
         pre: the prefetched evaluations.
         counters: per-trajectory statistics.
         draft_state: the proposal's learnt state.
+        draft_bad: ``()`` long, the first step at which the draft's mean came out NaN or inf
+            (``-1``: none so far); set on the device by the rounds, read with the round's one
+            synchronization (:func:`~specforest.engine.schedule`).
         records: ``(n, 4)`` float64 tensors ``(depth, step, delta, accepted)`` of
             every verification so far (kept when recording or planning adaptively).
         rounds: rounds run (the batch's NFE).
         draft_calls: calls of a non-frozen draft.
         noise: the lockstep round's :class:`NoiseBlock`, or ``None``.
         seconds: host seconds spent in each of the :data:`PHASES` so far.
-        draft_bad: ``()`` long, the first step at which the draft's mean came out NaN or inf
-            (``-1``: none so far; ``None`` for a run without drafts); set on the device by the
-            rounds, read with the round's one synchronization (:func:`~specforest.engine.schedule`).
     """
 
     x: torch.Tensor
@@ -380,12 +380,12 @@ class RunState:
     pre: Prefetch
     counters: Counters
     draft_state: Any
+    draft_bad: torch.Tensor
     records: tuple = ()
     rounds: int = 0
     draft_calls: int = 0
     noise: Optional[NoiseBlock] = None
     seconds: tuple = (0.0,) * len(PHASES)
-    draft_bad: Optional[torch.Tensor] = None
 
     @property
     def phase_seconds(self) -> dict:
