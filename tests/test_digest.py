@@ -3,9 +3,11 @@
 Each configuration (every registered coupling, every tree family, every draft,
 lazy and full, the standard sampler, continuous batching through ``generate``,
 the digits network) is run with a fixed seed and compared with the samples and
-per-sample NFE recorded in ``tests/data/sample_digest.pt``. The mixture runs in
-float64 and is compared bitwise; the digits network within 1e-5 (its last bits
-may depend on the machine's kernels). Regenerate the record, only when a change
+per-sample NFE recorded in ``tests/data/sample_digest.pt``. NFE are compared
+exactly. The mixture runs in float64 and its samples are compared within 1e-12
+(a changed draw or acceptance moves a sample by order one; the last bit of a
+batched matrix product can differ between CPUs, e.g. with and without AVX-512);
+the digits network within 1e-5. Regenerate the record, only when a change
 of the samples is intended and understood, with ``python tests/test_digest.py``.
 """
 
@@ -22,6 +24,7 @@ RECORD = Path(__file__).parent / "data" / "sample_digest.pt"
 GMM = GaussianMixture.paper(dim=6, components=3, seed=1)
 X = torch.randn(6, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
 BASE = dict(steps=16, churn=0.5, seed=2024)
+MIXTURE_ATOL = 1e-12
 
 CONFIGS = {
     "standard": dict(tree=None),
@@ -99,13 +102,13 @@ def record() -> dict:
 def test_mixture_samples_are_the_recorded_ones(record, name):
     got = _gmm(name)
     assert torch.equal(got["nfe"], record[name]["nfe"])
-    assert torch.equal(got["samples"], record[name]["samples"])
+    torch.testing.assert_close(got["samples"], record[name]["samples"], rtol=0, atol=MIXTURE_ATOL)
 
 
 def test_generated_samples_are_the_recorded_ones(record):
     got = _generated()
     assert torch.equal(got["nfe"], record["generate"]["nfe"])
-    assert torch.equal(got["samples"], record["generate"]["samples"])
+    torch.testing.assert_close(got["samples"], record["generate"]["samples"], rtol=0, atol=MIXTURE_ATOL)
 
 
 def test_digits_samples_are_the_recorded_ones(record):
@@ -117,7 +120,8 @@ def test_digits_samples_are_the_recorded_ones(record):
 def test_a_changed_sampler_fails_the_digest(record):
     # the same comparison refuses a run that differs only in its seed
     got = specforest.sample(GMM, X, **{**BASE, "seed": 2025}, **CONFIGS["grs_chain_velocity"])
-    assert not torch.equal(got.samples, record["grs_chain_velocity"]["samples"])
+    gap = (got.samples - record["grs_chain_velocity"]["samples"]).abs().max()
+    assert gap > 1e6 * MIXTURE_ATOL
 
 
 if __name__ == "__main__":
