@@ -38,6 +38,7 @@ CONFIGS = {
     "grs_auto": dict(tree=trees.uniform(2, 3), draft="auto"),
     "grs_drift": dict(tree=trees.chain(4), draft="drift"),
     "rmc_memory_chain": dict(tree=trees.chain(4), coupling="rmc", draft="memory"),
+    "rmc_secant_chain": dict(tree=trees.chain(4), coupling="rmc", draft="secant"),
     "grs_auto_chain_drafted": dict(tree=trees.chain(3), draft="auto", verify="drafted"),
     "grs_adaptive": dict(tree=planning.AdaptiveTree(budget=10, max_depth=3)),
     "rank_uniform": dict(tree=trees.uniform(3, 2), coupling="rank"),

@@ -37,6 +37,9 @@ CONFIGS = {
     "memory_chain": dict(tree=trees.chain(6), coupling="rmc", draft="memory"),
     "memory_chain_drafted": dict(tree=trees.chain(4), draft="memory", verify="drafted", prefetch="parent"),
     "memory_tree": dict(tree=trees.uniform(2, 2), draft="memory"),
+    "secant_chain": dict(tree=trees.chain(6), coupling="rmc", draft="secant"),
+    "secant_chain_drafted": dict(tree=trees.chain(4), draft="secant", verify="drafted", prefetch="parent"),
+    "secant_tree": dict(tree=trees.uniform(2, 2), draft="secant"),
     "draft_model": dict(tree=trees.uniform(2, 2), draft=lambda x, s: 0.9 * GMM(x, s)),
 }
 

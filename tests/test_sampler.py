@@ -72,6 +72,14 @@ CONFIGS = {
     ),
     "memory_tree": dict(tree=trees.uniform(2, 3), draft="memory"),
     "memory_antithetic_tree": dict(tree=trees.uniform(2, 2), coupling="antithetic", draft="memory"),
+    # the same, moved to the drafted state by each trajectory's fitted secant gain
+    "secant_rmc_chain": dict(tree=trees.chain(5), coupling="rmc", draft="secant"),
+    "secant_grs_chain_drafted": dict(tree=trees.chain(4), coupling="grs", draft="secant", verify="drafted"),
+    "secant_rank_chain_lazy_parent": dict(
+        tree=trees.chain(6), coupling="rank", draft="secant", lazy=True, prefetch="parent"
+    ),
+    "secant_tree": dict(tree=trees.uniform(2, 3), draft="secant"),
+    "secant_antithetic_tree": dict(tree=trees.uniform(2, 2), coupling="antithetic", draft="secant"),
 }
 
 

@@ -13,7 +13,7 @@ from . import couplings, proposals, sde, streams, trees
 from .couplings import GRS, RMC, Coupling, register_coupling
 from .generation import Finished, Generation, generate
 from .options import SamplerOptions
-from .proposals import DraftModel, FrozenPrediction, MemoryDraft, register_draft
+from .proposals import DraftModel, FrozenPrediction, MemoryDraft, SecantDraft, register_draft
 from .sampler import SampleResult, SampleStats, sample, standard_sample
 from .sde import ReverseSDE, flow_match_grid, uniform_grid
 
@@ -28,6 +28,7 @@ __all__ = [
     "Generation",
     "FrozenPrediction",
     "MemoryDraft",
+    "SecantDraft",
     "ReverseSDE",
     "SampleResult",
     "SampleStats",

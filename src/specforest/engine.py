@@ -236,11 +236,13 @@ def _schedule_table(ctx: RunContext, tt: TreeTables, la: torch.Tensor) -> torch.
 def init_state(ctx: RunContext, x: torch.Tensor, keys: torch.Tensor) -> RunState:
     """The state before the first round: ``x (batch, D)`` at step 0, sample keys ``keys (batch,)``."""
     batch, D = x.shape
+    W = remembered_states(ctx)
+    states = ctx.proposal.uses_states and W > 0
     return RunState(
         x=x,
         step=torch.zeros(batch, dtype=torch.long, device=ctx.device),
         keys=step_keys(keys, ctx.T),
-        pre=Prefetch.empty(batch, D, ctx.work, ctx.device, memory=remembered_states(ctx)),
+        pre=Prefetch.empty(batch, D, ctx.work, ctx.device, memory=W, states=states, steps=ctx.T),
         counters=Counters.zeros(batch, ctx.depth, ctx.device),
         draft_state=ctx.proposal.init_state(ctx.device),
         draft_bad=torch.full((), -1, dtype=torch.long, device=ctx.device),
@@ -468,11 +470,13 @@ def _first_bad_draft(ctx: RunContext, w: WalkResult, d: Draft, cols: torch.Tenso
 
 def _remember(ctx: RunContext, pre: Prefetch, d: Draft, V: torch.Tensor) -> Prefetch:
     """``pre`` with the round's evaluated chain of draft ``d`` as its trajectories' memory: the
-    clean-data predictions ``y - sigma v`` of parents ``0 .. Ls - 1`` (full mode: ``V`` holds them)."""
+    clean-data predictions ``y - sigma v`` of parents ``0 .. Ls - 1`` (full mode: ``V`` holds them),
+    and their states where the proposal :attr:`~specforest.proposals.Proposal.uses_states`."""
     Lr = d.Lr
     steps = d.steps.level[d.s0, :Lr]  # (G, Lr)
     x0 = d.Y[:, :Lr] - ctx.tab.sig[steps][..., None] * V[:, :Lr].to(d.Y.dtype)
-    return pre.with_memory(None if d.everyone else d.ids, x0, d.s0, d.Ls)
+    y = d.Y[:, :Lr] if ctx.proposal.uses_states else None
+    return pre.with_memory(None if d.everyone else d.ids, x0, d.s0, d.Ls, y=y)
 
 
 def speculative_round(ctx: RunContext, state: RunState) -> Optional[RunState]:

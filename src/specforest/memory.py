@@ -408,7 +408,7 @@ def estimate(
         draft: the run's draft (a name or a proposal; default: one that keeps nothing between
             rounds). One that remembers the last chain round
             (:func:`~specforest.drafting.remembers_chain`) runs full and keeps one state per
-            chain node and trajectory.
+            chain node and trajectory (two where it :attr:`~specforest.proposals.Proposal.uses_states`).
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -421,11 +421,13 @@ def estimate(
     device = torch.device(device)
     if limit_bytes is None:
         limit_bytes, limit_source = default_memory_limit(device)
-    remembered = 0
-    if draft is not None and remembers_chain(get_proposal(draft), tree):
-        # the run goes full and keeps a state per node of its deepest chain
+    remembered = gains = 0
+    if draft is not None and remembers_chain(prop := get_proposal(draft), tree):
+        # the run goes full and keeps a state per node of its deepest chain (and the node's
+        # state beside its prediction where the draft reads it, plus two float64 gains per step)
         lazy = False
-        remembered = _depth(tree, steps)
+        remembered = _depth(tree, steps) * (2 if prop.uses_states else 1)
+        gains = 2 * 8 * int(steps or 0) if prop.uses_states else 0
     nodes, inner, rows, children, size = _counts(tree, verify, lazy, steps)
     D, w, world = int(state_numel), int(work_bytes), max(int(world), 1)
     row_source = "given"
@@ -444,7 +446,7 @@ def estimate(
     states += remembered
     if world > 1:
         states += _SPLIT_ROW_STATES * rows
-    per = D * w * states + _KEY_BYTES * size + int(cond_bytes)
+    per = D * w * states + _KEY_BYTES * size + int(cond_bytes) + gains
     tables = _TABLE_BYTES * size if tree is not None else 0
     fixed_bytes = int(fixed_bytes) + tables
     room = _dynamic_room(int(limit_bytes) - fixed_bytes, device)

@@ -35,15 +35,17 @@ __all__ = [
     "MemoryDraft",
     "Prefetch",
     "Proposal",
+    "SecantDraft",
     "available_drafts",
     "get_proposal",
     "register_draft",
 ]
 
-DRAFT_KINDS = ("velocity", "drift", "x0", "eps", "x0_extrap", "auto", "memory")
+DRAFT_KINDS = ("velocity", "drift", "x0", "eps", "x0_extrap", "auto", "memory", "secant")
 """Parameterizations a frozen prediction can be held fixed in; ``auto`` picks one
 per draft offset from the mismatch observed in earlier rounds (:class:`AutoDraft`); ``memory``
-drafts each step from the previous round's evaluation at that step (:class:`MemoryDraft`)."""
+drafts each step from the previous round's evaluation at that step (:class:`MemoryDraft`);
+``secant`` moves that evaluation to the drafted state by a fitted gain (:class:`SecantDraft`)."""
 
 FROZEN_KINDS = DRAFT_KINDS[:5]
 
@@ -71,6 +73,13 @@ class Prefetch:
             ``W = 0`` when the proposal keeps no memory.
         mem_s0: ``(batch,)`` long step of ``mem_x0``'s first node.
         mem_n: ``(batch,)`` long number of valid nodes in ``mem_x0`` (0: no memory).
+        mem_y: ``(batch, W, D)`` the states of those nodes, for drafts that also correct for how
+            far the drafted state is from the remembered one (:class:`SecantDraft`); ``W = 0``
+            unless the proposal :attr:`~Proposal.uses_states`.
+        gain_num, gain_den: ``(batch, S)`` per trajectory and step, the running sums
+            ``sum <x0' - x0, y' - y>`` and ``sum |y' - y|^2`` over pairs of evaluations that two
+            successive rounds made at the same step (``S = 0`` unless the proposal
+            :attr:`~Proposal.uses_states`); their ratio is :class:`SecantDraft`'s gain.
     """
 
     y: torch.Tensor
@@ -84,25 +93,45 @@ class Prefetch:
     mem_x0: Optional[torch.Tensor] = None
     mem_s0: Optional[torch.Tensor] = None
     mem_n: Optional[torch.Tensor] = None
+    mem_y: Optional[torch.Tensor] = None
+    gain_num: Optional[torch.Tensor] = None
+    gain_den: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
-        # no memory given: none kept (W = 0)
-        if self.mem_x0 is None:
-            batch, D = self.y.shape
-            object.__setattr__(self, "mem_x0", self.y.new_zeros(batch, 0, D))
+        # no memory given: none kept (W = 0, S = 0)
+        batch, D = self.y.shape
+        for name in ("mem_x0", "mem_y"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.y.new_zeros(batch, 0, D))
         for name in ("mem_s0", "mem_n"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, torch.zeros_like(self.step))
+        for name in ("gain_num", "gain_den"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.y.new_zeros(batch, 0, dtype=torch.float64))
 
     @classmethod
-    def empty(cls, batch: int, D: int, dtype: torch.dtype, device: torch.device, memory: int = 0) -> "Prefetch":
-        """No evaluation yet for any of ``batch`` trajectories (room for ``memory`` nodes of memory)."""
+    def empty(
+        cls,
+        batch: int,
+        D: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        memory: int = 0,
+        states: bool = False,
+        steps: int = 0,
+    ) -> "Prefetch":
+        """No evaluation yet for any of ``batch`` trajectories (room for ``memory`` nodes of memory,
+        and with ``states`` for their states and the gains of a grid of ``steps`` steps)."""
         z = torch.zeros(batch, D, dtype=dtype, device=device)
         zi = torch.zeros(batch, dtype=torch.long, device=device)
         zb = torch.zeros(batch, dtype=torch.bool, device=device)
         zm = torch.zeros(batch, memory, D, dtype=dtype, device=device)
+        zy = torch.zeros(batch, memory if states else 0, D, dtype=dtype, device=device)
+        zg = torch.zeros(batch, steps if states else 0, dtype=torch.float64, device=device)
         return cls(
-            y=z, v=z, step=zi, prev_y=z, prev_v=z, prev_step=zi, has_prev=zb, valid=zb, mem_x0=zm, mem_s0=zi, mem_n=zi
+            **dict(y=z, v=z, step=zi, prev_y=z, prev_v=z, prev_step=zi, has_prev=zb, valid=zb),
+            **dict(mem_x0=zm, mem_s0=zi, mem_n=zi, mem_y=zy, gain_num=zg, gain_den=zg),
         )
 
     def restart(self, rows: torch.Tensor) -> "Prefetch":
@@ -122,6 +151,9 @@ class Prefetch:
             mem_x0=self.mem_x0[idx],
             mem_s0=self.mem_s0[idx],
             mem_n=self.mem_n[idx],
+            mem_y=self.mem_y[idx],
+            gain_num=self.gain_num[idx],
+            gain_den=self.gain_den[idx],
         )
 
     def replaced(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, history: bool = True) -> "Prefetch":
@@ -170,23 +202,79 @@ class Prefetch:
         )
 
     def with_memory(
-        self, idx: Optional[torch.Tensor], x0: torch.Tensor, s0: torch.Tensor, n: torch.Tensor
+        self,
+        idx: Optional[torch.Tensor],
+        x0: torch.Tensor,
+        s0: torch.Tensor,
+        n: torch.Tensor,
+        y: Optional[torch.Tensor] = None,
     ) -> "Prefetch":
         """Rows ``idx`` (every row if ``None``) remember a round's chain: ``x0 (G, W', D)`` clean-data
-        predictions of its nodes from step ``s0 (G,)`` on, the first ``n (G,)`` of them valid."""
+        predictions of its nodes from step ``s0 (G,)`` on, the first ``n (G,)`` of them valid.
+
+        Where the prefetch keeps states (``mem_y`` not empty), ``y (G, W', D)`` are the nodes'
+        states: they are kept too, and every node at a step the remembered chain also evaluated
+        adds its pair to the gain sums (``gain_num``, ``gain_den``) before the memory is replaced.
+        """
         W = self.mem_x0.shape[1]
-        if x0.shape[1] < W:
-            x0 = torch.cat([x0, x0.new_zeros(x0.shape[0], W - x0.shape[1], x0.shape[2])], 1)
-        x0 = x0[:, :W]
+        x0 = _fit_width(x0, W)
         n = n.clamp(max=W)
+        rows = slice(None) if idx is None else idx
+        new = dict(mem_x0=x0, mem_s0=s0, mem_n=n)
+        if self.mem_y.shape[1]:
+            if y is None:
+                raise ValueError("this prefetch keeps the remembered states: with_memory needs y")
+            y = _fit_width(y, W)
+            old = (self.mem_x0[rows], self.mem_y[rows], self.mem_s0[rows], self.mem_n[rows])
+            at, num, den = _secant_pairs(x0, y, s0, n, *old, self.gain_num.shape[1])
+            new.update(
+                mem_y=y,
+                gain_num=self.gain_num[rows].scatter_add(1, at, num),
+                gain_den=self.gain_den[rows].scatter_add(1, at, den),
+            )
         if idx is None:
-            return replace(self, mem_x0=x0, mem_s0=s0, mem_n=n)
-        return replace(
-            self,
-            mem_x0=self.mem_x0.index_put((idx,), x0),
-            mem_s0=self.mem_s0.index_put((idx,), s0),
-            mem_n=self.mem_n.index_put((idx,), n),
-        )
+            return replace(self, **new)
+        return replace(self, **{k: getattr(self, k).index_put((idx,), v) for k, v in new.items()})
+
+
+def _fit_width(t: torch.Tensor, W: int) -> torch.Tensor:
+    """``t (G, W', D)`` cut or zero-padded to ``(G, W, D)``."""
+    if t.shape[1] < W:
+        t = torch.cat([t, t.new_zeros(t.shape[0], W - t.shape[1], t.shape[2])], 1)
+    return t[:, :W]
+
+
+def _secant_pairs(
+    x0: torch.Tensor,
+    y: torch.Tensor,
+    s0: torch.Tensor,
+    n: torch.Tensor,
+    old_x0: torch.Tensor,
+    old_y: torch.Tensor,
+    old_s0: torch.Tensor,
+    old_n: torch.Tensor,
+    S: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gain-sum increments of a new chain memory ``x0, y (G, W, D)`` (from step ``s0``, ``n``
+    valid) against the one it replaces (``old_*``), on a grid of ``S`` steps.
+
+    New node ``j < n`` (step ``s0 + j``) pairs with old node ``t = s0 + j - old_s0`` when
+    ``0 <= t < old_n``: the two rounds' evaluations at one step. Returns ``(at, num, den)``, each
+    ``(G, W)``: the long step of each node (clamped into the grid) and the float64 increments
+    ``<dx0, dy>`` and ``|dy|^2`` (zero where a node has no pair), ready for ``scatter_add``.
+    """
+    W = x0.shape[1]
+    j = torch.arange(W, device=x0.device)
+    step = s0[:, None] + j  # (G, W)
+    t = step - old_s0[:, None]
+    ok = (j < n[:, None]) & (t >= 0) & (t < old_n[:, None])
+    at = t.clamp(0, max(old_x0.shape[1] - 1, 0))[..., None].expand_as(x0)
+    dx = (x0 - old_x0.gather(1, at)).double()
+    dy = (y - old_y.gather(1, at)).double()
+    zero = torch.zeros((), dtype=torch.float64, device=x0.device)
+    num = torch.where(ok, (dx * dy).sum(-1), zero)
+    den = torch.where(ok, (dy * dy).sum(-1), zero)
+    return step.clamp(max=S - 1), num, den
 
 
 class Proposal:
@@ -212,6 +300,9 @@ class Proposal:
             transition into ``t`` (the same in every round) rather than from
             the round's root, so a node redrafted in a later round gets the
             noise it had before (:class:`MemoryDraft`).
+        uses_states: with :attr:`uses_memory`, the proposal also reads the remembered nodes'
+            states and the per-step gain sums fitted from them (``Prefetch.mem_y``,
+            ``gain_num``, ``gain_den``, :class:`SecantDraft`); the sampler keeps them only then.
         name: short name recorded in results.
 
     A proposal's learnt state (if any) is an explicit value: :meth:`init_state`
@@ -226,6 +317,7 @@ class Proposal:
     uses_history: bool = False
     uses_memory: bool = False
     aligned_noise: bool = False
+    uses_states: bool = False
     name: str = "proposal"
 
     def init_state(self, device: torch.device) -> Any:
@@ -419,6 +511,55 @@ class MemoryDraft(Proposal):
         return "MemoryDraft()"
 
 
+class SecantDraft(MemoryDraft):
+    """Local linear memory (``draft="secant"``): :class:`MemoryDraft`'s remembered prediction
+    moved to the drafted state by a secant (Broyden-style) gain fitted from the run's own pairs.
+
+    What it reads, all made before the round's verification call:
+
+    * what :class:`MemoryDraft` reads, and the remembered nodes' states ``Prefetch.mem_y``;
+    * the trajectory's gain sums ``Prefetch.gain_num``, ``Prefetch.gain_den`` at each step: each
+      time a chain round evaluates a step the previous round evaluated too, the two evaluations
+      ``(y, x0)`` and ``(y', x0')`` add ``<x0' - x0, y' - y>`` and ``|y' - y|^2`` (the engine does
+      it when it stores the new memory, :meth:`Prefetch.with_memory`).
+
+    Rule: at a parent ``y`` of step ``s`` that reads memory node ``j`` at the same step (``s =
+    mem_s0 + j``, ``j < mem_n``), the clean-data prediction is ``x0_j + g_s (y - y_j)`` with the
+    least-squares scalar gain ``g_s = gain_num / gain_den`` of the trajectory's own pairs at
+    ``s``, or at the nearest earlier step that has pairs (``g = 0``, which is :class:`MemoryDraft`,
+    before any). Everywhere else it is :class:`MemoryDraft`. ``g_s`` estimates how the target's
+    prediction moves with the state near the trajectory (a scalar multiple of the identity for
+    the Jacobian ``d x0 / d y``); the mean stays affine in ``y``: ``A = a + (c / sigma)(1 - g)``,
+    ``C = -(c / sigma)(x0_j - g y_j)``.
+
+    Each trajectory fits its own gain from its own evaluations, so a sample does not depend on
+    its batch companions. The draft is exact for any gain: it only moves the acceptance. It
+    keeps twice :class:`MemoryDraft`'s remembered states (the nodes' states as well) and two
+    numbers per trajectory and step.
+    """
+
+    uses_states = True
+    name = "secant"
+
+    def coefficients(self, tab, steps, pre, state, terms=None):
+        if pre is None:
+            raise ValueError("the secant draft needs a prefetched evaluation")
+        ac = tab.ac[steps]  # (G, n, 2)
+        a, c = ac[..., :1], ac[..., 1:]
+        k = c / tab.sig[steps][..., None]
+        x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]  # (G, 1, D)
+        mem, use = _memory_at(steps, pre)
+        if mem is None:
+            return a + k, -k * x0
+        x0 = torch.where(use[..., None], mem, x0)
+        g, ym = _secant_at(steps, pre)
+        g = g.to(x0.dtype)[..., None]
+        return a + k * (1.0 - g), -k * torch.addcmul(x0, g, ym, value=-1.0)
+
+    def __repr__(self) -> str:
+        return "SecantDraft()"
+
+
 class DraftModel(Proposal):
     """An independent draft model ``v_draft(x, sigma, **cond)`` with the target's signature.
 
@@ -599,6 +740,27 @@ def _memory_at(steps: torch.Tensor, pre: Prefetch) -> tuple[Optional[torch.Tenso
     return pre.mem_x0.gather(1, j[..., None].expand(-1, -1, pre.mem_x0.shape[2])), use
 
 
+def _secant_at(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`SecantDraft`'s gain ``g (G, n)`` float64 and remembered state ``y_j (G, n, D)`` at
+    parents of ``steps (G, n)``: ``g`` is 0 where the parent does not read a memory node at its
+    own step or the trajectory has no pair at or before it."""
+    n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
+    t = steps - s0
+    same = (n > 0) & (t >= 0) & (t < n) & (steps >= pre.step[:, None])
+    j = t.clamp(0, pre.mem_y.shape[1] - 1)
+    ym = pre.mem_y.gather(1, j[..., None].expand(-1, -1, pre.mem_y.shape[2]))
+    num, den = pre.gain_num, pre.gain_den  # (G, S)
+    S = num.shape[1]
+    has = den > 0
+    ratio = torch.where(has, num / torch.where(has, den, torch.ones_like(den)), torch.zeros_like(den))
+    # the nearest step at or before each one that has pairs (-1: none)
+    ar = torch.arange(S, device=num.device)
+    last = torch.cummax(torch.where(has, ar, -1), 1).values
+    filled = torch.where(last >= 0, ratio.gather(1, last.clamp(min=0)), torch.zeros_like(ratio))
+    g = filled.gather(1, steps.clamp(0, S - 1))
+    return torch.where(same, g, torch.zeros_like(g)), ym
+
+
 def _kind_tables(tab: StepTables) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`AutoDraft._all_kinds`' per-step scalars, made once per table set (kept on it).
 
@@ -620,7 +782,13 @@ def _kind_tables(tab: StepTables) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _DRAFTS: Registry[Proposal] = Registry(
-    "draft", {**{k: (lambda k=k: FrozenPrediction(k)) for k in FROZEN_KINDS}, "auto": AutoDraft, "memory": MemoryDraft}
+    "draft",
+    {
+        **{k: (lambda k=k: FrozenPrediction(k)) for k in FROZEN_KINDS},
+        "auto": AutoDraft,
+        "memory": MemoryDraft,
+        "secant": SecantDraft,
+    },
 )
 
 

@@ -169,7 +169,7 @@ def _tune_diffusers(o: dict, drafts: list):
     default="all",
     show_default=True,
     help="Comma list of registered drafts to consider, or 'all': every registered draft (a draft that "
-    "remembers the last chain round, memory or auto, is considered on chains only).",
+    "remembers the last chain round, memory, secant or auto, is considered on chains only).",
 )
 @click.option("--budget-max", type=click.IntRange(1), default=62, show_default=True, help="Largest budget tried.")
 @click.option(

@@ -190,8 +190,12 @@ def _tune_sized(
         state_numel=math.prod(x.shape[1:]),
         tree=chain(budget_max),
         verify="drafted",
-        # the calibration chains of a draft that remembers run full
-        draft=next((d for d in drafts if get_proposal(d).uses_memory), None),
+        # the calibration chains of a draft that remembers run full (sized for the one keeping most)
+        draft=max(
+            (d for d in drafts if get_proposal(d).uses_memory),
+            key=lambda d: get_proposal(d).uses_states,
+            default=None,
+        ),
         steps=steps,
         row_bytes=row_bytes,
         cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
