@@ -10,7 +10,7 @@ Three settings, each with every draft of :data:`specforest.proposals.DRAFT_KINDS
 * the mixture at d = 65,536 (the size of a 512x512 SD3 latent): the RMC chain and rank (5, 3) at B = 155;
 * the digits model (T = 100, churn 0.3): the RMC chain of B = 14.
 
-Prefetch nearest, verify drafted, lazy mode where the draft allows it (``memory`` and ``auto``
+Prefetch nearest, verify drafted, lazy mode where the draft allows it (``memory``, ``secant`` and ``auto``
 remember each chain round and run full; same law of samples and NFE either way). The "oracle" row
 drafts with the target itself (a draft model whose mean is the target's, so every node is
 accepted): the fewest calls a chain of that depth can make, the bound any free draft stays under.
@@ -150,7 +150,7 @@ def main() -> None:
         f"{args.big_trajectories} --images {args.images}` on {machine_line()}, {torch.get_num_threads()} threads.",
         "",
         "Every registered draft; prefetch nearest, verify drafted, lazy mode where the draft allows it "
-        "(`memory` and `auto` remember each chain round and run full). Mean ± standard error over "
+        "(`memory`, `secant` and `auto` remember each chain round and run full). Mean ± standard error over "
         "trajectories; the paper's accounting (T-2)/(NFE-2) beside T/NFE. The oracle row drafts with "
         "the target itself: every node accepted, the fewest calls a chain of that depth makes.",
     ]
