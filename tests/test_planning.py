@@ -147,33 +147,36 @@ def test_auto_draft_fills_unseen_offsets_from_the_nearest_seen_one():
     from specforest.proposals import AutoDraft
 
     total, count = AutoDraft(max_offset=5).init_state(torch.device("cpu"))
-    total[1] = torch.tensor([3.0, 3.0, 1.0, 3.0, 3.0, 3.0], dtype=torch.float64)  # x0 best at offset 1
+    total[1] = 3.0
+    total[1, 2] = 1.0  # x0 best at offset 1
     count[1] = 1.0
     assert AutoDraft.choice((total, count)).tolist() == [0, 2, 2, 2, 2, 2]
 
 
 def _auto_prefetch(r, batch, dim, memory):
-    """A prefetch with a history and, when ``memory``, a memory that some parents read."""
+    """A prefetch with a history and, when ``memory``, a memory that some parents read, with its
+    states and gains fitted from two chain memories (rows 0 and 1 have pairs at steps 4-6, 5-6)."""
     from specforest.proposals import Prefetch
 
     live = torch.ones(batch, dtype=torch.bool)
     pre = Prefetch(r(batch, dim), r(batch, dim), torch.tensor([3, 5, 7]), r(batch, dim), r(batch, dim),
                    torch.tensor([2, 4, 6]), torch.tensor([True, False, True]), live)  # fmt: skip
     if memory:
-        pre = Prefetch.empty(batch, dim, torch.float64, torch.device("cpu"), memory=4).replaced(
-            pre.prev_y, pre.prev_v, pre.prev_step
-        )
+        empty = Prefetch.empty(batch, dim, torch.float64, torch.device("cpu"), memory=4, states=True, steps=20)
+        pre = empty.replaced(pre.prev_y, pre.prev_v, pre.prev_step)
         pre = pre.replaced(pre.y * 0 + r(batch, dim), r(batch, dim), torch.tensor([3, 5, 7]))
-        pre = pre.with_memory(None, r(batch, 4, dim), torch.tensor([3, 5, 2]), torch.tensor([4, 2, 4]))
+        n = torch.tensor([4, 2, 4])
+        for s0 in (torch.tensor([2, 5, 1]), torch.tensor([3, 5, 2])):
+            pre = pre.with_memory(None, r(batch, 4, dim), s0, n, y=r(batch, 4, dim))
     return pre
 
 
 @pytest.mark.parametrize("memory", [False, True])
 def test_auto_draft_means_are_the_kinds_means(memory):
     """AutoDraft writes every kind as one affine map of the prefetch and memory; each equals
-    FrozenPrediction's or MemoryDraft's to rounding, and the velocity kind (the choice before
-    anything is seen) bit for bit."""
-    from specforest.proposals import AUTO_KINDS, AutoDraft, FrozenPrediction, MemoryDraft
+    FrozenPrediction's, MemoryDraft's or SecantDraft's to rounding, and the velocity kind (the
+    choice before anything is seen) bit for bit."""
+    from specforest.proposals import AUTO_KINDS, AutoDraft, FrozenPrediction, MemoryDraft, SecantDraft
     from specforest.sde import ReverseSDE, flow_match_grid
 
     tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
@@ -183,16 +186,16 @@ def test_auto_draft_means_are_the_kinds_means(memory):
     pre = _auto_prefetch(r, batch, dim, memory)
     steps = torch.tensor([[4, 5, 6, 7], [6, 7, 8, 9], [8, 9, 10, 11]])
     y = r(batch, 4, dim)
-    coef, (ys, vs, x0p, x0m) = AutoDraft._all_kinds(tab, steps, pre)
-    assert (x0m is None) == (not memory)
-    A, alpha, beta, eps, mu = coef  # (6, batch, 4) each
+    coef, (ys, vs, x0p, x0m, ym) = AutoDraft._all_kinds(tab, steps, pre)
+    assert (x0m is None) == (not memory) and (ym is None) == (not memory)
+    A, alpha, beta, eps, mu, nu = coef  # (7, batch, 4) each
+    props = {"memory": MemoryDraft(), "secant": SecantDraft()}
     for i, kind in enumerate(AUTO_KINDS):
-        prop = MemoryDraft() if kind == "memory" else FrozenPrediction(kind)
-        Ak, Ck = prop.coefficients(tab, steps, pre, None)
+        Ak, Ck = (props[kind] if kind in props else FrozenPrediction(kind)).coefficients(tab, steps, pre, None)
         ours = A[i][..., None] * y + alpha[i][..., None] * ys[:, None] + beta[i][..., None] * vs[:, None]
         ours = ours + eps[i][..., None] * x0p[:, None]
         if x0m is not None:
-            ours = ours + mu[i][..., None] * x0m
+            ours = ours + mu[i][..., None] * x0m + nu[i][..., None] * ym
         torch.testing.assert_close(ours, torch.addcmul(Ck, Ak, y), rtol=0, atol=1e-13)
     auto = AutoDraft()
     Aa, Ca = auto.coefficients(tab, steps, pre, auto.init_state(torch.device("cpu")))
@@ -203,13 +206,16 @@ def test_auto_draft_means_are_the_kinds_means(memory):
     assert not torch.allclose(torch.addcmul(Cx, Ax, y), torch.addcmul(Cv, Av, y))
     Am, Cm = MemoryDraft().coefficients(tab, steps, pre, None)
     assert torch.allclose(torch.addcmul(Cx, Ax, y), torch.addcmul(Cm, Am, y)) == (not memory)
+    # and the secant kind's gain moves the memory's mean where a trajectory has pairs
+    As, Cs = SecantDraft().coefficients(tab, steps, pre, None)
+    assert torch.allclose(torch.addcmul(Cs, As, y), torch.addcmul(Cm, Am, y)) == (not memory)
 
 
 @pytest.mark.parametrize("memory", [False, True])
 def test_auto_draft_shared_round_terms_change_nothing(memory):
     """A drafted round computes the kinds' coefficients once (``round_terms``) for the draft and the
     observation; the means and the next state are bit for bit those computed from scratch."""
-    from specforest.proposals import AutoDraft
+    from specforest.proposals import AUTO_KINDS, AutoDraft
     from specforest.sde import ReverseSDE, flow_match_grid
 
     tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
@@ -221,7 +227,7 @@ def test_auto_draft_shared_round_terms_change_nothing(memory):
     auto = AutoDraft()
     # a state that picks a different kind at each offset
     state = (
-        torch.rand(auto.max_offset + 1, 6, generator=g, dtype=torch.float64),
+        torch.rand(auto.max_offset + 1, len(AUTO_KINDS), generator=g, dtype=torch.float64),
         torch.ones(auto.max_offset + 1).double(),
     )
     terms = auto.round_terms(tab, steps, pre)

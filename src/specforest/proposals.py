@@ -49,7 +49,7 @@ drafts each step from the previous round's evaluation at that step (:class:`Memo
 
 FROZEN_KINDS = DRAFT_KINDS[:5]
 
-AUTO_KINDS = (*FROZEN_KINDS, "memory")
+AUTO_KINDS = (*FROZEN_KINDS, "memory", "secant")
 """What ``auto`` chooses among, in its state's column order."""
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -605,7 +605,7 @@ class AutoDraft(Proposal):
     """The draft chosen online among :data:`AUTO_KINDS` (``draft="auto"``).
 
     After every verification the sampler reports the exact target mean; for each
-    kind in :data:`AUTO_KINDS` (the frozen kinds and ``memory``) the draft mean that
+    kind in :data:`AUTO_KINDS` (the frozen kinds, ``memory`` and ``secant``) the draft mean that
     kind *would* have used is a deterministic function of the same parent, prefetch
     and memory, so the mismatch ``delta_kind = |m_q - m_p^kind| / sigma`` of every
     kind is observed at once. Rule: for a parent ``k`` steps after its prefetched
@@ -614,14 +614,16 @@ class AutoDraft(Proposal):
     choice of the nearest smaller seen one; ``velocity`` before anything is seen).
     The state is the running sums ``(offsets, kinds)`` and counts; a round drafts
     with the state it started with, so the sampler stays exact. It keeps the
-    memory of :class:`MemoryDraft` and its step-aligned chain noise, so a chain run
-    evaluates every node (``lazy`` runs as full).
+    memory of :class:`SecantDraft` (the remembered predictions, their states and the gain
+    sums) and its step-aligned chain noise, so a chain run evaluates every node (``lazy``
+    runs as full).
     """
 
     affine = True
     observes = True
     uses_history = True
     uses_memory = True
+    uses_states = True
     aligned_noise = True
     name = "auto"
 
@@ -650,16 +652,17 @@ class AutoDraft(Proposal):
 
     @staticmethod
     def _all_kinds(tab, steps, pre):
-        """Every kind's mean as ``A y + alpha y* + beta v* + eps x0_prev + mu x0_mem``.
+        """Every kind's mean as ``A y + alpha y* + beta v* + eps x0_prev + mu x0_mem + nu y_mem``.
 
-        Returns ``coef (5, 6, G, n)``: ``A, alpha, beta, eps, mu`` of the six kinds (in
+        Returns ``coef (6, 7, G, n)``: ``A, alpha, beta, eps, mu, nu`` of the seven kinds (in
         :data:`AUTO_KINDS` order) at each parent, and the vectors ``y* (G, D)``, ``v* (G, D)``,
-        ``x0_prev (G, D)`` and ``x0_mem (G, n, D)`` (the memory node each parent would read,
-        ``None`` when the run keeps no memory). The same affine maps as
-        :class:`FrozenPrediction`'s and :class:`MemoryDraft`'s, written so that the kinds cost a
-        few scalar ops and four vector ones, not six vector computations (``velocity`` is
-        bit-identical to its own; the others agree to rounding). What depends on one step only
-        is tabulated once per run (:func:`_kind_tables`).
+        ``x0_prev (G, D)``, ``x0_mem (G, n, D)`` (the memory node each parent would read) and
+        ``y_mem (G, n, D)`` (its state), the last two ``None`` when the run keeps no memory. The
+        same affine maps as :class:`FrozenPrediction`'s, :class:`MemoryDraft`'s and
+        :class:`SecantDraft`'s, written so that the kinds cost a few scalar ops and five vector
+        ones, not seven vector computations (``velocity`` is bit-identical to its own; the
+        others agree to rounding). What depends on one step only is tabulated once per run
+        (:func:`_kind_tables`).
         """
         by_step, by_src = _kind_tables(tab)
         at = by_step[steps].unbind(-1)
@@ -676,50 +679,63 @@ class AutoDraft(Proposal):
         reads = zero if use is None else use.to(c.dtype)
         keep = 1.0 - reads
         x0_beta = k0 * sig_src
-        # A, alpha, beta, eps, mu of velocity, drift, x0, eps, x0_extrap, memory
+        # the secant kind: the memory kind plus k0 g (y_mem - y), g = 0 where it reads no node
+        # at the parent's own step
+        y_mem, kg = None, zero
+        if x0_mem is not None and pre.mem_y.shape[1]:
+            g, y_mem = _secant_at(steps, pre)
+            kg = k0 * g.to(c.dtype)
+        # A, alpha, beta, eps, mu, nu of velocity, drift, x0, eps, x0_extrap, memory, secant
         coef = torch.stack(
             [
                 *at[:5],
-                at[2],
-                *(zero, neg_g * k, neg_k0, ke, -k0r, neg_k0 * keep),
-                *(c, neg_g * f, x0_beta, ke * one_minus_src, k0r * sig_src, x0_beta * keep),
-                *(zero, zero, zero, zero, k0 * r, zero),
-                *(zero, zero, zero, zero, zero, neg_k0 * reads),
+                *(at[2], at[2] - kg),
+                *(zero, neg_g * k, neg_k0, ke, -k0r, neg_k0 * keep, neg_k0 * keep),
+                *(c, neg_g * f, x0_beta, ke * one_minus_src, k0r * sig_src, x0_beta * keep, x0_beta * keep),
+                *(zero, zero, zero, zero, k0 * r, zero, zero),
+                *(zero, zero, zero, zero, zero, neg_k0 * reads, neg_k0 * reads),
+                *(zero, zero, zero, zero, zero, zero, kg),
             ]
-        ).view(5, 6, *c.shape)
+        ).view(6, 7, *c.shape)
         x0_prev = pre.prev_y - sig_prev * pre.prev_v
-        return coef, (pre.y, pre.v, x0_prev, x0_mem)
+        return coef, (pre.y, pre.v, x0_prev, x0_mem, y_mem)
 
     def round_terms(self, tab, steps, pre):
         return self._all_kinds(tab, steps, pre)
 
     def take_terms(self, terms, rows, cols):
-        coef, (ys, vs, x0p, x0m) = terms
-        return coef[:, :, rows, cols], (ys[rows], vs[rows], x0p[rows], None if x0m is None else x0m[rows, cols])
+        coef, (ys, vs, x0p, x0m, ym) = terms
+        at = lambda t: None if t is None else t[rows, cols]  # noqa: E731
+        return coef[:, :, rows, cols], (ys[rows], vs[rows], x0p[rows], at(x0m), at(ym))
 
     def coefficients(self, tab, steps, pre, state, terms=None):
-        coef, (ys, vs, x0p, x0m) = self._all_kinds(tab, steps, pre) if terms is None else terms
+        coef, (ys, vs, x0p, x0m, ym) = self._all_kinds(tab, steps, pre) if terms is None else terms
         offset = (steps - pre.step[:, None]).clamp(0, self.max_offset)
         pick = self.choice(state)[offset]  # (G, n)
-        A, alpha, beta, eps, mu = coef.gather(1, pick.expand(5, 1, *pick.shape))[:, 0, ..., None].unbind(0)
+        A, alpha, beta, eps, mu, nu = coef.gather(1, pick.expand(6, 1, *pick.shape))[:, 0, ..., None].unbind(0)
         C = torch.addcmul(torch.addcmul(alpha * ys[:, None], beta, vs[:, None]), eps, x0p[:, None])
         if x0m is not None:
             C = torch.addcmul(C, mu, x0m)
+        if ym is not None:
+            C = torch.addcmul(C, nu, ym)
         return A, C
 
     def observe(self, state, tab, y, mu_q, steps, pre, scale, terms=None):
         total, count = state
         if terms is None:
-            coef, (ys, vs, x0p, x0m) = self._all_kinds(tab, steps[:, None], pre)  # (5, 6, P, 1)
+            coef, (ys, vs, x0p, x0m, ym) = self._all_kinds(tab, steps[:, None], pre)  # (6, 7, P, 1)
             x0m = None if x0m is None else x0m[:, 0]
+            ym = None if ym is None else ym[:, 0]
         else:
-            coef, (ys, vs, x0p, x0m) = terms
+            coef, (ys, vs, x0p, x0m, ym) = terms
             coef = coef[..., None]
-        A, alpha, beta, eps, mu = coef.unbind(0)  # (6, P, 1) each
-        m = torch.addcmul(torch.addcmul(torch.addcmul(alpha * ys, beta, vs), eps, x0p), A, y)  # (6, P, D)
+        A, alpha, beta, eps, mu, nu = coef.unbind(0)  # (7, P, 1) each
+        m = torch.addcmul(torch.addcmul(torch.addcmul(alpha * ys, beta, vs), eps, x0p), A, y)  # (7, P, D)
         if x0m is not None:
             m = torch.addcmul(m, mu, x0m)
-        d = torch.linalg.vector_norm((mu_q[None] - m).double(), dim=-1) / scale.double()  # (6, P)
+        if ym is not None:
+            m = torch.addcmul(m, nu, ym)
+        d = torch.linalg.vector_norm((mu_q[None] - m).double(), dim=-1) / scale.double()  # (7, P)
         offset = (steps - pre.step).clamp(0, self.max_offset)
         return (total.index_add(0, offset, d.T), count.index_add(0, offset, torch.ones_like(d[0])))
 
