@@ -1,6 +1,6 @@
 """Every registered draft at the settings of the draft issue, beside a perfect draft's bound.
 
-    .venv/bin/python benchmarks/drafts.py [--trajectories 200] [--big-trajectories 16] [--images 100]
+    .venv/bin/python benchmarks/drafts.py [--trajectories 200] [--big-trajectories 16] [--images 100] [--wall-seeds 10]
     .venv/bin/python benchmarks/drafts.py --dry-run   # a few trajectories, prints, writes nothing
 
 Three settings, each with every draft of :data:`specforest.proposals.DRAFT_KINDS`:
@@ -15,13 +15,25 @@ remember each chain round and run full; same law of samples and NFE either way).
 drafts with the target itself (a draft model whose mean is the target's, so every node is
 accepted): the fewest calls a chain of that depth can make, the bound any free draft stays under.
 The per-depth table shows the acceptance and the mean mismatch ``delta`` of the RMC chain's
-verifications at depths 1 to 8. Regenerates the ``drafts`` section of ``benchmarks/RESULTS.md``.
+verifications at depths 1 to 8.
+
+Then one digits image in seconds, on one CPU thread, for the standard sampler and every draft
+on the same RMC chain (B = 14), full mode: warm (this long-lived process; per seed an untimed run of each
+configuration, then a timed one, the configurations interleaved, Python's cyclic collector off
+during each run) with the draft's own time per round (the ``draft`` phase of
+``SampleStats.phase_seconds``) and the whole sampler's; and fresh (a new ``specforest pixel
+--samples 1`` process per seed: its ``wall_seconds``, and the process's whole time from the
+command line). Regenerates the ``drafts`` section of ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import math
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -106,12 +118,89 @@ def per_depth_table(rows: list) -> list:
     return lines
 
 
+def one_image_seconds(model, seeds: list, fresh_seeds: list) -> list:
+    """The one-image wall-clock table (see the module docstring), on one CPU thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    configs = [("standard", dict(tree=None))] + [
+        (d, dict(tree=specforest.trees.chain(14), coupling="rmc", draft=d)) for d in DRAFT_KINDS
+    ]
+    # full mode: lazy mode gives the same calls and law but realizes the visited nodes one
+    # by one, a simulation of the calls rather than a way to spend fewer seconds
+    opts = dict(steps=100, churn=0.3, prefetch="nearest", verify="drafted")
+    warm: dict = {name: [] for name, _ in configs}
+    try:
+        for seed in tqdm(seeds, desc="one image, warm"):
+            x, labels = pixel_exp.initial_states(1, seed)
+            cond = {"class_labels": labels}
+            for name, kw in configs:
+                specforest.sample(model, x, cond=cond, seed=10_000 + seed, **opts, **kw)
+                gc.collect()
+                gc.disable()
+                try:
+                    t0 = time.perf_counter()
+                    res = specforest.sample(model, x, cond=cond, seed=seed, **opts, **kw)
+                    wall = time.perf_counter() - t0
+                finally:
+                    gc.enable()
+                st = res.stats
+                warm[name].append((wall, st.calls, st.phase_seconds["draft"] / st.calls, st.sampler_seconds / st.calls))
+    finally:
+        torch.set_num_threads(threads)
+    fresh: dict = {name: [] for name, _ in configs}
+    for seed in tqdm(fresh_seeds, desc="one image, fresh"):
+        for name, _ in configs:
+            args = ["--method", "standard"] if name == "standard" else ["--method", "rmc", "--K", "1", "--L", "14"]
+            args += [] if name == "standard" else ["--draft", name]
+            cmd = [sys.executable, "-m", "specforest", "pixel", "--samples", "1", "--steps", "100", "--churn", "0.3"]
+            cmd += [*args, "--seed", str(seed), "--json", "--no-progress", "--threads", "1"]
+            cmd += ["--verify", "drafted", "--prefetch", "nearest"]
+            t0 = time.perf_counter()
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            whole = time.perf_counter() - t0
+            if out.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr}")
+            fresh[name].append((json.loads(out.stdout.splitlines()[-1])["wall_seconds"], whole))
+    base_warm = statistics.fmean(r[0] for r in warm["standard"])
+    base_fresh = statistics.median(r[0] for r in fresh["standard"])
+    lines = [
+        "",
+        f"### One digits image in seconds (RMC chain B = 14; {len(seeds)} seeds warm, {len(fresh_seeds)} fresh; "
+        "one CPU thread)",
+        "",
+        "| draft | calls | wall, warm (± s.e.) | draft time per round | sampler time per round | speedup, warm "
+        "| wall_seconds, fresh | process, fresh | speedup, fresh |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, _ in configs:
+        walls, calls, per_draft, per_sampler = zip(*warm[name], strict=True)
+        w = statistics.fmean(walls)
+        se = statistics.stdev(walls) / math.sqrt(len(walls))
+        fw = statistics.median(r[0] for r in fresh[name])
+        fp = statistics.median(r[1] for r in fresh[name])
+        lines.append(
+            f"| {name} | {statistics.fmean(calls):.1f} | {1e3 * w:.0f} ± {1e3 * se:.0f} ms | "
+            f"{1e3 * statistics.fmean(per_draft):.2f} ms | {1e3 * statistics.fmean(per_sampler):.2f} ms | "
+            f"{base_warm / w:.2f}x | {1e3 * fw:.0f} ms | {fp:.2f} s | {base_fresh / fw:.2f}x |"
+        )
+    lines += [
+        "",
+        "Warm: mean over seeds (a run's time follows its random number of rounds). Fresh: median over "
+        "seeds; `wall_seconds` is the run inside the process, `process` the whole command (Python, "
+        "torch and the model loaded). Speedups are the standard sampler's time over the row's, in the "
+        "same pass.",
+    ]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trajectories", type=int, default=200, help="mixture trajectories at d = 500 (>= 2)")
     ap.add_argument("--big-trajectories", type=int, default=16, help="mixture trajectories at d = 65,536 (>= 2)")
     ap.add_argument("--images", type=int, default=100, help="digits images (>= 2)")
     ap.add_argument("--seed", type=int, default=0, help="seed of x_T and the sampling noise (>= 0)")
+    ap.add_argument("--wall-seeds", type=int, default=10, help="seeds of the one-image warm timing (>= 2)")
+    ap.add_argument("--fresh-seeds", type=int, default=3, help="seeds of the one-image fresh processes (>= 1)")
     ap.add_argument("--dry-run", action="store_true", help="3 trajectories per setting; print, write nothing")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = ap.parse_args()
@@ -119,8 +208,11 @@ def main() -> None:
         ap.error("--trajectories, --big-trajectories and --images must be >= 2")
     if args.seed < 0:
         ap.error("--seed must be >= 0")
+    if args.wall_seeds < 2 or args.fresh_seeds < 1:
+        ap.error("--wall-seeds must be >= 2 and --fresh-seeds >= 1")
     if args.dry_run:
         args.trajectories = args.big_trajectories = args.images = 3
+        args.wall_seeds, args.fresh_seeds = 2, 1
     t0 = time.perf_counter()
     common = dict(prefetch="nearest", verify="drafted", seed=args.seed, lazy=True)
     depth_rows: list = []
@@ -147,7 +239,8 @@ def main() -> None:
     big = gmm_exp.GMMSetting(dim=65536, trajectories=args.big_trajectories)
     lines = [
         f"Measured with `benchmarks/drafts.py --trajectories {args.trajectories} --big-trajectories "
-        f"{args.big_trajectories} --images {args.images}` on {machine_line()}, {torch.get_num_threads()} threads.",
+        f"{args.big_trajectories} --images {args.images} --wall-seeds {args.wall_seeds} --fresh-seeds "
+        f"{args.fresh_seeds}` on {machine_line()}, {torch.get_num_threads()} threads (the one-image timing: one).",
         "",
         "Every registered draft; prefetch nearest, verify drafted, lazy mode where the draft allows it "
         "(`memory`, `secant` and `auto` remember each chain round and run full). Mean ± standard error over "
@@ -181,6 +274,7 @@ def main() -> None:
         lines.append(f"| {B} | {LABEL[method]} | chain L = {L} | oracle (the target) | {fmt(r)} |")
     lines += ["", "### Acceptance (and mean mismatch δ) per depth, RMC chain", ""]
     lines += per_depth_table(depth_rows)
+    lines += one_image_seconds(model, list(range(args.wall_seeds)), list(range(args.fresh_seeds)))
     lines += ["", f"Total wall time {(time.perf_counter() - t0) / 60:.1f} min."]
     text = "\n".join(lines)
     if not args.dry_run:

@@ -24,6 +24,11 @@ def test_too_few_trajectories_are_refused_naming_the_option():
     assert res.returncode == 2 and "--images" in res.stderr
 
 
+def test_too_few_timing_seeds_are_refused_naming_the_option():
+    res = _run("--wall-seeds", "1")
+    assert res.returncode == 2 and "--wall-seeds" in res.stderr
+
+
 def test_the_per_depth_table_pads_short_rows():
     spec = importlib.util.spec_from_file_location("_bench_drafts", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
@@ -44,4 +49,8 @@ def test_the_dry_run_measures_every_draft_and_the_oracle_and_writes_nothing(tmp_
     for draft in DRAFT_KINDS:
         assert f"| {draft} |" in res.stdout
     assert "oracle (the target)" in res.stdout and "1.000 |" in res.stdout
+    # the one-image timing: the standard sampler and every draft, warm and fresh
+    table = res.stdout.split("### One digits image in seconds")[1]
+    for name in ("standard", *DRAFT_KINDS):
+        assert f"| {name} |" in table
     assert not out.exists()

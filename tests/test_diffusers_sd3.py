@@ -417,8 +417,9 @@ def test_standard_path_is_the_engines_standard_sampler(pipe):
         dict(K=3, L=2, verify="drafted"),
         dict(K=2, L=2, lazy=True),
         dict(tree=trees.widths([3, 1])),
+        dict(coupling="rmc", L=6, draft="secant"),
     ],
-    ids=["dgrs-2-2", "rmc-6", "dgrs-3-2-drafted", "lazy", "widths"],
+    ids=["dgrs-2-2", "rmc-6", "dgrs-3-2-drafted", "lazy", "widths", "rmc-6-secant"],
 )
 def test_speculative_runs_give_finite_images_and_save_calls(pipe, kw):
     T, images = 10, 12
@@ -476,7 +477,7 @@ def test_speculative_samplers_agree_in_law_with_the_standard_one(pipe):
     def min_p(f):
         return min(sps.ks_2samp(ref[:, j].numpy(), f[:, j].numpy()).pvalue for j in range(f.shape[1]))
 
-    for kw in (dict(K=2, L=2), dict(coupling="rmc", L=6)):
+    for kw in (dict(K=2, L=2), dict(coupling="rmc", L=6), dict(coupling="rmc", L=6, draft="secant")):
         f, st = features(11, **kw)
         assert st.nfe.double().mean() < T - 0.5  # speculation did save calls
         assert min_p(f) > 1e-4, kw
