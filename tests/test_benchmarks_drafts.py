@@ -49,6 +49,8 @@ def test_the_dry_run_measures_every_draft_and_the_oracle_and_writes_nothing(tmp_
     for draft in DRAFT_KINDS:
         assert f"| {draft} |" in res.stdout
     assert "oracle (the target)" in res.stdout and "1.000 |" in res.stdout
+    assert "ceiling: the target's prediction at same-step memory nodes" in res.stdout
+    assert "ceiling: the exact first-order correction" in res.stdout
     # the one-image timing: the standard sampler and every draft, warm and fresh
     table = res.stdout.split("### One digits image in seconds")[1]
     for name in ("standard", *DRAFT_KINDS):

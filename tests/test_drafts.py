@@ -206,6 +206,33 @@ def test_secant_draft_cuts_target_calls_below_the_memory_draft_on_the_mixture():
     assert nfe["secant"] < 0.9 * nfe["memory"]
 
 
+class MeanOnlySecant(SecantDraft):
+    """The secant draft as a proposal that only gives means (``affine = False``): the engine drafts
+    it layer by layer, as it would a draft network that reads the run's memory."""
+
+    affine = False
+    name = "secant_mean_only"
+
+    def mean(self, tab, y, steps, pre, cond, shape, state):
+        A, C = super().coefficients(tab, steps, pre, state)
+        return torch.addcmul(C, A, y)
+
+
+def test_a_draft_that_only_gives_means_remembers_its_chain_as_an_affine_one_does():
+    """Chain noise keyed by step and the remembered chain do not depend on the proposal being affine:
+    the mean-only secant gives the affine one's NFE and samples (to rounding), far from a draft that
+    forgets (the mean-only draft before non-affine drafts could remember)."""
+    gmm = GaussianMixture.paper(dim=50, seed=0)
+    x = torch.randn(12, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    kw = dict(steps=30, churn=0.3, tree=trees.chain(8), coupling="rmc", seed=3)
+    ref = specforest.sample(gmm, x, draft="secant", **kw)
+    got = specforest.sample(gmm, x, draft=MeanOnlySecant(), **kw)
+    assert torch.equal(got.stats.nfe, ref.stats.nfe)
+    torch.testing.assert_close(got.samples, ref.samples, rtol=0, atol=1e-10)
+    forgets = specforest.sample(gmm, x, draft="x0", **kw)
+    assert not torch.equal(forgets.stats.nfe, ref.stats.nfe)
+
+
 class NaNAtStep7(FrozenPrediction):
     """A draft whose mean comes out NaN at step 7 (a broken extrapolation)."""
 

@@ -19,7 +19,7 @@ from . import streams
 from .records import Draft, Group, RunContext, RunState
 from .target import ALL_ROWS
 
-__all__ = ["chain_draft", "draft", "sibling_noise", "tree_draws"]
+__all__ = ["chain_draft", "draft", "is_chain", "sibling_noise", "tree_draws"]
 
 
 def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
@@ -34,14 +34,21 @@ def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.
     return _structured(ctx, streams.normal(keys, D, ctx.work, streams.TAG_DRAFT), K)
 
 
+def is_chain(tt, Lr: int) -> bool:
+    """Whether a round to depth ``Lr`` of tree tables ``tt`` has one node a depth (a chain): its
+    noise can be keyed by step and its evaluated nodes remembered, whatever the proposal."""
+    return tt.size_at(Lr) - 1 == Lr
+
+
 def chain_draft(proposal, tt, Lr: int) -> bool:
-    """Whether a round to depth ``Lr`` of tree tables ``tt`` drafts its nodes as a chain: an affine
-    proposal on one node a depth, node ``l`` being ``A_l y_{l-1} + (C_l + scale_l z_l)`` in one op.
+    """Whether a round to depth ``Lr`` of tree tables ``tt`` drafts its nodes with the chain formula:
+    an affine proposal on a chain (:func:`is_chain`), node ``l`` being ``A_l y_{l-1} + (C_l +
+    scale_l z_l)`` in one op.
 
     The full draft (:func:`draft`) and the lazy walk (:class:`~specforest.walk.OnDemand`) both ask
     here, so they use the same formula and give the same numbers.
     """
-    return proposal.affine and tt.size_at(Lr) - 1 == Lr
+    return proposal.affine and is_chain(tt, Lr)
 
 
 def remembers_chain(proposal, tree) -> bool:
@@ -110,7 +117,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
         keys = state.keys[ids, s0][:, None]
     Vr = tt.size_at(Lr)
     prop = ctx.proposal
-    if prop.aligned_noise and chain_draft(prop, tt, Lr):
+    if prop.aligned_noise and is_chain(tt, Lr):
         keys = _aligned_keys(state.keys if group.everyone else state.keys[ids], s0, tt, Vr)
     else:
         # a node's key is the step key XOR the node's mixed id: every draw at the node then mixes

@@ -68,7 +68,7 @@ import torch
 
 from . import lockstep
 from .couplings import Coupling
-from .drafting import chain_draft, draft, remembers_chain
+from .drafting import draft, is_chain, remembers_chain
 from .proposals import Prefetch, Proposal
 from .records import (
     PHASES,
@@ -424,7 +424,7 @@ def commit(
             x = x.index_put((ids,), w.x)
             committed = committed.index_put((ids,), w.committed)
             pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True, history=hist)
-        if ctx.proposal.uses_memory and chain_draft(ctx.proposal, d.tt, d.Lr):
+        if ctx.proposal.uses_memory and is_chain(d.tt, d.Lr):
             pre = _remember(ctx, pre, d, V)
         Lw = w.act.shape[1]
         cols = ctx.depth_cols[:Lw]
