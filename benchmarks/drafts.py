@@ -15,7 +15,10 @@ remember each chain round and run full; same law of samples and NFE either way).
 drafts with the target itself (a draft model whose mean is the target's, so every node is
 accepted): the fewest calls a chain of that depth can make, the bound any free draft stays under.
 The per-depth table shows the acceptance and the mean mismatch ``delta`` of the RMC chain's
-verifications at depths 1 to 8.
+verifications at depths 1 to 8. On digits two "ceiling" rows bound what a draft built on the
+remembered chain can do (:class:`TargetAtMemory`, which calls the target, so they are diagnostics,
+not drafts): the target's own prediction wherever the parent has a remembered node at its step,
+and the exact first-order correction there (what ``secant`` estimates with a scalar gain).
 
 Then one digits image in seconds, on one CPU thread, for the standard sampler and every draft
 on the same RMC chain (B = 14), full mode: warm (this long-lived process; per seed an untimed run of each
@@ -46,7 +49,7 @@ from specforest.experiments import gmm as gmm_exp
 from specforest.experiments import pixel as pixel_exp
 from specforest.experiments.results import machine_line, replace_section
 from specforest.models.digits import load_classifier, load_velocity
-from specforest.proposals import DRAFT_KINDS
+from specforest.proposals import DRAFT_KINDS, SecantDraft
 
 MIXTURE_ROWS = [  # (B, method, K, L, tree)
     (14, "rmc", 1, 14, "uniform"),
@@ -97,6 +100,59 @@ def oracle(model, x: torch.Tensor, *, L: int, steps: int, churn: float, cond: di
         tree=specforest.trees.chain(L),
         coupling="rmc",
         draft=model,
+        cond=cond,
+        prefetch="nearest",
+        verify="drafted",
+        seed=seed,
+    )
+    att, acc = out.stats.attempts.sum(), out.stats.accepts.sum()
+    return {**summary(out.stats.nfe, steps), "accept_rate": float(acc / att)}
+
+
+class TargetAtMemory(SecantDraft):
+    """Ceiling diagnostic of the memory drafts, not a free draft (it calls the target): at a parent
+    ``y`` that reads a remembered node ``(y_m, x0_m)`` at its own step, the clean-data prediction
+    ``x0_m + (x0(y_m + h (y - y_m)) - x0_m) / h`` with the target's ``x0``; ``h = 1`` is the
+    target's own prediction at ``y``, a small ``h`` the exact first-order (Jacobian) correction
+    that ``secant`` estimates with a scalar gain. Elsewhere the ``secant`` draft (its gain is 0
+    there: ``memory``). Same remembered chains and step-keyed noise, so exact like them."""
+
+    affine = False
+
+    def __init__(self, model, h: float) -> None:
+        self.model, self.h = model, h
+        self.name = f"target at memory, h = {h:g}"
+
+    def mean(self, tab, y, steps, pre, cond, shape, state):
+        G, n, D = y.shape
+        A, C = SecantDraft.coefficients(self, tab, steps, pre, state)
+        if not pre.mem_y.shape[1]:
+            return torch.addcmul(C, A, y)
+        t = steps - pre.mem_s0[:, None]
+        same = (t >= 0) & (t < pre.mem_n[:, None]) & (steps >= pre.step[:, None])
+        j = t.clamp(0, pre.mem_y.shape[1] - 1)[..., None].expand(-1, -1, D)
+        ym, xm = pre.mem_y.gather(1, j), pre.mem_x0.gather(1, j)
+        sig = tab.sig[steps][..., None]
+        z = ym + self.h * (y - ym)
+        rows = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
+        with torch.no_grad():
+            v = self.model(z.reshape(G * n, *shape), sig.reshape(-1).to(z.dtype), **rows).reshape(G, n, D)
+        x0 = xm + ((z - sig * v.to(y.dtype)) - xm) / self.h
+        ac = tab.ac[steps]
+        a, k = ac[..., :1], ac[..., 1:] / sig
+        return torch.where(same[..., None], a * y + k * (y - x0), torch.addcmul(C, A, y))
+
+
+def memory_ceiling(model, x: torch.Tensor, *, L: int, steps: int, churn: float, cond: dict, seed: int, h: float):
+    """The RMC chain of depth ``L`` drafting with :class:`TargetAtMemory` (``h``)."""
+    out = specforest.sample(
+        model,
+        x,
+        steps=steps,
+        churn=churn,
+        tree=specforest.trees.chain(L),
+        coupling="rmc",
+        draft=TargetAtMemory(model, h),
         cond=cond,
         prefetch="nearest",
         verify="drafted",
@@ -272,6 +328,10 @@ def main() -> None:
         x, labels = pixel_exp.initial_states(args.images, args.seed)
         r = oracle(model, x, L=L, steps=100, churn=0.3, cond={"class_labels": labels}, seed=args.seed)
         lines.append(f"| {B} | {LABEL[method]} | chain L = {L} | oracle (the target) | {fmt(r)} |")
+        for h, what in ((1.0, "the target's prediction"), (1e-3, "the exact first-order correction")):
+            r = memory_ceiling(model, x, L=L, steps=100, churn=0.3, cond={"class_labels": labels}, seed=args.seed, h=h)
+            label = f"ceiling: {what} at same-step memory nodes (calls the target)"
+            lines.append(f"| {B} | {LABEL[method]} | chain L = {L} | {label} | {fmt(r)} |")
     lines += ["", "### Acceptance (and mean mismatch δ) per depth, RMC chain", ""]
     lines += per_depth_table(depth_rows)
     lines += one_image_seconds(model, list(range(args.wall_seeds)), list(range(args.fresh_seeds)))
