@@ -544,17 +544,13 @@ class SecantDraft(MemoryDraft):
     def coefficients(self, tab, steps, pre, state, terms=None):
         if pre is None:
             raise ValueError("the secant draft needs a prefetched evaluation")
-        ac = tab.ac[steps]  # (G, n, 2)
-        a, c = ac[..., :1], ac[..., 1:]
-        k = c / tab.sig[steps][..., None]
-        x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]  # (G, 1, D)
-        mem, use = _memory_at(steps, pre)
-        if mem is None:
-            return a + k, -k * x0
-        x0 = torch.where(use[..., None], mem, x0)
+        A, C = super().coefficients(tab, steps, pre, state)
+        if not pre.mem_y.shape[1]:
+            return A, C
+        # the memory draft's mean plus (c / sigma) g (y_j - y)
         g, ym = _secant_at(steps, pre)
-        g = g.to(x0.dtype)[..., None]
-        return a + k * (1.0 - g), -k * torch.addcmul(x0, g, ym, value=-1.0)
+        kg = tab.ac[steps][..., 1:] / tab.sig[steps][..., None] * g.to(C.dtype)[..., None]
+        return A - kg, torch.addcmul(C, kg, ym)
 
     def __repr__(self) -> str:
         return "SecantDraft()"
