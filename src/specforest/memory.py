@@ -32,7 +32,7 @@ bytes per model row, and every command's peak against its estimate):
   (``row_bytes(x_row, **cond_row) -> int``, given one row as the model would be
   called with it), read by :func:`row_bytes_of`. The shipped models declare
   measured figures (:class:`~specforest.models.GaussianMixture`: ``(2 D + 7 C) w``;
-  the digits U-Net: 80 kB a float32 row; the SD3 transformer adapter:
+  the digits U-Net: 136 kB a float32 row; the SD3 transformer adapter:
   :func:`specforest.diffusers.transformer_row_bytes`). A model that declares
   nothing is counted at :data:`DEFAULT_ROW_STATES` states a row.
 * **Tree-parallel verification** (``world`` processes) gathers every row's

@@ -57,10 +57,14 @@ UNET_FILE = "digits_unet.safetensors"
 CLASSIFIER_FILE = "digits_classifier.safetensors"
 MANIFEST = "manifest.json"
 IMAGE_SHAPE = (1, 8, 8)
-ROW_BYTES_FLOAT32 = 80_000
+ROW_BYTES_FLOAT32 = 136_000
 """Peak bytes one row adds inside a call of the digits velocity in float32 (the U-Net's
-activations, its input scaling and output included): measured 79.1-79.6 kB a row at 2048 and
-8192 rows (``benchmarks/memory.py``); other dtypes scale with their size."""
+activations, its input scaling and output included). The slope of the peak between 2048 and
+8192 rows is 79.1-79.6 kB a row (``benchmarks/memory.py``), but one call's peak over the
+resident set before it, in a fresh process, was 93-132 kB a row at 256-2048 rows (glibc's heap
+and the kernels' buffers, with or without :func:`specforest.allocator.keep_freed_memory`), so
+136 kB is declared: sized by the slope, a 0.5 GB pixel run reached 1.13 x its estimate. Other
+dtypes scale with their size."""
 NUM_CLASSES = 10
 
 PathLike = Union[str, "os.PathLike[str]"]

@@ -56,7 +56,7 @@ ROW_BYTES = 10**6
 """Peak bytes one row is assumed to add inside the call of a ``model`` that declares no
 ``row_bytes`` (:func:`specforest.memory.row_bytes_of`): 1 MB, a generous figure for a small
 image network. The shipped digits velocity declares its measured figure
-(:data:`specforest.models.digits.ROW_BYTES_FLOAT32`, 80 kB a float32 row)."""
+(:data:`specforest.models.digits.ROW_BYTES_FLOAT32`, 136 kB a float32 row)."""
 
 
 @dataclass
