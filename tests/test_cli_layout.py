@@ -54,11 +54,12 @@ COMMANDS = {
     "pixel sweep": "--out --trees --churns --methods --steps --samples --seed --grid --prefetch --verify "
     "--lazy/--full --progress/--no-progress --threads",
     "sd3": "--model --prompts --num-prompts --guidance --shift --height --width --max-sequence-length --dtype "
-    "--device --K-values --L --steps --churn --seed --verify --prefetch --batch-size --out --clip --max-memory-gb "
+    "--device --K-values --L --steps --churn --seed --verify --prefetch --draft --batch-size --out --clip --max-memory-gb "
     "--lazy --save-images --progress/--no-progress --threads --tune",
     "train": "",
     "train digits": "--out --weights-dir --steps --max-minutes --seed --eval-samples --threads "
     "--progress/--no-progress",
+    "train digits-draft": "--weights-dir --steps --batch --max-minutes --seed --threads --progress/--no-progress",
     "tune": "--model --steps --churn --batch --device --dim --components --mixture-seed --drafts --budget-max --out "
     "--pipeline --prompts --num-prompts --guidance --shift --height --width --max-sequence-length --dtype "
     "--true-cfg-scale --negative-prompt --max-memory-gb --threads --progress/--no-progress",

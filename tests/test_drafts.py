@@ -9,7 +9,7 @@ import torch
 import specforest
 from specforest import testing, trees
 from specforest.models import GaussianMixture
-from specforest.proposals import FrozenPrediction, MemoryDraft, Prefetch, SecantDraft
+from specforest.proposals import FrozenPrediction, LearnedDraft, MemoryDraft, Prefetch, SecantDraft
 from specforest.sde import ReverseSDE, flow_match_grid
 
 MU0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
@@ -247,3 +247,94 @@ def test_a_draft_that_gives_nan_stops_the_run_naming_draft_and_step(lazy, tree):
     # the same run with the sound draft finishes with finite samples
     out = specforest.sample(gmm, x, steps=20, churn=0.3, tree=tree, draft="x0", seed=1, lazy=lazy)
     assert torch.isfinite(out.samples).all()
+
+
+# -- the learned draft: a draft network anchored at the run's evaluations ------------------------
+
+
+def _wrong_velocity(x, s):
+    """A draft network for the Gaussian: the target's velocity, 20% short."""
+    return 0.8 * GAUSS(x, s)
+
+
+class PeekLearned(LearnedDraft):
+    """The learned draft off by one as :class:`PeekSecant`: its memory anchor is the remembered node
+    one step ahead of the parent, drawn with the noise the drafted child reuses."""
+
+    name = "peek_learned"
+
+    def mean(self, tab, y, steps, pre, cond, shape, state):
+        return super().mean(tab, y, steps, replace(pre, mem_s0=pre.mem_s0 - 1), cond, shape, state)
+
+
+def _constant_prediction(x, s):
+    """A draft network whose clean-data prediction is 0 everywhere (``f_x0 = y - s f = 0``)."""
+    return x / s[:, None]
+
+
+@pytest.mark.parametrize("network", [_wrong_velocity, _constant_prediction], ids=["wrong_velocity", "constant_x0"])
+@pytest.mark.parametrize("coupling", ["rmc", "grs"])
+def test_a_learned_draft_that_peeks_fails_the_law_test_the_real_one_passes(coupling, network):
+    """The peek reads the anchor's state, which carries the child's noise, through
+    ``x0_a - f_x0(y_a)``: a network near the target cancels most of it (the wrong velocity's peek
+    moves the law by less than this test resolves), one with a constant prediction keeps all of it,
+    and that peek is caught."""
+    assert not _law_failures(LearnedDraft(network), coupling)
+    if network is _constant_prediction:
+        assert _law_failures(PeekLearned(network), coupling)
+
+
+def test_a_learned_draft_whose_network_is_the_target_is_accepted_everywhere():
+    """Closed form: with the target as its network the anchored prediction is the target's own at
+    every parent (the anchor's terms cancel), so every drafted node is accepted, as with the target
+    as a plain draft model (the oracle); a wrong network is not."""
+    gmm = GaussianMixture.paper(dim=20, seed=0)
+    x = torch.randn(24, 20, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    kw = dict(steps=30, churn=0.3, tree=trees.chain(10), coupling="rmc", seed=4)
+    oracle = specforest.sample(gmm, x, draft=lambda y, s: gmm(y, s), **kw)
+    exact = specforest.sample(gmm, x, draft=LearnedDraft(gmm), **kw)
+    assert torch.equal(exact.stats.accepts, exact.stats.attempts)
+    # the same rounds, plus the one evaluation fetched before the first (the anchor a plain draft
+    # model does without)
+    assert torch.equal(exact.stats.nfe, oracle.stats.nfe + 1)
+    wrong = specforest.sample(gmm, x, draft=LearnedDraft(lambda y, s: 0.5 * gmm(y, s)), **kw)
+    assert (wrong.stats.accepts < wrong.stats.attempts).any()
+    # its calls are the draft network's, one a drafted level, not the target's
+    assert exact.stats.draft_calls > 0
+
+
+def test_a_learned_draft_with_a_constant_prediction_is_the_x0_kind_on_a_tree():
+    """Closed form: a network whose clean-data prediction is constant (``f = y / sigma``) anchored at
+    the prefetch is the ``x0`` kind; a tree keeps no memory, so the two runs are the same."""
+    gmm = GaussianMixture.paper(dim=20, seed=0)
+    x = torch.randn(24, 20, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    kw = dict(steps=20, churn=0.4, tree=trees.uniform(2, 3), seed=5)
+    ref = specforest.sample(gmm, x, draft="x0", **kw)
+    got = specforest.sample(gmm, x, draft=LearnedDraft(lambda y, s: y / s[:, None]), **kw)
+    assert torch.equal(got.stats.nfe, ref.stats.nfe)
+    torch.testing.assert_close(got.samples, ref.samples, rtol=0, atol=1e-10)
+
+
+def test_the_digits_learned_draft_is_refused_on_another_model_before_sampling():
+    calls = []
+
+    def model(x, s):
+        calls.append(1)
+        return GAUSS(x, s)
+
+    with pytest.raises(
+        ValueError, match=r"draft='learned' is the digits model's distilled U-Net: .*\(1, 8, 8\), got \(3,\)"
+    ):
+        specforest.sample(model, torch.zeros(4, 3), steps=10, churn=0.3, tree=trees.chain(3), draft="learned")
+    assert not calls  # refused before the first target call
+
+
+def test_a_learned_draft_whose_network_gives_nan_stops_the_run_naming_step_and_draft():
+    def nan_after_half(x, s):
+        out = _wrong_velocity(x, s)
+        return torch.where((s < 0.5)[:, None], float("nan"), out)
+
+    with pytest.raises(FloatingPointError, match=r"draft 'learned' gave a NaN or inf mean at step \d+"):
+        specforest.sample(
+            GAUSS, torch.zeros(4, 3), steps=10, churn=0.3, tree=trees.chain(3), draft=LearnedDraft(nan_after_half)
+        )

@@ -17,7 +17,7 @@ import specforest
 from specforest import lockstep, records, streams, trees
 from specforest.couplings import GRS, available_couplings, get_coupling, register_coupling
 from specforest.models import GaussianMixture
-from specforest.proposals import FrozenPrediction, available_drafts, get_proposal, register_draft
+from specforest.proposals import FrozenPrediction, LearnedDraft, available_drafts, get_proposal, register_draft
 
 GMM = GaussianMixture.paper(dim=12, components=3, seed=0)
 BATCH = 12
@@ -41,6 +41,10 @@ CONFIGS = {
     "secant_chain_drafted": dict(tree=trees.chain(4), draft="secant", verify="drafted", prefetch="parent"),
     "secant_tree": dict(tree=trees.uniform(2, 2), draft="secant"),
     "draft_model": dict(tree=trees.uniform(2, 2), draft=lambda x, s: 0.9 * GMM(x, s)),
+    "learned_chain": dict(tree=trees.chain(6), coupling="rmc", draft=LearnedDraft(lambda x, s: 0.9 * GMM(x, s))),
+    "learned_tree_drafted": dict(
+        tree=trees.uniform(2, 2), verify="drafted", draft=LearnedDraft(lambda x, s: 0.9 * GMM(x, s))
+    ),
 }
 
 

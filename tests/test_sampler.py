@@ -14,6 +14,7 @@ from specforest import testing, trees
 from specforest.couplings import GRS
 from specforest.models import GaussianMixture
 from specforest.planning import AdaptiveTree
+from specforest.proposals import LearnedDraft
 from specforest.sde import flow_match_grid, uniform_grid
 
 MU0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
@@ -80,6 +81,17 @@ CONFIGS = {
     ),
     "secant_tree": dict(tree=trees.uniform(2, 3), draft="secant"),
     "secant_antithetic_tree": dict(tree=trees.uniform(2, 2), coupling="antithetic", draft="secant"),
+    # a draft network (a wrong velocity) anchored at the same-step memory or the prefetch
+    "learned_rmc_chain": dict(tree=trees.chain(5), coupling="rmc", draft=LearnedDraft(lambda x, s: 0.8 * GAUSS(x, s))),
+    "learned_grs_chain_drafted_parent": dict(
+        tree=trees.chain(4), verify="drafted", prefetch="parent", draft=LearnedDraft(lambda x, s: 0.8 * GAUSS(x, s))
+    ),
+    "learned_rank_tree_lazy": dict(
+        tree=trees.uniform(3, 2), coupling="rank", lazy=True, draft=LearnedDraft(lambda x, s: 0.8 * GAUSS(x, s))
+    ),
+    "learned_antithetic_tree": dict(
+        tree=trees.uniform(2, 2), coupling="antithetic", draft=LearnedDraft(lambda x, s: 0.8 * GAUSS(x, s))
+    ),
 }
 
 

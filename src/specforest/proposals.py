@@ -31,12 +31,15 @@ __all__ = [
     "FROZEN_KINDS",
     "AutoDraft",
     "DraftModel",
+    "LearnedDraft",
+    "MODEL_DRAFTS",
     "FrozenPrediction",
     "MemoryDraft",
     "Prefetch",
     "Proposal",
     "SecantDraft",
     "available_drafts",
+    "drafts_serving",
     "get_proposal",
     "register_draft",
 ]
@@ -48,6 +51,9 @@ drafts each step from the previous round's evaluation at that step (:class:`Memo
 ``secant`` moves that evaluation to the drafted state by a fitted gain (:class:`SecantDraft`)."""
 
 FROZEN_KINDS = DRAFT_KINDS[:5]
+MODEL_DRAFTS = ("learned",)
+"""Registered drafts that call a draft network of their own (counted in ``draft_calls``) and serve
+one model only: ``learned``, the digits model's distilled U-Net (:class:`LearnedDraft`)."""
 
 AUTO_KINDS = (*FROZEN_KINDS, "memory", "secant")
 """What ``auto`` chooses among, in its state's column order."""
@@ -324,6 +330,15 @@ class Proposal:
         """The state before any round (``None`` for stateless proposals)."""
         return None
 
+    def check(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Refuse, before sampling, a run whose per-sample state ``shape`` or working ``dtype``
+        the proposal cannot serve (a draft network made for another model), with an error naming
+        the draft and why; the default accepts every run.
+
+        Raises:
+            ValueError: naming the draft, what it serves and what it was given.
+        """
+
     def coefficients(
         self, tab: StepTables, steps: torch.Tensor, pre: Prefetch, state: Any, terms: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -597,6 +612,112 @@ class DraftModel(Proposal):
         return f"DraftModel({self.fn!r})"
 
 
+class LearnedDraft(DraftModel):
+    """A draft network anchored at the run's own evaluations (``draft="learned"`` with the digits
+    model's distilled U-Net, :func:`specforest.models.digits.load_draft_velocity`).
+
+    What it reads, all made before the round's verification call:
+
+    * the draft network ``f`` (a velocity with the target's signature), called at the drafted
+      parents and at their anchors: one batched call per drafted level (counted in
+      ``draft_calls``, never in the target's NFE);
+    * the anchor of each parent: the remembered chain node at the parent's own step
+      (``Prefetch.mem_y``, ``Prefetch.mem_x0``: the previous round's evaluation there, as
+      :class:`SecantDraft` reads it), else the prefetched evaluation ``(y*, v*, step*)``.
+
+    Rule: with the anchor's state ``y_a`` at noise level ``sigma_a`` and the target's clean-data
+    prediction there ``x0_a``, the draft's prediction at a parent ``y`` of level ``sigma`` is
+    ``x0_a + f_x0(y, sigma) - f_x0(y_a, sigma_a)`` (``f_x0 = y - sigma f``): the network supplies
+    how the prediction moves from the anchor, the target the level. So the draft is the
+    ``x0`` kind anchored at the prefetch when ``f``'s own clean-data prediction ``f_x0`` is
+    constant (``f = y / sigma``, say), and the target itself when ``f`` is; at a same-step
+    memory anchor its error is ``(J - J_f)(y - y_a)`` to first order (the Jacobians of the
+    target's and the network's predictions), which :class:`SecantDraft` approximates with a
+    scalar gain. Chains draw their noise by step (:attr:`aligned_noise`), so ``y - y_a`` is small.
+
+    The draft is exact for any network: it only moves the acceptance. A network whose output
+    is NaN or inf makes a non-finite mismatch, which stops the run with the step and the draft
+    named (the sampler's check, no extra synchronization).
+
+    Args:
+        fn: the draft velocity ``(x: (M, *shape), sigma: (M,), **cond) -> (M, *shape)``, or a
+            callable of no arguments returning it (loaded at the first call).
+        shape: the per-sample state shape the network serves (``None``: any); a run of another
+            shape is refused before sampling (:meth:`check`).
+        label: how errors name the network.
+    """
+
+    needs_prefetch = True
+    uses_memory = True
+    uses_states = True
+    aligned_noise = True
+    name = "learned"
+
+    def __init__(
+        self,
+        fn: "VelocityFn | Callable[[], VelocityFn]",
+        *,
+        shape: Optional[tuple[int, ...]] = None,
+        label: str = "the draft network",
+        lazy_load: bool = False,
+    ) -> None:
+        super().__init__(fn)
+        self._load = fn if lazy_load else None
+        self.serves = None if shape is None else tuple(int(n) for n in shape)
+        self.label = label
+
+    @classmethod
+    def digits(cls) -> "LearnedDraft":
+        """The digits model's learned draft (the shipped weights, loaded at the first call)."""
+
+        def load() -> VelocityFn:
+            from .models.digits import load_draft_velocity
+
+            return load_draft_velocity()
+
+        from .models.digits import IMAGE_SHAPE
+
+        return cls(load, shape=IMAGE_SHAPE, label="the digits model's distilled U-Net", lazy_load=True)
+
+    def check(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if self.serves is not None and tuple(shape) != self.serves:
+            raise ValueError(
+                f"draft={self.name!r} is {self.label}: it serves states of shape {self.serves}, got {tuple(shape)}"
+            )
+
+    def mean(self, tab, y, steps, pre, cond, shape, state):
+        if pre is None:
+            raise ValueError(f"draft={self.name!r} needs a prefetched evaluation")
+        if self._load is not None:
+            self.fn, self._load = self._load(), None
+        G, n, D = y.shape
+        sig = tab.sig[steps]  # (G, n)
+        sig_p = tab.sig[pre.step]  # (G,)
+        ya = pre.y[:, None].expand(G, n, D)
+        xa = (pre.y - sig_p[:, None] * pre.v)[:, None].expand(G, n, D)
+        sa = sig_p[:, None].expand(G, n)
+        if pre.mem_y.shape[1]:
+            same, ym, xm = _same_step_memory(steps, pre)
+            ya = torch.where(same[..., None], ym, ya)
+            xa = torch.where(same[..., None], xm, xa)
+            sa = torch.where(same, sig, sa)
+        # one call: the parents' rows, then their anchors' (trajectory-major within each half)
+        kw = {k: v.repeat_interleave(n, dim=0).repeat(2, *(1,) * (v.ndim - 1)) for k, v in cond.items()}
+        X = torch.cat([y.reshape(G * n, D), ya.reshape(G * n, D)])
+        S = torch.cat([sig.reshape(-1), sa.reshape(-1)])
+        with outside_inference():
+            f = self.fn(X.reshape(2 * G * n, *shape), S, **kw)
+        if not isinstance(f, torch.Tensor) or f.numel() != X.numel():
+            raise ValueError(f"draft={self.name!r}: {self.label} must return a tensor of shape {(2 * G * n, *shape)}")
+        f = f.reshape(2, G, n, D).to(y.dtype)
+        # v = (y - x0_a - f_x0(y) + f_x0(y_a)) / sigma = f(y) + (f_x0(y_a) - x0_a) / sigma
+        v = f[0] + (ya - sa[..., None] * f[1] - xa) / sig[..., None]
+        return tab.mean(y, v, steps)
+
+    def __repr__(self) -> str:
+        return f"LearnedDraft({self.label})"
+
+
 class AutoDraft(Proposal):
     """The draft chosen online among :data:`AUTO_KINDS` (``draft="auto"``).
 
@@ -752,6 +873,17 @@ def _memory_at(steps: torch.Tensor, pre: Prefetch) -> tuple[Optional[torch.Tenso
     return pre.mem_x0.gather(1, j[..., None].expand(-1, -1, pre.mem_x0.shape[2])), use
 
 
+def _same_step_memory(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where parents of ``steps (G, n)`` have a remembered node at their own step (not older than
+    the prefetch): ``same (G, n)`` bool, that node's state ``y_j`` and prediction ``x0_j``,
+    ``(G, n, D)`` each (meaningless where ``same`` is False)."""
+    n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
+    t = steps - s0
+    same = (n > 0) & (t >= 0) & (t < n) & (steps >= pre.step[:, None])
+    j = t.clamp(0, pre.mem_y.shape[1] - 1)[..., None].expand(-1, -1, pre.mem_y.shape[2])
+    return same, pre.mem_y.gather(1, j), pre.mem_x0.gather(1, j)
+
+
 def _secant_at(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`SecantDraft`'s gain ``g (G, n)`` float64 and remembered state ``y_j (G, n, D)`` at
     parents of ``steps (G, n)``: ``g`` is 0 where the parent does not read a memory node at its
@@ -800,6 +932,7 @@ _DRAFTS: Registry[Proposal] = Registry(
         "auto": AutoDraft,
         "memory": MemoryDraft,
         "secant": SecantDraft,
+        "learned": LearnedDraft.digits,
     },
 )
 
@@ -817,6 +950,25 @@ def register_draft(name: str, factory: Callable[[], Proposal], *, replace: bool 
 def available_drafts() -> tuple[str, ...]:
     """The registered draft names."""
     return tuple(_DRAFTS.names())
+
+
+def drafts_serving(names: "list[str] | tuple[str, ...]", shape: Optional[tuple[int, ...]]) -> list[str]:
+    """The registered drafts of ``names`` that serve per-sample states of ``shape``
+    (:meth:`Proposal.check`); ``shape=None`` (a pipeline's latents, not known here) keeps the drafts
+    that serve any shape, dropping draft networks made for one model (:class:`LearnedDraft`)."""
+    out = []
+    for name in names:
+        prop = get_proposal(name)
+        if shape is None:
+            if getattr(prop, "serves", None) is None:
+                out.append(name)
+            continue
+        try:
+            prop.check(tuple(shape), torch.float32)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
 
 
 def get_proposal(draft: "str | Proposal | VelocityFn") -> Proposal:

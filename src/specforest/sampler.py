@@ -125,7 +125,12 @@ class RunSpec:
         cond: dict,
         group: Any = None,
     ) -> RunContext:
-        """The engine's context for ``batch`` trajectories with conditioning ``cond``."""
+        """The engine's context for ``batch`` trajectories with conditioning ``cond``.
+
+        Raises:
+            ValueError: if the draft cannot serve states of ``shape`` (:meth:`Proposal.check`).
+        """
+        self.proposal.check(tuple(shape), work)
         target = Target(
             model, shape, work, self.max_rows, cond, self.model_kwargs, device, group=group, pad_rows=self.pad_rows
         )

@@ -16,6 +16,7 @@ from .common import (
     MODEL_DEFAULTS,
     apply_tuned,
     churn_option,
+    draft_option,
     int_list,
     library_errors,
     prefetch_option,
@@ -140,6 +141,7 @@ def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> li
 @seed_option("latents and noise")
 @verify_option("drafted")
 @prefetch_option()
+@draft_option()
 @click.option(
     "--batch-size",
     type=click.IntRange(1),
@@ -217,6 +219,7 @@ def sd3(**o) -> None:
             K_values=o["K_values"],
             verify=o["verify"],
             prefetch=o["prefetch"],
+            draft=o["draft"],
             lazy=o["lazy"],
             seed=o["seed"],
             batch_size=o["batch_size"],

@@ -1,6 +1,8 @@
-"""Command line: ``specforest train digits``, the models the experiments ship with.
+"""Command line: ``specforest train digits`` and ``specforest train digits-draft``, the models the
+experiments ship with.
 
-A thin shell over :mod:`specforest.experiments.train_digits`.
+A thin shell over :mod:`specforest.experiments.train_digits` and
+:mod:`specforest.experiments.train_digits_draft`.
 """
 
 from __future__ import annotations
@@ -80,6 +82,58 @@ def train_digits(
     library_errors(
         lambda: main_train(
             out_dir,
+            weights_dir=Path(weights_dir) if weights_dir else WEIGHTS_DIR,
+            config=cfg,
+            progress=progress,
+            log=lambda line: click.echo(line, err=True),
+        )
+    )
+
+
+@train.command("digits-draft", context_settings=CONTEXT)
+@click.option(
+    "--weights-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    show_default="the package's models/weights",
+    help="Where digits_draft_unet.safetensors goes and whose manifest.json gets its entry (atomically).",
+)
+@click.option("--steps", type=click.IntRange(1), default=2500, show_default=True, help="Optimizer steps.")
+@click.option("--batch", type=click.IntRange(1), default=256, show_default=True, help="States per step.")
+@click.option(
+    "--max-minutes",
+    type=click.FloatRange(0.0, min_open=True),
+    default=15.0,
+    show_default=True,
+    help="Stop early after this many minutes.",
+)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Training seed (>= 0).")
+@click.option(
+    "--threads",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="torch CPU threads (1 is fastest on a shared 2-core machine).",
+)
+@progress_option("Progress bars on stderr.")
+def train_digits_draft(
+    weights_dir: str | None, steps: int, batch: int, max_minutes: float, seed: int, threads: int, progress: bool
+) -> None:
+    """Distill the learned draft (draft="learned") from the shipped digits target.
+
+    The draft is the target's U-Net, narrower (models.digits.DRAFT_CONFIG), trained to minimise
+    the sampler's mismatch delta (its velocity error over each verified step's noise scale) on
+    the pixel experiment's grid (flow_match, T = 100, churn 0.3).
+    """
+    import torch
+
+    from ..experiments.train_digits_draft import DraftTrainConfig, main_train_draft
+    from ..models.digits import WEIGHTS_DIR
+
+    torch.set_num_threads(threads)
+    cfg = DraftTrainConfig(steps=steps, batch=batch, max_minutes=max_minutes, seed=seed)
+    library_errors(
+        lambda: main_train_draft(
             weights_dir=Path(weights_dir) if weights_dir else WEIGHTS_DIR,
             config=cfg,
             progress=progress,

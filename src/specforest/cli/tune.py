@@ -168,8 +168,9 @@ def _tune_diffusers(o: dict, drafts: list):
     "--drafts",
     default="all",
     show_default=True,
-    help="Comma list of registered drafts to consider, or 'all': every registered draft (a draft that "
-    "remembers the last chain round, memory, secant or auto, is considered on chains only).",
+    help="Comma list of registered drafts to consider, or 'all': every registered draft that serves the model "
+    "(learned: the digits model only; a draft that remembers the last chain round, memory, secant, auto or "
+    "learned, is considered on chains only; a draft network's calls are timed inside the sampler's rounds).",
 )
 @click.option("--budget-max", type=click.IntRange(1), default=62, show_default=True, help="Largest budget tried.")
 @click.option(
@@ -231,6 +232,10 @@ def tune(**o) -> None:
                 o[key] = MODEL_DEFAULTS[o["model"]][key]
     threads = set_threads(o["threads"])
     drafts = parse_drafts(o["drafts"])
+    if o["model"] in ("diffusers", "sd3") and o["drafts"].strip() == "all":
+        from ..proposals import drafts_serving
+
+        drafts = drafts_serving(drafts, None)  # a draft network made for one model is not the pipeline's
     keys = ("model", "steps", "churn", "batch", "device")
     if o["model"] == "diffusers":
         res, family_keys = _tune_diffusers(o, drafts)
@@ -265,7 +270,11 @@ def tune(**o) -> None:
 
 def _tune_small(o: dict, drafts: list, tune_fn):
     """The mixture or the digits model."""
+    from ..proposals import drafts_serving
+
     model, x, cond = library_errors(lambda: _target(o["model"], o, max(o["batch"], 16)))
+    if o["drafts"].strip() == "all":
+        drafts = drafts_serving(drafts, tuple(x.shape[1:]))
     return library_errors(
         lambda: tune_fn(
             model,

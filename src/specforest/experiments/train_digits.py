@@ -43,6 +43,7 @@ from ..models.digits import (
     WEIGHTS_DIR,
     DigitsClassifier,
     load_digits_data,
+    manifest,
 )
 from ..models.edm import EDMDenoiserVelocity
 from ..models.unet import EDMPrecond, UNet, UNetConfig
@@ -340,7 +341,8 @@ def main_train(
             clf, {"width": str(clf.width), "feature_dim": str(clf.feature_dim), **meta_common}
         ),
     }
-    entries = {}
+    # the other files' entries (the learned draft's, ``specforest train digits-draft``) stay
+    entries = manifest(weights_dir) if (weights_dir / MANIFEST).exists() else {}
     for name, data in files.items():
         atomic_write(weights_dir / name, lambda f, d=data: f.write(d), binary=True)
         entries[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

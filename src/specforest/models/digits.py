@@ -15,7 +15,11 @@ the loaders verify it before reading a byte of the tensors and raise
   ``v(x, sigma, class_labels=...)`` for :func:`specforest.sample`;
 * :func:`load_classifier` -- a small CNN used to evaluate samples (accuracy
   against the conditioning label, and its penultimate features for a Frechet
-  distance).
+  distance);
+* :func:`load_draft_velocity` -- the learned draft: a narrower U-Net
+  (:data:`DRAFT_CONFIG`) distilled from the target by ``specforest train
+  digits-draft`` (:mod:`specforest.experiments.train_digits_draft`), for
+  ``draft="learned"`` (:class:`specforest.proposals.LearnedDraft`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from .unet import EDMPrecond, UNet, UNetConfig
 
 __all__ = [
     "CLASSIFIER_FILE",
+    "DRAFT_CONFIG",
+    "DRAFT_FILE",
     "IMAGE_SHAPE",
     "MANIFEST",
     "NUM_CLASSES",
@@ -46,8 +52,10 @@ __all__ = [
     "load_classifier",
     "load_denoiser",
     "load_digits_data",
+    "load_draft_velocity",
     "load_velocity",
     "manifest",
+    "multiply_adds",
     "read_safetensors",
     "sha256_file",
 ]
@@ -55,6 +63,10 @@ __all__ = [
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 UNET_FILE = "digits_unet.safetensors"
 CLASSIFIER_FILE = "digits_classifier.safetensors"
+DRAFT_FILE = "digits_draft_unet.safetensors"
+DRAFT_CONFIG = UNetConfig(channels=(12, 24, 32), emb_dim=64)
+"""The learned draft's architecture: the target's U-Net with narrower features and embedding
+(:func:`multiply_adds` counts what a call costs against the target's)."""
 MANIFEST = "manifest.json"
 IMAGE_SHAPE = (1, 8, 8)
 ROW_BYTES_FLOAT32 = 136_000
@@ -184,6 +196,50 @@ def load_denoiser(
     den = EDMPrecond(net.to(dtype), sigma_data=cfg.sigma_data).to(device).eval()
     den.requires_grad_(False)
     return den
+
+
+def multiply_adds(config: Optional[UNetConfig] = None) -> int:
+    """Multiply-adds of one call on one image of a U-Net of ``config`` (the target's by default):
+    every convolution's and linear layer's (what dominates; normalizations and activations are
+    not counted), counted by running a freshly initialized network once."""
+    config = UNetConfig() if config is None else config
+    net = UNet(config)
+    total = [0]
+
+    def hook(mod: nn.Module, inputs: tuple, out: torch.Tensor) -> None:
+        if isinstance(mod, nn.Conv2d):
+            k = mod.kernel_size[0] * mod.kernel_size[1] * mod.in_channels // mod.groups
+            total[0] += out.numel() * k
+        elif isinstance(mod, nn.Linear):
+            total[0] += out.numel() * mod.in_features
+
+    handles = [m.register_forward_hook(hook) for m in net.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    r = config.img_resolution
+    with torch.no_grad():
+        net(torch.zeros(1, config.img_channels, r, r), torch.zeros(1), torch.zeros(1, dtype=torch.long))
+    for h in handles:
+        h.remove()
+    return total[0]
+
+
+def load_draft_velocity(
+    path: Optional[PathLike] = None,
+    *,
+    sha256: Optional[str] = None,
+    device: "str | torch.device" = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> EDMDenoiserVelocity:
+    """The learned draft as a linear-path velocity ``v(x: (M, 1, 8, 8), sigma: (M,), class_labels)``.
+
+    The weights default to the shipped ``digits_draft_unet.safetensors`` (checked against the
+    manifest); the EDM noise level is clipped as the target's (:func:`load_velocity`).
+
+    Raises:
+        FileNotFoundError: if the file or its manifest entry is missing (``specforest train digits-draft``).
+        ChecksumError: if the file's digest differs from the recorded one.
+    """
+    path, sha256 = _resolve(DRAFT_FILE, path, sha256)
+    return load_velocity(path, sha256=sha256, device=device, dtype=dtype)
 
 
 def load_velocity(

@@ -20,7 +20,7 @@ from ... import __version__, memory, sample
 from ...drafting import remembers_chain
 from ...options import SamplerOptions
 from ...planning import AdaptiveTree, plan_tree
-from ...proposals import DRAFT_KINDS, get_proposal
+from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, get_proposal
 from ...sampler import PREFETCH_POLICIES
 from ...trees import VERIFY_MODES, DraftTree
 from ...warmup import pad_rows_for, warm_up
@@ -92,7 +92,7 @@ def simulate(
     L = check_int("L", L, 1)
     check_choice("prefetch", prefetch, PREFETCH_POLICIES)
     check_choice("verify", verify, VERIFY_MODES)
-    check_choice("draft", draft, DRAFT_KINDS)
+    check_choice("draft", draft, (*DRAFT_KINDS, *MODEL_DRAFTS))
     seed = check_int("seed", seed, 0)
     if memory_gb is not None:
         memory_gb = check_number("memory_gb", memory_gb, 0.0, lo_open=True)

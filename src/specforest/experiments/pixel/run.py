@@ -22,7 +22,7 @@ from ...drafting import remembers_chain
 from ...models.digits import IMAGE_SHAPE, DigitsClassifier, load_classifier, load_velocity
 from ...options import SamplerOptions
 from ...planning import plan_tree
-from ...proposals import DRAFT_KINDS, get_proposal
+from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, get_proposal
 from ...sampler import GRIDS, PREFETCH_POLICIES
 from ...trees import VERIFY_MODES, DraftTree
 from ...warmup import pad_rows_for, warm_up
@@ -153,7 +153,7 @@ def simulate(
     check_choice("grid", grid, GRIDS)
     check_choice("prefetch", prefetch, PREFETCH_POLICIES)
     check_choice("verify", verify, VERIFY_MODES)
-    check_choice("draft", draft, DRAFT_KINDS)
+    check_choice("draft", draft, (*DRAFT_KINDS, *MODEL_DRAFTS))
     if method == "antithetic" and K % 2:
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     churn = check_churn(churn)

@@ -85,7 +85,7 @@ def run_config(
         raise ValueError("tuned must be given with method='tuned' and only then")
     if tuned is None:
         tree, coupling = method_tree(method, K, L, setting.steps), COUPLING_OF.get(method, "grs")
-        verify, draft, prefetch = setting.verify, "velocity", setting.prefetch
+        verify, draft, prefetch = setting.verify, setting.draft, setting.prefetch
     else:
         tree, coupling, verify, draft, prefetch = (
             tuned[k] for k in ("tree", "coupling", "verify", "draft", "prefetch")

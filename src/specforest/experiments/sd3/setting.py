@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...proposals import DRAFT_KINDS, MODEL_DRAFTS
 from ...sampler import PREFETCH_POLICIES
 from ...trees import VERIFY_MODES
 from ..common import budget_of, check_choice, check_churn, check_int, check_number
@@ -36,6 +37,7 @@ class SD3Setting:
         K_values: tree widths of D-GRS; RMC runs a chain of ``budget_of("dgrs", K, L)`` for each.
         verify: ``drafted`` (every drafted state evaluated, the paper's protocol) or ``internal``.
         prefetch: ``nearest`` or ``parent`` (ERRATA 9).
+        draft: the draft of every speculative configuration (``velocity``, the paper's protocol).
         lazy: the sampler's cost simulation (same law and NFE, less memory).
         seed: seed of the initial latents and of the sampling noise.
         batch_size: images per sampler call (``None``: all at once).
@@ -55,6 +57,7 @@ class SD3Setting:
     K_values: tuple[int, ...] = (2, 3, 4, 5, 6, 7)
     verify: str = "drafted"
     prefetch: str = "nearest"
+    draft: str = "velocity"
     lazy: bool = False
     seed: int = 0
     batch_size: int | None = None
@@ -75,6 +78,7 @@ class SD3Setting:
         check_number("shift", self.shift, 0.0, lo_open=True)
         check_choice("verify", self.verify, VERIFY_MODES)
         check_choice("prefetch", self.prefetch, PREFETCH_POLICIES)
+        check_choice("draft", self.draft, (*DRAFT_KINDS, *MODEL_DRAFTS))
 
     def as_dict(self) -> dict:
         """The fields as a JSON-serializable dict (``K_values`` a list)."""
@@ -99,5 +103,7 @@ def setting_id(setting: SD3Setting, prompts: Sequence[str], model: str, dtype: s
     ``K_values`` is left out so that a study can be extended to more ``K`` in the same directory.
     """
     st = {k: v for k, v in setting.as_dict().items() if k != "K_values"}
+    if st["draft"] == "velocity":
+        del st["draft"]  # the paper's draft: the ids of studies made before the option stay
     blob = json.dumps({"setting": st, "prompts": list(prompts), "model": model, "dtype": dtype}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

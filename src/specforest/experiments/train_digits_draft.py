@@ -1,0 +1,247 @@
+"""Training of the digits model's learned draft (``specforest train digits-draft``).
+
+The draft network is a narrower copy of the digits U-Net
+(:data:`specforest.models.digits.DRAFT_CONFIG`), distilled from the shipped
+target so that the sampler's mismatch is small where the sampler verifies it:
+
+* states are the linear path's ``y = (1 - t) x_0 + t xi`` at the noise levels
+  ``t`` of the grid the pixel experiment samples on (flow_match, ``T`` steps,
+  churn as given), ``x_0`` scikit-learn's digits with their labels; a step is
+  drawn uniformly among the stochastic ones (the verified ones);
+* the loss is the draft's squared mismatch over the step's noise scale,
+  ``delta^2 = (c_s / scale_s)^2 |v_draft(y) - v_target(y)|^2 / D`` with ``c_s``
+  the velocity's coefficient in the transition mean (``mean = a y + c v``),
+  i.e. the quantity a coupling's acceptance falls with
+  (:func:`specforest.acceptance`), averaged over the grid's steps;
+* Adam with warm-up and cosine decay, and an exponential moving average of the
+  weights, which is what ships.
+
+Outputs: ``digits_draft_unet.safetensors`` (its configuration and training
+summary in the file's metadata) and its entry in ``manifest.json`` (SHA-256,
+bytes, multiply-adds per call against the target's), written atomically and
+merged with the entries already there. Nothing here runs at import or at test
+time.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..models.digits import (
+    DRAFT_CONFIG,
+    DRAFT_FILE,
+    MANIFEST,
+    UNET_FILE,
+    WEIGHTS_DIR,
+    load_digits_data,
+    load_velocity,
+    manifest,
+    multiply_adds,
+)
+from ..models.edm import EDMDenoiserVelocity
+from ..models.unet import EDMPrecond, UNet, UNetConfig
+from ..options import make_sde
+from .io import atomic_write, atomic_write_text
+
+__all__ = ["DraftTrainConfig", "main_train_draft", "train_draft"]
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    """Hyper-parameters of the draft's distillation (recorded in the manifest).
+
+    Attributes:
+        steps: optimizer steps.
+        batch: states per step.
+        lr: peak Adam learning rate (linear warm-up, cosine decay to 5 %; gradients clipped to norm 1).
+        warmup: warm-up steps.
+        ema_decay: decay of the weights' moving average.
+        grid_steps: ``T`` of the grid whose noise levels are trained on.
+        churn: the grid's churn (it sets each step's ``c_s / scale_s`` weight).
+        seed: seed of initialization, batches and noise.
+        max_minutes: wall-clock limit (stops early).
+    """
+
+    steps: int = 2500
+    batch: int = 256
+    lr: float = 2e-3
+    warmup: int = 100
+    ema_decay: float = 0.998
+    grid_steps: int = 100
+    churn: float = 0.3
+    seed: int = 0
+    max_minutes: float = 15.0
+
+
+def _lr_at(step: int, cfg: DraftTrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def grid_weights(cfg: DraftTrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verified steps' noise levels ``t (S,)`` and weights ``(c_s / scale_s)^2 (S,)`` (mean 1)."""
+    sde = make_sde(cfg.grid_steps, None, "flow_match", 1.0, cfg.churn)
+    tab = sde.tables("cpu", torch.float64)
+    on = tab.stochastic
+    w = (tab.c[on] / tab.scale[on]).square()
+    return tab.sig[:-1][on].float(), (w / w.mean()).float()
+
+
+def train_draft(
+    teacher: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: DraftTrainConfig,
+    *,
+    unet_config: UNetConfig = DRAFT_CONFIG,
+    progress: bool = True,
+) -> tuple[EDMPrecond, dict]:
+    """Distill ``teacher`` (a velocity ``v(x, t, class_labels=...)``) into a small EDM denoiser.
+
+    Args:
+        teacher: the target velocity, called without gradients.
+        x: ``(N, 1, H, W)`` clean images in ``[-1, 1]``.
+        labels: ``(N,)`` class labels.
+        cfg: hyper-parameters.
+        unet_config: the draft's architecture.
+        progress: tqdm progress bar on stderr.
+
+    Returns:
+        The EMA denoiser (eval mode, gradients off) and ``{"loss": [...], ...}``; the loss is the
+        mean ``delta^2`` of a batch.
+    """
+    g = torch.Generator().manual_seed(cfg.seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed)
+        net = UNet(unet_config)
+    model = EDMPrecond(net, sigma_data=unet_config.sigma_data)
+    student = EDMDenoiserVelocity(model)
+    ema = copy.deepcopy(model).eval()
+    ema.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    t_grid, w_grid = grid_weights(cfg)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, desc="draft", unit="step")
+    for step in range(cfg.steps):
+        if time.perf_counter() - t0 > 60.0 * cfg.max_minutes:
+            break
+        idx = torch.randint(0, x.shape[0], (cfg.batch,), generator=g)
+        k = torch.randint(0, t_grid.numel(), (cfg.batch,), generator=g)
+        t, w = t_grid[k], w_grid[k]
+        x0, c = x[idx], labels[idx]
+        tb = t[:, None, None, None]
+        y = (1.0 - tb) * x0 + tb * torch.randn(x0.shape, generator=g)
+        with torch.no_grad():
+            v_target = teacher(y, t, class_labels=c)
+        v = student(y, t, class_labels=c)
+        loss = (w * (v - v_target).square().flatten(1).mean(1)).mean()
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            decay = min(cfg.ema_decay, (1 + step) / (10 + step))
+            for pe, pm in zip(ema.parameters(), model.parameters(), strict=True):
+                pe.lerp_(pm, 1.0 - decay)
+        losses.append(loss.item())
+        if bar is not None:
+            bar.update(1)
+            if step % 50 == 0:
+                bar.set_postfix(delta2=f"{np.mean(losses[-100:]):.4f}")
+    if bar is not None:
+        bar.close()
+    info = {
+        "loss": losses,
+        "steps_done": len(losses),
+        "stopped_early": len(losses) < cfg.steps,
+        "seconds": time.perf_counter() - t0,
+        "final_delta2": float(np.mean(losses[-100:])) if losses else float("nan"),
+    }
+    return ema, info
+
+
+@torch.no_grad()
+def held_out_delta(
+    teacher: Callable[..., torch.Tensor], draft: Callable[..., torch.Tensor], cfg: DraftTrainConfig, n: int = 2000
+) -> float:
+    """Root mean ``delta^2`` of ``draft`` against ``teacher`` on ``n`` fresh states (seed ``cfg.seed + 1``)."""
+    x, labels = load_digits_data()
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    t_grid, w_grid = grid_weights(cfg)
+    idx = torch.randint(0, x.shape[0], (n,), generator=g)
+    k = torch.randint(0, t_grid.numel(), (n,), generator=g)
+    t, w = t_grid[k], w_grid[k]
+    tb = t[:, None, None, None]
+    y = (1.0 - tb) * x[idx] + tb * torch.randn(x[idx].shape, generator=g)
+    c = labels[idx]
+    err = (draft(y, t, class_labels=c) - teacher(y, t, class_labels=c)).square().flatten(1).mean(1)
+    return float((w * err).mean().sqrt())
+
+
+def main_train_draft(
+    *,
+    weights_dir: str | Path = WEIGHTS_DIR,
+    config: DraftTrainConfig = DraftTrainConfig(),
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Distill the digits draft from the shipped target and write its weights and manifest entry.
+
+    Args:
+        weights_dir: where ``digits_draft_unet.safetensors`` goes and whose ``manifest.json``
+            gets its entry (the target's weights are read from the package).
+        config: hyper-parameters.
+        progress: a progress bar on stderr.
+        log: receives one-line status messages.
+
+    Returns:
+        The training summary recorded in the manifest (without the loss curve).
+    """
+    from safetensors.torch import save
+
+    weights_dir = Path(weights_dir)
+    teacher = load_velocity()
+    x, labels = load_digits_data()
+    ratio = multiply_adds(DRAFT_CONFIG) / multiply_adds(UNetConfig())
+    log(f"distilling the digits draft ({DRAFT_CONFIG.channels} channels, {1 / ratio:.1f}x fewer multiply-adds)")
+    den, info = train_draft(teacher, x, labels, config, progress=progress)
+    rms = held_out_delta(teacher, EDMDenoiserVelocity(den), config)
+    log(f"draft: {info['steps_done']} steps in {info['seconds']:.0f} s, held-out rms delta {rms:.4f}")
+    summary = {
+        "config": asdict(config),
+        "unet_config": DRAFT_CONFIG.to_dict(),
+        "draft": {k: v for k, v in info.items() if k != "loss"},
+        "held_out_rms_delta": rms,
+        "multiply_adds": multiply_adds(DRAFT_CONFIG),
+        "target_multiply_adds": multiply_adds(UNetConfig()),
+        "parameters": sum(p.numel() for p in den.net.parameters()),
+        "target_sha256": manifest()[UNET_FILE]["sha256"],
+        "torch": torch.__version__,
+    }
+    state = {k: v.detach().contiguous().cpu() for k, v in den.net.state_dict().items()}
+    data = save(state, metadata={"config": json.dumps(DRAFT_CONFIG.to_dict()), "train": json.dumps(summary)})
+    atomic_write(weights_dir / DRAFT_FILE, lambda f: f.write(data), binary=True)
+    entries = manifest(weights_dir) if (weights_dir / MANIFEST).exists() else {}
+    entries[DRAFT_FILE] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), **summary}
+    atomic_write_text(weights_dir / MANIFEST, json.dumps(entries, indent=2) + "\n")
+    log(f"wrote {weights_dir / DRAFT_FILE}, {weights_dir / MANIFEST}")
+    return summary
