@@ -105,7 +105,7 @@ def run_model(
 
     import specforest
     from specforest.latency import Calibrator, tune
-    from specforest.proposals import available_drafts
+    from specforest.proposals import available_drafts, drafts_serving
 
     model, x_all, cond_all, opts = _setup(name, device)
     if steps is not None:
@@ -115,7 +115,14 @@ def run_model(
         x = x_all[:batch]
         cond = None if cond_all is None else {k: v[:batch] for k, v in cond_all.items()}
         t0 = time.perf_counter()
-        pred = Calibrator.calibrate(model, x_all, cond=cond_all, batch=batch, drafts=available_drafts(), **opts)
+        pred = Calibrator.calibrate(
+            model,
+            x_all,
+            cond=cond_all,
+            batch=batch,
+            drafts=drafts_serving(available_drafts(), tuple(x_all.shape[1:])),
+            **opts,
+        )
         tuned = tune(model, x_all, predictor=pred, **opts)
         tune_seconds = time.perf_counter() - t0
         if out["curve"] is None:

@@ -31,7 +31,7 @@ from specforest.couplings import GRS, available_couplings, get_coupling
 from specforest.experiments import gmm as gmm_exp
 from specforest.models import GaussianMixture
 from specforest.planning import AdaptiveTree
-from specforest.proposals import available_drafts
+from specforest.proposals import available_drafts, drafts_serving
 from specforest.sampler import GRIDS, PREFETCH_POLICIES
 from specforest.sde import flow_match_grid, shift_sigmas, uniform_grid
 from specforest.trees import VERIFY_MODES
@@ -112,7 +112,8 @@ def run_options(draw, coupling=None) -> dict:
     opts = dict(
         tree=tree,
         coupling=coupling,
-        draft=draw(st.sampled_from(available_drafts())),
+        # (the drafts that serve the fuzzed models: not a draft network made for the digits model)
+        draft=draw(st.sampled_from(drafts_serving(available_drafts(), None))),
         prefetch=draw(st.sampled_from(PREFETCH_POLICIES)),
         verify=draw(st.sampled_from(VERIFY_MODES)),
         churn=draw(st.floats(0.2, 1.0)),
@@ -211,7 +212,7 @@ def cli_options(draw) -> list:
         ("--grid", GRIDS),
         ("--prefetch", PREFETCH_POLICIES),
         ("--verify", VERIFY_MODES),
-        ("--draft", available_drafts()),
+        ("--draft", drafts_serving(available_drafts(), None)),
     ):
         args += [opt, draw(st.sampled_from(choices))]
     if method in ("dgrs", "rank", "rmc") and draw(st.booleans()):
