@@ -12,8 +12,12 @@ Three settings, each with every draft of :data:`specforest.proposals.DRAFT_KINDS
   (the distilled draft network, :data:`specforest.proposals.MODEL_DRAFTS`; its calls are counted
   apart from the target's).
 
-Prefetch nearest, verify drafted, lazy mode where the draft allows it (``memory``, ``secant`` and ``auto``
-remember each chain round and run full; same law of samples and NFE either way). The "oracle" row
+On the RMC chains also the Picard-refined chains ``picard`` and ``picard2`` (:data:`specforest.proposals.PICARD_DRAFTS`:
+``J = 1, 2`` sweeps, each one more target call a round, counted in the NFE; the ``x0`` row is
+their ``J = 0``).
+
+Prefetch nearest, verify drafted, lazy mode where the draft allows it (``memory``, ``secant``,
+``auto``, ``learned`` and the Picard chains run full; same law of samples and NFE either way). The "oracle" row
 drafts with the target itself (a draft model whose mean is the target's, so every node is
 accepted): the fewest calls a chain of that depth can make, the bound any free draft stays under.
 The per-depth table shows the acceptance and the mean mismatch ``delta`` of the RMC chain's
@@ -51,7 +55,7 @@ from specforest.experiments import gmm as gmm_exp
 from specforest.experiments import pixel as pixel_exp
 from specforest.experiments.results import machine_line, replace_section
 from specforest.models.digits import load_classifier, load_velocity
-from specforest.proposals import DRAFT_KINDS, MODEL_DRAFTS, SecantDraft
+from specforest.proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS, SecantDraft
 
 MIXTURE_ROWS = [  # (B, method, K, L, tree)
     (14, "rmc", 1, 14, "uniform"),
@@ -62,7 +66,9 @@ MIXTURE_ROWS = [  # (B, method, K, L, tree)
 ]
 BIG_ROWS = [(155, "rmc", 1, 155, "uniform"), (155, "rank", 5, 3, "uniform")]
 DIGITS_ROWS = [(14, "rmc", 1, 14, "uniform")]
-DIGITS_DRAFTS = (*DRAFT_KINDS, *MODEL_DRAFTS)
+CHAIN_DRAFTS = (*DRAFT_KINDS, *PICARD_DRAFTS)
+"""On RMC chains also the Picard-refined chains (``J = 1, 2``; the ``x0`` row is their ``J = 0``)."""
+DIGITS_DRAFTS = (*CHAIN_DRAFTS, *MODEL_DRAFTS)
 """On digits also the drafts that call a network of their own (``learned``)."""
 DEPTHS = 8
 LABEL = {"rmc": "RMC chain", "rank": "rank"}
@@ -273,7 +279,7 @@ def main() -> None:
         gmm = setting.mixture()
         x = gmm_exp.initial_states(setting.trajectories, setting.dim, args.seed)
         for B, method, K, L, tree in tqdm(rows, desc=title[:30]):
-            for draft in DRAFT_KINDS:
+            for draft in CHAIN_DRAFTS if method == "rmc" else DRAFT_KINDS:
                 kw = dict(budget=B) if tree == "optimal" else {}
                 r = gmm_exp.run_config(setting, method=method, K=K, L=L, draft=draft, tree=tree, **kw, **common)
                 t = tree_label(tree, K, L, r)
@@ -294,9 +300,12 @@ def main() -> None:
         f"{args.fresh_seeds}` on {machine_line()}, {torch.get_num_threads()} threads (the one-image timing: one).",
         "",
         "Every registered draft; prefetch nearest, verify drafted, lazy mode where the draft allows it "
-        "(`memory`, `secant` and `auto` remember each chain round and run full). Mean ± standard error over "
-        "trajectories; the paper's accounting (T-2)/(NFE-2) beside T/NFE. The oracle row drafts with "
-        "the target itself: every node accepted, the fewest calls a chain of that depth makes.",
+        "(`memory`, `secant`, `auto` and `learned` remember each chain round and run full, as the Picard "
+        "chains do). Mean ± standard error over trajectories; the paper's accounting (T-2)/(NFE-2) beside "
+        "T/NFE. `picard` and `picard2` refine the `x0` chain (their J = 0) with 1 and 2 Picard sweeps, each "
+        "one more target call a round, counted in the NFE. `learned`'s draft-network calls are not target "
+        "calls (see the one-image table). The oracle row drafts with the target itself: every node "
+        "accepted, the fewest calls a chain of that depth makes.",
     ]
     lines += mixture(small, MIXTURE_ROWS, "Mixture, paper setting (d = 500, T = 30, churn 0.1)")
     lines += mixture(big, BIG_ROWS, f"Mixture at d = 65,536 ({args.big_trajectories} trajectories)")

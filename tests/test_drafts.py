@@ -8,8 +8,17 @@ import torch
 
 import specforest
 from specforest import testing, trees
+from specforest.drafting import runs_full
 from specforest.models import GaussianMixture
-from specforest.proposals import FrozenPrediction, LearnedDraft, MemoryDraft, Prefetch, SecantDraft
+from specforest.proposals import (
+    FrozenPrediction,
+    LearnedDraft,
+    MemoryDraft,
+    PicardDraft,
+    Prefetch,
+    SecantDraft,
+    get_proposal,
+)
 from specforest.sde import ReverseSDE, flow_match_grid
 
 MU0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
@@ -338,3 +347,77 @@ def test_a_learned_draft_whose_network_gives_nan_stops_the_run_naming_step_and_d
         specforest.sample(
             GAUSS, torch.zeros(4, 3), steps=10, churn=0.3, tree=trees.chain(3), draft=LearnedDraft(nan_after_half)
         )
+
+
+# -- Picard-refined chains ----------------------------------------------------------------------
+
+
+def _peeking_picard(ctx, group, Y, SZ, steps, sweeps):
+    """The Picard sweep off by one: node ``l + 1`` drafted with the target's prediction at node
+    ``l + 1`` of the last sweep, a state drawn with the very noise node ``l + 1`` has now."""
+    G, Vr, D = Y.shape
+    Lr = steps.shape[1]
+    tab = ctx.tab
+    sig = tab.sig[steps]
+    ac = tab.ac[steps]
+    k = ac[..., 1:] / sig[..., None]
+    A = ac[..., :1] + k
+    traj = (ctx.rows_all if group.everyone else group.ids).repeat_interleave(Lr)
+    for _ in range(sweeps):
+        at = Y[:, 1 : Lr + 1]  # one node too far
+        V = ctx.target(at.reshape(-1, D), sig.reshape(-1), traj).view(G, Lr, D).to(Y.dtype)
+        C = torch.addcmul(-k * at, k * sig[..., None], V)
+        Ynew = Y.clone()
+        for level in range(Lr):
+            Ynew[:, level + 1] = A[:, level] * Ynew[:, level] + C[:, level] + SZ[:, level]
+        Y = Ynew
+    return Y, A * Y[:, :Lr] + C
+
+
+@pytest.mark.parametrize("coupling", ["rmc", "grs"])
+def test_a_picard_sweep_that_peeks_fails_the_law_test_the_real_one_passes(coupling, monkeypatch):
+    from specforest import drafting
+
+    assert not _law_failures("picard", coupling)
+    monkeypatch.setattr(drafting, "_picard", _peeking_picard)
+    assert _law_failures("picard", coupling)
+
+
+@pytest.mark.parametrize("sweeps", [1, 2])
+def test_picard_sweeps_make_the_first_nodes_the_targets_transition_and_count_as_calls(sweeps):
+    """Closed form: after ``J`` sweeps the first ``J`` nodes of a chain are drafted with the target's
+    own transition (the root's, then its exact child's, ...), so with RMC every verification at
+    depths ``1 .. J`` accepts; the x0 kind (``J = 0``) does not. Each sweep is one target call each
+    trajectory takes part in: one trajectory's NFE is the run's batched calls."""
+    gmm = GaussianMixture.paper(dim=50, seed=0)
+    x = torch.randn(16, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    kw = dict(steps=30, churn=0.3, tree=trees.chain(8), coupling="rmc", seed=6)
+    out = specforest.sample(gmm, x, draft=PicardDraft(sweeps), **kw)
+    att, acc = out.stats.attempts.sum(0), out.stats.accepts.sum(0)
+    assert (att[:sweeps] > 0).all() and torch.equal(acc[:sweeps], att[:sweeps])
+    assert (acc[sweeps:] < att[sweeps:]).any()
+    base = specforest.sample(gmm, x, draft="x0", **kw).stats
+    assert (base.accepts.sum(0)[:1] < base.attempts.sum(0)[:1]).all()
+    one = specforest.sample(gmm, x[:1], draft=PicardDraft(sweeps), **kw)
+    assert int(one.stats.nfe[0]) == one.stats.calls
+    # a round of a chain with sweeps costs J + 1 calls: more than the x0 run's per round
+    assert one.stats.calls > one.stats.rounds.sum()
+
+
+def test_picard_runs_full_and_refuses_a_negative_sweep_count():
+    gmm = GaussianMixture.paper(dim=10, seed=0)
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    kw = dict(steps=10, churn=0.3, tree=trees.chain(4), draft="picard", seed=1)
+    lazy, full = (specforest.sample(gmm, x, lazy=m, **kw) for m in (True, False))
+    # the sweeps evaluate every parent: lazy=True runs the full round, the same calls and samples
+    assert torch.equal(lazy.samples, full.samples) and lazy.stats.calls == full.stats.calls
+    assert runs_full(get_proposal("picard"), trees.chain(4)) and not runs_full(
+        get_proposal("picard"), trees.uniform(2, 2)
+    )
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"draft='picard': the sweeps J must be an int >= 0"):
+            PicardDraft(bad)
+    # J = 0 is the x0 kind
+    ref = specforest.sample(gmm, x, steps=10, churn=0.3, tree=trees.chain(4), draft="x0", seed=1)
+    zero = specforest.sample(gmm, x, steps=10, churn=0.3, tree=trees.chain(4), draft=PicardDraft(0), seed=1)
+    assert torch.equal(zero.samples, ref.samples) and torch.equal(zero.stats.nfe, ref.stats.nfe)

@@ -41,6 +41,8 @@ CONFIGS = {
     "secant_chain_drafted": dict(tree=trees.chain(4), draft="secant", verify="drafted", prefetch="parent"),
     "secant_tree": dict(tree=trees.uniform(2, 2), draft="secant"),
     "draft_model": dict(tree=trees.uniform(2, 2), draft=lambda x, s: 0.9 * GMM(x, s)),
+    "picard_chain": dict(tree=trees.chain(6), coupling="rmc", draft="picard"),
+    "picard2_chain_drafted": dict(tree=trees.chain(4), draft="picard2", verify="drafted", prefetch="parent"),
     "learned_chain": dict(tree=trees.chain(6), coupling="rmc", draft=LearnedDraft(lambda x, s: 0.9 * GMM(x, s))),
     "learned_tree_drafted": dict(
         tree=trees.uniform(2, 2), verify="drafted", draft=LearnedDraft(lambda x, s: 0.9 * GMM(x, s))

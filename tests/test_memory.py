@@ -171,11 +171,12 @@ def test_gmm_lazy_run_holds():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["memory", "secant"])
+@pytest.mark.parametrize("draft", ["memory", "secant", "picard"])
 def test_gmm_memory_draft_run_holds_and_the_lazy_estimate_does_not(draft):
     """``--lazy`` with a draft that remembers its chain runs full (it remembers every node of its
-    chain) and keeps a state per node (``secant``: two, the state beside its prediction): sized so,
-    the run holds; sized as the lazy run asked for, it does not."""
+    chain) and keeps a state per node (``secant``: two, the state beside its prediction); so does
+    one that refines its chain with Picard sweeps (two states a node, the sweep's evaluations and
+    its redrafted chain): sized so, the run holds; sized as the lazy run asked for, it does not."""
     argv = [*GMM, "--method", "rmc", "--L", "10", "--draft", draft, "--lazy"]
     argv += ["--dim", "20000", "--trajectories", "96", "--memory-gb", "0.7"]
     run = _cli(argv)

@@ -89,6 +89,13 @@ CONFIGS = {
     "learned_rank_tree_lazy": dict(
         tree=trees.uniform(3, 2), coupling="rank", lazy=True, draft=LearnedDraft(lambda x, s: 0.8 * GAUSS(x, s))
     ),
+    # the x0 chain refined by Picard sweeps of the target (a branching tree drafts as x0)
+    "picard_rmc_chain": dict(tree=trees.chain(5), coupling="rmc", draft="picard"),
+    "picard2_grs_chain_drafted": dict(tree=trees.chain(8), coupling="grs", draft="picard2", verify="drafted"),
+    "picard_rank_chain_lazy_parent": dict(
+        tree=trees.chain(6), coupling="rank", draft="picard", lazy=True, prefetch="parent"
+    ),
+    "picard_antithetic_tree": dict(tree=trees.uniform(2, 2), coupling="antithetic", draft="picard"),
     "learned_antithetic_tree": dict(
         tree=trees.uniform(2, 2), coupling="antithetic", draft=LearnedDraft(lambda x, s: 0.8 * GAUSS(x, s))
     ),

@@ -19,7 +19,7 @@ from . import streams
 from .records import Draft, Group, RunContext, RunState
 from .target import ALL_ROWS
 
-__all__ = ["chain_draft", "draft", "is_chain", "sibling_noise", "tree_draws"]
+__all__ = ["chain_draft", "draft", "is_chain", "remembers_chain", "runs_full", "sibling_noise", "tree_draws"]
 
 
 def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
@@ -60,6 +60,50 @@ def remembers_chain(proposal, tree) -> bool:
     if not getattr(proposal, "uses_memory", False) or tree is None:
         return False
     return not hasattr(tree, "size_at_depth") or tree.size_at_depth(1) == 2
+
+
+def runs_full(proposal, tree) -> bool:
+    """Whether a run of ``proposal`` with ``tree`` must run full even when ``lazy`` is asked: it
+    remembers its chain (:func:`remembers_chain`), or it refines its chain rounds with Picard
+    sweeps (:attr:`~specforest.proposals.Proposal.picard_sweeps`), which evaluate every parent."""
+    if remembers_chain(proposal, tree):
+        return True
+    if not getattr(proposal, "picard_sweeps", 0) or tree is None:
+        return False
+    return not hasattr(tree, "size_at_depth") or tree.size_at_depth(1) == 2
+
+
+def _picard(ctx: RunContext, group: Group, Y: torch.Tensor, SZ: torch.Tensor, steps: torch.Tensor, sweeps: int):
+    """Picard sweeps over a drafted chain: ``(Y, Mp)`` after ``sweeps`` sweeps.
+
+    Each sweep is one batched target call at the chain's parents ``Y[:, :Lr]`` (``(G, Lr)`` rows,
+    steps ``steps``), then the chain again from its root with the same noise ``SZ``: node ``l + 1``
+    is the exact transition mean at node ``l`` of this sweep with the clean-data prediction the
+    target gave at node ``l`` of the last sweep (the ``x0`` kind's formula, frozen per node), plus
+    its noise. Node ``l``'s state depends on the noise of nodes ``1 .. l`` only, so the draft of
+    node ``l + 1`` never reads its own draw and the coupling stays exact.
+    """
+    G, Vr, D = Y.shape
+    Lr = steps.shape[1]
+    tab = ctx.tab
+    sig = tab.sig[steps]  # (G, Lr)
+    ac = tab.ac[steps]
+    k = ac[..., 1:] / sig[..., None]
+    A = ac[..., :1] + k  # (G, Lr, 1)
+    traj = (ctx.rows_all if group.everyone else group.ids).repeat_interleave(Lr)
+    flat_sig = sig.reshape(-1)
+    for _ in range(sweeps):
+        V = ctx.target(Y[:, :Lr].reshape(-1, D), flat_sig, traj).view(G, Lr, D).to(Y.dtype)
+        C = torch.addcmul(-k * Y[:, :Lr], k * sig[..., None], V)  # -k x0, x0 = y - sig v at the last sweep
+        W = torch.add(C, SZ[:, :Lr])
+        Ynew = torch.empty_like(Y)
+        Ynew[:, 0] = Y[:, 0]
+        if Vr > Lr + 1:
+            Ynew[:, Lr + 1 :] = Y[:, Lr + 1 :]
+        for level in range(Lr):
+            torch.addcmul(W[:, level], A[:, level], Ynew[:, level], out=Ynew[:, level + 1])
+        Y = Ynew
+    return Y, torch.addcmul(C, A, Y[:, :Lr])
 
 
 def _aligned_keys(step_keys: torch.Tensor, s0: torch.Tensor, tt, Vr: int) -> torch.Tensor:
@@ -136,6 +180,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
     Mp = torch.empty(G, Vi, D, dtype=ctx.work, device=ctx.device)
     steps = ts.level[s0, :Lr]  # (G, Lr) parents' steps
     calls = 0
+    sweeps = 0
     terms = None
     if prop.affine:
         terms = prop.round_terms(tab, steps, pre)
@@ -155,6 +200,9 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
         for level in range(Lr):
             torch.addcmul(Wl[level], Al[level], Yl[level], out=Yl[level + 1])
         torch.addcmul(C, A, Y[:, :Lr], out=Mp)
+        if prop.picard_sweeps:
+            Y, Mp = _picard(ctx, group, Y, SZ, steps, prop.picard_sweeps)
+            sweeps = prop.picard_sweeps
     else:
         sizes = tt.sizes(Lr)
         # per-layer views, made in one call each
@@ -195,7 +243,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
                 rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
                 torch.add(rep, SZl[level - 1], out=Yl[level])
     full = dict(steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre)
-    drawn = dict(Y=Y, Z=Z, Mp=Mp, U=U, terms=terms, draft_calls=calls)
+    drawn = dict(Y=Y, Z=Z, Mp=Mp, U=U, terms=terms, draft_calls=calls, sweeps=sweeps)
     if group.even and tt.eval_prefix[Lr] >= Vi:
         # every tree evaluates the same first nodes, the verified ones among them: a view of Y, no scatter
         return Draft(**full, **drawn, n_first=tt.eval_prefix[Lr])

@@ -68,7 +68,7 @@ import torch
 
 from . import lockstep
 from .couplings import Coupling
-from .drafting import draft, is_chain, remembers_chain
+from .drafting import draft, is_chain, remembers_chain, runs_full
 from .proposals import Prefetch, Proposal
 from .records import (
     PHASES,
@@ -148,7 +148,7 @@ def make_context(
     :func:`speculative_round`. ``depth`` is the deepest round (``0`` for the standard sampler).
     """
     # a proposal that remembers the previous round's chain needs all its nodes evaluated
-    lazy = lazy and not remembers_chain(proposal, tree if policy is None else policy)
+    lazy = lazy and not runs_full(proposal, tree if policy is None else policy)
     rows_all = torch.arange(batch, device=device)
     stoch_at = torch.cat([tab.stochastic, tab.stochastic.new_zeros(1)])
     standard = tree is None and policy is None
@@ -429,8 +429,10 @@ def commit(
         Lw = w.act.shape[1]
         cols = ctx.depth_cols[:Lw]
         draft_bad = _first_bad_draft(ctx, w, d, cols, draft_bad)
-        rows = d.tt.rows_at[d.Ls]
-        outcomes.append(Outcome(ids=ids, committed=w.committed, rows=rows, act=w.act, acc=w.acc, delta=w.delta))
+        rows = d.tt.rows_at[d.Ls] + d.sweeps * d.Lr  # a Picard sweep evaluates the chain's Lr parents
+        outcomes.append(
+            Outcome(ids=ids, committed=w.committed, rows=rows, act=w.act, acc=w.acc, delta=w.delta, sweeps=d.sweeps)
+        )
         if ctx.record or ctx.policy is not None:
             lv = (cols + 1).double()[None].expand(ids.numel(), Lw)
             st = (d.s0[:, None] + cols[None]).double()
@@ -455,6 +457,7 @@ def commit(
         records=records,
         rounds=state.rounds + 1,
         draft_calls=state.draft_calls + calls,
+        sweep_calls=state.sweep_calls + sum(d.sweeps for d in drafts),
         seconds=state.seconds,
         draft_bad=draft_bad,
     )

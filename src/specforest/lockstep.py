@@ -93,6 +93,7 @@ def lockstep_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
         records=state.records,
         rounds=s + 1,
         draft_calls=state.draft_calls,
+        sweep_calls=state.sweep_calls,
         noise=block,
         draft_bad=state.draft_bad,
         seconds=(sched, drafted, evaluated + (t1 - t0 - inside), walked, committed + (t2 - t1)),

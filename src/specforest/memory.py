@@ -64,7 +64,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .drafting import remembers_chain
+from .drafting import remembers_chain, runs_full
 from .proposals import get_proposal
 from .trees import DraftTree, TreePolicy
 from .validation import check_int
@@ -428,6 +428,11 @@ def estimate(
         lazy = False
         remembered = _depth(tree, steps) * (2 if prop.uses_states else 1)
         gains = 2 * 8 * int(steps or 0) if prop.uses_states else 0
+    elif draft is not None and runs_full(prop, tree):
+        # Picard sweeps: the run goes full, and a sweep holds the parents' evaluations and the
+        # redrafted chain beside the last one (two states a node)
+        lazy = False
+        remembered = 2 * (_depth(tree, steps) + 1)
     nodes, inner, rows, children, size = _counts(tree, verify, lazy, steps)
     D, w, world = int(state_numel), int(work_bytes), max(int(world), 1)
     row_source = "given"

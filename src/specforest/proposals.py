@@ -35,6 +35,8 @@ __all__ = [
     "MODEL_DRAFTS",
     "FrozenPrediction",
     "MemoryDraft",
+    "PicardDraft",
+    "PICARD_DRAFTS",
     "Prefetch",
     "Proposal",
     "SecantDraft",
@@ -54,6 +56,10 @@ FROZEN_KINDS = DRAFT_KINDS[:5]
 MODEL_DRAFTS = ("learned",)
 """Registered drafts that call a draft network of their own (counted in ``draft_calls``) and serve
 one model only: ``learned``, the digits model's distilled U-Net (:class:`LearnedDraft`)."""
+
+PICARD_DRAFTS = ("picard", "picard2")
+"""Registered drafts that refine each chain round with Picard sweeps of the target (``J = 1, 2``;
+:class:`PicardDraft`): each sweep is one more target call a round, counted in the NFE."""
 
 AUTO_KINDS = (*FROZEN_KINDS, "memory", "secant")
 """What ``auto`` chooses among, in its state's column order."""
@@ -309,6 +315,8 @@ class Proposal:
         uses_states: with :attr:`uses_memory`, the proposal also reads the remembered nodes'
             states and the per-step gain sums fitted from them (``Prefetch.mem_y``,
             ``gain_num``, ``gain_den``, :class:`SecantDraft`); the sampler keeps them only then.
+        picard_sweeps: Picard sweeps over each drafted chain before its verification, each one
+            batched target call counted in the NFE (:class:`PicardDraft`); such a run goes full.
         name: short name recorded in results.
 
     A proposal's learnt state (if any) is an explicit value: :meth:`init_state`
@@ -324,6 +332,7 @@ class Proposal:
     uses_memory: bool = False
     aligned_noise: bool = False
     uses_states: bool = False
+    picard_sweeps: int = 0
     name: str = "proposal"
 
     def init_state(self, device: torch.device) -> Any:
@@ -480,6 +489,43 @@ class FrozenPrediction(Proposal):
 
     def __repr__(self) -> str:
         return f"FrozenPrediction(kind={self.kind!r})"
+
+
+class PicardDraft(FrozenPrediction):
+    """Picard-refined chains (``draft="picard"``, ``J = 1``; ``"picard2"``, ``J = 2``): the ``x0``
+    kind's chain refined by ``J`` sweeps, each one batched target call at the chain's parents.
+
+    What it reads: the prefetched evaluation (the ``x0`` kind's, for the chain before any sweep),
+    then, sweep by sweep, the target's evaluations at the parents of the chain the last sweep
+    drafted, all before the round's verification call. Sweep ``j`` redrafts the chain from its
+    root with the same noise, node ``l + 1`` from node ``l`` of sweep ``j`` with the target's
+    clean-data prediction at node ``l`` of sweep ``j - 1`` (``specforest.drafting._picard``). So
+    the first node's draft is the target's own transition after one sweep, the first two after
+    two, and so on: the fixed-point iteration of ParaDiGMS over one round's chain, the refinement
+    in the authors' public code. A node's draft never reads its own draw, so the sampler stays
+    exact.
+
+    Every sweep is a sequential target call of ``Lr`` rows a trajectory, counted in the NFE
+    (``J = 0`` is the ``x0`` kind: its baseline). On a tree whose first level branches it
+    drafts as the ``x0`` kind (no sweep). A run with sweeps evaluates every parent of its
+    chains, so it goes full even when ``lazy`` is asked.
+
+    Args:
+        sweeps: ``J >= 0``.
+
+    Raises:
+        ValueError: if ``sweeps`` is not an int ``>= 0``, naming the draft.
+    """
+
+    def __init__(self, sweeps: int = 1) -> None:
+        super().__init__("x0")
+        if isinstance(sweeps, bool) or not isinstance(sweeps, int) or sweeps < 0:
+            raise ValueError(f"draft='picard': the sweeps J must be an int >= 0, got {sweeps!r}")
+        self.picard_sweeps = sweeps
+        self.name = "picard" if sweeps == 1 else f"picard{sweeps}"
+
+    def __repr__(self) -> str:
+        return f"PicardDraft(sweeps={self.picard_sweeps})"
 
 
 class MemoryDraft(Proposal):
@@ -933,6 +979,8 @@ _DRAFTS: Registry[Proposal] = Registry(
         "memory": MemoryDraft,
         "secant": SecantDraft,
         "learned": LearnedDraft.digits,
+        "picard": lambda: PicardDraft(1),
+        "picard2": lambda: PicardDraft(2),
     },
 )
 

@@ -193,6 +193,8 @@ class Outcome:
         act: ``(G, Lw)`` bool, a verification problem met at each depth walked.
         acc: ``(G, Lw)`` bool, ... and a child accepted.
         delta: ``(G, Lw)`` float64 mismatch of the problem met (junk where not ``act``).
+        sweeps: target calls each trajectory took part in before the round's verification call
+            (Picard sweeps; 0 for a free draft).
     """
 
     ids: torch.Tensor
@@ -201,6 +203,7 @@ class Outcome:
     act: torch.Tensor
     acc: torch.Tensor
     delta: torch.Tensor
+    sweeps: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +311,11 @@ class Counters:
             ids = torch.cat(single) if len(single) > 1 else single[0]
             per_traj = per_traj.index_add(0, ids, self._one_row(ids).expand(ids.numel(), 3))
         spec = [o for e in self.pending for o in e.outcomes]
+        swept = [o for o in spec if o.sweeps]
+        if swept:
+            # a Picard sweep is one more sequential target call of each of the group's trajectories
+            ids = torch.cat([o.ids for o in swept])
+            nfe = nfe.index_add(0, ids, torch.cat([torch.full_like(o.ids, o.sweeps) for o in swept]))
         if spec:
             ids = torch.cat([o.ids for o in spec])
             committed = torch.cat([o.committed for o in spec])
@@ -368,8 +376,9 @@ class RunState:
             synchronization (:func:`~specforest.engine.schedule`).
         records: ``(n, 4)`` float64 tensors ``(depth, step, delta, accepted)`` of
             every verification so far (kept when recording or planning adaptively).
-        rounds: rounds run (the batch's NFE).
+        rounds: rounds run (the batch's NFE, with ``sweep_calls``).
         draft_calls: calls of a non-frozen draft.
+        sweep_calls: batched target calls of Picard sweeps, made before the rounds' verification calls.
         noise: the lockstep round's :class:`NoiseBlock`, or ``None``.
         seconds: host seconds spent in each of the :data:`PHASES` so far.
     """
@@ -384,6 +393,7 @@ class RunState:
     records: tuple = ()
     rounds: int = 0
     draft_calls: int = 0
+    sweep_calls: int = 0
     noise: Optional[NoiseBlock] = None
     seconds: tuple = (0.0,) * len(PHASES)
 
@@ -412,6 +422,7 @@ class RunState:
             records=self.records,
             rounds=self.rounds,
             draft_calls=self.draft_calls,
+            sweep_calls=self.sweep_calls,
             noise=None,
             seconds=self.seconds,
             draft_bad=self.draft_bad,
@@ -487,6 +498,8 @@ class Draft:
         terms: the proposal's :meth:`~specforest.proposals.Proposal.round_terms` at the
             ``(G, Lr)`` parent steps (full mode), or ``None``.
         draft_calls: calls of a draft model made drafting it.
+        sweeps: Picard sweeps made drafting it (:class:`~specforest.proposals.PicardDraft`):
+            sequential target calls before the verification's, each of ``Lr`` rows a trajectory.
     """
 
     steps: TreeSteps
@@ -505,6 +518,7 @@ class Draft:
     U: Optional[torch.Tensor] = None
     terms: Any = None
     draft_calls: int = 0
+    sweeps: int = 0
 
     @property
     def tt(self) -> TreeTables:

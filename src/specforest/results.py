@@ -122,7 +122,7 @@ def stats_of(state: RunState, T: int, rows: Any = None) -> SampleStats:
         delta_sum=sel(c.per_depth[..., 2]),
         commits=sel(c.commits),
         rows=sel(c.per_traj[:, 2]),
-        calls=state.rounds,
+        calls=state.rounds + state.sweep_calls,
         draft_calls=state.draft_calls,
         steps=T,
     )

@@ -17,7 +17,7 @@ import click
 
 from ..devices import set_threads
 from ..planning import TREE_MODES
-from ..proposals import DRAFT_KINDS, MODEL_DRAFTS
+from ..proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS
 from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..trees import VERIFY_MODES
 
@@ -179,16 +179,17 @@ def draft_option():
     """``--draft``: what the draft reads from the evaluations made before the round."""
     return click.option(
         "--draft",
-        type=click.Choice((*DRAFT_KINDS, *MODEL_DRAFTS)),
+        type=click.Choice((*DRAFT_KINDS, *PICARD_DRAFTS, *MODEL_DRAFTS)),
         default="velocity",
         show_default=True,
         help="What the draft reads from the evaluations made before the round: the prefetched "
         "velocity (the paper's protocol), the whole drift (App. C.1), the clean-data prediction x0, "
         "the noise prediction eps, x0 extrapolated in time (x0_extrap), the previous round's x0 at "
         "each drafted step (memory; the run goes full), that one moved to the drafted state by a fitted "
-        "gain (secant), auto (chosen online per draft offset among those), or learned (the digits model's "
-        "distilled draft network anchored at those evaluations; digits only); the exactly known rest is "
-        "recomputed at each drafted state.",
+        "gain (secant), auto (chosen online per draft offset among those), picard / picard2 (the x0 chain refined by 1 / 2 "
+        "Picard sweeps, each one more target call a round), or learned (the digits model's distilled draft "
+        "network anchored at those evaluations; digits only); the exactly known rest is recomputed at each "
+        "drafted state.",
     )
 
 

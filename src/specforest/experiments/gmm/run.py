@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from ... import __version__, memory, sample
-from ...drafting import remembers_chain
+from ...drafting import runs_full
 from ...options import SamplerOptions
 from ...planning import AdaptiveTree, plan_tree
-from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, get_proposal
+from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS, get_proposal
 from ...sampler import PREFETCH_POLICIES
 from ...trees import VERIFY_MODES, DraftTree
 from ...warmup import pad_rows_for, warm_up
@@ -92,7 +92,7 @@ def simulate(
     L = check_int("L", L, 1)
     check_choice("prefetch", prefetch, PREFETCH_POLICIES)
     check_choice("verify", verify, VERIFY_MODES)
-    check_choice("draft", draft, (*DRAFT_KINDS, *MODEL_DRAFTS))
+    check_choice("draft", draft, (*DRAFT_KINDS, *PICARD_DRAFTS, *MODEL_DRAFTS))
     seed = check_int("seed", seed, 0)
     if memory_gb is not None:
         memory_gb = check_number("memory_gb", memory_gb, 0.0, lo_open=True)
@@ -122,7 +122,7 @@ def simulate(
 
         tree, budget = choose_tree(method, K, L, setting.steps, tree_mode, budget, plan)
     # a tree-less run has nothing to realize lazily; a draft that remembers its chain runs chains full
-    lazy = bool(lazy) and tree is not None and not remembers_chain(get_proposal(draft), tree)
+    lazy = bool(lazy) and tree is not None and not runs_full(get_proposal(draft), tree)
     if method == "antithetic" and tree_mode != "custom" and K % 2:
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     coupling = COUPLING_OF.get(method, "grs")

@@ -18,11 +18,11 @@ from typing import Optional
 import torch
 
 from ... import __version__, memory, sample
-from ...drafting import remembers_chain
+from ...drafting import runs_full
 from ...models.digits import IMAGE_SHAPE, DigitsClassifier, load_classifier, load_velocity
 from ...options import SamplerOptions
 from ...planning import plan_tree
-from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, get_proposal
+from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS, get_proposal
 from ...sampler import GRIDS, PREFETCH_POLICIES
 from ...trees import VERIFY_MODES, DraftTree
 from ...warmup import pad_rows_for, warm_up
@@ -153,7 +153,7 @@ def simulate(
     check_choice("grid", grid, GRIDS)
     check_choice("prefetch", prefetch, PREFETCH_POLICIES)
     check_choice("verify", verify, VERIFY_MODES)
-    check_choice("draft", draft, (*DRAFT_KINDS, *MODEL_DRAFTS))
+    check_choice("draft", draft, (*DRAFT_KINDS, *PICARD_DRAFTS, *MODEL_DRAFTS))
     if method == "antithetic" and K % 2:
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     churn = check_churn(churn)
@@ -191,7 +191,7 @@ def simulate(
     else:
         tree, budget = choose_tree(method, K, L, T, tree_mode, budget, plan)
     # a tree-less run has nothing to realize lazily; a draft that remembers its chain runs chains full
-    lazy = bool(lazy) and tree is not None and not remembers_chain(get_proposal(draft), tree)
+    lazy = bool(lazy) and tree is not None and not runs_full(get_proposal(draft), tree)
     # the limit bounds the whole process: what it holds now (the networks) counts as fixed
     limit, source, fixed = memory.resolve_limit(memory_gb, x_T.device, "memory_gb")
     cond_row = {"class_labels": labels[:1]}

@@ -8,7 +8,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...proposals import DRAFT_KINDS, MODEL_DRAFTS
+from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS
 from ...sampler import PREFETCH_POLICIES
 from ...trees import VERIFY_MODES
 from ..common import budget_of, check_choice, check_churn, check_int, check_number
@@ -78,7 +78,7 @@ class SD3Setting:
         check_number("shift", self.shift, 0.0, lo_open=True)
         check_choice("verify", self.verify, VERIFY_MODES)
         check_choice("prefetch", self.prefetch, PREFETCH_POLICIES)
-        check_choice("draft", self.draft, (*DRAFT_KINDS, *MODEL_DRAFTS))
+        check_choice("draft", self.draft, (*DRAFT_KINDS, *PICARD_DRAFTS, *MODEL_DRAFTS))
 
     def as_dict(self) -> dict:
         """The fields as a JSON-serializable dict (``K_values`` a list)."""
