@@ -270,3 +270,24 @@ def test_a_prediction_is_a_pure_function_of_a_calibration_built_by_hand():
     assert Config(trees.chain(4), "rmc") == chain and len({chain, Config(trees.chain(4), "rmc"), standard}) == 2
     with pytest.raises(TypeError, match="timings must map each Config"):
         Calibration(steps=20, churn=0.3, batch=2, curve=cal.curve, timings={"standard": cal.timings[standard]})
+
+
+@pytest.mark.parametrize("sweeps", [1, 2])
+def test_picard_sweeps_add_their_calls_to_every_chain_round_and_none_to_a_tree(sweeps):
+    """Closed form for one trajectory: a chain round with ``J`` sweeps makes ``1 + J`` calls, so the
+    speculative calls scale by ``1 + J`` (the first step, the fetch and the last step stay one
+    each), and each sweep costs its rows on the curve; a branching tree makes no sweep."""
+    curve = CostCurve((1, 1024), (1.0, 1024.0))  # time = rows
+    acc = lambda level, k: 0.7  # noqa: E731
+    base = predict_seconds(curve, 30, 1, trees.chain(4), "internal", acc, 0.0)
+    swept = predict_seconds(curve, 30, 1, trees.chain(4), "internal", acc, 0.0, sweeps=sweeps)
+    assert swept[1] - 3 == pytest.approx((1 + sweeps) * (base[1] - 3))
+    assert swept[0] > base[0] + sweeps * (base[1] - 3)  # each sweep at least one row a round
+    tree = trees.uniform(2, 2)
+    assert predict_seconds(curve, 30, 1, tree, "internal", acc, 0.0, sweeps=sweeps) == predict_seconds(
+        curve, 30, 1, tree, "internal", acc, 0.0
+    )
+    # a batch's simulation counts them the same way
+    many = predict_seconds(curve, 30, 8, trees.chain(4), "internal", acc, 0.0)
+    many_swept = predict_seconds(curve, 30, 8, trees.chain(4), "internal", acc, 0.0, sweeps=sweeps)
+    assert many_swept[1] - 3 == pytest.approx((1 + sweeps) * (many[1] - 3))

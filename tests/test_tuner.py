@@ -416,3 +416,24 @@ def test_the_tune_command_considers_every_registered_draft_and_refuses_an_unknow
     assert parse_drafts(" x0, memory ") == ["x0", "memory"]
     res = CliRunner().invoke(main, ["tune", "--model", "gmm", "--drafts", "x0,nope", "--out", "t.json"])
     assert res.exit_code == 2 and "--drafts" in res.output and "nope" in res.output
+
+
+def test_a_picard_chain_is_predicted_with_its_sweeps_calls(gmm):
+    """The predictor counts a Picard chain's sweeps: its predicted calls for one trajectory are
+    those of a real run (mean over 24 runs, within 4 standard errors plus one call), not the
+    rounds alone, which a predictor blind to the sweeps would give."""
+    from specforest.latency import Calibrator
+
+    x = torch.randn(24, gmm.dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    opts = dict(steps=30, churn=0.1)
+    pred = Calibrator.calibrate(gmm, x, batch=1, drafts=("picard2",), budget_max=14, **opts)
+    calls = pred.predict(trees.chain(14), "rmc", "internal", "picard2").calls
+    runs = [
+        specforest.sample(gmm, x[i : i + 1], tree=trees.chain(14), coupling="rmc", draft="picard2", seed=10 + i, **opts)
+        for i in range(24)
+    ]
+    nfe = torch.tensor([float(r.stats.calls) for r in runs], dtype=torch.float64)
+    rounds = torch.tensor([float(r.stats.rounds.sum()) for r in runs], dtype=torch.float64)
+    sem = float(nfe.std() / 24**0.5)
+    assert abs(calls - float(nfe.mean())) < 4 * sem + 1.0
+    assert float(nfe.mean()) > float(rounds.mean()) + 5  # the sweeps are many calls: the check has power

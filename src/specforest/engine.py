@@ -491,7 +491,9 @@ def speculative_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
     if sched is None:
         return None
     t1 = clock()
+    swept = ctx.target.seconds  # Picard sweeps call the target while drafting
     drafts: list[Draft] = [draft(ctx, state, g) for g in sched.groups]
+    swept = ctx.target.seconds - swept
     t2 = clock()
     inside = ctx.target.seconds
     ev = evaluate(ctx, state, sched, drafts)
@@ -508,5 +510,5 @@ def speculative_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
     t5 = clock()
     # the lazy walk's own target calls are inside ``walk``; on CUDA ``inside`` is 0 here
     sec = state.seconds
-    spent = (t1 - t0, t2 - t1, t3 - t2 - inside, t4 - t3, t5 - t4)
+    spent = (t1 - t0, t2 - t1 - swept, t3 - t2 - inside, t4 - t3, t5 - t4)
     return replace(out, seconds=tuple(a + b for a, b in zip(sec, spent, strict=True)))

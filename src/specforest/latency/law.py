@@ -80,6 +80,7 @@ def predict_seconds(
     network_factor: "float | Callable[[float], float]" = 1.0,
     setup_seconds: float = 0.0,
     prefetch: str = "nearest",
+    sweeps: int = 0,
 ) -> "tuple[float, float]":
     """``(seconds of the run, calls)`` predicted for ``batch`` trajectories of ``steps`` steps.
 
@@ -99,6 +100,10 @@ def predict_seconds(
             multiplied by it.
         setup_seconds: the sampler's own time per run outside its rounds (set-up, wrap-up).
         prefetch: the sampler's prefetch policy (:data:`~specforest.engine.PREFETCH_POLICIES`).
+        sweeps: Picard sweeps of the draft (:attr:`~specforest.proposals.Proposal.picard_sweeps`):
+            a round whose tree (truncated to the steps left) is a chain makes that many more
+            sequential calls before its verification, each of the chain's parents (its depth
+            rows a trajectory), costed on the curve and counted as calls.
 
     The run is simulated: ``batch`` trajectories step through the grid in
     lockstep calls (the first step, the first root's fetch, speculative rounds
@@ -178,6 +183,11 @@ def predict_seconds(
             rows_of[h] = tree.truncate(min(h, tree.L)).verification_budget(verify)
         return rows_of[h]
 
+    def swept(h: int) -> int:
+        # rows a trajectory adds to each Picard sweep of a round with h steps left (0: no sweep)
+        depth = min(h, tree.L)
+        return depth if sweeps and tree.truncate(depth).max_children == 1 else 0
+
     # the first deterministic step, the first root's fetch and the last step: one call each
     ends = 3 * (curve(batch) + s_round(batch))
     if batch == 1:
@@ -189,6 +199,8 @@ def predict_seconds(
             for kind in range(len(PREFETCH_KINDS)):
                 probs, _, outcomes = law(h, stoch - h, kind)
                 seconds, calls = curve(rows_at(h)) + s_round(rows_at(h)), 1.0
+                if swept(h):
+                    seconds, calls = seconds + sweeps * curve(swept(h)), calls + sweeps
                 for p, (j, nxt) in zip(probs, outcomes, strict=True):
                     later = value[h - max(j, 1)][nxt]
                     seconds += p * later[0]
@@ -197,15 +209,27 @@ def predict_seconds(
             value.append(row)
         seconds, calls = value[stoch][_FROM_OWN]
         return setup_seconds + ends + seconds, 3.0 + calls
-    seconds, calls = _simulated(batch, stoch, law, rows_at, lambda rows: curve(rows) + s_round(rows))
+    seconds, calls = _simulated(
+        batch, stoch, law, rows_at, lambda rows: curve(rows) + s_round(rows), swept=swept, sweeps=sweeps, curve=curve
+    )
     return setup_seconds + ends + seconds, 3.0 + calls
 
 
 def _simulated(
-    batch: int, stoch: int, law: Callable, rows_at: Callable, round_seconds: Callable, runs: int = 8, seed: int = 0
+    batch: int,
+    stoch: int,
+    law: Callable,
+    rows_at: Callable,
+    round_seconds: Callable,
+    runs: int = 8,
+    seed: int = 0,
+    swept: Optional[Callable] = None,
+    sweeps: int = 0,
+    curve: Optional[Callable] = None,
 ) -> "tuple[float, float]":
     """Mean ``(seconds, calls)`` of the speculative rounds of ``runs`` simulated runs of ``batch``
-    trajectories in lockstep (a fixed seed: the prediction is deterministic)."""
+    trajectories in lockstep (a fixed seed: the prediction is deterministic); with ``sweeps``, a
+    round whose trajectories add ``swept(h)`` rows makes that many more calls of those rows."""
     rng = random.Random(seed)
     calls_sum, seconds_sum = 0.0, 0.0
     for _ in range(runs):
@@ -214,7 +238,7 @@ def _simulated(
         kinds = [_FROM_OWN] * batch
         seconds, calls = 0.0, 0
         while any(h > 0 for h in left):
-            rows = 0
+            rows = sweep_rows = 0
             for i, h in enumerate(left):
                 if h <= 0:
                     continue
@@ -222,9 +246,13 @@ def _simulated(
                 u = rng.random()
                 j, kinds[i] = outcomes[min(bisect.bisect_left(cum, u), len(cum) - 1)]
                 rows += rows_at(h)
+                sweep_rows += swept(h) if swept is not None else 0
                 left[i] = h - max(j, 1)
             seconds += round_seconds(rows)
             calls += 1
+            if sweep_rows:
+                seconds += sweeps * curve(sweep_rows)
+                calls += sweeps
         calls_sum += calls
         seconds_sum += seconds
     return seconds_sum / runs, calls_sum / runs

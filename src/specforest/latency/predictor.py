@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NamedTuple, Optional
 
+from ..proposals import get_proposal
 from .calibration import Calibration, Config, Timing
 from .law import predict_seconds
 
@@ -190,5 +191,6 @@ class Predictor:
             self.factor_by_rows(),
             setup,
             cal.prefetch,
+            sweeps=get_proposal(self._draft(config.draft)).picard_sweeps if tree is not None else 0,
         )
         return seconds / cal.batch, calls
