@@ -16,6 +16,42 @@ from .common import CONTEXT, library_errors, progress_option
 __all__ = ["train"]
 
 
+def _weights_dir_option(help: str):
+    return click.option(
+        "--weights-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        show_default="the package's models/weights",
+        help=help,
+    )
+
+
+def _max_minutes_seed_options(minutes: float, help: str):
+    """``--max-minutes`` (default ``minutes``) and ``--seed``, in that order."""
+
+    def wrap(f):
+        f = click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Training seed (>= 0).")(
+            f
+        )
+        return click.option(
+            "--max-minutes", type=click.FloatRange(0.0, min_open=True), default=minutes, show_default=True, help=help
+        )(f)
+
+    return wrap
+
+
+def _threads_progress_options(f):
+    """``--threads`` and ``--progress/--no-progress``, in that order."""
+    f = progress_option("Progress bars on stderr.")(f)
+    return click.option(
+        "--threads",
+        type=click.IntRange(1),
+        default=1,
+        show_default=True,
+        help="torch CPU threads (1 is fastest on a shared 2-core machine).",
+    )(f)
+
+
 @click.group(context_settings=CONTEXT)
 def train() -> None:
     """Train the models the experiments ship with."""
@@ -30,22 +66,9 @@ def train() -> None:
     show_default=True,
     help="Directory of loss.png and train_log.json.",
 )
-@click.option(
-    "--weights-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    show_default="the package's models/weights",
-    help="Where the safetensors files and manifest.json are written (atomically).",
-)
+@_weights_dir_option("Where the safetensors files and manifest.json are written (atomically).")
 @click.option("--steps", type=click.IntRange(1), default=3000, show_default=True, help="Denoiser optimizer steps.")
-@click.option(
-    "--max-minutes",
-    type=click.FloatRange(0.0, min_open=True),
-    default=18.0,
-    show_default=True,
-    help="Stop the denoiser's training early after this many minutes.",
-)
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Training seed (>= 0).")
+@_max_minutes_seed_options(18.0, "Stop the denoiser's training early after this many minutes.")
 @click.option(
     "--eval-samples",
     type=click.IntRange(0),
@@ -53,14 +76,7 @@ def train() -> None:
     show_default=True,
     help="Standard-sampler samples drawn after training to measure the classifier's accuracy.",
 )
-@click.option(
-    "--threads",
-    type=click.IntRange(1),
-    default=1,
-    show_default=True,
-    help="torch CPU threads (1 is fastest on a shared 2-core machine).",
-)
-@progress_option("Progress bars on stderr.")
+@_threads_progress_options
 def train_digits(
     out_dir: str,
     weights_dir: str | None,
@@ -91,31 +107,11 @@ def train_digits(
 
 
 @train.command("digits-draft", context_settings=CONTEXT)
-@click.option(
-    "--weights-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    show_default="the package's models/weights",
-    help="Where digits_draft_unet.safetensors goes and whose manifest.json gets its entry (atomically).",
-)
+@_weights_dir_option("Where digits_draft_unet.safetensors goes and whose manifest.json gets its entry (atomically).")
 @click.option("--steps", type=click.IntRange(1), default=2500, show_default=True, help="Optimizer steps.")
 @click.option("--batch", type=click.IntRange(1), default=256, show_default=True, help="States per step.")
-@click.option(
-    "--max-minutes",
-    type=click.FloatRange(0.0, min_open=True),
-    default=15.0,
-    show_default=True,
-    help="Stop early after this many minutes.",
-)
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Training seed (>= 0).")
-@click.option(
-    "--threads",
-    type=click.IntRange(1),
-    default=1,
-    show_default=True,
-    help="torch CPU threads (1 is fastest on a shared 2-core machine).",
-)
-@progress_option("Progress bars on stderr.")
+@_max_minutes_seed_options(15.0, "Stop early after this many minutes.")
+@_threads_progress_options
 def train_digits_draft(
     weights_dir: str | None, steps: int, batch: int, max_minutes: float, seed: int, threads: int, progress: bool
 ) -> None:

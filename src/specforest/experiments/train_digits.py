@@ -49,7 +49,7 @@ from ..models.edm import EDMDenoiserVelocity
 from ..models.unet import EDMPrecond, UNet, UNetConfig
 from .io import atomic_write, atomic_write_text
 
-__all__ = ["TrainConfig", "main_train", "train_classifier", "train_denoiser"]
+__all__ = ["TrainConfig", "lr_at", "main_train", "optimizer_step", "train_classifier", "train_denoiser"]
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,38 @@ class TrainConfig:
     eval_samples: int = 500
 
 
-def _lr_at(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+def lr_at(step: int, lr: float, warmup: int, steps: int) -> float:
+    """The learning rate at ``step``: linear warm-up over ``warmup`` steps to ``lr``, then a cosine
+    decay to 5 % of it at ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    ema: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    step: int,
+    lr: float,
+    ema_decay: float,
+) -> float:
+    """One step of both trainings: ``opt`` at learning rate ``lr`` on ``loss`` (gradients clipped to
+    norm 1), then ``ema``'s weights moved toward ``model``'s (decay ``min(ema_decay, (1 + step) /
+    (10 + step))``). Returns the loss as a float."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    with torch.no_grad():
+        decay = min(ema_decay, (1 + step) / (10 + step))
+        for pe, pm in zip(ema.parameters(), model.parameters(), strict=True):
+            pe.lerp_(pm, 1.0 - decay)
+    return loss.item()
 
 
 def _sample_sigma(n: int, cfg: TrainConfig, g: torch.Generator) -> torch.Tensor:
@@ -150,17 +177,8 @@ def train_denoiser(
         d = model(x0 + s[:, None, None, None] * n, s, c)
         w = (s * s + sd2) / (s * s * sd2)
         loss = (w[:, None, None, None] * (d - x0).square()).mean()
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            decay = min(cfg.ema_decay, (1 + step) / (10 + step))
-            for pe, pm in zip(ema.parameters(), model.parameters(), strict=True):
-                pe.lerp_(pm, 1.0 - decay)
-        losses.append(loss.item())
+        lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
+        losses.append(optimizer_step(model, ema, opt, loss, step, lr, cfg.ema_decay))
         if bar is not None:
             bar.update(1)
             if step % 50 == 0:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -52,6 +51,7 @@ from ..models.edm import EDMDenoiserVelocity
 from ..models.unet import EDMPrecond, UNet, UNetConfig
 from ..options import make_sde
 from .io import atomic_write, atomic_write_text
+from .train_digits import lr_at, optimizer_step
 
 __all__ = ["DraftTrainConfig", "main_train_draft", "train_draft"]
 
@@ -81,13 +81,6 @@ class DraftTrainConfig:
     churn: float = 0.3
     seed: int = 0
     max_minutes: float = 15.0
-
-
-def _lr_at(step: int, cfg: DraftTrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 def grid_weights(cfg: DraftTrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,17 +145,8 @@ def train_draft(
             v_target = teacher(y, t, class_labels=c)
         v = student(y, t, class_labels=c)
         loss = (w * (v - v_target).square().flatten(1).mean(1)).mean()
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            decay = min(cfg.ema_decay, (1 + step) / (10 + step))
-            for pe, pm in zip(ema.parameters(), model.parameters(), strict=True):
-                pe.lerp_(pm, 1.0 - decay)
-        losses.append(loss.item())
+        lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
+        losses.append(optimizer_step(model, ema, opt, loss, step, lr, cfg.ema_decay))
         if bar is not None:
             bar.update(1)
             if step % 50 == 0:
