@@ -57,7 +57,14 @@ def remembers_chain(proposal, tree) -> bool:
     next (:attr:`~specforest.proposals.Proposal.uses_memory`): it must then evaluate every node
     of a chain round, so it runs full. A tree whose first level branches never drafts a chain
     (:func:`chain_draft`), and the standard sampler drafts nothing."""
-    if not getattr(proposal, "uses_memory", False) or tree is None:
+    return getattr(proposal, "uses_memory", False) and _drafts_chains(tree)
+
+
+def _drafts_chains(tree) -> bool:
+    """Whether a run of ``tree`` (a :class:`~specforest.trees.DraftTree`, a policy or ``None``) can
+    draft chain rounds: not the standard sampler, and no branching at the first level (a policy
+    may plan chains)."""
+    if tree is None:
         return False
     return not hasattr(tree, "size_at_depth") or tree.size_at_depth(1) == 2
 
@@ -66,11 +73,7 @@ def runs_full(proposal, tree) -> bool:
     """Whether a run of ``proposal`` with ``tree`` must run full even when ``lazy`` is asked: it
     remembers its chain (:func:`remembers_chain`), or it refines its chain rounds with Picard
     sweeps (:attr:`~specforest.proposals.Proposal.picard_sweeps`), which evaluate every parent."""
-    if remembers_chain(proposal, tree):
-        return True
-    if not getattr(proposal, "picard_sweeps", 0) or tree is None:
-        return False
-    return not hasattr(tree, "size_at_depth") or tree.size_at_depth(1) == 2
+    return remembers_chain(proposal, tree) or (getattr(proposal, "picard_sweeps", 0) > 0 and _drafts_chains(tree))
 
 
 def _picard(ctx: RunContext, group: Group, Y: torch.Tensor, SZ: torch.Tensor, steps: torch.Tensor, sweeps: int):
@@ -83,7 +86,7 @@ def _picard(ctx: RunContext, group: Group, Y: torch.Tensor, SZ: torch.Tensor, st
     its noise. Node ``l``'s state depends on the noise of nodes ``1 .. l`` only, so the draft of
     node ``l + 1`` never reads its own draw and the coupling stays exact.
     """
-    G, Vr, D = Y.shape
+    G, _, D = Y.shape
     Lr = steps.shape[1]
     tab = ctx.tab
     sig = tab.sig[steps]  # (G, Lr)
@@ -96,10 +99,8 @@ def _picard(ctx: RunContext, group: Group, Y: torch.Tensor, SZ: torch.Tensor, st
         V = ctx.target(Y[:, :Lr].reshape(-1, D), flat_sig, traj).view(G, Lr, D).to(Y.dtype)
         C = torch.addcmul(-k * Y[:, :Lr], k * sig[..., None], V)  # -k x0, x0 = y - sig v at the last sweep
         W = torch.add(C, SZ[:, :Lr])
-        Ynew = torch.empty_like(Y)
+        Ynew = torch.empty_like(Y)  # a chain: nodes 0 .. Lr
         Ynew[:, 0] = Y[:, 0]
-        if Vr > Lr + 1:
-            Ynew[:, Lr + 1 :] = Y[:, Lr + 1 :]
         for level in range(Lr):
             torch.addcmul(W[:, level], A[:, level], Ynew[:, level], out=Ynew[:, level + 1])
         Y = Ynew

@@ -743,9 +743,9 @@ class LearnedDraft(DraftModel):
         xa = (pre.y - sig_p[:, None] * pre.v)[:, None].expand(G, n, D)
         sa = sig_p[:, None].expand(G, n)
         if pre.mem_y.shape[1]:
-            same, ym, xm = _same_step_memory(steps, pre)
-            ya = torch.where(same[..., None], ym, ya)
-            xa = torch.where(same[..., None], xm, xa)
+            same, j = _same_step(steps, pre)
+            ya = torch.where(same[..., None], pre.mem_y.gather(1, j), ya)
+            xa = torch.where(same[..., None], pre.mem_x0.gather(1, j), xa)
             sa = torch.where(same, sig, sa)
         # one call: the parents' rows, then their anchors' (trajectory-major within each half)
         kw = {k: v.repeat_interleave(n, dim=0).repeat(2, *(1,) * (v.ndim - 1)) for k, v in cond.items()}
@@ -919,26 +919,23 @@ def _memory_at(steps: torch.Tensor, pre: Prefetch) -> tuple[Optional[torch.Tenso
     return pre.mem_x0.gather(1, j[..., None].expand(-1, -1, pre.mem_x0.shape[2])), use
 
 
-def _same_step_memory(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _same_step(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor]:
     """Where parents of ``steps (G, n)`` have a remembered node at their own step (not older than
-    the prefetch): ``same (G, n)`` bool, that node's state ``y_j`` and prediction ``x0_j``,
-    ``(G, n, D)`` each (meaningless where ``same`` is False)."""
+    the prefetch), for the drafts that read the remembered states (:attr:`Proposal.uses_states`):
+    ``same (G, n)`` bool and the node's index ``(G, n, D)`` into ``Prefetch.mem_y`` / ``mem_x0``
+    for ``gather`` along dim 1 (meaningless where ``same`` is False)."""
     n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
     t = steps - s0
     same = (n > 0) & (t >= 0) & (t < n) & (steps >= pre.step[:, None])
-    j = t.clamp(0, pre.mem_y.shape[1] - 1)[..., None].expand(-1, -1, pre.mem_y.shape[2])
-    return same, pre.mem_y.gather(1, j), pre.mem_x0.gather(1, j)
+    return same, t.clamp(0, pre.mem_y.shape[1] - 1)[..., None].expand(-1, -1, pre.mem_y.shape[2])
 
 
 def _secant_at(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`SecantDraft`'s gain ``g (G, n)`` float64 and remembered state ``y_j (G, n, D)`` at
     parents of ``steps (G, n)``: ``g`` is 0 where the parent does not read a memory node at its
     own step or the trajectory has no pair at or before it."""
-    n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
-    t = steps - s0
-    same = (n > 0) & (t >= 0) & (t < n) & (steps >= pre.step[:, None])
-    j = t.clamp(0, pre.mem_y.shape[1] - 1)
-    ym = pre.mem_y.gather(1, j[..., None].expand(-1, -1, pre.mem_y.shape[2]))
+    same, j = _same_step(steps, pre)
+    ym = pre.mem_y.gather(1, j)
     num, den = pre.gain_num, pre.gain_den  # (G, S)
     S = num.shape[1]
     has = den > 0

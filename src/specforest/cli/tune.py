@@ -232,10 +232,14 @@ def tune(**o) -> None:
                 o[key] = MODEL_DEFAULTS[o["model"]][key]
     threads = set_threads(o["threads"])
     drafts = parse_drafts(o["drafts"])
-    if o["model"] in ("diffusers", "sd3") and o["drafts"].strip() == "all":
+    if o["drafts"].strip() == "all":
+        from ..models.digits import IMAGE_SHAPE
         from ..proposals import drafts_serving
 
-        drafts = drafts_serving(drafts, None)  # a draft network made for one model is not the pipeline's
+        # the drafts that serve the model's states; a pipeline's latents are not known here, and a
+        # draft network made for one model is not the pipeline's
+        shape = {"gmm": (o["dim"],), "digits": IMAGE_SHAPE}.get(o["model"])
+        drafts = drafts_serving(drafts, shape)
     keys = ("model", "steps", "churn", "batch", "device")
     if o["model"] == "diffusers":
         res, family_keys = _tune_diffusers(o, drafts)
@@ -270,11 +274,7 @@ def tune(**o) -> None:
 
 def _tune_small(o: dict, drafts: list, tune_fn):
     """The mixture or the digits model."""
-    from ..proposals import drafts_serving
-
     model, x, cond = library_errors(lambda: _target(o["model"], o, max(o["batch"], 16)))
-    if o["drafts"].strip() == "all":
-        drafts = drafts_serving(drafts, tuple(x.shape[1:]))
     return library_errors(
         lambda: tune_fn(
             model,
