@@ -161,3 +161,23 @@ def test_a_learned_draft_of_the_wrong_shape_is_refused_naming_it():
         ValueError, match=r"draft='learned' is a test network: it serves states of shape \(4,\), got \(3,\)"
     ):
         specforest.sample(lambda x, s: x, torch.zeros(2, 3), steps=5, churn=0.3, tree=trees.chain(2), draft=draft)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("steps", 0, "steps must be"),
+        ("batch", 0, "batch must be"),
+        ("warmup", 0, "warmup must be"),
+        ("grid_steps", 2, "grid_steps must be"),
+        ("lr", 0.0, "lr must be a finite number > 0"),
+        ("ema_decay", 1.5, r"ema_decay must be a finite number in \[0.0, 1.0\]"),
+        ("max_minutes", 0.0, "max_minutes must be a finite number > 0"),
+        ("churn", 0.0, "churn must be"),
+    ],
+)
+def test_the_draft_training_refuses_a_field_out_of_range_naming_it(field, value, match):
+    from specforest.experiments.train_digits_draft import DraftTrainConfig
+
+    with pytest.raises(ValueError, match=match):
+        DraftTrainConfig(**{field: value})

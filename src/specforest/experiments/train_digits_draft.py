@@ -50,6 +50,7 @@ from ..models.digits import (
 from ..models.edm import EDMDenoiserVelocity
 from ..models.unet import EDMPrecond, UNet, UNetConfig
 from ..options import make_sde
+from ..validation import check_churn, check_int, check_number
 from .io import atomic_write, atomic_write_text
 from .train_digits import lr_at, optimizer_step
 
@@ -70,6 +71,9 @@ class DraftTrainConfig:
         churn: the grid's churn (it sets each step's ``c_s / scale_s`` weight).
         seed: seed of initialization, batches and noise.
         max_minutes: wall-clock limit (stops early).
+
+    Raises:
+        ValueError / TypeError: on a field out of its range, naming it.
     """
 
     steps: int = 2500
@@ -81,6 +85,14 @@ class DraftTrainConfig:
     churn: float = 0.3
     seed: int = 0
     max_minutes: float = 15.0
+
+    def __post_init__(self) -> None:
+        for name, lo in (("steps", 1), ("batch", 1), ("warmup", 1), ("grid_steps", 3), ("seed", 0)):
+            check_int(name, getattr(self, name), lo)
+        check_number("lr", self.lr, 0.0, lo_open=True)
+        check_number("ema_decay", self.ema_decay, 0.0, 1.0)
+        check_number("max_minutes", self.max_minutes, 0.0, lo_open=True)
+        check_churn(self.churn)
 
 
 def grid_weights(cfg: DraftTrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
