@@ -515,12 +515,13 @@ def test_a_complete_job_has_nothing_to_do_and_loads_no_model(faulty_cli, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["memory", "secant"])
+@pytest.mark.parametrize("draft", ["memory", "secant", "cached"])
 @pytest.mark.parametrize("parallel", ["data", "tree"])
 def test_the_memory_draft_gives_the_same_samples_on_two_processes(tmp_path, parallel, draft):
-    """The memory and secant drafts keep each trajectory's last chain (and secant its gains) in its
-    own prefetch row: refilled slots, shards (data-parallel) and shared calls (tree-parallel) give
-    every sample as one process does."""
+    """The memory, secant and cached drafts keep each trajectory's last chain (secant its gains,
+    cached the target's features of its nodes, gathered with the velocities) in its own prefetch
+    row: refilled slots, shards (data-parallel) and shared calls (tree-parallel) give every sample
+    as one process does."""
     args = ["generate", "gmm", *GMM, "--method", "rmc", "--L", "5", "--draft", draft, "--count", "9", "--batch", "4"]
     one, two = tmp_path / "one.npz", tmp_path / "two.npz"
     res = CliRunner().invoke(main, [*args, "--out", str(one)])

@@ -47,6 +47,9 @@ CONFIGS = {
     "learned_tree_drafted": dict(
         tree=trees.uniform(2, 2), verify="drafted", draft=LearnedDraft(lambda x, s: 0.9 * GMM(x, s))
     ),
+    # the mixture's responsibilities kept by the verification call, per node
+    "cached_chain": dict(tree=trees.chain(6), coupling="rmc", draft="cached"),
+    "cached_chain_drafted": dict(tree=trees.chain(4), draft="cached", verify="drafted", prefetch="parent"),
 }
 
 

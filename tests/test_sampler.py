@@ -20,6 +20,7 @@ from specforest.sde import flow_match_grid, uniform_grid
 MU0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
 S0 = 0.3
 GAUSS = GaussianMixture(MU0[None], torch.tensor([S0]))
+X0 = testing.X0Features(GAUSS)
 Z_TOL = 4.5
 
 
@@ -99,6 +100,20 @@ CONFIGS = {
     "learned_antithetic_tree": dict(
         tree=trees.uniform(2, 2), coupling="antithetic", draft=LearnedDraft(lambda x, s: 0.8 * GAUSS(x, s))
     ),
+    # the target's deep features of the last round's nodes, its outer part recomputed: the Gaussian's
+    # own (responsibility 1: exact where it reads a node) and the clean-data prediction (the
+    # memory draft's, not exact)
+    "cached_rmc_chain": dict(tree=trees.chain(5), coupling="rmc", draft="cached"),
+    "cached_prediction_rmc_chain": dict(tree=trees.chain(5), coupling="rmc", draft="cached", model=X0),
+    "cached_prediction_grs_chain_drafted_parent": dict(
+        tree=trees.chain(4), verify="drafted", prefetch="parent", draft="cached", model=X0
+    ),
+    "cached_prediction_rank_chain_lazy": dict(
+        tree=trees.chain(6), coupling="rank", lazy=True, draft="cached", model=X0
+    ),
+    "cached_prediction_antithetic_tree": dict(
+        tree=trees.uniform(2, 2), coupling="antithetic", draft="cached", model=X0
+    ),
 }
 
 
@@ -108,14 +123,15 @@ def test_whole_chain_matches_linear_gaussian_law(name, grid):
     steps = 12
     sigmas = uniform_grid(steps) if grid == "uniform" else flow_match_grid(steps)
     x = torch.randn(N, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    cfg = dict(CONFIGS[name])
     out = specforest.sample(
-        GAUSS,
+        cfg.pop("model", GAUSS),
         x,
         steps=steps,
         churn=CHURN,
         grid=grid,
         generator=torch.Generator().manual_seed(2),
-        **CONFIGS[name],
+        **cfg,
     )
     assert not check_law(out.samples, sigmas, CHURN)
     if CONFIGS[name]["tree"] is not None:

@@ -140,12 +140,15 @@ def make_context(
     work: torch.dtype,
     device: torch.device,
     batch: int,
+    features: int = 0,
 ) -> RunContext:
     """The context of a run of ``batch`` trajectories, with its per-run tables and its round function.
 
     ``tree`` and ``policy`` both ``None`` make the standard sampler's lockstep run
     (:func:`~specforest.lockstep.lockstep_round`); otherwise rounds are
     :func:`speculative_round`. ``depth`` is the deepest round (``0`` for the standard sampler).
+    ``features``: deep-feature numbers a row's evaluation keeps for the proposal (its
+    :meth:`~specforest.proposals.Proposal.bind`), used only where it remembers chains.
     """
     # a proposal that remembers the previous round's chain needs all its nodes evaluated
     lazy = lazy and not runs_full(proposal, tree if policy is None else policy)
@@ -183,6 +186,7 @@ def make_context(
         stoch_at=stoch_at,
         lookaheads=lookaheads,
         lockstep_steps=lockstep.lockstep_steps(tab, batch) if standard else (),
+        features=features if remembers_chain(proposal, tree if policy is None else policy) else 0,
     )
     if tree is None:
         return ctx
@@ -238,11 +242,12 @@ def init_state(ctx: RunContext, x: torch.Tensor, keys: torch.Tensor) -> RunState
     batch, D = x.shape
     W = remembered_states(ctx)
     states = ctx.proposal.uses_states and W > 0
+    feats = ctx.features if W > 0 else 0
     return RunState(
         x=x,
         step=torch.zeros(batch, dtype=torch.long, device=ctx.device),
         keys=step_keys(keys, ctx.T),
-        pre=Prefetch.empty(batch, D, ctx.work, ctx.device, memory=W, states=states, steps=ctx.T),
+        pre=Prefetch.empty(batch, D, ctx.work, ctx.device, memory=W, states=states, steps=ctx.T, features=feats),
         counters=Counters.zeros(batch, ctx.depth, ctx.device),
         draft_state=ctx.proposal.init_state(ctx.device),
         draft_bad=torch.full((), -1, dtype=torch.long, device=ctx.device),
@@ -371,20 +376,33 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
     if not xs:
         return Evaluations(single=state.x[:0], trees=[None] * len(drafts))
     cat = (lambda t: torch.cat(t)) if len(xs) > 1 else (lambda t: t[0])  # noqa: E731
-    v = ctx.target(cat(xs), cat(sig), cat(traj), rows_key=key if len(xs) == 1 else None)
+    rows_key = key if len(xs) == 1 else None
+    keep = ctx.features > 0 and bool(drafts) and not ctx.lazy
+    if keep:
+        # the deep features of every row come back beside its velocity (the cached self-draft)
+        v, f = ctx.target(cat(xs), cat(sig), cat(traj), rows_key=rows_key, features=True)
+    else:
+        v = ctx.target(cat(xs), cat(sig), cat(traj), rows_key=rows_key)
     n1 = ids1.numel()
     if ctx.lazy:
         return Evaluations(single=v[:n1], trees=[None] * len(drafts))
-    out, start = [], n1
+    out, feats, start = [], [], n1
     for d, n in zip(drafts, sizes, strict=True):
-        if d.emask is None:
-            # (G, n_first, D): the walk reads only evaluated nodes, all among the first
-            V = v[start : start + n].view(d.Y.shape[0], d.n_first, -1)
-        else:
-            V = torch.zeros_like(d.Y).index_put(tuple(d.emask), v[start : start + n])
+        out.append(_per_node(d, v[start : start + n]))
+        if keep:
+            feats.append(_per_node(d, f[start : start + n]))
         start += n
-        out.append(V)
-    return Evaluations(single=v[:n1], trees=out)
+    return Evaluations(single=v[:n1], trees=out, feats=feats if keep else None)
+
+
+def _per_node(d: Draft, rows: torch.Tensor) -> torch.Tensor:
+    """Draft ``d``'s evaluated rows ``(n, C)`` per tree node: ``(G, n_first, C)``, a view, when every
+    tree evaluates its first nodes (the walk reads only evaluated nodes, all among them), else
+    ``(G, V_r, C)`` with zeros at the nodes not evaluated."""
+    G = d.Y.shape[0]
+    if d.emask is None:
+        return rows.view(G, d.n_first, -1)
+    return rows.new_zeros(G, d.Y.shape[1], rows.shape[1]).index_put(tuple(d.emask), rows)
 
 
 # -- phase 5: commit -------------------------------------------------------------------------
@@ -415,7 +433,8 @@ def commit(
     hist = ctx.proposal.uses_history
     draft_bad = state.draft_bad
     outcomes = []
-    for w, d, V in zip(walks, drafts, ev.trees, strict=True):
+    feats = ev.feats if ev.feats is not None else [None] * len(drafts)
+    for w, d, V, Fd in zip(walks, drafts, ev.trees, feats, strict=True):
         ids = d.ids
         if d.everyone:
             x, committed = w.x, w.committed
@@ -425,7 +444,7 @@ def commit(
             committed = committed.index_put((ids,), w.committed)
             pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True, history=hist)
         if ctx.proposal.uses_memory and is_chain(d.tt, d.Lr):
-            pre = _remember(ctx, pre, d, V)
+            pre = _remember(ctx, pre, d, V, Fd)
         Lw = w.act.shape[1]
         cols = ctx.depth_cols[:Lw]
         draft_bad = _first_bad_draft(ctx, w, d, cols, draft_bad)
@@ -471,15 +490,17 @@ def _first_bad_draft(ctx: RunContext, w: WalkResult, d: Draft, cols: torch.Tenso
     return torch.where((bad < 0) & (at < ctx.T), at, bad)
 
 
-def _remember(ctx: RunContext, pre: Prefetch, d: Draft, V: torch.Tensor) -> Prefetch:
+def _remember(ctx: RunContext, pre: Prefetch, d: Draft, V: torch.Tensor, feats: Optional[torch.Tensor]) -> Prefetch:
     """``pre`` with the round's evaluated chain of draft ``d`` as its trajectories' memory: the
     clean-data predictions ``y - sigma v`` of parents ``0 .. Ls - 1`` (full mode: ``V`` holds them),
-    and their states where the proposal :attr:`~specforest.proposals.Proposal.uses_states`."""
+    their states where the proposal :attr:`~specforest.proposals.Proposal.uses_states`, and their
+    deep features ``feats (G, V_r, F)`` where the run keeps them."""
     Lr = d.Lr
     steps = d.steps.level[d.s0, :Lr]  # (G, Lr)
     x0 = d.Y[:, :Lr] - ctx.tab.sig[steps][..., None] * V[:, :Lr].to(d.Y.dtype)
     y = d.Y[:, :Lr] if ctx.proposal.uses_states else None
-    return pre.with_memory(None if d.everyone else d.ids, x0, d.s0, d.Ls, y=y)
+    f = None if feats is None else feats[:, :Lr]
+    return pre.with_memory(None if d.everyone else d.ids, x0, d.s0, d.Ls, y=y, f=f)
 
 
 def speculative_round(ctx: RunContext, state: RunState) -> Optional[RunState]:

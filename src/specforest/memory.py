@@ -408,7 +408,9 @@ def estimate(
         draft: the run's draft (a name or a proposal; default: one that keeps nothing between
             rounds). One that remembers the last chain round
             (:func:`~specforest.drafting.remembers_chain`) runs full and keeps one state per
-            chain node and trajectory (two where it :attr:`~specforest.proposals.Proposal.uses_states`).
+            chain node and trajectory (two where it :attr:`~specforest.proposals.Proposal.uses_states`),
+            and the deep features of those nodes and of every evaluated row where it
+            :attr:`~specforest.proposals.Proposal.uses_features` (``model.feature_numel`` of them).
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -452,6 +454,11 @@ def estimate(
     if world > 1:
         states += _SPLIT_ROW_STATES * rows
     per = D * w * states + _KEY_BYTES * size + int(cond_bytes) + gains
+    if remembered and prop.uses_features and callable(getattr(model, "feature_numel", None)):
+        # the cached self-draft: every evaluated row's deep features come back beside its velocity
+        # (the call's output and the round's per-node copy), and each remembered node keeps its own
+        F = int(model.feature_numel(tuple(x_row.shape[1:]) if x_row is not None else (D,)))
+        per += (_depth(tree, steps) + 2 * rows) * F * w
     tables = _TABLE_BYTES * size if tree is not None else 0
     fixed_bytes = int(fixed_bytes) + tables
     room = _dynamic_room(int(limit_bytes) - fixed_bytes, device)

@@ -30,6 +30,7 @@ __all__ = [
     "DRAFT_KINDS",
     "FROZEN_KINDS",
     "AutoDraft",
+    "CachedDraft",
     "DraftModel",
     "LearnedDraft",
     "MODEL_DRAFTS",
@@ -53,9 +54,11 @@ drafts each step from the previous round's evaluation at that step (:class:`Memo
 ``secant`` moves that evaluation to the drafted state by a fitted gain (:class:`SecantDraft`)."""
 
 FROZEN_KINDS = DRAFT_KINDS[:5]
-MODEL_DRAFTS = ("learned",)
-"""Registered drafts that call a draft network of their own (counted in ``draft_calls``) and serve
-one model only: ``learned``, the digits model's distilled U-Net (:class:`LearnedDraft`)."""
+MODEL_DRAFTS = ("learned", "cached")
+"""Registered drafts that make network calls of their own while drafting (counted in
+``draft_calls``) and serve only the models that have what they need: ``learned``, the digits
+model's distilled U-Net (:class:`LearnedDraft`), and ``cached``, the target's own outer blocks
+with its deep features reused (:class:`CachedDraft`, for a model that keeps them)."""
 
 PICARD_DRAFTS = ("picard", "picard2")
 """Registered drafts that refine each chain round with Picard sweeps of the target (``J = 1, 2``;
@@ -92,6 +95,9 @@ class Prefetch:
             ``sum <x0' - x0, y' - y>`` and ``sum |y' - y|^2`` over pairs of evaluations that two
             successive rounds made at the same step (``S = 0`` unless the proposal
             :attr:`~Proposal.uses_states`); their ratio is :class:`SecantDraft`'s gain.
+        mem_f: ``(batch, W, F)`` the target's deep features at those nodes, kept by the round's
+            verification call (``W = F = 0`` unless the proposal :attr:`~Proposal.uses_features`;
+            :class:`CachedDraft`).
     """
 
     y: torch.Tensor
@@ -108,6 +114,7 @@ class Prefetch:
     mem_y: Optional[torch.Tensor] = None
     gain_num: Optional[torch.Tensor] = None
     gain_den: Optional[torch.Tensor] = None
+    mem_f: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         # no memory given: none kept (W = 0, S = 0)
@@ -121,6 +128,8 @@ class Prefetch:
         for name in ("gain_num", "gain_den"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.y.new_zeros(batch, 0, dtype=torch.float64))
+        if self.mem_f is None:
+            object.__setattr__(self, "mem_f", self.y.new_zeros(batch, 0, 0))
 
     @classmethod
     def empty(
@@ -132,18 +141,21 @@ class Prefetch:
         memory: int = 0,
         states: bool = False,
         steps: int = 0,
+        features: int = 0,
     ) -> "Prefetch":
         """No evaluation yet for any of ``batch`` trajectories (room for ``memory`` nodes of memory,
-        and with ``states`` for their states and the gains of a grid of ``steps`` steps)."""
+        with ``states`` for their states and the gains of a grid of ``steps`` steps, and for
+        ``features`` numbers of deep features a node)."""
         z = torch.zeros(batch, D, dtype=dtype, device=device)
         zi = torch.zeros(batch, dtype=torch.long, device=device)
         zb = torch.zeros(batch, dtype=torch.bool, device=device)
         zm = torch.zeros(batch, memory, D, dtype=dtype, device=device)
         zy = torch.zeros(batch, memory if states else 0, D, dtype=dtype, device=device)
         zg = torch.zeros(batch, steps if states else 0, dtype=torch.float64, device=device)
+        zf = torch.zeros(batch, memory if features else 0, features, dtype=dtype, device=device)
         return cls(
             **dict(y=z, v=z, step=zi, prev_y=z, prev_v=z, prev_step=zi, has_prev=zb, valid=zb),
-            **dict(mem_x0=zm, mem_s0=zi, mem_n=zi, mem_y=zy, gain_num=zg, gain_den=zg),
+            **dict(mem_x0=zm, mem_s0=zi, mem_n=zi, mem_y=zy, gain_num=zg, gain_den=zg, mem_f=zf),
         )
 
     def restart(self, rows: torch.Tensor) -> "Prefetch":
@@ -166,6 +178,7 @@ class Prefetch:
             mem_y=self.mem_y[idx],
             gain_num=self.gain_num[idx],
             gain_den=self.gain_den[idx],
+            mem_f=self.mem_f[idx],
         )
 
     def replaced(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, history: bool = True) -> "Prefetch":
@@ -220,6 +233,7 @@ class Prefetch:
         s0: torch.Tensor,
         n: torch.Tensor,
         y: Optional[torch.Tensor] = None,
+        f: Optional[torch.Tensor] = None,
     ) -> "Prefetch":
         """Rows ``idx`` (every row if ``None``) remember a round's chain: ``x0 (G, W', D)`` clean-data
         predictions of its nodes from step ``s0 (G,)`` on, the first ``n (G,)`` of them valid.
@@ -227,6 +241,7 @@ class Prefetch:
         Where the prefetch keeps states (``mem_y`` not empty), ``y (G, W', D)`` are the nodes'
         states: they are kept too, and every node at a step the remembered chain also evaluated
         adds its pair to the gain sums (``gain_num``, ``gain_den``) before the memory is replaced.
+        Where it keeps deep features (``mem_f`` not empty), ``f (G, W', F)`` are the nodes'.
         """
         W = self.mem_x0.shape[1]
         x0 = _fit_width(x0, W)
@@ -244,6 +259,10 @@ class Prefetch:
                 gain_num=self.gain_num[rows].scatter_add(1, at, num),
                 gain_den=self.gain_den[rows].scatter_add(1, at, den),
             )
+        if self.mem_f.shape[1]:
+            if f is None:
+                raise ValueError("this prefetch keeps the nodes' deep features: with_memory needs f")
+            new.update(mem_f=_fit_width(f.to(self.mem_f.dtype), W))
         if idx is None:
             return replace(self, **new)
         return replace(self, **{k: getattr(self, k).index_put((idx,), v) for k, v in new.items()})
@@ -317,6 +336,9 @@ class Proposal:
             ``gain_num``, ``gain_den``, :class:`SecantDraft`); the sampler keeps them only then.
         picard_sweeps: Picard sweeps over each drafted chain before its verification, each one
             batched target call counted in the NFE (:class:`PicardDraft`); such a run goes full.
+        uses_features: with :attr:`uses_memory`, the round's verification call also keeps the
+            target's deep features of every row (the model's ``with_features``), and the proposal
+            reads those of the remembered nodes (``Prefetch.mem_f``, :class:`CachedDraft`).
         name: short name recorded in results.
 
     A proposal's learnt state (if any) is an explicit value: :meth:`init_state`
@@ -333,20 +355,29 @@ class Proposal:
     aligned_noise: bool = False
     uses_states: bool = False
     picard_sweeps: int = 0
+    uses_features: bool = False
     name: str = "proposal"
 
     def init_state(self, device: torch.device) -> Any:
         """The state before any round (``None`` for stateless proposals)."""
         return None
 
-    def check(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Refuse, before sampling, a run whose per-sample state ``shape`` or working ``dtype``
-        the proposal cannot serve (a draft network made for another model), with an error naming
-        the draft and why; the default accepts every run.
+    def check(self, shape: tuple[int, ...], dtype: torch.dtype, model: Any = None) -> None:
+        """Refuse, before sampling, a run whose per-sample state ``shape``, working ``dtype`` or
+        target ``model`` (``None``: not known yet) the proposal cannot serve (a draft network made
+        for another model, a target without what the draft reads), with an error naming the draft
+        and why; the default accepts every run.
 
         Raises:
             ValueError: naming the draft, what it serves and what it was given.
         """
+
+    def bind(self, model: Any, shape: tuple[int, ...], model_kwargs: Optional[dict] = None) -> int:
+        """Called once per run, after :meth:`check`, with the run's target velocity, per-sample
+        state ``shape`` and the ``model_kwargs`` its calls get; returns the deep-feature numbers a
+        remembered node keeps (``0``, the default: none). :class:`CachedDraft` keeps the model to
+        call its cheap evaluation."""
+        return 0
 
     def coefficients(
         self, tab: StepTables, steps: torch.Tensor, pre: Prefetch, state: Any, terms: Any = None
@@ -725,7 +756,7 @@ class LearnedDraft(DraftModel):
 
         return cls(load, shape=IMAGE_SHAPE, label="the digits model's distilled U-Net", lazy_load=True)
 
-    def check(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def check(self, shape: tuple[int, ...], dtype: torch.dtype, model: Any = None) -> None:
         if self.serves is not None and tuple(shape) != self.serves:
             raise ValueError(
                 f"draft={self.name!r} is {self.label}: it serves states of shape {self.serves}, got {tuple(shape)}"
@@ -762,6 +793,89 @@ class LearnedDraft(DraftModel):
 
     def __repr__(self) -> str:
         return f"LearnedDraft({self.label})"
+
+
+class CachedDraft(Proposal):
+    """The cached self-draft (``draft="cached"``, DeepCache-style): the target network itself with
+    its deep features reused from an evaluation of the previous round, only its outer blocks
+    recomputed at the drafted state and level.
+
+    What it reads, all made before the round's verification call:
+
+    * ``Prefetch.mem_f``: the target's deep features at the previous speculative round's evaluated
+      chain nodes, kept by that round's verification call (the model's ``with_features``; the
+      engine asks for them only for this draft), and those nodes' steps (``mem_s0``, ``mem_n``);
+    * the prefetched evaluation ``(y*, v*, step*)``, as the ``x0`` kind does, where no node is
+      remembered.
+
+    Rule: a parent at step ``s`` reads node ``j`` as :class:`MemoryDraft` does (the remembered node
+    at its own step, else the chain's last one past it, never one older than the prefetch), and
+    its draft velocity is the model's cheap evaluation ``from_features(y, sigma_s, f_j)``: the
+    embedding, the outer encoder and decoder blocks at the parent, the deeper blocks node ``j``'s.
+    At node ``j``'s own state and level that is the target's velocity exactly; where no node is
+    remembered (the first round after a fetch, a tree whose first level branches) it is the
+    ``x0`` kind. Chains draw their noise by step (:attr:`aligned_noise`), so a redrafted parent
+    lies near the node whose features it reuses.
+
+    One batched call of the outer blocks a drafted level (``G n`` rows, counted in
+    ``draft_calls``, its time the draft phase's), never the target's NFE. The draft is exact for
+    any features: it only moves the acceptance. A model without the protocol
+    (``feature_numel``, ``with_features``, ``from_features``:
+    :class:`~specforest.models.edm.EDMDenoiserVelocity` around a denoiser with ``deep`` and
+    ``shallow``, as the digits model's) is refused before sampling (:meth:`check`).
+    """
+
+    uses_memory = True
+    aligned_noise = True
+    uses_features = True
+    name = "cached"
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.model_kwargs: dict = {}
+
+    @staticmethod
+    def _features_of(model: Any, shape: tuple[int, ...]) -> int:
+        have = all(callable(getattr(model, k, None)) for k in ("feature_numel", "with_features", "from_features"))
+        return int(model.feature_numel(tuple(shape))) if have else 0
+
+    def check(self, shape, dtype, model=None):
+        if model is not None and self._features_of(model, shape) <= 0:
+            raise ValueError(
+                f"draft={self.name!r} reuses the target's deep features: the model must keep them "
+                f"(feature_numel > 0, with_features, from_features; the digits model does), "
+                f"{type(model).__name__} does not"
+            )
+
+    def bind(self, model, shape, model_kwargs=None):
+        self.model, self.model_kwargs = model, dict(model_kwargs or {})
+        return self._features_of(model, shape)
+
+    def mean(self, tab, y, steps, pre, cond, shape, state):
+        if pre is None:
+            raise ValueError(f"draft={self.name!r} needs a prefetched evaluation")
+        G, n, D = y.shape
+        sig = tab.sig[steps]  # (G, n)
+        x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]  # (G, 1, D)
+        v = (y - x0) / sig[..., None]
+        F = pre.mem_f.shape[2] if pre.mem_f.shape[1] else 0
+        if F:
+            if self.model is None:
+                raise ValueError(f"draft={self.name!r} was not bound to the run's model")
+            j, use = _memory_node(steps, pre)
+            feat = pre.mem_f.gather(1, j[..., None].expand(-1, -1, F))
+            kw = {k: t.repeat_interleave(n, dim=0) for k, t in cond.items()}
+            with outside_inference():
+                vc = self.model.from_features(
+                    y.reshape(G * n, *shape), sig.reshape(-1), feat.reshape(G * n, F), **self.model_kwargs, **kw
+                )
+            if not isinstance(vc, torch.Tensor) or vc.numel() != y.numel():
+                raise ValueError(f"draft={self.name!r}: from_features must return a tensor of shape {(G * n, *shape)}")
+            v = torch.where(use[..., None], vc.reshape(G, n, D).to(y.dtype), v)
+        return tab.mean(y, v, steps)
+
+    def __repr__(self) -> str:
+        return "CachedDraft()"
 
 
 class AutoDraft(Proposal):
@@ -912,11 +1026,18 @@ def _memory_at(steps: torch.Tensor, pre: Prefetch) -> tuple[Optional[torch.Tenso
     ``(None, None)`` when the run keeps no memory."""
     if not pre.mem_x0.shape[1]:
         return None, None
+    j, use = _memory_node(steps, pre)
+    return pre.mem_x0.gather(1, j[..., None].expand(-1, -1, pre.mem_x0.shape[2])), use
+
+
+def _memory_node(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`MemoryDraft`'s node index ``j (G, n)`` long for parents of ``steps (G, n)``: the
+    remembered node at the parent's step, or the last one past the remembered chain; and ``use
+    (G, n)`` bool, False where there is none not older than the prefetch."""
     n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
     t = steps - s0
     j = torch.minimum(t, n - 1).clamp(min=0)
-    use = (n > 0) & (t >= 0) & (s0 + j >= pre.step[:, None])
-    return pre.mem_x0.gather(1, j[..., None].expand(-1, -1, pre.mem_x0.shape[2])), use
+    return j, (n > 0) & (t >= 0) & (s0 + j >= pre.step[:, None])
 
 
 def _same_step(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -976,6 +1097,7 @@ _DRAFTS: Registry[Proposal] = Registry(
         "memory": MemoryDraft,
         "secant": SecantDraft,
         "learned": LearnedDraft.digits,
+        "cached": CachedDraft,
         "picard": lambda: PicardDraft(1),
         "picard2": lambda: PicardDraft(2),
     },
@@ -997,19 +1119,25 @@ def available_drafts() -> tuple[str, ...]:
     return tuple(_DRAFTS.names())
 
 
-def drafts_serving(names: "list[str] | tuple[str, ...]", shape: Optional[tuple[int, ...]]) -> list[str]:
-    """The registered drafts of ``names`` that serve per-sample states of ``shape``
-    (:meth:`Proposal.check`); ``shape=None`` (a pipeline's latents, not known here) keeps the drafts
-    that serve any shape, dropping draft networks made for one model (:class:`LearnedDraft`)."""
+def drafts_serving(
+    names: "list[str] | tuple[str, ...]", shape: Optional[tuple[int, ...]], model: Any = None
+) -> list[str]:
+    """The registered drafts of ``names`` that serve per-sample states of ``shape`` and the target
+    ``model`` (:meth:`Proposal.check`); ``shape=None`` (a pipeline's latents, not known here) keeps
+    the drafts that serve any shape, dropping draft networks made for one model
+    (:class:`LearnedDraft`). A draft that reads the target's deep features (:class:`CachedDraft`)
+    is kept only with a ``model`` that keeps them."""
     out = []
     for name in names:
         prop = get_proposal(name)
+        if prop.uses_features and model is None:
+            continue
         if shape is None:
             if getattr(prop, "serves", None) is None:
                 out.append(name)
             continue
         try:
-            prop.check(tuple(shape), torch.float32)
+            prop.check(tuple(shape), torch.float32, model)
         except ValueError:
             continue
         out.append(name)

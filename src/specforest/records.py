@@ -138,6 +138,8 @@ class RunContext:
             times in a row, the trajectories of the target rows of a round where every trajectory
             evaluates the first ``n`` nodes (``None`` where no round does).
         lockstep_steps: the lockstep round's :class:`LockstepStep` per step (empty otherwise).
+        features: deep-feature numbers the target keeps per row for the proposal
+            (:meth:`~specforest.proposals.Proposal.bind`; ``0``: the verification call keeps none).
     """
 
     tab: StepTables
@@ -167,6 +169,7 @@ class RunContext:
     schedule_table: Optional[torch.Tensor] = None
     tree_rows: tuple = ()
     lockstep_steps: tuple = ()
+    features: int = 0
 
     def raise_bad_draft(self, step: int) -> None:
         """Stop the run: the draft's mean was NaN or inf at ``step``."""
@@ -528,10 +531,13 @@ class Draft:
 
 @dataclass(frozen=True, slots=True)
 class Evaluations:
-    """The round's target velocities: ``single (n1, D)`` and per draft ``(G, V_r, D)`` (``None`` lazy)."""
+    """The round's target velocities: ``single (n1, D)`` and per draft ``(G, V_r, D)`` (``None`` lazy);
+    ``feats``, per draft, the target's deep features of the same rows ``(G, V_r, F)`` where the
+    run keeps them (:attr:`RunContext.features`), else ``None``."""
 
     single: torch.Tensor
     trees: list
+    feats: Optional[list] = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,9 +128,11 @@ class RunSpec:
         """The engine's context for ``batch`` trajectories with conditioning ``cond``.
 
         Raises:
-            ValueError: if the draft cannot serve states of ``shape`` (:meth:`Proposal.check`).
+            ValueError: if the draft cannot serve states of ``shape`` or the model
+                (:meth:`Proposal.check`).
         """
-        self.proposal.check(tuple(shape), work)
+        self.proposal.check(tuple(shape), work, model)
+        features = self.proposal.bind(model, tuple(shape), self.model_kwargs)
         target = Target(
             model, shape, work, self.max_rows, cond, self.model_kwargs, device, group=group, pad_rows=self.pad_rows
         )
@@ -152,6 +154,7 @@ class RunSpec:
             work=work,
             device=device,
             batch=batch,
+            features=features,
         )
 
 

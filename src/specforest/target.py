@@ -112,15 +112,30 @@ class Target:
         self._rows = {}
 
     def __call__(
-        self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, rows_key: Hashable = None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        traj: torch.Tensor,
+        rows_key: Hashable = None,
+        features: bool = False,
+    ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
         """Velocities ``(M, D)`` at flattened states ``x (M, D)``, noise levels ``(M,)``, trajectories
-        ``(M,)``; ``rows_key`` names the pattern of ``traj`` as in :meth:`cond_rows`."""
-        if self.group is not None:
-            return self._split(x, sigma, traj)
-        return self._local(x, sigma, traj, rows_key=rows_key)
+        ``(M,)``; ``rows_key`` names the pattern of ``traj`` as in :meth:`cond_rows`.
 
-    def _split(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
+        With ``features``, the model's ``with_features`` is called instead (the protocol of
+        ``draft="cached"``, :class:`specforest.proposals.CachedDraft`), and ``(v (M, D), feat
+        (M, F))`` is returned: the features travel as extra columns of each row, so chunking,
+        padding and the gather of tree-parallel verification treat them as the velocities."""
+        if self.group is not None:
+            v = self._split(x, sigma, traj, features)
+        else:
+            v = self._local(x, sigma, traj, rows_key=rows_key, features=features)
+        if features:
+            D = x.shape[1]
+            return v[:, :D], v[:, D:]
+        return v
+
+    def _split(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, features: bool = False) -> torch.Tensor:
         """Tree-parallel: this process evaluates its share of the rows; the shares are gathered."""
         import torch.distributed as dist
 
@@ -129,16 +144,22 @@ class Target:
         share = -(-M // world)
         x, sigma, traj = _pad(x, sigma, traj, share * world)
         mine = slice(rank * share, (rank + 1) * share)
-        v = self._local(x[mine].contiguous(), sigma[mine], traj[mine], flag=False)
+        v = self._local(x[mine].contiguous(), sigma[mine], traj[mine], flag=False, features=features)
         parts = [torch.empty_like(v) for _ in range(world)]
         dist.all_gather(parts, v.contiguous(), group=self.group)
         v = torch.cat(parts)[:M]
         # the flag of the gathered rows only (not the padding): every process raises at once
-        self.bad = self.bad | _not_finite(v)
+        self.bad = self.bad | _not_finite(v[:, : x.shape[1]])
         return v
 
     def _local(
-        self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, flag: bool = True, rows_key: Hashable = None
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        traj: torch.Tensor,
+        flag: bool = True,
+        rows_key: Hashable = None,
+        features: bool = False,
     ) -> torch.Tensor:
         M, D = x.shape
         chunk = self.max_rows or M
@@ -161,7 +182,10 @@ class Target:
                 start.record()
             t0 = time.perf_counter()
             with outside_inference():
-                out = self.fn(xi, si, **self.kwargs, **rows)
+                if features:
+                    out, feat = self.fn.with_features(xi, si, **self.kwargs, **rows)
+                else:
+                    out = self.fn(xi, si, **self.kwargs, **rows)
             if cuda:
                 end.record()
                 self._events.append((start, end))
@@ -172,6 +196,8 @@ class Target:
                 raise ValueError(f"model must return a tensor of the input's shape {tuple(xi.shape)}, got {got}")
             # a copy: a CUDA-graph target's next replay overwrites its output buffers
             out = out.reshape(-1, D)
+            if features:
+                out = torch.cat([out.to(self.dtype), feat.reshape(out.shape[0], -1).to(self.dtype)], 1)
             if self.pad_rows is not None:
                 out = out[:m].to(self.dtype, copy=True)
             elif out.dtype != self.dtype:
@@ -181,7 +207,7 @@ class Target:
         self.calls += 1
         # checked at the round's one host read (``check_finite``): NaN or inf never passes silently
         if flag:
-            self.bad = self.bad | _not_finite(v)
+            self.bad = self.bad | _not_finite(v[:, :D] if features else v)
         return v
 
     def check_finite(self) -> None:

@@ -8,6 +8,8 @@
   squared norm ``d - 1`` and no correlation with the projection (z-scores), and
   the acceptance rate matches the rule's own :meth:`~specforest.couplings.Coupling.acceptance`
   (a binomial z-score).
+* :class:`X0Features` gives any velocity the cached self-draft's protocol
+  (``draft="cached"``) with a closed form: it then drafts as ``draft="memory"``.
 * :func:`check_chain_law` runs a whole sampler on a single-Gaussian data law,
   for which the Euler-Maruyama chain is linear-Gaussian and the law of its
   final state has a closed form (computed here step by step from the paper's
@@ -31,12 +33,43 @@ import torch
 from .couplings import Coupling, get_coupling
 from .validation import check_int, check_ints, check_number
 
-__all__ = ["ChainReport", "CouplingReport", "check_chain_law", "check_coupling", "chain_law"]
+__all__ = ["ChainReport", "CouplingReport", "X0Features", "check_chain_law", "check_coupling", "chain_law"]
 
 Z_TOL = 4.5
 """Largest |z-score| a check accepts."""
 P_TOL = 1e-4
 """Smallest KS p-value a check accepts."""
+
+
+class X0Features:
+    """A velocity ``fn(x, sigma, **cond)`` with the cached self-draft's protocol
+    (:class:`~specforest.proposals.CachedDraft`), whose "deep features" are its clean-data
+    prediction ``x - sigma v`` (the state's numbers a row) and whose cheap evaluation freezes that
+    prediction: ``from_features(x, sigma, f) = (x - f) / sigma``.
+
+    With it ``draft="cached"`` drafts exactly as ``draft="memory"`` does (to rounding), a closed
+    form for the protocol's plumbing (the features kept by the verification call, remembered per
+    node, read back at the right node); and a cached draft that reads one node too far peeks as
+    the memory draft's would, which the whole-chain law test catches.
+    """
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **cond) -> torch.Tensor:
+        return self.fn(x, sigma, **cond)
+
+    def feature_numel(self, shape: tuple) -> int:
+        return math.prod(shape)
+
+    def with_features(self, x: torch.Tensor, sigma: torch.Tensor, **cond) -> tuple[torch.Tensor, torch.Tensor]:
+        v = self.fn(x, sigma, **cond)
+        s = torch.as_tensor(sigma, dtype=x.dtype).reshape(-1, *(1,) * (x.ndim - 1))
+        return v, (x - s * v).reshape(x.shape[0], -1)
+
+    def from_features(self, x: torch.Tensor, sigma: torch.Tensor, f: torch.Tensor, **cond) -> torch.Tensor:
+        s = torch.as_tensor(sigma, dtype=x.dtype).reshape(-1, *(1,) * (x.ndim - 1))
+        return (x - f.reshape(x.shape).to(x.dtype)) / s
 
 
 def _ks_normal_p(x: torch.Tensor) -> float:

@@ -145,6 +145,48 @@ class EDMDenoiserVelocity:
         return _unwrap(self.denoiser(y, s, **cond))
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor | float, **cond: Any) -> torch.Tensor:
+        return self._velocity(x, sigma, lambda y, s: self._denoise(y, s, **cond))
+
+    def feature_numel(self, shape: tuple[int, ...]) -> int:
+        """Numbers per row of the deep features a call can keep for a later cheap call
+        (:meth:`with_features`, :meth:`from_features`: the protocol of ``draft="cached"``), for
+        states of per-sample ``shape``; ``0`` when the denoiser has no ``deep`` and ``shallow``
+        methods (:class:`~specforest.models.unet.EDMPrecond` has them). Made by one call on a zero
+        row without conditioning."""
+        if not (callable(getattr(self.denoiser, "deep", None)) and callable(getattr(self.denoiser, "shallow", None))):
+            return 0
+        param = next(iter(self.denoiser.parameters()), None) if hasattr(self.denoiser, "parameters") else None
+        x = torch.zeros(1, *shape, device=None if param is None else param.device)
+        with torch.no_grad():
+            return int(self.with_features(x, torch.full((1,), 0.5))[1].shape[1])
+
+    def with_features(
+        self, x: torch.Tensor, sigma: torch.Tensor | float, **cond: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(v, feat)``: the velocity of :meth:`__call__` (the same numbers) and the denoiser's deep
+        features ``(M, F)``, flattened per row, in the network's dtype."""
+        kept: list = []
+
+        def denoise(y: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            d, f = self.denoiser.deep(y, s, **cond)
+            kept.append(f)
+            return _unwrap(d)
+
+        v = self._velocity(x, sigma, denoise)
+        return v, kept[0].reshape(x.shape[0], -1)
+
+    def from_features(
+        self, x: torch.Tensor, sigma: torch.Tensor | float, feat: torch.Tensor, **cond: Any
+    ) -> torch.Tensor:
+        """The velocity at ``x (M, *shape)``, ``sigma`` with the deep features ``feat (M, F)`` of an
+        earlier :meth:`with_features` call in place of the denoiser's lower resolutions (its
+        ``shallow`` method): DeepCache's cheap evaluation, not the target's."""
+        return self._velocity(x, sigma, lambda y, s: _unwrap(self.denoiser.shallow(y, s, feat, **cond)))
+
+    def _velocity(
+        self, x: torch.Tensor, sigma: torch.Tensor | float, denoise: Callable[[torch.Tensor, torch.Tensor], Any]
+    ) -> torch.Tensor:
+        """The velocity of :meth:`__call__` with ``denoise(y, s)`` as the denoiser."""
         if not isinstance(x, torch.Tensor) or x.ndim < 1:
             raise TypeError("x must be a tensor of shape (M, *shape)")
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -168,7 +210,7 @@ class EDMDenoiserVelocity:
         # input scale: 1 / (1 - t) inside the range and below it, sigma_max / t above it
         scale = torch.where(high, self.sigma_max / t.clamp_min(tiny), 1.0 / one_m_t.clamp_min(tiny))
         y = xw * scale.reshape(bshape)
-        d = self._denoise(y, s_c, **cond).to(work)
+        d = denoise(y, s_c).to(work)
         if d.shape != x.shape:
             raise ValueError(f"the denoiser must return shape {tuple(x.shape)}, got {tuple(d.shape)}")
         # E[xi | x_t]: from the state's decomposition where t is not small, from the

@@ -110,6 +110,28 @@ class GaussianMixture:
         return self._cache[key]
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor | float) -> torch.Tensor:
+        return self._velocity(x, sigma)[0]
+
+    def feature_numel(self, shape: tuple[int, ...]) -> int:
+        """The deep features a call keeps per row for ``draft="cached"``
+        (:class:`~specforest.proposals.CachedDraft`): the ``C`` posterior responsibilities."""
+        return self.num_components
+
+    def with_features(self, x: torch.Tensor, sigma: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(v, r)``: the velocity (the same numbers as a call) and the responsibilities
+        ``r (M, C)`` it used, the mixture's one nonlinear part (its "deep features")."""
+        return self._velocity(x, sigma)
+
+    def from_features(self, x: torch.Tensor, sigma: torch.Tensor | float, r: torch.Tensor) -> torch.Tensor:
+        """The velocity at ``x (M, d)``, ``sigma`` with the responsibilities ``r (M, C)`` of an
+        earlier :meth:`with_features` call instead of its own: every component's affine part is
+        recomputed at ``x``, which component it is drawn from is the earlier state's belief.
+        Exact for one component; the cached self-draft's cheap evaluation otherwise."""
+        return self._velocity(x, sigma, r)[0]
+
+    def _velocity(
+        self, x: torch.Tensor, sigma: torch.Tensor | float, r: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if x.ndim != 2 or x.shape[1] != self.dim:
             raise ValueError(f"x must have shape (M, {self.dim}), got {tuple(x.shape)}")
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -118,20 +140,23 @@ class GaussianMixture:
         sig = torch.as_tensor(sigma, dtype=work, device=x.device).reshape(-1, 1).expand(x.shape[0], 1)
         a = 1.0 - sig  # (M, 1)
         var = a * a * s2[None, :] + sig * sig  # (M, C)
-        # row-wise reductions and elementwise ops only, no matmul: a row's velocity is
-        # then bitwise the same in any batch (BLAS blocking depends on the batch size)
-        x2 = (xw * xw).sum(1, keepdim=True)
-        xm = torch.stack([(xw * m).sum(1) for m in mu], 1)  # (M, C)
-        dist2 = x2 - 2.0 * a * xm + a * a * mu2[None, :]
-        logits = logw[None, :] - 0.5 * dist2 / var - 0.5 * self.dim * torch.log(var)
-        r = torch.softmax(logits, dim=1)  # (M, C)
+        if r is None:
+            # row-wise reductions and elementwise ops only, no matmul: a row's velocity is
+            # then bitwise the same in any batch (BLAS blocking depends on the batch size)
+            x2 = (xw * xw).sum(1, keepdim=True)
+            xm = torch.stack([(xw * m).sum(1) for m in mu], 1)  # (M, C)
+            dist2 = x2 - 2.0 * a * xm + a * a * mu2[None, :]
+            logits = logw[None, :] - 0.5 * dist2 / var - 0.5 * self.dim * torch.log(var)
+            r = torch.softmax(logits, dim=1)  # (M, C)
+        else:
+            r = r.to(work)
         c = r * (sig - a * s2[None, :]) / var  # (M, C)
         # sum_k c_k (x - a mu_k) - r_k mu_k
         w = c * a + r
         v = c.sum(1, keepdim=True) * xw
         for k in range(mu.shape[0]):
             v = torch.addcmul(v, w[:, k : k + 1], mu[k], value=-1.0)
-        return v.to(x.dtype)
+        return v.to(x.dtype), r
 
     def sample(self, n: int, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw ``n`` data points; returns ``(x (n, d) float64, component (n,) long)``."""

@@ -141,14 +141,35 @@ class UNet(nn.Module):
         return F.silu(emb + self.map_label(labels.to(c_noise.device).long()))
 
     def forward(self, x: torch.Tensor, c_noise: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.deep(x, c_noise, labels)[0]
+
+    def deep(
+        self, x: torch.Tensor, c_noise: torch.Tensor, labels: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and the deep features ``(M, c0, H, W)``: everything the lower resolutions
+        give the last decoder block (DeepCache's cached branch; :meth:`shallow` reuses them)."""
         emb = self.embed(c_noise, labels)
         h0 = self.enc0(self.conv_in(x), emb)
         h1 = self.enc1(self.down0(h0), emb)
         h = self.mid1(self.mid0(self.down1(h1), emb), emb)
         h = self.up1(F.interpolate(h, scale_factor=2.0, mode="nearest"))
         h = self.dec1(torch.cat([h, h1], dim=1), emb)
-        h = self.up0(F.interpolate(h, scale_factor=2.0, mode="nearest"))
-        h = self.dec0(torch.cat([h, h0], dim=1), emb)
+        feat = self.up0(F.interpolate(h, scale_factor=2.0, mode="nearest"))
+        return self._head(feat, h0, emb), feat
+
+    def shallow(
+        self, x: torch.Tensor, c_noise: torch.Tensor, labels: Optional[torch.Tensor], feat: torch.Tensor
+    ) -> torch.Tensor:
+        """The output with the deep features ``feat (M, c0, H, W)`` (or flattened, ``(M, c0 H W)``)
+        of an earlier call (:meth:`deep`) in place of the lower resolutions: only the embedding, the
+        first encoder block and the last decoder block run. ``shallow(x, c, l, deep(x, c, l)[1])``
+        is ``forward(x, c, l)``."""
+        emb = self.embed(c_noise, labels)
+        h0 = self.enc0(self.conv_in(x), emb)
+        return self._head(feat.to(h0.dtype).reshape(h0.shape), h0, emb)
+
+    def _head(self, feat: torch.Tensor, h0: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        h = self.dec0(torch.cat([feat, h0], dim=1), emb)
         return self.conv_out(F.silu(self.norm_out(h)))
 
 
@@ -163,7 +184,9 @@ class EDMPrecond(nn.Module):
     scalar EDM noise level ``s > 0``, ``class_labels: (M,)`` integers, a scalar
     integer (one label for all rows) or ``None`` (unconditional) ->
     ``(M, C, H, W)`` estimate of ``E[x_0 | x]`` in ``x``'s dtype; the network
-    runs in its parameters' dtype.
+    runs in its parameters' dtype. With ``keep`` it returns the network's deep features
+    ``(M, c0, H, W)`` too; with ``feat`` (features an earlier call kept) only the shallow
+    blocks run (:meth:`deep`, :meth:`shallow`: the cached self-draft's protocol).
     """
 
     def __init__(self, net: UNet, sigma_data: float = 0.5) -> None:
@@ -172,8 +195,14 @@ class EDMPrecond(nn.Module):
         self.sigma_data = float(sigma_data)
 
     def forward(
-        self, x: torch.Tensor, sigma: torch.Tensor | float, class_labels: Optional[torch.Tensor | int] = None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor | float,
+        class_labels: Optional[torch.Tensor | int] = None,
+        *,
+        feat: Optional[torch.Tensor] = None,
+        keep: bool = False,
+    ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
         M = x.shape[0]
         dtype = next(self.net.parameters()).dtype
         s = torch.as_tensor(sigma, dtype=x.dtype, device=x.device).reshape(-1)
@@ -189,5 +218,28 @@ class EDMPrecond(nn.Module):
         c_out = sb * self.sigma_data / (sb * sb + sd2).sqrt()
         c_in = 1.0 / (sb * sb + sd2).sqrt()
         c_noise = s.log() / 4
-        f = self.net((c_in * x).to(dtype), c_noise.to(dtype), class_labels)
-        return (c_skip * x + c_out * f.to(x.dtype)).to(x.dtype)
+        xin, cn = (c_in * x).to(dtype), c_noise.to(dtype)
+        if feat is None:
+            f, kept = self.net.deep(xin, cn, class_labels)
+        else:
+            f, kept = self.net.shallow(xin, cn, class_labels, feat), feat
+        d = (c_skip * x + c_out * f.to(x.dtype)).to(x.dtype)
+        return (d, kept) if keep else d
+
+    def deep(
+        self, x: torch.Tensor, sigma: torch.Tensor | float, class_labels: Optional[torch.Tensor | int] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(D(x; sigma), feat)``: the denoised estimate and the network's deep features
+        ``(M, c0, H, W)`` (:meth:`UNet.deep`), for :meth:`shallow` at a later call."""
+        return self.forward(x, sigma, class_labels, keep=True)
+
+    def shallow(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor | float,
+        feat: torch.Tensor,
+        class_labels: Optional[torch.Tensor | int] = None,
+    ) -> torch.Tensor:
+        """``D(x; sigma)`` with the deep features ``feat`` of an earlier :meth:`deep` call reused
+        (:meth:`UNet.shallow`: DeepCache's cheap evaluation)."""
+        return self.forward(x, sigma, class_labels, feat=feat)
