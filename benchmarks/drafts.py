@@ -14,10 +14,13 @@ Three settings, each with every draft of :data:`specforest.proposals.DRAFT_KINDS
 
 On the RMC chains also the Picard-refined chains ``picard`` and ``picard2`` (:data:`specforest.proposals.PICARD_DRAFTS`:
 ``J = 1, 2`` sweeps, each one more target call a round, counted in the NFE; the ``x0`` row is
-their ``J = 0``).
+their ``J = 0``), and the cached self-draft ``cached`` (:class:`specforest.proposals.CachedDraft`:
+the target's deep features of the last round's nodes, its outer part recomputed; on the mixture
+the features are the responsibilities, whose cached evaluation costs about a target call, on
+digits the U-Net's last decoder input, a third of one; its calls are counted apart too).
 
 Prefetch nearest, verify drafted, lazy mode where the draft allows it (``memory``, ``secant``,
-``auto``, ``learned`` and the Picard chains run full; same law of samples and NFE either way). The "oracle" row
+``auto``, ``learned``, ``cached`` and the Picard chains run full; same law of samples and NFE either way). The "oracle" row
 drafts with the target itself (a draft model whose mean is the target's, so every node is
 accepted): the fewest calls a chain of that depth can make, the bound any free draft stays under.
 The per-depth table shows the acceptance and the mean mismatch ``delta`` of the RMC chain's
@@ -66,10 +69,11 @@ MIXTURE_ROWS = [  # (B, method, K, L, tree)
 ]
 BIG_ROWS = [(155, "rmc", 1, 155, "uniform"), (155, "rank", 5, 3, "uniform")]
 DIGITS_ROWS = [(14, "rmc", 1, 14, "uniform")]
-CHAIN_DRAFTS = (*DRAFT_KINDS, *PICARD_DRAFTS)
-"""On RMC chains also the Picard-refined chains (``J = 1, 2``; the ``x0`` row is their ``J = 0``)."""
-DIGITS_DRAFTS = (*CHAIN_DRAFTS, *MODEL_DRAFTS)
-"""On digits also the drafts that call a network of their own (``learned``)."""
+CHAIN_DRAFTS = (*DRAFT_KINDS, *PICARD_DRAFTS, "cached")
+"""On RMC chains also the Picard-refined chains (``J = 1, 2``; the ``x0`` row is their ``J = 0``)
+and the cached self-draft (the mixture serves its protocol too)."""
+DIGITS_DRAFTS = (*DRAFT_KINDS, *PICARD_DRAFTS, *MODEL_DRAFTS)
+"""On digits also the distilled draft network (``learned``)."""
 DEPTHS = 8
 LABEL = {"rmc": "RMC chain", "rank": "rank"}
 HEAD = "| B | method | tree | draft | NFE | T/NFE | (T-2)/(NFE-2) | per-step acceptance |"
@@ -300,11 +304,12 @@ def main() -> None:
         f"{args.fresh_seeds}` on {machine_line()}, {torch.get_num_threads()} threads (the one-image timing: one).",
         "",
         "Every registered draft; prefetch nearest, verify drafted, lazy mode where the draft allows it "
-        "(`memory`, `secant`, `auto` and `learned` remember each chain round and run full, as the Picard "
-        "chains do). Mean ± standard error over trajectories; the paper's accounting (T-2)/(NFE-2) beside "
+        "(`memory`, `secant`, `auto`, `learned` and `cached` remember each chain round and run full, as the "
+        "Picard chains do). Mean ± standard error over trajectories; the paper's accounting (T-2)/(NFE-2) beside "
         "T/NFE. `picard` and `picard2` refine the `x0` chain (their J = 0) with 1 and 2 Picard sweeps, each "
-        "one more target call a round, counted in the NFE. `learned`'s draft-network calls are not target "
-        "calls (see the one-image table). The oracle row drafts with the target itself: every node "
+        "one more target call a round, counted in the NFE. `learned`'s draft-network calls and `cached`'s "
+        "outer-block calls are not target calls (see the one-image table; on the mixture a cached "
+        "evaluation, the velocity with the responsibilities of a remembered node, costs about a target call). The oracle row drafts with the target itself: every node "
         "accepted, the fewest calls a chain of that depth makes.",
     ]
     lines += mixture(small, MIXTURE_ROWS, "Mixture, paper setting (d = 500, T = 30, churn 0.1)")
