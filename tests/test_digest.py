@@ -46,6 +46,7 @@ CONFIGS = {
     "antithetic_uniform": dict(tree=trees.uniform(2, 3), coupling="antithetic"),
     "antithetic_pruned": dict(tree=trees.from_parents([-1, 0, 0, 1, 1, 3, 3]), coupling="antithetic"),
     "draft_model": dict(tree=trees.uniform(2, 2), draft=lambda x, s: 0.9 * GMM(x, s)),
+    "rmc_cached_chain": dict(tree=trees.chain(4), coupling="rmc", draft="cached"),
 }
 
 

@@ -146,11 +146,44 @@ def test_draft_diagnostics_cli(tmp_path):
 def test_auto_draft_fills_unseen_offsets_from_the_nearest_seen_one():
     from specforest.proposals import AutoDraft
 
-    total, count = AutoDraft(max_offset=5).init_state(torch.device("cpu"))
+    total, count = (t[0] for t in AutoDraft(max_offset=5, stretches=1).init_state(torch.device("cpu")))
     total[1] = 3.0
     total[1, 2] = 1.0  # x0 best at offset 1
     count[1] = 1.0
     assert AutoDraft.choice((total, count)).tolist() == [0, 2, 2, 2, 2, 2]
+
+
+def test_auto_draft_tells_stretches_of_the_grid_apart():
+    """With two stretches, a (stretch, offset) pair with ``min_count`` observations takes its own
+    best kind; one with fewer takes the offset's best over the whole grid; a verified parent's
+    mismatch counts in its own stretch (steps ``0 .. T/2 - 1`` the first, the rest the second)."""
+    from specforest.proposals import AUTO_KINDS, AutoDraft
+    from specforest.sde import ReverseSDE, flow_match_grid
+
+    auto = AutoDraft(max_offset=3, stretches=2, min_count=4)
+    total, count = auto.init_state(torch.device("cpu"))
+    assert total.shape == (2, 4, len(AUTO_KINDS)) and count.shape == (2, 4)
+    total[:, 1] = 5.0
+    total[0, 1, 2] = 1.0  # x0 best at offset 1 early in the grid
+    total[1, 1, 3] = 2.0  # eps best there late
+    count[:, 1] = 4.0
+    total[1, 2] = 5.0
+    total[1, 2, 4] = 0.1  # x0_extrap best at offset 2 late, but seen only 3 times
+    count[1, 2] = 3.0
+    pick = AutoDraft.choice((total, count), min_count=4)
+    # offset 2 pooled over the grid: x0_extrap; offset 3 unseen: offset 2's pooled choice
+    assert pick.tolist() == [[0, 2, 4, 4], [0, 3, 4, 4]]
+    # one stretch is the pooled rule of the offsets alone
+    assert AutoDraft.choice((total.sum(0, keepdim=True), count.sum(0, keepdim=True))).tolist() == [[0, 2, 4, 4]]
+    tab = ReverseSDE(flow_match_grid(20), 0.5).tables("cpu", torch.float64)
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    pre = _auto_prefetch(r, 3, 5, memory=False)  # prefetched at steps 3, 5, 7
+    steps = torch.tensor([4, 14, 9])  # offsets 1, 9 (kept as 3), 2; stretches 0, 1, 0
+    state = auto.observe(auto.init_state(torch.device("cpu")), tab, r(3, 5), r(3, 5), steps, pre, torch.ones(3))
+    assert state[1].tolist() == [[0, 1, 1, 0], [0, 0, 0, 1]]
+    with pytest.raises(ValueError, match="stretches"):
+        AutoDraft(stretches=0)
 
 
 def _auto_prefetch(r, batch, dim, memory):

@@ -14,7 +14,7 @@ from specforest import testing, trees
 from specforest.couplings import GRS
 from specforest.models import GaussianMixture
 from specforest.planning import AdaptiveTree
-from specforest.proposals import LearnedDraft
+from specforest.proposals import AutoDraft, LearnedDraft
 from specforest.sde import flow_match_grid, uniform_grid
 
 MU0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
@@ -59,6 +59,7 @@ CONFIGS = {
     "adaptive_tree": dict(tree=AdaptiveTree(12, kmax=4), coupling="grs"),
     "adaptive_tree_lazy_drafted": dict(tree=AdaptiveTree(20, kmax=3), lazy=True, verify="drafted"),
     "auto_draft_lazy_chain": dict(tree=trees.chain(6), coupling="rmc", draft="auto", lazy=True),
+    "auto_offsets_only_chain": dict(tree=trees.chain(5), coupling="rmc", draft=AutoDraft(stretches=1)),
     "antithetic_lazy_drafted": dict(tree=trees.uniform(2, 4), coupling="antithetic", lazy=True, verify="drafted"),
     "antithetic_pairs_k4": dict(tree=trees.uniform(4, 2), coupling="antithetic"),
     # pruned: a leaf beside an internal node at depth 1 (pairs complete wherever there are children)
