@@ -239,11 +239,8 @@ def tune(**o) -> None:
         # the drafts that serve the model's states; a pipeline's latents are not known here, and a
         # draft network made for one model is not the pipeline's
         shape = {"gmm": (o["dim"],), "digits": IMAGE_SHAPE}.get(o["model"])
-        model = None
-        if o["model"] == "digits":
-            from ..models.digits import load_velocity
-
-            model = load_velocity()  # the cached self-draft needs a model that keeps its deep features
+        # the cached self-draft serves a model that keeps its deep features (both shipped ones do)
+        model = _target(o["model"], o, 1)[0] if shape is not None else None
         drafts = drafts_serving(drafts, shape, model)
     keys = ("model", "steps", "churn", "batch", "device")
     if o["model"] == "diffusers":

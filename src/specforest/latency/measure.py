@@ -345,13 +345,7 @@ class Calibrator:
         """One short real run of ``config``, long enough that most rounds see the whole tree."""
         depth = 0 if config.tree is None else config.tree.L
         calls: list = []
-
-        def counted(x, sigma, **kw):
-            entered = time.perf_counter()
-            out = self.model(x, sigma, **kw)
-            calls.append((x.shape[0], entered, time.perf_counter()))
-            return out
-
+        counted = _Counted(self.model, calls)
         batch = self.batch
         t0 = time.perf_counter()
         with no_gc():
@@ -421,3 +415,27 @@ class Calibrator:
                     sync(out.samples.device)
                 times[i].append((time.perf_counter() - t0) / batch)
         return times
+
+
+class _Counted:
+    """The model with the rows and the start and end time of each target call recorded in ``calls``;
+    its other attributes are the model's (the cached self-draft's feature protocol among them, whose
+    ``with_features`` is a target call and recorded as one)."""
+
+    def __init__(self, model, calls: list) -> None:
+        self.model, self.calls = model, calls
+
+    def _timed(self, fn, x, sigma, **kw):
+        entered = time.perf_counter()
+        out = fn(x, sigma, **kw)
+        self.calls.append((x.shape[0], entered, time.perf_counter()))
+        return out
+
+    def __call__(self, x, sigma, **kw):
+        return self._timed(self.model, x, sigma, **kw)
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.model, name)
+        if name == "with_features":
+            return lambda x, sigma, **kw: self._timed(attr, x, sigma, **kw)
+        return attr
