@@ -171,7 +171,7 @@ def test_gmm_lazy_run_holds():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["memory", "secant", "picard"])
+@pytest.mark.parametrize("draft", ["memory", "secant", "picard", "cached"])
 def test_gmm_memory_draft_run_holds_and_the_lazy_estimate_does_not(draft):
     """``--lazy`` with a draft that remembers its chain runs full (it remembers every node of its
     chain) and keeps a state per node (``secant``: two, the state beside its prediction); so does
@@ -185,6 +185,17 @@ def test_gmm_memory_draft_run_holds_and_the_lazy_estimate_does_not(draft):
     wrong = _cli(argv, wrong="memory_draft_as_lazy")
     assert wrong["rc"] == 0 and wrong["record"]["chunks"] == 1
     assert wrong["peak"] > BOUND * 0.7e9
+
+
+@pytest.mark.slow
+def test_pixel_cached_draft_run_holds():
+    """The cached self-draft on digits keeps 2048 feature numbers a row (32 times the state): every
+    evaluated row's in the call and in the round, and each remembered node's. Sized with them, a
+    chain run that the limit splits into chunks stays under its estimate and the limit."""
+    argv = [*PIXEL, "--method", "rmc", "--L", "10", "--draft", "cached", "--samples", "256", "--memory-gb", "0.5"]
+    run = _cli(argv)
+    _holds(run, 0.5)
+    assert run["record"]["mode"] == "full"
 
 
 @pytest.mark.slow

@@ -204,6 +204,8 @@ def simulate(
         lazy=lazy,
         steps=T,
         draft=draft,
+        model=model,  # read for the deep features a cached draft keeps (its row bytes are given)
+        x_row=x_T[:1],
         row_bytes=ROW_BYTES if declared is None else declared,
         fixed_bytes=fixed,
         limit_bytes=limit,
