@@ -904,10 +904,10 @@ class AutoDraft(Proposal):
 
     Args:
         max_offset: the largest draft offset told apart (larger ones share its statistics).
-        stretches: equal parts of the grid told apart (``1``: the draft offset only). The default,
-            2, accepted 9% more than 1 on the mixture's RMC chain of B = 14 (2.98 to 3.25 T/NFE)
-            and 1.5% more on its rank (5, 3) tree, and the same on digits (within a standard error;
-            4 and 8 were no better).
+        stretches: equal parts of the grid told apart (``1``: the draft offset only). With the
+            default, 2, the mixture's RMC chain of B = 14 makes 8% more T/NFE than with 1 and its
+            rank (5, 3) tree 1%, digits the same within a standard error; 4 and 8 are no better
+            (section ``auto_stretches`` of ``benchmarks/RESULTS.md``).
         min_count: observations a (stretch, offset) pair needs before its own statistics decide.
     """
 
