@@ -545,3 +545,16 @@ def test_features_travel_with_their_rows_through_chunks_padding_and_dtype():
         torch.testing.assert_close(v, v0, rtol=0, atol=1e-12)
         torch.testing.assert_close(f, f0, rtol=0, atol=1e-12)
         assert torch.equal(t(x.double(), s.double(), traj), v)
+
+
+def test_a_run_counts_the_models_features_once():
+    """``feature_numel`` may run the network: the draft's check and its binding to the run share one count."""
+    asked = []
+
+    class Counting(testing.X0Features):
+        def feature_numel(self, shape):
+            asked.append(shape)
+            return super().feature_numel(shape)
+
+    specforest.sample(Counting(GAUSS), torch.zeros(4, 3), steps=10, churn=0.3, tree=trees.chain(3), draft="cached")
+    assert asked == [(3,)]

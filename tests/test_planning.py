@@ -146,11 +146,11 @@ def test_draft_diagnostics_cli(tmp_path):
 def test_auto_draft_fills_unseen_offsets_from_the_nearest_seen_one():
     from specforest.proposals import AutoDraft
 
-    total, count = (t[0] for t in AutoDraft(max_offset=5, stretches=1).init_state(torch.device("cpu")))
-    total[1] = 3.0
-    total[1, 2] = 1.0  # x0 best at offset 1
-    count[1] = 1.0
-    assert AutoDraft.choice((total, count)).tolist() == [0, 2, 2, 2, 2, 2]
+    total, count = AutoDraft(max_offset=5, stretches=1).init_state(torch.device("cpu"))
+    total[0, 1] = 3.0
+    total[0, 1, 2] = 1.0  # x0 best at offset 1
+    count[0, 1] = 1.0
+    assert AutoDraft.choice((total, count)).tolist() == [[0, 2, 2, 2, 2, 2]]
 
 
 def test_auto_draft_tells_stretches_of_the_grid_apart():
@@ -260,8 +260,8 @@ def test_auto_draft_shared_round_terms_change_nothing(memory):
     auto = AutoDraft()
     # a state that picks a different kind at each offset
     state = (
-        torch.rand(auto.max_offset + 1, len(AUTO_KINDS), generator=g, dtype=torch.float64),
-        torch.ones(auto.max_offset + 1).double(),
+        torch.rand(auto.stretches, auto.max_offset + 1, len(AUTO_KINDS), generator=g, dtype=torch.float64),
+        torch.ones(auto.stretches, auto.max_offset + 1).double(),
     )
     terms = auto.round_terms(tab, steps, pre)
     for a, b in zip(

@@ -377,7 +377,8 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
         return Evaluations(single=state.x[:0], trees=[None] * len(drafts))
     cat = (lambda t: torch.cat(t)) if len(xs) > 1 else (lambda t: t[0])  # noqa: E731
     rows_key = key if len(xs) == 1 else None
-    keep = ctx.features > 0 and bool(drafts) and not ctx.lazy
+    # (a run that keeps features remembers its chains, so it runs full)
+    keep = ctx.features > 0 and bool(drafts)
     if keep:
         # the deep features of every row come back beside its velocity (the cached self-draft)
         v, f = ctx.target(cat(xs), cat(sig), cat(traj), rows_key=rows_key, features=True)

@@ -834,11 +834,18 @@ class CachedDraft(Proposal):
     def __init__(self) -> None:
         self.model: Any = None
         self.model_kwargs: dict = {}
+        self._counted: tuple = ()  # (model, shape, feature numbers) of the last count
 
-    @staticmethod
-    def _features_of(model: Any, shape: tuple[int, ...]) -> int:
+    def _features_of(self, model: Any, shape: tuple[int, ...]) -> int:
+        """The model's feature numbers a row (0 without the protocol), counted once per model and
+        shape: ``feature_numel`` may run the network (``check`` and ``bind`` both ask)."""
+        shape = tuple(shape)
+        if self._counted and self._counted[0] is model and self._counted[1] == shape:
+            return self._counted[2]
         have = all(callable(getattr(model, k, None)) for k in ("feature_numel", "with_features", "from_features"))
-        return int(model.feature_numel(tuple(shape))) if have else 0
+        F = int(model.feature_numel(shape)) if have else 0
+        self._counted = (model, shape, F)
+        return F
 
     def check(self, shape, dtype, model=None):
         if model is not None and self._features_of(model, shape) <= 0:
@@ -934,34 +941,28 @@ class AutoDraft(Proposal):
     @staticmethod
     def choice(state, min_count: int = 16) -> torch.Tensor:
         """``(stretches, max_offset + 1)`` index into :data:`AUTO_KINDS` used at each stretch and
-        offset (``(max_offset + 1,)`` for a state without stretches, ``(offsets, kinds)`` sums).
+        offset, from a state ``(total (stretches, offsets, kinds), count (stretches, offsets))``.
 
         A pair with fewer than ``min_count`` observations takes the choice at its offset over
         every stretch; an offset never observed takes the choice of the nearest smaller observed
         offset (``velocity`` when there is none).
         """
         total, count = state
-        if total.ndim == 2:
-            return AutoDraft.choice((total[None], count[None]), min_count)[0]
         all_total, all_count = total.sum(0), count.sum(0)
         pick = (all_total / all_count.clamp_min(1.0)[:, None]).argmin(1)
         ar = torch.arange(all_count.numel(), device=count.device)
         last_seen = torch.cummax(torch.where(all_count > 0, ar, -1), 0).values
         pooled = torch.where(last_seen >= 0, pick[last_seen.clamp(min=0)], 0)
-        if total.shape[0] == 1:
-            return pooled[None]
         own = (total / count.clamp_min(1.0)[..., None]).argmin(-1)
         return torch.where(count >= min_count, own, pooled[None])
 
-    def _cell(self, tab, steps: torch.Tensor, offset: torch.Tensor, state) -> torch.Tensor:
-        """The flat (stretch, offset) index of parents at ``steps`` with draft ``offset`` into a
-        ``state`` of ``S`` stretches (a state without the stretch dimension has one)."""
-        S = state[0].shape[0] if state[0].ndim == 3 else 1
+    def _cell(self, tab, steps: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """The flat (stretch, offset) index of parents at ``steps`` with draft ``offset``."""
+        S = self.stretches
         if S == 1:
             return offset
-        T = tab.a.numel()
-        stretch = (steps * S).div(T, rounding_mode="floor").clamp(0, S - 1)
-        return stretch * state[0].shape[1] + offset
+        stretch = (steps * S).div(tab.a.numel(), rounding_mode="floor").clamp(0, S - 1)
+        return stretch * (self.max_offset + 1) + offset
 
     @staticmethod
     def _all_kinds(tab, steps, pre):
@@ -1024,7 +1025,7 @@ class AutoDraft(Proposal):
     def coefficients(self, tab, steps, pre, state, terms=None):
         coef, (ys, vs, x0p, x0m, ym) = self._all_kinds(tab, steps, pre) if terms is None else terms
         offset = (steps - pre.step[:, None]).clamp(0, self.max_offset)
-        pick = self.choice(state, self.min_count).reshape(-1)[self._cell(tab, steps, offset, state)]  # (G, n)
+        pick = self.choice(state, self.min_count).reshape(-1)[self._cell(tab, steps, offset)]  # (G, n)
         A, alpha, beta, eps, mu, nu = coef.gather(1, pick.expand(6, 1, *pick.shape))[:, 0, ..., None].unbind(0)
         C = torch.addcmul(torch.addcmul(alpha * ys[:, None], beta, vs[:, None]), eps, x0p[:, None])
         if x0m is not None:
@@ -1050,7 +1051,7 @@ class AutoDraft(Proposal):
             m = torch.addcmul(m, nu, ym)
         d = torch.linalg.vector_norm((mu_q[None] - m).double(), dim=-1) / scale.double()  # (7, P)
         offset = (steps - pre.step).clamp(0, self.max_offset)
-        cell = self._cell(tab, steps, offset, state)
+        cell = self._cell(tab, steps, offset)
         k = total.shape[-1]
         flat_total = total.reshape(-1, k).index_add(0, cell, d.T)
         flat_count = count.reshape(-1).index_add(0, cell, torch.ones_like(d[0]))
