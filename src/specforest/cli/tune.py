@@ -232,16 +232,13 @@ def tune(**o) -> None:
                 o[key] = MODEL_DEFAULTS[o["model"]][key]
     threads = set_threads(o["threads"])
     drafts = parse_drafts(o["drafts"])
-    if o["drafts"].strip() == "all":
-        from ..models.digits import IMAGE_SHAPE
+    every = o["drafts"].strip() == "all"
+    if every and o["model"] in ("diffusers", "sd3"):
         from ..proposals import drafts_serving
 
-        # the drafts that serve the model's states; a pipeline's latents are not known here, and a
-        # draft network made for one model is not the pipeline's
-        shape = {"gmm": (o["dim"],), "digits": IMAGE_SHAPE}.get(o["model"])
-        # the cached self-draft serves a model that keeps its deep features (both shipped ones do)
-        model = _target(o["model"], o, 1)[0] if shape is not None else None
-        drafts = drafts_serving(drafts, shape, model)
+        # a pipeline's latents are not known here: the drafts that serve any shape and any model
+        # (not a draft network made for one model, nor one that reads features it does not keep)
+        drafts = drafts_serving(drafts, None)
     keys = ("model", "steps", "churn", "batch", "device")
     if o["model"] == "diffusers":
         res, family_keys = _tune_diffusers(o, drafts)
@@ -250,7 +247,7 @@ def tune(**o) -> None:
         res = _tune_sd3(o, drafts)
         keys = ("model", "steps", "churn", "batch", "device", "guidance", "shift", "height", "width")
     else:
-        res = _tune_small(o, drafts, tune_fn)
+        res = _tune_small(o, drafts, tune_fn, every)
     if o["model"] == "gmm":
         keys += ("dim", "components")
     data = res.to_json()
@@ -274,9 +271,14 @@ def tune(**o) -> None:
         click.echo(f"  ({len(res.candidates) - len(timed)} more not timed: their network calls alone are slower)")
 
 
-def _tune_small(o: dict, drafts: list, tune_fn):
-    """The mixture or the digits model."""
+def _tune_small(o: dict, drafts: list, tune_fn, every: bool):
+    """The mixture or the digits model; with ``every`` (``--drafts all``), the drafts that serve it."""
     model, x, cond = library_errors(lambda: _target(o["model"], o, max(o["batch"], 16)))
+    if every:
+        from ..proposals import drafts_serving
+
+        # the model's own states and the model (the cached self-draft needs one that keeps its features)
+        drafts = drafts_serving(drafts, tuple(x.shape[1:]), model)
     return library_errors(
         lambda: tune_fn(
             model,
