@@ -36,6 +36,7 @@ import torch
 from .validation import check_churn, check_int, check_number
 
 __all__ = [
+    "GaussianChain",
     "ReverseSDE",
     "StepTables",
     "flow_match_grid",
@@ -132,60 +133,115 @@ def uniform_grid(steps: int, *, shift: float = 1.0) -> torch.Tensor:
     return _check_grid(shift_sigmas(s, shift), steps, shift)
 
 
-@dataclass(frozen=True)
-class ReverseSDE:
-    """Euler-Maruyama discretization of the churned reverse SDE on a grid.
+def _check_sigmas(s: object) -> torch.Tensor:
+    """``sigmas`` as a float64 CPU tensor if it is a strictly decreasing grid from at most 1 to exactly 0."""
+    if not isinstance(s, torch.Tensor) or s.ndim != 1 or s.numel() < 2:
+        raise ValueError("sigmas must be a 1-D tensor of T + 1 >= 2 noise levels")
+    s = s.detach().to("cpu", torch.float64)
+    if not torch.isfinite(s).all():
+        raise ValueError("sigmas must be finite")
+    if s[0] > 1.0 or s[-1] != 0.0 or (s[:-1] <= s[1:]).any():
+        raise ValueError(
+            "sigmas must decrease strictly from at most 1 to exactly 0, "
+            f"got first {s[0].item():.6g} and last {s[-1].item():.6g}"
+        )
+    return s
+
+
+def _run_ends(stochastic: torch.Tensor) -> torch.Tensor:
+    """``(T + 1,)``: the first index ``>= n`` of a deterministic step (or ``T``), per ``n``."""
+    # (on Python lists: a loop of tensor element writes costs ~500 dispatches a run)
+    T = stochastic.numel()
+    ends, flags = [T] * (T + 1), stochastic.tolist()
+    for n in range(T - 1, -1, -1):
+        ends[n] = ends[n + 1] if flags[n] else n
+    return torch.tensor(ends, dtype=torch.long)
+
+
+class GaussianChain:
+    """A Gaussian Markov chain on the linear path, tabulated per step: what the engine samples.
+
+    Step ``n`` moves a state ``y`` at level ``sigmas[n]`` to
+
+        ``y' ~ N(a[n] y + c[n] v(y, sigmas[n]), scale[n]^2 I)``
+
+    with ``v`` the model's velocity, so ``y - sigmas[n] v`` is its clean-image prediction. Every
+    sampler :mod:`specforest.chains` registers is such a chain once written in the linear path's
+    coordinates; a step with ``scale[n] = 0`` is deterministic (a point mass, never speculated).
+    ``init_a``, ``init_scale``: the state the chain starts from is ``init_a x + init_scale z`` for the
+    caller's ``x`` at ``sigmas[0]`` (EDM's churned Euler starts from the churned ``x-hat``).
 
     Attributes:
-        sigmas: ``(T + 1,)`` float64 noise levels, decreasing, ``sigmas[T] = 0``.
-        churn: ``eps`` in (0, 1]; 0 would make every transition a point mass.
+        sigmas: ``(T + 1,)`` float64 noise levels of the states, decreasing to 0.
+        name: the chain's name; ``params``: its parameters (what a run's record says).
 
-    Derived per-step tensors (all ``(T,)``, float64) are exposed as properties:
-    ``gamma`` (reverse-time step), ``scale`` (transition std, 0 on deterministic
-    steps) and ``stochastic`` (bool mask).
+    Derived ``(T,)`` float64 tensors: ``a``, ``c``, ``scale``, ``gamma`` (``sigmas[n] - sigmas[n + 1]``),
+    ``stochastic`` (``scale > 0``), ``drift_f`` and ``drift_k`` (the reverse drift
+    ``b = -drift_f v - drift_k y`` with ``mean = y + gamma b``, what the ``drift`` draft freezes).
     """
 
-    sigmas: torch.Tensor
-    churn: float
+    name = "custom"
 
-    def __post_init__(self) -> None:
-        s = self.sigmas
-        if not isinstance(s, torch.Tensor) or s.ndim != 1 or s.numel() < 2:
-            raise ValueError("sigmas must be a 1-D tensor of T + 1 >= 2 noise levels")
-        s = s.detach().to("cpu", torch.float64)
-        if not torch.isfinite(s).all():
-            raise ValueError("sigmas must be finite")
-        if s[0] > 1.0 or s[-1] != 0.0 or (s[:-1] <= s[1:]).any():
-            raise ValueError(
-                "sigmas must decrease strictly from at most 1 to exactly 0, "
-                f"got first {s[0].item():.6g} and last {s[-1].item():.6g}"
-            )
-        object.__setattr__(self, "sigmas", s)
-        object.__setattr__(self, "churn", check_churn(self.churn))
+    def _set_tables(
+        self,
+        sigmas: torch.Tensor,
+        a: torch.Tensor,
+        c: torch.Tensor,
+        scale: torch.Tensor,
+        drift_f: Optional[torch.Tensor] = None,
+        drift_k: Optional[torch.Tensor] = None,
+        init_a: float = 1.0,
+        init_scale: float = 0.0,
+    ) -> None:
+        s = _check_sigmas(sigmas)
+        T = s.numel() - 1
+        tabs = {}
+        for key, t in (("a", a), ("c", c), ("scale", scale)):
+            t = torch.as_tensor(t, dtype=torch.float64).reshape(-1)
+            if t.numel() != T or not bool(torch.isfinite(t).all()):
+                raise ValueError(f"the chain's {key} must be {T} finite numbers, one per step")
+            tabs[key] = t
+        if bool((tabs["scale"] < 0).any()):
+            raise ValueError("the chain's scale must be >= 0 at every step")
         gamma = s[:-1] - s[1:]
-        stochastic = (s[:-1] < 1.0) & (s[1:] > 0.0)
-        t = (1.0 - s[:-1]).clamp_min(1e-300)
-        scale = torch.where(
-            stochastic,
-            self.churn * torch.sqrt(2.0 * gamma * s[:-1] / t),
-            torch.zeros_like(gamma),
-        )
-        object.__setattr__(self, "_gamma", gamma)
-        object.__setattr__(self, "_stochastic", stochastic)
-        object.__setattr__(self, "_scale", scale)
-        # run_end[n]: first index >= n of a deterministic step (or T); the
-        # stochastic run containing step n is [n, run_end[n]).
-        # (on Python lists: a loop of tensor element writes costs ~500 dispatches a run)
-        T = gamma.numel()
-        ends, flags = [T] * (T + 1), stochastic.tolist()
-        for n in range(T - 1, -1, -1):
-            ends[n] = ends[n + 1] if flags[n] else n
-        object.__setattr__(self, "_run_end", torch.tensor(ends, dtype=torch.long))
+        if drift_f is None:
+            # mean = y + gamma b with b = -drift_f v - drift_k y
+            drift_f, drift_k = -tabs["c"] / gamma, (1.0 - tabs["a"]) / gamma
+        stochastic = tabs["scale"] > 0
+        for key, val in (
+            ("sigmas", s),
+            ("_a", tabs["a"]),
+            ("_c", tabs["c"]),
+            ("_scale", tabs["scale"]),
+            ("_gamma", gamma),
+            ("_drift_f", drift_f),
+            ("_drift_k", drift_k),
+            ("_stochastic", stochastic),
+            ("_run_end", _run_ends(stochastic)),
+            ("init_a", float(init_a)),
+            ("init_scale", float(init_scale)),
+        ):
+            object.__setattr__(self, key, val)
+
+    @property
+    def params(self) -> dict:
+        """The chain's parameters, by name (recorded with a run's results)."""
+        return {}
 
     @property
     def steps(self) -> int:
         """Number of steps ``T``."""
         return self.sigmas.numel() - 1
+
+    @property
+    def a(self) -> torch.Tensor:
+        """``(T,)`` coefficient of the state in the mean."""
+        return self._a
+
+    @property
+    def c(self) -> torch.Tensor:
+        """``(T,)`` coefficient of the velocity in the mean."""
+        return self._c
 
     @property
     def gamma(self) -> torch.Tensor:
@@ -194,8 +250,18 @@ class ReverseSDE:
 
     @property
     def scale(self) -> torch.Tensor:
-        """``(T,)`` transition std of eq. (37); 0 on deterministic steps."""
+        """``(T,)`` transition std; 0 on deterministic steps."""
         return self._scale
+
+    @property
+    def drift_f(self) -> torch.Tensor:
+        """``(T,)`` the velocity's coefficient in the reverse drift (``b = -drift_f v - drift_k y``)."""
+        return self._drift_f
+
+    @property
+    def drift_k(self) -> torch.Tensor:
+        """``(T,)`` the state's coefficient in the reverse drift."""
+        return self._drift_k
 
     @property
     def stochastic(self) -> torch.Tensor:
@@ -216,10 +282,7 @@ class ReverseSDE:
         return cache[key]
 
     def mean_from_velocity(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """Transition mean of eq. (36), or the Euler step on deterministic steps.
-
-        ``y - gamma [(1 + eps^2) v + eps^2 y / t]`` on stochastic steps,
-        ``y - gamma v`` on deterministic ones.
+        """Transition mean ``a[step] y + c[step] v`` (eq. 36 for the paper's chain).
 
         Args:
             y: ``(M, ..., D)`` flattened states at their steps.
@@ -236,14 +299,52 @@ class ReverseSDE:
         return y + self.tables(y.device, y.dtype).gamma[step][..., None] * drift
 
     def drift(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """Reverse drift ``b`` of eq. (35) on stochastic steps (``-v`` otherwise); shapes as :meth:`mean_from_velocity`."""
+        """Reverse drift ``b`` (``(mean - y) / gamma``); shapes as :meth:`mean_from_velocity`."""
         tab = self.tables(y.device, y.dtype)
         return -tab.drift_f[step][..., None] * v - tab.drift_k[step][..., None] * y
 
 
 @dataclass(frozen=True)
+class ReverseSDE(GaussianChain):
+    """Euler-Maruyama discretization of the churned reverse SDE on a grid: the ``em`` chain.
+
+    Attributes:
+        sigmas: ``(T + 1,)`` float64 noise levels, decreasing, ``sigmas[T] = 0``.
+        churn: ``eps`` in (0, 1]; 0 would make every transition a point mass.
+
+    ``mean = y - gamma [(1 + eps^2) v + eps^2 y / t]`` and
+    ``scale = eps sqrt(2 gamma sigma / t)`` on stochastic steps (``t = 1 - sigma``), the Euler step
+    ``y - gamma v`` with scale 0 on the deterministic ones (from ``sigma = 1``, into ``sigma = 0``).
+    """
+
+    sigmas: torch.Tensor
+    churn: float
+
+    name = "em"
+
+    def __post_init__(self) -> None:
+        s = _check_sigmas(self.sigmas)
+        churn = check_churn(self.churn)
+        object.__setattr__(self, "churn", churn)
+        eps2 = churn**2
+        gamma = s[:-1] - s[1:]
+        stochastic = (s[:-1] < 1.0) & (s[1:] > 0.0)
+        t = (1.0 - s[:-1]).clamp_min(1e-300)
+        scale = torch.where(stochastic, churn * torch.sqrt(2.0 * gamma * s[:-1] / t), torch.zeros_like(gamma))
+        a = torch.where(stochastic, 1.0 - gamma * eps2 / t, torch.ones_like(gamma))
+        c = torch.where(stochastic, -gamma * (1.0 + eps2), -gamma)
+        f = torch.where(stochastic, torch.full_like(t, 1.0 + eps2), torch.ones_like(t))
+        k = torch.where(stochastic, eps2 / t, torch.zeros_like(t))
+        self._set_tables(s, a, c, scale, f, k)
+
+    @property
+    def params(self) -> dict:
+        return {"churn": self.churn}
+
+
+@dataclass(frozen=True)
 class StepTables:
-    """Per-step coefficients of a :class:`ReverseSDE` on one device, in one dtype.
+    """Per-step coefficients of a :class:`GaussianChain` on one device, in one dtype.
 
     Everything the round reads per step, indexed by step ``n`` (``(T,)``, with
     ``sig`` ``(T + 1,)``): the sampler gathers from these instead of recomputing
@@ -269,28 +370,21 @@ class StepTables:
             object.__setattr__(self, "ac", torch.stack([self.a, self.c], -1))
 
     @classmethod
-    def build(cls, sde: "ReverseSDE", device: torch.device, dtype: torch.dtype) -> "StepTables":
-        eps2 = sde.churn**2
-        s, g, stoch = sde.sigmas[:-1], sde.gamma, sde.stochastic
-        t = (1.0 - s).clamp_min(1e-300)
-        a = torch.where(stoch, 1.0 - g * eps2 / t, torch.ones_like(g))
-        c = torch.where(stoch, -g * (1.0 + eps2), -g)
-        f = torch.where(stoch, torch.full_like(t, 1.0 + eps2), torch.ones_like(t))
-        k = torch.where(stoch, eps2 / t, torch.zeros_like(t))
+    def build(cls, chain: GaussianChain, device: torch.device, dtype: torch.dtype) -> "StepTables":
         to = lambda x: x.to(device, dtype)  # noqa: E731
         # the scale with 1 on deterministic steps: for problems that are never verified but must stay finite
-        safe = torch.where(sde.scale > 0, sde.scale, torch.ones_like(sde.scale))
+        safe = torch.where(chain.scale > 0, chain.scale, torch.ones_like(chain.scale))
         return cls(
-            to(sde.sigmas),
-            to(g),
-            to(sde.scale),
+            to(chain.sigmas),
+            to(chain.gamma),
+            to(chain.scale),
             to(safe),
-            to(a),
-            to(c),
-            to(f),
-            to(k),
-            stoch.to(device),
-            sde.run_end.to(device),
+            to(chain.a),
+            to(chain.c),
+            to(chain.drift_f),
+            to(chain.drift_k),
+            chain.stochastic.to(device),
+            chain.run_end.to(device),
         )
 
     def mean(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
