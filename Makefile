@@ -12,6 +12,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[all,test]"
+	# k-diffusion's own sampling.py, the reference the chains are tested against (tests/kdiff_reference.py):
+	# without its dependencies, which pull torchvision (it does not import beside the CPU torch)
+	$(PY) -m pip install -q --no-deps k-diffusion==0.1.1.post1 torchsde==0.2.6 trampoline==0.1.2 torchdiffeq==0.2.5
 	touch $@
 
 venv: $(VENV)/.installed

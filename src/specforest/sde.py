@@ -133,13 +133,18 @@ def uniform_grid(steps: int, *, shift: float = 1.0) -> torch.Tensor:
     return _check_grid(shift_sigmas(s, shift), steps, shift)
 
 
-def _check_sigmas(s: object) -> torch.Tensor:
-    """``sigmas`` as a float64 CPU tensor if it is a strictly decreasing grid from at most 1 to exactly 0."""
+def _check_sigmas(s: object, monotone: bool = True) -> torch.Tensor:
+    """``sigmas`` as a float64 CPU tensor if it is a strictly decreasing grid from at most 1 to exactly 0
+    (with ``monotone=False``: levels in ``[0, 1]`` ending in 0, as a churned chain's states are)."""
     if not isinstance(s, torch.Tensor) or s.ndim != 1 or s.numel() < 2:
         raise ValueError("sigmas must be a 1-D tensor of T + 1 >= 2 noise levels")
     s = s.detach().to("cpu", torch.float64)
     if not torch.isfinite(s).all():
         raise ValueError("sigmas must be finite")
+    if not monotone:
+        if (s > 1.0).any() or (s[:-1] <= 0.0).any() or s[-1] != 0.0:
+            raise ValueError("a chain's state levels must lie in (0, 1] and end in exactly 0")
+        return s
     if s[0] > 1.0 or s[-1] != 0.0 or (s[:-1] <= s[1:]).any():
         raise ValueError(
             "sigmas must decrease strictly from at most 1 to exactly 0, "
@@ -192,8 +197,9 @@ class GaussianChain:
         drift_k: Optional[torch.Tensor] = None,
         init_a: float = 1.0,
         init_scale: float = 0.0,
+        monotone: bool = True,
     ) -> None:
-        s = _check_sigmas(sigmas)
+        s = _check_sigmas(sigmas, monotone)
         T = s.numel() - 1
         tabs = {}
         for key, t in (("a", a), ("c", c), ("scale", scale)):
@@ -205,8 +211,9 @@ class GaussianChain:
             raise ValueError("the chain's scale must be >= 0 at every step")
         gamma = s[:-1] - s[1:]
         if drift_f is None:
-            # mean = y + gamma b with b = -drift_f v - drift_k y
-            drift_f, drift_k = -tabs["c"] / gamma, (1.0 - tabs["a"]) / gamma
+            # mean = y + gamma b with b = -drift_f v - drift_k y (none between equal levels)
+            g = torch.where(gamma == 0, torch.ones_like(gamma), gamma)
+            drift_f, drift_k = -tabs["c"] / g, (1.0 - tabs["a"]) / g
         stochastic = tabs["scale"] > 0
         for key, val in (
             ("sigmas", s),

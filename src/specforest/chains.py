@@ -1,0 +1,422 @@
+"""The stochastic samplers people run, as chains the engine speculates exactly.
+
+Each sampler here moves its state by a Gaussian whose covariance does not
+depend on the network: ``x' ~ N(P x + Q D, R^2 I)`` in the sampler's own
+coordinates, with ``D`` the model's clean-image prediction and ``P, Q, R``
+functions of the schedule alone. Written in the library's coordinates (the
+linear path ``y = (1 - t) x_0 + t xi``, velocity ``v``, ``D = y - t v``) it is a
+:class:`~specforest.sde.GaussianChain`: ``y' ~ N(a y + c v, scale^2 I)``. A
+:class:`Chain` holds a sampler's parameters and turns a grid into those
+tables (:meth:`Chain.build`); the engine, the couplings and the drafts see
+only the tables, so every coupling, tree, draft and execution mode works on
+every chain and keeps its law.
+
+The grid is the library's, ``t_n`` on the linear path. A sampler written on
+VE noise levels (k-diffusion, ComfyUI's ``EPS`` models) reads
+``sigma_n = t_n / (1 - t_n)`` (:func:`specforest.kdiffusion.linear_grid` is the
+inverse); its state is ``x = y / (1 - t)``. A VE sampler's first level must be
+finite (``t_0 < 1``), except where its step has a finite limit there.
+
+Registered (:func:`available_chains`; :func:`register_chain` adds one):
+
+* ``em``: the paper's Euler-Maruyama step with churn (:class:`~specforest.sde.ReverseSDE`);
+* ``euler_ancestral``: k-diffusion's ``sample_euler_ancestral`` (``eta``, ``s_noise``) on VE
+  levels, or ComfyUI's ``sample_euler_ancestral_RF`` with ``path="linear"``;
+* ``euler``: EDM's churned Euler (k-diffusion's ``sample_euler`` with ``s_churn``), as a chain on
+  the churned state ``x-hat``;
+* ``ddpm``: ancestral DDPM (ComfyUI's ``sample_ddpm``), ``variance`` ``fixed_small`` or ``fixed_large``;
+* ``ddim``: DDIM with ``eta > 0``;
+* ``lcm``: LCM's re-noising step (ComfyUI's ``sample_lcm``).
+
+``../shared/research/samplers.md`` (in the project's notes) and ``docs/chains.md`` give
+each update as its code does it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from .registry import Registry
+from .sde import GaussianChain, ReverseSDE, _check_sigmas
+from .validation import check_choice, check_number
+
+__all__ = [
+    "DDIM",
+    "DDPM",
+    "EM",
+    "LCM",
+    "Chain",
+    "EulerAncestral",
+    "EulerChurn",
+    "Transitions",
+    "available_chains",
+    "get_chain",
+    "register_chain",
+    "ddpm_sigmas",
+]
+
+
+class Transitions(GaussianChain):
+    """The tables of a :class:`Chain` on one grid (see :class:`~specforest.sde.GaussianChain`).
+
+    Args:
+        chain: the chain that made them (its name and parameters are the record's).
+        sigmas: ``(T + 1,)`` linear-path levels of the states.
+        a, c, scale: ``(T,)`` float64 per-step coefficients (``mean = a y + c v``).
+        init_a, init_scale: the start ``init_a x + init_scale z`` (see :class:`~specforest.sde.GaussianChain`).
+    """
+
+    def __init__(
+        self,
+        chain: "Chain",
+        sigmas: torch.Tensor,
+        a: torch.Tensor,
+        c: torch.Tensor,
+        scale: torch.Tensor,
+        init_a: float = 1.0,
+        init_scale: float = 0.0,
+    ) -> None:
+        self.chain = chain
+        self.name = chain.name
+        # EDM's churn raises the level where its window begins: only a grid must decrease
+        self._set_tables(sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False)
+
+    @property
+    def params(self) -> dict:
+        return self.chain.params
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A stochastic sampler's parameters; :meth:`build` makes its tables on a grid.
+
+    A subclass is a frozen dataclass of its parameters (validated in ``__post_init__``)
+    with a :attr:`name` and :meth:`step`: the sampler's step ``x' = P x + Q D + R z``
+    from level ``t`` to ``t'`` in the linear path's coordinates (``P, Q, R`` per step).
+    """
+
+    name: ClassVar[str] = "chain"
+
+    @property
+    def params(self) -> dict:
+        """The parameters, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def step(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(P, Q, R)``, each ``(T,)`` float64: ``y' = P y + Q D + R z`` from ``t (T,)`` to ``t_next (T,)``."""
+        raise NotImplementedError
+
+    def coefficients(self, sigmas: torch.Tensor) -> tuple:
+        """``(states (T + 1,), P, Q, R (T,), init_a, init_scale)`` of the chain on the grid ``sigmas``.
+
+        The states sit on the grid itself, and the chain starts from the caller's ``x``, for every
+        chain but EDM's churned Euler; the default applies :meth:`step` between grid levels.
+        """
+        P, Q, R = self.step(sigmas[:-1], sigmas[1:])
+        return sigmas, P, Q, R, 1.0, 0.0
+
+    def build(self, sigmas: torch.Tensor) -> Transitions:
+        """The chain's tables on ``sigmas`` (``(T + 1,)`` linear-path levels, decreasing to 0).
+
+        Raises:
+            ValueError: if the grid is not one, or the sampler is not defined on it (a VE sampler's
+                first level at ``t = 1``, ``sigma = inf``), naming the chain.
+        """
+        sig = _check_sigmas(sigmas)
+        with torch.no_grad():
+            states, P, Q, R, init_a, init_scale = self.coefficients(sig)
+        t, t_next = states[:-1], states[1:]
+        a, c, scale = P + Q, -Q * t, R
+        bad = ~(torch.isfinite(a) & torch.isfinite(c) & torch.isfinite(scale))
+        if bool(bad.any()) or not (math.isfinite(init_a) and math.isfinite(init_scale)):
+            n = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
+            raise ValueError(
+                f"chain {self.name!r} is not defined on this grid at step {n} (levels {float(t[n]):.6g} -> "
+                f"{float(t_next[n]):.6g} on the linear path): a sampler on VE noise levels sigma = t / (1 - t) "
+                "needs a finite first level, t < 1; pass sigmas that start below 1 "
+                "(specforest.kdiffusion.linear_grid of a k-diffusion schedule, or chains.ddpm_sigmas)"
+            )
+        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale)
+
+    def replace(self, **params: Any) -> "Chain":
+        """This chain with other parameter values (validated).
+
+        Raises:
+            TypeError: naming a parameter the chain does not have, and listing those it has.
+        """
+        names = [f.name for f in fields(self)]
+        unknown = sorted(set(params) - set(names))
+        if unknown:
+            raise TypeError(f"chain {self.name!r} has no parameter {unknown[0]!r}; its parameters: {names}")
+        return replace(self, **params)
+
+
+def _ve(t: torch.Tensor) -> torch.Tensor:
+    """VE noise level ``t / (1 - t)`` (``inf`` at ``t = 1``)."""
+    return t / (1.0 - t)
+
+
+def _from_ve(t: torch.Tensor, t_next: torch.Tensor, P, Q, R) -> tuple:
+    """A VE step ``x' = P x + Q D + R z`` (``x = y / (1 - t)``) in the linear path's coordinates."""
+    return (1.0 - t_next) * P / (1.0 - t), (1.0 - t_next) * Q, (1.0 - t_next) * R
+
+
+def _check_s_noise(s_noise: object) -> float:
+    return check_number("s_noise", s_noise, 0.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class EM(Chain):
+    """The paper's Euler-Maruyama step with churn ``eps`` in ``(0, 1]`` (eqs. 35-37)."""
+
+    churn: float = 1.0
+    name: ClassVar[str] = "em"
+
+    def __post_init__(self) -> None:
+        from .validation import check_churn
+
+        object.__setattr__(self, "churn", check_churn(self.churn))
+
+    def build(self, sigmas: torch.Tensor) -> ReverseSDE:
+        return ReverseSDE(torch.as_tensor(sigmas, dtype=torch.float64), self.churn)
+
+
+PATHS = ("ve", "linear")
+
+
+@dataclass(frozen=True)
+class EulerAncestral(Chain):
+    """k-diffusion's ``sample_euler_ancestral``, or ComfyUI's ``sample_euler_ancestral_RF`` (``path="linear"``).
+
+    VE (``path="ve"``): ``(sigma_down, sigma_up) = get_ancestral_step(sigma, sigma', eta)``,
+    ``x' = (sigma_down / sigma) x + (1 - sigma_down / sigma) D + s_noise sigma_up z``.
+    Linear (``path="linear"``, ComfyUI's ``CONST`` models): ``sigma_down = t' (1 + eta (t' / t - 1))``,
+    an Euler step of the flow to ``sigma_down``, then re-noised to ``t'``. The step into 0 is ``x' = D``.
+    """
+
+    eta: float = 1.0
+    s_noise: float = 1.0
+    path: str = "ve"
+    name: ClassVar[str] = "euler_ancestral"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
+        object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+        check_choice("path", self.path, PATHS)
+
+    def step(self, t, t_next):
+        if self.path == "linear":
+            down = t_next * (1.0 + self.eta * (t_next / t - 1.0))
+            renoise = (1.0 - t_next) / (1.0 - down)
+            up2 = (t_next**2 - (down * renoise) ** 2).clamp_min(0.0)
+            last = t_next == 0
+            P = torch.where(last, torch.zeros_like(t), renoise * down / t)
+            Q = torch.where(last, torch.ones_like(t), renoise * (1.0 - down / t))
+            R = torch.where(last | (self.eta == 0), torch.zeros_like(t), self.s_noise * up2.sqrt())
+            return P, Q, R
+        s, s_next = _ve(t), _ve(t_next)
+        # get_ancestral_step: sigma_up = min(s', eta sqrt(s'^2 (s^2 - s'^2) / s^2)), written with
+        # the ratio s' / s, which is finite (0) at s = inf
+        ratio = torch.where(torch.isinf(s), torch.zeros_like(s), s_next / s)
+        up = torch.minimum(s_next, self.eta * s_next * (1.0 - ratio**2).clamp_min(0.0).sqrt())
+        down = (s_next**2 - up**2).clamp_min(0.0).sqrt()
+        # x' = (down / s) x + (1 - down / s) D; in y = (1 - t) x the state's coefficient is
+        # (1 - t') down / t, finite at t = 1
+        frac = torch.where(torch.isinf(s), torch.zeros_like(s), down / s)
+        P = (1.0 - t_next) * down / t
+        Q = (1.0 - t_next) * (1.0 - frac)
+        R = (1.0 - t_next) * self.s_noise * up
+        return P, Q, R
+
+
+def _churn_gamma(s: torch.Tensor, steps: int, s_churn: float, s_tmin: float, s_tmax: float) -> torch.Tensor:
+    """EDM's ``gamma_i = min(s_churn / N, sqrt 2 - 1)`` inside ``[s_tmin, s_tmax]``, else 0."""
+    g = min(s_churn / steps, math.sqrt(2.0) - 1.0)
+    inside = (s >= s_tmin) & (s <= s_tmax)
+    return torch.where(inside, torch.full_like(s, g), torch.zeros_like(s))
+
+
+@dataclass(frozen=True)
+class EulerChurn(Chain):
+    """EDM's stochastic Euler sampler (k-diffusion's ``sample_euler`` with ``s_churn``), on ``x-hat``.
+
+    k-diffusion adds the churn noise *before* the network call, so its own step is not a Gaussian
+    transition of ``x``. Taking the churned ``x-hat_i`` (at ``sigma-hat_i = sigma_i (1 + gamma_i)``)
+    as the state makes it one::
+
+        x-hat_{i+1} = x-hat_i + (sigma_{i+1} - sigma-hat_i) d(x-hat_i) + s_noise sqrt(sigma-hat_{i+1}^2 - sigma_{i+1}^2) z
+
+    The chain starts from ``x-hat_0 = x + s_noise sqrt(sigma-hat_0^2 - sigma_0^2) z``, and its last step
+    (into 0) is the plain Euler step. Its states sit at ``sigma-hat``: :meth:`levels`.
+    """
+
+    s_churn: float = 0.0
+    s_tmin: float = 0.0
+    s_tmax: float = float("inf")
+    s_noise: float = 1.0
+    name: ClassVar[str] = "euler"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "s_churn", check_number("s_churn", self.s_churn, 0.0))
+        object.__setattr__(self, "s_tmin", check_number("s_tmin", self.s_tmin, 0.0))
+        tmax = self.s_tmax
+        if not (isinstance(tmax, (int, float)) and not isinstance(tmax, bool) and float(tmax) >= self.s_tmin):
+            raise ValueError(f"s_tmax must be a number >= s_tmin ({self.s_tmin}), got {tmax!r}")
+        object.__setattr__(self, "s_tmax", float(tmax))
+        object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+
+    def coefficients(self, sigmas):
+        s = _ve(sigmas)  # (N + 1,) k-diffusion's levels, the last 0
+        N = s.numel() - 1
+        g = _churn_gamma(s[:-1], N, self.s_churn, self.s_tmin, self.s_tmax)
+        hat = torch.cat([s[:-1] * (1.0 + g), s.new_zeros(1)])  # the states' levels sigma-hat
+        t_hat = torch.where(torch.isinf(hat), torch.ones_like(hat), hat / (1.0 + hat))
+        # step i: x-hat_{i+1} = (s_{i+1} / hat_i) x-hat_i + (1 - s_{i+1} / hat_i) D + noise_{i+1} z
+        noise = self.s_noise * (hat**2 - s**2).clamp_min(0.0).sqrt()  # (N + 1,), 0 where gamma = 0
+        ratio = s[1:] / hat[:-1]
+        P, Q, R = _from_ve(t_hat[:-1], t_hat[1:], ratio, 1.0 - ratio, noise[1:])
+        # x-hat_0 = x_0 + noise_0 z: in y, y-hat_0 = (1 - t-hat_0) (y_0 / (1 - t_0) + noise_0 z)
+        init_a = float((1.0 - t_hat[0]) / (1.0 - sigmas[0]))
+        return t_hat, P, Q, R, init_a, float((1.0 - t_hat[0]) * noise[0])
+
+
+VARIANCES = ("fixed_small", "fixed_large")
+
+
+@dataclass(frozen=True)
+class DDPM(Chain):
+    """Ancestral DDPM (ComfyUI's ``sample_ddpm``) on VE levels, ``alpha-bar = 1 / (1 + sigma^2)``.
+
+    ``mu = alpha^(-1/2) (x~ - (1 - alpha) eps / sqrt(1 - alpha-bar))`` with ``alpha = alpha-bar / alpha-bar'``,
+    ``x~ = x / sqrt(1 + sigma^2)``, then ``x' = sqrt(1 + sigma'^2) (mu + std z)``: ``std^2`` is
+    ``beta~ = (1 - alpha)(1 - alpha-bar') / (1 - alpha-bar)`` (``fixed_small``) or
+    ``beta = 1 - alpha`` (``fixed_large``). Learned variances are refused: their covariance comes
+    from the network.
+    """
+
+    variance: str = "fixed_small"
+    name: ClassVar[str] = "ddpm"
+
+    def __post_init__(self) -> None:
+        if self.variance in ("learned", "learned_range"):
+            raise ValueError(
+                f"variance={self.variance!r}: a learned variance comes from the network, so the transition's "
+                "covariance depends on the model and no coupling can be exact; use fixed_small or fixed_large"
+            )
+        check_choice("variance", self.variance, VARIANCES)
+
+    def step(self, t, t_next):
+        s, s_next = _ve(t), _ve(t_next)
+        ab, ab_next = 1.0 / (1.0 + s**2), 1.0 / (1.0 + s_next**2)
+        alpha = ab / ab_next
+        k = (1.0 + s_next**2).sqrt() / alpha.sqrt()
+        # eps = (x - D) / s and sqrt(1 - ab) = s / sqrt(1 + s^2)
+        w = (1.0 - alpha) * (1.0 + s**2).sqrt() / s**2
+        P = k * (1.0 / (1.0 + s**2).sqrt() - w)
+        Q = k * w
+        if self.variance == "fixed_small":
+            var = (1.0 - alpha) * (1.0 - ab_next) / (1.0 - ab)
+        else:
+            var = 1.0 - alpha
+        R = torch.where(s_next > 0, (1.0 + s_next**2).sqrt() * var.clamp_min(0.0).sqrt(), torch.zeros_like(s))
+        return _from_ve(t, t_next, P, Q, R)
+
+
+@dataclass(frozen=True)
+class DDIM(Chain):
+    """DDIM with ``eta > 0`` on variance-preserving levels ``alpha-bar = 1 / (1 + sigma^2)``.
+
+    ``x' = sqrt(alpha-bar') D + sqrt(1 - alpha-bar' - s_t^2) eps + s_t z`` with
+    ``s_t = eta sqrt((1 - alpha-bar') / (1 - alpha-bar)) sqrt(1 - alpha-bar / alpha-bar')``
+    (no clipping). ``eta = 0`` is the deterministic DDIM: no tree can speculate it.
+    """
+
+    eta: float = 1.0
+    name: ClassVar[str] = "ddim"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
+
+    def step(self, t, t_next):
+        # in VP coordinates x = n y with n = sqrt(ab) + sqrt(1 - ab) = 1 / (1 - t + t) scaled:
+        # sqrt(ab) = (1 - t) / r, sqrt(1 - ab) = t / r, r = sqrt((1 - t)^2 + t^2)
+        r, r_next = ((1.0 - t) ** 2 + t**2).sqrt(), ((1.0 - t_next) ** 2 + t_next**2).sqrt()
+        sa, sb = (1.0 - t) / r, t / r  # sqrt(ab), sqrt(1 - ab)
+        sa_n, sb_n = (1.0 - t_next) / r_next, t_next / r_next
+        ab, ab_next = sa**2, sa_n**2
+        st = self.eta * (sb_n / sb) * (1.0 - ab / ab_next).clamp_min(0.0).sqrt()
+        c2 = (sb_n**2 - st**2).clamp_min(0.0).sqrt()
+        n, n_next = sa + sb, sa_n + sb_n  # x_vp = n y
+        P = c2 * n / (sb * n_next)
+        Q = (sa_n - c2 * sa / sb) / n_next
+        R = st / n_next
+        return P, Q, R
+
+
+@dataclass(frozen=True)
+class LCM(Chain):
+    """LCM's step (ComfyUI's ``sample_lcm``): ``x' = D + s_noise sigma' z`` (VE), ``(1 - t') D + s_noise t' z``
+    on the linear path: the same chain."""
+
+    s_noise: float = 1.0
+    name: ClassVar[str] = "lcm"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+
+    def step(self, t, t_next):
+        return torch.zeros_like(t), 1.0 - t_next, self.s_noise * t_next
+
+
+def ddpm_sigmas(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
+    """DDPM's own schedule as a linear-path grid: linear betas over ``steps`` training steps
+    (``DDPMScheduler``'s defaults), every one a sampling step, VE ``sigma = sqrt((1 - ab) / ab)``.
+
+    Returns:
+        ``(steps + 1,)`` float64, decreasing to 0 (``t = sigma / (1 + sigma)``).
+    """
+    from .validation import check_int
+
+    check_int("steps", steps, 2)
+    betas = torch.linspace(beta_start, beta_end, steps, dtype=torch.float64)
+    ab = torch.cumprod(1.0 - betas, 0)
+    s = ((1.0 - ab) / ab).sqrt().flip(0)
+    t = s / (1.0 + s)
+    return torch.cat([t, t.new_zeros(1)])
+
+
+_CHAINS: Registry[Chain] = Registry(
+    "chain", {c.name: c for c in (EM, EulerAncestral, EulerChurn, DDPM, DDIM, LCM)}, case_insensitive=True
+)
+
+
+def register_chain(name: str, factory: Callable[[], Chain], *, replace: bool = False) -> None:
+    """Make ``chain=name`` resolve to ``factory()`` (a :class:`Chain` with default parameters) everywhere.
+
+    Raises:
+        ValueError: if the name is taken and ``replace`` is False.
+    """
+    _CHAINS.register(name, factory, replace=replace)
+
+
+def available_chains() -> list[str]:
+    """The registered chain names."""
+    return _CHAINS.names()
+
+
+def get_chain(chain: "str | Chain", **params: Any) -> Chain:
+    """A :class:`Chain` from a registered name (with ``params`` set) or a :class:`Chain` as it is.
+
+    Raises:
+        ValueError: an unknown name, listing the registered ones; TypeError: a parameter the chain lacks.
+    """
+    if isinstance(chain, Chain):
+        return chain.replace(**params) if params else chain
+    if chain not in _CHAINS:
+        raise ValueError(f"chain must be a Chain or one of {', '.join(available_chains())}; got {chain!r}")
+    made = _CHAINS.make(chain)
+    return made.replace(**params) if params else made

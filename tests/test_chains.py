@@ -1,0 +1,222 @@
+"""The chains (specforest.chains): each sampler's tables against the sampler itself.
+
+A chain's tables ``(a, c, scale)`` on the linear path must reproduce the sampler's own step in its
+own coordinates. k-diffusion's samplers are the real functions (``kdiff_reference``: its
+``sampling.py`` from the registry's wheel, unchanged), fed the same noise; ComfyUI's (``ddpm``,
+``lcm``, ``euler_ancestral_RF``) and DDIM are written here as their code computes them, in their
+own (VE, VP or CONST) coordinates, independently of the chains' linear-path derivation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kdiff_reference import sampling
+from specforest import chains
+
+MU, S0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 0.3
+
+
+def denoiser(x: torch.Tensor, sigma, **_) -> torch.Tensor:
+    """``E[x_0 | x = x_0 + sigma xi]`` for data ``N(MU, S0^2 I)`` (a k-diffusion denoiser)."""
+    s = sigma.reshape(-1, *[1] * (x.ndim - 1)) if torch.is_tensor(sigma) else sigma
+    return MU + S0**2 / (S0**2 + s**2) * (x - MU)
+
+
+def karras(n: int = 20, lo: float = 0.03, hi: float = 80.0) -> torch.Tensor:
+    return sampling().get_sigmas_karras(n, lo, hi).to(torch.float64)
+
+
+def run_tables(tr, y: torch.Tensor, noise) -> torch.Tensor:
+    """The chain's standard sampler on its tables: ``y' = a y + c v + scale z``, ``v = (y - D) / t``."""
+    for n in range(tr.steps):
+        t = tr.sigmas[n]
+        v = (y - denoiser(y / (1 - t), t / (1 - t))) / t
+        y = tr.a[n] * y + tr.c[n] * v + tr.scale[n] * noise(n)
+    return y
+
+
+def test_registry_lists_every_chain_and_refuses_unknown_names_and_parameters():
+    assert available_chains_are(["em", "euler_ancestral", "euler", "ddpm", "ddim", "lcm"])
+    assert chains.get_chain("euler_ancestral", eta=0.5) == chains.EulerAncestral(eta=0.5)
+    with pytest.raises(ValueError, match="chain must be a Chain or one of em, euler_ancestral"):
+        chains.get_chain("bogus")
+    with pytest.raises(TypeError, match="has no parameter 'churn'; its parameters"):
+        chains.get_chain("euler_ancestral", churn=0.5)
+    with pytest.raises(ValueError, match="eta"):
+        chains.EulerAncestral(eta=-0.1)
+    with pytest.raises(ValueError, match="s_noise"):
+        chains.LCM(s_noise=float("nan"))
+    with pytest.raises(ValueError, match="covariance depends on the model"):
+        chains.DDPM(variance="learned")
+    with pytest.raises(ValueError, match="variance must be one of fixed_small, fixed_large"):
+        chains.DDPM(variance="fixed_large_log")
+
+
+def available_chains_are(names: list) -> bool:
+    return chains.available_chains()[: len(names)] == names
+
+
+def test_a_ve_chain_refuses_a_grid_that_starts_at_sigma_infinity():
+    with pytest.raises(ValueError, match="chain 'ddpm' is not defined on this grid at step 0"):
+        chains.DDPM().build(torch.linspace(1.0, 0.0, 11, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("eta, s_noise", [(1.0, 1.0), (0.5, 1.1), (0.0, 1.0)])
+def test_euler_ancestral_tables_equal_k_diffusions_sampler(eta, s_noise):
+    sig = karras()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3, dtype=torch.float64, generator=gen) * sig[0]
+    z = [torch.randn(64, 3, dtype=torch.float64, generator=gen) for _ in sig]
+    it = iter(z)
+    ref = sampling().sample_euler_ancestral(
+        denoiser, x, sig, eta=eta, s_noise=s_noise, noise_sampler=lambda a, b: next(it), disable=True
+    )
+    tr = chains.EulerAncestral(eta=eta, s_noise=s_noise).build(sig / (1 + sig))
+    ours = run_tables(tr, x / (1 + sig[0]), lambda n: z[n])
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-12 * ref.abs().max())
+    assert bool(tr.stochastic.any()) == (eta > 0)
+
+
+@pytest.mark.parametrize("s_churn, s_tmin, s_tmax", [(10.0, 0.05, 50.0), (40.0, 0.0, float("inf")), (0.0, 0.0, 1.0)])
+def test_euler_churn_chain_on_x_hat_equals_k_diffusions_sample_euler(s_churn, s_tmin, s_tmax):
+    """k-diffusion draws ``randn_like`` at every step (churned or not); the chain's start takes the first
+    draw, its step ``i`` the draw of step ``i + 1`` (the churn of the state it moves to)."""
+    sig = karras()
+    x = torch.randn(64, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * sig[0]
+    torch.manual_seed(5)
+    ref = sampling().sample_euler(denoiser, x, sig, s_churn=s_churn, s_tmin=s_tmin, s_tmax=s_tmax, disable=True)
+    torch.manual_seed(5)
+    draws = [torch.randn_like(x) for _ in range(len(sig) - 1)]
+    tr = chains.EulerChurn(s_churn=s_churn, s_tmin=s_tmin, s_tmax=s_tmax).build(sig / (1 + sig))
+    y0 = tr.init_a * x / (1 + sig[0]) + tr.init_scale * draws[0]
+    ours = run_tables(tr, y0, lambda n: draws[n + 1] if n + 1 < len(draws) else torch.zeros_like(x))
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-12 * ref.abs().max())
+    assert bool(tr.stochastic.any()) == (s_churn > 0)
+
+
+def comfy_ddpm(x, sig, z, variance="fixed_small"):
+    """ComfyUI's ``sample_ddpm`` step (``DDPMSampler_step``), in VE coordinates, per its code."""
+    for i in range(len(sig) - 1):
+        s, s1 = sig[i], sig[i + 1]
+        D = denoiser(x, s)
+        ab, ab1 = 1 / (1 + s**2), 1 / (1 + s1**2)
+        alpha = ab / ab1
+        eps = (x - D) / s
+        xt = x / torch.sqrt(1 + s**2)
+        mu = alpha**-0.5 * (xt - (1 - alpha) * eps / torch.sqrt(1 - ab))
+        if s1 > 0:
+            var = (1 - alpha) * (1 - ab1) / (1 - ab) if variance == "fixed_small" else 1 - alpha
+            mu = mu + torch.sqrt(var) * z[i]
+            x = mu * torch.sqrt(1 + s1**2)
+        else:
+            x = mu
+    return x
+
+
+def comfy_lcm(x, sig, z, s_noise=1.0):
+    """ComfyUI's ``sample_lcm`` (EPS model sampling): ``x = D``, then ``D + sigma' s_noise z``."""
+    for i in range(len(sig) - 1):
+        x = denoiser(x, sig[i])
+        if sig[i + 1] > 0:
+            x = x + sig[i + 1] * s_noise * z[i]
+    return x
+
+
+def vp_ddim(x_vp, ab_list, z, eta):
+    """DDIM with eta on VP states ``x = sqrt(ab) x0 + sqrt(1 - ab) xi``, ``ab`` decreasing noise to 1."""
+    for i in range(len(ab_list) - 1):
+        ab, ab1 = ab_list[i], ab_list[i + 1]
+        sigma = math.sqrt((1 - ab) / ab)
+        D = denoiser(x_vp / math.sqrt(ab), torch.tensor(sigma, dtype=torch.float64))
+        eps = (x_vp - math.sqrt(ab) * D) / math.sqrt(1 - ab)
+        st = eta * math.sqrt((1 - ab1) / (1 - ab)) * math.sqrt(1 - ab / ab1)
+        x_vp = math.sqrt(ab1) * D + math.sqrt(max(1 - ab1 - st**2, 0.0)) * eps + st * z[i]
+    return x_vp
+
+
+def comfy_euler_ancestral_rf(x, sig, z, eta=1.0, s_noise=1.0):
+    """ComfyUI's ``sample_euler_ancestral_RF`` for CONST (linear-path) models, per its code."""
+    for i in range(len(sig) - 1):
+        s, s1 = sig[i], sig[i + 1]
+        D = denoiser(x / (1 - s), s / (1 - s))  # the linear-path denoiser is the VE one at the mapped level
+        if s1 == 0:
+            x = D
+            continue
+        down = s1 * (1 + (s1 / s - 1) * eta)
+        a1, ad = 1 - s1, 1 - down
+        x = (down / s) * x + (1 - down / s) * D
+        x = (a1 / ad) * x + torch.sqrt(s1**2 - down**2 * a1**2 / ad**2) * s_noise * z[i]
+    return x
+
+
+def _noise(n: int, seed: int = 3) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(64, 3, dtype=torch.float64, generator=gen) for _ in range(n)]
+
+
+@pytest.mark.parametrize("variance", chains.VARIANCES)
+def test_ddpm_tables_equal_comfys_ddpm_step(variance):
+    t = chains.ddpm_sigmas(50)
+    sig = t / (1 - t)
+    z = _noise(len(sig))
+    x = z[-1] * sig[0]
+    ref = comfy_ddpm(x, sig, z, variance)
+    ours = run_tables(chains.DDPM(variance=variance).build(t), x / (1 + sig[0]), lambda n: z[n])
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-10 * ref.abs().max())
+
+
+def test_ddpm_sigmas_are_ddpm_schedulers_default_betas():
+    t = chains.ddpm_sigmas(1000)
+    betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
+    ab = torch.cumprod(1 - betas, 0)
+    sig = t[:-1] / (1 - t[:-1])
+    assert torch.allclose(1 / (1 + sig.flip(0) ** 2), ab, rtol=1e-12)
+    assert t.shape == (1001,) and t[-1] == 0
+
+
+def test_lcm_tables_equal_comfys_lcm_step():
+    sig = karras(8, 0.03, 15.0)
+    z = _noise(len(sig))
+    x = z[-1] * sig[0]
+    ref = comfy_lcm(x, sig, z, s_noise=0.9)
+    ours = run_tables(chains.LCM(s_noise=0.9).build(sig / (1 + sig)), x / (1 + sig[0]), lambda n: z[n])
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-12 * ref.abs().max())
+
+
+@pytest.mark.parametrize("eta", [1.0, 0.3])
+def test_ddim_tables_equal_ddim_with_eta_on_vp_states(eta):
+    sig = karras(25, 0.03, 30.0)
+    ab = (1 / (1 + sig**2)).tolist()
+    z = _noise(len(sig))
+    x_vp = z[-1]  # at ab_0 ~ 1e-3, nearly pure noise
+    ref = vp_ddim(x_vp, ab, z, eta)  # at ab = 1 the VP state is x_0
+    t = sig / (1 + sig)
+    # VP to the linear path: y = x_vp / (sqrt(ab) + sqrt(1 - ab))
+    y0 = x_vp / (math.sqrt(ab[0]) + math.sqrt(1 - ab[0]))
+    ours = run_tables(chains.DDIM(eta=eta).build(t), y0, lambda n: z[n])
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-10 * ref.abs().max())
+
+
+@pytest.mark.parametrize("eta", [1.0, 0.5])
+def test_euler_ancestral_linear_path_equals_comfys_rf_sampler(eta):
+    t = torch.linspace(0.97, 0.0, 21, dtype=torch.float64)
+    z = _noise(len(t))
+    x = z[-1]
+    ref = comfy_euler_ancestral_rf(x, t, z, eta=eta, s_noise=1.05)
+    ours = run_tables(chains.EulerAncestral(eta=eta, s_noise=1.05, path="linear").build(t), x, lambda n: z[n])
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-12 * ref.abs().max())
+
+
+def test_em_chain_is_the_reverse_sde():
+    from specforest.sde import ReverseSDE, flow_match_grid
+
+    g = flow_match_grid(12)
+    built, ref = chains.EM(churn=0.4).build(g), ReverseSDE(g, 0.4)
+    for name in ("a", "c", "scale", "drift_f", "drift_k"):
+        assert torch.equal(getattr(built, name), getattr(ref, name))
+    with pytest.raises(ValueError, match="churn must be in"):
+        chains.EM(churn=0.0)
