@@ -258,24 +258,45 @@ def check_coupling(
 # -- the whole chain -------------------------------------------------------------------------
 
 
-def chain_law(sigmas: torch.Tensor, churn: float, mu0: torch.Tensor, s0: float) -> tuple[torch.Tensor, float]:
-    """Mean ``(d,)`` and per-coordinate variance of the EM chain's final state from ``N(0, I)``.
+def _gaussian_velocity(t: float, mu0: torch.Tensor, s0: float) -> tuple[float, torch.Tensor]:
+    """``(alpha, beta)`` of the velocity ``v = alpha y + beta`` at level ``t`` for data ``N(mu0, s0^2 I)``."""
+    a = 1.0 - t
+    alpha = (t - a * s0 * s0) / (a * a * s0 * s0 + t * t)
+    return alpha, -alpha * a * mu0 - mu0
 
-    Data ``x_0 ~ N(mu0, s0^2 I)``: the velocity is affine in ``x``, so each step
-    (eqs. 35-37, or the plain Euler step where it carries no noise) maps a
-    Gaussian to a Gaussian.
+
+def chain_law(
+    sigmas: torch.Tensor, churn: Optional[float], mu0: torch.Tensor, s0: float, *, chain=None
+) -> tuple[torch.Tensor, float]:
+    """Mean ``(d,)`` and per-coordinate variance of a chain's final state from ``N(0, I)``.
+
+    Data ``x_0 ~ N(mu0, s0^2 I)``: the velocity is affine in ``x``, so each step maps a Gaussian
+    to a Gaussian. With ``chain=None`` the chain is the paper's EM chain with ``churn`` (eqs. 35-37,
+    or the plain Euler step where it carries no noise), written here from the paper, independently
+    of :mod:`specforest.sde`. With ``chain`` (a registered name or a
+    :class:`~specforest.chains.Chain`), any chain's tables on ``sigmas`` (whose own correctness
+    ``tests/test_chains.py`` checks against the samplers' code), from its start ``init_a x + init_scale z``.
     """
-    mean = torch.zeros_like(mu0, dtype=torch.float64)
     mu0 = mu0.double()
+    mean = torch.zeros_like(mu0)
     var = 1.0
+    if chain is not None:
+        from .chains import get_chain
+
+        tr = get_chain(chain).build(sigmas)
+        mean, var = tr.init_a * mean, tr.init_a**2 * var + tr.init_scale**2
+        for n in range(tr.steps):
+            alpha, beta = _gaussian_velocity(float(tr.sigmas[n]), mu0, s0)
+            a, c = float(tr.a[n]), float(tr.c[n])
+            A = a + c * alpha
+            mean = A * mean + c * beta
+            var = A * A * var + float(tr.scale[n]) ** 2
+        return mean, float(var)
     eps2 = churn**2
     for n in range(len(sigmas) - 1):
         s, s_next = float(sigmas[n]), float(sigmas[n + 1])
         gamma = s - s_next
-        a = 1.0 - s
-        v_var = a * a * s0 * s0 + s * s
-        alpha = (s - a * s0 * s0) / v_var  # v = alpha x + beta
-        beta = -alpha * a * mu0 - mu0
+        alpha, beta = _gaussian_velocity(s, mu0, s0)
         if s < 1.0 and s_next > 0.0:
             t = 1.0 - s
             A = 1.0 - gamma * eps2 / t - gamma * (1 + eps2) * alpha
@@ -298,6 +319,8 @@ class ChainReport:
     ks_p: list
     nfe_mean: float
     failures: list = field(default_factory=list)
+    norm_z: float = float("nan")
+    norm_p: float = float("nan")
 
     @property
     def passed(self) -> bool:
@@ -309,9 +332,23 @@ class ChainReport:
             raise AssertionError("the chain's law is not the standard sampler's: " + "; ".join(self.failures))
 
 
-def check_law(samples: torch.Tensor, sigmas: torch.Tensor, churn: float, mu0: torch.Tensor, s0: float) -> ChainReport:
-    """Compare ``samples (n, d)`` with the closed-form law of the chain (see :func:`check_chain_law`)."""
-    mean, var = chain_law(sigmas, churn, mu0, s0)
+def check_law(
+    samples: torch.Tensor,
+    sigmas: torch.Tensor,
+    churn: Optional[float],
+    mu0: torch.Tensor,
+    s0: float,
+    *,
+    chain=None,
+) -> ChainReport:
+    """Compare ``samples (n, d)`` with the closed-form law of the chain (see :func:`check_chain_law`).
+
+    Per coordinate: the mean and variance z-scores and a KS test; and the standardized squared
+    norm ``sum_j (x_j - mean_j)^2 / var``, chi-square with ``d`` degrees of freedom: a KS test and
+    the z-score of its mean. In high dimension a wrong chain moves the spread long before any one
+    coordinate's law, and the squared norm sees it first.
+    """
+    mean, var = chain_law(sigmas, churn, mu0, s0, chain=chain)
     n = samples.shape[0]
     x = samples.double()
     zm = (x.mean(0) - mean) / math.sqrt(var / n)
@@ -323,7 +360,17 @@ def check_law(samples: torch.Tensor, sigmas: torch.Tensor, churn: float, mu0: to
     if zv.abs().max() > Z_TOL:
         fails.append(f"variance z={[round(v, 2) for v in zv.tolist()]}")
     fails += [f"KS coordinate {j} p={p:.1e}" for j, p in enumerate(ks) if p < P_TOL]
-    return ChainReport(zm.tolist(), zv.tolist(), ks, float("nan"), fails)
+    from scipy import stats
+
+    d = x.shape[1]
+    q = ((x - mean) ** 2).sum(1) / var
+    zq = (float(q.mean()) - d) / math.sqrt(2.0 * d / n)
+    pq = float(stats.kstest(q.numpy(), stats.chi2(d).cdf).pvalue)
+    if abs(zq) > Z_TOL:
+        fails.append(f"squared norm z={zq:.2f}")
+    if pq < P_TOL:
+        fails.append(f"KS squared norm p={pq:.1e}")
+    return ChainReport(zm.tolist(), zv.tolist(), ks, float("nan"), fails, norm_z=zq, norm_p=pq)
 
 
 def check_chain_law(
@@ -332,8 +379,10 @@ def check_chain_law(
     draft="velocity",
     *,
     steps: int = 12,
-    churn: float = 0.6,
+    churn: Optional[float] = 0.6,
     grid: str = "uniform",
+    sigmas: Optional[torch.Tensor] = None,
+    chain=None,
     trajectories: int = 6000,
     seed: int = 0,
     **sample_kwargs,
@@ -348,7 +397,10 @@ def check_chain_law(
     Args:
         tree, coupling, draft: as in :func:`specforest.sample` (any tree, coupling,
             draft, prefetch, verification mode or execution mode).
-        steps, churn, grid: the chain.
+        steps, churn, grid: the grid, and the EM chain's churn (ignored with another ``chain``).
+        sigmas: an explicit grid instead (a VE chain needs one that starts below 1).
+        chain: a registered chain name or a :class:`~specforest.chains.Chain` (``None``: the EM
+            chain with ``churn``); its law is computed from its tables on the grid.
         trajectories: samples (>= 100).
         seed: the run's seed.
         sample_kwargs: further options of :func:`specforest.sample` (``prefetch``,
@@ -365,19 +417,20 @@ def check_chain_law(
     mu0, s0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 0.3
     gauss = GaussianMixture(mu0[None], torch.tensor([s0]))
     x = torch.randn(trajectories, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if sigmas is None:
+        sigmas = uniform_grid(steps) if grid == "uniform" else flow_match_grid(steps)
+    run = {"chain": chain} if chain is not None else {"churn": churn}
     out = sample(
         gauss,
         x,
-        steps=steps,
-        churn=churn,
-        grid=grid,
+        sigmas=sigmas,
+        **run,
         tree=tree,
         coupling=coupling,
         draft=draft,
         seed=seed + 1,
         **sample_kwargs,
     )
-    sigmas = uniform_grid(steps) if grid == "uniform" else flow_match_grid(steps)
-    rep = check_law(out.samples, sigmas, churn, mu0, s0)
+    rep = check_law(out.samples, sigmas, churn, mu0, s0, chain=chain)
     rep.nfe_mean = float(out.stats.nfe.double().mean())
     return rep
