@@ -31,7 +31,7 @@ from specforest.couplings import GRS, available_couplings, get_coupling
 from specforest.experiments import gmm as gmm_exp
 from specforest.models import GaussianMixture
 from specforest.planning import AdaptiveTree
-from specforest.proposals import available_drafts, drafts_serving
+from specforest.proposals import FrozenPrediction, available_drafts, drafts_serving, register_draft, unregister_draft
 from specforest.sampler import GRIDS, PREFETCH_POLICIES
 from specforest.sde import flow_match_grid, shift_sigmas, uniform_grid
 from specforest.trees import VERIFY_MODES
@@ -200,6 +200,12 @@ def test_the_law_check_rejects_a_wrong_coupling():
     assert not rep.passed
 
 
+def gmm_choices(option: str) -> tuple[str, ...]:
+    """The values ``specforest gmm`` accepts for ``option``: its ``click.Choice``, read from the command."""
+    param = next(p for p in cli_main.commands["gmm"].params if p.name == option)
+    return tuple(param.type.choices)
+
+
 @st.composite
 def cli_options(draw) -> list:
     """Valid ``specforest gmm`` options at a tiny dimension (one component: the linear-Gaussian case)."""
@@ -209,10 +215,11 @@ def cli_options(draw) -> list:
     args += ["--steps", str(draw(st.integers(3, 8))), "--churn", repr(draw(st.floats(0.2, 1.0)))]
     args += ["--dim", str(draw(st.integers(1, 3))), "--mixture-seed", str(draw(st.integers(0, 2**64 - 1)))]
     for opt, choices in (
-        ("--grid", GRIDS),
-        ("--prefetch", PREFETCH_POLICIES),
-        ("--verify", VERIFY_MODES),
-        ("--draft", drafts_serving(available_drafts(), None)),
+        ("--grid", gmm_choices("grid")),
+        ("--prefetch", gmm_choices("prefetch")),
+        ("--verify", gmm_choices("verify")),
+        # the drafts the command offers (not the registry, which tests extend) that serve any model
+        ("--draft", drafts_serving(gmm_choices("draft"), None)),
     ):
         args += [opt, draw(st.sampled_from(choices))]
     if method in ("dgrs", "rank", "rmc") and draw(st.booleans()):
@@ -220,6 +227,24 @@ def cli_options(draw) -> list:
     elif draw(st.booleans()):
         args.append("--lazy")
     return args
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(args=cli_options())
+def _parses_as_gmm_options(args):
+    # click's own parsing: an option value the command does not offer raises click.BadParameter
+    cli_main.commands["gmm"].make_context("gmm", list(args))
+
+
+def test_the_cli_strategy_draws_only_what_the_cli_accepts():
+    """Every drawn argument list parses as ``specforest gmm``'s options, also while a draft that
+    the CLI does not offer is registered (as when a test that registers one ran before in the
+    same process)."""
+    register_draft("velocity-fuzz-test", lambda: FrozenPrediction("velocity"))
+    try:
+        _parses_as_gmm_options()
+    finally:
+        unregister_draft("velocity-fuzz-test")
 
 
 @settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

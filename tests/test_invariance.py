@@ -15,9 +15,16 @@ from scipy import stats as sps
 
 import specforest
 from specforest import lockstep, records, streams, trees
-from specforest.couplings import GRS, available_couplings, get_coupling, register_coupling
+from specforest.couplings import GRS, available_couplings, get_coupling, register_coupling, unregister_coupling
 from specforest.models import GaussianMixture
-from specforest.proposals import FrozenPrediction, LearnedDraft, available_drafts, get_proposal, register_draft
+from specforest.proposals import (
+    FrozenPrediction,
+    LearnedDraft,
+    available_drafts,
+    get_proposal,
+    register_draft,
+    unregister_draft,
+)
 
 GMM = GaussianMixture.paper(dim=12, components=3, seed=0)
 BATCH = 12
@@ -303,7 +310,19 @@ def test_cond_is_explicit_and_validated():
         specforest.sample(model, X, steps=6, churn=0.4, seed=0, cond={"label": label[:3]})
 
 
-def test_registries_extend_couplings_and_drafts():
+@pytest.fixture
+def scratch_plugins():
+    """Registers nothing; after the test, unregisters the coupling ``mine-test`` and the draft
+    ``velocity-test`` if it left them: a name left behind is drawn by later tests that draw from
+    the registries (``tests/test_fuzz.py``), which then depend on the order the tests ran in."""
+    yield
+    if "mine-test" in available_couplings():
+        unregister_coupling("mine-test")
+    if "velocity-test" in available_drafts():
+        unregister_draft("velocity-test")
+
+
+def test_registries_extend_couplings_and_drafts(scratch_plugins):
     class Mine(GRS):
         name = "mine"
 
@@ -318,6 +337,23 @@ def test_registries_extend_couplings_and_drafts():
         GMM, X, steps=8, churn=0.4, tree=trees.uniform(2, 2), coupling="mine-test", draft="velocity-test", seed=0
     )
     assert out.config["coupling"] == "mine"
+
+
+def test_unregistered_plugins_are_refused_and_the_built_ins_stay(scratch_plugins):
+    register_coupling("mine-test", GRS)
+    register_draft("velocity-test", lambda: FrozenPrediction("velocity"))
+    unregister_coupling("MINE-TEST")  # coupling names are case-insensitive
+    unregister_draft("velocity-test")
+    assert "mine-test" not in available_couplings() and "velocity-test" not in available_drafts()
+    with pytest.raises(ValueError, match="coupling must be one of"):
+        get_coupling("mine-test")
+    with pytest.raises(ValueError, match="draft must be one of"):
+        get_proposal("velocity-test")
+    with pytest.raises(ValueError, match="draft 'velocity-test' is not registered"):
+        unregister_draft("velocity-test")
+    with pytest.raises(ValueError, match="coupling 'mine-test' is not registered"):
+        unregister_coupling("mine-test")
+    assert "grs" in available_couplings() and "velocity" in available_drafts()
 
 
 @pytest.mark.parametrize("outer", [False, True])

@@ -46,6 +46,7 @@ __all__ = [
     "drafts_serving",
     "get_proposal",
     "register_draft",
+    "unregister_draft",
 ]
 
 DRAFT_KINDS = ("velocity", "drift", "x0", "eps", "x0_extrap", "auto", "memory", "secant")
@@ -1153,6 +1154,15 @@ def register_draft(name: str, factory: Callable[[], Proposal], *, replace: bool 
         TypeError: if ``factory`` is not callable.
     """
     _DRAFTS.register(name, factory, replace=replace)
+
+
+def unregister_draft(name: str) -> None:
+    """Remove ``name`` from the draft registry (undoes :func:`register_draft`).
+
+    Raises:
+        ValueError: if ``name`` is not registered.
+    """
+    _DRAFTS.unregister(name)
 
 
 def available_drafts() -> tuple[str, ...]:

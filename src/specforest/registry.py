@@ -40,6 +40,16 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is already registered; pass replace=True to override it")
         self._entries[self._key(name)] = factory
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (a plug-in a test or a session registered for a while).
+
+        Raises:
+            ValueError: if ``name`` is not registered.
+        """
+        if name not in self:
+            raise ValueError(f"{self.kind} {name!r} is not registered; registered: {self.names()}")
+        del self._entries[self._key(name)]
+
     def names(self) -> list[str]:
         """The registered names, in registration order."""
         return list(self._entries)

@@ -38,6 +38,7 @@ __all__ = [
     "get_coupling",
     "project",
     "register_coupling",
+    "unregister_coupling",
     "grs_acceptance",
     "grs_levels",
     "log_sf",
@@ -72,6 +73,15 @@ def register_coupling(name: str, factory: Callable[[], Coupling], *, replace: bo
         TypeError: if ``factory`` is not callable.
     """
     _COUPLINGS.register(name, factory, replace=replace)
+
+
+def unregister_coupling(name: str) -> None:
+    """Remove ``name`` from the coupling registry (undoes :func:`register_coupling`).
+
+    Raises:
+        ValueError: if ``name`` is not registered.
+    """
+    _COUPLINGS.unregister(name)
 
 
 def available_couplings() -> list[str]:
