@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv test test-all demo bench bench-gpu bench-gpu-dry lint clean
+.PHONY: venv test test-all mutants demo bench bench-gpu bench-gpu-dry lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ lint: venv
 
 test-all: venv
 	$(PY) -m pytest -q
+
+# each mutants/*.patch (NAME="a b": those) applied to a temporary copy must be killed by the fast tests it names
+mutants: venv
+	$(PY) scripts/mutants.py $(NAME)
 
 demo: venv
 	$(VENV)/bin/specforest gmm --method standard --no-progress
