@@ -13,8 +13,9 @@ import math
 
 import pytest
 import torch
-
+from comfy_reference import comfy_ddpm, comfy_euler_ancestral_rf, comfy_lcm, vp_ddim
 from kdiff_reference import sampling
+
 from specforest import chains
 
 MU, S0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 0.3
@@ -98,61 +99,6 @@ def test_euler_churn_chain_on_x_hat_equals_k_diffusions_sample_euler(s_churn, s_
     assert bool(tr.stochastic.any()) == (s_churn > 0)
 
 
-def comfy_ddpm(x, sig, z, variance="fixed_small"):
-    """ComfyUI's ``sample_ddpm`` step (``DDPMSampler_step``), in VE coordinates, per its code."""
-    for i in range(len(sig) - 1):
-        s, s1 = sig[i], sig[i + 1]
-        D = denoiser(x, s)
-        ab, ab1 = 1 / (1 + s**2), 1 / (1 + s1**2)
-        alpha = ab / ab1
-        eps = (x - D) / s
-        xt = x / torch.sqrt(1 + s**2)
-        mu = alpha**-0.5 * (xt - (1 - alpha) * eps / torch.sqrt(1 - ab))
-        if s1 > 0:
-            var = (1 - alpha) * (1 - ab1) / (1 - ab) if variance == "fixed_small" else 1 - alpha
-            mu = mu + torch.sqrt(var) * z[i]
-            x = mu * torch.sqrt(1 + s1**2)
-        else:
-            x = mu
-    return x
-
-
-def comfy_lcm(x, sig, z, s_noise=1.0):
-    """ComfyUI's ``sample_lcm`` (EPS model sampling): ``x = D``, then ``D + sigma' s_noise z``."""
-    for i in range(len(sig) - 1):
-        x = denoiser(x, sig[i])
-        if sig[i + 1] > 0:
-            x = x + sig[i + 1] * s_noise * z[i]
-    return x
-
-
-def vp_ddim(x_vp, ab_list, z, eta):
-    """DDIM with eta on VP states ``x = sqrt(ab) x0 + sqrt(1 - ab) xi``, ``ab`` decreasing noise to 1."""
-    for i in range(len(ab_list) - 1):
-        ab, ab1 = ab_list[i], ab_list[i + 1]
-        sigma = math.sqrt((1 - ab) / ab)
-        D = denoiser(x_vp / math.sqrt(ab), torch.tensor(sigma, dtype=torch.float64))
-        eps = (x_vp - math.sqrt(ab) * D) / math.sqrt(1 - ab)
-        st = eta * math.sqrt((1 - ab1) / (1 - ab)) * math.sqrt(1 - ab / ab1)
-        x_vp = math.sqrt(ab1) * D + math.sqrt(max(1 - ab1 - st**2, 0.0)) * eps + st * z[i]
-    return x_vp
-
-
-def comfy_euler_ancestral_rf(x, sig, z, eta=1.0, s_noise=1.0):
-    """ComfyUI's ``sample_euler_ancestral_RF`` for CONST (linear-path) models, per its code."""
-    for i in range(len(sig) - 1):
-        s, s1 = sig[i], sig[i + 1]
-        D = denoiser(x / (1 - s), s / (1 - s))  # the linear-path denoiser is the VE one at the mapped level
-        if s1 == 0:
-            x = D
-            continue
-        down = s1 * (1 + (s1 / s - 1) * eta)
-        a1, ad = 1 - s1, 1 - down
-        x = (down / s) * x + (1 - down / s) * D
-        x = (a1 / ad) * x + torch.sqrt(s1**2 - down**2 * a1**2 / ad**2) * s_noise * z[i]
-    return x
-
-
 def _noise(n: int, seed: int = 3) -> list:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(64, 3, dtype=torch.float64, generator=gen) for _ in range(n)]
@@ -164,7 +110,7 @@ def test_ddpm_tables_equal_comfys_ddpm_step(variance):
     sig = t / (1 - t)
     z = _noise(len(sig))
     x = z[-1] * sig[0]
-    ref = comfy_ddpm(x, sig, z, variance)
+    ref = comfy_ddpm(denoiser, x, sig, z, variance)
     ours = run_tables(chains.DDPM(variance=variance).build(t), x / (1 + sig[0]), lambda n: z[n])
     assert torch.allclose(ours, ref, rtol=0, atol=1e-10 * ref.abs().max())
 
@@ -182,7 +128,7 @@ def test_lcm_tables_equal_comfys_lcm_step():
     sig = karras(8, 0.03, 15.0)
     z = _noise(len(sig))
     x = z[-1] * sig[0]
-    ref = comfy_lcm(x, sig, z, s_noise=0.9)
+    ref = comfy_lcm(denoiser, x, sig, z, s_noise=0.9)
     ours = run_tables(chains.LCM(s_noise=0.9).build(sig / (1 + sig)), x / (1 + sig[0]), lambda n: z[n])
     assert torch.allclose(ours, ref, rtol=0, atol=1e-12 * ref.abs().max())
 
@@ -193,7 +139,7 @@ def test_ddim_tables_equal_ddim_with_eta_on_vp_states(eta):
     ab = (1 / (1 + sig**2)).tolist()
     z = _noise(len(sig))
     x_vp = z[-1]  # at ab_0 ~ 1e-3, nearly pure noise
-    ref = vp_ddim(x_vp, ab, z, eta)  # at ab = 1 the VP state is x_0
+    ref = vp_ddim(denoiser, x_vp, ab, z, eta)  # at ab = 1 the VP state is x_0
     t = sig / (1 + sig)
     # VP to the linear path: y = x_vp / (sqrt(ab) + sqrt(1 - ab))
     y0 = x_vp / (math.sqrt(ab[0]) + math.sqrt(1 - ab[0]))
@@ -206,7 +152,7 @@ def test_euler_ancestral_linear_path_equals_comfys_rf_sampler(eta):
     t = torch.linspace(0.97, 0.0, 21, dtype=torch.float64)
     z = _noise(len(t))
     x = z[-1]
-    ref = comfy_euler_ancestral_rf(x, t, z, eta=eta, s_noise=1.05)
+    ref = comfy_euler_ancestral_rf(denoiser, x, t, z, eta=eta, s_noise=1.05)
     ours = run_tables(chains.EulerAncestral(eta=eta, s_noise=1.05, path="linear").build(t), x, lambda n: z[n])
     assert torch.allclose(ours, ref, rtol=0, atol=1e-12 * ref.abs().max())
 

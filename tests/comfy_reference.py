@@ -1,0 +1,69 @@
+"""ComfyUI's samplers and DDIM with eta, written here as their code computes them, in their own coordinates.
+
+ComfyUI is not on the package registries, so these are transcriptions of its
+``comfy/k_diffusion/sampling.py`` (``sample_ddpm`` / ``DDPMSampler_step``, ``sample_lcm``,
+``sample_euler_ancestral_RF``) at the commit ``../shared/research/samplers.md`` names, step for step:
+the chains' linear-path tables are checked against them, not derived from them. Each takes a
+k-diffusion-style ``denoiser(x, sigma)`` and a list ``z`` of per-step standard normal draws.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def comfy_ddpm(denoiser, x, sig, z, variance="fixed_small"):
+    """ComfyUI's ``sample_ddpm`` step (``DDPMSampler_step``), in VE coordinates, per its code."""
+    for i in range(len(sig) - 1):
+        s, s1 = sig[i], sig[i + 1]
+        D = denoiser(x, s)
+        ab, ab1 = 1 / (1 + s**2), 1 / (1 + s1**2)
+        alpha = ab / ab1
+        eps = (x - D) / s
+        xt = x / torch.sqrt(1 + s**2)
+        mu = alpha**-0.5 * (xt - (1 - alpha) * eps / torch.sqrt(1 - ab))
+        if s1 > 0:
+            var = (1 - alpha) * (1 - ab1) / (1 - ab) if variance == "fixed_small" else 1 - alpha
+            mu = mu + torch.sqrt(var) * z[i]
+            x = mu * torch.sqrt(1 + s1**2)
+        else:
+            x = mu
+    return x
+
+
+def comfy_lcm(denoiser, x, sig, z, s_noise=1.0):
+    """ComfyUI's ``sample_lcm`` (EPS model sampling): ``x = D``, then ``D + sigma' s_noise z``."""
+    for i in range(len(sig) - 1):
+        x = denoiser(x, sig[i])
+        if sig[i + 1] > 0:
+            x = x + sig[i + 1] * s_noise * z[i]
+    return x
+
+
+def vp_ddim(denoiser, x_vp, ab_list, z, eta):
+    """DDIM with eta on VP states ``x = sqrt(ab) x0 + sqrt(1 - ab) xi``, ``ab`` decreasing noise to 1."""
+    for i in range(len(ab_list) - 1):
+        ab, ab1 = ab_list[i], ab_list[i + 1]
+        sigma = math.sqrt((1 - ab) / ab)
+        D = denoiser(x_vp / math.sqrt(ab), torch.tensor(sigma, dtype=torch.float64))
+        eps = (x_vp - math.sqrt(ab) * D) / math.sqrt(1 - ab)
+        st = eta * math.sqrt((1 - ab1) / (1 - ab)) * math.sqrt(1 - ab / ab1)
+        x_vp = math.sqrt(ab1) * D + math.sqrt(max(1 - ab1 - st**2, 0.0)) * eps + st * z[i]
+    return x_vp
+
+
+def comfy_euler_ancestral_rf(denoiser, x, sig, z, eta=1.0, s_noise=1.0):
+    """ComfyUI's ``sample_euler_ancestral_RF`` for CONST (linear-path) models, per its code."""
+    for i in range(len(sig) - 1):
+        s, s1 = sig[i], sig[i + 1]
+        D = denoiser(x / (1 - s), s / (1 - s))  # the linear-path denoiser is the VE one at the mapped level
+        if s1 == 0:
+            x = D
+            continue
+        down = s1 * (1 + (s1 / s - 1) * eta)
+        a1, ad = 1 - s1, 1 - down
+        x = (down / s) * x + (1 - down / s) * D
+        x = (a1 / ad) * x + torch.sqrt(s1**2 - down**2 * a1**2 / ad**2) * s_noise * z[i]
+    return x
