@@ -166,3 +166,14 @@ def test_em_chain_is_the_reverse_sde():
         assert torch.equal(getattr(built, name), getattr(ref, name))
     with pytest.raises(ValueError, match="churn must be in"):
         chains.EM(churn=0.0)
+
+
+def test_euler_ancestral_ddpm_and_ddim_at_eta_one_are_one_chain():
+    """All three sample the exact Gaussian posterior q(x' | x, x_0 = D): three independent derivations
+    (VE ancestral step, VP posterior, DDIM's interpolation) must agree to rounding."""
+    t = chains.ddpm_sigmas(40)
+    built = [chains.EulerAncestral().build(t), chains.DDPM().build(t), chains.DDIM(eta=1.0).build(t)]
+    for other in built[1:]:
+        for name in ("a", "c", "scale"):
+            assert torch.allclose(getattr(other, name), getattr(built[0], name), rtol=1e-9, atol=1e-12), name
+    assert not torch.allclose(chains.DDPM(variance="fixed_large").build(t).scale, built[0].scale)
