@@ -177,3 +177,10 @@ def test_euler_ancestral_ddpm_and_ddim_at_eta_one_are_one_chain():
         for name in ("a", "c", "scale"):
             assert torch.allclose(getattr(other, name), getattr(built[0], name), rtol=1e-9, atol=1e-12), name
     assert not torch.allclose(chains.DDPM(variance="fixed_large").build(t).scale, built[0].scale)
+
+
+def test_karras_sigmas_are_k_diffusions_schedule_on_the_linear_path():
+    ref = karras(12, 0.03, 80.0)
+    assert torch.allclose(chains.karras_sigmas(12, 0.03, 80.0), ref / (1 + ref), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="sigma_max"):
+        chains.karras_sigmas(12, 1.0, 0.5)

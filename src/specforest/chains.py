@@ -57,6 +57,7 @@ __all__ = [
     "get_chain",
     "register_chain",
     "ddpm_sigmas",
+    "karras_sigmas",
 ]
 
 
@@ -387,6 +388,23 @@ def ddpm_sigmas(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float 
     s = ((1.0 - ab) / ab).sqrt().flip(0)
     t = s / (1.0 + s)
     return torch.cat([t, t.new_zeros(1)])
+
+
+def karras_sigmas(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
+    """Karras et al.'s schedule (k-diffusion's ``get_sigmas_karras``) as a linear-path grid.
+
+    Returns:
+        ``(steps + 1,)`` float64 ``t = sigma / (1 + sigma)``, decreasing from ``t_0 < 1`` to 0.
+    """
+    from .validation import check_int
+
+    check_int("steps", steps, 1)
+    lo = check_number("sigma_min", sigma_min, 0.0, lo_open=True)
+    hi = check_number("sigma_max", sigma_max, lo, lo_open=True)
+    rho = check_number("rho", rho, 0.0, lo_open=True)
+    ramp = torch.linspace(0, 1, steps, dtype=torch.float64)
+    s = (hi ** (1 / rho) + ramp * (lo ** (1 / rho) - hi ** (1 / rho))) ** rho
+    return torch.cat([s / (1.0 + s), s.new_zeros(1)])
 
 
 _CHAINS: Registry[Chain] = Registry(

@@ -1,0 +1,142 @@
+"""The samplers people run (``specforest.chains``): standard calls against the best exact configuration.
+
+    .venv/bin/python benchmarks/chains.py [--images 32] [--trajectories 16] [--big-trajectories 4]
+    .venv/bin/python benchmarks/chains.py --dry-run   # 2 trajectories, short grids; prints, writes nothing
+
+Every registered chain but ``em`` at its usual settings: ``euler_ancestral`` at 50 Karras steps,
+``euler`` (EDM's churn: ``s_churn`` 40, ``s_tmin`` 0.05, ``s_tmax`` 50, ``s_noise`` 1.003) at 50,
+``ddpm`` at DDPM's own 1000 steps (linear betas 1e-4 to 0.02, :func:`specforest.chains.ddpm_sigmas`),
+``ddim`` (``eta`` 1) at 100 of those steps, ``lcm`` at 8 Karras steps. Karras grids span
+``sigma`` 0.002 to 80. Three models: the digits model, and the paper's mixture at d = 500 and at
+d = 65,536.
+
+The standard sampler takes ``T`` calls. The exact configurations tried are the RMC chains of
+``B`` = 14, 62, 155 with the ``secant`` and ``cached`` drafts (prefetch nearest, verify drafted);
+the table gives the best, as T/NFE (mean ± standard error over trajectories). Every configuration
+has the chain's law exactly (``tests/test_kdiffusion_samplers.py``, ``tests/test_chains.py``), so
+the choice among them is only about calls. Regenerates the ``chains`` section of ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import specforest
+from specforest import chains
+from specforest.experiments import gmm as gmm_exp
+from specforest.experiments import pixel as pixel_exp
+from specforest.experiments.results import machine_line, replace_section
+from specforest.models.digits import load_velocity
+
+BUDGETS = (14, 62, 155)
+DRAFTS = ("secant", "cached")
+
+
+def settings(dry: bool) -> list:
+    """``(label, chain, grid)`` of every chain at its usual steps (a few steps in a dry run)."""
+    k = chains.karras_sigmas
+    ddpm = chains.ddpm_sigmas(1000 if not dry else 40)
+    every = 10 if not dry else 4
+    ddim_grid = torch.cat([ddpm[:-1:every], ddpm.new_zeros(1)])
+    churn = chains.EulerChurn(s_churn=40.0, s_tmin=0.05, s_tmax=50.0, s_noise=1.003)
+    return [
+        ("euler_ancestral, 50 Karras steps", chains.EulerAncestral(), k(50 if not dry else 6)),
+        ("euler (s_churn 40), 50 Karras steps", churn, k(50 if not dry else 6)),
+        ("ddpm, 1000 steps", chains.DDPM(), ddpm),
+        ("ddim eta 1, 100 steps", chains.DDIM(eta=1.0), ddim_grid),
+        ("lcm, 8 Karras steps", chains.LCM(), k(8 if not dry else 4)),
+    ]
+
+
+def t_over_nfe(model, x, cond: dict, chain, grid, tree, coupling: str, draft, seed: int) -> tuple[float, float]:
+    """``(T/NFE, its standard error)`` of one run of every trajectory of ``x``."""
+    run = specforest.sample(
+        model, x, sigmas=grid, chain=chain, tree=tree, coupling=coupling, draft=draft, seed=seed, cond=cond,
+        verify="drafted", prefetch="nearest",
+    )  # fmt: skip
+    steps = grid.numel() - 1
+    nfe = run.stats.nfe.double()
+    mean = float(nfe.mean())
+    se = float(nfe.std() / nfe.numel() ** 0.5) * steps / mean**2 if nfe.numel() > 1 else float("nan")
+    return steps / mean, se
+
+
+def best(model, x, cond, chain, grid, seed: int) -> tuple[str, float, float]:
+    """The configuration with the most T/NFE among :data:`BUDGETS` x :data:`DRAFTS`."""
+    top = ("", 0.0, 0.0)
+    for B in BUDGETS:
+        for draft in DRAFTS:
+            r, se = t_over_nfe(model, x, cond, chain, grid, specforest.trees.chain(B), "rmc", draft, seed)
+            print(f"    B = {B} {draft}: {r:.2f} ± {se:.2f}", file=sys.stderr, flush=True)
+            if r > top[1]:
+                top = (f"RMC chain B = {B}, {draft}", r, se)
+    return top
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=32, help="digits images (>= 2)")
+    ap.add_argument("--trajectories", type=int, default=16, help="mixture trajectories at d = 500 (>= 2)")
+    ap.add_argument("--big-trajectories", type=int, default=4, help="mixture trajectories at d = 65,536 (>= 2)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initial states and the sampling noise (>= 0)")
+    ap.add_argument("--only", choices=("digits", "mixture", "big"), default=None, help="one model only")
+    ap.add_argument("--dry-run", action="store_true", help="2 trajectories, short grids; print, write nothing")
+    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    args = ap.parse_args()
+    if min(args.images, args.trajectories, args.big_trajectories) < 2 or args.seed < 0:
+        ap.error("--images, --trajectories and --big-trajectories must be >= 2, --seed >= 0")
+    if args.dry_run:
+        args.images = args.trajectories = args.big_trajectories = 2
+    t0 = time.perf_counter()
+    xd, labels = pixel_exp.initial_states(args.images, args.seed)
+    models = {
+        "digits": (f"digits ({args.images} images)", load_velocity(), xd, {"class_labels": labels}),
+        "mixture": (
+            f"mixture d = 500 ({args.trajectories})",
+            gmm_exp.GMMSetting(trajectories=args.trajectories).mixture(),
+            gmm_exp.initial_states(args.trajectories, 500, args.seed),
+            {},
+        ),
+        "big": (
+            f"mixture d = 65,536 ({args.big_trajectories})",
+            gmm_exp.GMMSetting(dim=65_536).mixture(),
+            gmm_exp.initial_states(args.big_trajectories, 65_536, args.seed),
+            {},
+        ),
+    }
+    if args.only is not None:
+        models = {args.only: models[args.only]}
+    lines = [
+        f"Measured with `benchmarks/chains.py --images {args.images} --trajectories {args.trajectories} "
+        f"--big-trajectories {args.big_trajectories}` on {machine_line()}, {torch.get_num_threads()} threads.",
+        "",
+        "Standard calls `T` against the best exact configuration among the RMC chains of B = "
+        + ", ".join(map(str, BUDGETS))
+        + " with the `secant` and `cached` drafts (prefetch nearest, verify drafted); T/NFE, mean ± standard "
+        "error over trajectories. Initial states `t_0 * N(0, I)` on the linear path (the VE prior "
+        "`sigma_0 N(0, I)`).",
+        "",
+        "| model | chain | standard calls | best exact configuration | T/NFE |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for label, model, x, cond in models.values():
+        for name, chain, grid in settings(args.dry_run):
+            print(f"{label}: {name}", file=sys.stderr, flush=True)
+            x0 = x * float(grid[0])
+            how, r, se = best(model, x0, cond, chain, grid, args.seed)
+            lines.append(f"| {label} | {name} | {grid.numel() - 1} | {how} | {r:.2f} ± {se:.2f} |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    lines += ["", f"Total wall time {(time.perf_counter() - t0) / 60:.1f} min."]
+    text = "\n".join(lines)
+    if not args.dry_run:
+        replace_section(args.out, "chains", "## The samplers people run: calls of each chain", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
