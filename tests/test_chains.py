@@ -16,7 +16,8 @@ import torch
 from comfy_reference import comfy_ddpm, comfy_euler_ancestral_rf, comfy_lcm, vp_ddim
 from kdiff_reference import sampling
 
-from specforest import chains
+from specforest import chains, testing, trees
+from specforest.couplings import GRS
 
 MU, S0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 0.3
 
@@ -184,3 +185,50 @@ def test_karras_sigmas_are_k_diffusions_schedule_on_the_linear_path():
     assert torch.allclose(chains.karras_sigmas(12, 0.03, 80.0), ref / (1 + ref), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="sigma_max"):
         chains.karras_sigmas(12, 1.0, 0.5)
+
+
+# -- the law of every registered chain, through the engine -------------------------------------------
+
+LAW_GRID = chains.karras_sigmas(12, 0.03, 20.0)
+LAW_CONFIGS = {
+    "grs_tree_x0": dict(tree=trees.uniform(2, 3), coupling="grs", draft="x0"),
+    "rmc_chain_secant": dict(tree=trees.chain(6), coupling="rmc", draft="secant"),
+    "rank_tree_lazy": dict(tree=trees.uniform(3, 2), coupling="rank", draft="velocity", lazy=True),
+}
+
+
+class KeepFirst(GRS):
+    """Deliberately wrong: accepts its first child whatever the target."""
+
+    name = "keep-first"
+
+    def select(self, s_hat, delta, valid, rng):
+        P = s_hat.shape[0]
+        return torch.ones(P, dtype=torch.bool), torch.zeros(P, dtype=torch.long)
+
+
+@pytest.mark.parametrize("chain", chains.available_chains())
+@pytest.mark.parametrize("name", list(LAW_CONFIGS))
+def test_every_chain_keeps_its_law_with_any_tree_coupling_and_draft(chain, name):
+    ch = chains.get_chain(chain).example()
+    rep = testing.check_chain_law(**LAW_CONFIGS[name], chain=ch, sigmas=LAW_GRID, churn=None, trajectories=4000)
+    rep.assert_exact()
+    assert rep.nfe_mean < LAW_GRID.numel() - 1
+
+
+@pytest.mark.parametrize("chain", chains.available_chains())
+def test_the_law_check_rejects_a_wrong_coupling_on_every_chain(chain):
+    ch = chains.get_chain(chain).example()
+    rep = testing.check_chain_law(trees.uniform(2, 3), KeepFirst(), "x0", chain=ch, sigmas=LAW_GRID, churn=None)
+    assert not rep.passed
+
+
+def test_the_em_chains_closed_form_is_the_papers():
+    """testing.chain_law from the tables of chain='em' equals its independent transcription of eqs. 35-37."""
+    from specforest.sde import flow_match_grid
+
+    g = flow_match_grid(15)
+    mu = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
+    m1, v1 = testing.chain_law(g, 0.7, mu, 0.3)
+    m2, v2 = testing.chain_law(g, None, mu, 0.3, chain=chains.EM(churn=0.7))
+    assert torch.allclose(m1, m2, rtol=1e-12) and abs(v1 - v2) < 1e-12 * v1

@@ -143,6 +143,11 @@ class Chain:
             )
         return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale)
 
+    def example(self) -> "Chain":
+        """This chain, or a setting of it with stochastic steps (what the test batteries run): a chain
+        whose default is deterministic (EDM's churn at ``s_churn = 0``) overrides it."""
+        return self
+
     def replace(self, **params: Any) -> "Chain":
         """This chain with other parameter values (validated).
 
@@ -269,6 +274,9 @@ class EulerChurn(Chain):
             raise ValueError(f"s_tmax must be a number >= s_tmin ({self.s_tmin}), got {tmax!r}")
         object.__setattr__(self, "s_tmax", float(tmax))
         object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+
+    def example(self) -> "EulerChurn":
+        return self if self.s_churn > 0 else replace(self, s_churn=20.0)
 
     def coefficients(self, sigmas):
         s = _ve(sigmas)  # (N + 1,) k-diffusion's levels, the last 0
