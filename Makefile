@@ -37,6 +37,7 @@ demo: venv
 	$(VENV)/bin/specforest gmm --method standard --no-progress
 	$(VENV)/bin/specforest gmm --method rmc --L 155 --no-progress
 	$(VENV)/bin/specforest gmm --method dgrs --K 5 --L 3 --no-progress
+	$(PY) examples/ddpm_digits.py
 
 bench: venv
 	$(PY) benchmarks/coupling_acceptance.py
