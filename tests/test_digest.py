@@ -9,6 +9,8 @@ exactly. The mixture runs in float64 and its samples are compared within 1e-12
 batched matrix product can differ between CPUs, e.g. with and without AVX-512);
 the digits network within 1e-5. Regenerate the record, only when a change
 of the samples is intended and understood, with ``python tests/test_digest.py``.
+Every registered chain (``specforest.chains``) has its own record, ``tests/data/chain_digest.pt``
+(``python tests/test_digest.py --chains-only`` rewrites only it).
 """
 
 from pathlib import Path
@@ -17,10 +19,12 @@ import pytest
 import torch
 
 import specforest
-from specforest import planning, trees
+from specforest import chains, planning, trees
 from specforest.models import GaussianMixture
 
 RECORD = Path(__file__).parent / "data" / "sample_digest.pt"
+CHAIN_RECORD = Path(__file__).parent / "data" / "chain_digest.pt"
+CHAIN_GRID = chains.karras_sigmas(12, 0.03, 20.0)
 GMM = GaussianMixture.paper(dim=6, components=3, seed=1)
 X = torch.randn(6, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
 BASE = dict(steps=16, churn=0.5, seed=2024)
@@ -87,6 +91,15 @@ def _digits() -> dict:
     return {"samples": r.samples, "nfe": r.stats.nfe}
 
 
+def _chain(name: str) -> dict:
+    """Every registered chain (a stochastic setting of it) on a GRS tree with the secant draft."""
+    ch = chains.get_chain(name).example()
+    r = specforest.sample(
+        GMM, X, sigmas=CHAIN_GRID, chain=ch, seed=77, tree=trees.uniform(2, 2), coupling="grs", draft="secant"
+    )
+    return {"samples": r.samples, "nfe": r.stats.nfe}
+
+
 def _all() -> dict:
     torch.set_num_threads(1)
     out = {name: _gmm(name) for name in CONFIGS}
@@ -119,6 +132,15 @@ def test_digits_samples_are_the_recorded_ones(record):
     torch.testing.assert_close(got["samples"], record["digits"]["samples"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", chains.available_chains())
+def test_every_chain_samples_the_recorded_ones(name):
+    record = torch.load(CHAIN_RECORD, weights_only=True)
+    assert name in record, f"chain {name!r} has no recorded digest: regenerate with python tests/test_digest.py"
+    got = _chain(name)
+    assert torch.equal(got["nfe"], record[name]["nfe"])
+    torch.testing.assert_close(got["samples"], record[name]["samples"], rtol=0, atol=MIXTURE_ATOL)
+
+
 def test_a_changed_sampler_fails_the_digest(record):
     # the same comparison refuses a run that differs only in its seed
     got = specforest.sample(GMM, X, **{**BASE, "seed": 2025}, **CONFIGS["grs_chain_velocity"])
@@ -127,6 +149,12 @@ def test_a_changed_sampler_fails_the_digest(record):
 
 
 if __name__ == "__main__":
+    import sys
+
     RECORD.parent.mkdir(exist_ok=True)
-    torch.save(_all(), RECORD)
-    print(f"wrote {RECORD}")
+    if "--chains-only" not in sys.argv:
+        torch.save(_all(), RECORD)
+        print(f"wrote {RECORD}")
+    torch.set_num_threads(1)
+    torch.save({name: _chain(name) for name in chains.available_chains()}, CHAIN_RECORD)
+    print(f"wrote {CHAIN_RECORD}")
