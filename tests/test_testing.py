@@ -12,8 +12,9 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from specforest import testing, trees
-from specforest.couplings import GRS, RMC
+from specforest import chains, testing, trees
+from specforest.couplings import GRS, RMC, available_couplings, unregister_coupling
+from specforest.proposals import available_drafts, unregister_draft
 
 
 class KeepFirst(GRS):
@@ -65,8 +66,20 @@ def test_the_documented_examples_run(doc):
     text = (Path(__file__).resolve().parent.parent / doc).read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks
-    for code in blocks:
-        exec(compile(code, doc, "exec"), {})
+    registries = [
+        (chains.available_chains, chains.unregister_chain),
+        (available_couplings, unregister_coupling),
+        (available_drafts, unregister_draft),
+    ]
+    before = [set(names()) for names, _ in registries]
+    try:
+        for code in blocks:
+            exec(compile(code, doc, "exec"), {})
+    finally:
+        # the examples register plug-ins: leave the registries as they were for the tests after this one
+        for (names, unregister), old in zip(registries, before, strict=True):
+            for name in set(names()) - old:
+                unregister(name)
 
 
 def test_a_test_file_left_out_of_the_fast_tier_stops_the_run(tmp_path):

@@ -56,6 +56,7 @@ __all__ = [
     "available_chains",
     "get_chain",
     "register_chain",
+    "unregister_chain",
     "ddpm_sigmas",
     "karras_sigmas",
 ]
@@ -427,6 +428,15 @@ def register_chain(name: str, factory: Callable[[], Chain], *, replace: bool = F
         ValueError: if the name is taken and ``replace`` is False.
     """
     _CHAINS.register(name, factory, replace=replace)
+
+
+def unregister_chain(name: str) -> None:
+    """Remove ``name`` from the chain registry (undoes :func:`register_chain`).
+
+    Raises:
+        ValueError: if ``name`` is not registered.
+    """
+    _CHAINS.unregister(name)
 
 
 def available_chains() -> list[str]:
