@@ -58,6 +58,7 @@ __all__ = [
     "register_chain",
     "unregister_chain",
     "ddpm_sigmas",
+    "from_ve",
     "karras_sigmas",
 ]
 
@@ -167,8 +168,9 @@ def _ve(t: torch.Tensor) -> torch.Tensor:
     return t / (1.0 - t)
 
 
-def _from_ve(t: torch.Tensor, t_next: torch.Tensor, P, Q, R) -> tuple:
-    """A VE step ``x' = P x + Q D + R z`` (``x = y / (1 - t)``) in the linear path's coordinates."""
+def from_ve(t: torch.Tensor, t_next: torch.Tensor, P, Q, R) -> tuple:
+    """A VE step ``x' = P x + Q D + R z`` from ``t`` to ``t_next`` in the linear path's coordinates
+    (the state ``y = (1 - t) x``): ``((1 - t') P / (1 - t), (1 - t') Q, (1 - t') R)``, each ``(T,)``."""
     return (1.0 - t_next) * P / (1.0 - t), (1.0 - t_next) * Q, (1.0 - t_next) * R
 
 
@@ -288,7 +290,7 @@ class EulerChurn(Chain):
         # step i: x-hat_{i+1} = (s_{i+1} / hat_i) x-hat_i + (1 - s_{i+1} / hat_i) D + noise_{i+1} z
         noise = self.s_noise * (hat**2 - s**2).clamp_min(0.0).sqrt()  # (N + 1,), 0 where gamma = 0
         ratio = s[1:] / hat[:-1]
-        P, Q, R = _from_ve(t_hat[:-1], t_hat[1:], ratio, 1.0 - ratio, noise[1:])
+        P, Q, R = from_ve(t_hat[:-1], t_hat[1:], ratio, 1.0 - ratio, noise[1:])
         # x-hat_0 = x_0 + noise_0 z: in y, y-hat_0 = (1 - t-hat_0) (y_0 / (1 - t_0) + noise_0 z)
         init_a = float((1.0 - t_hat[0]) / (1.0 - sigmas[0]))
         return t_hat, P, Q, R, init_a, float((1.0 - t_hat[0]) * noise[0])
@@ -333,7 +335,7 @@ class DDPM(Chain):
         else:
             var = 1.0 - alpha
         R = torch.where(s_next > 0, (1.0 + s_next**2).sqrt() * var.clamp_min(0.0).sqrt(), torch.zeros_like(s))
-        return _from_ve(t, t_next, P, Q, R)
+        return from_ve(t, t_next, P, Q, R)
 
 
 @dataclass(frozen=True)
