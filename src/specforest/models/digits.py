@@ -8,7 +8,10 @@ Weights ship with the package as safetensors files under ``models/weights/``
 (no pickle is ever loaded) and ``weights/manifest.json`` records their SHA-256;
 the loaders verify it before reading a byte of the tensors and raise
 :class:`ChecksumError` on a mismatch. They are produced by
-``specforest train digits`` (:mod:`specforest.experiments.train_digits`).
+``specforest train digits`` (:mod:`specforest.experiments.train_digits`). A path that
+does not exist raises ``FileNotFoundError``; a folder, or a file that is not a valid
+safetensors file of the kind the loader reads (a U-Net's or the classifier's), raises
+:class:`WeightsFileError` saying what it is.
 
 * :func:`load_denoiser` -- the EDM-preconditioned U-Net ``D(x; s, class_labels)``;
 * :func:`load_velocity` -- the same as a linear-path velocity
@@ -49,6 +52,7 @@ __all__ = [
     "WEIGHTS_DIR",
     "ChecksumError",
     "DigitsClassifier",
+    "WeightsFileError",
     "load_classifier",
     "load_denoiser",
     "load_digits_data",
@@ -86,6 +90,33 @@ class ChecksumError(ValueError):
     """A weights file does not have the SHA-256 recorded for it."""
 
 
+class WeightsFileError(ValueError):
+    """A weights path is not a valid specforest safetensors file of the kind a loader reads."""
+
+
+# the kinds of weights file, told apart by their metadata (the files carry no kind of their own):
+# a U-Net's records its architecture as "config", the classifier's its "width"
+_UNET_KIND = "a digits U-Net's weights (load_denoiser, load_velocity, load_draft_velocity)"
+_CLASSIFIER_KIND = "the digits classifier's weights (load_classifier)"
+
+
+def _kind_of(meta: dict[str, str]) -> Optional[str]:
+    """Which kind of weights file ``meta`` (a safetensors file's metadata) describes, if any."""
+    if "config" in meta:
+        return _UNET_KIND
+    if "width" in meta or "feature_dim" in meta:
+        return _CLASSIFIER_KIND
+    return None
+
+
+def _check_kind(path: Path, meta: dict[str, str], kind: str) -> None:
+    """Refuse a file whose metadata are not those of ``kind``, naming the kind it is if it says."""
+    found = _kind_of(meta)
+    if found != kind:
+        what = f"it holds {found}" if found is not None else "its metadata name no specforest weights"
+        raise WeightsFileError(f"{path} is not {kind}: {what}")
+
+
 def load_digits_data() -> tuple[torch.Tensor, torch.Tensor]:
     """The digits data set, offline (bundled with scikit-learn).
 
@@ -114,11 +145,44 @@ def sha256_file(path: PathLike) -> str:
 
 
 def manifest(weights_dir: PathLike = WEIGHTS_DIR) -> dict:
-    """The weights manifest: ``{file: {"sha256": ..., ...}}``."""
+    """The weights manifest: ``{file: {"sha256": ..., ...}}``.
+
+    Raises:
+        FileNotFoundError: if ``weights_dir`` has no manifest.
+        WeightsFileError: if the manifest is not a JSON object.
+    """
     p = Path(weights_dir) / MANIFEST
-    if not p.exists():
+    if not p.is_file():
         raise FileNotFoundError(f"no weights manifest at {p}; run `specforest train digits`")
-    return json.loads(p.read_text(encoding="utf-8"))
+    try:
+        man = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsFileError(f"the weights manifest {p} is not valid JSON: {e}") from None
+    if not isinstance(man, dict):
+        raise WeightsFileError(f"the weights manifest {p} must be a JSON object, got {type(man).__name__}")
+    return man
+
+
+def _check_file(path: PathLike) -> Path:
+    """``path`` as a :class:`~pathlib.Path`, refused if it does not name an existing regular file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"weights file {path} does not exist; run `specforest train digits`")
+    if not path.is_file():
+        what = "a folder" if path.is_dir() else "not a regular file"
+        raise WeightsFileError(f"path must be a safetensors weights file, but {path} is {what}")
+    return path
+
+
+def _check_sha256(sha256: Optional[str]) -> Optional[str]:
+    """``sha256`` lower-cased, refused unless ``None`` or 64 hex digits."""
+    if sha256 is None:
+        return None
+    if not isinstance(sha256, str):
+        raise TypeError(f"sha256 must be a hex SHA-256 digest (64 hex digits) or None, got {type(sha256).__name__}")
+    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256.lower()):
+        raise ValueError(f"sha256 must be a hex SHA-256 digest (64 hex digits) or None, got {sha256!r}")
+    return sha256.lower()
 
 
 def read_safetensors(path: PathLike, sha256: Optional[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -132,25 +196,41 @@ def read_safetensors(path: PathLike, sha256: Optional[str]) -> tuple[dict[str, t
         ``(tensors, metadata)``.
 
     Raises:
-        FileNotFoundError: if the file is missing.
+        FileNotFoundError: if the file does not exist.
+        WeightsFileError: if ``path`` is a folder or the file is not a valid safetensors file.
         ChecksumError: if the digest differs.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"weights file {path} is missing; run `specforest train digits`")
+    sha256 = _check_sha256(sha256)
+    path = _check_file(path)
     data = path.read_bytes()
     got = hashlib.sha256(data).hexdigest()
-    if sha256 is not None and got != sha256.lower():
+    if sha256 is not None and got != sha256:
         raise ChecksumError(f"{path.name}: SHA-256 {got} does not match the recorded {sha256}")
     # the metadata live in the JSON header: 8-byte little-endian length, then the header
     n = int.from_bytes(data[:8], "little")
-    meta = json.loads(data[8 : 8 + n].decode("utf-8")).get("__metadata__") or {}
-    return load(data), meta
+    try:
+        header = json.loads(data[8 : 8 + n].decode("utf-8")) if len(data) >= 8 + n else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    meta = (header.get("__metadata__") or {}) if isinstance(header, dict) else None
+    tensors = None
+    if isinstance(meta, dict):
+        try:
+            tensors = load(data)
+        except SafetensorError:
+            pass
+    if tensors is None:
+        raise WeightsFileError(f"{path} is not a valid safetensors file (its header or tensors cannot be read)")
+    return tensors, meta
 
 
 def _resolve(file: str, path: Optional[PathLike], sha256: Optional[str]) -> tuple[Path, str]:
+    """The weights file to read and its expected digest: ``path`` (default the shipped ``file``),
+    ``sha256`` (default the one recorded in the manifest next to the file)."""
+    sha256 = _check_sha256(sha256)
     if path is None:
         path = WEIGHTS_DIR / file
         if sha256 is None:
@@ -158,11 +238,16 @@ def _resolve(file: str, path: Optional[PathLike], sha256: Optional[str]) -> tupl
             if entry is None:
                 raise FileNotFoundError(f"{file} is not listed in {WEIGHTS_DIR / MANIFEST}")
             sha256 = entry["sha256"]
-    elif sha256 is None:
-        entry = manifest(Path(path).parent).get(Path(path).name)
-        if entry is None:
-            raise ChecksumError(f"no SHA-256 recorded for {path}; pass sha256=")
-        sha256 = entry["sha256"]
+    else:
+        # what is wrong with the path itself comes before what its folder's manifest lacks
+        path = _check_file(path)
+        if sha256 is None:
+            if not (path.parent / MANIFEST).is_file():
+                raise ChecksumError(f"no SHA-256 recorded for {path}: no {MANIFEST} next to it; pass sha256=")
+            entry = manifest(path.parent).get(path.name)
+            if not isinstance(entry, dict) or "sha256" not in entry:
+                raise ChecksumError(f"no SHA-256 recorded for {path} in {path.parent / MANIFEST}; pass sha256=")
+            sha256 = entry["sha256"]
     return Path(path), sha256
 
 
@@ -186,13 +271,20 @@ def load_denoiser(
         An :class:`~specforest.models.unet.EDMPrecond` in eval mode, gradients off.
 
     Raises:
-        ChecksumError: if the file's digest differs from the recorded one.
+        FileNotFoundError: if the file does not exist.
+        WeightsFileError: if ``path`` is a folder, or not a valid safetensors file of a digits U-Net
+            (the classifier's file, say).
+        ChecksumError: if the file's digest differs from the recorded one, or none is recorded.
     """
     path, sha256 = _resolve(UNET_FILE, path, sha256)
     tensors, meta = read_safetensors(path, sha256)
-    cfg = UNetConfig.from_dict(json.loads(meta["config"]))
-    net = UNet(cfg)
-    net.load_state_dict(tensors)
+    _check_kind(path, meta, _UNET_KIND)
+    try:
+        cfg = UNetConfig.from_dict(json.loads(meta["config"]))
+        net = UNet(cfg)
+        net.load_state_dict(tensors)
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise WeightsFileError(f"{path} is not valid as {_UNET_KIND}: {e}") from None
     den = EDMPrecond(net.to(dtype), sigma_data=cfg.sigma_data).to(device).eval()
     den.requires_grad_(False)
     return den
@@ -286,6 +378,16 @@ class DigitsClassifier(nn.Module):
         self.drop = nn.Dropout(0.2)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        """``(M, feature_dim)`` penultimate activations of ``x: (M, 1, 8, 8)`` (no clipping).
+
+        Raises:
+            ValueError: if ``x`` is not ``(M, *IMAGE_SHAPE)`` (a shape check, no tensor is read).
+        """
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or tuple(x.shape[1:]) != IMAGE_SHAPE:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"x must have shape (M, 1, 8, 8): the classifier serves images of shape (1, 8, 8), got {got}"
+            )
         h = F.silu(self.conv0(x))
         h = F.avg_pool2d(F.silu(self.conv1(h)), 2)
         return F.silu(self.fc(h.flatten(1)))
@@ -310,12 +412,19 @@ def load_classifier(
     """The shipped digits classifier, in eval mode (see :func:`load_denoiser` for the arguments).
 
     Raises:
-        ChecksumError: if the file's digest differs from the recorded one.
+        FileNotFoundError: if the file does not exist.
+        WeightsFileError: if ``path`` is a folder, or not a valid safetensors file of the digits
+            classifier (a U-Net's, say).
+        ChecksumError: if the file's digest differs from the recorded one, or none is recorded.
     """
     path, sha256 = _resolve(CLASSIFIER_FILE, path, sha256)
     tensors, meta = read_safetensors(path, sha256)
-    clf = DigitsClassifier(width=int(meta.get("width", 32)), feature_dim=int(meta.get("feature_dim", 64)))
-    clf.load_state_dict(tensors)
+    _check_kind(path, meta, _CLASSIFIER_KIND)
+    try:
+        clf = DigitsClassifier(width=int(meta.get("width", 32)), feature_dim=int(meta.get("feature_dim", 64)))
+        clf.load_state_dict(tensors)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise WeightsFileError(f"{path} is not valid as {_CLASSIFIER_KIND}: {e}") from None
     clf = clf.to(device).eval()
     clf.requires_grad_(False)
     return clf

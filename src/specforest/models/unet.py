@@ -15,9 +15,14 @@ noise level. The denoiser follows the EDM convention
 :class:`specforest.models.edm.EDMDenoiserVelocity`.
 
 Three resolutions (full, 1/2, 1/4): the shipped digits model runs at ``1 x 8 x 8``
-(8, 4, 2); any side divisible by 4 works (e.g. ``1 x 16 x 16``). Labels are
+(8, 4, 2); any side divisible by 4 works (e.g. ``1 x 16 x 16``), and a network serves
+the one shape of its :class:`UNetConfig` (:attr:`UNet.state_shape`): another is refused
+with a ``ValueError`` naming both, a shape check that reads no tensor. Labels are
 integers in ``[0, num_classes)``; ``None`` (or the value ``num_classes``) selects
-the unconditional embedding learned with label dropout.
+the unconditional embedding learned with label dropout. Labels outside that range are
+refused with a ``ValueError`` where reading them costs no host-device synchronization
+(Python integers, tensors on the CPU); labels already on an accelerator are not read inside
+the call (see :func:`check_labels`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["EDMPrecond", "UNet", "UNetConfig"]
+__all__ = ["EDMPrecond", "UNet", "UNetConfig", "check_labels"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,32 @@ class UNetConfig:
 
 def _groups(c: int) -> int:
     return min(8, c // 4)
+
+
+def check_labels(labels: torch.Tensor, num_classes: int) -> None:
+    """Refuse class labels outside ``[0, num_classes]`` (``num_classes`` is the unconditional label).
+
+    The values are read only where that costs no host-device synchronization: a tensor on the
+    CPU (where a sampler keeps a run's conditioning next to a CUDA model, and where Python
+    integers land). Labels already on an accelerator are not read: a read in every network call
+    would synchronize every round; an out-of-range one fails there in the embedding's own
+    device-side index check.
+
+    Args:
+        labels: ``(M,)`` integer labels, on any device.
+        num_classes: the network's number of classes.
+
+    Raises:
+        ValueError: naming ``class_labels``, the accepted range and the first label outside it.
+    """
+    if labels.device.type != "cpu" or labels.numel() == 0:
+        return
+    lo, hi = torch.aminmax(labels)
+    lo, hi = lo.item(), hi.item()
+    if lo < 0 or hi > num_classes:
+        bad = lo if lo < 0 else hi
+        classes = f"[0, {num_classes - 1}], or {num_classes}" if num_classes > 0 else f"{num_classes}"
+        raise ValueError(f"class_labels must be in {classes} (the unconditional label) or None, got {bad}")
 
 
 class _ResBlock(nn.Module):
@@ -131,6 +162,27 @@ class UNet(nn.Module):
         nn.init.zeros_(self.conv_out.weight)
         nn.init.zeros_(self.conv_out.bias)
 
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)``: the one per-sample shape the network serves (its config's channels and side)."""
+        r = self.config.img_resolution
+        return (self.config.img_channels, r, r)
+
+    def check_state(self, x: torch.Tensor) -> None:
+        """Refuse a batch ``x`` that is not ``(M, *state_shape)``: a shape check, no tensor is read.
+
+        Raises:
+            TypeError: if ``x`` is not a tensor.
+            ValueError: naming ``x``, the shape the network serves and the shape given.
+        """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a tensor of shape (M, {', '.join(map(str, self.state_shape))})")
+        if x.ndim != 4 or tuple(x.shape[1:]) != self.state_shape:
+            want = ", ".join(map(str, self.state_shape))
+            raise ValueError(
+                f"x must have shape (M, {want}): the network serves states of shape ({want}), got {tuple(x.shape)}"
+            )
+
     def embed(self, c_noise: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         """``(M, emb_dim)`` embedding of the noise level and the label."""
         arg = c_noise.to(self.freqs.dtype)[:, None] * self.freqs[None, :] * (2 * math.pi)
@@ -138,6 +190,8 @@ class UNet(nn.Module):
         n = self.config.num_classes
         if labels is None:
             labels = torch.full((c_noise.shape[0],), n, dtype=torch.long, device=c_noise.device)
+        else:
+            check_labels(labels, n)
         return F.silu(emb + self.map_label(labels.to(c_noise.device).long()))
 
     def forward(self, x: torch.Tensor, c_noise: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -148,6 +202,7 @@ class UNet(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The output and the deep features ``(M, c0, H, W)``: everything the lower resolutions
         give the last decoder block (DeepCache's cached branch; :meth:`shallow` reuses them)."""
+        self.check_state(x)
         emb = self.embed(c_noise, labels)
         h0 = self.enc0(self.conv_in(x), emb)
         h1 = self.enc1(self.down0(h0), emb)
@@ -164,6 +219,11 @@ class UNet(nn.Module):
         of an earlier call (:meth:`deep`) in place of the lower resolutions: only the embedding, the
         first encoder block and the last decoder block run. ``shallow(x, c, l, deep(x, c, l)[1])``
         is ``forward(x, c, l)``."""
+        self.check_state(x)
+        M, c0, (_, h, w) = x.shape[0], self.config.channels[0], self.state_shape
+        if not isinstance(feat, torch.Tensor) or feat.ndim < 1 or feat.shape[0] != M or feat.numel() != M * c0 * h * w:
+            got = tuple(feat.shape) if isinstance(feat, torch.Tensor) else type(feat).__name__
+            raise ValueError(f"feat must have shape ({M}, {c0}, {h}, {w}) or ({M}, {c0 * h * w}), got {got}")
         emb = self.embed(c_noise, labels)
         h0 = self.enc0(self.conv_in(x), emb)
         return self._head(feat.to(h0.dtype).reshape(h0.shape), h0, emb)
@@ -203,12 +263,16 @@ class EDMPrecond(nn.Module):
         feat: Optional[torch.Tensor] = None,
         keep: bool = False,
     ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+        # refused before the preconditioning, whose broadcasting would turn a wrong shape into another
+        self.net.check_state(x)
         M = x.shape[0]
         dtype = next(self.net.parameters()).dtype
         s = torch.as_tensor(sigma, dtype=x.dtype, device=x.device).reshape(-1)
         s = s.expand(M) if s.numel() == 1 else s
         if class_labels is not None:
-            class_labels = torch.as_tensor(class_labels, device=x.device).reshape(-1)
+            # on their own device: the network reads labels on the CPU for its range check before it
+            # moves them (:func:`check_labels`), which it could not do once they are on an accelerator
+            class_labels = torch.as_tensor(class_labels).reshape(-1)
             class_labels = class_labels.expand(M) if class_labels.numel() == 1 else class_labels
             if class_labels.shape != (M,):
                 raise ValueError(f"class_labels must be None, a scalar or have shape ({M},)")
