@@ -35,6 +35,11 @@ bytes per model row, and every command's peak against its estimate):
   the digits U-Net: 136 kB a float32 row; the SD3 transformer adapter:
   :func:`specforest.diffusers.transformer_row_bytes`). A model that declares
   nothing is counted at :data:`DEFAULT_ROW_STATES` states a row.
+* **What a run holds whole** (:class:`Held`), whatever its chunking: a model's parameters, the
+  initial states of every trajectory, the samples and statistics it returns
+  (:func:`returned_bytes`). A caller lists them with the options that size them; they count as
+  fixed bytes, and where they alone do not fit, the run is refused naming those options
+  (:func:`check_held`).
 * **Tree-parallel verification** (``world`` processes) gathers every row's
   velocity on every process: three more states a row; each process's model
   call holds its share of the rows.
@@ -59,6 +64,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -72,12 +78,16 @@ from .validation import check_int
 __all__ = [
     "DEFAULT_ROW_STATES",
     "HEAP_SLACK_BYTES",
+    "Held",
     "MemoryEstimate",
     "allocator_slack",
+    "check_held",
     "default_memory_limit",
     "estimate",
     "held_bytes",
+    "physical_memory",
     "resolve_limit",
+    "returned_bytes",
     "row_bytes_of",
     "tree_footprint",
 ]
@@ -215,13 +225,94 @@ def default_memory_limit(device: Union[str, torch.device] = "cpu") -> tuple[int,
     if device.type == "cuda" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"free memory of {device}"
+    total = physical_memory()
+    if total is None:
+        return _RAM_UNKNOWN_BYTES, "default of 8 GB (physical memory unknown)"
+    return int(_RAM_FRACTION * total), "50% of physical RAM"
+
+
+def physical_memory() -> Optional[int]:
+    """Bytes of physical RAM of the machine, or ``None`` where they cannot be read."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
-        total = 0
-    if total <= 0:
-        return _RAM_UNKNOWN_BYTES, "default of 8 GB (physical memory unknown)"
-    return int(_RAM_FRACTION * total), "50% of physical RAM"
+        return None
+    return int(total) if total > 0 else None
+
+
+@dataclass(frozen=True)
+class Held:
+    """Bytes a run holds whole, whatever its chunking (a model's parameters, every trajectory's
+    initial state, the samples it returns), with the options that size them.
+
+    Attributes:
+        what: what they are, for messages (``"the mixture's parameters"``).
+        sizes: ``(option, value)`` pairs whose product they grow with, for messages
+            (``(("components", 5), ("dim", 500))``).
+        nbytes: their bytes at the run's peak.
+    """
+
+    what: str
+    sizes: tuple[tuple[str, int], ...]
+    nbytes: int
+
+    def describe(self) -> str:
+        """``what (option=value x ...) N GB``."""
+        sizes = " x ".join(f"{name}={value}" for name, value in self.sizes)
+        return f"{self.what} ({sizes}) {self.nbytes / 1e9:.3g} GB"
+
+
+def check_held(held: Sequence[Held], *, limit_bytes: int, limit_source: str, fixed_bytes: int = 0) -> int:
+    """Refuse a run whose whole-run arrays do not fit its limit, before any of them is allocated.
+
+    Args:
+        held: what the run holds whole (:class:`Held`).
+        limit_bytes: the limit; limit_source: where it comes from (for messages).
+        fixed_bytes: what the process holds already (:func:`resolve_limit`).
+
+    Returns:
+        The bytes of ``held`` together.
+
+    Raises:
+        MemoryError: if ``fixed_bytes`` and ``held`` exceed ``limit_bytes``: the message gives
+            each part with the options that size it, the limit and where it comes from, and names
+            the options of the largest part to lower, the largest value first.
+    """
+    total = sum(int(h.nbytes) for h in held)
+    if int(fixed_bytes) + total <= int(limit_bytes):
+        return total
+    gb = 1e9
+    largest = max(held, key=lambda h: h.nbytes) if held else Held("", (), 0)
+    names = [name for name, _ in sorted(largest.sizes, key=lambda kv: -kv[1])]
+    raise MemoryError(
+        f"this run does not fit the memory limit of {limit_bytes / gb:.3g} GB ({limit_source}): what it holds "
+        f"whatever its chunking needs about {total / gb:.3g} GB: {'; '.join(h.describe() for h in held)}; "
+        f"and the process already holds {fixed_bytes / gb:.3g} GB. "
+        + (f"Lower {' or '.join(names)}, or raise the memory limit" if names else "Raise the memory limit")
+    )
+
+
+def returned_bytes(
+    trajectories: int, state_numel: int, tree: "DraftTree | TreePolicy | None", *, steps: int, work_bytes: int = _F32
+) -> int:
+    """Bytes of what :func:`specforest.sample` returns for ``trajectories``: the samples and their
+    :class:`~specforest.SampleStats` (four ``(n,)`` counters and four ``(n, L)`` ones of 8 bytes,
+    ``L`` the deepest round of ``tree`` on a grid of ``steps``).
+
+    Args:
+        trajectories: trajectories of the run.
+        state_numel: elements ``D`` of one state.
+        tree: the run's tree, tree policy or ``None``.
+        steps: grid steps ``T`` (a policy's rounds are at most that deep).
+        work_bytes: element size of the samples' dtype.
+    """
+    if tree is None:
+        depth = 0
+    elif isinstance(tree, DraftTree):
+        depth = tree.L
+    else:
+        depth = max(min(int(tree.max_depth), int(steps)), int(tree.initial.L))
+    return int(trajectories) * (int(state_numel) * int(work_bytes) + 8 * (5 + 4 * depth))
 
 
 def tree_footprint(
@@ -375,6 +466,7 @@ def estimate(
     work_bytes: int = _F32,
     world: int = 1,
     draft: Any = None,
+    held: Sequence[Held] = (),
 ) -> MemoryEstimate:
     """Estimate a run's memory and choose ``chunk`` and ``max_rows`` so it fits.
 
@@ -411,18 +503,26 @@ def estimate(
             chain node and trajectory (two where it :attr:`~specforest.proposals.Proposal.uses_states`),
             and the deep features of those nodes and of every evaluated row where it
             :attr:`~specforest.proposals.Proposal.uses_features` (``model.feature_numel`` of them).
+        held: what the run holds whole whatever its chunking (:class:`Held`), counted with
+            ``fixed_bytes`` and checked first (:func:`check_held`, where the process alone is within
+            the limit), before the model's declaration is read.
 
     Returns:
-        A :class:`MemoryEstimate`.
+        A :class:`MemoryEstimate` (its ``fixed_bytes`` include ``held``).
 
     Raises:
-        MemoryError: if one trajectory and one row do not fit (or, with
-            ``chunked=False``, all trajectories and one row); the message gives
-            the estimate, the limit, where it comes from and what to change.
+        MemoryError: if ``held`` does not fit (naming the options that size it), or one trajectory
+            and one row do not (or, with ``chunked=False``, all trajectories and one row); the
+            message gives the estimate, the limit, where it comes from and what to change.
     """
     device = torch.device(device)
     if limit_bytes is None:
         limit_bytes, limit_source = default_memory_limit(device)
+    kept = sum(int(h.nbytes) for h in held)
+    if int(fixed_bytes) < int(limit_bytes):
+        # where the process alone is over the limit, what the run holds whole is not what to lower:
+        # the refusal below says so with everything else
+        check_held(held, limit_bytes=limit_bytes, limit_source=limit_source, fixed_bytes=fixed_bytes)
     remembered = gains = 0
     if draft is not None and remembers_chain(prop := get_proposal(draft), tree):
         # the run goes full and keeps a state per node of its deepest chain (and the node's
@@ -460,7 +560,7 @@ def estimate(
         F = int(model.feature_numel(tuple(x_row.shape[1:]) if x_row is not None else (D,)))
         per += (_depth(tree, steps) + 2 * rows) * F * w
     tables = _TABLE_BYTES * size if tree is not None else 0
-    fixed_bytes = int(fixed_bytes) + tables
+    fixed_bytes = int(fixed_bytes) + kept + tables
     room = _dynamic_room(int(limit_bytes) - fixed_bytes, device)
     need = trajectories if not chunked else 1
     if room < need * per + row:
@@ -471,8 +571,9 @@ def estimate(
             f"this run does not fit the memory limit of {limit_bytes / gb:.3g} GB ({limit_source}): it needs about "
             f"{total / gb:.3g} GB: {need} trajectory(ies) x {nodes} states x {D} elements hold {need * per / gb:.3g} GB "
             f"at a round's peak, one target row needs about {row / gb:.3g} GB, the allocator's slack "
-            f"{allocator_slack(dyn, device) / gb:.3g} GB, and the process already holds {fixed_bytes / gb:.3g} GB. "
-            "Use a smaller tree (K, L or budget), fewer trajectories, verify='internal', lazy=True (--lazy), "
+            f"{allocator_slack(dyn, device) / gb:.3g} GB, and the process already holds {fixed_bytes / gb:.3g} GB"
+            + (f" (with what the run holds whole: {'; '.join(h.describe() for h in held)})" if held else "")
+            + ". Use a smaller tree (K, L or budget), fewer trajectories, verify='internal', lazy=True (--lazy), "
             "or raise the memory limit"
         )
     # with chunking, a chunk is as large as fits with its whole calls (fewer, fuller network

@@ -14,13 +14,54 @@ with posterior responsibilities ``r_k``; it is finite on all of [0, 1]
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..validation import check_int
 
-__all__ = ["GaussianMixture"]
+__all__ = ["GaussianMixture", "MixtureSize"]
+
+
+@dataclass(frozen=True)
+class MixtureSize:
+    """What a mixture of ``components`` isotropic Gaussians in ``dim`` dimensions costs, known
+    before its parameters are drawn: :func:`specforest.memory.estimate` reads it as the model's
+    declarations (``row_bytes``, ``feature_numel``), so a run can be sized, and refused, before
+    the mixture is built. :attr:`GaussianMixture.size` gives a mixture's own.
+
+    Attributes:
+        dim: dimension ``d``.
+        components: number of components ``C``.
+    """
+
+    dim: int
+    components: int
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Peak bytes of the parameters, ``16 C d``: the float64 means and one temporary while
+        :meth:`GaussianMixture.paper` draws them, then the means beside the float32 copy a call
+        uses and its square (the stds and weights, ``C`` numbers each, are not counted)."""
+        return 16 * self.components * self.dim
+
+    def row_bytes(self, x: torch.Tensor, **cond: object) -> int:
+        """Peak bytes one row adds inside a call (:func:`specforest.memory.row_bytes_of`).
+
+        ``(2 d + 7 C) w`` for ``x`` rows of dtype size ``w`` (float32 unless
+        float64): the running velocity and its update (``d`` each) and the
+        ``(rows, C)`` responsibilities and their intermediates, output included.
+        Measured on ``d`` 250 and 500, ``C`` 5 and 20, float32 and float64: within
+        1% (``benchmarks/memory.py``). The component loop keeps ``rows x C x d``
+        from ever being held at once.
+        """
+        w = 8 if x.dtype == torch.float64 else 4
+        return (2 * self.dim + 7 * self.components) * w
+
+    def feature_numel(self, shape: tuple[int, ...]) -> int:
+        """The deep features a call keeps per row for ``draft="cached"``: the ``C`` responsibilities."""
+        return self.components
 
 
 class GaussianMixture:
@@ -67,27 +108,34 @@ class GaussianMixture:
 
         Drawn once from ``seed`` (a CPU ``torch.Generator``), so the same seed
         gives the same mixture on every machine.
+
+        Raises:
+            ValueError / TypeError: on an invalid ``dim``, ``components`` or ``seed``, naming it.
+            MemoryError: if the parameters (:attr:`MixtureSize.parameter_bytes`) exceed the
+                machine's physical memory, naming ``dim`` and ``components``, before they are drawn
+                (a run's own limit is checked where the run is sized: ``specforest.experiments.gmm``).
         """
+        from ..memory import physical_memory
+
         dim = check_int("dim", dim, 1)
         components = check_int("components", components, 1)
-        g = torch.Generator().manual_seed(check_int("seed", seed, 0, 2**64 - 1))
+        seed = check_int("seed", seed, 0, 2**64 - 1)
+        need, total = MixtureSize(dim, components).parameter_bytes, physical_memory()
+        if total is not None and need > total:
+            raise MemoryError(
+                f"a mixture of components={components} x dim={dim} needs about {need / 1e9:.3g} GB for its "
+                f"parameters, more than this machine's {total / 1e9:.3g} GB of physical memory: "
+                "lower components or dim"
+            )
+        g = torch.Generator().manual_seed(seed)
         means = (torch.rand(components, dim, generator=g, dtype=torch.float64) * 2 - 1) * mean_range
         lo, hi = std_range
         stds = lo + (hi - lo) * torch.rand(components, generator=g, dtype=torch.float64)
         return cls(means, stds)
 
     def row_bytes(self, x: torch.Tensor, **cond: object) -> int:
-        """Peak bytes one row adds inside a call (:func:`specforest.memory.row_bytes_of`).
-
-        ``(2 d + 7 C) w`` for ``x`` rows of dtype size ``w`` (float32 unless
-        float64): the running velocity and its update (``d`` each) and the
-        ``(rows, C)`` responsibilities and their intermediates, output included.
-        Measured on ``d`` 250 and 500, ``C`` 5 and 20, float32 and float64: within
-        1% (``benchmarks/memory.py``). The component loop keeps ``rows x C x d``
-        from ever being held at once.
-        """
-        w = 8 if x.dtype == torch.float64 else 4
-        return (2 * self.dim + 7 * self.num_components) * w
+        """Peak bytes one row adds inside a call: :meth:`MixtureSize.row_bytes`."""
+        return self.size.row_bytes(x)
 
     @property
     def dim(self) -> int:
@@ -96,6 +144,11 @@ class GaussianMixture:
     @property
     def num_components(self) -> int:
         return self.means.shape[0]
+
+    @property
+    def size(self) -> MixtureSize:
+        """The mixture's :class:`MixtureSize`."""
+        return MixtureSize(self.dim, self.num_components)
 
     def _params(self, dtype, device):
         key = (dtype, device)

@@ -18,11 +18,12 @@ import torch
 
 from ... import __version__, memory, sample
 from ...drafting import runs_full
+from ...models.gmm import MixtureSize
 from ...options import SamplerOptions
 from ...planning import AdaptiveTree, plan_tree
 from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS, get_proposal
 from ...sampler import PREFETCH_POLICIES
-from ...trees import VERIFY_MODES, DraftTree
+from ...trees import VERIFY_MODES, DraftTree, TreePolicy, chain
 from ...warmup import pad_rows_for, warm_up
 from ..common import (
     COUPLING_OF,
@@ -48,6 +49,8 @@ from .setting import (
 __all__ = ["GMMRun", "run_config", "simulate"]
 
 STREAM_NOISE = 1
+# trajectories of a planned tree's calibration run (plan_tree's default)
+_CALIBRATION_TRAJECTORIES = 16
 
 
 @dataclass
@@ -64,6 +67,23 @@ class GMMRun:
     record: dict
     samples: torch.Tensor
     tree: "DraftTree | AdaptiveTree | None" = None
+
+
+def _held(
+    setting: GMMSetting, tree: "DraftTree | TreePolicy | None", calibration: bool = False
+) -> tuple[memory.Held, ...]:
+    """What a run holds whole, whatever its chunking: the mixture's parameters, and every
+    trajectory's initial state beside its sample and statistics twice (each chunk's, then their
+    concatenation); with ``calibration``, those of a planned tree's calibration run."""
+    d, C = setting.dim, setting.components
+    n = _CALIBRATION_TRAJECTORIES if calibration else setting.trajectories
+    states = n * d * 4 + 2 * memory.returned_bytes(n, d, tree, steps=setting.steps)
+    return (
+        memory.Held("the mixture's parameters", (("components", C), ("dim", d)), MixtureSize(d, C).parameter_bytes),
+        memory.Held(f"the calibration's {n} initial states, samples and statistics", (("dim", d),), states)
+        if calibration
+        else memory.Held("the initial states, samples and statistics", (("trajectories", n), ("dim", d)), states),
+    )
 
 
 def simulate(
@@ -97,6 +117,30 @@ def simulate(
     if memory_gb is not None:
         memory_gb = check_number("memory_gb", memory_gb, 0.0, lo_open=True)
     K, L = normalize(method, K, L)
+    n, T = setting.trajectories, setting.steps
+    # the limit bounds the whole process: what it holds now counts as fixed
+    limit, source, fixed = memory.resolve_limit(memory_gb, "cpu", "memory_gb")
+
+    def sized(tree: "DraftTree | TreePolicy | None", lazy: bool, calibration: bool = False) -> memory.MemoryEstimate:
+        # made before the mixture is drawn (its size declares what it costs, a meta row its dtype):
+        # a mixture, states or tree too large for the limit is refused before anything is allocated
+        return memory.estimate(
+            trajectories=_CALIBRATION_TRAJECTORIES if calibration else n,
+            state_numel=setting.dim,
+            tree=tree,
+            verify=verify,
+            lazy=lazy,
+            steps=T,
+            model=MixtureSize(setting.dim, setting.components),
+            x_row=torch.empty(1, setting.dim, device="meta"),
+            draft=draft,
+            fixed_bytes=fixed,
+            limit_bytes=limit,
+            limit_source=source,
+            chunked=not calibration,  # the calibration runs its trajectories at once
+            held=_held(setting, tree, calibration),
+        )
+
     if isinstance(tree, DraftTree):
         if method in ("standard", "rmc"):
             raise ValueError(f"a DraftTree as tree needs a tree method (dgrs, rank, antithetic), got method={method!r}")
@@ -106,9 +150,11 @@ def simulate(
         tree_mode = tree
 
         def plan(b: int) -> DraftTree:
+            # the calibration draws the mixture too, and runs a lazy chain (plan_tree's)
+            sized(chain(min(b, T)), lazy=True, calibration=True)
             return plan_tree(
                 setting.mixture(),
-                initial_states(16, setting.dim, derive_seed(seed, STREAM_CALIBRATION_X)),
+                initial_states(_CALIBRATION_TRAJECTORIES, setting.dim, derive_seed(seed, STREAM_CALIBRATION_X)),
                 budget=b,
                 steps=setting.steps,
                 churn=setting.churn,
@@ -127,23 +173,8 @@ def simulate(
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     coupling = COUPLING_OF.get(method, "grs")
 
-    n, T = setting.trajectories, setting.steps
+    mem = sized(tree, lazy)
     gmm = setting.mixture()
-    # the limit bounds the whole process: what it holds now counts as fixed
-    limit, source, fixed = memory.resolve_limit(memory_gb, "cpu", "memory_gb")
-    mem = memory.estimate(
-        trajectories=n,
-        state_numel=setting.dim,
-        tree=tree,
-        verify=verify,
-        lazy=lazy,
-        steps=T,
-        model=gmm,
-        draft=draft,
-        fixed_bytes=fixed,
-        limit_bytes=limit,
-        limit_source=source,
-    )
     model, pad_rows = compiled(gmm, compile)
     x_T = initial_states(n, setting.dim, seed)
     noise_seed = derive_seed(seed, STREAM_NOISE)
@@ -276,7 +307,9 @@ def run_config(setting: GMMSetting, **options) -> dict:
 
     Raises:
         ValueError / TypeError: on invalid options, naming the option.
-        MemoryError: if one trajectory does not fit ``memory_gb`` (use ``lazy``),
-            before anything is sampled; the message gives the numbers.
+        MemoryError: if what the run holds whole (the mixture's parameters, every trajectory's
+            initial state, sample and statistics) does not fit ``memory_gb``, naming ``dim``,
+            ``components`` or ``trajectories``, or one trajectory's round does not (use ``lazy``);
+            before the mixture is drawn and anything is sampled; the message gives the numbers.
     """
     return simulate(setting, **options).record

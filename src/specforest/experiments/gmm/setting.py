@@ -89,7 +89,8 @@ def mixture_fingerprint(gmm: GaussianMixture) -> str:
     """Short hash of a mixture's parameters, recorded with every result."""
     h = hashlib.sha256()
     for t in (gmm.means, gmm.stds, gmm.weights):
-        h.update(t.detach().cpu().to(torch.float64).contiguous().numpy().tobytes())
+        # the array's own buffer, not a copy of it: the means are counted once in a run's memory
+        h.update(t.detach().cpu().to(torch.float64).contiguous().numpy())
     return h.hexdigest()[:16]
 
 
