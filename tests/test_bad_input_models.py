@@ -415,3 +415,21 @@ def test_a_malformed_sha256_is_refused_by_name(sha256, error):
     for path in (None, digits.WEIGHTS_DIR / digits.UNET_FILE):
         with pytest.raises(error, match=r"sha256 must be a hex SHA-256 digest \(64 hex digits\) or None"):
             digits.load_denoiser(path, sha256=sha256)
+
+
+def test_the_denoiser_refuses_noise_levels_of_another_length(denoiser):
+    x = torch.zeros(4, 1, 8, 8)
+    for sigma in (torch.full((3,), 0.5), torch.full((4, 2), 0.5)):
+        with pytest.raises(ValueError, match=r"sigma must be a scalar or have shape \(4,\), got"):
+            denoiser(x, sigma)
+    assert denoiser(x, 0.5).shape == denoiser(x, torch.full((4,), 0.5)).shape == x.shape
+
+
+def test_the_mixture_refuses_responsibilities_of_another_shape():
+    gmm = GaussianMixture.paper(dim=6, components=3)
+    x, s = torch.zeros(4, 6), torch.full((4,), 0.5)
+    for r in (torch.zeros(4, 2), torch.zeros(3, 3), torch.zeros(4, 3, 1)):
+        with pytest.raises(ValueError, match=r"r must have shape \(4, 3\)"):
+            gmm.from_features(x, s, r)
+    _, r = gmm.with_features(x, s)
+    torch.testing.assert_close(gmm.from_features(x, s, r), gmm(x, s), rtol=0, atol=0)

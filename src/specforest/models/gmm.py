@@ -201,6 +201,9 @@ class GaussianMixture:
             dist2 = x2 - 2.0 * a * xm + a * a * mu2[None, :]
             logits = logw[None, :] - 0.5 * dist2 / var - 0.5 * self.dim * torch.log(var)
             r = torch.softmax(logits, dim=1)  # (M, C)
+        elif not isinstance(r, torch.Tensor) or tuple(r.shape) != (x.shape[0], self.num_components):
+            got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
+            raise ValueError(f"r must have shape ({x.shape[0]}, {self.num_components}), got {got}")
         else:
             r = r.to(work)
         c = r * (sig - a * s2[None, :]) / var  # (M, C)

@@ -267,8 +267,10 @@ class EDMPrecond(nn.Module):
         self.net.check_state(x)
         M = x.shape[0]
         dtype = next(self.net.parameters()).dtype
-        s = torch.as_tensor(sigma, dtype=x.dtype, device=x.device).reshape(-1)
-        s = s.expand(M) if s.numel() == 1 else s
+        s = torch.as_tensor(sigma, dtype=x.dtype, device=x.device)
+        if s.numel() != 1 and tuple(s.shape) != (M,):
+            raise ValueError(f"sigma must be a scalar or have shape ({M},), got shape {tuple(s.shape)}")
+        s = s.reshape(-1).expand(M)
         if class_labels is not None:
             # on their own device: the network reads labels on the CPU for its range check before it
             # moves them (:func:`check_labels`), which it could not do once they are on an accelerator
