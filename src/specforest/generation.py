@@ -34,9 +34,13 @@ from .records import RunContext, RunState
 from .results import SampleStats, returned, stats_of
 from .sampler import RunSpec, VelocityFn, prepare
 from .target import outside_inference
-from .validation import check_indices, check_int, check_seed, refuse_non_finite, working_dtype
+from .validation import check_indices, check_int, check_seed, is_int, refuse_non_finite, working_dtype
 
-__all__ = ["Finished", "Generation", "GenerationStats", "generate"]
+__all__ = ["MAX_COUNT", "Finished", "Generation", "GenerationStats", "generate"]
+
+MAX_COUNT = 2**63 - 1
+"""The largest ``count`` of :func:`generate`: its indices ``0..count-1`` are int64 sample indices
+(made as the slots take them, so a large count holds no memory)."""
 
 
 @dataclass(frozen=True)
@@ -91,18 +95,27 @@ class Generation:
         self,
         model: VelocityFn,
         spec: RunSpec,
-        indices: torch.Tensor,
+        indices: "torch.Tensor | int",
         make_x: Callable[[torch.Tensor], torch.Tensor],
         make_cond: Optional[Callable[[torch.Tensor], dict]],
         batch: int,
         seed: int,
         process_group: Any,
     ) -> None:
-        self.model, self.spec, self.indices = model, spec, indices
+        # a count stands for 0..count-1, made as the slots take them: a job of 10**12 samples holds no index
+        self.indices = indices
+        self.count = indices if isinstance(indices, int) else len(indices)
+        self.model, self.spec = model, spec
         self.make_x, self.make_cond = make_x, make_cond
         self.batch, self.seed, self.group = batch, seed, process_group
-        self.stats = GenerationStats(slots=min(batch, len(indices)))
+        self.stats = GenerationStats(slots=min(batch, self.count))
         self._used = False
+
+    def _take(self, start: int, stop: int) -> torch.Tensor:
+        """The job's indices ``start..stop-1`` in its order, ``(stop - start,)`` long."""
+        if isinstance(self.indices, int):
+            return torch.arange(start, stop)
+        return self.indices[start:stop]
 
     def _states(self, idx: torch.Tensor, first: bool) -> "tuple[torch.Tensor, dict]":
         with outside_inference():
@@ -171,13 +184,13 @@ class Generation:
         if self._used:
             raise RuntimeError("a Generation is iterated once; call generate again")
         self._used = True
-        n = len(self.indices)
+        n = self.count
         if n == 0:
             return
         t0 = time.perf_counter()
         T = self.spec.sde.steps
         slots = self.stats.slots
-        ctx, state, slot_idx = self._start(self.indices[:slots])
+        ctx, state, slot_idx = self._start(self._take(0, slots))
         live = torch.ones(slots, dtype=torch.bool, device=ctx.device)
         n_live, nxt_i, seconds = slots, slots, 0.0
         while n_live:
@@ -213,7 +226,7 @@ class Generation:
             k = min(n_done, n - nxt_i)
             if k == 0:
                 continue
-            new = self.indices[nxt_i : nxt_i + k]
+            new = self._take(nxt_i, nxt_i + k)
             nxt_i += k
             if n_live == 0:
                 # every slot is free (the standard sampler's trajectories always finish together):
@@ -253,7 +266,8 @@ def generate(
 
     Args:
         model: the target velocity, as in :func:`specforest.sample`.
-        count: produce indices ``0..count-1``; or give ``indices``.
+        count: produce indices ``0..count-1``, ``0 <= count <= 2**63 - 1`` (:data:`MAX_COUNT`; the
+            indices are made as the slots take them, so any count holds the same memory); or give ``indices``.
         indices: the global indices to produce (e.g. this process's share of a job,
             :func:`specforest.distributed.shard`).
         make_x: ``make_x(idx (n,) long) -> (n, *shape)`` initial states at noise level 1
@@ -263,7 +277,10 @@ def generate(
         batch: slots in flight, ``>= 1`` (default 64, or the tuned batch with ``tuned_for``).
         options: the sampler's options (:class:`~specforest.options.SamplerOptions`), or give them
             as keywords (``**option_kwargs``, as in :func:`specforest.sample`; the keywords override
-            the object's fields). ``record_deltas`` is :func:`specforest.sample`'s alone.
+            the object's fields). ``record_deltas`` is :func:`specforest.sample`'s alone. With
+            ``tree=None`` (the standard sampler) the draft's options (``coupling``, ``draft``,
+            ``verify``, ``prefetch``, ``lazy``) are taken and unused, as by :func:`specforest.sample`:
+            a tuned configuration that chose the standard sampler carries them.
         process_group: tree-parallel verification (see :func:`specforest.sample`);
             every process of the group must make the same call.
         tuned_for: the run a tuned configuration was chosen for, as in :func:`specforest.sample`
@@ -282,7 +299,9 @@ def generate(
     if not callable(model):
         raise TypeError("model must be callable as model(x, sigma, **cond)")
     if count is not None:
-        idx = torch.arange(check_int("count", count, 0))
+        if is_int(count) and count > MAX_COUNT:
+            raise ValueError(f"count must be an int >= 0 and <= 2**63 - 1 (a sample index is an int64), got {count}")
+        idx = check_int("count", count, 0)
     else:
         idx = check_indices("indices", indices, unique=True).cpu()
     seed = check_seed(seed)

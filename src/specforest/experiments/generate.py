@@ -52,7 +52,7 @@ from .. import __version__, distributed, generate, streams
 from ..atomic import atomic_write, atomic_write_text
 from ..warmup import pad_rows_for, warm_up
 from .common import check_int, compiled
-from .generate_job import IMAGE_MODELS, MODELS, JobSpec, diffusers_options, sd3_options
+from .generate_job import IMAGE_MODELS, MODELS, JobSpec, count_limit, diffusers_options, sd3_options
 from .generate_model import JobModel, gmm_model, image_model, pixel_model, size_slots
 from .generate_shards import check_start, done_indices, meta_path, parts_dir, remove_parts
 
@@ -61,6 +61,7 @@ __all__ = [
     "MODELS",
     "GenerateResult",
     "JobSpec",
+    "count_limit",
     "diffusers_options",
     "done_indices",
     "merge",
@@ -159,9 +160,14 @@ def run_job(
     Returns:
         A :class:`GenerateResult`.
 
+    Nothing is written until every check has passed (the count, the output, the model, the slots
+    that fit the memory limit, the sampler's options): a refused job leaves no ``PATH.parts``.
+
     Raises:
         FileExistsError: if ``out`` (or its parts) exists without ``resume``.
-        ValueError: if ``resume`` finds a job with other options, or on bad options.
+        ValueError: if ``resume`` finds a job with other options, on bad options, or on a count
+            the merge could not hold (:func:`count_limit`).
+        MemoryError: if one slot does not fit the memory limit (:func:`size_slots`).
         specforest.distributed.PeerError: on the other processes, when one failed at a step
             they take together (checking the output, loading the model, the merge) or left the job.
     """
@@ -216,6 +222,14 @@ def _run_job(
     rank = distributed.rank()
     # every rank checks, so that every rank raises the same error
     with distributed.together("checking the output", control):
+        limit, why = count_limit(spec.model, spec.model_options, memory_gb=memory_gb, device=device)
+        if limit < 1:
+            raise ValueError(f"memory_gb={memory_gb:g} cannot hold one sample: {why}")
+        if spec.count > limit:
+            raise ValueError(
+                f"count must be an int in [1, {limit}] here, got {spec.count}: {why}; give a larger "
+                "memory_gb or split the job into several outputs"
+            )
         complete = check_start(out, spec, resume)
     if complete:
         with distributed.together("removing the parts", control):
@@ -225,17 +239,13 @@ def _run_job(
         return GenerateResult(out, 0, spec.count, float("nan"), 0, 0.0, True)
     with distributed.together("loading the model", control):
         model = _model(spec, out, device)
-    with distributed.together("writing the options", control):
-        if rank == 0:
-            parts_dir(out).mkdir(parents=True, exist_ok=True)
-            if spec.model in IMAGE_MODELS:
-                out.mkdir(parents=True, exist_ok=True)
-            if not (parts_dir(out) / "options.json").exists():
-                atomic_write_text(parts_dir(out) / "options.json", json.dumps(spec.options(), indent=1) + "\n")
-    # every rank has read the shards before any writes more
+    # every rank has read the shards before any writes more (none were written yet by a new job)
     with distributed.together("reading the shards", control):
         done = done_indices(out)
-    todo = torch.tensor([i for i in range(spec.count) if i not in done], dtype=torch.long)
+    # the indices not on disk, in order (a mask, not a Python list of every index)
+    left = torch.ones(spec.count, dtype=torch.bool)
+    left[torch.tensor(sorted(done), dtype=torch.long)] = False
+    todo = torch.nonzero(left)[:, 0]
     mine = todo if tree_parallel else distributed.shard(todo)
     writer = rank == 0 or not tree_parallel
     seed = spec.seed
@@ -252,18 +262,37 @@ def _run_job(
 
         group = dist.group.WORLD
     world = distributed.world_size() if tree_parallel else 1
-    mem = size_slots(model, spec, batch, memory_gb, world=world, device=dev)
+    # the last checks, before anything is written: the slots that fit, the options of every call
+    with distributed.together("sizing the slots", control):
+        mem = size_slots(model, spec, batch, memory_gb, world=world, device=dev)
+        velocity, pad_rows = compiled(model.velocity, compile)
+        if warmup and len(mine):
+            # the slots that fit, and the last run of the standard sampler, whose slots all finish together
+            slots = mem.chunk
+            sizes = sorted({min(slots, len(mine)), len(mine) % slots or slots})
+            first = mine[: sizes[-1]]
+            pad_rows = pad_rows or pad_rows_for(sizes, **model.sampler.as_dict())
+        # the job's options with the rows per call that fit and the padding of a compiled model
+        options = replace(model.sampler, max_rows=mem.max_rows, pad_rows=pad_rows)
+        gen = generate(
+            velocity,
+            indices=mine,
+            make_x=make_x,
+            make_cond=model.make_cond,
+            seed=seed,
+            batch=mem.chunk,
+            process_group=group,
+            options=options,
+        )
     log(mem.describe())
-    velocity, pad_rows = compiled(model.velocity, compile)
+    with distributed.together("writing the options", control):
+        if rank == 0:
+            parts_dir(out).mkdir(parents=True, exist_ok=True)
+            if spec.model in IMAGE_MODELS:
+                out.mkdir(parents=True, exist_ok=True)
+            if not (parts_dir(out) / "options.json").exists():
+                atomic_write_text(parts_dir(out) / "options.json", json.dumps(spec.options(), indent=1) + "\n")
     warmup_seconds = 0.0
-    if warmup and len(mine):
-        # the slots that fit, and the last run of the standard sampler, whose slots all finish together
-        slots = mem.chunk
-        sizes = sorted({min(slots, len(mine)), len(mine) % slots or slots})
-        first = mine[: sizes[-1]]
-        pad_rows = pad_rows or pad_rows_for(sizes, **model.sampler.as_dict())
-    # the job's options with the rows per call that fit and the padding of a compiled model
-    options = replace(model.sampler, max_rows=mem.max_rows, pad_rows=pad_rows)
     if warmup and len(mine):
         cond = None if model.make_cond is None else model.make_cond(first)
         warmup_seconds = warm_up(
@@ -275,16 +304,6 @@ def _run_job(
             repeats=3 if compile else 1,
             **options.as_dict(),
         )
-    gen = generate(
-        velocity,
-        indices=mine,
-        make_x=make_x,
-        make_cond=model.make_cond,
-        seed=seed,
-        batch=mem.chunk,
-        process_group=group,
-        options=options,
-    )
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm

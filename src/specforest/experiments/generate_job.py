@@ -7,13 +7,27 @@ model's (for an image job, the captions' digest among them, so changed captions 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from .. import memory
+from ..generation import MAX_COUNT
 from .common import METHODS, check_choice, check_int
 
-__all__ = ["IMAGE_MODELS", "MODELS", "JobSpec", "diffusers_options", "prompts_digest", "sd3_options"]
+__all__ = [
+    "IMAGE_MODELS",
+    "MERGE_ROW_BYTES",
+    "MODELS",
+    "JobSpec",
+    "count_limit",
+    "diffusers_options",
+    "prompts_digest",
+    "sd3_options",
+]
 
 MODELS = ("gmm", "pixel", "sd3", "diffusers")
 """Models ``specforest generate`` samples (``sd3``: a local ``StableDiffusion3Pipeline`` and a captions file;
@@ -21,6 +35,11 @@ MODELS = ("gmm", "pixel", "sd3", "diffusers")
 
 IMAGE_MODELS = ("sd3", "diffusers")
 """The models whose output is a folder of PNGs, one per index."""
+
+MERGE_ROW_BYTES = 1024
+"""Host bytes the merge holds per sample besides its state: the sample's record (its index, NFE
+and label as NumPy scalars, in a dict keyed by its index) and its NFE in the list and in the JSON
+(about 700 bytes measured with CPython 3.11 and NumPy 2)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +65,7 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         check_choice("model", self.model, MODELS)
-        check_int("count", self.count, 1)
+        check_int("count", self.count, 1, MAX_COUNT)
         check_int("seed", self.seed, 0)
         check_choice("method", self.sampler.get("method"), METHODS)
 
@@ -59,6 +78,47 @@ class JobSpec:
             "sampler": dict(self.sampler),
             "model_options": dict(self.model_options),
         }
+
+
+def count_limit(
+    model: str, model_options: dict, *, memory_gb: Optional[float] = None, device: "str | torch.device" = "cpu"
+) -> "tuple[int, str]":
+    """The largest count ``M`` a job can hold, and why, for an error message.
+
+    The merge at the end (:func:`specforest.experiments.generate.merge`) reads every shard and
+    stacks the samples on the host: each sample's state twice in float32 (an image job keeps its
+    PNGs on disk, none) and :data:`MERGE_ROW_BYTES`. That must fit the memory limit: ``memory_gb``
+    for a job on the CPU, else :func:`specforest.memory.default_memory_limit` of the host. No count
+    exceeds the int64 sample indices (:data:`specforest.generation.MAX_COUNT`).
+
+    Args:
+        model: one of :data:`MODELS`.
+        model_options: the model's options (``gmm``: its ``dim``).
+        memory_gb: the job's memory limit in GB (``None``: the default).
+        device: where the job samples.
+
+    Returns:
+        ``(limit, reason)``: ``M <= limit`` fits; ``reason`` says what bounds it.
+
+    Raises:
+        ValueError / TypeError: naming ``model`` or ``dim``.
+    """
+    check_choice("model", model, MODELS)
+    numel = 0
+    if model == "gmm":
+        numel = check_int("dim", model_options.get("dim"), 1)
+    elif model == "pixel":
+        from ..models.digits import IMAGE_SHAPE
+
+        numel = math.prod(IMAGE_SHAPE)
+    per_sample = MERGE_ROW_BYTES + 2 * 4 * numel
+    on_host = memory_gb if torch.device(device).type == "cpu" else None
+    limit, source, _ = memory.resolve_limit(on_host, "cpu", "memory_gb")
+    reason = (
+        f"the merge at the end holds every sample in host memory, about {per_sample:,} bytes each, within "
+        f"{limit / 1e9:.3g} GB ({source})"
+    )
+    return min(MAX_COUNT, limit // per_sample), reason
 
 
 def prompts_digest(prompts: list) -> str:

@@ -56,14 +56,10 @@ def _tree_kwargs(o: dict) -> dict:
     method = o["method"]
     # a tuned tree comes as its parent list; otherwise the method's (K, L) tree
     tree = from_parents(o["tree"]) if o.get("tree") is not None else method_tree(method, o["K"], o["L"], o["steps"])
-    return dict(
-        tree=tree,
-        coupling=COUPLING_OF.get(method, "grs"),
-        draft=o["draft"],
-        prefetch=o["prefetch"],
-        verify=o["verify"],
-        churn=o["churn"],
-    )
+    kwargs = dict(tree=tree, coupling=COUPLING_OF.get(method, "grs"), churn=o["churn"])
+    # a standard job records none of the draft's options (it uses none; a job started before recorded the defaults)
+    kwargs.update({k: o[k] for k in ("draft", "prefetch", "verify") if o.get(k) is not None})
+    return kwargs
 
 
 def gmm_model(spec: JobSpec) -> JobModel:

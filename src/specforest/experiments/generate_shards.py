@@ -48,7 +48,7 @@ def done_indices(out: Path) -> set:
 def check_start(out: Path, spec: JobSpec, resume: bool) -> bool:
     """Refuse what would mix or overwrite jobs; True when the job is already complete."""
     parts, meta = parts_dir(out), meta_path(out)
-    opts = spec.options()
+    opts = _as_ran(spec.options())
     if not resume:
         for p in (out, parts, meta):
             if p.exists():
@@ -56,17 +56,26 @@ def check_start(out: Path, spec: JobSpec, resume: bool) -> bool:
         return False
     if out.exists() and meta.exists():
         # the output and its JSON are written last: the job is complete (a kill may have left parts behind)
-        old = json.loads(meta.read_text())["options"]
+        old = _as_ran(json.loads(meta.read_text())["options"])
         if old != opts:
             raise ValueError(f"--resume with options that differ from those of {out}: {_diff(old, opts)}")
         return True
     if (parts / "options.json").exists():
-        old = json.loads((parts / "options.json").read_text())
+        old = _as_ran(json.loads((parts / "options.json").read_text()))
         if old != opts:
             raise ValueError(f"--resume with options that differ from those on disk in {parts}: {_diff(old, opts)}")
     elif out.exists():
         raise FileExistsError(f"{out} exists but is not a specforest generate output; choose another --out")
     return False
+
+
+def _as_ran(opts: dict) -> dict:
+    """A job's options as they ran, as a resumed job compares them: a standard job's draft options are
+    unused (a job written before the command line recorded them as null holds the defaults: the same job)."""
+    sampler = opts.get("sampler") if isinstance(opts, dict) else None
+    if not isinstance(sampler, dict) or sampler.get("method") != "standard":
+        return opts
+    return {**opts, "sampler": {**sampler, **dict.fromkeys(("draft", "prefetch", "verify"))}}
 
 
 def _diff(old: dict, new: dict) -> str:

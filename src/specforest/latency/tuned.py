@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any, Optional
 
+from ..couplings import available_couplings
+from ..engine import PREFETCH_POLICIES
+from ..options import SamplerOptions
+from ..proposals import available_drafts
 from ..sampler import TunedFor
-from ..trees import DraftTree, from_parents
+from ..sde import MAX_STEPS
+from ..trees import VERIFY_MODES, DraftTree, from_parents
+from ..validation import check_choice, check_churn, check_int, check_ints, check_number
 from .curve import CostCurve
 
 __all__ = ["Tuned"]
@@ -110,20 +118,138 @@ class Tuned(Mapping):
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "Tuned":
-        """The inverse of :meth:`to_json`; a file written before ``churn`` and ``prefetch`` were kept
-        reads with ``churn=None`` (not checked) and ``prefetch="nearest"`` (what it was tuned with)."""
-        tree = None if d["tree"] is None else from_parents(d["tree"])
-        curve = CostCurve(tuple(d["cost_curve"]["sizes"]), tuple(d["cost_curve"]["seconds"]))
-        keys = ("label", "coupling", "verify", "draft", "batch", "steps", "predicted_seconds_per_image")
-        keys += ("predicted_speedup", "standard_seconds_per_image", "predicted_calls")
-        churn = d.get("churn")
-        return cls(
+    def from_json(cls, d: Mapping) -> "Tuned":
+        """The inverse of :meth:`to_json`, every field checked: a file written by hand or by another
+        version runs the configuration it names or is refused, never another sampler.
+
+        A file written before ``churn`` and ``prefetch`` were kept reads with ``churn=None`` (not
+        checked) and ``prefetch="nearest"`` (what it was tuned with). ``tuned_for``, which
+        ``specforest tune`` writes beside the configuration, is the command line's to read.
+
+        Raises:
+            TypeError: if ``d`` is not a mapping, or a field has the wrong type, naming the field.
+            ValueError: naming a missing or unknown field, or one out of range with what it accepts
+                (a coupling or draft that is not registered, a tree the coupling cannot take, a
+                cost curve whose sizes are not ascending, ...).
+        """
+        if not isinstance(d, Mapping):
+            raise TypeError(f"a tuned configuration must be a JSON object (a dict), got {type(d).__name__}")
+        unknown = sorted(str(k) for k in d if k not in _FIELDS and k not in _BESIDE)
+        if unknown:
+            raise ValueError(
+                f"unknown field(s) {', '.join(unknown)} in a tuned configuration; its fields are "
+                f"{', '.join(_FIELDS)} (and {', '.join(_BESIDE)})"
+            )
+        missing = [k for k in _FIELDS if k not in d and k not in _OPTIONAL]
+        if missing:
+            raise ValueError(f"a tuned configuration needs the field(s) {', '.join(missing)}")
+        get = lambda k: d.get(k, _OPTIONAL.get(k))  # noqa: E731
+        if not isinstance(d["label"], str):
+            raise TypeError(f"label must be a str, got {type(d['label']).__name__}")
+        tree = _tree_from_json(d["tree"])
+        coupling = check_choice("coupling", d["coupling"], available_couplings())
+        draft = check_choice("draft", d["draft"], available_drafts())
+        verify = check_choice("verify", d["verify"], VERIFY_MODES)
+        prefetch = check_choice("prefetch", get("prefetch"), PREFETCH_POLICIES)
+        steps = check_int("steps", d["steps"], 1, MAX_STEPS)
+        churn = None if get("churn") is None else check_churn(get("churn"))
+        # the sampler's own checks of the configuration: a tree the coupling cannot take (an rmc
+        # "chain" with a node of two children, say) is refused here, not run as another sampler
+        # (a file without churn: any valid churn checks the rest)
+        SamplerOptions(
+            steps=steps,
+            churn=1.0 if churn is None else churn,
             tree=tree,
-            curve=curve,
-            candidates=d.get("candidates", []),
-            measured_speedup=d.get("measured_speedup"),
-            churn=None if churn is None else float(churn),
-            prefetch=d.get("prefetch", "nearest"),
-            **{k: d[k] for k in keys},
+            coupling=coupling,
+            draft=draft,
+            verify=verify,
+            prefetch=prefetch,
         )
+        candidates = get("candidates")
+        if not isinstance(candidates, list) or not all(
+            isinstance(c, Mapping) and isinstance(c.get("label"), str) for c in candidates
+        ):
+            raise TypeError("candidates must be a list of objects, each with a str label")
+        measured = get("measured_speedup")
+        return cls(
+            label=d["label"],
+            tree=tree,
+            coupling=coupling,
+            verify=verify,
+            draft=draft,
+            batch=check_int("batch", d["batch"], 1),
+            steps=steps,
+            predicted_seconds_per_image=check_number(
+                "predicted_seconds_per_image", d["predicted_seconds_per_image"], 0.0
+            ),
+            predicted_speedup=_speedup("predicted_speedup", d["predicted_speedup"]),
+            standard_seconds_per_image=check_number("standard_seconds_per_image", d["standard_seconds_per_image"], 0.0),
+            predicted_calls=check_number("predicted_calls", d["predicted_calls"], 0.0),
+            curve=_curve_from_json(d["cost_curve"]),
+            candidates=candidates,
+            measured_speedup=None if measured is None else _speedup("measured_speedup", measured),
+            churn=churn,
+            prefetch=prefetch,
+        )
+
+
+_FIELDS = (
+    "label",
+    "tree",
+    "coupling",
+    "verify",
+    "draft",
+    "prefetch",
+    "batch",
+    "steps",
+    "churn",
+    "predicted_seconds_per_image",
+    "predicted_speedup",
+    "standard_seconds_per_image",
+    "predicted_calls",
+    "cost_curve",
+    "candidates",
+    "measured_speedup",
+)
+"""The fields of :meth:`Tuned.to_json`, each checked by :meth:`Tuned.from_json`."""
+
+_OPTIONAL = {"prefetch": "nearest", "churn": None, "candidates": [], "measured_speedup": None}
+"""Fields a file may lack (written before they were kept), with what they read as."""
+
+_BESIDE = ("tuned_for",)
+"""What ``specforest tune`` writes beside the configuration (the run it was tuned for, read by the command line)."""
+
+
+def _tree_from_json(parents: Any) -> Optional[DraftTree]:
+    """The tree of a parent list, or ``None`` (the standard sampler); an error names the field ``tree``."""
+    if parents is None:
+        return None
+    try:
+        return from_parents(parents)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"tree must be null (the standard sampler) or a parent list: {err}") from None
+
+
+def _speedup(name: str, value: Any) -> float:
+    """A ratio of two times, ``>= 0``: infinite where the faster time was 0 (what the tuner writes then)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number >= 0 (inf allowed), got {type(value).__name__}")
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0 (inf allowed), got {value}")
+    return float(value)
+
+
+def _curve_from_json(curve: Any) -> CostCurve:
+    """The :class:`CostCurve` of a ``cost_curve`` object ``{"sizes": [...], "seconds": [...]}``."""
+    if not isinstance(curve, Mapping) or set(curve) != {"sizes", "seconds"}:
+        got = sorted(map(str, curve)) if isinstance(curve, Mapping) else type(curve).__name__
+        raise ValueError(f"cost_curve must be an object with sizes and seconds, got {got}")
+    sizes = check_ints("cost_curve.sizes", curve["sizes"], 1, nonempty=True)
+    if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+        raise ValueError(f"cost_curve.sizes must be strictly ascending row counts, got {sizes}")
+    seconds = curve["seconds"]
+    if not isinstance(seconds, list) or len(seconds) != len(sizes):
+        raise ValueError(f"cost_curve.seconds must be a list of {len(sizes)} times, one per size, got {seconds!r}")
+    return CostCurve(
+        tuple(sizes), tuple(check_number(f"cost_curve.seconds[{i}]", t, 0.0) for i, t in enumerate(seconds))
+    )
