@@ -23,7 +23,7 @@ from .acceptance import acceptance_model
 from .couplings import Coupling, get_coupling
 from .latency import tune
 from .sampler import sample
-from .trees import DraftTree, TreePolicy, chain, optimal, uniform
+from .trees import DraftTree, TreePolicy, chain, check_budget, optimal, uniform
 from .validation import check_int, check_optional_int
 
 __all__ = ["OBJECTIVES", "TREE_MODES", "AdaptiveTree", "acceptance_model", "make_tree", "plan_tree", "tune"]
@@ -130,7 +130,12 @@ def plan_tree(
     Returns:
         The :func:`specforest.trees.optimal` tree with at most ``budget`` drafted states
         (``objective="calls"``), or the latency-optimal tree or ``None``.
+
+    Raises:
+        ValueError / TypeError: naming the parameter (``budget`` past the node cap among them),
+            before the calibration run.
     """
+    check_budget(budget)
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if objective == "latency":
@@ -193,12 +198,16 @@ class AdaptiveTree(TreePolicy):
         initial: the tree of the rounds before any statistics exist.
         max_depth: deepest tree considered (default ``budget``; the sampler caps
             it at the number of steps).
+
+    Raises:
+        ValueError / TypeError: naming the parameter: ``budget`` below 1 or past the node cap of
+            :mod:`specforest.trees`, ``kmax``, ``initial`` or ``max_depth`` out of range.
     """
 
     def __init__(
         self, budget: int, kmax: int = 16, initial: Optional[DraftTree] = None, max_depth: Optional[int] = None
     ) -> None:
-        check_int("budget", budget, 1)
+        check_budget(budget)
         check_int("kmax", kmax, 1)
         if initial is not None and (not isinstance(initial, DraftTree) or initial.budget > budget or initial.L < 1):
             raise ValueError("initial must be a DraftTree of depth >= 1 within the budget")

@@ -30,6 +30,47 @@ VERIFY_MODES = ("internal", "drafted")
 (the cheap mode), or every node including the leaves (``drafted``)."""
 
 _MAX_NODES = 50_000_000
+"""The most nodes a tree may have (every constructor refuses more, before it builds anything)."""
+
+
+def _check_nodes(nodes: int, fix: str) -> None:
+    """Refuse a tree of more than :data:`_MAX_NODES` nodes (``nodes``: its count, or a lower bound)."""
+    if nodes > _MAX_NODES:
+        raise ValueError(f"the tree would have more than {_MAX_NODES} nodes; {fix}")
+
+
+def check_budget(budget: object, name: str = "budget") -> int:
+    """``budget``, drafted states per round, as an int ``>= 1`` whose trees fit the node cap.
+
+    Raises:
+        TypeError: if it is not an int.
+        ValueError: if it is < 1, or a tree of it would exceed 50 million nodes.
+    """
+    budget = check_int(name, budget, 1)
+    _check_nodes(budget + 1, f"reduce {name}")
+    return budget
+
+
+def _length(values: object) -> int:
+    """How many elements a constructor's sequence holds, without reading them (0 for anything else:
+    :func:`~specforest.validation.check_ints` then names what is wrong with it)."""
+    if isinstance(values, torch.Tensor):
+        return values.numel()
+    return len(values) if isinstance(values, Sequence) and not isinstance(values, (str, bytes)) else 0
+
+
+def _uniform_nodes(K: int, L: int) -> int:
+    """Nodes of the uniform ``(K, L)`` tree, or a number past :data:`_MAX_NODES` once it is one
+    (a few multiplications: a deep ``K = 1`` chain is counted, not listed)."""
+    if K == 1:
+        return L + 1
+    total, layer = 1, 1
+    for _ in range(L):
+        layer *= K
+        total += layer
+        if total > _MAX_NODES:
+            break
+    return total
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +93,7 @@ class DraftTree:
                 raise TypeError(f"{name} must be an integer tensor (see trees.from_parents for a list), got {got}")
         if p.ndim != 1 or d.shape != p.shape or p.numel() < 1:
             raise ValueError("parent and depth must be 1-D tensors of the same length >= 1")
+        _check_nodes(p.numel(), "give fewer nodes")
         if p[0] != -1 or d[0] != 0:
             raise ValueError("node 0 must be the root (parent -1, depth 0)")
         if p.numel() > 1:
@@ -165,6 +207,8 @@ def widths(ks: Sequence[int]) -> DraftTree:
         TypeError: if ``ks`` is not a sequence of ints.
         ValueError: if a width is < 1 or the tree would exceed 50 million nodes.
     """
+    # every width is >= 1: a list this long is refused before its elements are read
+    _check_nodes(_length(ks) + 1, "give fewer widths")
     ks = check_ints("ks", ks)
     for k in ks:
         check_int("K", k, 1)
@@ -172,8 +216,7 @@ def widths(ks: Sequence[int]) -> DraftTree:
     for k in ks:
         layer *= k
         total += layer
-        if total > _MAX_NODES:
-            raise ValueError(f"the tree would have more than {_MAX_NODES} nodes; reduce K or L")
+        _check_nodes(total, "reduce K or L")
     parents = [torch.tensor([-1])]
     depths = [torch.tensor([0])]
     start, count = 0, 1
@@ -191,15 +234,26 @@ def uniform(K: int, L: int) -> DraftTree:
     Args:
         K: children per internal node, >= 1.
         L: depth (lookahead), >= 1.
+
+    Raises:
+        TypeError: if ``K`` or ``L`` is not an int.
+        ValueError: if one is < 1 or the tree would exceed 50 million nodes (before any list is built).
     """
     check_int("K", K, 1)
     check_int("L", L, 1)
+    _check_nodes(_uniform_nodes(K, L), "reduce K or L")
     return widths([K] * L)
 
 
 def chain(L: int) -> DraftTree:
-    """The RMC chain of ``L`` drafted states (a uniform tree with ``K = 1``)."""
+    """The RMC chain of ``L`` drafted states (a uniform tree with ``K = 1``).
+
+    Raises:
+        TypeError: if ``L`` is not an int.
+        ValueError: if it is < 1 or the chain would exceed 50 million nodes (before any list is built).
+    """
     check_int("L", L, 1)
+    _check_nodes(L + 1, "reduce L")
     return widths([1] * L)
 
 
@@ -214,8 +268,9 @@ def from_parents(parents: Sequence[int]) -> DraftTree:
 
     Raises:
         TypeError: if ``parents`` is not a sequence of ints.
-        ValueError: if it does not describe one rooted tree.
+        ValueError: if it does not describe one rooted tree, or has more than 50 million nodes.
     """
+    _check_nodes(_length(parents), "give fewer nodes")
     par = check_ints("parents", parents)
     V = len(par)
     roots = [v for v, p in enumerate(par) if p == -1]
@@ -263,21 +318,38 @@ def optimal(
     pruned, irregular tree), using at most ``budget`` drafted states.
 
     Args:
-        acceptance: ``acceptance(l, k)`` in [0, 1], ``l >= 1`` depth, ``k >= 1`` children.
+        acceptance: ``acceptance(l, k)`` in [0, 1], ``l >= 1`` depth, ``k >= 1`` children (e.g.
+            :func:`specforest.acceptance.acceptance_model` of a run's recorded mismatches). Not a
+            model: :func:`specforest.planning.plan_tree` plans a tree for a model.
         budget: drafted states ``B >= 1``.
-        max_depth: largest depth to consider (e.g. the steps left), ``>= 1``.
+        max_depth: largest depth to consider (e.g. the steps left), ``>= 1``. A tree of ``budget``
+            drafted states is at most ``budget`` deep, so deeper levels are never considered.
         kmax: largest number of children per node considered (default: ``budget``).
 
     Returns:
         The optimal tree (breadth-first ordered).
+
+    Raises:
+        TypeError: if ``acceptance`` is not such a function (a model, say), naming what to pass.
+        ValueError: if an argument is out of range, an acceptance is outside ``[0, 1]``, the tree
+            could exceed 50 million nodes, or the table of the dynamic program would
+            (``budget x max_depth``), before ``acceptance`` is called.
     """
-    budget = check_int("budget", budget, 1)
+    _check_acceptance(acceptance)
+    budget = check_budget(budget)
     max_depth = check_int("max_depth", max_depth, 1)
     kmax = budget if kmax is None else min(check_int("kmax", kmax, 1), budget)
+    # (levels past the budget hold no node: the same tree, from a smaller table)
+    max_depth = min(max_depth, budget)
+    if (max_depth + 2) * (budget + 1) > _MAX_NODES:
+        raise ValueError(
+            f"planning budget={budget} to max_depth={max_depth} needs a table of more than {_MAX_NODES} "
+            "entries; reduce budget or max_depth"
+        )
     acc = {}
     for level in range(1, max_depth + 1):
         for k in range(1, kmax + 1):
-            a = float(acceptance(level, k))
+            a = _acceptance_at(acceptance, level, k)
             if not 0.0 <= a <= 1.0:
                 raise ValueError(f"acceptance({level}, {k}) must be in [0, 1], got {a}")
             acc[level, k] = a
@@ -308,6 +380,37 @@ def optimal(
                 nxt.append((len(parents) - 1, level + 1, sub))
         frontier = nxt
     return from_parents(parents)
+
+
+_ACCEPTANCE = (
+    "acceptance must be a function acceptance(l, k) -> the probability in [0, 1] that one of k children "
+    "at depth l is accepted (e.g. specforest.acceptance.acceptance_model(deltas, coupling)); to plan a tree "
+    "for a model, call specforest.planning.plan_tree(model, x, budget=..., steps=..., churn=...)"
+)
+
+
+def _check_acceptance(acceptance: object) -> None:
+    """Refuse what cannot be an acceptance function: not callable, or a network."""
+    if not callable(acceptance):
+        raise TypeError(f"{_ACCEPTANCE}; got {type(acceptance).__name__}")
+    if isinstance(acceptance, torch.nn.Module):
+        raise TypeError(f"{_ACCEPTANCE}; got a torch.nn.Module ({type(acceptance).__name__}), a model")
+
+
+def _acceptance_at(acceptance: Callable, level: int, k: int) -> float:
+    """``acceptance(level, k)`` as a float; a function that cannot take two ints (a velocity
+    ``v(x, sigma)``, say) or returns no number is refused with what to pass."""
+    try:
+        a = acceptance(level, k)
+    except (TypeError, ValueError, AttributeError, IndexError, RuntimeError) as err:
+        raise TypeError(f"{_ACCEPTANCE}; acceptance({level}, {k}) raised {type(err).__name__}: {err}") from err
+    got = f"a tensor of shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+    if isinstance(a, (bool, str, bytes)):
+        raise TypeError(f"{_ACCEPTANCE}; acceptance({level}, {k}) returned {got}")
+    try:
+        return float(a)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{_ACCEPTANCE}; acceptance({level}, {k}) returned {got}") from err
 
 
 class TreePolicy:
