@@ -33,6 +33,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .validation import check_indices, check_seed
+
 __all__ = [
     "Stream",
     "TAG_DRAFT",
@@ -222,8 +224,12 @@ def key_from_generator(generator: Optional[torch.Generator]) -> int:
 
 
 def sample_keys(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """Per-sample keys ``(batch,)`` int64 from a run seed and the samples' global indices ``(batch,)``."""
-    base = _mix_(torch.tensor(_signed(int(seed) % (1 << 64)), dtype=torch.int64, device=index.device))
+    """Per-sample keys ``(batch,)`` int64 from a run seed and the samples' global indices ``(batch,)``.
+
+    Raises:
+        TypeError / ValueError: if ``seed`` is not an int in ``[0, 2**64)``.
+    """
+    base = _mix_(torch.tensor(_signed(check_seed(seed)), dtype=torch.int64, device=index.device))
     return fold(base.expand(index.shape), index)
 
 
@@ -246,8 +252,18 @@ def randn(
     The same keys as :func:`specforest.sample` with ``seed=seed`` uses, folded
     with :data:`TAG_INIT`, so a run's initial states and its sampling noise
     both follow the samples' indices.
+
+    Args:
+        seed: the run's seed, an int in ``[0, 2**64)``.
+        index: ``(n,)`` the samples' global indices, distinct integers in ``[0, 2**63)``.
+        shape: one sample's shape.
+        dtype, device: of the result.
+
+    Raises:
+        TypeError / ValueError: naming ``seed`` or ``index`` (a repeated index among them: each is one sample).
     """
-    idx = torch.as_tensor(index, dtype=torch.int64, device=device).reshape(-1)
+    check_seed(seed)
+    idx = check_indices("index", index, unique=True, device=device)
     return normal(sample_keys(seed, idx), math.prod(shape), dtype, TAG_INIT).reshape(idx.numel(), *shape)
 
 

@@ -124,21 +124,32 @@ def check_number(name: str, value: object, lo: float, hi: float = math.inf, lo_o
 
 
 def check_churn(churn: object) -> float:
-    """``churn`` as a ``float`` in ``(0, 1]``, the sampler's noise level.
+    """``churn`` as a ``float`` in ``(0, 1]``, the sampler's noise level ``eps`` (paper eq. 2).
 
     Raises:
         TypeError: if ``churn`` is not a real number (``bool`` is refused).
-        ValueError: if it is outside ``(0, 1]`` (NaN included), saying why 0 is refused.
+        ValueError: if it is outside ``(0, 1]`` (NaN and inf included), saying why that value is refused.
     """
     if not _is_real(churn):
         raise TypeError(f"churn must be a float in (0, 1], got {type(churn).__name__}")
-    if not 0.0 < float(churn) <= 1.0:
-        raise ValueError(
-            f"churn must be in (0, 1], got {churn}: with churn 0 the transitions "
-            "are point masses, draft and target never coincide and speculation "
-            "accepts nothing (ERRATA 8)"
+    eps = float(churn)
+    if 0.0 < eps <= 1.0:
+        return eps
+    if not math.isfinite(eps):
+        why = "it scales every step's noise (eq. 37), so it must be a finite number"
+    elif eps == 0.0:
+        why = (
+            "with churn 0 the transitions are point masses, draft and target never coincide and "
+            "speculation accepts nothing (ERRATA 8)"
         )
-    return float(churn)
+    elif eps < 0.0:
+        why = "it is a noise level, and one below 0 is none; 0 itself makes speculation accept nothing (ERRATA 8)"
+    else:
+        why = (
+            "churn 1 is already the standard reverse-time SDE, the noisiest of the paper's family (eq. 2, "
+            "eps in [0, 1]); more noise only widens the gap between draft and target"
+        )
+    raise ValueError(f"churn must be in (0, 1], got {churn}: {why}")
 
 
 def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
@@ -175,7 +186,7 @@ def check_states(x: object, *, example: str = "") -> None:
 
 # -- the checks the sampler and generate share ---------------------------------------------------
 
-__all__ += ["check_indices", "check_seed", "refuse_non_finite", "working_dtype"]
+__all__ += ["SEED_RANGE", "check_indices", "check_seed", "refuse_non_finite", "working_dtype"]
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -194,14 +205,24 @@ def refuse_non_finite(bad: bool) -> None:
         raise FloatingPointError("sampling produced NaN or inf; refusing to return it")
 
 
-def check_seed(seed: object) -> int:
-    """``seed`` as an ``int`` (any value; ``bool`` is refused).
+SEED_RANGE = "[0, 2**64)"
+"""The seeds a run takes: the run's key is the seed's 64 bits, so no two seeds in it give one run."""
+
+
+def check_seed(seed: object, name: str = "seed") -> int:
+    """``seed`` as an ``int`` in ``[0, 2**64)`` (``bool`` is refused).
+
+    A seed outside the range would be taken modulo ``2**64``, silently the run of another seed
+    (``-1`` that of ``2**64 - 1``): it is refused, as the command line refuses a negative ``--seed``.
 
     Raises:
         TypeError: if it is not an int.
+        ValueError: if it is outside ``[0, 2**64)``.
     """
     if isinstance(seed, bool) or not isinstance(seed, Integral):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        raise TypeError(f"{name} must be an int in {SEED_RANGE}, got {type(seed).__name__}")
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{name} must be an int in {SEED_RANGE}, got {seed}: it would be taken modulo 2**64")
     return int(seed)
 
 
@@ -225,7 +246,8 @@ def check_indices(
         per: what one index stands for, for the messages (``" (one per row of x)"``).
 
     Raises:
-        ValueError: naming ``name``, if it is not 1-D, not integers, negative or repeats.
+        ValueError: naming ``name``, if it is not 1-D, not integers, negative or repeats; checked
+            with tensor ops and one host read, whatever its length.
     """
     count = "a 1-D sequence of" if length is None else f"{length}"
     try:
@@ -237,9 +259,17 @@ def check_indices(
     wrong = idx.ndim != 1 if length is None else idx.shape != (length,)
     if wrong or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
         raise ValueError(f"{name} must be {count} integers{per}, got shape {tuple(idx.shape)} {idx.dtype}")
-    if bool((idx < 0).any()):
-        raise ValueError(f"{name} must be non-negative")
     idx = idx.long()
-    if unique and len(torch.unique(idx)) != len(idx):
-        raise ValueError(f"{name} must not repeat: each index is one sample")
+    if idx.numel() == 0:
+        return idx
+    # sorted, a repeat sits next to its twin: both checks in one read
+    ordered = idx.sort().values
+    twins = ordered[1:] == ordered[:-1]
+    negative, repeats = torch.stack([ordered[0] < 0, twins.any() if unique else twins[:0].any()]).tolist()
+    if negative:
+        at = int(torch.nonzero(idx < 0)[0, 0])
+        raise ValueError(f"{name} must be non-negative integers in [0, 2**63){per}, got {name}[{at}] = {int(idx[at])}")
+    if repeats:
+        twin = int(ordered[1:][twins][0])
+        raise ValueError(f"{name} must not repeat: each index is one sample, but {twin} appears more than once")
     return idx
