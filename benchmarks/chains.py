@@ -14,7 +14,9 @@ The standard sampler takes ``T`` calls. The exact configurations tried are the R
 ``B`` = 14, 62, 155 with the ``secant`` and ``cached`` drafts (prefetch nearest, verify drafted);
 the table gives the best, as T/NFE (mean ± standard error over trajectories). Every configuration
 has the chain's law exactly (``tests/test_kdiffusion_samplers.py``, ``tests/test_chains.py``), so
-the choice among them is only about calls. Regenerates the ``chains`` section of ``benchmarks/RESULTS.md``.
+the choice among them is only about calls. Then one digits image at DDPM's 1000 steps in seconds,
+warm, on one thread, for the standard sampler and a few exact configurations. Regenerates the
+``chains`` section of ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -78,6 +80,52 @@ def best(model, x, cond, chain, grid, seed: int) -> tuple[str, float, float]:
     return top
 
 
+WALL_CONFIGS = [
+    ("standard", dict(tree=None)),
+    ("RMC chain B = 30, secant", dict(tree=specforest.trees.chain(30), coupling="rmc", draft="secant")),
+    ("RMC chain B = 45, secant", dict(tree=specforest.trees.chain(45), coupling="rmc", draft="secant")),
+    ("RMC chain B = 62, secant", dict(tree=specforest.trees.chain(62), coupling="rmc", draft="secant")),
+    ("RMC chain B = 100, secant", dict(tree=specforest.trees.chain(100), coupling="rmc", draft="secant")),
+    ("RMC chain B = 62, cached", dict(tree=specforest.trees.chain(62), coupling="rmc", draft="cached")),
+    ("RMC chain B = 155, cached", dict(tree=specforest.trees.chain(155), coupling="rmc", draft="cached")),
+]
+
+
+def wall_clock(seeds: int) -> list:
+    """One digits image at DDPM's 1000 steps on one thread, warm: per configuration the median
+    seconds over ``seeds`` seeds (an untimed run of each first; the configurations interleaved)."""
+    import gc
+    import statistics
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = load_velocity()
+    grid = chains.ddpm_sigmas(1000)
+    times: dict = {name: [] for name, _ in WALL_CONFIGS}
+    nfe: dict = {name: [] for name, _ in WALL_CONFIGS}
+    for seed in range(seeds + 1):
+        x, labels = pixel_exp.initial_states(1, seed)
+        for name, cfg in WALL_CONFIGS:
+            gc.collect()
+            gc.disable()
+            t0 = time.perf_counter()
+            out = specforest.sample(
+                model, x * float(grid[0]), sigmas=grid, chain="ddpm", seed=seed, cond={"class_labels": labels}, **cfg
+            )
+            dt = time.perf_counter() - t0
+            gc.enable()
+            if seed > 0:  # seed 0 warms every configuration up
+                times[name].append(dt)
+                nfe[name].append(float(out.stats.nfe[0]))
+    torch.set_num_threads(threads)
+    base = statistics.median(times["standard"])
+    rows = []
+    for name, _ in WALL_CONFIGS:
+        med = statistics.median(times[name])
+        rows.append(f"| {name} | {statistics.mean(nfe[name]):.1f} | {1000 * med:.0f} | {base / med:.2f}x |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=32, help="digits images (>= 2)")
@@ -85,6 +133,7 @@ def main() -> None:
     ap.add_argument("--big-trajectories", type=int, default=4, help="mixture trajectories at d = 65,536 (>= 2)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial states and the sampling noise (>= 0)")
     ap.add_argument("--only", choices=("digits", "mixture", "big"), default=None, help="one model only")
+    ap.add_argument("--wall-seeds", type=int, default=5, help="timed seeds of the one-image wall clock (>= 1)")
     ap.add_argument("--dry-run", action="store_true", help="2 trajectories, short grids; print, write nothing")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = ap.parse_args()
@@ -131,6 +180,18 @@ def main() -> None:
             how, r, se = best(model, x0, cond, chain, grid, args.seed)
             lines.append(f"| {label} | {name} | {grid.numel() - 1} | {how} | {r:.2f} ± {se:.2f} |")
             print(lines[-1], file=sys.stderr, flush=True)
+    if args.only in (None, "digits"):
+        seeds = 1 if args.dry_run else args.wall_seeds
+        lines += [
+            "",
+            f"One digits image at DDPM's 1000 steps, warm, one thread: median of {seeds} seeds after an untimed "
+            "run of every configuration, the configurations interleaved, Python's collector off during each run.",
+            "",
+            "| configuration | sequential calls | ms per image | against the standard sampler |",
+            "| --- | --- | --- | --- |",
+            *wall_clock(seeds),
+        ]
+        print("\n".join(lines[-len(WALL_CONFIGS) - 2 :]), file=sys.stderr, flush=True)
     lines += ["", f"Total wall time {(time.perf_counter() - t0) / 60:.1f} min."]
     text = "\n".join(lines)
     if not args.dry_run:
