@@ -291,9 +291,10 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         fetch = stoch & ~spec if ctx.proposal.needs_prefetch else ctx.no_fetch
         single = active & ~spec
         # an adaptive plan reads the records on the host anyway
-        if int(state.draft_bad) >= 0:
-            ctx.raise_bad_draft(int(state.draft_bad))
-        ctx.target.check_finite()
+        bad, bad_draft = bool(ctx.target.bad), int(state.draft_bad)
+        if bad or bad_draft >= 0:
+            ctx.stop_if_not_finite(bad, bad_draft)
+        ctx.target.read_clear()
         if not bool(active.any()):
             return None
         ids1 = single.nonzero()[:, 0]
@@ -307,10 +308,9 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
     Lmin, Lmax = Ls.aminmax()
     counts = host_read(torch.cat([at.sum(0), torch.stack([Lmax, Lmin, ctx.target.bad, state.draft_bad])]))
     n_active, n1, ns, nf, rows, _, Lr, Lmin, bad, bad_draft = counts
-    if bad_draft >= 0:
-        ctx.raise_bad_draft(bad_draft)
-    if bad:
-        ctx.target.raise_not_finite()
+    if bad or bad_draft >= 0:
+        ctx.stop_if_not_finite(bool(bad), bad_draft)
+    ctx.target.read_clear()
     if n_active == 0:
         return None
     # (nonzero_static is slow for an empty result: skip it)

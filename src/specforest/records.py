@@ -177,6 +177,21 @@ class RunContext:
             f"draft {self.proposal.name!r} gave a NaN or inf mean at step {step}; refusing to continue"
         )
 
+    def stop_if_not_finite(self, target_bad: bool, draft_step: int) -> None:
+        """Stop the run if the model's output or the draft's mean went NaN or inf, as the round's host
+        read found them: ``target_bad``, the target's flag, and ``draft_step``, the first step of a
+        non-finite draft mean (``-1`` for none).
+
+        A NaN output of the model makes the mismatch at its node non-finite too, at the node's own
+        step, so it also looks like a bad draft there; a draft's NaN mean makes the model's output
+        at the drafted state NaN one step later. So the model is blamed (its name, step and rows)
+        unless the draft went bad at an earlier step than the model's output first did.
+        """
+        if target_bad and (draft_step < 0 or self.target.first_bad()[0] <= draft_step):
+            self.target.raise_not_finite()
+        if draft_step >= 0:
+            self.raise_bad_draft(draft_step)
+
     def tables(self, tree: DraftTree) -> TreeTables:
         """The device tables of ``tree`` (made once per tree and kept on it)."""
         return TreeTables.of(tree, self.verify, self.device)

@@ -71,7 +71,9 @@ def _sample_keys(generator, seed, sample_index, batch: int, device) -> torch.Ten
     if sample_index is None:
         index = torch.arange(batch, device=device)
     else:
-        index = check_indices("sample_index", sample_index, length=batch, device=device, per=" (one per row of x)")
+        index = check_indices(
+            "sample_index", sample_index, length=batch, unique=True, device=device, per=" (one per row of x)"
+        )
     return streams.sample_keys(seed, index)
 
 
@@ -133,11 +135,22 @@ class RunSpec:
         """
         self.proposal.check(tuple(shape), work, model)
         features = self.proposal.bind(model, tuple(shape), self.model_kwargs)
+        tab = self.sde.tables(device, work)
         target = Target(
-            model, shape, work, self.max_rows, cond, self.model_kwargs, device, group=group, pad_rows=self.pad_rows
+            model,
+            shape,
+            work,
+            self.max_rows,
+            cond,
+            self.model_kwargs,
+            device,
+            group=group,
+            pad_rows=self.pad_rows,
+            batch=batch,
+            grid=tab.sig,
         )
         return engine.make_context(
-            tab=self.sde.tables(device, work),
+            tab=tab,
             tab64=self.sde.tables(device, torch.float64),
             T=self.sde.steps,
             coupling=self.coupling,
@@ -257,10 +270,11 @@ def sample(
             state reproduces the run); or a list of ``batch`` generators, one per
             sample (diffusers' convention): sample ``i``'s streams come from
             ``generator[i]`` alone. ``None`` (and no ``seed``): fresh entropy.
-        seed: the run's seed as an int (instead of ``generator``).
+        seed: the run's seed, an int in ``[0, 2**64)`` (instead of ``generator``).
         sample_index: ``(batch,)`` global indices of the rows of ``x`` (default
             ``0..batch-1``): row ``b`` draws the streams of sample
-            ``sample_index[b]``, so a share of a larger job reproduces it.
+            ``sample_index[b]``, so a share of a larger job reproduces it. Distinct
+            integers in ``[0, 2**63)``: two rows of one index would be one sample twice.
         callback: called after each round with a dict of named tensors
             (``round``, ``step``, ``x``, ``committed``).
         progress: show a progress bar of the slowest trajectory's step.
@@ -285,7 +299,8 @@ def sample(
         ValueError / TypeError: on invalid arguments, naming the parameter (a keyword that is
             not an option: a ``TypeError`` listing the options); on a run that differs from
             ``tuned_for``, listing the differences.
-        FloatingPointError: if the model returns NaN or inf.
+        TypeError: if the model returns a tensor that is not floating-point (naming the model and the dtype).
+        FloatingPointError: if the model returns NaN or inf (naming the model, the step and the rows).
     """
     t0 = time.perf_counter()
     if not callable(model):

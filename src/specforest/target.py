@@ -3,9 +3,11 @@
 :class:`Target` wraps the user's velocity ``v(x, sigma, **cond, **model_kwargs)``:
 it reshapes the flattened states to the model's shape, gives each call the
 per-trajectory conditioning of its rows' trajectories, splits a call into
-``max_rows`` chunks, casts the output to the coupling arithmetic's dtype,
+``max_rows`` chunks, refuses an output that is not a floating-point tensor of the
+input's shape, casts it to the coupling arithmetic's dtype,
 accumulates a device-side flag for NaN or inf outputs (read with the round's
-one host read, so that no call synchronizes), and times the network calls
+one host read, so that no call synchronizes) with which rows and noise levels
+they were at (read only to say so, naming the model, the step and the rows), and times the network calls
 themselves (CUDA events on a GPU, read once at the end of the run). With
 ``pad_rows`` every network call's rows are padded up to one of a few sizes, so
 that a ``torch.compile(mode="reduce-overhead")`` or CUDA-graph model does not
@@ -27,10 +29,32 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["ALL_ROWS", "Target"]
+__all__ = ["ALL_ROWS", "Target", "model_name"]
 
 ALL_ROWS = "all"
 """The :meth:`Target.cond_rows` key of every trajectory in order (``traj`` an arange)."""
+
+FOLD_CALLS = 16
+"""Calls whose per-row NaN flags a target keeps as they are; beyond, they are folded into one
+``(batch,)`` record, so a run that reads its flag only at its end (the standard sampler's) holds a
+bounded record."""
+
+_WRAPPED = ("denoiser", "fn", "model")
+"""Where the library's own adapters keep the callable they wrap (:func:`model_name`)."""
+
+
+def model_name(fn: Any) -> str:
+    """What an error calls the model: the user's function's name or class, found through the
+    library's own adapters (a k-diffusion denoiser inside its velocity adapter, say)."""
+    for _ in range(8):
+        if not type(fn).__module__.startswith("specforest."):
+            break
+        inner = next((getattr(fn, a) for a in _WRAPPED if callable(getattr(fn, a, None))), None)
+        if inner is None:
+            break
+        fn = inner
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else type(fn).__name__
 
 
 class Target:
@@ -51,6 +75,10 @@ class Target:
             (ascending ints; a call larger than the largest is split into calls of
             that size), so that a compiled or CUDA-graph model sees few shapes.
             The padding rows repeat the last real row and their outputs are dropped.
+        batch: the trajectories (``traj < batch``): with it, the per-row NaN flags of
+            more than :data:`FOLD_CALLS` unread calls are folded per trajectory.
+        grid: ``(T + 1,)`` the run's noise levels, in the dtype of the ``sigma`` a call is
+            given: a NaN error names the step of a level (``None``: the level itself).
     """
 
     def __init__(
@@ -64,8 +92,12 @@ class Target:
         device: "torch.device | str" = "cpu",
         group: Any = None,
         pad_rows: Optional[tuple] = None,
+        batch: Optional[int] = None,
+        grid: Optional[torch.Tensor] = None,
     ) -> None:
         self.fn, self.shape, self.dtype = fn, shape, dtype
+        self.name = model_name(fn)
+        self.batch, self.grid = batch, grid
         self.group, self.pad_rows = group, pad_rows
         if pad_rows:
             # a call never exceeds the largest padded size
@@ -77,6 +109,10 @@ class Target:
         self.calls = 0
         self._events: list = []
         self.bad = torch.zeros((), dtype=torch.long, device=device)  # 1 once some output was NaN or inf
+        # where: per call not read yet, (rows' flags (M,), their noise levels (M,), trajectories (M,));
+        # and what older calls folded into, per trajectory the highest level it went bad at (-inf: never)
+        self._unread: list = []
+        self._worst: Optional[torch.Tensor] = None
 
     def cond_rows(self, traj: torch.Tensor, key: Hashable = None) -> dict:
         """The conditioning of trajectories ``traj (n,)``.
@@ -149,7 +185,7 @@ class Target:
         dist.all_gather(parts, v.contiguous(), group=self.group)
         v = torch.cat(parts)[:M]
         # the flag of the gathered rows only (not the padding): every process raises at once
-        self.bad = self.bad | _not_finite(v[:, : x.shape[1]])
+        self._flag(v[:, : x.shape[1]], sigma[:M], traj[:M])
         return v
 
     def _local(
@@ -194,6 +230,11 @@ class Target:
             if not isinstance(out, torch.Tensor) or out.shape != xi.shape:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(f"model must return a tensor of the input's shape {tuple(xi.shape)}, got {got}")
+            if not out.is_floating_point():
+                # a cast would truncate the velocities silently
+                raise TypeError(
+                    f"model {self.name!r} returned a {out.dtype} tensor: it must return floating-point velocities"
+                )
             # a copy: a CUDA-graph target's next replay overwrites its output buffers
             out = out.reshape(-1, D)
             if features:
@@ -207,17 +248,61 @@ class Target:
         self.calls += 1
         # checked at the round's one host read (``check_finite``): NaN or inf never passes silently
         if flag:
-            self.bad = self.bad | _not_finite(v[:, :D] if features else v)
+            self._flag(v[:, :D] if features else v, sigma, traj)
         return v
+
+    def _flag(self, v: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor) -> None:
+        """Note on the device which rows of a call's output ``v (M, D)`` are NaN or inf, with their
+        levels ``sigma (M,)`` and trajectories ``traj (M,)``: no host read."""
+        rows = _not_finite_rows(v)
+        self.bad = self.bad | rows.any()
+        self._unread.append((rows, sigma, traj))
+        if len(self._unread) > FOLD_CALLS and self.batch is not None:
+            self._worst = self._folded()
+            self._unread = []
+
+    def _folded(self) -> torch.Tensor:
+        """``(batch,)`` per trajectory the highest noise level (its earliest step) at which its output
+        was NaN or inf, ``-inf`` where never: the record so far with the unread calls folded in."""
+        rows, sigma, traj = (torch.cat(t) if len(t) > 1 else t[0] for t in zip(*self._unread, strict=True))
+        level = torch.where(rows, sigma, float("-inf"))
+        if self._worst is None:
+            batch = self.batch if self.batch is not None else int(traj.max()) + 1
+            self._worst = torch.full((batch,), float("-inf"), dtype=level.dtype, device=level.device)
+        return self._worst.scatter_reduce(0, traj.to(level.device), level.to(self._worst.dtype), "amax")
+
+    def read_clear(self) -> None:
+        """The flag was read clear (no call so far returned NaN or inf): forget the unread calls' rows."""
+        self._unread = []
 
     def check_finite(self) -> None:
         """Raise if any call so far returned NaN or inf (a host read)."""
         if bool(self.bad):
             self.raise_not_finite()
+        self.read_clear()
+
+    def first_bad(self) -> "tuple[int, float, list]":
+        """Where the model's output first went NaN or inf: ``(step, level, rows)``, the step (``-1``
+        without a ``grid``) and noise level of the earliest and the trajectories whose output was NaN
+        or inf there. Host reads: called only to stop a run."""
+        worst = self._folded() if self._unread else self._worst
+        level = worst.amax()
+        rows = torch.nonzero(worst == level)[:, 0].tolist()
+        step = -1 if self.grid is None else int((self.grid.to(level.device) > level.to(self.grid.dtype)).sum())
+        return step, float(level), rows
 
     def raise_not_finite(self) -> None:
+        """Stop the run: the model's own output was NaN or inf (where first, and in which rows)."""
+        if self._worst is None and not self._unread:
+            where = f"within its first {self.calls} calls"
+        else:
+            step, level, rows = self.first_bad()
+            at = f"at noise level {level:.6g}" if step < 0 else f"at step {step} (noise level {level:.6g})"
+            shown = ", ".join(map(str, rows[:8])) + (f", ... ({len(rows)} rows)" if len(rows) > 8 else "")
+            where = f"{at}, for rows [{shown}] of the batch"
         raise FloatingPointError(
-            f"model returned NaN or inf (within its first {self.calls} calls); refusing to continue"
+            f"model {self.name!r} returned NaN or inf {where}: the target's own output, not a draft's; "
+            "refusing to continue"
         )
 
     def total_seconds(self) -> float:
@@ -256,10 +341,11 @@ class outside_inference:  # noqa: N801 (used as a function: ``with outside_infer
         self._guard.__exit__(*exc)
 
 
-def _not_finite(v: torch.Tensor) -> torch.Tensor:
-    """0-d bool: some element of ``v`` is NaN or inf. ``0 * v`` is 0 where ``v`` is finite and NaN
-    where not, and a sum of zeros cannot overflow: three ops where ``isfinite(v).all()`` takes six."""
-    return (v * 0).sum().isnan()
+def _not_finite_rows(v: torch.Tensor) -> torch.Tensor:
+    """``(M,)`` bool: some element of row ``v[i]`` is NaN or inf. ``0 * v`` is 0 where ``v`` is finite
+    and NaN where not, and a sum of zeros cannot overflow: three ops where ``~isfinite(v).all(1)`` takes
+    more."""
+    return (v * 0).sum(1).isnan()
 
 
 def _pad(x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, size: int) -> tuple:
