@@ -10,21 +10,24 @@ cases each run.
 """
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fuzz import FAST, GAUSS, Counting
 
 import specforest
-from specforest import streams, trees
+from specforest import latency, streams, trees
 from specforest.cli import main as cli_main
 from specforest.cli.common import MAX_THREADS
 from specforest.couplings import available_couplings, get_coupling
+from specforest.experiments import generate as gen_exp
 from specforest.experiments import gmm as gmm_exp
+from specforest.latency import CostCurve, Tuned
 from specforest.models import GaussianMixture
 from specforest.planning import AdaptiveTree
 from specforest.proposals import available_drafts
@@ -178,7 +181,7 @@ def test_random_invalid_initial_states_are_refused_by_name(x):
 
 
 INVALID_GENERATE = {
-    "count": st.one_of(st.integers(max_value=-1), st.floats(), st.text(max_size=2)),
+    "count": st.one_of(st.integers(max_value=-1), st.integers(min_value=2**63), st.floats(), st.text(max_size=2)),
     "indices": st.one_of(
         st.lists(st.integers(max_value=-1), min_size=1, max_size=3),
         st.lists(st.floats(0, 9), min_size=1, max_size=3),
@@ -413,6 +416,207 @@ def test_random_invalid_cli_options_are_click_errors_naming_the_option(data, opt
 @pytest.mark.parametrize("args,name", INVALID_CLI_COMBOS)
 def test_cli_combinations_the_library_refuses_are_click_errors(args, name):
     _expect_cli_error(args, name)
+
+
+# -- the bounds of issue 40: a job's count, a tuned file's fields, every output path ------------------
+
+# (the fixtures patch a function once for all the examples; tmp_path is shared by them, and each
+# example checks that nothing is written to it)
+BOUNDS = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+def _reached(*args, **kwargs):
+    raise RuntimeError("the work began: the bad input was not refused before it")
+
+
+def _refused_cleanly(res, *names: str) -> None:
+    assert isinstance(res.exception, SystemExit), (res.exception, res.output)  # not a traceback, not the work
+    assert res.exit_code in (1, 2) and "Error" in res.output, (res.exit_code, res.output)
+    out = " ".join(res.output.split())
+    assert all(n in out for n in names), (names, out)
+
+
+@pytest.fixture
+def job_unread(monkeypatch):
+    """Reading a job's shards (after its options are written) raises: a count the job cannot hold
+    must be refused before, not listed in memory."""
+    monkeypatch.setattr(gen_exp, "done_indices", _reached)
+
+
+@BOUNDS
+@given(count=st.one_of(st.integers(10**13, 2**63 - 1), st.integers(2**63, 2**200)))
+def test_random_counts_a_job_cannot_hold_are_refused_before_anything_is_written(count, tmp_path, job_unread):
+    out = tmp_path / "g.npz"
+    args = ["generate", "gmm", "--dim", "2", "--steps", "4", "--count", str(count), "--out", str(out), "--no-progress"]
+    _refused_cleanly(CliRunner().invoke(cli_main, args), "--count", "[1, ")
+    assert not any(tmp_path.iterdir())
+
+
+@FAST
+@given(count=st.integers(2**63, 2**200))
+def test_random_counts_beyond_a_sample_index_are_refused_by_generate(count):
+    model = Counting()
+    opts = dict(make_x=lambda i: streams.randn(0, i, (3,)), seed=0, steps=4, churn=0.5)
+    _expect_named(lambda: specforest.generate(model, count=count, **opts), "count must be an int >= 0 and <= 2**63 - 1")
+    assert model.calls == 0
+
+
+def _tuned_json() -> dict:
+    return Tuned(
+        label="fuzz",
+        tree=trees.uniform(2, 2),
+        coupling="grs",
+        verify="internal",
+        draft="x0",
+        batch=2,
+        steps=8,
+        predicted_seconds_per_image=1.0,
+        predicted_speedup=1.5,
+        standard_seconds_per_image=1.5,
+        predicted_calls=5.0,
+        curve=CostCurve((1, 4), (1.0, 2.0)),
+        churn=0.3,
+        prefetch="nearest",
+        measured_speedup=1.4,
+    ).to_json()
+
+
+_NEGATIVE = st.floats(max_value=0.0, exclude_max=True)
+_NOT_A_TIME = st.one_of(_NEGATIVE, _BAD_FLOAT, st.text(max_size=2), st.none(), st.booleans())
+_NOT_A_RATIO = st.one_of(_NEGATIVE, st.just(math.nan), st.text(max_size=2), st.booleans())
+
+# field of a tuned file -> strategy of invalid values (each error must name the field)
+INVALID_TUNED = {
+    "label": st.one_of(st.integers(), st.none(), st.lists(st.text(), max_size=1)),
+    "tree": st.one_of(
+        st.integers(),
+        st.text(max_size=3),
+        st.just([]),
+        st.lists(st.integers(0, 4), min_size=1, max_size=4),  # no root
+        st.just([-1]),  # a root alone: depth 0
+        st.just([-1, 0.5]),
+    ),
+    "coupling": _not_in(available_couplings()),
+    "draft": _not_in(available_drafts()),
+    "verify": _not_in(VERIFY_MODES),
+    "prefetch": _not_in(PREFETCH_POLICIES),
+    "batch": st.one_of(st.integers(max_value=0), st.floats(), st.booleans(), st.text(max_size=2), st.none()),
+    "steps": st.one_of(
+        st.integers(max_value=0), st.integers(MAX_STEPS + 1), st.floats(), st.booleans(), st.text(max_size=2)
+    ),
+    "churn": st.one_of(
+        st.floats(max_value=0.0), st.floats(min_value=1.0, exclude_min=True), _BAD_FLOAT, st.text(max_size=2)
+    ),
+    "predicted_seconds_per_image": _NOT_A_TIME,
+    "standard_seconds_per_image": _NOT_A_TIME,
+    "predicted_calls": _NOT_A_TIME,
+    "predicted_speedup": st.one_of(_NOT_A_RATIO, st.none()),
+    "measured_speedup": _NOT_A_RATIO,
+    "cost_curve": st.one_of(
+        st.integers(),
+        st.just({}),
+        st.lists(st.integers(1, 64), min_size=2, max_size=4, unique=True).map(
+            lambda s: {"sizes": sorted(s, reverse=True), "seconds": [1.0] * len(s)}
+        ),
+        st.integers(1, 4).map(lambda n: {"sizes": list(range(1, n + 1)), "seconds": [1.0] * (n + 1)}),
+        st.sampled_from([math.nan, -1.0, "1"]).map(lambda t: {"sizes": [1], "seconds": [t]}),
+        st.just({"sizes": [0], "seconds": [1.0]}),
+    ),
+    "candidates": st.one_of(st.integers(), st.text(max_size=2), st.just([1]), st.just([{"seconds": 1.0}])),
+}
+
+
+@FAST
+@given(data=st.data(), field=st.sampled_from(sorted(INVALID_TUNED)))
+def test_random_invalid_fields_of_a_tuned_file_are_refused_by_name(data, field):
+    bad = data.draw(INVALID_TUNED[field], label=field)
+    tuned = _tuned_json()
+    tuned[field] = bad
+    _expect_named(lambda: Tuned.from_json(tuned), field)
+
+
+@FAST
+@given(name=st.text(min_size=1, max_size=12).filter(lambda k: k not in _tuned_json() and k != "tuned_for"))
+def test_random_unknown_or_missing_fields_of_a_tuned_file_are_refused_by_name(name):
+    tuned = _tuned_json()
+    tuned[name] = 1
+    _expect_named(lambda: Tuned.from_json(tuned), name)
+    missing = _tuned_json()
+    field = sorted(missing)[len(name) % len(missing)]
+    if field not in ("churn", "prefetch", "candidates", "measured_speedup"):  # a file may predate these
+        del missing[field]
+        _expect_named(lambda: Tuned.from_json(missing), field)
+
+
+# output option -> (the arguments before its path, the suffix written, whether it is a folder)
+OUTPUTS = {
+    "pixel --dump-samples": (["pixel", "--dump-samples"], ".npz", False),
+    "gmm --dump-samples": (["gmm", "--dim", "2", "--dump-samples"], ".npz", False),
+    "tune --out": (["tune", "--model", "gmm", "--out"], ".json", False),
+    "generate gmm --out": (["generate", "gmm", "--count", "1", "--out"], ".npz", False),
+    "couplings plot --out": (["couplings", "plot", "--out"], ".png", False),
+    "gmm drafts --out": (["gmm", "drafts", "--out"], ".png", False),
+    "gmm sweep --out": (["gmm", "sweep", "--out"], "", True),
+    "pixel sweep --out": (["pixel", "sweep", "--out"], "", True),
+    "train digits --out": (["train", "digits", "--out"], "", True),
+    "train digits-draft --weights-dir": (["train", "digits-draft", "--weights-dir"], "", True),
+}
+UNWRITABLE = ("under-a-file", "a-folder-for-a-file") + (("proc",) if Path("/proc/self").is_dir() else ())
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Each command's work raises: an output path it cannot write must be refused before."""
+    from specforest import landscape
+    from specforest.experiments import drafts, pixel, train_digits, train_digits_draft
+
+    for module, name in (
+        (pixel, "simulate"),
+        (pixel, "run_sweep"),
+        (gmm_exp, "simulate"),
+        (gmm_exp, "run_sweep"),
+        (gen_exp, "run_job"),
+        (latency, "tune"),
+        (drafts, "draft_diagnostics"),
+        (landscape, "plot_landscape"),
+        (train_digits, "main_train"),
+        (train_digits_draft, "main_train_draft"),
+    ):
+        monkeypatch.setattr(module, name, _reached)
+
+
+@BOUNDS
+@given(
+    option=st.sampled_from(sorted(OUTPUTS)),
+    kind=st.sampled_from(UNWRITABLE),
+    parts=st.lists(st.text("abcxyz_-", min_size=1, max_size=6), min_size=1, max_size=3),
+)
+def test_random_unwritable_output_paths_are_refused_naming_the_option(option, kind, parts, tmp_path, no_work):
+    args, suffix, folder = OUTPUTS[option]
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    if kind == "under-a-file":
+        path = Path(regular, *parts[:-1], parts[-1] + suffix)
+    elif kind == "proc":
+        path = Path("/proc", "specforest-fuzz", *parts[:-1], parts[-1] + suffix)
+    elif folder:
+        path = regular  # a folder's path that is a file
+    else:
+        path = tmp_path / (parts[-1] + suffix)  # a file's path that is a folder
+        path.mkdir(exist_ok=True)
+    before = sorted(tmp_path.rglob("*"))
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(cli_main, [*args, str(path)])
+    finally:
+        torch.set_num_threads(threads)
+    _refused_cleanly(res, args[-1])
+    assert sorted(tmp_path.rglob("*")) == before, (option, kind, path)  # nothing written, not even the probe
 
 
 # -- regression tests: what the fuzzer found --------------------------------------------------

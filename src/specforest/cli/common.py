@@ -4,12 +4,19 @@
 bad input, memory, missing files or optional packages and non-finite network
 outputs become a one-line ``Error: ...`` and exit status 1, never a traceback.
 Options that several commands take (``--prefetch``, ``--verify``, ``--draft``,
-``--tree``/``--budget``) and the comma-list parsers are defined here once.
+``--tree``/``--budget``) and the comma-list parsers are defined here once, as are the
+checks every command makes before its work: each output path can be written
+(:func:`output_path`), a tree option given that the run would not use is refused
+(:func:`refuse_unused`; the draft's options of a standard run are recorded as not applied,
+:func:`as_ran`), and a ``--tune`` file is read whole and checked field by field
+(:func:`read_tuned`, :func:`apply_tuned`).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -20,6 +27,7 @@ from ..planning import TREE_MODES
 from ..proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS
 from ..sampler import GRIDS, PREFETCH_POLICIES
 from ..trees import VERIFY_MODES
+from ..validation import check_choice, check_int, check_number, is_int
 
 __all__ = [
     "CHURN",
@@ -27,9 +35,14 @@ __all__ = [
     "LIBRARY_ERRORS",
     "MAX_THREADS",
     "MODEL_DEFAULTS",
+    "NAMED_GRID",
+    "NAMED_GRID_SHIFT",
     "POSITIVE",
     "SAMPLER_PARAMS",
+    "UNUSED_BY_STANDARD",
     "apply_tuned",
+    "as_ran",
+    "check_output",
     "choice_list",
     "churn_option",
     "compile_option",
@@ -37,15 +50,16 @@ __all__ = [
     "float_list",
     "grid_option",
     "int_list",
+    "is_given",
     "json_option",
     "library_errors",
     "method_option",
-    "output_folder",
-    "output_suffix",
+    "output_path",
     "prefetch_option",
     "progress_option",
     "read_tuned",
     "refuse_group_options",
+    "refuse_unused",
     "seed_option",
     "set_threads",
     "steps_option",
@@ -289,12 +303,16 @@ def progress_option(what: str = "Progress bar on stderr."):
     return click.option("--progress/--no-progress", default=True, show_default=True, help=what)
 
 
+NAMED_GRID = "flow_match"
+"""The default of ``--grid``, which ``specforest tune`` tunes the mixture and the digits model on."""
+
+
 def grid_option():
     """``--grid flow_match|uniform``: the time grid."""
     return click.option(
         "--grid",
         type=click.Choice(GRIDS),
-        default="flow_match",
+        default=NAMED_GRID,
         show_default=True,
         help="Time grid: flow_match (diffusers' FlowMatchEulerDiscreteScheduler grid, the authors' code) or uniform.",
     )
@@ -333,24 +351,117 @@ MODEL_DEFAULTS = {
 ``generate`` forms), which ``specforest tune --model M`` tunes at by default."""
 
 
-def output_suffix(*suffixes: str, what: str) -> Callable[[click.Context, click.Parameter, "str | None"], "str | None"]:
-    """A click callback refusing, before any work, an output path that does not end in one of ``suffixes``
-    (``what`` says what is written there)."""
+NAMED_GRID_SHIFT = 1.0
+"""The timestep shift of the named grids (``--grid``) that the gmm and pixel commands run: the sampler's
+default, which they have no option to change (``specforest tune`` records it; a ``--tune`` file must match)."""
+
+
+def check_output(value: str, *, option: str, folder: bool = False, fresh: bool = False) -> None:
+    """Refuse, before any work, an output path the run could not write at its end.
+
+    The path must not be a folder where a file is written (or a file where a folder is), and
+    the nearest folder on its way that exists (the run creates the rest) must take a new file:
+    a probe file is created there and removed at once. Permission bits cannot tell: root
+    passes them, while ``/proc`` or a read-only mount refuse whatever they say.
+
+    Args:
+        value: the path as given.
+        option: the option's flag, named in the error.
+        folder: the run writes a folder there (else a file).
+        fresh: the folder must not exist yet (a run that never writes into an old one).
+
+    Raises:
+        click.BadParameter: naming ``option`` and what is wrong.
+    """
+    path = Path(value).absolute()
+    if path.exists():
+        if fresh:
+            raise click.BadParameter(
+                f"{value} exists; choose another (a run never writes into an old one)", param_hint=option
+            )
+        if folder and not path.is_dir():
+            raise click.BadParameter(f"{value} is a file; give a folder (new or existing)", param_hint=option)
+        if not folder and path.is_dir():
+            raise click.BadParameter(f"{value} is a folder; give a file name", param_hint=option)
+    home = path if path.is_dir() else next(p for p in path.parents if p.exists())
+    if not home.is_dir():
+        raise click.BadParameter(f"cannot write {value}: {home} is a file, not a folder", param_hint=option)
+    try:
+        fd, probe = tempfile.mkstemp(dir=home, prefix=".specforest-probe-")
+    except OSError as e:
+        raise click.BadParameter(
+            f"cannot write {value}: {home} does not take new files ({e.strerror or e})", param_hint=option
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def output_path(
+    *suffixes: str, what: str, folder: bool = False, fresh: bool = False
+) -> Callable[[click.Context, click.Parameter, "str | None"], "str | None"]:
+    """A click callback checking an output option before any work: the name (a file's suffix, one of
+    ``suffixes``; a folder's not ``.npz`` or ``.json``, the files a job writes beside its folder) and
+    that the run can write it (:func:`check_output`). ``what`` says what is written there."""
 
     def check(ctx, param, value: "str | None") -> "str | None":
-        if value is not None and Path(value).suffix.lower() not in suffixes:
+        if value is None:
+            return value
+        suffix = Path(value).suffix.lower()
+        if suffixes and suffix not in suffixes:
             raise click.BadParameter(f"must end in {' or '.join(suffixes)} ({what}), got {value!r}")
+        if folder and suffix in (".npz", ".json"):
+            raise click.BadParameter(f"must be a folder ({what}), not an {suffix} file, got {value!r}")
+        check_output(value, option=param.opts[0], folder=folder, fresh=fresh)
         return value
 
     return check
 
 
-def output_folder(ctx: click.Context, param: click.Parameter, value: "str | None") -> "str | None":
-    """A click callback for an ``--out`` that is a folder of PNGs: refuses an ``.npz`` or ``.json`` name (the
-    JSON beside a job's folder must not be the folder itself), before any work."""
-    if value is not None and Path(value).suffix.lower() in (".npz", ".json"):
-        raise click.BadParameter(f"must be a folder for the PNGs, not an {Path(value).suffix} file, got {value!r}")
-    return value
+UNUSED_BY_STANDARD = ("draft", "prefetch", "verify")
+"""The options a standard run takes and does not use (its record holds them as null, as its coupling)."""
+
+
+def as_ran(record: dict) -> dict:
+    """A run's record as it ran: the standard sampler drafts nothing, so its draft, prefetch and
+    verification mode (:data:`UNUSED_BY_STANDARD`) are null, whatever the options said (its ``mode``
+    is ``full`` and its ``coupling`` null already)."""
+    if record.get("method") != "standard":
+        return record
+    return {**record, **dict.fromkeys(UNUSED_BY_STANDARD)}
+
+
+def is_given(ctx: click.Context, name: str) -> bool:
+    """Whether the parameter ``name`` was given, on the command line or in the environment, whatever its value."""
+    return ctx.get_parameter_source(name) in _GIVEN
+
+
+def refuse_unused(o: dict) -> None:
+    """Refuse a tree option given on the command line that the run would not use: ``--tree`` or
+    ``--budget`` with the standard sampler (``--method standard``, or a ``--tune`` file that chose it),
+    and ``--budget`` with a tree other than ``--tree optimal`` or ``adaptive``.
+
+    (The draft's options, ``--draft``, ``--prefetch``, ``--verify`` and ``--lazy``, are taken by the
+    standard sampler as :func:`specforest.sample` takes them, and unused: :func:`as_ran` records them
+    as not applied.) Call it with the options as the run will use them (after :func:`apply_tuned`).
+    "Given" is click's parameter source, the command line or the environment, whatever the value.
+
+    Raises:
+        click.UsageError: naming those options and why they would not apply.
+    """
+    ctx = click.get_current_context()
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    given = [n for n in flags if is_given(ctx, n)]
+    if o.get("method") == "standard":
+        unused = [flags[n] for n in ("tree_mode", "budget") if n in given]
+        if unused:
+            raise click.UsageError(
+                f"{'/'.join(unused)} apply only to speculative methods (rmc, dgrs, rank, antithetic): the "
+                "standard sampler drafts no tree; leave them out"
+            )
+    if "budget" in given and o.get("tree_mode") not in ("optimal", "adaptive"):
+        raise click.UsageError(
+            "--budget applies only to --tree optimal or adaptive (the uniform tree's budget is set by --K and --L)"
+        )
 
 
 def tune_option(
@@ -370,31 +481,122 @@ SAMPLER_PARAMS = ("method", "K", "L", "tree_mode", "budget", "draft", "verify", 
 
 _GIVEN = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
 
-_RUN_KEYS = ("steps", "churn", "batch", "device", "threads")
+_RUN_KEYS = ("steps", "churn", "batch", "device", "threads", "grid", "shift", "sigmas")
 """What a tuned run records of itself, in the order its differences are listed (the model comes first)."""
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return value
+
+
+def _sigmas(name: str, value: Any) -> list:
+    if not isinstance(value, list):
+        raise TypeError(f"{name} must be a list of T + 1 >= 2 noise levels, got {type(value).__name__}")
+    if len(value) < 2:
+        raise ValueError(f"{name} must be a list of T + 1 >= 2 noise levels, got {value!r}")
+    return [check_number(f"{name}[{i}]", v, 0.0, 1.0) for i, v in enumerate(value)]
+
+
+_TUNED_FOR: "dict[str, Callable[[str, Any], Any]]" = {
+    "model": lambda k, v: check_choice(k, v, ("gmm", "digits", "sd3", "diffusers")),
+    "family": _text,
+    "steps": lambda k, v: check_int(k, v, 1),
+    "churn": lambda k, v: check_number(k, v, 0.0, 1.0, lo_open=True),
+    "batch": lambda k, v: check_int(k, v, 1),
+    "device": _text,
+    "threads": lambda k, v: check_int(k, v, 1, MAX_THREADS),
+    "grid": lambda k, v: check_choice(k, v, GRIDS),
+    "shift": lambda k, v: check_number(k, v, 0.0, lo_open=True),
+    "sigmas": _sigmas,
+    "dim": lambda k, v: check_int(k, v, 1),
+    "components": lambda k, v: check_int(k, v, 1),
+    "guidance": lambda k, v: check_number(k, v, 0.0),
+    "true_cfg_scale": lambda k, v: check_number(k, v, 0.0),
+    "negative_prompt": _text,
+    "height": lambda k, v: check_int(k, v, 1),
+    "width": lambda k, v: check_int(k, v, 1),
+    "max_sequence_length": lambda k, v: check_int(k, v, 1, 512),
+}
+"""Each key a ``tuned_for`` may record (``null``: not recorded) and its check, named by the key."""
 
 
 def read_tuned(path: str) -> "tuple[Any, dict]":
     """The :class:`~specforest.latency.Tuned` of a file ``specforest tune`` wrote, and the run it was tuned
     for: the file's ``tuned_for`` with its steps, batch and churn (``None`` where not recorded).
 
+    Every field is checked before anything runs: the configuration's by
+    :meth:`~specforest.latency.Tuned.from_json`, each key of ``tuned_for`` by :data:`_TUNED_FOR`.
+
     Raises:
-        click.ClickException: if the file cannot be read.
+        click.ClickException: if the file cannot be read, or a field is missing, unknown or out of
+            range (naming the field and what it accepts).
     """
     import json
 
     from ..latency import Tuned
 
     try:
-        data = json.loads(open(path, encoding="utf-8").read())
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.ClickException(f"--tune {path}: cannot read it ({e})") from e
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise click.ClickException(f"--tune {path}: not a JSON file written by 'specforest tune' ({e})") from e
+    try:
         tuned = Tuned.from_json(data)
-        made_for = dict(data.get("tuned_for") or {})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise click.ClickException(f"--tune {path}: not a file written by 'specforest tune' ({e})") from e
+        made_for = data.get("tuned_for")
+        if made_for is None:
+            made_for = {}
+        if not isinstance(made_for, dict):
+            raise TypeError(f"tuned_for must be an object (the run it was tuned for), got {type(made_for).__name__}")
+        unknown = sorted(str(k) for k in made_for if k not in _TUNED_FOR)
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)} in tuned_for; it records {', '.join(_TUNED_FOR)}")
+        for key, value in made_for.items():
+            if value is not None:
+                _TUNED_FOR[key](f"tuned_for.{key}", value)
+    except (ValueError, TypeError) as e:
+        raise click.ClickException(f"--tune {path}: {e}") from e
+    made_for = dict(made_for)
     made_for.update(steps=tuned.steps, batch=tuned.batch)
     if tuned.churn is not None:
         made_for["churn"] = tuned.churn
     return tuned, made_for
+
+
+def _shown(value: Any) -> str:
+    """A file's value in a message, a long one (a grid's sigmas) cut short."""
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _adopt(ctx: click.Context, param: click.Parameter, key: str, value: Any, path: str) -> Any:
+    """A ``tuned_for`` value taken for a parameter the command line did not give, checked as if given:
+    its type exactly (no float taken for an int) and the option's range.
+
+    Raises:
+        click.UsageError: naming the key and the option.
+    """
+    kind = param.type
+    wrong = (
+        (isinstance(kind, click.types.IntParamType) and not is_int(value))
+        or (
+            isinstance(kind, click.types.FloatParamType)
+            and (isinstance(value, bool) or not isinstance(value, (int, float)))
+        )
+        or (isinstance(kind, click.Choice) and not isinstance(value, str))
+    )
+    try:
+        if wrong:
+            raise click.BadParameter(f"{value!r} is not a {kind.name}")
+        return param.type_cast_value(ctx, value)
+    except click.BadParameter as e:
+        raise click.UsageError(
+            f"--tune {path}: the file's {key} is not a value of {param.opts[0]}: {e.format_message()}"
+        ) from None
 
 
 def _differs(key: str, here: Any, there: Any) -> bool:
@@ -419,17 +621,18 @@ def apply_tuned(
     The one place every command with ``--tune`` goes through. The file's sampler options
     (tree, coupling, verify, draft, prefetch) replace the command's (:data:`SAMPLER_PARAMS`),
     which must not be given on the command line. Each key of the tuned run (``steps``, ``churn``, ``batch``,
-    ``device``, ``threads``, ... as the file records them) that ``run`` maps to a parameter
-    of the command takes the file's value where that parameter was not given, and must
-    match it where it was; ``fixed`` holds the command's values of keys it has no option
-    for (``device="cpu"``). "Given" is click's parameter source: the command line or the
-    environment, whatever the value.
+    ``device``, ``threads``, ``grid``, ``shift``, ``sigmas``, ... as the file records them) that ``run``
+    maps to a parameter of the command takes the file's value where that parameter was not given
+    (checked as the option checks it), and must match it where it was; ``fixed`` holds the
+    command's values of keys it has no option for (``device="cpu"``, ``shift=1.0``; ``sigmas``:
+    none, as no command runs an explicit grid). "Given" is click's parameter source: the
+    command line or the environment, whatever the value.
 
     Args:
         o: the command's parameters (click's names).
         model: what ``specforest tune --model`` calls the command's model.
-        run: file key -> parameter name, beyond ``steps``, ``churn``, ``threads`` and ``device``
-            (which map to themselves when the command has them), e.g. ``{"batch": "samples"}``.
+        run: file key -> parameter name, beyond those of :data:`_RUN_KEYS` (which map to themselves
+            when the command has them), e.g. ``{"batch": "samples"}``.
         fixed: file key -> this command's value, for keys without an option.
         sampler: replace the command's sampler options (``False``: the command runs the file's
             configuration beside its own, as ``specforest sd3`` does, and keeps its options).
@@ -441,24 +644,26 @@ def apply_tuned(
     Raises:
         click.UsageError: naming every sampler option given beside ``--tune`` and every
             difference between this run and the file's (model, steps, churn, batch, device,
-            threads, ...).
-        click.ClickException: if the file cannot be read.
+            threads, grid, shift, ...), a file's value that its option would refuse, or a
+            coupling no ``--method`` runs.
+        click.ClickException: if the file cannot be read, or a field of it is wrong (:func:`read_tuned`).
     """
     path = o.get("tune_file")
     if not path:
         return o, None
     ctx = click.get_current_context()
     flags = {p.name: p.opts[0] for p in ctx.command.params}
-    given = lambda name: ctx.get_parameter_source(name) in _GIVEN  # noqa: E731
+    given = lambda name: is_given(ctx, name)  # noqa: E731
     refused = [flags[n] for n in SAMPLER_PARAMS if sampler and n in flags and given(n)]
     tuned, made_for = read_tuned(path)
     o = dict(o)
     diffs = []
     if made_for.get("model") not in (None, model):
         diffs.append(f"--model {model} here, {made_for['model']} in the file")
+    params = {p.name: p for p in ctx.command.params}
     names = {k: k for k in _RUN_KEYS if k in flags}
     names.update(run or {})
-    fixed = fixed or {}
+    fixed = {"sigmas": None, **(fixed or {})}
     rank = lambda k: _RUN_KEYS.index(k) if k in _RUN_KEYS else len(_RUN_KEYS)  # noqa: E731
     for key in sorted({*names, *fixed}, key=lambda k: (rank(k), k)):
         there = made_for.get(key)
@@ -466,11 +671,11 @@ def apply_tuned(
             continue
         if key in fixed:
             if _differs(key, fixed[key], there):
-                diffs.append(f"{key} {fixed[key]} here (this command's only one), {there} in the file")
+                diffs.append(f"{key} {fixed[key]} here (this command's only one), {_shown(there)} in the file")
             continue
         name = names[key]
         if not given(name):
-            o[name] = there
+            o[name] = _adopt(ctx, params[name], key, there, path)
         elif _differs(key, o[name], there):
             diffs.append(f"{flags[name]} {o[name]} here, {there} in the file")
     problems = []
@@ -492,7 +697,13 @@ def apply_tuned(
     if tuned.tree is None:
         o.update(method="standard")
     elif tuned.coupling == "rmc":
+        # (a chain: Tuned.from_json refuses an rmc tree with a node of two children)
         o.update(method="rmc", K=1, L=tuned.tree.budget)
+    elif tuned.coupling in _METHOD_OF:
+        o.update(method=_METHOD_OF[tuned.coupling], tree_mode=tuned.tree)
     else:
-        o.update(method=_METHOD_OF.get(tuned.coupling, "dgrs"), tree_mode=tuned.tree)
+        raise click.UsageError(
+            f"--tune {path}: coupling {tuned.coupling!r} is registered here but no --method runs it "
+            f"(the command line runs rmc, {', '.join(_METHOD_OF)}); run it with specforest.sample(model, x, **tuned)"
+        )
     return o, tuned

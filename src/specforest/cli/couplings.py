@@ -10,7 +10,7 @@ import json
 
 import click
 
-from .common import float_list, int_list, output_suffix
+from .common import float_list, int_list, output_path
 
 __all__ = ["couplings"]
 
@@ -61,7 +61,7 @@ def couplings_table(as_json: bool, K_values: str, deltas: list[float]) -> None:
     type=click.Path(dir_okay=False),
     default="acceptance_landscape.png",
     show_default=True,
-    callback=output_suffix(".png", what="a PNG image"),
+    callback=output_path(".png", what="a PNG image"),
     help="PNG file to write.",
 )
 @click.option("--K-values", "K_values", default="1,2,4,8", show_default=True, help="Comma list of K (>= 1).")

@@ -30,9 +30,10 @@ from .common import (
     json_option,
     library_errors,
     method_option,
-    output_folder,
+    output_path,
     prefetch_option,
     progress_option,
+    refuse_unused,
     seed_option,
     set_threads,
     steps_option,
@@ -245,7 +246,7 @@ def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
     type=click.Path(file_okay=False),
     default="results/diffusers",
     show_default=True,
-    callback=output_folder,
+    callback=output_path(what="the images and run.json", folder=True, fresh=True),
     help="New folder of the images (000000.png, ...) and run.json; refused if it exists. It appears "
     "complete or not at all.",
 )
@@ -277,15 +278,12 @@ def diffusers_command(**o) -> None:
     o, tuned = apply_tuned(
         o, "diffusers", run={**tuned_run_keys(), "batch": "batch_size"}, fixed={"family": family.name}
     )
+    refuse_unused(o)
     threads = set_threads(o.pop("threads"))
     ctx = click.get_current_context()
     flags = {p.name: p.opts[0] for p in ctx.command.params}
     names = {FAMILY_FLAGS[k]: flags[k] for k in FAMILY_FLAGS}
     options = library_errors(lambda: family_options(family, "sample", family_given(o), names=names))
-    if Path(o["out"]).exists():
-        raise click.BadParameter(
-            f"{o['out']} exists; choose another (a run never writes into an old one)", param_hint="--out"
-        )
     device = o["device"] or default_device()
     dtype = o["dtype"] or default_dtype(device)
     captions = library_errors(lambda: load_prompts(o["prompts_file"], o["num_prompts"]))

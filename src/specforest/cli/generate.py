@@ -23,17 +23,19 @@ from ..trees import DraftTree
 from .common import (
     CONTEXT,
     MODEL_DEFAULTS,
+    NAMED_GRID_SHIFT,
     apply_tuned,
+    as_ran,
     churn_option,
     compile_option,
     draft_option,
     grid_option,
     library_errors,
     method_option,
-    output_folder,
-    output_suffix,
+    output_path,
     prefetch_option,
     progress_option,
+    refuse_unused,
     set_threads,
     steps_option,
     threads_option,
@@ -67,7 +69,12 @@ def _job_options(model: str, K: int, L: int, device: bool = True):
             prefetch_option(),
             verify_option("internal"),
             draft_option(),
-            click.option("--count", type=int, required=True, help="Samples M (>= 1): indices 0..M-1."),
+            click.option(
+                "--count",
+                type=int,
+                required=True,
+                help="Samples M (>= 1): indices 0..M-1; at most what the merge at the end can hold in memory.",
+            ),
             click.option(
                 "--seed",
                 type=int,
@@ -79,9 +86,9 @@ def _job_options(model: str, K: int, L: int, device: bool = True):
                 "--out",
                 type=click.Path(),
                 required=True,
-                callback=output_folder
+                callback=output_path(what="the PNGs", folder=True)
                 if model in ("sd3", "diffusers")
-                else output_suffix(".npz", what="an .npz archive"),
+                else output_path(".npz", what="an .npz archive"),
                 help="The output: an .npz (gmm, pixel) or a folder of PNGs (sd3, diffusers); PATH.json is written "
                 "beside it "
                 "and PATH.parts/ holds the shards until the end.",
@@ -131,12 +138,26 @@ def _job_options(model: str, K: int, L: int, device: bool = True):
 
 
 def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> None:
+    """Check the job's options, every one before anything is loaded or written, then run it."""
     if o["count"] < 1:
         raise click.BadParameter(f"--count must be >= 1, got {o['count']}", param_hint="--count")
     if o["seed"] < 0:
         raise click.BadParameter(f"--seed must be >= 0, got {o['seed']}", param_hint="--seed")
+    known = model_options if isinstance(model_options, dict) else {}
+    limit, why = library_errors(lambda: gen_exp.count_limit(model, known, memory_gb=o["memory_gb"], device=o["device"]))
+    if limit < 1:
+        raise click.BadParameter(f"{o['memory_gb']:g} GB cannot hold one sample: {why}", param_hint="--memory-gb")
+    if o["count"] > limit:
+        raise click.BadParameter(
+            f"must be in [1, {limit}] here, got {o['count']}: {why}; give a larger --memory-gb or split the job "
+            "into several --out",
+            param_hint="--count",
+        )
+    refuse_unused(o)
     set_threads(o["threads"])
     sampler = {k: o[k] for k in ("method", "K", "L", "steps", "churn", "grid", "prefetch", "verify", "draft")}
+    # what runs: the standard sampler takes the draft's options and does not use them
+    sampler = as_ran(sampler)
     tree = o.get("tree_mode")
     if isinstance(tree, DraftTree):
         # a tuned tree, kept as its parent list (K and L: its widest node and its depth)
@@ -197,7 +218,7 @@ def generate() -> None:
 @click.option("--mixture-seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the mixture.")
 def generate_gmm(**o) -> None:
     """Samples of the paper's Gaussian mixture (Sec. 5.1): an .npz with samples (M, dim) and index."""
-    o, _ = apply_tuned(o, "gmm", run={"dim": "dim", "components": "components"})
+    o, _ = apply_tuned(o, "gmm", run={"dim": "dim", "components": "components"}, fixed={"shift": NAMED_GRID_SHIFT})
     _run("gmm", o, {k: o.pop(k) for k in ("dim", "components", "mixture_seed")})
 
 
@@ -205,7 +226,7 @@ def generate_gmm(**o) -> None:
 @_job_options("digits", K=2, L=3)
 def generate_pixel(**o) -> None:
     """Class-conditional 8x8 digits from the shipped model: an .npz with samples (M, 1, 8, 8), index and labels."""
-    o, _ = apply_tuned(o, "digits")
+    o, _ = apply_tuned(o, "digits", fixed={"shift": NAMED_GRID_SHIFT})
     _run("pixel", o, {})
 
 

@@ -16,8 +16,10 @@ from ..experiments import gmm as gmm_exp
 from ..experiments.io import atomic_write
 from .common import (
     MODEL_DEFAULTS,
+    NAMED_GRID_SHIFT,
     POSITIVE,
     apply_tuned,
+    as_ran,
     choice_list,
     churn_option,
     compile_option,
@@ -27,10 +29,11 @@ from .common import (
     json_option,
     library_errors,
     method_option,
-    output_suffix,
+    output_path,
     prefetch_option,
     progress_option,
     refuse_group_options,
+    refuse_unused,
     seed_option,
     set_threads,
     steps_option,
@@ -116,7 +119,7 @@ def _setting(o: dict) -> gmm_exp.GMMSetting:
     "--dump-samples",
     type=click.Path(dir_okay=False, writable=True),
     default=None,
-    callback=output_suffix(".npz", what="an .npz archive"),
+    callback=output_path(".npz", what="an .npz archive"),
     help="Write the samples to this .npz (array 'samples', (trajectories, dim) float32).",
 )
 @progress_option()
@@ -135,8 +138,12 @@ def gmm(ctx: click.Context, **o) -> None:
         refuse_group_options(ctx)
         return
     o, _ = apply_tuned(
-        o, "gmm", run={"batch": "trajectories", "dim": "dim", "components": "components"}, fixed={"device": "cpu"}
+        o,
+        "gmm",
+        run={"batch": "trajectories", "dim": "dim", "components": "components"},
+        fixed={"device": "cpu", "shift": NAMED_GRID_SHIFT},
     )
+    refuse_unused(o)
     set_threads(o["threads"])
     setting = library_errors(lambda: _setting(o))
     run = library_errors(
@@ -158,7 +165,7 @@ def gmm(ctx: click.Context, **o) -> None:
             warmup=bool(o["tune_file"]),
         )
     )
-    rec = run.record
+    rec = as_ran(run.record)
     if o["dump_samples"]:
         meta = json.dumps(rec)
         samples = run.samples.numpy().astype(np.float32)
@@ -178,6 +185,7 @@ def gmm(ctx: click.Context, **o) -> None:
     type=click.Path(file_okay=False),
     default="results/gmm_sweep",
     show_default=True,
+    callback=output_path(what="the results and figures", folder=True),
     help="Directory of results.csv/.json and the figures (resumed if present).",
 )
 @click.option(
@@ -260,7 +268,7 @@ def sweep(out_dir: str, K_values: list[int], L_values: list[int], methods: list[
     type=click.Path(dir_okay=False),
     default="drafts.png",
     show_default=True,
-    callback=output_suffix(".png", what="a PNG image"),
+    callback=output_path(".png", what="a PNG image"),
     help="PNG file to write.",
 )
 @click.option(

@@ -16,7 +16,9 @@ from ..experiments.io import atomic_write
 from .common import (
     CONTEXT,
     MODEL_DEFAULTS,
+    NAMED_GRID_SHIFT,
     apply_tuned,
+    as_ran,
     choice_list,
     churn_option,
     compile_option,
@@ -26,10 +28,11 @@ from .common import (
     json_option,
     library_errors,
     method_option,
-    output_suffix,
+    output_path,
     prefetch_option,
     progress_option,
     refuse_group_options,
+    refuse_unused,
     seed_option,
     set_threads,
     steps_option,
@@ -102,7 +105,7 @@ def _common(f):
     "--dump-samples",
     type=click.Path(dir_okay=False, writable=True),
     default=None,
-    callback=output_suffix(".npz", what="an .npz archive"),
+    callback=output_path(".npz", what="an .npz archive"),
     help="Write an .npz with 'samples' (N, 1, 8, 8) float32 in [-1, 1] and 'labels' (N,).",
 )
 @progress_option()
@@ -121,7 +124,8 @@ def pixel(ctx: click.Context, **o) -> None:
     if ctx.invoked_subcommand is not None:
         refuse_group_options(ctx)
         return
-    o, _ = apply_tuned(o, "digits", run={"batch": "samples"}, fixed={"device": "cpu"})
+    o, _ = apply_tuned(o, "digits", run={"batch": "samples"}, fixed={"device": "cpu", "shift": NAMED_GRID_SHIFT})
+    refuse_unused(o)
     set_threads(o["threads"])
     run = library_errors(
         lambda: pixel_exp.simulate(
@@ -145,7 +149,7 @@ def pixel(ctx: click.Context, **o) -> None:
             memory_gb=o["memory_gb"],
         )
     )
-    rec = run.record
+    rec = as_ran(run.record)
     if o["dump_samples"]:
         samples = run.samples.clamp(-1, 1).numpy().astype(np.float32)
         labels = run.labels.numpy().astype(np.int64)
@@ -166,6 +170,7 @@ def pixel(ctx: click.Context, **o) -> None:
     type=click.Path(file_okay=False),
     default="results/pixel_sweep",
     show_default=True,
+    callback=output_path(what="the results and figures", folder=True),
     help="Directory of results.json/.csv, samples/ and the figures (resumed if present).",
 )
 @click.option(

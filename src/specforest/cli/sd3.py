@@ -19,6 +19,7 @@ from .common import (
     draft_option,
     int_list,
     library_errors,
+    output_path,
     prefetch_option,
     progress_option,
     seed_option,
@@ -155,6 +156,7 @@ def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> li
     type=click.Path(file_okay=False),
     default="results/sd3",
     show_default=True,
+    callback=output_path(what="the results and figures", folder=True),
     help="Directory of results.json/.csv and speedup_vs_K.png (resumed if present).",
 )
 @click.option(

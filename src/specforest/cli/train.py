@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .common import CONTEXT, library_errors, progress_option
+from .common import CONTEXT, check_output, library_errors, output_path, progress_option
 
 __all__ = ["train"]
 
@@ -22,8 +22,17 @@ def _weights_dir_option(help: str):
         type=click.Path(file_okay=False),
         default=None,
         show_default="the package's models/weights",
+        callback=output_path(what="the weights and their manifest", folder=True),
         help=help,
     )
+
+
+def _weights_dir(given: "str | None", default: Path) -> Path:
+    """The weights folder of a training run, checked before it starts: the package's own folder (the
+    default) may be read-only in an installed package, and a training run takes minutes."""
+    path = Path(given) if given else default
+    check_output(str(path), option="--weights-dir", folder=True)
+    return path
 
 
 def _max_minutes_seed_options(minutes: float, help: str):
@@ -64,6 +73,7 @@ def train() -> None:
     type=click.Path(file_okay=False),
     default="results/train_digits",
     show_default=True,
+    callback=output_path(what="the loss plot and the training log", folder=True),
     help="Directory of loss.png and train_log.json.",
 )
 @_weights_dir_option("Where the safetensors files and manifest.json are written (atomically).")
@@ -93,12 +103,13 @@ def train_digits(
     from ..experiments.train_digits import TrainConfig, main_train
     from ..models.digits import WEIGHTS_DIR
 
+    weights = _weights_dir(weights_dir, WEIGHTS_DIR)
     torch.set_num_threads(threads)
     cfg = TrainConfig(steps=steps, max_minutes=max_minutes, seed=seed, eval_samples=eval_samples)
     library_errors(
         lambda: main_train(
             out_dir,
-            weights_dir=Path(weights_dir) if weights_dir else WEIGHTS_DIR,
+            weights_dir=weights,
             config=cfg,
             progress=progress,
             log=lambda line: click.echo(line, err=True),
@@ -126,11 +137,12 @@ def train_digits_draft(
     from ..experiments.train_digits_draft import DraftTrainConfig, main_train_draft
     from ..models.digits import WEIGHTS_DIR
 
+    weights = _weights_dir(weights_dir, WEIGHTS_DIR)
     torch.set_num_threads(threads)
     cfg = DraftTrainConfig(steps=steps, batch=batch, max_minutes=max_minutes, seed=seed)
     library_errors(
         lambda: main_train_draft(
-            weights_dir=Path(weights_dir) if weights_dir else WEIGHTS_DIR,
+            weights_dir=weights,
             config=cfg,
             progress=progress,
             log=lambda line: click.echo(line, err=True),

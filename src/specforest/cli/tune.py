@@ -18,8 +18,11 @@ from .common import (
     CHURN,
     CONTEXT,
     MODEL_DEFAULTS,
+    NAMED_GRID,
+    NAMED_GRID_SHIFT,
+    is_given,
     library_errors,
-    output_suffix,
+    output_path,
     progress_option,
     set_threads,
     threads_option,
@@ -31,6 +34,42 @@ __all__ = ["tune"]
 
 _STEPS_SHOWN = ", ".join(f"{m} {d['steps']}" for m, d in MODEL_DEFAULTS.items()) + ", diffusers the family's"
 _CHURNS_SHOWN = ", ".join(f"{m} {d['churn']:g}" for m, d in MODEL_DEFAULTS.items()) + ", diffusers the family's"
+
+
+_PIPELINE_PARAMS = (
+    "pipeline_path",
+    "prompts_file",
+    "num_prompts",
+    "guidance",
+    "shift",
+    "height",
+    "width",
+    "max_sequence_length",
+    "dtype",
+    "max_memory_gb",
+)
+_MODELS_OF = {
+    **{name: ("gmm",) for name in ("dim", "components", "mixture_seed")},
+    **{name: ("sd3", "diffusers") for name in _PIPELINE_PARAMS},
+    **{name: ("diffusers",) for name in ("true_cfg_scale", "negative_prompt")},
+}
+"""The options of some models only (the mixture's size, a pipeline's), and those models."""
+
+
+def _refuse_other_models(model: str) -> None:
+    """Refuse an option given for another model than ``--model``'s, which the tuner would not read.
+
+    Raises:
+        click.UsageError: naming those options and the models they apply to.
+    """
+    ctx = click.get_current_context()
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    unused = [(flags[n], models) for n, models in _MODELS_OF.items() if model not in models and is_given(ctx, n)]
+    if unused:
+        raise click.UsageError(
+            "; ".join(f"{flag} applies only to --model {' or '.join(models)}" for flag, models in unused)
+            + f": leave {'it' if len(unused) == 1 else 'them'} out with --model {model}"
+        )
 
 
 def _target(model: str, o: dict, n: int):
@@ -177,7 +216,7 @@ def _tune_diffusers(o: dict, drafts: list):
     "--out",
     type=click.Path(dir_okay=False),
     required=True,
-    callback=output_suffix(".json", what="a JSON file"),
+    callback=output_path(".json", what="a JSON file"),
     help="The JSON to write.",
 )
 @tune_pipeline_options
@@ -226,6 +265,7 @@ def tune(**o) -> None:
     """
     from ..latency import tune as tune_fn
 
+    _refuse_other_models(o["model"])
     if o["model"] != "diffusers":
         for key in ("steps", "churn"):
             if o[key] is None:
@@ -248,6 +288,9 @@ def tune(**o) -> None:
         keys = ("model", "steps", "churn", "batch", "device", "guidance", "shift", "height", "width")
     else:
         res = _tune_small(o, drafts, tune_fn, every)
+        # the grid it tuned on: a run with --tune on another grid is refused
+        o.update(grid=NAMED_GRID, shift=NAMED_GRID_SHIFT)
+        keys += ("grid", "shift")
     if o["model"] == "gmm":
         keys += ("dim", "components")
     data = res.to_json()
@@ -290,5 +333,7 @@ def _tune_small(o: dict, drafts: list, tune_fn, every: bool):
             budget_max=o["budget_max"],
             drafts=drafts,
             progress=o["progress"],
+            grid=NAMED_GRID,
+            shift=NAMED_GRID_SHIFT,
         )
     )
