@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import specforest
-from specforest import planning, streams, trees, validation
+from specforest import planning, streams, testing, trees, validation
 from specforest.kdiffusion import sample_speculative
 from specforest.models import GaussianMixture
+from specforest.target import FOLD_CALLS, Target
 from specforest.trees import _MAX_NODES
 
 GMM = GaussianMixture.paper(dim=4, components=3, seed=0)
@@ -236,6 +237,41 @@ def test_kdiffusion_names_the_denoiser_that_returns_nan():
     msg = str(err.value)
     assert msg.startswith(f"model 'denoiser' returned NaN or inf at step {_grid_step(sigma, sigmas)} "), msg
     assert f"for rows [{traj}] of the batch" in msg, msg
+
+
+class NaNCheapBranch(testing.X0Features):
+    """A draft's own failure: the cached draft's cheap evaluation comes out NaN below level 0.5, so
+    its drafted states are NaN, and the model's output at them is NaN one step later."""
+
+    def from_features(self, x, sigma, f, **cond):
+        out = super().from_features(x, sigma, f, **cond)
+        return torch.where((sigma < 0.5)[:, None], math.nan, out)
+
+
+def test_a_draft_that_goes_nan_first_is_still_the_draft_named():
+    model = NaNCheapBranch(GMM)
+    with pytest.raises(FloatingPointError, match=r"^draft 'cached' gave a NaN or inf mean at step \d+"):
+        specforest.sample(model, X, steps=20, churn=0.3, seed=0, tree=trees.chain(3), draft="cached")
+
+
+def test_the_target_record_of_bad_rows_stays_bounded_and_keeps_the_first():
+    """A standard run reads its NaN flag only at its end: the rows' flags of its calls are folded per
+    trajectory beyond FOLD_CALLS calls (memory of the batch, not of the run), and the first bad step
+    survives the folding."""
+    grid = torch.linspace(1.0, 0.0, 101, dtype=torch.float64)
+    target = Target(GMM, (4,), torch.float64, None, {}, {}, batch=3, grid=grid)
+    traj = torch.arange(3)
+    for step in range(100):
+        x = X.clone()
+        if step >= 7:
+            x[2] = math.nan  # from step 7 on, trajectory 2's state (and so the model's output) is NaN
+        target(x, grid[step].expand(3), traj)
+        assert len(target._unread) <= FOLD_CALLS
+    assert target.first_bad() == (7, float(grid[7]), [2])
+    with pytest.raises(
+        FloatingPointError, match=r"model 'GaussianMixture' returned NaN or inf at step 7 .* rows \[2\]"
+    ):
+        target.check_finite()
 
 
 # -- item 12: integer velocities, churn's reasons ---------------------------------------------------
