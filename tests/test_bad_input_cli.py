@@ -325,6 +325,21 @@ def test_a_standard_run_records_the_draft_options_as_not_applied(tmp_path):
     assert sampler["method"] == "standard" and [sampler[k] for k in ("draft", "prefetch", "verify")] == [None] * 3
 
 
+def test_every_command_records_a_standard_run_through_one_helper():
+    from specforest.cli.common import as_ran
+
+    given = {
+        "method": "standard",
+        "draft": "secant",
+        "prefetch": "parent",
+        "verify": "drafted",
+        "lazy": True,
+        "seed": 3,
+    }
+    assert as_ran(given) == {**dict.fromkeys(("draft", "prefetch", "verify", "lazy")), "method": "standard", "seed": 3}
+    assert as_ran({**given, "method": "rmc"}) == {**given, "method": "rmc"}
+
+
 def test_a_standard_job_recorded_with_the_unused_defaults_still_resumes(tmp_path):
     # a job written before recorded the draft's options of a standard job as the defaults
     out = tmp_path / "g.npz"

@@ -417,17 +417,17 @@ def output_path(
     return check
 
 
-UNUSED_BY_STANDARD = ("draft", "prefetch", "verify")
+UNUSED_BY_STANDARD = ("draft", "prefetch", "verify", "lazy")
 """The options a standard run takes and does not use (its record holds them as null, as its coupling)."""
 
 
 def as_ran(record: dict) -> dict:
-    """A run's record as it ran: the standard sampler drafts nothing, so its draft, prefetch and
-    verification mode (:data:`UNUSED_BY_STANDARD`) are null, whatever the options said (its ``mode``
-    is ``full`` and its ``coupling`` null already)."""
+    """A run's record as it ran: the standard sampler drafts nothing, so the draft's options it holds
+    (:data:`UNUSED_BY_STANDARD`) are null, whatever the options said (a record's ``mode`` is ``full``
+    and its ``coupling`` null already)."""
     if record.get("method") != "standard":
         return record
-    return {**record, **dict.fromkeys(UNUSED_BY_STANDARD)}
+    return {k: None if k in UNUSED_BY_STANDARD else v for k, v in record.items()}
 
 
 def is_given(ctx: click.Context, name: str) -> bool:

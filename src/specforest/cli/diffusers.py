@@ -25,6 +25,7 @@ from ..experiments.common import METHODS
 from .common import (
     CONTEXT,
     apply_tuned,
+    as_ran,
     churn_option,
     draft_option,
     json_option,
@@ -290,7 +291,8 @@ def diffusers_command(**o) -> None:
     tree, coupling = library_errors(lambda: _tree_and_coupling(o, options["num_inference_steps"]))
     click.echo(f"loading {o['pipeline_path']} ({family.name}, {dtype} on {device})", err=True)
     pipe, _ = library_errors(lambda: load_pipeline(o["pipeline_path"], device=device, dtype=dtype))
-    sampler = {k: o[k] for k in ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size")}
+    keys = ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size")
+    sampler = as_ran({k: o[k] for k in keys})
     if tuned is not None:
         sampler.update(tuned=tuned.label, tune_file=str(Path(o["tune_file"]).resolve()), coupling=tuned.coupling)
     record = {
