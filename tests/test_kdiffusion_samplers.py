@@ -217,5 +217,7 @@ def test_refusals_name_the_reason():
         kdiffusion.sample_euler_ancestral(denoiser, x, sig, eta=-1.0, disable=True)
     with pytest.raises(TypeError, match="churn is set by this sampler's own arguments"):
         kdiffusion.sample_euler_ancestral(denoiser, x, sig, churn=0.5, disable=True)
+    with pytest.raises(ValueError, match="sample_ddpm is defined on VE noise levels"):
+        kdiffusion.sample_ddpm(denoiser, x, sig / (1 + sig), path="linear", disable=True)
     # with no tree, the deterministic settings run
     assert kdiffusion.sample_euler(denoiser, x, sig, disable=True).shape == x.shape

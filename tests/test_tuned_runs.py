@@ -133,6 +133,8 @@ OPTION_CASES = {
     "model_kwargs": ({"scale": 1.5}, lambda t, calls, seen: seen and all(s == 1.5 for s in seen)),
     "pad_rows": ([4, 8, 64], lambda t, calls, seen: set(seen) <= {4, 8, 64} and t.curve.sizes == (4, 8, 64)),
     "tree": (trees.chain(2), "tree"),
+    "chain": ("euler_ancestral", "chain"),
+    "noise": (lambda n: None, "noise"),
     "sigmas": (torch.linspace(1, 0, 9), "sigmas"),
     "generator": (torch.Generator(), "generator"),
     "sample_index": (torch.arange(2), "sample_index"),

@@ -9,7 +9,7 @@ Quick start::
     out.samples, out.stats.nfe
 """
 
-from . import couplings, proposals, sde, streams, trees
+from . import chains, couplings, proposals, sde, streams, trees
 from .couplings import GRS, RMC, Coupling, register_coupling
 from .generation import Finished, Generation, generate
 from .options import SamplerOptions
@@ -33,6 +33,7 @@ __all__ = [
     "SampleResult",
     "SampleStats",
     "SamplerOptions",
+    "chains",
     "couplings",
     "flow_match_grid",
     "generate",

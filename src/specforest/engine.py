@@ -62,11 +62,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from . import lockstep
+from . import lockstep, streams
 from .couplings import Coupling
 from .drafting import draft, is_chain, remembers_chain, runs_full
 from .proposals import Prefetch, Proposal
@@ -141,6 +141,7 @@ def make_context(
     device: torch.device,
     batch: int,
     features: int = 0,
+    noise: Optional[Callable[[int], torch.Tensor]] = None,
 ) -> RunContext:
     """The context of a run of ``batch`` trajectories, with its per-run tables and its round function.
 
@@ -187,6 +188,7 @@ def make_context(
         lookaheads=lookaheads,
         lockstep_steps=lockstep.lockstep_steps(tab, batch) if standard else (),
         features=features if remembers_chain(proposal, tree if policy is None else policy) else 0,
+        noise=noise,
     )
     if tree is None:
         return ctx
@@ -237,9 +239,21 @@ def _schedule_table(ctx: RunContext, tt: TreeTables, la: torch.Tensor) -> torch.
     return torch.cat(rows)
 
 
+def chain_start(ctx: RunContext, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The chain's first states from the caller's ``x (n, D)``: ``init_a x + init_scale z`` (EDM's
+    churned ``x-hat_0``), ``z`` keyed by each sample's key ``keys (n,)`` (or the run's ``noise(-1)``);
+    ``x`` itself for every chain that starts where it is given."""
+    if ctx.tab.init_scale == 0.0 and ctx.tab.init_a == 1.0:
+        return x
+    n, D = x.shape
+    z = ctx.noise(-1) if ctx.noise is not None else streams.normal(keys, D, ctx.work, streams.TAG_START)
+    return torch.add(x * ctx.tab.init_a, z.reshape(n, D).to(ctx.work), alpha=ctx.tab.init_scale)
+
+
 def init_state(ctx: RunContext, x: torch.Tensor, keys: torch.Tensor) -> RunState:
     """The state before the first round: ``x (batch, D)`` at step 0, sample keys ``keys (batch,)``."""
     batch, D = x.shape
+    x = chain_start(ctx, x, keys)
     W = remembered_states(ctx)
     states = ctx.proposal.uses_states and W > 0
     feats = ctx.features if W > 0 else 0

@@ -175,6 +175,7 @@ class Generation:
             broadcast_(keys, self.group)
             broadcast_(x, self.group)
         ctx.target.set_rows(slots, cond)
+        x = engine.chain_start(ctx, x, keys)
         return state.restart(slots, x, keys), slot_idx.index_copy(0, slots, new)
 
     @torch.inference_mode()

@@ -54,6 +54,8 @@ def _exact_noise(ctx: RunContext, state: RunState) -> tuple[torch.Tensor, NoiseB
     tensor ops whatever its size, half of the lockstep round's ops.
     """
     s, block = state.rounds, state.noise
+    if ctx.noise is not None:
+        return ctx.noise(s).reshape(state.x.shape).to(ctx.work), block
     if block is None or not block.first <= s < block.first + block.noise.shape[0]:
         batch, D = state.x.shape
         n = max(1, min(16, NOISE_BLOCK_ELEMENTS // (batch * D)))

@@ -19,10 +19,11 @@ from typing import Any, Optional
 
 import torch
 
+from .chains import EM, Chain, available_chains, get_chain
 from .couplings import Coupling, get_coupling
 from .engine import PREFETCH_POLICIES
 from .proposals import Proposal, get_proposal
-from .sde import ReverseSDE, flow_match_grid, uniform_grid
+from .sde import GaussianChain, flow_match_grid, uniform_grid
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 from .validation import check_choice, check_int
 
@@ -40,7 +41,17 @@ __all__ = [
 GRIDS = ("flow_match", "uniform")
 """The named grids of the ``grid`` option."""
 
-RUN_INPUTS = ("generator", "seed", "sample_index", "callback", "progress", "cond", "process_group", "tuned_for")
+RUN_INPUTS = (
+    "generator",
+    "seed",
+    "sample_index",
+    "callback",
+    "progress",
+    "cond",
+    "process_group",
+    "tuned_for",
+    "noise",
+)
 """The keyword arguments of :func:`specforest.sample` that are a run's inputs, not options."""
 
 
@@ -56,7 +67,12 @@ class SamplerOptions:
 
     Attributes:
         steps: number of steps ``T >= 1`` on the chosen ``grid`` (or give ``sigmas``).
-        churn: ``eps`` in (0, 1] (ERRATA 8: 0 makes speculation vacuous). Required.
+        churn: ``eps`` in (0, 1] (ERRATA 8: 0 makes speculation vacuous): the ``em`` chain's
+            parameter, required with it; another chain takes none.
+        chain: the sampler whose law the run has: a registered name (``em`` (the paper's
+            Euler-Maruyama step with ``churn``), ``euler_ancestral``, ``euler``, ``ddpm``, ``ddim``,
+            ``lcm``; :func:`~specforest.chains.available_chains`) with its default parameters, or a
+            :class:`~specforest.chains.Chain` (``chains.get_chain("euler_ancestral", eta=0.5)``).
         sigmas: an explicit ``(T + 1,)`` grid, decreasing from <= 1 to 0.
         grid: ``flow_match`` (diffusers' default grid) or ``uniform`` (the paper's text).
         shift: timestep shift ``kappa`` of eq. (38).
@@ -93,7 +109,8 @@ class SamplerOptions:
     """
 
     steps: Optional[int] = None
-    churn: float
+    churn: Optional[float] = None
+    chain: "str | Chain" = "em"
     sigmas: Optional[torch.Tensor] = None
     grid: str = "flow_match"
     shift: float = 1.0
@@ -130,7 +147,15 @@ class SamplerOptions:
         for name in ("lazy", "record_deltas"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        make_sde(self.steps, self.sigmas, self.grid, self.shift, self.churn)
+        sde = make_sde(self.steps, self.sigmas, self.grid, self.shift, self.churn, self.chain)
+        # (the em chain's first and last steps are deterministic by construction: a grid of one or two
+        # steps has none, and has always run as the standard sampler whatever the tree)
+        if tree is not None and sde.name != "em" and not bool(sde.stochastic.any()):
+            raise ValueError(
+                f"chain {sde.name!r} with {sde.params} has no stochastic step on this grid: every transition is a "
+                "point mass, so no draft can be accepted and a tree only costs calls. Run it with tree=None, or pick "
+                "a stochastic setting (euler_ancestral or ddim with eta > 0, euler with s_churn > 0, em, ddpm, lcm)"
+            )
         cp = get_coupling(self.coupling)
         if isinstance(tree, TreePolicy) and cp.structured_siblings:
             raise ValueError(f"coupling {cp.name!r} draws structured siblings; an adaptive tree needs i.i.d. children")
@@ -161,14 +186,12 @@ class SamplerOptions:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "SamplerOptions":
-        """The options given as keywords (``churn`` required).
+        """The options given as keywords (``churn`` required with the ``em`` chain, the default).
 
         Raises:
             TypeError: naming a keyword that is not an option (and listing the options), or a missing ``churn``.
         """
         check_names(kwargs)
-        if "churn" not in kwargs:
-            raise TypeError("churn is required: a float in (0, 1], the chain's churn (see SamplerOptions)")
         return cls(**kwargs)
 
     def as_dict(self) -> dict:
@@ -203,31 +226,52 @@ def _as_sigmas(sigmas) -> torch.Tensor:
     return s.to(torch.float64)
 
 
-def make_sde(steps, sigmas, grid, shift, churn) -> ReverseSDE:
-    """The SDE of the options ``steps`` (on ``grid`` with ``shift``) or ``sigmas``, with ``churn``.
+def _chain_of(churn: Any, chain: Any) -> Chain:
+    """The :class:`~specforest.chains.Chain` of the options ``chain`` and ``churn`` (the ``em`` chain's parameter)."""
+    if isinstance(chain, str) and chain.lower() == "em":
+        if churn is None:
+            raise TypeError("churn is required with the em chain (the default): a float in (0, 1] (see SamplerOptions)")
+        return EM(churn=churn)
+    if not isinstance(chain, (str, Chain)):
+        raise TypeError(
+            f"chain must be a registered name ({', '.join(available_chains())}) or a specforest.chains.Chain, "
+            f"got {type(chain).__name__}"
+        )
+    made = get_chain(chain)
+    if churn is not None and not (isinstance(made, EM) and churn == made.churn):
+        raise ValueError(
+            f"churn={churn!r} is the em chain's parameter; chain {made.name!r} takes {made.params} "
+            f"(set them on the chain: specforest.chains.get_chain({made.name!r}, ...)); leave churn unset"
+        )
+    return made
+
+
+def make_sde(steps, sigmas, grid, shift, churn, chain: "str | Chain" = "em") -> GaussianChain:
+    """The chain's tables for the options ``steps`` (on ``grid`` with ``shift``) or ``sigmas``.
 
     Raises:
-        ValueError / TypeError: naming the option (:class:`~specforest.sde.ReverseSDE` checks the grid and churn).
+        ValueError / TypeError: naming the option (the chain checks the grid and its parameters).
     """
+    ch = _chain_of(churn, chain)
     if sigmas is None:
         if steps is None:
             raise ValueError("give steps (an int >= 1) or sigmas (a (T + 1,) tensor)")
         check_choice("grid", grid, GRIDS)
-        if type(steps) is int and type(shift) in (int, float) and type(churn) in (int, float):
-            return _grid_sde(steps, grid, shift, churn)  # (anything else: the constructors name the bad value)
+        if type(steps) is int and type(shift) in (int, float):
+            return _grid_sde(steps, grid, shift, ch)  # (anything else: the constructors name the bad value)
         sigmas = _grid_sigmas(steps, grid, shift)
     else:
         sigmas = _as_sigmas(sigmas)
         if steps is not None and int(steps) != len(sigmas) - 1:
             raise ValueError(f"steps={steps} disagrees with len(sigmas) - 1 = {len(sigmas) - 1}")
-    return ReverseSDE(sigmas.to(torch.float64), churn)
+    return ch.build(sigmas.to(torch.float64))
 
 
 @functools.lru_cache(maxsize=32)
-def _grid_sde(steps: int, grid: str, shift: float, churn: float) -> ReverseSDE:
-    """The SDE of a named grid, made once per (steps, grid, shift, churn): its tables are cached on it,
+def _grid_sde(steps: int, grid: str, shift: float, chain: Chain) -> GaussianChain:
+    """The tables of a named grid, made once per (steps, grid, shift, chain): they are cached on it,
     so repeated runs (one image at a time, say) do not rebuild them."""
-    return ReverseSDE(_grid_sigmas(steps, grid, shift).to(torch.float64), churn)
+    return chain.build(_grid_sigmas(steps, grid, shift).to(torch.float64))
 
 
 def _grid_sigmas(steps, grid: str, shift) -> torch.Tensor:

@@ -140,6 +140,9 @@ class RunContext:
         lockstep_steps: the lockstep round's :class:`LockstepStep` per step (empty otherwise).
         features: deep-feature numbers the target keeps per row for the proposal
             (:meth:`~specforest.proposals.Proposal.bind`; ``0``: the verification call keeps none).
+        noise: the standard sampler's noise given by the caller instead of the streams:
+            ``noise(n)`` is step ``n``'s ``(batch, D)`` standard normal draws (``n = -1``: the
+            chain's start), called once per step in order (a parity test's noise sampler).
     """
 
     tab: StepTables
@@ -170,6 +173,7 @@ class RunContext:
     tree_rows: tuple = ()
     lockstep_steps: tuple = ()
     features: int = 0
+    noise: Optional[Callable[[int], torch.Tensor]] = None
 
     def raise_bad_draft(self, step: int) -> None:
         """Stop the run: the draft's mean was NaN or inf at ``step``."""

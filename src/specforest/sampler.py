@@ -27,7 +27,7 @@ from .options import GRIDS, SamplerOptions, TunedFor, check_tuned_for, make_sde,
 from .proposals import Proposal, get_proposal
 from .records import RunContext
 from .results import SampleResult, SampleStats, returned, stats_of
-from .sde import ReverseSDE
+from .sde import GaussianChain
 from .target import Target, outside_inference
 from .trees import DraftTree, TreePolicy
 from .validation import check_indices, check_seed, check_states, refuse_non_finite, working_dtype
@@ -102,7 +102,7 @@ class RunSpec:
     """What a run needs of its validated options (made by :func:`prepare` alone): the SDE, the coupling,
     a fresh draft, the tree or policy, and the record ``config`` of the result."""
 
-    sde: ReverseSDE
+    sde: GaussianChain
     coupling: Coupling
     proposal: Proposal
     tree: Optional[DraftTree]  # a fixed tree (None: standard sampler or a policy)
@@ -126,6 +126,7 @@ class RunSpec:
         batch: int,
         cond: dict,
         group: Any = None,
+        noise: Optional[Callable[[int], torch.Tensor]] = None,
     ) -> RunContext:
         """The engine's context for ``batch`` trajectories with conditioning ``cond``.
 
@@ -168,6 +169,7 @@ class RunSpec:
             device=device,
             batch=batch,
             features=features,
+            noise=noise,
         )
 
 
@@ -177,7 +179,7 @@ def prepare(options: SamplerOptions) -> RunSpec:
     The one builder of a :class:`RunSpec` (:func:`sample`, :func:`specforest.generate`, the warm-up).
     """
     o = options
-    sde = make_sde(o.steps, o.sigmas, o.grid, o.shift, o.churn)
+    sde = make_sde(o.steps, o.sigmas, o.grid, o.shift, o.churn, o.chain)
     cp = get_coupling(o.coupling)
     proposal = get_proposal(o.draft)
     policy = o.tree if isinstance(o.tree, TreePolicy) else None
@@ -187,7 +189,8 @@ def prepare(options: SamplerOptions) -> RunSpec:
         L = max(L, policy.initial.L)
     config = dict(
         steps=sde.steps,
-        churn=sde.churn,
+        chain=sde.name,
+        **sde.params,
         grid=o.grid if o.sigmas is None else "custom",
         shift=o.shift,
         tree=None if o.tree is None else repr(o.tree),
@@ -230,12 +233,15 @@ def sample(
     cond: Optional[dict] = None,
     process_group: Any = None,
     tuned_for: Optional[TunedFor] = None,
+    noise: Optional[Callable[[int], torch.Tensor]] = None,
     **option_kwargs: Any,
 ) -> SampleResult:
-    """Sample the churned reverse SDE exactly, speculating on a draft tree.
+    """Sample a stochastic sampler's chain exactly, speculating on a draft tree.
 
-    The output has the law of the standard Euler-Maruyama chain on the same
-    grid (paper eq. 6) for any tree, coupling, draft and prefetch policy;
+    The output has the law of the standard sampler of the run's ``chain`` on the
+    same grid (the paper's Euler-Maruyama chain by default, eq. 6; Euler
+    ancestral, EDM's churned Euler, DDPM, DDIM or LCM with ``chain=``,
+    ``docs/chains.md``) for any tree, coupling, draft and prefetch policy;
     those only change how many sequential target calls (NFE) it takes. Runs
     without autograd: the sampler's own arithmetic under
     ``torch.inference_mode`` (its small ops dispatch faster there), the model,
@@ -262,7 +268,8 @@ def sample(
             :func:`specforest.streams.randn` makes them per sample).
         options: the sampler's options, a :class:`~specforest.options.SamplerOptions`
             (which documents each); or give them as keywords (``**option_kwargs``:
-            ``steps``, ``churn`` (required), ``sigmas``, ``grid``, ``shift``, ``tree``,
+            ``steps``, ``churn`` (required with the default ``em`` chain), ``chain``, ``sigmas``,
+            ``grid``, ``shift``, ``tree``,
             ``coupling``, ``draft``, ``prefetch``, ``verify``, ``max_rows``,
             ``model_kwargs``, ``lazy``, ``record_deltas``, ``pad_rows``). Given both,
             the keywords override the object's fields (``dataclasses.replace``).
@@ -291,6 +298,10 @@ def sample(
             ``sample(model, x, **tuned)`` with a :class:`~specforest.latency.Tuned`: without
             ``steps`` and ``sigmas`` the run takes its steps; a run whose steps, churn or batch
             (rows of ``x``) differ is refused. ``tuned.options()`` passes the configuration alone.
+        noise: the standard sampler's noise from the caller (``tree=None`` only): ``noise(n)``
+            returns step ``n``'s standard normal draws ``(batch, *shape)``, called once per step in
+            order, and ``noise(-1)`` the start's for a chain that has one (``euler``). For parity with
+            another implementation fed the same draws (the k-diffusion drop-ins' ``noise_sampler``).
 
     Returns:
         :class:`SampleResult` with ``samples`` ``(batch, *shape)`` and ``stats``.
@@ -325,7 +336,16 @@ def sample(
 
         broadcast_(keys, process_group)
         broadcast_(x0, process_group)
-    ctx = spec.context(model, shape, work, dev, batch, cond, group=process_group)
+    if noise is not None:
+        if spec.tree is not None or spec.policy is not None:
+            raise ValueError(
+                "noise (a noise sampler) was given with a tree: a speculative run draws each node's noise from "
+                "seed, keyed by sample and node, so that drafts and the exact chain share it; it cannot replay a "
+                "caller's sequence. Pass seed or generator, or tree=None"
+            )
+        if not callable(noise):
+            raise TypeError(f"noise must be callable as noise(step) -> (batch, *shape) tensor, got {type(noise)}")
+    ctx = spec.context(model, shape, work, dev, batch, cond, group=process_group, noise=noise)
     target, T = ctx.target, spec.sde.steps
     state = engine.init_state(ctx, x0, keys)
     bar = None

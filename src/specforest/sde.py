@@ -371,6 +371,8 @@ class StepTables:
     stochastic: torch.Tensor
     run_end: torch.Tensor
     ac: Optional[torch.Tensor] = None  # (T, 2): a and c side by side, one gather for both
+    init_a: float = 1.0  # the chain starts from init_a x + init_scale z (see GaussianChain)
+    init_scale: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ac is None:
@@ -392,6 +394,8 @@ class StepTables:
             to(chain.drift_k),
             chain.stochastic.to(device),
             chain.run_end.to(device),
+            init_a=chain.init_a,
+            init_scale=chain.init_scale,
         )
 
     def mean(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,8 @@ TAG_INIT = 1
 TAG_EXACT = 2
 """The exact Euler-Maruyama transition of the standard sampler at a step."""
 TAG_DRAFT = 3
+TAG_START = 4
+"""Slot of the noise a chain adds to the caller's states before its first step (EDM's churn of ``x_0``)."""
 """The noise of a drafted child (node of a round's tree)."""
 SLOT_COUPLE = 1 << 20
 """First slot of the coupling's draws under a node's key (its drafting noise is at :data:`TAG_DRAFT`)."""

@@ -30,6 +30,7 @@ _OPTIONS = {
     # refused, for the reasons of _REFUSED (lazy and record_deltas only when True)
     "tree": "refused",
     "sigmas": "refused",
+    "chain": "refused",
     "lazy": "refused",
     "record_deltas": "refused",
 }
@@ -42,6 +43,7 @@ _RUN_INPUTS = {
     "callback": "refused",
     "process_group": "refused",
     "tuned_for": "refused",
+    "noise": "refused",
 }
 SAMPLE_OPTIONS: "dict[str, str]" = {
     **{name: _OPTIONS[name] for name in SamplerOptions.names()},
@@ -54,12 +56,15 @@ every run it makes) or ``refused`` (a ``ValueError`` that says why)."""
 
 _REFUSED = {
     "tree": "the tree is what tune chooses (Predictor.predict prices one given tree)",
+    "chain": "tune calibrates the em chain (its churn) only: the calibration and tuned files of other chains are "
+    "not built yet; tune with churn, or run another chain with a tree you choose",
     "sigmas": "give sigmas_for, the grid as a function of its steps: the timing runs are shorter than the run",
     "generator": "the tuner's runs draw from its seed (give seed=)",
     "sample_index": "it names the samples of a run, and the tuner's runs are its own",
     "callback": "its own time would be timed as the sampler's",
     "process_group": "the cost curve times one process's calls, not a tree-parallel group's",
     "tuned_for": "it is what a Tuned passes to sample, not an option to tune with",
+    "noise": "the tuner's runs are speculative, and a speculative run draws its noise from its seed",
     "lazy": "lazy=True is a cost simulation whose wall time is not a run's (the calibration chains are lazy already)",
     "record_deltas": "the calibration chains record their deltas already; a timed run would pay for it",
 }
