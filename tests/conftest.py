@@ -39,3 +39,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
             f"every test of {', '.join(missing)} is marked slow: `make test` (-m 'not slow') would run none of "
             "them; keep a covering subset of each file outside the slow tier"
         )
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Every command's work replaced by :func:`helpers.never_called`, which raises (the checks before it
+    still run): a bad input must be refused before the work begins."""
+    from helpers import never_called
+
+    from specforest import landscape, latency
+    from specforest.experiments import drafts, pipelines, pixel, sd3, train_digits, train_digits_draft
+    from specforest.experiments import generate as gen_exp
+    from specforest.experiments import gmm as gmm_exp
+
+    for module, name in (
+        (pixel, "simulate"),
+        (pixel, "run_sweep"),
+        (gmm_exp, "simulate"),
+        (gmm_exp, "run_sweep"),
+        (gen_exp, "run_job"),
+        (latency, "tune"),
+        (drafts, "draft_diagnostics"),
+        (landscape, "plot_landscape"),
+        (train_digits, "main_train"),
+        (train_digits_draft, "main_train_draft"),
+        (sd3, "load_pipeline"),
+        (pipelines, "load_pipeline"),
+    ):
+        monkeypatch.setattr(module, name, never_called)

@@ -2,8 +2,8 @@
 refused with a clear error naming the option or field and what it accepts, before any work and before
 anything is written.
 
-Every command here that could start work has its work replaced by :func:`_work`, which raises: a run
-that reaches it was not refused in time.
+Every command here that could start work has its work replaced (the ``no_work`` fixture of
+``conftest.py``) by one that raises: a run that reaches it was not refused in time.
 """
 
 from __future__ import annotations
@@ -14,64 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from helpers import invoke, never_called, refused
 
 import specforest
 from specforest import latency, streams, trees
-from specforest.cli import main
 from specforest.experiments import generate as gen_exp
 from specforest.latency import CostCurve, Tuned
 from specforest.models import GaussianMixture
 
 GAUSS = GaussianMixture(torch.tensor([[2.0, -1.0, 0.5]], dtype=torch.float64), torch.tensor([0.3]))
 TINY_GMM = ["gmm", "--dim", "2", "--steps", "4", "--trajectories", "2", "--no-progress"]
-
-
-def _invoke(*args):
-    threads = torch.get_num_threads()
-    try:
-        return CliRunner().invoke(main, [str(a) for a in args])
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _refused(res, *names: str, code: int = 2) -> str:
-    """The one-line click error of ``res`` (no traceback), which names every one of ``names``."""
-    # a click error ends in SystemExit; any other exception is a traceback from inside (or the work began)
-    assert isinstance(res.exception, SystemExit), (res.exception, res.output)
-    assert res.exit_code == code and "Error" in res.output, (res.exit_code, res.output)
-    out = " ".join(res.output.split())
-    for name in names:
-        assert name in out, (name, out)
-    return out
-
-
-def _work(*args, **kwargs):
-    raise RuntimeError("the work began: the bad input was not refused before it")
-
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """Every command's work replaced by :func:`_work` (the checks before it still run)."""
-    from specforest import landscape
-    from specforest.experiments import drafts, pipelines, pixel, sd3, train_digits, train_digits_draft
-    from specforest.experiments import gmm as gmm_exp
-
-    for module, name in (
-        (pixel, "simulate"),
-        (pixel, "run_sweep"),
-        (gmm_exp, "simulate"),
-        (gmm_exp, "run_sweep"),
-        (gen_exp, "run_job"),
-        (latency, "tune"),
-        (drafts, "draft_diagnostics"),
-        (landscape, "plot_landscape"),
-        (train_digits, "main_train"),
-        (train_digits_draft, "main_train_draft"),
-        (sd3, "load_pipeline"),
-        (pipelines, "load_pipeline"),
-    ):
-        monkeypatch.setattr(module, name, _work)
 
 
 def _tuned(tree=None, coupling="grs", **over) -> Tuned:
@@ -108,18 +60,18 @@ def _tune_file(tmp_path: Path, data: dict, **made_for) -> Path:
 def shards_unread(monkeypatch):
     """Reading the shards (which comes after the options are written) raises: a job that gets there
     with a count it cannot hold would otherwise list every index in memory."""
-    monkeypatch.setattr(gen_exp, "done_indices", _work)
+    monkeypatch.setattr(gen_exp, "done_indices", never_called)
 
 
 def test_generate_refuses_a_count_it_cannot_hold_and_writes_nothing(tmp_path, shards_unread):
     out = tmp_path / "gh.npz"
     args = ["generate", "gmm", "--dim", 2, "--steps", 4, "--count", 10**10, "--out", out, "--no-progress"]
-    msg = _refused(_invoke(*args), "--count", "[1, ")
+    msg = refused(invoke(*args), "--count", "[1, ")
     assert "memory" in msg
     assert not Path(str(out) + ".parts").exists() and not any(tmp_path.iterdir())
     # beyond a sample index (int64): the same refusal, never an empty "Error: "
     args[args.index(10**10)] = 2**64
-    _refused(_invoke(*args), "--count", "[1, ")
+    refused(invoke(*args), "--count", "[1, ")
     assert not any(tmp_path.iterdir())
 
 
@@ -137,8 +89,8 @@ def test_run_job_refuses_a_count_it_cannot_hold_before_writing(tmp_path, shards_
 def test_a_refusal_after_the_model_is_loaded_still_writes_nothing(tmp_path):
     # the memory check of the slots came after PATH.parts/options.json: the next run said "exists; pass --resume"
     out = tmp_path / "x.npz"
-    res = _invoke("generate", "gmm", "--dim", 2, "--steps", 4, "--count", 2, "--memory-gb", 1e-3, "--out", out)
-    _refused(res, "memory limit", code=1)
+    res = invoke("generate", "gmm", "--dim", 2, "--steps", 4, "--count", 2, "--memory-gb", 1e-3, "--out", out)
+    refused(res, "memory limit", codes=(1,))
     assert not any(tmp_path.iterdir())
 
 
@@ -207,13 +159,13 @@ def test_a_tuned_file_missing_a_field_or_not_an_object_is_refused_by_name():
 def test_a_tune_file_with_an_unknown_coupling_runs_nothing(tmp_path, no_work):
     # it ran dgrs on the file's tree
     path = _tune_file(tmp_path, dict(_tuned(trees.uniform(2, 2)).to_json(), coupling="bogus"))
-    _refused(_invoke("gmm", "--dim", 2, "--tune", path), "--tune", "coupling must be one of", "bogus", code=1)
+    refused(invoke("gmm", "--dim", 2, "--tune", path), "--tune", "coupling must be one of", "bogus", codes=(1,))
 
 
 def test_a_tune_file_whose_rmc_tree_is_not_a_chain_is_refused(tmp_path, no_work):
     # it ran an RMC chain of the tree's budget
     path = _tune_file(tmp_path, _tuned(trees.uniform(2, 2), "rmc").to_json())
-    _refused(_invoke("gmm", "--dim", 2, "--tune", path), "--tune", "rmc", code=1)
+    refused(invoke("gmm", "--dim", 2, "--tune", path), "--tune", "rmc", codes=(1,))
 
 
 @pytest.mark.parametrize(
@@ -222,7 +174,7 @@ def test_a_tune_file_whose_rmc_tree_is_not_a_chain_is_refused(tmp_path, no_work)
 )
 def test_the_run_a_tune_file_records_is_checked_before_it_is_taken(tmp_path, no_work, made_for, named):
     path = _tune_file(tmp_path, _tuned().to_json(), **made_for)
-    _refused(_invoke("gmm", "--dim", 2, "--tune", path), "--tune", f"tuned_for.{named}", code=1)
+    refused(invoke("gmm", "--dim", 2, "--tune", path), "--tune", f"tuned_for.{named}", codes=(1,))
 
 
 # -- item 4: every output path, before the work -----------------------------------------------------------
@@ -277,7 +229,7 @@ def test_every_output_path_is_checked_before_the_work(tmp_path, no_work, kind):
         if kind == "a-folder" and not folder:
             Path(given[given.index(option) + 1]).mkdir(exist_ok=True)
         before = sorted(tmp_path.rglob("*"))
-        msg = _refused(_invoke(*given), option)
+        msg = refused(invoke(*given), option)
         assert "Traceback" not in msg and any(w in msg.lower() for w in ("write", "folder", "file", "directory")), msg
         assert sorted(tmp_path.rglob("*")) == before, given  # nothing written, not even the probe
 
@@ -285,7 +237,7 @@ def test_every_output_path_is_checked_before_the_work(tmp_path, no_work, kind):
 def test_a_writable_output_is_accepted_and_the_check_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "new" / "deeper" / "s.npz"
-    res = _invoke(*TINY_GMM, "--json", "--dump-samples", out)
+    res = invoke(*TINY_GMM, "--json", "--dump-samples", out)
     assert res.exit_code == 0, res.output
     assert out.exists() and sorted(p.name for p in out.parent.iterdir()) == ["s.npz"]
 
@@ -304,7 +256,7 @@ def test_a_writable_output_is_accepted_and_the_check_leaves_nothing(tmp_path, mo
 )
 def test_tree_options_that_would_not_apply_are_refused(no_work, args, named):
     for cmd in (["gmm", "--dim", "2"], ["pixel"]):
-        _refused(_invoke(*cmd, *args), named)
+        refused(invoke(*cmd, *args), named)
 
 
 UNUSED = ["--method", "standard", "--draft", "secant", "--prefetch", "parent", "--verify", "drafted"]
@@ -313,13 +265,13 @@ UNUSED = ["--method", "standard", "--draft", "secant", "--prefetch", "parent", "
 def test_a_standard_run_records_the_draft_options_as_not_applied(tmp_path):
     # it recorded draft: secant, prefetch: parent as if they had run
     for cmd in (TINY_GMM, ["pixel", "--samples", "1", "--steps", "3", "--no-progress"]):
-        res = _invoke(*cmd, "--json", *UNUSED, "--lazy")
+        res = invoke(*cmd, "--json", *UNUSED, "--lazy")
         assert res.exit_code == 0, res.output
         rec = json.loads(res.stdout)
         assert rec["method"] == "standard" and rec["mode"] == "full"
         assert [rec[k] for k in ("coupling", "draft", "prefetch", "verify")] == [None] * 4, rec
     out = tmp_path / "g.npz"
-    res = _invoke("generate", "gmm", "--dim", 2, "--steps", 4, "--count", 2, "--out", out, "--no-progress", *UNUSED)
+    res = invoke("generate", "gmm", "--dim", 2, "--steps", 4, "--count", 2, "--out", out, "--no-progress", *UNUSED)
     assert res.exit_code == 0, res.output
     sampler = json.loads(out.with_suffix(".json").read_text())["options"]["sampler"]
     assert sampler["method"] == "standard" and [sampler[k] for k in ("draft", "prefetch", "verify")] == [None] * 3
@@ -344,11 +296,11 @@ def test_a_standard_job_recorded_with_the_unused_defaults_still_resumes(tmp_path
     # a job written before recorded the draft's options of a standard job as the defaults
     out = tmp_path / "g.npz"
     args = ["generate", "gmm", "--dim", 2, "--steps", 4, "--count", 2, "--method", "standard", "--out", out]
-    assert _invoke(*args, "--no-progress").exit_code == 0
+    assert invoke(*args, "--no-progress").exit_code == 0
     meta = json.loads(out.with_suffix(".json").read_text())
     meta["options"]["sampler"].update(draft="velocity", prefetch="nearest", verify="internal")
     out.with_suffix(".json").write_text(json.dumps(meta))
-    res = _invoke(*args, "--resume", "--no-progress")
+    res = invoke(*args, "--resume", "--no-progress")
     assert res.exit_code == 0 and "complete; nothing to do" in res.output, res.output
 
 
@@ -366,16 +318,16 @@ def test_the_api_runs_the_standard_sampler_whatever_the_unused_options():
 def test_a_tune_file_is_checked_against_the_grid_and_shift_of_the_run(tmp_path, no_work):
     # --grid uniform ran a configuration tuned on flow_match
     path = _tune_file(tmp_path, _tuned().to_json(), grid="flow_match", shift=1.0)
-    _refused(_invoke("gmm", "--dim", 2, "--grid", "uniform", "--tune", path), "--grid uniform here, flow_match")
-    _refused(_invoke("pixel", "--grid", "uniform", "--tune", path), "--grid uniform here")
+    refused(invoke("gmm", "--dim", 2, "--grid", "uniform", "--tune", path), "--grid uniform here, flow_match")
+    refused(invoke("pixel", "--grid", "uniform", "--tune", path), "--grid uniform here")
     path = _tune_file(tmp_path, _tuned().to_json(), grid="flow_match", shift=3.0)
-    _refused(_invoke("gmm", "--dim", 2, "--tune", path), "shift 1.0 here")
+    refused(invoke("gmm", "--dim", 2, "--tune", path), "shift 1.0 here")
 
 
 def test_tune_records_the_grid_and_shift_it_tuned_on(tmp_path, monkeypatch):
     monkeypatch.setattr(latency, "tune", lambda *a, **k: _tuned())
     out = tmp_path / "t.json"
-    res = _invoke("tune", "--model", "gmm", "--dim", 2, "--no-progress", "--out", out)
+    res = invoke("tune", "--model", "gmm", "--dim", 2, "--no-progress", "--out", out)
     assert res.exit_code == 0, res.output
     made_for = json.loads(out.read_text())["tuned_for"]
     assert made_for["grid"] == "flow_match" and made_for["shift"] == 1.0
@@ -391,4 +343,4 @@ def test_tune_records_the_grid_and_shift_it_tuned_on(tmp_path, monkeypatch):
     ],
 )
 def test_tune_refuses_options_of_another_model(tmp_path, no_work, args, named):
-    _refused(_invoke("tune", *args, "--out", tmp_path / "t.json"), named, "--model")
+    refused(invoke("tune", *args, "--out", tmp_path / "t.json"), named, "--model")

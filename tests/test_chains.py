@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 from comfy_reference import comfy_ddpm, comfy_euler_ancestral_rf, comfy_lcm, vp_ddim
+from helpers import KeepFirst
 from kdiff_reference import sampling
 
 from specforest import chains, testing, trees
-from specforest.couplings import GRS
 
 MU, S0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 0.3
 
@@ -195,16 +195,6 @@ LAW_CONFIGS = {
     "rmc_chain_secant": dict(tree=trees.chain(6), coupling="rmc", draft="secant"),
     "rank_tree_lazy": dict(tree=trees.uniform(3, 2), coupling="rank", draft="velocity", lazy=True),
 }
-
-
-class KeepFirst(GRS):
-    """Deliberately wrong: accepts its first child whatever the target."""
-
-    name = "keep-first"
-
-    def select(self, s_hat, delta, valid, rng):
-        P = s_hat.shape[0]
-        return torch.ones(P, dtype=torch.bool), torch.zeros(P, dtype=torch.long)
 
 
 @pytest.mark.parametrize("chain", chains.available_chains())

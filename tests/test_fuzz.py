@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import KeepFirst
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import specforest
 from specforest import streams, testing, trees
 from specforest.cli import main as cli_main
-from specforest.couplings import GRS, available_couplings, get_coupling
+from specforest.couplings import available_couplings, get_coupling
 from specforest.experiments import gmm as gmm_exp
 from specforest.models import GaussianMixture
 from specforest.planning import AdaptiveTree
@@ -53,16 +54,6 @@ class Counting:
     def __call__(self, x, sigma, **kw):
         self.calls += 1
         return GAUSS(x, sigma, **kw)
-
-
-class KeepFirst(GRS):
-    """Deliberately wrong: accepts its first child whatever the target."""
-
-    name = "keep-first"
-
-    def select(self, s_hat, delta, valid, rng):
-        P = s_hat.shape[0]
-        return torch.ones(P, dtype=torch.bool), torch.zeros(P, dtype=torch.long)
 
 
 # -- valid inputs ---------------------------------------------------------------------------

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import invoke, never_called, refused
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fuzz import FAST, GAUSS, Counting
 
 import specforest
-from specforest import latency, streams, trees
+from specforest import streams, trees
 from specforest.cli import main as cli_main
 from specforest.cli.common import MAX_THREADS
 from specforest.couplings import available_couplings, get_coupling
@@ -430,22 +431,11 @@ BOUNDS = settings(
 )
 
 
-def _reached(*args, **kwargs):
-    raise RuntimeError("the work began: the bad input was not refused before it")
-
-
-def _refused_cleanly(res, *names: str) -> None:
-    assert isinstance(res.exception, SystemExit), (res.exception, res.output)  # not a traceback, not the work
-    assert res.exit_code in (1, 2) and "Error" in res.output, (res.exit_code, res.output)
-    out = " ".join(res.output.split())
-    assert all(n in out for n in names), (names, out)
-
-
 @pytest.fixture
 def job_unread(monkeypatch):
     """Reading a job's shards (after its options are written) raises: a count the job cannot hold
     must be refused before, not listed in memory."""
-    monkeypatch.setattr(gen_exp, "done_indices", _reached)
+    monkeypatch.setattr(gen_exp, "done_indices", never_called)
 
 
 @BOUNDS
@@ -453,7 +443,7 @@ def job_unread(monkeypatch):
 def test_random_counts_a_job_cannot_hold_are_refused_before_anything_is_written(count, tmp_path, job_unread):
     out = tmp_path / "g.npz"
     args = ["generate", "gmm", "--dim", "2", "--steps", "4", "--count", str(count), "--out", str(out), "--no-progress"]
-    _refused_cleanly(CliRunner().invoke(cli_main, args), "--count", "[1, ")
+    refused(invoke(*args), "--count", "[1, ", codes=(1, 2))
     assert not any(tmp_path.iterdir())
 
 
@@ -569,27 +559,6 @@ OUTPUTS = {
 UNWRITABLE = ("under-a-file", "a-folder-for-a-file") + (("proc",) if Path("/proc/self").is_dir() else ())
 
 
-@pytest.fixture
-def no_work(monkeypatch):
-    """Each command's work raises: an output path it cannot write must be refused before."""
-    from specforest import landscape
-    from specforest.experiments import drafts, pixel, train_digits, train_digits_draft
-
-    for module, name in (
-        (pixel, "simulate"),
-        (pixel, "run_sweep"),
-        (gmm_exp, "simulate"),
-        (gmm_exp, "run_sweep"),
-        (gen_exp, "run_job"),
-        (latency, "tune"),
-        (drafts, "draft_diagnostics"),
-        (landscape, "plot_landscape"),
-        (train_digits, "main_train"),
-        (train_digits_draft, "main_train_draft"),
-    ):
-        monkeypatch.setattr(module, name, _reached)
-
-
 @BOUNDS
 @given(
     option=st.sampled_from(sorted(OUTPUTS)),
@@ -610,12 +579,8 @@ def test_random_unwritable_output_paths_are_refused_naming_the_option(option, ki
         path = tmp_path / (parts[-1] + suffix)  # a file's path that is a folder
         path.mkdir(exist_ok=True)
     before = sorted(tmp_path.rglob("*"))
-    threads = torch.get_num_threads()
-    try:
-        res = CliRunner().invoke(cli_main, [*args, str(path)])
-    finally:
-        torch.set_num_threads(threads)
-    _refused_cleanly(res, args[-1])
+    res = invoke(*args, path)
+    refused(res, args[-1], codes=(1, 2))
     assert sorted(tmp_path.rglob("*")) == before, (option, kind, path)  # nothing written, not even the probe
 
 

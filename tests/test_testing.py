@@ -10,21 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import KeepFirst
 from scipy import stats as sps
 
 from specforest import chains, testing, trees
-from specforest.couplings import GRS, RMC, available_couplings, unregister_coupling
+from specforest.couplings import RMC, available_couplings, unregister_coupling
 from specforest.proposals import available_drafts, unregister_draft
-
-
-class KeepFirst(GRS):
-    """Keeps its first child whatever the target."""
-
-    name = "keep-first"
-
-    def select(self, s_hat, delta, valid, rng):
-        P = s_hat.shape[0]
-        return torch.ones(P, dtype=torch.bool), torch.zeros(P, dtype=torch.long)
 
 
 def test_ks_p_value_agrees_with_scipy():

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import invoke
 
 import specforest
 from specforest import latency, streams, trees
@@ -237,14 +238,6 @@ def test_a_padded_call_is_priced_at_its_padded_rows():
 # -- the CLI -----------------------------------------------------------------------------------
 
 
-def _invoke(*args):
-    threads = torch.get_num_threads()
-    try:
-        return CliRunner().invoke(main, [str(a) for a in args])
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _file(tmp_path, tuned: Tuned, **made_for) -> str:
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps(dict(tuned.to_json(), tuned_for=made_for)))
@@ -263,7 +256,7 @@ def test_tune_defaults_to_the_models_own_command(monkeypatch, tmp_path):
         raise ValueError("stop here")
 
     monkeypatch.setattr(latency, "tune", fake_tune)
-    res = _invoke("tune", "--model", "gmm", "--dim", 2, "--no-progress", "--out", tmp_path / "t.json")
+    res = invoke("tune", "--model", "gmm", "--dim", 2, "--no-progress", "--out", tmp_path / "t.json")
     assert "stop here" in res.output
     assert (seen["steps"], seen["churn"]) == (30, 0.1)
     # the same numbers as the commands' own defaults, read from their options
@@ -284,25 +277,25 @@ def test_tune_for_digits_tunes_at_t_100_churn_03(monkeypatch, tmp_path):
         raise ValueError("stop here")
 
     monkeypatch.setattr(latency, "tune", fake_tune)
-    res = _invoke("tune", "--model", "digits", "--no-progress", "--out", tmp_path / "t.json")
+    res = invoke("tune", "--model", "digits", "--no-progress", "--out", tmp_path / "t.json")
     assert "stop here" in res.output and (seen["steps"], seen["churn"]) == (100, 0.3)
 
 
 def test_a_run_with_tune_takes_the_files_steps_churn_and_batch(tmp_path):
     path = _file(tmp_path, _tuned(trees.chain(3), "rmc", steps=8, batch=3, churn=0.5), model="gmm", threads=1)
-    res = _invoke("gmm", "--dim", 4, "--json", "--no-progress", "--tune", path)
+    res = invoke("gmm", "--dim", 4, "--json", "--no-progress", "--tune", path)
     assert res.exit_code == 0, res.output
     rec = json.loads(res.stdout)
     assert (rec["steps"], rec["churn"], rec["trajectories"], rec["method"]) == (8, 0.5, 3, "rmc")
     # given and equal: fine
-    res = _invoke("gmm", "--dim", 4, "--steps", 8, "--churn", 0.5, "--trajectories", 3, "--json", "--tune", path)
+    res = invoke("gmm", "--dim", 4, "--steps", 8, "--churn", 0.5, "--trajectories", 3, "--json", "--tune", path)
     assert res.exit_code == 0, res.output
 
 
 def test_a_run_that_differs_from_its_tune_file_lists_every_difference(tmp_path):
     made_for = dict(model="digits", device="cuda", threads=1)
     path = _file(tmp_path, _tuned(trees.chain(3), "rmc", steps=8, batch=3, churn=0.5), **made_for)
-    res = _invoke("gmm", "--dim", 4, "--steps", 9, "--churn", 0.3, "--trajectories", 2, "--threads", 2, "--tune", path)
+    res = invoke("gmm", "--dim", 4, "--steps", 9, "--churn", 0.3, "--trajectories", 2, "--threads", 2, "--tune", path)
     assert res.exit_code == 2 and "Traceback" not in res.output
     out = " ".join(res.output.split())
     for part in (
@@ -330,7 +323,7 @@ def test_a_run_that_differs_from_its_tune_file_lists_every_difference(tmp_path):
 def test_sampler_options_beside_tune_are_refused_even_at_their_defaults(tmp_path, args, named):
     for cmd, model in ((["pixel"], "digits"), (["gmm", "--dim", "4"], "gmm")):
         path = _file(tmp_path, _tuned(trees.chain(3), "rmc", steps=8, batch=1), model=model)
-        res = _invoke(*cmd, *args, "--tune", path)
+        res = invoke(*cmd, *args, "--tune", path)
         assert res.exit_code == 2, res.output
         out = " ".join(res.output.split())
         assert "cannot be given with --tune" in out and all(n in out for n in named), out
@@ -339,15 +332,13 @@ def test_sampler_options_beside_tune_are_refused_even_at_their_defaults(tmp_path
 def test_generate_runs_a_tuned_tree_and_refuses_another_batch(tmp_path):
     path = _file(tmp_path, _tuned(trees.widths([2, 1]), "grs", steps=8, batch=2), model="gmm", device="cpu")
     out = tmp_path / "g.npz"
-    res = _invoke("generate", "gmm", "--dim", 4, "--count", 3, "--out", out, "--no-progress", "--tune", path)
+    res = invoke("generate", "gmm", "--dim", 4, "--count", 3, "--out", out, "--no-progress", "--tune", path)
     assert res.exit_code == 0, res.output
     meta = json.loads(out.with_suffix(".json").read_text())["options"]["sampler"]
     assert meta["tree"] == trees.widths([2, 1]).parent.tolist() and meta["steps"] == 8 and meta["draft"] == "x0"
-    res = _invoke(
-        "generate", "gmm", "--dim", 4, "--count", 3, "--batch", 5, "--out", tmp_path / "h.npz", "--tune", path
-    )
+    res = invoke("generate", "gmm", "--dim", 4, "--count", 3, "--batch", 5, "--out", tmp_path / "h.npz", "--tune", path)
     assert res.exit_code == 2 and "--batch 5 here, 2 in the file" in res.output
-    res = _invoke("generate", "gmm", "--count", 3, "--K", 3, "--out", tmp_path / "k.npz", "--tune", path)
+    res = invoke("generate", "gmm", "--count", 3, "--K", 3, "--out", tmp_path / "k.npz", "--tune", path)
     assert res.exit_code == 2 and "--K cannot be given with --tune" in " ".join(res.output.split())
 
 
@@ -365,13 +356,13 @@ def test_generate_runs_a_tuned_tree_and_refuses_another_batch(tmp_path):
 )
 def test_an_output_whose_suffix_is_not_what_is_written_is_refused_before_any_work(tmp_path, monkeypatch, args, suffix):
     monkeypatch.chdir(tmp_path)
-    res = _invoke(*args)
+    res = invoke(*args)
     assert res.exit_code == 2 and f"must end in {suffix}" in res.output and "--" in res.output
     assert not any(tmp_path.iterdir())  # nothing written, no job started
 
 
 def test_an_sd3_job_is_a_folder_not_an_archive(tmp_path):
-    res = _invoke(
+    res = invoke(
         "generate", "sd3", "--count", 1, "--out", tmp_path / "x.npz", "--model", tmp_path, "--prompts", __file__
     )
     assert res.exit_code == 2 and "must be a folder" in res.output
@@ -400,7 +391,6 @@ def _written_tuned(tree, coupling: str, verify: str) -> Tuned:
     [(trees.uniform(2, 2), "grs", "dgrs"), (trees.chain(5), "rmc", "rmc"), (None, "grs", "standard")],
 )
 def test_gmm_and_pixel_run_a_tuned_file(tmp_path, tree, coupling, method):
-    from click.testing import CliRunner
 
     from specforest.cli import main
 
@@ -425,7 +415,6 @@ def test_gmm_and_pixel_run_a_tuned_file(tmp_path, tree, coupling, method):
 
 
 def test_pixel_runs_a_tuned_tree(tmp_path):
-    from click.testing import CliRunner
 
     from specforest.cli import main
 
