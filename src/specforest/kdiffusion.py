@@ -296,8 +296,7 @@ def sample(
     if unknown:
         hints = "; ".join(f"{k}: {_GIVEN_OTHERWISE[k]}" for k in unknown if k in _GIVEN_OTHERWISE)
         raise TypeError(f"unexpected options {unknown}" + (f" ({hints})" if hints else f"; options are {_PASSED}"))
-    if "churn" not in options and options.get("chain", "em") == "em":
-        raise TypeError("churn is required: a float in (0, 1], the chain's churn (see docs/kdiffusion.md)")
+    # (churn, required with the default em chain, is checked with the other options by SamplerOptions)
     if not callable(model):
         raise TypeError("model must be callable as model(x, sigma, **extra_args) (a k-diffusion denoiser)")
     if callback is not None and not callable(callback):
