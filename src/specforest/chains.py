@@ -195,6 +195,8 @@ class EM(Chain):
 
 
 PATHS = ("ve", "linear")
+"""A sampler's noise levels: ``ve`` (``x = x_0 + sigma xi``, k-diffusion and EDM) or ``linear``
+(``x = (1 - sigma) x_0 + sigma xi``, ComfyUI's ``CONST``: SD3, Flux)."""
 
 
 @dataclass(frozen=True)

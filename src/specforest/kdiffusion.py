@@ -64,6 +64,7 @@ from typing import Any, Optional
 import torch
 
 from . import sampler
+from .chains import PATHS
 from .models.edm import EDMDenoiserVelocity
 from .options import RUN_INPUTS, SamplerOptions
 from .proposals import Proposal
@@ -79,10 +80,6 @@ __all__ = [
     "sample_lcm",
     "sample_speculative",
 ]
-
-PATHS = ("ve", "linear")
-"""The denoiser's parameterization: ``ve`` (``x = x_0 + sigma xi``, k-diffusion and EDM) or
-``linear`` (``x = (1 - sigma) x_0 + sigma xi``, ComfyUI's ``CONST``: SD3, Flux)."""
 
 KEYS = ("x", "i", "sigma", "sigma_hat", "denoised")
 """k-diffusion's callback keys, first in every callback dict, in this order."""
