@@ -18,6 +18,7 @@ from helpers import KeepFirst
 from kdiff_reference import sampling
 
 from specforest import chains, testing, trees
+from specforest.proposals import available_drafts, drafts_serving
 
 MU, S0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 0.3
 
@@ -211,6 +212,22 @@ def test_the_law_check_rejects_a_wrong_coupling_on_every_chain(chain):
     ch = chains.get_chain(chain).example()
     rep = testing.check_chain_law(trees.uniform(2, 3), KeepFirst(), "x0", chain=ch, sigmas=LAW_GRID, churn=None)
     assert not rep.passed
+
+
+MULTISTEP = [n for n in chains.available_chains() if chains.get_chain(n).example().build(LAW_GRID).carries]
+
+
+@pytest.mark.parametrize("chain", MULTISTEP)
+@pytest.mark.parametrize("draft", drafts_serving(available_drafts(), None))
+def test_every_draft_keeps_a_multistep_chains_law(chain, draft):
+    """A chain whose mean reads the parent's prediction, with every draft: on a chain (the affine
+    chain formula, Picard sweeps, memory) and on a tree (per-level means), full and lazy."""
+    ch = chains.get_chain(chain).example()
+    for tree, coupling, lazy in ((trees.chain(5), "rmc", False), (trees.uniform(2, 3), "grs", True)):
+        rep = testing.check_chain_law(
+            tree, coupling, draft, chain=ch, sigmas=LAW_GRID, churn=None, trajectories=3000, lazy=lazy
+        )
+        rep.assert_exact()
 
 
 def test_the_em_chains_closed_form_is_the_papers():

@@ -68,6 +68,36 @@ def test_euler_ancestral_with_a_noise_sampler_equals_k_diffusions(dtype, eta, s_
     assert ours.dtype == dtype and close(ours, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "eta, s_noise, solver_type", [(1.0, 1.0, "midpoint"), (0.7, 1.05, "heun"), (0.0, 1.0, "midpoint")]
+)
+def test_dpmpp_2m_sde_with_a_noise_sampler_equals_k_diffusions(dtype, eta, s_noise, solver_type):
+    sig = karras().to(dtype)
+    x, z = start(32, sig, dtype=dtype), draws(32, len(sig), dtype=dtype)
+    kw = dict(eta=eta, s_noise=s_noise, solver_type=solver_type, disable=True)
+    it = iter(z)
+    ref = sampling().sample_dpmpp_2m_sde(denoiser, x, sig, noise_sampler=lambda a, b: next(it), **kw)
+    it = iter(z)
+    ours = kdiffusion.sample_dpmpp_2m_sde(denoiser, x, sig, noise_sampler=lambda a, b: next(it), **kw)
+    assert ours.dtype == dtype and close(ours, ref, dtype)
+
+
+def test_dpmpp_2m_sde_parity_holds_with_a_nonlinear_denoiser():
+    """The multistep term (``D - D_prev``) only shows when ``D`` is not affine along the path."""
+    sig = karras(12)
+
+    def bent(x, s, **_):
+        return denoiser(x, s) + 0.3 * torch.tanh(x)
+
+    x, z = start(16, sig), draws(16, len(sig))
+    it = iter(z)
+    ref = sampling().sample_dpmpp_2m_sde(bent, x, sig, noise_sampler=lambda a, b: next(it), disable=True)
+    it = iter(z)
+    ours = kdiffusion.sample_dpmpp_2m_sde(bent, x, sig, noise_sampler=lambda a, b: next(it), disable=True)
+    assert close(ours, ref, torch.float64)
+
+
 def test_euler_ancestral_default_noise_is_k_diffusions_global_generator():
     sig = karras()
     x = start(32, sig)
@@ -161,6 +191,14 @@ def ve_start(n: int, sig: torch.Tensor, seed: int = 0) -> torch.Tensor:
         ),
         (kdiffusion.sample_ddpm, {}, "ddpm", trees.uniform(3, 2), "rank"),
         (kdiffusion.sample_lcm, {}, "lcm", trees.uniform(2, 2), "grs"),
+        (kdiffusion.sample_dpmpp_2m_sde, {}, "dpmpp_2m_sde", trees.uniform(2, 3), "grs"),
+        (
+            kdiffusion.sample_dpmpp_2m_sde,
+            {"eta": 0.7, "solver_type": "heun"},
+            chains.DPMPP2MSDE(eta=0.7, solver_type="heun"),
+            trees.chain(4),
+            "rmc",
+        ),
     ],
 )
 def test_speculated_drop_ins_keep_the_chains_law(fn, kw, chain, tree, coupling):
@@ -199,6 +237,19 @@ def test_speculated_euler_ancestral_matches_the_real_functions_samples():
     assert _two_sample_p(em, real)[1] < 1e-6
 
 
+@pytest.mark.filterwarnings("ignore:Should have ta>=t0")
+def test_speculated_dpmpp_2m_sde_matches_the_real_functions_samples():
+    """Against k-diffusion's own run with its default Brownian-tree noise (torchsde)."""
+    sig = karras(20)
+    x = ve_start(N_LAW, sig, seed=2)
+    torch.manual_seed(0)
+    real = sampling().sample_dpmpp_2m_sde(denoiser, x, sig, disable=True)
+    ours = kdiffusion.sample_dpmpp_2m_sde(denoiser, x, sig, tree=trees.uniform(2, 3), seed=9, disable=True)
+    assert min(_two_sample_p(ours, real)) > 1e-4
+    ea = kdiffusion.sample_euler_ancestral(denoiser, x, sig, tree=trees.uniform(2, 3), seed=9, disable=True)
+    assert _two_sample_p(ea, real)[1] < 1e-6
+
+
 # -- refusals -------------------------------------------------------------------------------------
 
 
@@ -217,6 +268,14 @@ def test_refusals_name_the_reason():
         kdiffusion.sample_euler_ancestral(denoiser, x, sig, eta=-1.0, disable=True)
     with pytest.raises(TypeError, match="churn is set by this sampler's own arguments"):
         kdiffusion.sample_euler_ancestral(denoiser, x, sig, churn=0.5, disable=True)
+    with pytest.raises(ValueError, match="no stochastic step"):
+        kdiffusion.sample_dpmpp_2m_sde(denoiser, x, sig, eta=0.0, tree=trees.chain(2), seed=0, disable=True)
+    with pytest.raises(ValueError, match="solver_type"):
+        kdiffusion.sample_dpmpp_2m_sde(denoiser, x, sig, solver_type="euler", disable=True)
+    with pytest.raises(NotImplementedError, match="two correlated noises per step"):
+        kdiffusion.sample_dpmpp_sde(denoiser, x, sig, disable=True)
+    with pytest.raises(ValueError, match="two correlated noises per step"):
+        chains.get_chain("dpmpp_sde")
     with pytest.raises(ValueError, match="sample_ddpm is defined on VE noise levels"):
         kdiffusion.sample_ddpm(denoiser, x, sig / (1 + sig), path="linear", disable=True)
     # with no tree, the deterministic settings run

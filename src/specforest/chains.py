@@ -26,7 +26,9 @@ Registered (:func:`available_chains`; :func:`register_chain` adds one):
   the churned state ``x-hat``;
 * ``ddpm``: ancestral DDPM (ComfyUI's ``sample_ddpm``), ``variance`` ``fixed_small`` or ``fixed_large``;
 * ``ddim``: DDIM with ``eta > 0``;
-* ``lcm``: LCM's re-noising step (ComfyUI's ``sample_lcm``).
+* ``lcm``: LCM's re-noising step (ComfyUI's ``sample_lcm``);
+* ``dpmpp_2m_sde``: k-diffusion's ``sample_dpmpp_2m_sde`` (``eta``, ``s_noise``, ``solver_type``), a
+  multistep chain whose mean also reads the previous step's prediction.
 
 ``../shared/research/samplers.md`` (in the project's notes) and ``docs/chains.md`` give
 each update as its code does it.
@@ -47,7 +49,9 @@ from .validation import check_choice, check_number
 __all__ = [
     "DDIM",
     "DDPM",
+    "DPMPP2MSDE",
     "EM",
+    "REFUSED",
     "LCM",
     "Chain",
     "EulerAncestral",
@@ -70,6 +74,7 @@ class Transitions(GaussianChain):
         chain: the chain that made them (its name and parameters are the record's).
         sigmas: ``(T + 1,)`` linear-path levels of the states.
         a, c, scale: ``(T,)`` float64 per-step coefficients (``mean = a y + c v``).
+        b: ``(T,)`` float64 coefficient of the parent's clean-image prediction (a multistep chain), or ``None``.
         init_a, init_scale: the start ``init_a x + init_scale z`` (see :class:`~specforest.sde.GaussianChain`).
     """
 
@@ -82,11 +87,12 @@ class Transitions(GaussianChain):
         scale: torch.Tensor,
         init_a: float = 1.0,
         init_scale: float = 0.0,
+        b: "torch.Tensor | None" = None,
     ) -> None:
         self.chain = chain
         self.name = chain.name
         # EDM's churn raises the level where its window begins: only a grid must decrease
-        self._set_tables(sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False)
+        self._set_tables(sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False, b=b)
 
     @property
     def params(self) -> dict:
@@ -100,6 +106,8 @@ class Chain:
     A subclass is a frozen dataclass of its parameters (validated in ``__post_init__``)
     with a :attr:`name` and :meth:`step`: the sampler's step ``x' = P x + Q D + R z``
     from level ``t`` to ``t'`` in the linear path's coordinates (``P, Q, R`` per step).
+    A multistep sampler also returns ``B`` from :meth:`previous`: ``x' = P x + Q D + B D_prev + R z``
+    with ``D_prev`` the prediction one step before.
     """
 
     name: ClassVar[str] = "chain"
@@ -112,6 +120,11 @@ class Chain:
     def step(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(P, Q, R)``, each ``(T,)`` float64: ``y' = P y + Q D + R z`` from ``t (T,)`` to ``t_next (T,)``."""
         raise NotImplementedError
+
+    def previous(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
+        """``B (T,)`` float64, the previous step's prediction's coefficient (linear coordinates), or
+        ``None`` for a one-step sampler (the default)."""
+        return None
 
     def coefficients(self, sigmas: torch.Tensor) -> tuple:
         """``(states (T + 1,), P, Q, R (T,), init_a, init_scale)`` of the chain on the grid ``sigmas``.
@@ -134,7 +147,13 @@ class Chain:
             states, P, Q, R, init_a, init_scale = self.coefficients(sig)
         t, t_next = states[:-1], states[1:]
         a, c, scale = P + Q, -Q * t, R
+        with torch.no_grad():
+            B = self.previous(t, t_next)
+        if B is not None:
+            B = torch.cat([B.new_zeros(1), B[1:]])  # the first step has no previous prediction
         bad = ~(torch.isfinite(a) & torch.isfinite(c) & torch.isfinite(scale))
+        if B is not None:
+            bad |= ~torch.isfinite(B)
         if bool(bad.any()) or not (math.isfinite(init_a) and math.isfinite(init_scale)):
             n = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
             raise ValueError(
@@ -143,7 +162,7 @@ class Chain:
                 "needs a finite first level, t < 1; pass sigmas that start below 1 "
                 "(specforest.kdiffusion.linear_grid of a k-diffusion schedule, or chains.ddpm_sigmas)"
             )
-        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale)
+        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, B)
 
     def example(self) -> "Chain":
         """This chain, or a setting of it with stochastic steps (what the test batteries run): a chain
@@ -386,6 +405,66 @@ class LCM(Chain):
         return torch.zeros_like(t), 1.0 - t_next, self.s_noise * t_next
 
 
+SOLVER_TYPES = ("midpoint", "heun")
+
+
+@dataclass(frozen=True)
+class DPMPP2MSDE(Chain):
+    """k-diffusion's ``sample_dpmpp_2m_sde`` (``eta``, ``s_noise``, ``solver_type``) on VE levels.
+
+    With ``h = log(sigma / sigma')``, ``H = (1 + eta) h`` and ``r = h_prev / h``::
+
+        x' = (sigma' / sigma) e^(-eta h) x + (1 - e^(-H)) D + k (D - D_prev) / r + s_noise sigma' sqrt(1 - e^(-2 eta h)) z
+
+    with ``k = (1 - e^(-H)) / 2`` (``midpoint``) or ``1 - (1 - e^(-H)) / H`` (``heun``), no ``D_prev``
+    term at the first step, and ``x' = D`` into 0. The state is ``(x, D_prev)``: given the
+    previous prediction the step is Gaussian with a covariance free of the network, so the engine
+    carries each node's parent prediction (:attr:`~specforest.sde.GaussianChain.carries`).
+    ``eta = 0`` is the deterministic DPM++ 2M: no tree can speculate it.
+    """
+
+    eta: float = 1.0
+    s_noise: float = 1.0
+    solver_type: str = "midpoint"
+    name: ClassVar[str] = "dpmpp_2m_sde"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
+        object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+        check_choice("solver_type", self.solver_type, SOLVER_TYPES)
+
+    def _terms(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
+        """``(P, Q0, k, R, h, last)`` of each step on VE levels (``Q0`` without the multistep term)."""
+        s, s_next = _ve(t), _ve(t_next)
+        last = s_next == 0
+        safe_next = torch.where(last, s, s_next)  # the step into 0 is x' = D: any finite h
+        h = torch.log(s / safe_next)
+        H = (1.0 + self.eta) * h
+        Q0 = -torch.expm1(-H)
+        if self.solver_type == "midpoint":
+            k = 0.5 * Q0
+        else:
+            k = Q0 / (-H) + 1.0
+        P = torch.where(last, torch.zeros_like(s), torch.exp(-H))  # (s' / s) e^(-eta h) = e^(-H)
+        R = self.s_noise * s_next * (-torch.expm1(-2.0 * self.eta * h)).clamp_min(0.0).sqrt()
+        R = torch.where(last | (self.eta == 0), torch.zeros_like(s), R)
+        return P, torch.where(last, torch.ones_like(s), Q0), torch.where(last, torch.zeros_like(s), k), R, h
+
+    def _multistep(self, t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
+        """``(T,)`` the VE coefficient ``k / r`` of ``D - D_prev`` (0 at the first step)."""
+        _, _, k, _, h = self._terms(t, t_next)
+        r = torch.cat([h.new_ones(1), h[:-1] / h[1:]])
+        return torch.cat([h.new_zeros(1), (k / r)[1:]])
+
+    def step(self, t, t_next):
+        P, Q0, _, R, _ = self._terms(t, t_next)
+        E = self._multistep(t, t_next)
+        return from_ve(t, t_next, P, Q0 + E, R)
+
+    def previous(self, t, t_next):
+        return -(1.0 - t_next) * self._multistep(t, t_next)
+
+
 def ddpm_sigmas(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
     """DDPM's own schedule as a linear-path grid: linear betas over ``steps`` training steps
     (``DDPMScheduler``'s defaults), every one a sampling step, VE ``sigma = sqrt((1 - ab) / ab)``.
@@ -420,8 +499,18 @@ def karras_sigmas(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0,
     return torch.cat([s / (1.0 + s), s.new_zeros(1)])
 
 
+REFUSED = {
+    "dpmpp_sde": (
+        "DPM++ SDE draws two correlated noises per step (a Brownian tree queried over nested intervals, "
+        "correlation about 0.73) and evaluates the model between them, so one of its steps is not a "
+        "Gaussian transition of the state and no coupling can be exact to it; use dpmpp_2m_sde "
+        "(one noise per step) or euler_ancestral"
+    ),
+}
+"""Samplers refused by name, with the reason (``get_chain`` and the drop-ins say it)."""
+
 _CHAINS: Registry[Chain] = Registry(
-    "chain", {c.name: c for c in (EM, EulerAncestral, EulerChurn, DDPM, DDIM, LCM)}, case_insensitive=True
+    "chain", {c.name: c for c in (EM, EulerAncestral, EulerChurn, DDPM, DDIM, LCM, DPMPP2MSDE)}, case_insensitive=True
 )
 
 
@@ -456,6 +545,8 @@ def get_chain(chain: "str | Chain", **params: Any) -> Chain:
     """
     if isinstance(chain, Chain):
         return chain.replace(**params) if params else chain
+    if isinstance(chain, str) and chain.lower() in REFUSED:
+        raise ValueError(f"chain {chain!r} is refused: {REFUSED[chain.lower()]}")
     if chain not in _CHAINS:
         raise ValueError(f"chain must be a Chain or one of {', '.join(available_chains())}; got {chain!r}")
     made = _CHAINS.make(chain)

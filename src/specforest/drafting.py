@@ -19,7 +19,28 @@ from . import streams
 from .records import Draft, Group, RunContext, RunState
 from .target import ALL_ROWS
 
-__all__ = ["chain_draft", "draft", "is_chain", "remembers_chain", "runs_full", "sibling_noise", "tree_draws"]
+__all__ = [
+    "carry_term",
+    "chain_draft",
+    "draft",
+    "is_chain",
+    "remembers_chain",
+    "runs_full",
+    "sibling_noise",
+    "tree_draws",
+]
+
+
+def carry_term(ctx: RunContext, steps: torch.Tensor, carry: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``(G, n, D)`` the multistep term ``b[step] p`` of the draft means at parent steps ``steps (G, n)``,
+    ``p = carry (G, D)`` the roots' parent prediction; ``None`` for a chain that carries none.
+
+    Exact for a root's children; deeper, the parent's own prediction is not known while drafting,
+    so every level reuses the root's (a draft is any mean: the coupling keeps the law).
+    """
+    if carry is None:
+        return None
+    return ctx.tab.b[steps][..., None] * carry[:, None]
 
 
 def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
@@ -76,7 +97,15 @@ def runs_full(proposal, tree) -> bool:
     return remembers_chain(proposal, tree) or (getattr(proposal, "picard_sweeps", 0) > 0 and _drafts_chains(tree))
 
 
-def _picard(ctx: RunContext, group: Group, Y: torch.Tensor, SZ: torch.Tensor, steps: torch.Tensor, sweeps: int):
+def _picard(
+    ctx: RunContext,
+    group: Group,
+    Y: torch.Tensor,
+    SZ: torch.Tensor,
+    steps: torch.Tensor,
+    sweeps: int,
+    carry: Optional[torch.Tensor] = None,
+):
     """Picard sweeps over a drafted chain: ``(Y, Mp)`` after ``sweeps`` sweeps.
 
     Each sweep is one batched target call at the chain's parents ``Y[:, :Lr]`` (``(G, Lr)`` rows,
@@ -84,7 +113,8 @@ def _picard(ctx: RunContext, group: Group, Y: torch.Tensor, SZ: torch.Tensor, st
     is the exact transition mean at node ``l`` of this sweep with the clean-data prediction the
     target gave at node ``l`` of the last sweep (the ``x0`` kind's formula, frozen per node), plus
     its noise. Node ``l``'s state depends on the noise of nodes ``1 .. l`` only, so the draft of
-    node ``l + 1`` never reads its own draw and the coupling stays exact.
+    node ``l + 1`` never reads its own draw and the coupling stays exact. A multistep chain's term
+    reads the last sweep's prediction at node ``l - 1`` (``carry (G, D)``, the root's parent's, at the root).
     """
     G, _, D = Y.shape
     Lr = steps.shape[1]
@@ -98,6 +128,10 @@ def _picard(ctx: RunContext, group: Group, Y: torch.Tensor, SZ: torch.Tensor, st
     for _ in range(sweeps):
         V = ctx.target(Y[:, :Lr].reshape(-1, D), flat_sig, traj).view(G, Lr, D).to(Y.dtype)
         C = torch.addcmul(-k * Y[:, :Lr], k * sig[..., None], V)  # -k x0, x0 = y - sig v at the last sweep
+        if carry is not None:
+            x0 = torch.addcmul(Y[:, :Lr], sig[..., None], V, value=-1.0)
+            prev = torch.cat([carry[:, None], x0[:, : Lr - 1]], 1)
+            C = torch.addcmul(C, tab.b[steps][..., None], prev)
         W = torch.add(C, SZ[:, :Lr])
         Ynew = torch.empty_like(Y)  # a chain: nodes 0 .. Lr
         Ynew[:, 0] = Y[:, 0]
@@ -154,12 +188,14 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
     ids, Ls, Lr, ts = group.ids, group.Ls, group.Lr, group.steps
     tt = ts.tt
     tab = ctx.tab
+    carry = state.carry
     if group.everyone:
         s0, pre, x0 = state.step, state.pre, state.x
         keys = state.keys.gather(1, s0[:, None])
     else:
         s0, pre, x0 = state.step[ids], state.pre.take(ids, history=ctx.proposal.uses_history), state.x[ids]
         keys = state.keys[ids, s0][:, None]
+        carry = None if carry is None else carry[ids]
     Vr = tt.size_at(Lr)
     prop = ctx.proposal
     if prop.aligned_noise and is_chain(tt, Lr):
@@ -169,7 +205,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
         # that key with its own mixed counter (streams.uniform), so no second mixing pass is needed
         keys = keys ^ tt.code[None, :Vr]
     if ctx.lazy:
-        return Draft(steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre)
+        return Draft(steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre, carry=carry)
     G, D = ids.numel(), state.x.shape[1]
     Vi = tt.size_at(Lr - 1)
     # (G, Vr - 1, D): noise of nodes 1..Vr-1, drawn with the coupling's uniforms at nodes 0..Vi-1
@@ -189,6 +225,9 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             A, C = prop.coefficients(tab, steps, pre, state.draft_state)
         else:
             A, C = prop.coefficients(tab, steps, pre, state.draft_state, terms)
+        extra = carry_term(ctx, steps, carry)
+        if extra is not None:
+            C = C + extra
     if chain_draft(prop, tt, Lr):
         # one op a depth, and the draft means after it in one op
         # (split_with_sizes: Tensor.split's Python wrapper costs more than the op, docs/engine.md)
@@ -202,7 +241,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             torch.addcmul(Wl[level], Al[level], Yl[level], out=Yl[level + 1])
         torch.addcmul(C, A, Y[:, :Lr], out=Mp)
         if prop.picard_sweeps:
-            Y, Mp = _picard(ctx, group, Y, SZ, steps, prop.picard_sweeps)
+            Y, Mp = _picard(ctx, group, Y, SZ, steps, prop.picard_sweeps, carry)
             sweeps = prop.picard_sweeps
     else:
         sizes = tt.sizes(Lr)
@@ -216,6 +255,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             Al, Cl = A.split_with_sizes((1,) * Lr, 1), C.split_with_sizes((1,) * Lr, 1)
         else:
             cond = ctx.target.cond_rows(ids, ALL_ROWS if group.everyone else None)
+            extra = carry_term(ctx, steps, carry)
         for level in range(1, Lr + 1):
             p0, p1, k = tt.layers[level - 1]
             c0, c1, _ = tt.layers[level]
@@ -234,6 +274,8 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
                         state.draft_state,
                     )
                 )
+                if extra is not None:
+                    m.add_(extra[:, level - 1 : level])
                 calls += 1
             if k == 1:
                 torch.add(m, SZl[level - 1], out=Yl[level])
@@ -243,7 +285,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             else:
                 rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
                 torch.add(rep, SZl[level - 1], out=Yl[level])
-    full = dict(steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre)
+    full = dict(steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre, carry=carry)
     drawn = dict(Y=Y, Z=Z, Mp=Mp, U=U, terms=terms, draft_calls=calls, sweeps=sweeps)
     if group.even and tt.eval_prefix[Lr] >= Vi:
         # every tree evaluates the same first nodes, the verified ones among them: a view of Y, no scatter

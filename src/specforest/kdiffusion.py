@@ -75,6 +75,8 @@ __all__ = [
     "linear_grid",
     "sample",
     "sample_ddpm",
+    "sample_dpmpp_2m_sde",
+    "sample_dpmpp_sde",
     "sample_euler",
     "sample_euler_ancestral",
     "sample_lcm",
@@ -682,3 +684,68 @@ def sample_lcm(
         tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
         options={"coupling": coupling, "draft": draft, **options},
     )  # fmt: skip
+
+
+def sample_dpmpp_2m_sde(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    eta: float = 1.0,
+    s_noise: float = 1.0,
+    noise_sampler: Optional[Callable] = None,
+    solver_type: str = "midpoint",
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """k-diffusion's ``sample_dpmpp_2m_sde`` (DPM-Solver++(2M) SDE, ``solver_type`` ``midpoint`` or
+    ``heun``), exactly; with a ``tree`` and ``eta > 0``, speculated in law
+    (:class:`~specforest.chains.DPMPP2MSDE`: the engine carries each node's parent prediction).
+
+    Randomness as :func:`sample_euler_ancestral`. k-diffusion's default noise is a Brownian tree
+    over ``[sigma_min, sigma_max]``; its steps' intervals are disjoint, so its draws are independent
+    standard normals (up to torchsde's rounding of the query times, ``docs/chains.md``), the law
+    this sampler draws without a ``noise_sampler``. ``eta = 0`` (DPM++ 2M) runs with ``tree=None``
+    and is refused with a tree.
+    """
+    from .chains import DPMPP2MSDE
+
+    _ve_only("sample_dpmpp_2m_sde", path)
+    chain = DPMPP2MSDE(eta=eta, s_noise=s_noise, solver_type=solver_type)
+    return _drop_in(
+        chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options},
+    )  # fmt: skip
+
+
+def sample_dpmpp_sde(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    eta: float = 1.0,
+    s_noise: float = 1.0,
+    noise_sampler: Optional[Callable] = None,
+    r: float = 0.5,
+    **options: Any,
+) -> torch.Tensor:
+    """Refused: k-diffusion's ``sample_dpmpp_sde`` is not a Gaussian chain of its state.
+
+    Raises:
+        NotImplementedError: always, with the reason (:data:`specforest.chains.REFUSED`).
+    """
+    from .chains import REFUSED
+
+    raise NotImplementedError(f"sample_dpmpp_sde: {REFUSED['dpmpp_sde']}")

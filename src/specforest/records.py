@@ -94,12 +94,14 @@ class TreeSteps:
 @dataclass(frozen=True)
 class LockstepStep:
     """What the lockstep round reads at one step, where every trajectory is: the noise level
-    ``sig (batch,)`` and the transition's 0-d ``c``, ``a`` and ``scale`` (views made once per run)."""
+    ``sig (batch,)`` and the transition's 0-d ``c``, ``a`` and ``scale`` (views made once per run),
+    and ``b``, the parent prediction's (``None`` unless the chain carries it)."""
 
     sig: torch.Tensor
     c: torch.Tensor
     a: torch.Tensor
     scale: torch.Tensor
+    b: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -403,6 +405,9 @@ class RunState:
         sweep_calls: batched target calls of Picard sweeps, made before the rounds' verification calls.
         noise: the lockstep round's :class:`NoiseBlock`, or ``None``.
         seconds: host seconds spent in each of the :data:`PHASES` so far.
+        carry: ``(batch, D)`` the clean-image prediction the model gave at each state's parent, for a
+            chain whose mean reads it (:attr:`~specforest.sde.StepTables.carries`: DPM++ 2M SDE);
+            ``None`` otherwise. Zero at step 0, where the chain reads none.
     """
 
     x: torch.Tensor
@@ -418,6 +423,7 @@ class RunState:
     sweep_calls: int = 0
     noise: Optional[NoiseBlock] = None
     seconds: tuple = (0.0,) * len(PHASES)
+    carry: Optional[torch.Tensor] = None
 
     @property
     def phase_seconds(self) -> dict:
@@ -448,6 +454,7 @@ class RunState:
             noise=None,
             seconds=self.seconds,
             draft_bad=self.draft_bad,
+            carry=None if self.carry is None else self.carry.index_fill(0, rows, 0),
         )
 
 
@@ -522,6 +529,7 @@ class Draft:
         draft_calls: calls of a draft model made drafting it.
         sweeps: Picard sweeps made drafting it (:class:`~specforest.proposals.PicardDraft`):
             sequential target calls before the verification's, each of ``Lr`` rows a trajectory.
+        carry: ``(G, D)`` the roots' parent predictions (:attr:`RunState.carry`), or ``None``.
     """
 
     steps: TreeSteps
@@ -540,6 +548,7 @@ class Draft:
     U: Optional[torch.Tensor] = None
     terms: Any = None
     draft_calls: int = 0
+    carry: Optional[torch.Tensor] = None
     sweeps: int = 0
 
     @property
@@ -591,6 +600,7 @@ class WalkResult:
         delta: ``(G, Lw)`` float64 mismatch of the problem met (junk where not ``act``).
         observed: the verified parents, when the proposal observes.
         draft_calls: calls of a draft model the walk made (the lazy walk's).
+        carry: ``(G, D)`` the new states' parent predictions (:attr:`RunState.carry`), or ``None``.
     """
 
     x: torch.Tensor
@@ -603,3 +613,4 @@ class WalkResult:
     delta: torch.Tensor
     observed: Optional[Observed] = None
     draft_calls: int = 0
+    carry: Optional[torch.Tensor] = None

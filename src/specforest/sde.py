@@ -180,7 +180,13 @@ class GaussianChain:
         sigmas: ``(T + 1,)`` float64 noise levels of the states, decreasing to 0.
         name: the chain's name; ``params``: its parameters (what a run's record says).
 
-    Derived ``(T,)`` float64 tensors: ``a``, ``c``, ``scale``, ``gamma`` (``sigmas[n] - sigmas[n + 1]``),
+    A multistep sampler (DPM++ 2M SDE) also reads the clean-image prediction ``p`` the model gave at
+    the state's parent, one step before: its mean is ``a[n] y + c[n] v + b[n] p`` (``b = 0`` for every
+    one-step sampler, and at step 0, where no parent exists). The covariance still depends on the
+    schedule alone, so the chain on the pair ``(y, p)`` is Gaussian in ``y`` given ``p``: the engine
+    carries ``p`` beside each state (:attr:`carries`).
+
+    Derived ``(T,)`` float64 tensors: ``a``, ``c``, ``b``, ``scale``, ``gamma`` (``sigmas[n] - sigmas[n + 1]``),
     ``stochastic`` (``scale > 0``), ``drift_f`` and ``drift_k`` (the reverse drift
     ``b = -drift_f v - drift_k y`` with ``mean = y + gamma b``, what the ``drift`` draft freezes).
     """
@@ -198,11 +204,13 @@ class GaussianChain:
         init_a: float = 1.0,
         init_scale: float = 0.0,
         monotone: bool = True,
+        b: Optional[torch.Tensor] = None,
     ) -> None:
         s = _check_sigmas(sigmas, monotone)
         T = s.numel() - 1
         tabs = {}
-        for key, t in (("a", a), ("c", c), ("scale", scale)):
+        b = torch.zeros(T, dtype=torch.float64) if b is None else b
+        for key, t in (("a", a), ("c", c), ("scale", scale), ("b", b)):
             t = torch.as_tensor(t, dtype=torch.float64).reshape(-1)
             if t.numel() != T or not bool(torch.isfinite(t).all()):
                 raise ValueError(f"the chain's {key} must be {T} finite numbers, one per step")
@@ -220,6 +228,7 @@ class GaussianChain:
             ("_a", tabs["a"]),
             ("_c", tabs["c"]),
             ("_scale", tabs["scale"]),
+            ("_b", tabs["b"]),
             ("_gamma", gamma),
             ("_drift_f", drift_f),
             ("_drift_k", drift_k),
@@ -249,6 +258,16 @@ class GaussianChain:
     def c(self) -> torch.Tensor:
         """``(T,)`` coefficient of the velocity in the mean."""
         return self._c
+
+    @property
+    def b(self) -> torch.Tensor:
+        """``(T,)`` coefficient of the parent's clean-image prediction in the mean (0 for a one-step sampler)."""
+        return self._b
+
+    @property
+    def carries(self) -> bool:
+        """Whether the mean reads the parent's prediction (some ``b != 0``): the engine then carries it."""
+        return bool((self.b != 0).any())
 
     @property
     def gamma(self) -> torch.Tensor:
@@ -371,6 +390,7 @@ class StepTables:
     stochastic: torch.Tensor
     run_end: torch.Tensor
     ac: Optional[torch.Tensor] = None  # (T, 2): a and c side by side, one gather for both
+    b: Optional[torch.Tensor] = None  # (T,): the parent prediction's coefficient, or None (one-step sampler)
     init_a: float = 1.0  # the chain starts from init_a x + init_scale z (see GaussianChain)
     init_scale: float = 0.0
 
@@ -394,16 +414,34 @@ class StepTables:
             to(chain.drift_k),
             chain.stochastic.to(device),
             chain.run_end.to(device),
+            b=to(chain.b) if chain.carries else None,
             init_a=chain.init_a,
             init_scale=chain.init_scale,
         )
 
-    def mean(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """``a[step] * y + c[step] * v``: ``y, v (M, ..., D)``, ``step (M, ...)``.
+    @property
+    def carries(self) -> bool:
+        """Whether the mean reads the parent's clean-image prediction (a multistep chain)."""
+        return self.b is not None
+
+    def mean(
+        self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, prev: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``a[step] * y + c[step] * v (+ b[step] * prev)``: ``y, v (M, ..., D)``, ``step (M, ...)``,
+        ``prev`` the parent's clean-image prediction (broadcastable to ``y``; read only where the
+        chain :attr:`carries` it).
 
         Written as ``addcmul(c v, a, y)``, the same ops as an affine draft
         ``addcmul(C, A, y)`` with the velocity frozen: a draft frozen at the
         state it drafts from gives exactly the target mean (``delta = 0``).
         """
         ac = self.ac[step]  # (..., 2): slices of it are views, cheaper than a second gather
-        return torch.addcmul(ac[..., 1:] * v, ac[..., :1], y)
+        m = torch.addcmul(ac[..., 1:] * v, ac[..., :1], y)
+        if self.b is not None:
+            m = torch.addcmul(m, self.b[step][..., None], prev)
+        return m
+
+    def carry(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """The clean-image prediction ``y - sig[step] v`` at states ``y (M, ..., D)`` with velocities ``v``
+        at steps ``step (M, ...)``: what a multistep chain's children read as ``prev``."""
+        return torch.addcmul(y, self.sig[step][..., None], v, value=-1.0)

@@ -285,12 +285,21 @@ def chain_law(
 
         tr = get_chain(chain).build(sigmas)
         mean, var = tr.init_a * mean, tr.init_a**2 * var + tr.init_scale**2
+        # a multistep chain's mean also reads p, the prediction at the parent: track (y, p) jointly
+        # (per coordinate, isotropic); p = 0 before the first step, whose b is 0
+        mean_p, cov_yp, var_p = torch.zeros_like(mean), 0.0, 0.0
         for n in range(tr.steps):
-            alpha, beta = _gaussian_velocity(float(tr.sigmas[n]), mu0, s0)
-            a, c = float(tr.a[n]), float(tr.c[n])
+            t = float(tr.sigmas[n])
+            alpha, beta = _gaussian_velocity(t, mu0, s0)
+            a, c, b = float(tr.a[n]), float(tr.c[n]), float(tr.b[n])
             A = a + c * alpha
-            mean = A * mean + c * beta
-            var = A * A * var + float(tr.scale[n]) ** 2
+            G, h = 1.0 - t * alpha, -t * beta  # the prediction y - t v at this state: G y + h
+            mean, mean_p = A * mean + c * beta + b * mean_p, G * mean + h
+            var, cov_yp, var_p = (
+                A * A * var + 2.0 * A * b * cov_yp + b * b * var_p + float(tr.scale[n]) ** 2,
+                G * (A * var + b * cov_yp),
+                G * G * var,
+            )
         return mean, float(var)
     eps2 = churn**2
     for n in range(len(sigmas) - 1):

@@ -50,7 +50,7 @@ import torch
 
 from . import streams
 from .couplings import project
-from .drafting import chain_draft, sibling_noise
+from .drafting import carry_term, chain_draft, sibling_noise
 from .records import Draft, Observed, RunContext, RunState, WalkResult
 
 __all__ = ["Descent", "FullTree", "Level", "OnDemand", "Problem", "Realizer", "coupling_stream", "walk"]
@@ -182,7 +182,13 @@ class FullTree:
         steps = d.steps.step[d.s0, :Vi]
         # nodes a walk never verifies (leaves, beyond a trajectory's lookahead) get junk but finite
         # problems: their velocity is 0 and their scale at least positive (``scale_safe``)
-        self.mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps)
+        prev = None
+        if d.carry is not None:
+            # a multistep chain: each node's mean reads its parent's prediction (the root's, carried)
+            x0 = ctx.tab.carry(d.Y[:, :Vi], V[:, :Vi], steps)
+            prev = x0[:, tt.up[:Vi]]
+            prev[:, 0] = d.carry
+        self.mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps, prev)
         ch = tt.children[:Vi]  # (Vi, K)
         K = ch.shape[1]
         Vr = d.Y.shape[1]
@@ -292,6 +298,8 @@ class OnDemand:
         self.cur_evaluated = torch.zeros_like(self.cur, dtype=torch.bool)  # cur_v holds cur's velocity
         self.par = torch.full_like(self.cur, -1)
         self.par_y, self.par_v = self.cur_y.clone(), torch.zeros_like(self.cur_y)
+        # a multistep chain: the prediction at each walk's current node's parent (the root's, carried)
+        self.prev = None if d.carry is None else d.carry.clone()
         K = d.tt.children.shape[1]
         self.kids = torch.zeros(G, K, D, dtype=ctx.work, device=ctx.device)
         self.kid_nodes = torch.full((G, K), -1, dtype=torch.long, device=ctx.device)
@@ -310,16 +318,23 @@ class OnDemand:
         vu = ctx.target(yu, ctx.tab.sig[sa], d.ids[a])
         self.cur_v[a] = vu
         self.cur_evaluated[a] = True
-        mu_q = ctx.tab.mean(yu[:, None], vu[:, None], sa[:, None])[:, 0]
+        prev = None if self.prev is None else self.prev[a]
+        mu_q = ctx.tab.mean(yu[:, None], vu[:, None], sa[:, None], None if prev is None else prev[:, None])[:, 0]
         pre = d.pre.take(a)
         prop = ctx.proposal
+        # the draft's multistep term, as the full draft makes it (the root's carried prediction)
+        extra = carry_term(ctx, sa[:, None], None if d.carry is None else d.carry[a])
         if prop.affine:
             A, C = prop.coefficients(ctx.tab, sa[:, None], pre, self.draft_state)
+            if extra is not None:
+                C = C + extra
             mu_p = torch.addcmul(C, A, yu[:, None])[:, 0]
         else:
             mu_p = prop.mean(
                 ctx.tab, yu[:, None], sa[:, None], pre, ctx.target.cond_rows(d.ids[a]), ctx.shape, self.draft_state
             )[:, 0]
+            if extra is not None:
+                mu_p = mu_p + extra[:, 0]
             self.draft_calls += 1
         ch = tt.children[u]  # (P, K)
         K = ch.shape[1]
@@ -344,6 +359,8 @@ class OnDemand:
         # advance the accepted rows to their child
         take = a[acc]
         self.par[take], self.par_y[take], self.par_v[take] = u[acc], yu[acc], vu[acc]
+        if self.prev is not None:
+            self.prev[take] = ctx.tab.carry(yu[acc], vu[acc], sa[acc])
         self.cur_y[take] = kids[acc, idx[acc]]
         self.cur[take] = ch[acc, idx[acc]]
         self.cur_evaluated[take] = False
@@ -453,6 +470,14 @@ def walk(ctx: RunContext, d: Draft, R: Realizer) -> WalkResult:
         src = src.index_put((r,), pick_node)
     pre_y, pre_v = R.state(src), R.velocity(src)
     pre_step = d.s0 + tt.depth[src]
+    carry = None
+    if d.carry is not None:
+        # the new state's parent: the node whose children were rejected, or the last accepted one's parent
+        par = torch.where(rejected, cur, tt.up[cur])
+        same = par == src
+        y_par = torch.where(same[:, None], pre_y, R.state(par))
+        v_par = torch.where(same[:, None], pre_v, R.velocity(par))
+        carry = ctx.tab.carry(y_par, v_par, (d.s0 + tt.depth[par]).clamp(max=ctx.T - 1))
     return WalkResult(
         x=new_x,
         committed=ncom,
@@ -464,4 +489,5 @@ def walk(ctx: RunContext, d: Draft, R: Realizer) -> WalkResult:
         delta=desc.delta,
         observed=desc.observed,
         draft_calls=R.draft_calls,
+        carry=carry,
     )
