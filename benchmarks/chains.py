@@ -5,6 +5,7 @@
 
 Every registered chain but ``em`` at its usual settings: ``euler_ancestral`` at 50 Karras steps,
 ``euler`` (EDM's churn: ``s_churn`` 40, ``s_tmin`` 0.05, ``s_tmax`` 50, ``s_noise`` 1.003) at 50,
+``dpmpp_2m_sde`` (``eta`` 1, midpoint) at 25 and 50,
 ``ddpm`` at DDPM's own 1000 steps (linear betas 1e-4 to 0.02, :func:`specforest.chains.ddpm_sigmas`),
 ``ddim`` (``eta`` 1) at 100 of those steps, ``lcm`` at 8 Karras steps. Karras grids span
 ``sigma`` 0.002 to 80. Three models: the digits model, and the paper's mixture at d = 500 and at
@@ -49,6 +50,8 @@ def settings(dry: bool) -> list:
     return [
         ("euler_ancestral, 50 Karras steps", chains.EulerAncestral(), k(50 if not dry else 6)),
         ("euler (s_churn 40), 50 Karras steps", churn, k(50 if not dry else 6)),
+        ("dpmpp_2m_sde, 25 Karras steps", chains.DPMPP2MSDE(), k(25 if not dry else 5)),
+        ("dpmpp_2m_sde, 50 Karras steps", chains.DPMPP2MSDE(), k(50 if not dry else 6)),
         ("ddpm, 1000 steps", chains.DDPM(), ddpm),
         ("ddim eta 1, 100 steps", chains.DDIM(eta=1.0), ddim_grid),
         ("lcm, 8 Karras steps", chains.LCM(), k(8 if not dry else 4)),

@@ -17,6 +17,7 @@ from comfy_reference import comfy_ddpm, comfy_euler_ancestral_rf, comfy_lcm, vp_
 from helpers import KeepFirst
 from kdiff_reference import sampling
 
+import specforest
 from specforest import chains, testing, trees
 from specforest.proposals import available_drafts, drafts_serving
 
@@ -228,6 +229,23 @@ def test_every_draft_keeps_a_multistep_chains_law(chain, draft):
             tree, coupling, draft, chain=ch, sigmas=LAW_GRID, churn=None, trajectories=3000, lazy=lazy
         )
         rep.assert_exact()
+
+
+@pytest.mark.parametrize("chain", MULTISTEP)
+def test_a_model_calling_draft_keeps_a_multistep_chains_law(chain):
+    """The cached self-draft makes its mean by a call (no affine form): the engine adds the
+    multistep term to it. Its features are the target's clean prediction (``testing.X0Features``)."""
+    from specforest.models.gmm import GaussianMixture
+
+    mu0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
+    model = testing.X0Features(GaussianMixture(mu0[None], torch.tensor([0.3], dtype=torch.float64)))
+    x = torch.randn(3000, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ch = chains.get_chain(chain).example()
+    for tree, coupling in ((trees.chain(5), "rmc"), (trees.uniform(2, 2), "grs")):
+        out = specforest.sample(
+            model, x, sigmas=LAW_GRID, chain=ch, tree=tree, coupling=coupling, draft="cached", seed=2
+        )
+        testing.check_law(out.samples, LAW_GRID, None, mu0, 0.3, chain=ch).assert_exact()
 
 
 def test_the_em_chains_closed_form_is_the_papers():

@@ -429,7 +429,8 @@ class StepTables:
     ) -> torch.Tensor:
         """``a[step] * y + c[step] * v (+ b[step] * prev)``: ``y, v (M, ..., D)``, ``step (M, ...)``,
         ``prev`` the parent's clean-image prediction (broadcastable to ``y``; read only where the
-        chain :attr:`carries` it).
+        chain :attr:`carries` it). Without ``prev`` the term is left out: a draft's mean, to which the
+        engine adds it (:func:`~specforest.drafting.carry_term`).
 
         Written as ``addcmul(c v, a, y)``, the same ops as an affine draft
         ``addcmul(C, A, y)`` with the velocity frozen: a draft frozen at the
@@ -437,7 +438,7 @@ class StepTables:
         """
         ac = self.ac[step]  # (..., 2): slices of it are views, cheaper than a second gather
         m = torch.addcmul(ac[..., 1:] * v, ac[..., :1], y)
-        if self.b is not None:
+        if self.b is not None and prev is not None:
             m = torch.addcmul(m, self.b[step][..., None], prev)
         return m
 
