@@ -9,11 +9,11 @@ Quick start::
     out.samples, out.stats.nfe
 """
 
-from . import chains, couplings, proposals, sde, streams, trees
+from . import chains, couplings, drafts, proposals, sde, streams, trees
 from .couplings import GRS, RMC, Coupling, register_coupling
+from .drafts import DraftModel, FrozenPrediction, MemoryDraft, SecantDraft, register_draft
 from .generation import Finished, Generation, generate
 from .options import SamplerOptions
-from .proposals import DraftModel, FrozenPrediction, MemoryDraft, SecantDraft, register_draft
 from .sampler import SampleResult, SampleStats, sample, standard_sample
 from .sde import ReverseSDE, flow_match_grid, uniform_grid
 
@@ -35,6 +35,7 @@ __all__ = [
     "SamplerOptions",
     "chains",
     "couplings",
+    "drafts",
     "flow_match_grid",
     "generate",
     "proposals",

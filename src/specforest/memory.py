@@ -71,7 +71,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .drafting import remembers_chain, runs_full
-from .proposals import get_proposal
+from .drafts import get_proposal
 from .trees import DraftTree, TreePolicy
 from .validation import check_int
 
@@ -500,9 +500,9 @@ def estimate(
         draft: the run's draft (a name or a proposal; default: one that keeps nothing between
             rounds). One that remembers the last chain round
             (:func:`~specforest.drafting.remembers_chain`) runs full and keeps one state per
-            chain node and trajectory (two where it :attr:`~specforest.proposals.Proposal.uses_states`),
+            chain node and trajectory (two where it :attr:`~specforest.drafts.Proposal.uses_states`),
             and the deep features of those nodes and of every evaluated row where it
-            :attr:`~specforest.proposals.Proposal.uses_features` (``model.feature_numel`` of them).
+            :attr:`~specforest.drafts.Proposal.uses_features` (``model.feature_numel`` of them).
         held: what the run holds whole whatever its chunking (:class:`Held`), counted with
             ``fixed_bytes`` and checked first (:func:`check_held`, where the process alone is within
             the limit), before the model's declaration is read.

@@ -159,7 +159,7 @@ class Target:
         ``(M,)``; ``rows_key`` names the pattern of ``traj`` as in :meth:`cond_rows`.
 
         With ``features``, the model's ``with_features`` is called instead (the protocol of
-        ``draft="cached"``, :class:`specforest.proposals.CachedDraft`), and ``(v (M, D), feat
+        ``draft="cached"``, :class:`specforest.drafts.CachedDraft`), and ``(v (M, D), feat
         (M, F))`` is returned: the features travel as extra columns of each row, so chunking,
         padding and the gather of tree-parallel verification treat them as the velocities."""
         if self.group is not None:

@@ -23,9 +23,9 @@ import torch
 
 from .. import memory as _memory
 from .. import streams
+from ..drafts import get_proposal
 from ..latency import Tuned
 from ..latency import tune as _tune
-from ..proposals import get_proposal
 from ..trees import chain
 from ..validation import check_int, check_number
 from . import pipeline_flux as _flux

@@ -22,7 +22,7 @@ safetensors file of the kind the loader reads (a U-Net's or the classifier's), r
 * :func:`load_draft_velocity` -- the learned draft: a narrower U-Net
   (:data:`DRAFT_CONFIG`) distilled from the target by ``specforest train
   digits-draft`` (:mod:`specforest.experiments.train_digits_draft`), for
-  ``draft="learned"`` (:class:`specforest.proposals.LearnedDraft`).
+  ``draft="learned"`` (:class:`specforest.drafts.LearnedDraft`).
 """
 
 from __future__ import annotations

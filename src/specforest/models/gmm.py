@@ -167,7 +167,7 @@ class GaussianMixture:
 
     def feature_numel(self, shape: tuple[int, ...]) -> int:
         """The deep features a call keeps per row for ``draft="cached"``
-        (:class:`~specforest.proposals.CachedDraft`): the ``C`` posterior responsibilities."""
+        (:class:`~specforest.drafts.CachedDraft`): the ``C`` posterior responsibilities."""
         return self.num_components
 
     def with_features(self, x: torch.Tensor, sigma: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,252 @@
+"""Drafts that make network calls of their own while drafting: an independent draft model
+(:class:`DraftModel`), the learned draft anchored at the run's evaluations (``learned``) and the
+cached self-draft that reuses the target's deep features (``cached``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..target import outside_inference
+from .base import Proposal, VelocityFn
+from .memory import _memory_node, _same_step
+
+__all__ = ["CachedDraft", "DraftModel", "LearnedDraft"]
+
+
+class DraftModel(Proposal):
+    """An independent draft model ``v_draft(x, sigma, **cond)`` with the target's signature.
+
+    It is evaluated once per drafted parent (its calls are counted apart from
+    the target's NFE) and receives the same per-trajectory conditioning as the
+    target, indexed per row; no prefetching is needed.
+
+    Args:
+        fn: callable ``(x: (M, *shape), sigma: (M,), **cond) -> (M, *shape)`` velocity.
+    """
+
+    needs_prefetch = False
+    name = "model"
+
+    def __init__(self, fn: VelocityFn) -> None:
+        if not callable(fn):
+            raise TypeError("draft model must be callable as fn(x, sigma)")
+        self.fn = fn
+
+    def mean(self, tab, y, steps, pre, cond, shape, state):
+        G, n, D = y.shape
+        sig = tab.sig[steps].reshape(-1)
+        # trajectory-major rows: row b * n + i belongs to trajectory b
+        kw = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
+        with outside_inference():
+            v = self.fn(y.reshape(G * n, *shape), sig, **kw)
+        if not isinstance(v, torch.Tensor) or v.numel() != y.numel():
+            raise ValueError(f"the draft model must return a tensor of shape {(G * n, *shape)}")
+        v = v.reshape(G, n, D).to(y.dtype)
+        bad = ~torch.isfinite(v).all(-1)
+        if bad.any():
+            at = sorted(set(steps[bad].tolist()))
+            raise FloatingPointError(
+                f"the draft model returned NaN or inf at step {at[0]} (steps {at}); refusing to continue"
+            )
+        return tab.mean(y, v, steps)
+
+    def __repr__(self) -> str:
+        return f"DraftModel({self.fn!r})"
+
+
+class LearnedDraft(DraftModel):
+    """A draft network anchored at the run's own evaluations (``draft="learned"`` with the digits
+    model's distilled U-Net, :func:`specforest.models.digits.load_draft_velocity`).
+
+    What it reads, all made before the round's verification call:
+
+    * the draft network ``f`` (a velocity with the target's signature), called at the drafted
+      parents and at their anchors: one batched call per drafted level (counted in
+      ``draft_calls``, never in the target's NFE);
+    * the anchor of each parent: the remembered chain node at the parent's own step
+      (``Prefetch.mem_y``, ``Prefetch.mem_x0``: the previous round's evaluation there, as
+      :class:`SecantDraft` reads it), else the prefetched evaluation ``(y*, v*, step*)``.
+
+    Rule: with the anchor's state ``y_a`` at noise level ``sigma_a`` and the target's clean-data
+    prediction there ``x0_a``, the draft's prediction at a parent ``y`` of level ``sigma`` is
+    ``x0_a + f_x0(y, sigma) - f_x0(y_a, sigma_a)`` (``f_x0 = y - sigma f``): the network supplies
+    how the prediction moves from the anchor, the target the level. So the draft is the
+    ``x0`` kind anchored at the prefetch when ``f``'s own clean-data prediction ``f_x0`` is
+    constant (``f = y / sigma``, say), and the target itself when ``f`` is; at a same-step
+    memory anchor its error is ``(J - J_f)(y - y_a)`` to first order (the Jacobians of the
+    target's and the network's predictions), which :class:`SecantDraft` approximates with a
+    scalar gain. Chains draw their noise by step (:attr:`aligned_noise`), so ``y - y_a`` is small.
+
+    The draft is exact for any network: it only moves the acceptance. A network whose output
+    is NaN or inf makes a non-finite mismatch, which stops the run with the step and the draft
+    named (the sampler's check, no extra synchronization).
+
+    Args:
+        fn: the draft velocity ``(x: (M, *shape), sigma: (M,), **cond) -> (M, *shape)``, or a
+            callable of no arguments returning it (loaded at the first call).
+        shape: the per-sample state shape the network serves (``None``: any); a run of another
+            shape is refused before sampling (:meth:`check`).
+        label: how errors name the network.
+    """
+
+    needs_prefetch = True
+    uses_memory = True
+    uses_states = True
+    aligned_noise = True
+    name = "learned"
+
+    def __init__(
+        self,
+        fn: "VelocityFn | Callable[[], VelocityFn]",
+        *,
+        shape: Optional[tuple[int, ...]] = None,
+        label: str = "the draft network",
+        lazy_load: bool = False,
+    ) -> None:
+        super().__init__(fn)
+        self._load = fn if lazy_load else None
+        self.serves = None if shape is None else tuple(int(n) for n in shape)
+        self.label = label
+
+    @classmethod
+    def digits(cls) -> "LearnedDraft":
+        """The digits model's learned draft (the shipped weights, loaded at the first call)."""
+
+        def load() -> VelocityFn:
+            from ..models.digits import load_draft_velocity
+
+            return load_draft_velocity()
+
+        from ..models.digits import IMAGE_SHAPE
+
+        return cls(load, shape=IMAGE_SHAPE, label="the digits model's distilled U-Net", lazy_load=True)
+
+    def check(self, shape: tuple[int, ...], dtype: torch.dtype, model: Any = None) -> None:
+        if self.serves is not None and tuple(shape) != self.serves:
+            raise ValueError(
+                f"draft={self.name!r} is {self.label}: it serves states of shape {self.serves}, got {tuple(shape)}"
+            )
+
+    def mean(self, tab, y, steps, pre, cond, shape, state):
+        if pre is None:
+            raise ValueError(f"draft={self.name!r} needs a prefetched evaluation")
+        if self._load is not None:
+            self.fn, self._load = self._load(), None
+        G, n, D = y.shape
+        sig = tab.sig[steps]  # (G, n)
+        sig_p = tab.sig[pre.step]  # (G,)
+        ya = pre.y[:, None].expand(G, n, D)
+        xa = (pre.y - sig_p[:, None] * pre.v)[:, None].expand(G, n, D)
+        sa = sig_p[:, None].expand(G, n)
+        if pre.mem_y.shape[1]:
+            same, j = _same_step(steps, pre)
+            ya = torch.where(same[..., None], pre.mem_y.gather(1, j), ya)
+            xa = torch.where(same[..., None], pre.mem_x0.gather(1, j), xa)
+            sa = torch.where(same, sig, sa)
+        # one call: the parents' rows, then their anchors' (trajectory-major within each half)
+        kw = {k: v.repeat_interleave(n, dim=0).repeat(2, *(1,) * (v.ndim - 1)) for k, v in cond.items()}
+        X = torch.cat([y.reshape(G * n, D), ya.reshape(G * n, D)])
+        S = torch.cat([sig.reshape(-1), sa.reshape(-1)])
+        with outside_inference():
+            f = self.fn(X.reshape(2 * G * n, *shape), S, **kw)
+        if not isinstance(f, torch.Tensor) or f.numel() != X.numel():
+            raise ValueError(f"draft={self.name!r}: {self.label} must return a tensor of shape {(2 * G * n, *shape)}")
+        f = f.reshape(2, G, n, D).to(y.dtype)
+        # v = (y - x0_a - f_x0(y) + f_x0(y_a)) / sigma = f(y) + (f_x0(y_a) - x0_a) / sigma
+        v = f[0] + (ya - sa[..., None] * f[1] - xa) / sig[..., None]
+        return tab.mean(y, v, steps)
+
+    def __repr__(self) -> str:
+        return f"LearnedDraft({self.label})"
+
+
+class CachedDraft(Proposal):
+    """The cached self-draft (``draft="cached"``, DeepCache-style): the target network itself with
+    its deep features reused from an evaluation of the previous round, only its outer blocks
+    recomputed at the drafted state and level.
+
+    What it reads, all made before the round's verification call:
+
+    * ``Prefetch.mem_f``: the target's deep features at the previous speculative round's evaluated
+      chain nodes, kept by that round's verification call (the model's ``with_features``; the
+      engine asks for them only for this draft), and those nodes' steps (``mem_s0``, ``mem_n``);
+    * the prefetched evaluation ``(y*, v*, step*)``, as the ``x0`` kind does, where no node is
+      remembered.
+
+    Rule: a parent at step ``s`` reads node ``j`` as :class:`MemoryDraft` does (the remembered node
+    at its own step, else the chain's last one past it, never one older than the prefetch), and
+    its draft velocity is the model's cheap evaluation ``from_features(y, sigma_s, f_j)``: the
+    embedding, the outer encoder and decoder blocks at the parent, the deeper blocks node ``j``'s.
+    At node ``j``'s own state and level that is the target's velocity exactly; where no node is
+    remembered (the first round after a fetch, a tree whose first level branches) it is the
+    ``x0`` kind. Chains draw their noise by step (:attr:`aligned_noise`), so a redrafted parent
+    lies near the node whose features it reuses.
+
+    One batched call of the outer blocks a drafted level (``G n`` rows, counted in
+    ``draft_calls``, its time the draft phase's), never the target's NFE. The draft is exact for
+    any features: it only moves the acceptance. A model without the protocol
+    (``feature_numel``, ``with_features``, ``from_features``:
+    :class:`~specforest.models.edm.EDMDenoiserVelocity` around a denoiser with ``deep`` and
+    ``shallow``, as the digits model's) is refused before sampling (:meth:`check`).
+    """
+
+    uses_memory = True
+    aligned_noise = True
+    uses_features = True
+    name = "cached"
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.model_kwargs: dict = {}
+        self._counted: tuple = ()  # (model, shape, feature numbers) of the last count
+
+    def _features_of(self, model: Any, shape: tuple[int, ...]) -> int:
+        """The model's feature numbers a row (0 without the protocol), counted once per model and
+        shape: ``feature_numel`` may run the network (``check`` and ``bind`` both ask)."""
+        shape = tuple(shape)
+        if self._counted and self._counted[0] is model and self._counted[1] == shape:
+            return self._counted[2]
+        have = all(callable(getattr(model, k, None)) for k in ("feature_numel", "with_features", "from_features"))
+        F = int(model.feature_numel(shape)) if have else 0
+        self._counted = (model, shape, F)
+        return F
+
+    def check(self, shape, dtype, model=None):
+        if model is not None and self._features_of(model, shape) <= 0:
+            raise ValueError(
+                f"draft={self.name!r} reuses the target's deep features: the model must keep them "
+                f"(feature_numel > 0, with_features, from_features; the digits model does), "
+                f"{type(model).__name__} does not"
+            )
+
+    def bind(self, model, shape, model_kwargs=None):
+        self.model, self.model_kwargs = model, dict(model_kwargs or {})
+        return self._features_of(model, shape)
+
+    def mean(self, tab, y, steps, pre, cond, shape, state):
+        if pre is None:
+            raise ValueError(f"draft={self.name!r} needs a prefetched evaluation")
+        G, n, D = y.shape
+        sig = tab.sig[steps]  # (G, n)
+        x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]  # (G, 1, D)
+        v = (y - x0) / sig[..., None]
+        F = pre.mem_f.shape[2] if pre.mem_f.shape[1] else 0
+        if F:
+            if self.model is None:
+                raise ValueError(f"draft={self.name!r} was not bound to the run's model")
+            j, use = _memory_node(steps, pre)
+            feat = pre.mem_f.gather(1, j[..., None].expand(-1, -1, F))
+            kw = {k: t.repeat_interleave(n, dim=0) for k, t in cond.items()}
+            with outside_inference():
+                vc = self.model.from_features(
+                    y.reshape(G * n, *shape), sig.reshape(-1), feat.reshape(G * n, F), **self.model_kwargs, **kw
+                )
+            if not isinstance(vc, torch.Tensor) or vc.numel() != y.numel():
+                raise ValueError(f"draft={self.name!r}: from_features must return a tensor of shape {(G * n, *shape)}")
+            v = torch.where(use[..., None], vc.reshape(G, n, D).to(y.dtype), v)
+        return tab.mean(y, v, steps)
+
+    def __repr__(self) -> str:
+        return "CachedDraft()"
