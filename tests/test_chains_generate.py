@@ -1,0 +1,58 @@
+"""Every registered chain through ``specforest.generate``: continuous batching equals ``sample``, and two
+processes (data-parallel and tree-parallel, gloo on CPU) equal one.
+
+The job (``chains_generate_setup``): 10 indices through 3 slots on a branching tree, each chain at its
+stochastic example. One process runs it here; ``torchrun`` runs ``chains_torchrun.py`` for every chain
+and both modes in one launch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from chains_generate_setup import COUNT, config, make_x, model
+
+from specforest import chains, generate, sample
+
+HERE = Path(__file__).parent
+
+
+def one_process(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    finished = list(generate(model(), count=COUNT, make_x=make_x, **config(name)))
+    idx = torch.cat([f.index for f in finished])
+    order = idx.argsort()
+    return torch.cat([f.samples for f in finished])[order], torch.cat([f.stats.nfe for f in finished])[order].double()
+
+
+@pytest.mark.parametrize("name", chains.available_chains())
+def test_generate_equals_sample_for_every_chain(name):
+    """Slots refilled as samples finish: each sample is the one ``sample`` gives its index."""
+    x, nfe = one_process(name)
+    kw = config(name)
+    kw.pop("batch")
+    idx = torch.arange(COUNT)
+    ref = sample(model(), make_x(idx), sample_index=idx, **kw)
+    torch.testing.assert_close(x, ref.samples, rtol=0, atol=1e-12)
+    assert torch.equal(nfe, ref.stats.nfe.double())
+
+
+def test_two_processes_equal_one_for_every_chain(tmp_path):
+    out = tmp_path / "two.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    res = subprocess.run(
+        [*cmd, str(HERE / "chains_torchrun.py"), str(out)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = torch.load(out, weights_only=True)
+    for name in chains.available_chains():
+        x, nfe = one_process(name)
+        for mode in ("data", "tree"):
+            x2, nfe2 = two[f"{name}/{mode}"]
+            torch.testing.assert_close(x2, x, rtol=0, atol=1e-12, msg=f"{name} {mode}")
+            assert torch.equal(nfe2, nfe), (name, mode)
