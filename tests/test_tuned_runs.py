@@ -13,6 +13,7 @@ from helpers import invoke
 
 import specforest
 from specforest import latency, streams, trees
+from specforest.chains import get_chain
 from specforest.cli import main
 from specforest.latency import CostCurve, Tuned, TunedFor, measure
 from specforest.models import GaussianMixture
@@ -70,9 +71,10 @@ def test_sample_with_a_tuned_configuration_takes_its_steps_and_refuses_another_r
 
 def test_a_file_written_before_churn_and_prefetch_were_kept_reads_and_checks_steps_and_batch(gmm):
     data = _tuned(trees.chain(2), "rmc").to_json()
-    del data["churn"], data["prefetch"]
+    del data["churn"], data["prefetch"], data["chain"], data["chain_params"]
     old = Tuned.from_json(json.loads(json.dumps(data)))
     assert old.churn is None and old.prefetch == "nearest" and old.tuned_for == TunedFor(10, 2, None)
+    assert old.chain == "em" and old.chain_params == {} and "chain" not in old
     x = streams.randn(0, torch.arange(2), (4,))
     assert specforest.sample(gmm, x, churn=0.7, seed=0, **old).stats.steps == 10  # churn unknown: unchecked
     with pytest.raises(ValueError, match=r"1 rows of x \(tuned for 2\)"):
@@ -134,7 +136,15 @@ OPTION_CASES = {
     "model_kwargs": ({"scale": 1.5}, lambda t, calls, seen: seen and all(s == 1.5 for s in seen)),
     "pad_rows": ([4, 8, 64], lambda t, calls, seen: set(seen) <= {4, 8, 64} and t.curve.sizes == (4, 8, 64)),
     "tree": (trees.chain(2), "tree"),
-    "chain": ("euler_ancestral", "chain"),
+    "chain": (
+        "euler_ancestral",
+        lambda t, calls, seen: (
+            t.chain == "euler_ancestral"
+            and t.churn is None
+            and t["chain"] == get_chain("euler_ancestral")
+            and all(c["churn"] is None and c["chain"] == get_chain("euler_ancestral") for c in calls)
+        ),
+    ),
     "noise": (lambda n: None, "noise"),
     "sigmas": (torch.linspace(1, 0, 9), "sigmas"),
     "generator": (torch.Generator(), "generator"),
@@ -191,6 +201,8 @@ def test_the_tuner_takes_every_option_of_sample(gmm, monkeypatch, name):
     if name == "progress":
         kw.pop("progress", None)
     kw[name] = value
+    if name == "chain":
+        kw.pop("churn")  # the em chain's
     if isinstance(check, str):
         with pytest.raises(ValueError, match=check):
             latency.tune(model, x, **kw)

@@ -78,8 +78,7 @@ def _batches(batch: "int | Sequence[int]") -> tuple:
 
 
 def _check_options(options: dict) -> None:
-    if "churn" not in options:
-        raise TypeError("churn is required (a float in (0, 1]), as in specforest.sample")
+    # (churn is required with the em chain, the default, and refused with another: SamplerOptions says so)
     unknown = sorted(set(options) - set(_SHAPE_OPTIONS) - set(_IGNORED_OPTIONS) - {"churn"})
     if unknown:
         raise TypeError(
@@ -133,8 +132,8 @@ def network_rows(batch: "int | Sequence[int]", **options: Any) -> tuple:
     Args:
         batch: trajectories of the run (``len(x)``), or several (runs of a few sizes: chunks,
             the last partial batch of :func:`specforest.generate`'s standard sampler).
-        options: :func:`specforest.sample`'s options that shape the calls: ``churn`` (required),
-            ``steps`` or ``sigmas``, ``grid``, ``shift``, ``tree`` (a fixed
+        options: :func:`specforest.sample`'s options that shape the calls: ``churn`` (required with
+            the em chain, the default), ``chain``, ``steps`` or ``sigmas``, ``grid``, ``shift``, ``tree`` (a fixed
             :class:`~specforest.trees.DraftTree` or ``None``), ``coupling``, ``draft``,
             ``prefetch``, ``verify``, ``max_rows``, ``lazy``, ``pad_rows``, ``process_group``
             (tree-parallel: the rows of this process's share of each call); a

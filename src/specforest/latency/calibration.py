@@ -1,7 +1,7 @@
 """The calibration: a frozen record of what was measured for one kind of run.
 
-A :class:`Calibration` holds, for runs of ``steps`` steps of ``batch`` trajectories at
-``churn``: the target's cost curve, the acceptance recorded by calibration chains per
+A :class:`Calibration` holds, for runs of ``steps`` steps of ``batch`` trajectories of a
+chain (the em chain at ``churn``, or another): the target's cost curve, the acceptance recorded by calibration chains per
 draft and coupling family, and, per timed configuration, the sampler's own time (a
 :class:`Timing` with its :class:`RoundCost`) and the cost of its calls against the
 curve. It is built by :class:`specforest.latency.Calibrator` from real runs, or by hand
@@ -20,12 +20,14 @@ from typing import Optional
 import torch
 
 from ..acceptance import acceptance_model
+from ..chains import Chain
 from ..engine import PREFETCH_POLICIES
 from ..sampler import pad_sizes
 from ..trees import DraftTree
 from ..validation import check_int
 from .curve import CostCurve
 from .law import DETERMINISTIC_STEPS
+from .options import tuned_chain
 
 __all__ = ["AcceptanceRecords", "Calibration", "Config", "RoundCost", "Timing"]
 
@@ -203,11 +205,11 @@ def _family(coupling: str) -> str:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What was measured for runs of ``steps`` steps of ``batch`` trajectories at ``churn``.
+    """What was measured for runs of ``steps`` steps of ``batch`` trajectories at ``churn`` (or of another chain).
 
     Attributes:
         steps: grid steps ``T`` of the run.
-        churn: its churn.
+        churn: its churn (the em chain's; ``None`` with another chain).
         batch: trajectories per run.
         curve: the target's cost curve.
         acceptance: ``{(draft, family): records}``, ``family`` ``"grs"`` or ``"rmc"`` (the
@@ -219,13 +221,15 @@ class Calibration:
         pad_rows: the row counts every call is padded to (``sample``'s ``pad_rows``), or ``None``.
         max_rows: the largest call the sampler makes (``sample``'s ``max_rows``), or ``None``.
         prefetch: the sampler's prefetch policy of the runs.
+        chain: the chain of the runs: ``"em"`` (the paper's, at ``churn``; the default) or a
+            :class:`~specforest.chains.Chain` with its parameters.
 
     Raises:
         TypeError / ValueError: a field of the wrong type or out of range, naming it.
     """
 
     steps: int
-    churn: float
+    churn: Optional[float]
     batch: int
     curve: CostCurve
     acceptance: Mapping = field(default_factory=dict)
@@ -235,9 +239,13 @@ class Calibration:
     pad_rows: Optional[tuple] = None
     max_rows: Optional[int] = None
     prefetch: str = "nearest"
+    chain: "str | Chain" = "em"
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps, 1)
+        churn, chain = tuned_chain(self.churn, self.chain)
+        object.__setattr__(self, "churn", churn)
+        object.__setattr__(self, "chain", chain)
         check_int("batch", self.batch, 1)
         if self.max_rows is not None:
             check_int("max_rows", self.max_rows, 1)

@@ -17,11 +17,13 @@ from typing import Any, Optional
 
 import torch
 
+from .. import trees
+from ..chains import Chain
 from ..sampler import pad_sizes, sample
-from ..trees import DraftTree, chain
+from ..trees import DraftTree
 from .calibration import Calibration, Config, RoundCost, Timing
 from .curve import DEFAULT_SIZES, CostCurve, measure_cost_curve, no_gc, sync
-from .options import split_options
+from .options import split_options, tuned_chain
 from .predictor import Prediction, Predictor
 
 __all__ = ["REPEAT_BELOW_SECONDS", "TIMING_RUNS", "Calibrator", "TimingRun"]
@@ -70,7 +72,7 @@ def _config(config: "Config | Sequence") -> Config:
 
 
 class Calibrator:
-    """Measures the calibration of one kind of run (its model, example states, steps, churn and batch).
+    """Measures the calibration of one kind of run (its model, example states, steps, chain and batch).
 
     Made by :meth:`calibrate`. :attr:`calibration` is the frozen record of what was
     measured so far; :attr:`predictor` prices configurations from it. :meth:`predict`,
@@ -110,7 +112,8 @@ class Calibrator:
         x: torch.Tensor,
         *,
         steps: int,
-        churn: float,
+        churn: Optional[float] = None,
+        chain: "str | Chain" = "em",
         cond: Optional[dict] = None,
         batch: Optional[int] = None,
         drafts: Sequence[str] = ("velocity",),
@@ -131,6 +134,7 @@ class Calibrator:
                 every configuration; give the draft kinds as ``drafts``) or a refused option.
         """
         constraints, sample_kwargs = split_options(sample_kwargs)
+        churn, chain = tuned_chain(churn, chain)
         if constraints:
             raise ValueError(
                 f"{', '.join(constraints)}: a predictor prices every configuration; give the draft kinds as drafts= "
@@ -173,7 +177,8 @@ class Calibrator:
                 x[:n_cal],
                 **_grid(sigmas_for, steps),
                 churn=churn,
-                tree=chain(min(budget_max, steps)),
+                chain=chain,
+                tree=trees.chain(min(budget_max, steps)),
                 coupling=family,
                 draft=draft,
                 cond=_rows(cond, n_cal),
@@ -193,6 +198,7 @@ class Calibrator:
             pad_rows=sample_kwargs.get("pad_rows"),
             max_rows=sample_kwargs.get("max_rows"),
             prefetch=sample_kwargs.get("prefetch", "nearest"),
+            chain=chain,
         )
         return cls(
             model, x, calibration=calibration, cond=cond, sigmas_for=sigmas_for, seed=seed, options=sample_kwargs
@@ -215,8 +221,13 @@ class Calibrator:
         return self.calibration.steps
 
     @property
-    def churn(self) -> float:
+    def churn(self) -> Optional[float]:
         return self.calibration.churn
+
+    @property
+    def chain(self) -> "str | Chain":
+        """The chain of the runs: ``"em"`` (at :attr:`churn`) or a :class:`~specforest.chains.Chain`."""
+        return self.calibration.chain
 
     @property
     def batch(self) -> int:
@@ -334,6 +345,7 @@ class Calibrator:
             self.x[:1],
             **_grid(self.sigmas_for, min(self.steps, 6)),
             churn=self.churn,
+            chain=self.chain,
             **config.options(),
             cond=_rows(self.cond, 1),
             seed=self.seed + 2,
@@ -354,6 +366,7 @@ class Calibrator:
                 self.x[:batch],
                 **_grid(self.sigmas_for, min(self.steps, max(16, 2 * depth + 4))),
                 churn=self.churn,
+                chain=self.chain,
                 **config.options(),
                 cond=_rows(self.cond, batch),
                 seed=self.seed + 1 + index,
@@ -407,6 +420,7 @@ class Calibrator:
                         self.x[:batch],
                         **_grid(self.sigmas_for, self.steps),
                         churn=self.churn,
+                        chain=self.chain,
                         **config.options(),
                         cond=_rows(self.cond, batch),
                         seed=self.seed + 10 + r,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+from ..chains import EM, Chain, get_chain
 from ..options import RUN_INPUTS, SamplerOptions
+from ..validation import check_churn
 
-__all__ = ["SAMPLE_OPTIONS"]
+__all__ = ["SAMPLE_OPTIONS", "tuned_chain"]
 
 UNSET = object()
 """An option not given (distinct from every value, ``None`` included)."""
@@ -16,6 +18,7 @@ _OPTIONS = {
     # tune's own parameters, of the same name and meaning
     "steps": "tuner",
     "churn": "tuner",
+    "chain": "tuner",
     # constraints on the search
     "verify": "constraint",
     "draft": "constraint",
@@ -30,7 +33,6 @@ _OPTIONS = {
     # refused, for the reasons of _REFUSED (lazy and record_deltas only when True)
     "tree": "refused",
     "sigmas": "refused",
-    "chain": "refused",
     "lazy": "refused",
     "record_deltas": "refused",
 }
@@ -56,8 +58,6 @@ every run it makes) or ``refused`` (a ``ValueError`` that says why)."""
 
 _REFUSED = {
     "tree": "the tree is what tune chooses (Predictor.predict prices one given tree)",
-    "chain": "tune calibrates the em chain (its churn) only: the calibration and tuned files of other chains are "
-    "not built yet; tune with churn, or run another chain with a tree you choose",
     "sigmas": "give sigmas_for, the grid as a function of its steps: the timing runs are shorter than the run",
     "generator": "the tuner's runs draw from its seed (give seed=)",
     "sample_index": "it names the samples of a run, and the tuner's runs are its own",
@@ -68,6 +68,32 @@ _REFUSED = {
     "lazy": "lazy=True is a cost simulation whose wall time is not a run's (the calibration chains are lazy already)",
     "record_deltas": "the calibration chains record their deltas already; a timed run would pay for it",
 }
+
+
+def tuned_chain(churn: Any, chain: Any) -> "tuple[Optional[float], str | Chain]":
+    """``(churn, chain)`` of a run to tune for, as every run the tuner makes takes them: the em chain as
+    ``(its churn, "em")`` (``sample``'s options before chains), another chain as ``(None, the Chain)``.
+
+    Raises:
+        ValueError / TypeError: as :func:`specforest.sample` for ``churn`` and ``chain`` (a churn given with
+            another chain than em, an unknown chain, ...), naming them.
+    """
+    if isinstance(chain, EM) or (isinstance(chain, str) and chain.lower() == "em"):
+        if churn is None:
+            if not isinstance(chain, EM):
+                raise TypeError("churn is required with the em chain (the default): a float in (0, 1]")
+            churn = chain.churn
+        churn = check_churn(churn)
+        if isinstance(chain, EM) and churn != chain.churn:
+            raise ValueError(f"churn={churn:g} disagrees with the chain's churn {chain.churn:g}; give one of them")
+        return churn, "em"
+    made = get_chain(chain)
+    if churn is not None:
+        raise ValueError(
+            f"churn={churn!r} is the em chain's parameter; chain {made.name!r} takes {made.params} "
+            f"(set them on the chain: specforest.chains.get_chain({made.name!r}, ...)); leave churn unset"
+        )
+    return None, made
 
 
 def same(a: Any, b: Any) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, Optional
 
+from ..chains import EM, Chain, available_chains, get_chain
 from ..couplings import available_couplings
 from ..engine import PREFETCH_POLICIES
 from ..options import SamplerOptions
@@ -30,8 +31,10 @@ class Tuned(Mapping):
     """The configuration :func:`~specforest.latency.tune` chose, with its prediction: ``sample(model, x, **tuned)``.
 
     As a mapping it holds :func:`specforest.sample`'s options ``tree``, ``coupling``,
-    ``verify``, ``draft`` and ``prefetch`` (:meth:`options`) and ``tuned_for``, the run
-    it was chosen for (a :class:`~specforest.sampler.TunedFor`: steps, batch, churn):
+    ``verify``, ``draft`` and ``prefetch`` (:meth:`options`), ``tuned_for``, the run
+    it was chosen for (a :class:`~specforest.sampler.TunedFor`: steps, batch, churn), and,
+    tuned for another chain than em, ``chain`` (:meth:`run_chain`, so the run samples the chain
+    it was tuned for, and a ``chain=`` beside ``**tuned`` is refused as a repeated keyword):
     :func:`specforest.sample` then takes the tuned steps when given none and refuses a
     run whose steps, churn or batch differ. ``sample(model, x, **tuned.options(), ...)``
     runs the configuration without that check.
@@ -49,7 +52,16 @@ class Tuned(Mapping):
         candidates: every candidate's ``(label, predicted seconds per image, calls, sampler s/round)``.
         measured_speedup: the standard sampler's measured time over this one's in the final race
             of :func:`~specforest.latency.tune` (interleaved full runs), or ``None`` when there was no race.
-        churn: the churn it was tuned for (``None`` when read from a file written before it was kept).
+        churn: the churn it was tuned for (``None`` when read from a file written before it was kept,
+            and with another chain than em).
+        chain: the name of the chain it was tuned for (:mod:`specforest.chains`; ``"em"`` in a file
+            written before chains were kept).
+        chain_params: that chain's parameters (the em chain's: ``{"churn": churn}``, or ``{}`` where the
+            churn is not known); a non-finite one (EDM's ``s_tmax = inf``) is ``None``, its default.
+
+    Raises:
+        ValueError / TypeError: an unknown chain or parameter, a value the chain refuses, or a churn
+            given with another chain than em (or disagreeing with ``chain_params``), naming it.
     """
 
     label: str
@@ -68,6 +80,27 @@ class Tuned(Mapping):
     measured_speedup: Optional[float] = None
     churn: Optional[float] = None
     prefetch: str = "nearest"
+    chain: str = "em"
+    chain_params: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chain, Chain):
+            self.chain, self.chain_params = self.chain.name, {**self.chain.params, **(self.chain_params or {})}
+        made = _chain_of(self.chain, self.chain_params, self.churn)
+        self.chain = made.name
+        if isinstance(made, EM):
+            known = self.churn is not None or (self.chain_params or {}).get("churn") is not None
+            self.churn = made.churn if known else None
+            self.chain_params = {} if self.churn is None else {"churn": self.churn}
+        else:
+            self.chain_params = _json_params(made.params)
+
+    def run_chain(self) -> "Chain | str":
+        """The chain it was tuned for, as :func:`specforest.sample`'s ``chain``: a
+        :class:`~specforest.chains.Chain` with its parameters, or ``"em"`` (its churn is ``churn``)."""
+        if self.chain == "em":
+            return "em" if self.churn is None else EM(churn=self.churn)
+        return _chain_of(self.chain, self.chain_params, None)
 
     def options(self) -> dict:
         """The sampler options alone: ``tree``, ``coupling``, ``verify``, ``draft``, ``prefetch`` (no check)."""
@@ -85,7 +118,9 @@ class Tuned(Mapping):
         return TunedFor(steps=self.steps, batch=self.batch, churn=self.churn)
 
     def _mapping(self) -> dict:
-        return {**self.options(), "tuned_for": self.tuned_for}
+        # the em chain is sample's default: a Tuned for it unpacks into a pipeline's sample as before
+        chain = {} if self.chain == "em" else {"chain": self.run_chain()}
+        return {**self.options(), **chain, "tuned_for": self.tuned_for}
 
     def __getitem__(self, key: str) -> Any:
         return self._mapping()[key]
@@ -108,6 +143,8 @@ class Tuned(Mapping):
             "batch": self.batch,
             "steps": self.steps,
             "churn": self.churn,
+            "chain": self.chain,
+            "chain_params": dict(self.chain_params),
             "predicted_seconds_per_image": self.predicted_seconds_per_image,
             "predicted_speedup": self.predicted_speedup,
             "standard_seconds_per_image": self.standard_seconds_per_image,
@@ -122,9 +159,9 @@ class Tuned(Mapping):
         """The inverse of :meth:`to_json`, every field checked: a file written by hand or by another
         version runs the configuration it names or is refused, never another sampler.
 
-        A file written before ``churn`` and ``prefetch`` were kept reads with ``churn=None`` (not
-        checked) and ``prefetch="nearest"`` (what it was tuned with). ``tuned_for``, which
-        ``specforest tune`` writes beside the configuration, is the command line's to read.
+        A file written before ``churn``, ``prefetch`` and the chain were kept reads with ``churn=None``
+        (not checked), ``prefetch="nearest"`` and ``chain="em"`` (what it was tuned with). ``tuned_for``,
+        which ``specforest tune`` writes beside the configuration, is the command line's to read.
 
         Raises:
             TypeError: if ``d`` is not a mapping, or a field has the wrong type, naming the field.
@@ -153,9 +190,12 @@ class Tuned(Mapping):
         prefetch = check_choice("prefetch", get("prefetch"), PREFETCH_POLICIES)
         steps = check_int("steps", d["steps"], 1, MAX_STEPS)
         churn = None if get("churn") is None else check_churn(get("churn"))
+        chain_name = check_choice("chain", get("chain"), tuple(available_chains()))
+        _chain_of(chain_name, get("chain_params"), churn)
         # the sampler's own checks of the configuration: a tree the coupling cannot take (an rmc
         # "chain" with a node of two children, say) is refused here, not run as another sampler
-        # (a file without churn: any valid churn checks the rest)
+        # (on the em chain at any valid churn: the chain itself was checked above, and where it is
+        # defined depends on the run's grid, which the run gives)
         SamplerOptions(
             steps=steps,
             churn=1.0 if churn is None else churn,
@@ -190,7 +230,40 @@ class Tuned(Mapping):
             measured_speedup=None if measured is None else _speedup("measured_speedup", measured),
             churn=churn,
             prefetch=prefetch,
+            chain=chain_name,
+            chain_params=get("chain_params"),
         )
+
+
+def _json_params(params: dict) -> dict:
+    """A chain's parameters as JSON holds them: a non-finite number as ``None`` (its default, :func:`_chain_of`)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in params.items()}
+
+
+def _chain_of(name: Any, params: Any, churn: Optional[float]) -> Chain:
+    """The chain ``name`` with ``params`` (a ``None`` parameter: its default), and the em chain's ``churn``.
+
+    Raises:
+        ValueError / TypeError: naming the chain, the parameter or the churn.
+    """
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise TypeError(f"chain_params must be an object of the chain's parameters, got {type(params).__name__}")
+    made = get_chain(name, **{k: v for k, v in params.items() if v is not None})
+    if isinstance(made, EM):
+        if churn is None:
+            return made
+        churn = check_churn(churn)
+        if "churn" in params and params["churn"] is not None and not math.isclose(made.churn, churn):
+            raise ValueError(f"churn {churn:g} disagrees with the em chain's chain_params churn {made.churn:g}")
+        return EM(churn=churn)
+    if churn is not None:
+        raise ValueError(
+            f"churn is the em chain's parameter; a configuration tuned for chain {made.name!r} has churn null "
+            f"(its parameters: {', '.join(made.params)})"
+        )
+    return made
 
 
 _FIELDS = (
@@ -203,6 +276,8 @@ _FIELDS = (
     "batch",
     "steps",
     "churn",
+    "chain",
+    "chain_params",
     "predicted_seconds_per_image",
     "predicted_speedup",
     "standard_seconds_per_image",
@@ -213,7 +288,14 @@ _FIELDS = (
 )
 """The fields of :meth:`Tuned.to_json`, each checked by :meth:`Tuned.from_json`."""
 
-_OPTIONAL = {"prefetch": "nearest", "churn": None, "candidates": [], "measured_speedup": None}
+_OPTIONAL = {
+    "prefetch": "nearest",
+    "churn": None,
+    "chain": "em",
+    "chain_params": None,
+    "candidates": [],
+    "measured_speedup": None,
+}
 """Fields a file may lack (written before they were kept), with what they read as."""
 
 _BESIDE = ("tuned_for",)

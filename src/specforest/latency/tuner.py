@@ -10,14 +10,16 @@ from typing import Any, Optional
 
 import torch
 
+from .. import trees
+from ..chains import Chain
 from ..options import SamplerOptions
 from ..proposals import get_proposal
-from ..trees import chain, optimal, uniform
+from ..trees import optimal, uniform
 from ..validation import check_int
 from .calibration import Config
 from .curve import CostCurve
 from .measure import Calibrator
-from .options import UNSET, same, split_options
+from .options import UNSET, same, split_options, tuned_chain
 from .predictor import Prediction
 from .tuned import Tuned
 
@@ -93,7 +95,7 @@ def candidates(
     found: list = []
     for B in CHAIN_BUDGETS:
         if B <= min(budget_max, steps):
-            found.append((f"RMC chain B={B}{tag}", chain(B), "rmc", mode))
+            found.append((f"RMC chain B={B}{tag}", trees.chain(B), "rmc", mode))
     for K, L in UNIFORM_SHAPES:
         t = uniform(K, L)
         if t.budget <= budget_max:
@@ -122,7 +124,8 @@ def tune(
     x: torch.Tensor,
     *,
     steps: int,
-    churn: float,
+    churn: Optional[float] = None,
+    chain: "str | Chain" = "em",
     cond: Optional[dict] = None,
     batch: Optional[int] = None,
     budget_max: int = 62,
@@ -158,7 +161,10 @@ def tune(
         model: the target velocity.
         x: ``(n, *shape)`` example initial states; the first ``batch`` rows time the
             candidates, the first ``calibration_trajectories`` calibrate acceptance.
-        steps, churn: the run's grid steps and churn.
+        steps, churn: the run's grid steps and churn (the em chain's; required with it, ``None`` with another).
+        chain: the run's chain (:mod:`specforest.chains`): ``"em"`` (the default), or another registered
+            name or :class:`~specforest.chains.Chain` with its parameters. Every run the tuner makes
+            samples it, and the :class:`Tuned` records it.
         cond: per-trajectory conditioning of ``x``'s rows.
         batch: trajectories per run to tune for (default ``len(x)``).
         budget_max: the largest budget considered.
@@ -200,7 +206,7 @@ def tune(
               (the curve is measured at the padded sizes and a call priced at its padded rows).
               Give them to :func:`specforest.sample` again (all but ``prefetch``, which
               ``**tuned`` carries);
-            * ``steps``, ``churn``, ``cond``, ``seed`` and ``progress`` are this function's own;
+            * ``steps``, ``churn``, ``chain``, ``cond``, ``seed`` and ``progress`` are this function's own;
             * refused with a ``ValueError`` that says why: ``tree`` (what is chosen),
               ``sigmas`` (give ``sigmas_for``), ``generator`` and ``sample_index`` (the
               tuner's runs draw from ``seed``), ``callback`` (its time would be timed),
@@ -211,8 +217,8 @@ def tune(
             With a ``predictor``, a passed option must be the one it was calibrated with.
 
     Returns:
-        A :class:`Tuned`: ``sample(model, x, **tuned, ...)`` runs the choice and checks the run
-        against the steps, churn and batch it was chosen for.
+        A :class:`Tuned`: ``sample(model, x, **tuned, ...)`` runs the choice on the chain it was tuned
+        for and checks the run against the steps, churn and batch it was chosen for.
 
     Raises:
         TypeError: a keyword that is not an option of :func:`specforest.sample`.
@@ -222,7 +228,8 @@ def tune(
     race, race_repeats = check_int("race", race, 0), check_int("race_repeats", race_repeats, 1)
     constraints, sample_kwargs = split_options(sample_kwargs)
     # the sampler's own checks of every option given (the tree aside: it is what is chosen)
-    SamplerOptions(steps=steps, churn=churn, **constraints, **sample_kwargs)
+    churn, chain = tuned_chain(churn, chain)
+    SamplerOptions(steps=steps, churn=churn, chain=chain, **constraints, **sample_kwargs)
     verify = constraints.get("verify")
     draft = constraints.get("draft")
     if draft is not None:
@@ -265,6 +272,7 @@ def tune(
         x,
         steps=steps,
         churn=churn,
+        chain=chain,
         cond=cond,
         batch=batch,
         drafts=("velocity", "x0") if drafts is None else drafts,
@@ -340,8 +348,9 @@ def tune(
         curve=cal.curve,
         candidates=table,
         measured_speedup=measured[standard] / measured[best] if measured else None,
-        churn=float(cal.churn),
+        churn=cal.churn,
         prefetch=cal.prefetch,
+        chain=cal.chain if isinstance(cal.chain, Chain) else "em",
     )
 
 
