@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # each command's path -> its options in --help order, as typed (``--a/--b``: an on/off pair)
 _JOB = (
-    "--method --K --L --steps --churn --grid --prefetch --verify --draft --count --seed --out --batch --memory-gb "
+    "--method --K --L --steps --churn --chain --eta --s-noise --s-churn --solver-type --grid --prefetch --verify --draft --count --seed --out --batch --memory-gb "
     "--resume --tree-parallel --progress/--no-progress --threads --compile --tune"
 )
 COMMANDS = {
@@ -43,13 +43,13 @@ COMMANDS = {
     "generate sd3": f"{_JOB} --model --prompts --num-prompts --guidance --shift --height --width "
     "--max-sequence-length --dtype --device",
     "gmm": "--method --K --L --components --dim --steps --churn --trajectories --seed --mixture-seed --grid "
-    "--prefetch --verify --tree --budget --draft --memory-gb --lazy --json --dump-samples --progress/--no-progress "
-    "--threads --compile --tune",
+    "--prefetch --verify --tree --budget --draft --memory-gb --chain --eta --s-noise --s-churn --solver-type --lazy --json --dump-samples "
+    "--progress/--no-progress --threads --compile --tune",
     "gmm drafts": "--out --model --trajectories --depth --seed",
     "gmm sweep": "--out --K-values --L-values --methods --components --dim --steps --churn --trajectories --seed "
     "--mixture-seed --grid --prefetch --verify --tree --budget --draft --memory-gb --lazy --progress/--no-progress "
     "--threads",
-    "pixel": "--method --draft --tree --budget --K --L --churn --steps --samples --seed --grid --prefetch --verify "
+    "pixel": "--method --draft --tree --budget --K --L --churn --chain --eta --s-noise --s-churn --solver-type --steps --samples --seed --grid --prefetch --verify "
     "--lazy --memory-gb --json --dump-samples --progress/--no-progress --threads --compile --tune",
     "pixel sweep": "--out --trees --churns --methods --steps --samples --seed --grid --prefetch --verify "
     "--lazy/--full --progress/--no-progress --threads",
@@ -60,7 +60,7 @@ COMMANDS = {
     "train digits": "--out --weights-dir --steps --max-minutes --seed --eval-samples --threads "
     "--progress/--no-progress",
     "train digits-draft": "--weights-dir --steps --batch --max-minutes --seed --threads --progress/--no-progress",
-    "tune": "--model --steps --churn --batch --device --dim --components --mixture-seed --drafts --budget-max --out "
+    "tune": "--model --steps --churn --chain --eta --s-noise --s-churn --solver-type --batch --device --dim --components --mixture-seed --drafts --budget-max --out "
     "--pipeline --prompts --num-prompts --guidance --shift --height --width --max-sequence-length --dtype "
     "--true-cfg-scale --negative-prompt --max-memory-gb --threads --progress/--no-progress",
 }

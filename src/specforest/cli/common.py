@@ -4,12 +4,13 @@
 bad input, memory, missing files or optional packages and non-finite network
 outputs become a one-line ``Error: ...`` and exit status 1, never a traceback.
 Options that several commands take (``--prefetch``, ``--verify``, ``--draft``,
-``--tree``/``--budget``) and the comma-list parsers are defined here once, as are the
+``--tree``/``--budget``, ``--chain`` with the chains' own options) and the comma-list parsers are
+defined here once, as are the
 checks every command makes before its work: each output path can be written
 (:func:`output_path`), a tree option given that the run would not use is refused
 (:func:`refuse_unused`; the draft's options of a standard run are recorded as not applied,
-:func:`as_ran`), and a ``--tune`` file is read whole and checked field by field
-(:func:`read_tuned`, :func:`apply_tuned`).
+:func:`as_ran`), the chain's options are those of the chain chosen (:func:`run_chain`), and a
+``--tune`` file is read whole and checked field by field (:func:`read_tuned`, :func:`apply_tuned`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import click
+import torch
 
+from ..chains import EM, Chain, available_chains, get_chain
 from ..devices import set_threads
 from ..planning import TREE_MODES
 from ..proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS
@@ -30,6 +33,7 @@ from ..trees import VERIFY_MODES
 from ..validation import check_choice, check_int, check_number, is_int
 
 __all__ = [
+    "CHAIN_FLAGS",
     "CHURN",
     "CONTEXT",
     "LIBRARY_ERRORS",
@@ -42,6 +46,9 @@ __all__ = [
     "UNUSED_BY_STANDARD",
     "apply_tuned",
     "as_ran",
+    "chain_options",
+    "chain_settings",
+    "check_named_grid",
     "check_output",
     "choice_list",
     "churn_option",
@@ -60,6 +67,7 @@ __all__ = [
     "read_tuned",
     "refuse_group_options",
     "refuse_unused",
+    "run_chain",
     "seed_option",
     "set_threads",
     "steps_option",
@@ -284,8 +292,132 @@ def churn_option(default: "float | None", shown: "str | None" = None):
         type=CHURN,
         default=default,
         show_default=shown or True,
-        help="Churn eps in (0, 1] (0 would make speculation accept nothing).",
+        help="Churn eps in (0, 1] of the em chain, the default --chain (0 would make speculation accept nothing).",
     )
+
+
+CHAIN_FLAGS = {"eta": "--eta", "s_noise": "--s-noise", "s_churn": "--s-churn", "solver_type": "--solver-type"}
+"""The chains' parameters the command line sets, by their flags (each chain takes some of them; ``--churn``
+is the ``em`` chain's)."""
+
+_CHAIN_HELP = {
+    "eta": "The chain's eta: the share of the ancestral noise, >= 0 (0: no noise, no speculation).",
+    "s_noise": "The chain's s_noise: the scale of the noise it adds, > 0.",
+    "s_churn": "The chain's s_churn: EDM's churn, >= 0 (0: no noise, no speculation).",
+    "solver_type": "The chain's solver_type (DPM++ 2M SDE's second-order step: midpoint or heun).",
+}
+
+
+def _chain_flags(name: str) -> list:
+    """The flags of the command line that set the parameters of the registered chain ``name``."""
+    try:
+        params = get_chain(name).params
+    except (TypeError, ValueError):
+        return []
+    return [("--churn" if p == "churn" else CHAIN_FLAGS[p]) for p in params if p == "churn" or p in CHAIN_FLAGS]
+
+
+def _takers(param: str) -> str:
+    """The registered chains that take ``param``, for its flag's help."""
+    return ", ".join(n for n in available_chains() if CHAIN_FLAGS[param] in _chain_flags(n))
+
+
+def chain_options(f):
+    """``--chain`` (the registered chains, :func:`specforest.chains.available_chains`) and the chains' own
+    options ``--eta``, ``--s-noise``, ``--s-churn``, ``--solver-type`` (:data:`CHAIN_FLAGS`), all unset by
+    default: :func:`run_chain` makes the chain of a command's options."""
+    chains = available_chains()
+    listed = "; ".join(f"{n}: {', '.join(fl)}" if (fl := _chain_flags(n)) else n for n in chains)
+    opts = [
+        click.option(
+            "--chain",
+            type=click.Choice(chains),
+            default=None,
+            show_default="em",
+            help="The stochastic sampler whose chain the run speculates exactly (docs/chains.md): em is the paper's "
+            "Euler-Maruyama step with --churn. Each chain takes its own options, its defaults where not given: "
+            f"{listed}. An option the chain does not take is an error.",
+        ),
+    ]
+    for param, flag in CHAIN_FLAGS.items():
+        opts.append(
+            click.option(
+                flag,
+                param,
+                type=str if param == "solver_type" else float,
+                default=None,
+                show_default="the chain's",
+                help=f"{_CHAIN_HELP[param]} Chains: {_takers(param)}.",
+            )
+        )
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def run_chain(o: dict, ctx: "click.Context | None" = None) -> Chain:
+    """The chain of a command's options ``o``: ``--chain`` (``em`` when not given) with the chain options
+    set (``--churn`` for the em chain, whose churn ``o["churn"]`` must be known by then).
+
+    Raises:
+        click.UsageError: naming each chain option given (or ``--churn`` with another chain than em) that the
+            chain does not take, the chain, and its parameters.
+        click.BadParameter: a value the chain refuses, with the library's message, naming the flag.
+    """
+    ctx = ctx or click.get_current_context()
+    name = o.get("chain") or "em"
+    chain = get_chain(name)
+    params = list(chain.params)
+    settable = {**({"churn": "--churn"} if "churn" in o else {}), **{p: f for p, f in CHAIN_FLAGS.items() if p in o}}
+    wrong = [flag for p, flag in settable.items() if p not in params and is_given(ctx, p)]
+    if wrong:
+        verb = "is not a parameter" if len(wrong) == 1 else "are not parameters"
+        raise click.UsageError(
+            f"{', '.join(wrong)} {verb} of chain {chain.name!r}; its parameters: {', '.join(params)}"
+        )
+    for p in params:
+        value = o.get(p) if p in settable else None
+        if value is None:
+            if isinstance(chain, EM):
+                raise click.UsageError("the em chain needs --churn")  # (every command sets its default first)
+            continue
+        try:
+            chain = chain.replace(**{p: value})
+        except (TypeError, ValueError) as e:
+            raise click.BadParameter(str(e), param_hint=settable[p]) from None
+    return chain
+
+
+def check_named_grid(chain: Chain, steps: int, grid: str, where: "str | None" = None) -> None:
+    """Refuse a chain that is not defined on the named grid ``--grid`` of ``steps`` steps (the samplers
+    on VE noise levels whose first step needs a finite level: the named grids start at t = 1).
+    ``where`` names the grid in the message (default ``--grid GRID``).
+
+    Raises:
+        click.UsageError: naming ``--chain`` and the grid, with the library's reason.
+    """
+    from ..sde import flow_match_grid, uniform_grid
+
+    make = flow_match_grid if grid == "flow_match" else uniform_grid
+    try:
+        chain.build(make(steps, shift=NAMED_GRID_SHIFT).to(torch.float64))
+    except ValueError as e:
+        raise click.UsageError(
+            f"--chain {chain.name} does not run on {where or f'--grid {grid}'}, which starts at t = 1 "
+            f"(sigma = inf): {e}"
+        ) from None
+
+
+def chain_settings(chain: Chain) -> dict:
+    """What a run's record and a tuned file hold of its chain: ``churn`` (``None`` with another chain than
+    em), ``chain`` (its name) and ``chain_params`` (its parameters, a non-finite one as ``null``)."""
+    from ..experiments.common import json_params
+
+    return {
+        "churn": chain.churn if isinstance(chain, EM) else None,
+        "chain": chain.name,
+        "chain_params": json_params(chain.params),
+    }
 
 
 def seed_option(what: str):
@@ -467,8 +599,8 @@ def refuse_unused(o: dict) -> None:
 def tune_option(
     help: str = "A JSON written by 'specforest tune': its tree, coupling, verification mode, draft and prefetch "
     "replace --method/--K/--L/--tree/--budget/--draft/--verify/--prefetch (giving any of them is an error). "
-    "--steps, --churn and the batch default to the file's; given, they must match it, as must the model, "
-    "the device and --threads (an error lists every difference).",
+    "--steps, --churn, --chain with its options and the batch default to the file's; given, they must match it, "
+    "as must the model, the device and --threads (an error lists every difference).",
 ):
     """``--tune tuned.json``: run the configuration ``specforest tune`` chose."""
     return click.option("--tune", "tune_file", type=click.Path(exists=True, dir_okay=False), default=None, help=help)
@@ -499,6 +631,12 @@ def _sigmas(name: str, value: Any) -> list:
     return [check_number(f"{name}[{i}]", v, 0.0, 1.0) for i, v in enumerate(value)]
 
 
+def _params(name: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be an object of the chain's parameters, got {type(value).__name__}")
+    return value
+
+
 _TUNED_FOR: "dict[str, Callable[[str, Any], Any]]" = {
     "model": lambda k, v: check_choice(k, v, ("gmm", "digits", "sd3", "diffusers")),
     "family": _text,
@@ -518,13 +656,16 @@ _TUNED_FOR: "dict[str, Callable[[str, Any], Any]]" = {
     "height": lambda k, v: check_int(k, v, 1),
     "width": lambda k, v: check_int(k, v, 1),
     "max_sequence_length": lambda k, v: check_int(k, v, 1, 512),
+    "chain": lambda k, v: check_choice(k, v, tuple(available_chains())),
+    "chain_params": lambda k, v: _params(k, v),
 }
 """Each key a ``tuned_for`` may record (``null``: not recorded) and its check, named by the key."""
 
 
 def read_tuned(path: str) -> "tuple[Any, dict]":
     """The :class:`~specforest.latency.Tuned` of a file ``specforest tune`` wrote, and the run it was tuned
-    for: the file's ``tuned_for`` with its steps, batch and churn (``None`` where not recorded).
+    for: the file's ``tuned_for`` with its steps, batch, churn (``None`` where not recorded), chain and
+    chain_params (the em chain in a file written before chains were kept).
 
     Every field is checked before anything runs: the configuration's by
     :meth:`~specforest.latency.Tuned.from_json`, each key of ``tuned_for`` by :data:`_TUNED_FOR`.
@@ -561,7 +702,7 @@ def read_tuned(path: str) -> "tuple[Any, dict]":
     except (ValueError, TypeError) as e:
         raise click.ClickException(f"--tune {path}: {e}") from e
     made_for = dict(made_for)
-    made_for.update(steps=tuned.steps, batch=tuned.batch)
+    made_for.update(steps=tuned.steps, batch=tuned.batch, chain=tuned.chain, chain_params=tuned.chain_params)
     if tuned.churn is not None:
         made_for["churn"] = tuned.churn
     return tuned, made_for
@@ -608,6 +749,33 @@ def _differs(key: str, here: Any, there: Any) -> bool:
     return here != there
 
 
+def _chain_differs(ctx: click.Context, o: dict, made_for: dict, params: dict, path: str) -> list:
+    """The chain of a ``--tune`` file against the command's: ``--chain`` and each chain option not given take
+    the file's (checked as the option checks it); given, they must match it. A command without ``--chain``
+    runs the em chain only. Returns the differences, each naming the chain."""
+    name = made_for.get("chain") or "em"
+    there = made_for.get("chain_params") or {}
+    if "chain" not in params:
+        return [] if name == "em" else [f"chain em here (this command's only one), {name} in the file"]
+    if not is_given(ctx, "chain"):
+        o["chain"] = name
+    elif o["chain"] != name:
+        return [f"--chain {o['chain']} here, {name} in the file"]
+    defaults = get_chain(name).params
+    diffs = []
+    for p, value in there.items():
+        if p == "churn" or value is None:
+            continue  # the em chain's churn is a key of its own; null: the parameter's default (not finite)
+        if p in CHAIN_FLAGS and p in params:
+            if not is_given(ctx, p):
+                o[p] = _adopt(ctx, params[p], f"chain_params.{p}", value, path)
+            elif _differs(p, o[p], value):
+                diffs.append(f"{CHAIN_FLAGS[p]} {o[p]} here, {value} in the file (chain {name})")
+        elif p in defaults and _differs(p, defaults[p], value):
+            diffs.append(f"chain {name}'s {p} {defaults[p]} here (no option sets it), {value} in the file")
+    return diffs
+
+
 def apply_tuned(
     o: dict,
     model: str,
@@ -623,7 +791,8 @@ def apply_tuned(
     which must not be given on the command line. Each key of the tuned run (``steps``, ``churn``, ``batch``,
     ``device``, ``threads``, ``grid``, ``shift``, ``sigmas``, ... as the file records them) that ``run``
     maps to a parameter of the command takes the file's value where that parameter was not given
-    (checked as the option checks it), and must match it where it was; ``fixed`` holds the
+    (checked as the option checks it), and must match it where it was, as do ``--chain`` and each chain
+    option (a command without ``--chain`` runs only the em chain); ``fixed`` holds the
     command's values of keys it has no option for (``device="cpu"``, ``shift=1.0``; ``sigmas``:
     none, as no command runs an explicit grid). "Given" is click's parameter source: the
     command line or the environment, whatever the value.
@@ -644,7 +813,7 @@ def apply_tuned(
     Raises:
         click.UsageError: naming every sampler option given beside ``--tune`` and every
             difference between this run and the file's (model, steps, churn, batch, device,
-            threads, grid, shift, ...), a file's value that its option would refuse, or a
+            threads, grid, shift, chain and its parameters, ...), a file's value that its option would refuse, or a
             coupling no ``--method`` runs.
         click.ClickException: if the file cannot be read, or a field of it is wrong (:func:`read_tuned`).
     """
@@ -678,6 +847,7 @@ def apply_tuned(
             o[name] = _adopt(ctx, params[name], key, there, path)
         elif _differs(key, o[name], there):
             diffs.append(f"{flags[name]} {o[name]} here, {there} in the file")
+    diffs += _chain_differs(ctx, o, made_for, params, path)
     problems = []
     if refused:
         problems.append(

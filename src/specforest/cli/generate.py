@@ -26,6 +26,9 @@ from .common import (
     NAMED_GRID_SHIFT,
     apply_tuned,
     as_ran,
+    chain_options,
+    chain_settings,
+    check_named_grid,
     churn_option,
     compile_option,
     draft_option,
@@ -36,6 +39,7 @@ from .common import (
     prefetch_option,
     progress_option,
     refuse_unused,
+    run_chain,
     set_threads,
     steps_option,
     threads_option,
@@ -65,6 +69,7 @@ def _job_options(model: str, K: int, L: int, device: bool = True):
             tree_size_options(K=K, L=L),
             steps_opt,
             churn_opt,
+            chain_options,
             grid_option(),
             prefetch_option(),
             verify_option("internal"),
@@ -154,8 +159,13 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
             param_hint="--count",
         )
     refuse_unused(o)
+    chain = run_chain(o)
+    if model not in gen_exp.IMAGE_MODELS:  # (an image job runs its pipeline's grid)
+        check_named_grid(chain, o["steps"], o["grid"])
     set_threads(o["threads"])
-    sampler = {k: o[k] for k in ("method", "K", "L", "steps", "churn", "grid", "prefetch", "verify", "draft")}
+    sampler = {k: o[k] for k in ("method", "K", "L", "steps", "grid", "prefetch", "verify", "draft")}
+    # the chain as the job records it: churn (null with another chain than em), chain, chain_params
+    sampler.update(chain_settings(chain))
     # what runs: the standard sampler takes the draft's options and does not use them
     sampler = as_ran(sampler)
     tree = o.get("tree_mode")
@@ -284,8 +294,10 @@ def generate_diffusers(**o):
     flags = {p.name: p.opts[0] for p in ctx.command.params}
     names = {lib: flags[k] for k, lib in FAMILY_FLAGS.items()}
     given = family_given(o)
-    # the steps are the sampler's (its grid), the churn the chain's: both defaults are the family's sample's
-    o["churn"] = library_errors(lambda: family_options(family, "sample", {"churn": given.pop("churn")}))["churn"]
+    # the steps are the sampler's (its grid), the churn the em chain's: both defaults are the family's sample's
+    churn = given.pop("churn")
+    if (o["chain"] or "em") == "em":
+        o["churn"] = library_errors(lambda: family_options(family, "sample", {"churn": churn}))["churn"]
     options = library_errors(lambda: family_options(family, "prepare", given, names=names))
     o["steps"] = options.pop("num_inference_steps")
     for k in FAMILY_FLAGS:

@@ -20,6 +20,8 @@ from .common import (
     POSITIVE,
     apply_tuned,
     as_ran,
+    chain_options,
+    check_named_grid,
     choice_list,
     churn_option,
     compile_option,
@@ -34,6 +36,7 @@ from .common import (
     progress_option,
     refuse_group_options,
     refuse_unused,
+    run_chain,
     seed_option,
     set_threads,
     steps_option,
@@ -93,15 +96,17 @@ def _setting_options(f):
     return f
 
 
-def _setting(o: dict) -> gmm_exp.GMMSetting:
+def _setting(o: dict, chain=None) -> gmm_exp.GMMSetting:
+    """The experiment's setting of the options ``o``, on ``chain`` (``None``: the em chain at ``--churn``)."""
     return gmm_exp.GMMSetting(
         dim=o["dim"],
         components=o["components"],
         steps=o["steps"],
-        churn=o["churn"],
+        churn=o["churn"] if chain is None else None,
         trajectories=o["trajectories"],
         grid=o["grid"],
         mixture_seed=o["mixture_seed"],
+        chain="em" if chain is None else chain,
     )
 
 
@@ -109,6 +114,7 @@ def _setting(o: dict) -> gmm_exp.GMMSetting:
 @method_option(gmm_exp.METHODS)
 @tree_size_options(K=6, L=6)
 @_setting_options
+@chain_options
 @click.option(
     "--lazy",
     is_flag=True,
@@ -132,7 +138,8 @@ def gmm(ctx: click.Context, **o) -> None:
 
     Defaults are the paper's setting: 5 components in d=500, T=30, churn 0.1,
     100 trajectories, flow_match grid, D-GRS on the (6, 6) tree. The speedup is
-    reported as T/NFE and in the paper's accounting (T-2)/(NFE-2).
+    reported as T/NFE and in the paper's accounting (T-2)/(NFE-2). --chain runs
+    another sampler's chain (e.g. --chain euler_ancestral --eta 0.7), exactly.
     """
     if ctx.invoked_subcommand is not None:
         refuse_group_options(ctx)
@@ -144,8 +151,10 @@ def gmm(ctx: click.Context, **o) -> None:
         fixed={"device": "cpu", "shift": NAMED_GRID_SHIFT},
     )
     refuse_unused(o)
+    chain = run_chain(o)
+    check_named_grid(chain, o["steps"], o["grid"])
     set_threads(o["threads"])
-    setting = library_errors(lambda: _setting(o))
+    setting = library_errors(lambda: _setting(o, chain))
     run = library_errors(
         lambda: gmm_exp.simulate(
             setting,

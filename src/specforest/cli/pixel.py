@@ -19,6 +19,8 @@ from .common import (
     NAMED_GRID_SHIFT,
     apply_tuned,
     as_ran,
+    chain_options,
+    check_named_grid,
     choice_list,
     churn_option,
     compile_option,
@@ -33,6 +35,7 @@ from .common import (
     progress_option,
     refuse_group_options,
     refuse_unused,
+    run_chain,
     seed_option,
     set_threads,
     steps_option,
@@ -87,6 +90,7 @@ def _common(f):
 @tree_options
 @tree_size_options(K=2, L=3)
 @churn_option(MODEL_DEFAULTS["digits"]["churn"])
+@chain_options
 @_common
 @click.option(
     "--lazy",
@@ -119,20 +123,23 @@ def pixel(ctx: click.Context, **o) -> None:
     Defaults: D-GRS on the (2, 3) tree (B = 14), churn 0.3, T = 100, 100 images.
     Reports the speedup T/NFE per image and the classifier's accuracy against the
     conditioning label. The paper's EDM models on CIFAR-10 / FFHQ (d = 3072 / 12288)
-    reach 2.2-2.6x / 2.0-2.2x; this model has d = 64.
+    reach 2.2-2.6x / 2.0-2.2x; this model has d = 64. --chain runs another
+    sampler's chain (e.g. --chain euler_ancestral --eta 0.7), exactly.
     """
     if ctx.invoked_subcommand is not None:
         refuse_group_options(ctx)
         return
     o, _ = apply_tuned(o, "digits", run={"batch": "samples"}, fixed={"device": "cpu", "shift": NAMED_GRID_SHIFT})
     refuse_unused(o)
+    chain = run_chain(o)
+    check_named_grid(chain, o["steps"], o["grid"])
     set_threads(o["threads"])
     run = library_errors(
         lambda: pixel_exp.simulate(
             method=o["method"],
             K=o["K"],
             L=o["L"],
-            churn=o["churn"],
+            chain=chain,
             samples=o["samples"],
             steps=o["steps"],
             seed=o["seed"],

@@ -14,16 +14,22 @@ import click
 
 from ..atomic import atomic_write_text
 from ..devices import default_dtype
+from ..experiments.common import chain_kwargs
 from .common import (
+    CHAIN_FLAGS,
     CHURN,
     CONTEXT,
     MODEL_DEFAULTS,
     NAMED_GRID,
     NAMED_GRID_SHIFT,
+    chain_options,
+    chain_settings,
+    check_named_grid,
     is_given,
     library_errors,
     output_path,
     progress_option,
+    run_chain,
     set_threads,
     threads_option,
 )
@@ -191,6 +197,7 @@ def _tune_diffusers(o: dict, drafts: list):
     show_default=f"the model's command default: {_CHURNS_SHOWN}",
     help="Churn eps in (0, 1] of the run to tune for.",
 )
+@chain_options
 @click.option(
     "--batch",
     type=click.IntRange(1),
@@ -259,17 +266,34 @@ def tune(**o) -> None:
     with the thread count it sets (--threads).
 
     Without --steps and --churn it tunes at the model's own command defaults
-    (digits: those of 'specforest pixel'; see --steps and --churn). A command run with --tune FILE takes the file's steps, churn,
-    batch, device and threads where they are not given, and refuses a run that
-    differs from them.
+    (digits: those of 'specforest pixel'; see --steps and --churn). --chain
+    tunes the run of another sampler's chain (gmm and digits; the pipelines'
+    tuners run the em chain). A command run with --tune FILE takes the file's
+    steps, churn, chain, batch, device and threads where they are not given, and
+    refuses a run that differs from them.
     """
     from ..latency import tune as tune_fn
 
     _refuse_other_models(o["model"])
+    ctx = click.get_current_context()
+    em = (o["chain"] or "em") == "em"
+    if o["model"] in ("sd3", "diffusers"):
+        given = [
+            f for n, f in (("chain", "--chain"), *CHAIN_FLAGS.items()) if is_given(ctx, n) and not (n == "chain" and em)
+        ]
+        if given:
+            raise click.UsageError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --model gmm or digits: the "
+                f"pipelines' tuners run the em chain (--churn); leave {'it' if len(given) == 1 else 'them'} out"
+            )
     if o["model"] != "diffusers":
         for key in ("steps", "churn"):
-            if o[key] is None:
+            if o[key] is None and (key == "steps" or em):
                 o[key] = MODEL_DEFAULTS[o["model"]][key]
+    chain = None
+    if o["model"] in ("gmm", "digits"):
+        chain = run_chain(o)
+        check_named_grid(chain, o["steps"], NAMED_GRID, where=f"the {NAMED_GRID} grid tune runs")
     threads = set_threads(o["threads"])
     drafts = parse_drafts(o["drafts"])
     every = o["drafts"].strip() == "all"
@@ -287,10 +311,10 @@ def tune(**o) -> None:
         res = _tune_sd3(o, drafts)
         keys = ("model", "steps", "churn", "batch", "device", "guidance", "shift", "height", "width")
     else:
-        res = _tune_small(o, drafts, tune_fn, every)
+        res = _tune_small(o, drafts, tune_fn, every, chain)
         # the grid it tuned on: a run with --tune on another grid is refused
-        o.update(grid=NAMED_GRID, shift=NAMED_GRID_SHIFT)
-        keys += ("grid", "shift")
+        o.update(grid=NAMED_GRID, shift=NAMED_GRID_SHIFT, **chain_settings(chain))
+        keys += ("grid", "shift", "chain", "chain_params")
     if o["model"] == "gmm":
         keys += ("dim", "components")
     data = res.to_json()
@@ -314,8 +338,8 @@ def tune(**o) -> None:
         click.echo(f"  ({len(res.candidates) - len(timed)} more not timed: their network calls alone are slower)")
 
 
-def _tune_small(o: dict, drafts: list, tune_fn, every: bool):
-    """The mixture or the digits model; with ``every`` (``--drafts all``), the drafts that serve it."""
+def _tune_small(o: dict, drafts: list, tune_fn, every: bool, chain):
+    """The mixture or the digits model on ``chain``; with ``every`` (``--drafts all``), the drafts that serve it."""
     model, x, cond = library_errors(lambda: _target(o["model"], o, max(o["batch"], 16)))
     if every:
         from ..proposals import drafts_serving
@@ -327,7 +351,7 @@ def _tune_small(o: dict, drafts: list, tune_fn, every: bool):
             model,
             x,
             steps=o["steps"],
-            churn=o["churn"],
+            **chain_kwargs(chain),
             cond=cond,
             batch=o["batch"],
             budget_max=o["budget_max"],

@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..chains import EM, Chain, get_chain
 from ..planning import TREE_MODES, AdaptiveTree, make_tree
 from ..plots import pyplot, save_figure
 from ..trees import DraftTree
@@ -36,6 +37,9 @@ __all__ = [
     "SWEEP_METHODS",
     "SweepResult",
     "budget_of",
+    "chain_kwargs",
+    "chain_of_record",
+    "chain_record",
     "check_choice",
     "check_churn",
     "check_int",
@@ -44,13 +48,16 @@ __all__ = [
     "choose_tree",
     "compiled",
     "derive_seed",
+    "describe_chain",
     "finite",
     "mean_sem",
     "method_tree",
     "normalize",
     "pm",
     "pyplot",
+    "json_params",
     "record_key",
+    "run_chain",
     "save_figure",
     "summarize",
     "write_records",
@@ -79,6 +86,76 @@ def check_sweep_methods(methods: Sequence[str]) -> list[str]:
     for m in methods:
         check_choice("methods", m, SWEEP_METHODS)
     return methods
+
+
+def run_chain(chain: "str | Chain", churn: Optional[float], default_churn: float) -> Chain:
+    """The chain an experiment's run samples: ``chain`` (a registered name or a
+    :class:`~specforest.chains.Chain`) with ``churn``, the ``em`` chain's parameter.
+
+    With the ``em`` chain (the paper's, the default) ``churn`` is its churn (``None``: an
+    :class:`~specforest.chains.EM`'s own, or ``default_churn``, the experiment's); another chain
+    carries its own parameters and takes no ``churn``.
+
+    Raises:
+        ValueError / TypeError: an unknown chain (listing the registered ones), a churn out of
+            ``(0, 1]``, or a churn given with another chain (naming the chain and its parameters).
+    """
+    if isinstance(chain, EM) or (isinstance(chain, str) and chain.lower() == "em"):
+        if churn is None:
+            return chain if isinstance(chain, EM) else EM(churn=default_churn)
+        churn = check_churn(churn)
+        if isinstance(chain, EM) and churn != chain.churn:
+            raise ValueError(f"churn={churn:g} disagrees with the chain's churn {chain.churn:g}; give one of them")
+        return EM(churn=churn)
+    made = get_chain(chain)
+    if churn is not None:
+        raise ValueError(
+            f"churn is the em chain's parameter; chain {made.name!r} takes {', '.join(made.params)} "
+            f"(set them on the chain: specforest.chains.get_chain({made.name!r}, ...)); leave churn unset"
+        )
+    return made
+
+
+def chain_kwargs(chain: Chain) -> dict:
+    """:func:`specforest.sample`'s options ``churn`` and ``chain`` of a run's chain: the ``em`` chain as
+    its churn (the options every run had before chains), another chain as itself."""
+    if isinstance(chain, EM):
+        return {"churn": chain.churn, "chain": "em"}
+    return {"churn": None, "chain": chain}
+
+
+def json_params(params: dict) -> dict:
+    """A chain's parameters as JSON holds them: a non-finite number (EDM's ``s_tmax = inf``, no bound)
+    as ``null``, which :func:`chain_of_record` reads back as the parameter's default."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in params.items()}
+
+
+def chain_of_record(name: str, params: "dict | None") -> Chain:
+    """The chain a record names: ``get_chain(name, **params)``, a ``null`` parameter its default (:func:`json_params`).
+
+    Raises:
+        ValueError / TypeError: an unknown chain, or a parameter it lacks or refuses, naming it.
+    """
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise TypeError(f"chain_params must be an object of the chain's parameters, got {type(params).__name__}")
+    return get_chain(name, **{k: v for k, v in params.items() if v is not None})
+
+
+def chain_record(chain: Chain) -> dict:
+    """What a run's record holds of its chain: ``chain`` (its name) and ``chain_params`` (:func:`json_params`)."""
+    return {"chain": chain.name, "chain_params": json_params(chain.params)}
+
+
+def describe_chain(record: dict, sep: str = "=") -> str:
+    """A record's chain in a summary line: ``churn=0.1`` for the em chain (a record without a chain
+    ran it), ``chain euler_ancestral (eta=0.7, s_noise=1, path=ve)`` for another."""
+    name = record.get("chain", "em")
+    if name == "em":
+        return f"churn{sep}{record.get('churn')}"
+    params = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in record["chain_params"].items())
+    return f"chain {name} ({params})"
 
 
 def derive_seed(seed: int, *stream: int) -> int:
@@ -222,8 +299,21 @@ def summarize(
 
 
 def record_key(record: dict, fields: Sequence[str]) -> tuple:
-    """The identity of a configuration in a results file: its ``fields`` (``churn`` as a float)."""
-    return tuple(float(record[k]) if k == "churn" else record[k] for k in fields)
+    """The identity of a configuration in a results file: its ``fields`` (``churn`` as a float; ``chain``
+    as its name and parameters, the ``em`` chain at the record's churn in a record written before chains)."""
+
+    def value(k: str):
+        if k == "churn":
+            return None if record.get("churn") is None else float(record["churn"])
+        if k == "chain":
+            name = record.get("chain", "em")
+            params = record.get("chain_params")
+            if params is None:
+                params = {"churn": float(record["churn"])} if name == "em" and record.get("churn") is not None else {}
+            return name, tuple(sorted(params.items()))
+        return record[k]
+
+    return tuple(value(k) for k in fields)
 
 
 @dataclass

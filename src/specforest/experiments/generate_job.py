@@ -16,7 +16,7 @@ import torch
 
 from .. import memory
 from ..generation import MAX_COUNT
-from .common import METHODS, check_choice, check_int
+from .common import METHODS, chain_of_record, check_choice, check_int
 
 __all__ = [
     "IMAGE_MODELS",
@@ -26,6 +26,7 @@ __all__ = [
     "count_limit",
     "diffusers_options",
     "prompts_digest",
+    "sampler_chain",
     "sd3_options",
 ]
 
@@ -51,7 +52,9 @@ class JobSpec:
         count: samples ``M >= 1``.
         seed: the job's seed ``S >= 0``.
         sampler: sampler options (``method``, ``K``, ``L``, ``steps``, ``churn``,
-            ``grid``, ``prefetch``, ``verify``, ``draft``; ``tree``, a parent list, for a
+            ``grid``, ``prefetch``, ``verify``, ``draft``; ``chain``, the chain's name, and
+            ``chain_params``, its parameters (a job without them runs the ``em`` chain at ``churn``,
+            and ``churn`` is ``None`` with another chain); ``tree``, a parent list, for a
             tree given as it is, e.g. a tuned one).
         model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``; ``sd3``:
             :func:`sd3_options`; ``diffusers``: :func:`diffusers_options`).
@@ -68,6 +71,7 @@ class JobSpec:
         check_int("count", self.count, 1, MAX_COUNT)
         check_int("seed", self.seed, 0)
         check_choice("method", self.sampler.get("method"), METHODS)
+        sampler_chain(self.sampler)  # the chain and its parameters, checked before anything is loaded
 
     def options(self) -> dict:
         """What identifies the job's samples (``--batch`` and the process count do not)."""
@@ -78,6 +82,26 @@ class JobSpec:
             "sampler": dict(self.sampler),
             "model_options": dict(self.model_options),
         }
+
+
+def sampler_chain(sampler: dict) -> dict:
+    """:func:`specforest.sample`'s options ``churn`` and ``chain`` of a job's sampler options: the ``em``
+    chain at ``churn`` (a job without ``chain``: one started before chains were recorded), or the chain
+    ``chain`` with ``chain_params``.
+
+    Raises:
+        ValueError / TypeError: an unknown chain, a parameter it lacks or refuses, or a churn given
+            with another chain, naming it.
+    """
+    name = sampler.get("chain", "em")
+    if name == "em":
+        return {"churn": sampler.get("churn"), "chain": "em"}
+    chain = chain_of_record(name, sampler.get("chain_params"))
+    if sampler.get("churn") is not None:
+        raise ValueError(
+            f"churn is the em chain's parameter; chain {chain.name!r} takes {', '.join(chain.params)}; leave it null"
+        )
+    return {"churn": None, "chain": chain}
 
 
 def count_limit(

@@ -71,11 +71,16 @@ def check_start(out: Path, spec: JobSpec, resume: bool) -> bool:
 
 def _as_ran(opts: dict) -> dict:
     """A job's options as they ran, as a resumed job compares them: a standard job's draft options are
-    unused (a job written before the command line recorded them as null holds the defaults: the same job)."""
+    unused (a job written before the command line recorded them as null holds the defaults: the same job),
+    and a job written before chains were recorded ran the em chain at its churn."""
     sampler = opts.get("sampler") if isinstance(opts, dict) else None
-    if not isinstance(sampler, dict) or sampler.get("method") != "standard":
+    if not isinstance(sampler, dict):
         return opts
-    return {**opts, "sampler": {**sampler, **dict.fromkeys(("draft", "prefetch", "verify"))}}
+    if "chain" not in sampler:
+        sampler = {**sampler, "chain": "em", "chain_params": {"churn": sampler.get("churn")}}
+    if sampler.get("method") == "standard":
+        sampler = {**sampler, **dict.fromkeys(("draft", "prefetch", "verify"))}
+    return {**opts, "sampler": sampler}
 
 
 def _diff(old: dict, new: dict) -> str:

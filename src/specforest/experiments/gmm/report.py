@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common import METHOD_LABELS, SWEEP_METHODS, budget_of, pm, pyplot, save_figure
+from ..common import METHOD_LABELS, SWEEP_METHODS, budget_of, describe_chain, pm, pyplot, save_figure
 from ..results import describe_method
 
 __all__ = ["format_result", "format_summary", "write_figures"]
@@ -34,7 +34,7 @@ def _title(records: list[dict]) -> str:
     r = records[0]
     return (
         f"Gaussian mixture: d={r['dim']}, {r['components']} components, T={r['steps']}, "
-        f"churn={r['churn']}, {r['grid']} grid, {r['trajectories']} trajectories, "
+        f"{describe_chain(r)}, {r['grid']} grid, {r['trajectories']} trajectories, "
         f"prefetch={r['prefetch']}, verify={r['verify']}"
     )
 
@@ -154,7 +154,7 @@ def format_result(r: dict) -> str:
     lines = [
         (
             f"{what}: {r['trajectories']} trajectories, d={r['dim']}, {r['components']} components, "
-            f"T={r['steps']}, churn={r['churn']}, {r['grid']} grid, seed {r['seed']}, "
+            f"T={r['steps']}, {describe_chain(r)}, {r['grid']} grid, seed {r['seed']}, "
             f"mixture seed {r['mixture_seed']}"
         ),
         (

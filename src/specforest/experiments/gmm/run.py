@@ -29,6 +29,8 @@ from ..common import (
     COUPLING_OF,
     METHODS,
     budget_of,
+    chain_kwargs,
+    chain_record,
     check_choice,
     check_int,
     check_number,
@@ -157,7 +159,7 @@ def simulate(
                 initial_states(_CALIBRATION_TRAJECTORIES, setting.dim, derive_seed(seed, STREAM_CALIBRATION_X)),
                 budget=b,
                 steps=setting.steps,
-                churn=setting.churn,
+                **chain_kwargs(setting.run_chain),
                 coupling=COUPLING_OF[method],
                 grid=setting.grid,
                 draft=draft,
@@ -182,7 +184,7 @@ def simulate(
     starts = list(range(0, n, mem.chunk))
     opts = SamplerOptions(
         steps=T,
-        churn=setting.churn,
+        **chain_kwargs(setting.run_chain),
         grid=setting.grid,
         tree=tree,
         coupling=coupling,
@@ -237,6 +239,7 @@ def simulate(
         "target_seconds": target_seconds,
         "grid": setting.grid,
         "churn": setting.churn,
+        **chain_record(setting.run_chain),
         "steps": T,
         "deterministic_steps": t_det,
         "dim": setting.dim,
@@ -295,7 +298,8 @@ def run_config(setting: GMMSetting, **options) -> dict:
             the calls are padded to :func:`specforest.warmup.pad_rows_for`'s sizes.
 
     Returns:
-        A JSON-serializable dict (NaN written as ``None``) with the options and
+        A JSON-serializable dict (NaN written as ``None``) with the options (the setting's chain as
+        ``chain``, its name, and ``chain_params``, its parameters; ``churn`` null with a chain other than em) and
         ``budget``, ``nfe_mean``/``nfe_sem``, ``speedup_mean``/``speedup_sem``
         (``T / NFE``), ``speedup_paper_mean``/``speedup_paper_sem``
         (``(T - 2) / (NFE - 2)``), ``accept_rate`` (pooled per-step acceptance:

@@ -7,7 +7,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from ..common import SweepResult, budget_of, check_int, check_sweep_methods, record_key, write_records
+from ..common import (
+    SweepResult,
+    budget_of,
+    chain_record,
+    check_int,
+    check_sweep_methods,
+    record_key,
+    write_records,
+)
 from ..io import load_records
 from .report import write_figures
 from .run import run_config
@@ -102,13 +110,15 @@ def run_sweep(
     common = {"prefetch": prefetch, "verify": verify, "seed": seed, "draft": draft}
     json_path = out_dir / "results.json"
     records = load_results(json_path)
-    done = {result_key(r): r for r in records if all(k in r for k in KEY_FIELDS)}
+    # (a record written before chains ran the em chain at its churn: record_key says so)
+    done = {result_key(r): r for r in records if all(k in r for k in KEY_FIELDS if k != "chain")}
 
     def key_of(method, K, L):
         has_tree = method != "standard"
         return result_key(
             dict(
                 asdict(setting),
+                **chain_record(setting.run_chain),
                 method=method,
                 K=K,
                 L=L,

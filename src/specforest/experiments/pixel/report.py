@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..common import METHOD_LABELS, SWEEP_METHODS, pm, pyplot, save_figure
+from ..common import METHOD_LABELS, SWEEP_METHODS, describe_chain, pm, pyplot, save_figure
 from ..results import describe_method
 from .setting import samples_path
 
@@ -22,7 +22,7 @@ def format_result(r: dict) -> str:
     """A few human-readable lines describing one record."""
     sd = "" if r["speedup_std"] is None else f" (std {r['speedup_std']:.3f})"
     lines = [
-        f"{describe_method(r)}: {r['samples']} digits, T={r['steps']} ({r['grid']}), churn {r['churn']}, "
+        f"{describe_method(r)}: {r['samples']} digits, T={r['steps']} ({r['grid']}), {describe_chain(r, ' ')}, "
         f"{r['mode']} mode",
         f"  NFE {r['nfe_mean']:.2f}   speedup T/NFE {r['speedup_mean']:.3f}{sd}"
         f"   paper accounting {r['speedup_paper_mean']:.3f}",

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ... import __version__, memory, sample
+from ...chains import Chain
 from ...drafting import runs_full
 from ...models.digits import IMAGE_SHAPE, DigitsClassifier, load_classifier, load_velocity
 from ...options import SamplerOptions
@@ -30,8 +31,9 @@ from ..common import (
     COUPLING_OF,
     METHODS,
     budget_of,
+    chain_kwargs,
+    chain_record,
     check_choice,
-    check_churn,
     check_int,
     check_number,
     choose_tree,
@@ -39,6 +41,7 @@ from ..common import (
     derive_seed,
     finite,
     normalize,
+    run_chain,
     summarize,
 )
 from .setting import (
@@ -57,6 +60,10 @@ ROW_BYTES = 10**6
 ``row_bytes`` (:func:`specforest.memory.row_bytes_of`): 1 MB, a generous figure for a small
 image network. The shipped digits velocity declares its measured figure
 (:data:`specforest.models.digits.ROW_BYTES_FLOAT32`, 136 kB a float32 row)."""
+
+
+DEFAULT_CHURN = 0.3
+"""The em chain's churn of :func:`simulate` (the paper's middle level of Sec. 5.2)."""
 
 
 @dataclass
@@ -79,7 +86,7 @@ def simulate(
     method: str = "dgrs",
     K: int = 2,
     L: int = 3,
-    churn: float = 0.3,
+    churn: Optional[float] = None,
     samples: int = 100,
     steps: int = 100,
     seed: int = 0,
@@ -96,6 +103,7 @@ def simulate(
     compile: bool = False,
     warmup: bool = False,
     memory_gb: Optional[float] = None,
+    chain: "str | Chain" = "em",
 ) -> PixelRun:
     """Sample ``samples`` class-conditional digits with one method and summarize.
 
@@ -103,7 +111,7 @@ def simulate(
         method: ``standard``, ``rmc``, ``dgrs``, ``rank`` or ``antithetic`` (K even).
         K: tree width of the tree methods (ignored otherwise), ``>= 1`` (``>= 0`` for ``standard``).
         L: tree depth of the tree methods; chain length ``B`` for ``rmc``; ``>= 1`` (``>= 0`` for ``standard``).
-        churn: ``eps`` in (0, 1].
+        churn: ``eps`` in (0, 1] of the ``em`` chain (default 0.3); ``None`` with another chain.
         samples: number of images ``>= 1``.
         steps: grid steps ``T >= 3``.
         seed: seed of the labels, ``x_T`` and the sampling noise, ``>= 0``.
@@ -129,6 +137,9 @@ def simulate(
             tree the calls are padded to :func:`specforest.warmup.pad_rows_for`'s sizes.
         memory_gb: memory limit of the whole process in GB (> 0; default
             :func:`specforest.memory.default_memory_limit`); it sets ``max_rows``.
+        chain: the sampler's chain (:mod:`specforest.chains`): ``"em"`` (the paper's Euler-Maruyama
+            step with ``churn``, the default), or another registered name or
+            :class:`~specforest.chains.Chain` with its parameters (``get_chain("euler_ancestral", eta=0.7)``).
 
     Returns:
         A :class:`PixelRun`; its record holds the options and ``budget``, the
@@ -139,7 +150,8 @@ def simulate(
         ``delta_per_depth`` (``None`` where a depth was never reached), ...),
         ``speedup_std``, ``wall_seconds``, ``warmup_seconds`` (0 without ``warmup``; not in
         ``wall_seconds``), ``max_rows``, ``memory_peak_gb`` (the estimated peak of the process),
-        ``memory_gb`` (the limit) and ``classifier_accuracy``.
+        ``memory_gb`` (the limit), ``classifier_accuracy``, and the chain as ``chain`` (its name) and
+        ``chain_params`` (``churn`` null with a chain other than em).
 
     Raises:
         ValueError / TypeError: on invalid options, naming the option.
@@ -156,7 +168,8 @@ def simulate(
     check_choice("draft", draft, (*DRAFT_KINDS, *PICARD_DRAFTS, *MODEL_DRAFTS))
     if method == "antithetic" and K % 2:
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
-    churn = check_churn(churn)
+    ch = run_chain(chain, churn, DEFAULT_CHURN)
+    churn = chain_kwargs(ch)["churn"]
     if memory_gb is not None:
         memory_gb = check_number("memory_gb", memory_gb, 0.0, lo_open=True)
     K, L = normalize(method, K, L)
@@ -172,7 +185,7 @@ def simulate(
             cx,
             budget=b,
             steps=T,
-            churn=churn,
+            **chain_kwargs(ch),
             coupling=COUPLING_OF[method],
             grid=grid,
             draft=draft,
@@ -218,7 +231,7 @@ def simulate(
     target, pad_rows = compiled(model, compile)
     opts = SamplerOptions(
         steps=T,
-        churn=churn,
+        **chain_kwargs(ch),
         grid=grid,
         tree=tree,
         coupling=COUPLING_OF.get(method, "grs"),
@@ -248,6 +261,7 @@ def simulate(
         "tree": tree_mode,
         "samples": n,
         "churn": churn,
+        **chain_record(ch),
         "steps": T,
         **summarize(
             nfe=s.nfe,
