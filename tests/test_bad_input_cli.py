@@ -131,6 +131,12 @@ BAD_TUNED_FIELDS = [
     ("candidates", "none", "candidates"),
     ("candidates", [3], "candidates"),
     ("prefech", "parent", "prefech"),  # a misspelt field read as its default before
+    ("chain", "nope", "chain"),
+    ("chain", 3, "chain"),
+    ("chain", "ddim", "churn"),  # a churn with another chain than em
+    ("chain_params", [1], "chain_params"),
+    ("chain_params", {"eta": 1.0}, "eta"),  # not a parameter of the em chain
+    ("chain_params", {"churn": 0.5}, "churn"),  # the em chain's, disagreeing with churn
 ]
 
 
@@ -170,7 +176,13 @@ def test_a_tune_file_whose_rmc_tree_is_not_a_chain_is_refused(tmp_path, no_work)
 
 @pytest.mark.parametrize(
     "made_for,named",
-    [({"threads": "two"}, "threads"), ({"threads": 0}, "threads"), ({"grid": "karras"}, "grid")],
+    [
+        ({"threads": "two"}, "threads"),
+        ({"threads": 0}, "threads"),
+        ({"grid": "karras"}, "grid"),
+        ({"chain": "nope"}, "chain"),
+        ({"chain_params": 3}, "chain_params"),
+    ],
 )
 def test_the_run_a_tune_file_records_is_checked_before_it_is_taken(tmp_path, no_work, made_for, named):
     path = _tune_file(tmp_path, _tuned().to_json(), **made_for)

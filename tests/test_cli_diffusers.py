@@ -304,6 +304,26 @@ def test_generate_diffusers_images_are_the_prepared_chain_from_the_scheduler_noi
     assert any(np.abs(w - im).max() > 1 for w, im in zip(written, images(1.0), strict=True))
 
 
+def test_generate_diffusers_runs_another_chain_on_the_pipelines_grid(saved, tmp_path):
+    """SDXL's grid starts below t = 1: DDPM's chain (not defined at t = 1) runs there; the job records it,
+    its images are another law's, and --churn with it is refused naming the chain."""
+    res = _generate(saved, "sdxl", tmp_path / "ddpm", "--batch", 2, "--chain", "ddpm")
+    assert res.exit_code == 0, res.output
+    sampler = json.loads((tmp_path / "ddpm.json").read_text())["options"]["sampler"]
+    assert sampler["chain"] == "ddpm" and sampler["chain_params"] == {"variance": "fixed_small"}
+    assert sampler["churn"] is None
+    assert _generate(saved, "sdxl", tmp_path / "em", "--batch", 2).exit_code == 0
+    em = json.loads((tmp_path / "em.json").read_text())["options"]["sampler"]
+    assert em["chain"] == "em" and em["churn"] is not None
+    assert any(
+        np.abs(pixels(tmp_path / "ddpm" / f"{i:06d}.png") - pixels(tmp_path / "em" / f"{i:06d}.png")).max() > 1
+        for i in range(3)
+    )
+    res = _generate(saved, "sdxl", tmp_path / "x", "--chain", "ddpm", "--churn", 0.5)
+    assert res.exit_code == 2 and "--churn is not a parameter of chain 'ddpm'" in res.output, res.output
+    assert not (tmp_path / "x").exists()
+
+
 # -- specforest tune --model diffusers -----------------------------------------------------------------
 
 
@@ -362,6 +382,20 @@ def test_a_tune_file_of_another_family_or_run_is_refused(saved, tuned, tmp_path)
     res = run_diffusers(saved, "flux", tmp_path / "z", "--tune", path, "--K", 3)
     assert res.exit_code == 2 and "--K cannot be given with --tune" in res.output
     assert not any((tmp_path / n).exists() for n in "xyz")
+
+
+def test_a_tune_file_of_another_chain_is_refused_by_the_pipeline_commands(saved, tuned, tmp_path):
+    # the pipelines' commands run the em chain only: a file tuned for another is not their run
+    data = json.loads(tuned("sd3").read_text())
+    data.update(chain="ddim", chain_params={"eta": 1.0}, churn=None)
+    data["tuned_for"].update(chain="ddim", chain_params={"eta": 1.0}, churn=None)
+    path = tmp_path / "ddim.json"
+    path.write_text(json.dumps(data))
+    res = run_diffusers(saved, "sd3", tmp_path / "x", "--tune", path)
+    assert res.exit_code == 2 and "chain em here (this command's only one), ddim in the file" in res.output, res.output
+    res = _generate(saved, "sd3", tmp_path / "y", "--tune", path, "--chain", "em")
+    assert res.exit_code == 2 and "--chain em here, ddim in the file" in res.output, res.output
+    assert not any((tmp_path / n).exists() for n in "xy")
 
 
 def test_a_family_without_a_tuner_or_prepare_says_so(saved, tmp_path, monkeypatch):

@@ -703,8 +703,8 @@ def read_tuned(path: str) -> "tuple[Any, dict]":
         raise click.ClickException(f"--tune {path}: {e}") from e
     made_for = dict(made_for)
     made_for.update(steps=tuned.steps, batch=tuned.batch, chain=tuned.chain, chain_params=tuned.chain_params)
-    if tuned.churn is not None:
-        made_for["churn"] = tuned.churn
+    if tuned.churn is not None or tuned.chain != "em":
+        made_for["churn"] = tuned.churn  # (None with another chain than em: it has no churn)
     return tuned, made_for
 
 
