@@ -294,3 +294,7 @@ def test_a_tuned_file_round_trips_its_chain_and_refuses_a_wrong_one():
     ]:
         with pytest.raises((TypeError, ValueError), match=named):
             Tuned.from_json({**data, **change})
+    # kept together: a file without both is em (written before them), one with either holds both
+    for other in ("chain", "chain_params"):
+        with pytest.raises(ValueError, match=f"needs the field\\(s\\) {other}"):
+            Tuned.from_json({k: v for k, v in data.items() if k != other})

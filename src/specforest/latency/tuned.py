@@ -160,7 +160,8 @@ class Tuned(Mapping):
         version runs the configuration it names or is refused, never another sampler.
 
         A file written before ``churn``, ``prefetch`` and the chain were kept reads with ``churn=None``
-        (not checked), ``prefetch="nearest"`` and ``chain="em"`` (what it was tuned with). ``tuned_for``,
+        (not checked), ``prefetch="nearest"`` and ``chain="em"`` (what it was tuned with); ``chain`` and
+        ``chain_params`` come together (one without the other is refused). ``tuned_for``,
         which ``specforest tune`` writes beside the configuration, is the command line's to read.
 
         Raises:
@@ -178,6 +179,10 @@ class Tuned(Mapping):
                 f"{', '.join(_FIELDS)} (and {', '.join(_BESIDE)})"
             )
         missing = [k for k in _FIELDS if k not in d and k not in _OPTIONAL]
+        # chain and chain_params were kept together: a file without both predates them (em), one with
+        # either holds both
+        if ("chain" in d) != ("chain_params" in d):
+            missing.append("chain_params" if "chain" in d else "chain")
         if missing:
             raise ValueError(f"a tuned configuration needs the field(s) {', '.join(missing)}")
         get = lambda k: d.get(k, _OPTIONAL.get(k))  # noqa: E731
