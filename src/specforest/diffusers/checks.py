@@ -43,14 +43,16 @@ def check_run_options(
     lazy: Any,
     generator: Any,
     max_memory_gb: Any,
-) -> "tuple[int, float, int, Optional[float]]":
+) -> "tuple[int, Optional[float], int, Optional[float]]":
     """The checks every family's ``sample`` makes of its run options, naming the parameter.
 
     Returns:
-        ``(steps, churn, num_images_per_prompt, max_memory_gb)`` as validated numbers.
+        ``(steps, churn, num_images_per_prompt, max_memory_gb)`` as validated numbers (``churn``
+        ``None`` where given so: another chain than ``em`` takes none, and the sampler requires it with ``em``).
     """
     steps = check_int("num_inference_steps", num_inference_steps, 1)
-    churn = check_number("churn", churn, 0.0, 1.0, lo_open=True)
+    if churn is not None:
+        churn = check_number("churn", churn, 0.0, 1.0, lo_open=True)
     n_img = check_int("num_images_per_prompt", num_images_per_prompt, 1)
     if output_type not in OUTPUT_TYPES:
         raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")

@@ -4,6 +4,8 @@
 shift_factor``, then the VAE and the image processor); :func:`decode_unet` is
 SDXL's and SD's (``latents_mean``/``latents_std`` where the VAE has them, the
 watermark or the safety checker where the pipeline has one).
+:func:`flow_match_images` and :func:`unet_images` are the same as a family's decoding in the
+flow (:class:`~specforest.diffusers.flow.FamilyParts`): the images and what the record adds.
 :func:`decode_bytes` is what one image's decode needs, which sizes the number of
 images per VAE call before anything is allocated.
 """
@@ -18,7 +20,7 @@ import torch
 from .detection import unet_family
 from .flow_matching import module_dtype_device
 
-__all__ = ["OUTPUT_TYPES", "decode_bytes", "decode_flow_match", "decode_unet"]
+__all__ = ["OUTPUT_TYPES", "decode_bytes", "decode_flow_match", "decode_unet", "flow_match_images", "unet_images"]
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 """What a family's ``sample`` returns as ``images``: the image processor's three kinds, or the latents."""
@@ -107,3 +109,15 @@ def decode_unet(pipe: Any, latents: torch.Tensor, output_type: str = "pil", batc
     nsfw = flags or None
     denorm = None if nsfw is None else [not f for f in nsfw]
     return pipe.image_processor.postprocess(image, output_type=output_type, do_denormalize=denorm), nsfw
+
+
+def flow_match_images(pipe: Any, latents: torch.Tensor, output_type: str, batch: Optional[int] = None) -> tuple:
+    """``(images, {})``: :func:`decode_flow_match` as a family's decoding (SD3, Flux)."""
+    return decode_flow_match(pipe, latents, output_type, batch), {}
+
+
+def unet_images(pipe: Any, latents: torch.Tensor, output_type: str, batch: Optional[int] = None) -> tuple:
+    """``(images, record)``: :func:`decode_unet` as a family's decoding (SDXL, SD); the record holds
+    ``nsfw_content_detected`` where the pipeline has a safety checker."""
+    images, nsfw = decode_unet(pipe, latents, output_type, batch)
+    return images, ({} if nsfw is None else {"nsfw_content_detected": nsfw})

@@ -8,9 +8,11 @@ family's ``sample`` with the same arguments. A new family is one entry of
 line reads to pick the family before loading anything,
 :func:`family_of_directory`); optionally its tuner and its ``prepare``
 (:mod:`~specforest.diffusers.prepared`), which ``specforest tune --model
-diffusers`` and ``specforest generate diffusers`` call. The command line reads
-a family's options and defaults from these functions' signatures, so a new
-entry needs no change there.
+diffusers`` and ``specforest generate diffusers`` call, and its parts
+(:class:`~specforest.diffusers.flow.FamilyParts`: checks, text, velocity and
+grid, row bytes, decoding), on which those three are the one flow of
+:mod:`~specforest.diffusers.flow`. The command line reads a family's options and
+defaults from these functions' signatures, so a new entry needs no change there.
 
 The predicates (:mod:`~specforest.diffusers.detection`) read class names only:
 diffusers is not imported.
@@ -28,6 +30,7 @@ from typing import Any, Optional
 
 from . import pipeline_flux, pipeline_sd3, pipeline_sdxl, tuning
 from .detection import is_flux, is_sd, is_sd3, is_sdxl
+from .flow import FamilyParts
 from .prepared import prepare_flux, prepare_sd3, prepare_sdxl
 
 __all__ = [
@@ -57,6 +60,10 @@ class Family:
         prepare: ``prepare(pipe, prompts, **options) -> Prepared``, the parts of a run
             (:mod:`~specforest.diffusers.prepared`) that ``specforest generate`` samples
             index by index; ``None``: not available yet.
+        parts: what is the family's own (:class:`~specforest.diffusers.flow.FamilyParts`: its
+            checks, text encoding, velocity and grid, row-bytes estimate and decoding), on which
+            ``sample``, ``tune`` and ``prepare`` are the flow every family shares; ``None`` for an
+            entry whose functions are its own.
     """
 
     name: str
@@ -65,13 +72,22 @@ class Family:
     sample: Callable[..., Any]
     tune: Optional[Callable[..., Any]] = None
     prepare: Optional[Callable[..., Any]] = None
+    parts: Optional[FamilyParts] = None
 
 
 # The predicates are disjoint (SD3 and Flux key on their transformer class, SDXL and
 # SD on their UNet's added embeddings and second text encoder), so the order only sets
 # the order of the names in errors.
 FAMILIES: tuple[Family, ...] = (
-    Family("sd3", ("StableDiffusion3Pipeline",), is_sd3, pipeline_sd3.sample, tune=tuning.tune, prepare=prepare_sd3),
+    Family(
+        "sd3",
+        ("StableDiffusion3Pipeline",),
+        is_sd3,
+        pipeline_sd3.sample,
+        tune=tuning.tune,
+        prepare=prepare_sd3,
+        parts=pipeline_sd3.PARTS,
+    ),
     Family(
         "flux",
         ("FluxPipeline",),
@@ -79,6 +95,7 @@ FAMILIES: tuple[Family, ...] = (
         pipeline_flux.sample,
         tune=tuning.tune_flux,
         prepare=prepare_flux,
+        parts=pipeline_flux.PARTS,
     ),
     Family(
         "sdxl",
@@ -87,6 +104,7 @@ FAMILIES: tuple[Family, ...] = (
         pipeline_sdxl.sample,
         tune=tuning.tune_sdxl,
         prepare=prepare_sdxl,
+        parts=pipeline_sdxl.PARTS,
     ),
     Family(
         "sd",
@@ -95,6 +113,7 @@ FAMILIES: tuple[Family, ...] = (
         pipeline_sdxl.sample,
         tune=tuning.tune_sdxl,
         prepare=prepare_sdxl,
+        parts=pipeline_sdxl.PARTS,
     ),
 )
 
@@ -180,17 +199,17 @@ def sample(pipe: Any, prompt: "str | list[str] | None" = None, **options: Any) -
     :func:`specforest.diffusers.pipeline_sdxl.sample`, with the same arguments.
     The options common to the families keep their names and meanings
     (``num_inference_steps``, ``guidance_scale``, ``height``, ``width``,
-    ``generator``, ``num_images_per_prompt``, ``output_type``, ``churn``,
-    ``tree``/``K``/``L``, ``coupling``, ``draft``, ``prefetch``, ``verify``,
-    ``lazy``, ``max_memory_gb``, ``shift``, ``max_sequence_length``, the
-    ``*prompt_embeds``); defaults are each pipeline's own (Flux: 28 steps,
+    ``generator``, ``num_images_per_prompt``, ``output_type``, ``max_memory_gb``,
+    ``shift``, ``max_sequence_length``, the ``*prompt_embeds``, ``warmup``, and the
+    sampler's options); defaults are each pipeline's own (Flux: 28 steps,
     guidance 3.5; SDXL 5.0 and SD 7.5 with ``guidance_scale=None``). Flux adds
     ``true_cfg_scale``; SDXL ``prompt_2`` and its size and crop conditioning. SDXL
-    and SD take no ``shift`` or ``max_sequence_length``. The sampler's options
-    among them (``churn``, ``tree``, ``coupling``, ``draft``, ``prefetch``,
-    ``verify``, ``lazy``, SD3's ``pad_rows``) mean what
-    :class:`~specforest.options.SamplerOptions` documents: the family's ``sample``
-    makes one of them (:func:`~specforest.diffusers.run.sampler_options`) with its grid.
+    and SD take no ``shift`` or ``max_sequence_length``. Every family takes every
+    sampler option (``churn``, ``chain``, ``tree``/``K``/``L``, ``coupling``,
+    ``draft``, ``prefetch``, ``verify``, ``lazy``, ``pad_rows``, ``record_deltas``),
+    meaning what :class:`~specforest.options.SamplerOptions` documents: the one flow
+    of the families (:func:`~specforest.diffusers.flow.sample_family`) makes one of
+    them with the family's grid.
 
     Returns:
         The family's result (:class:`~specforest.diffusers.SD3Result`,

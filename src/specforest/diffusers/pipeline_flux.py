@@ -27,11 +27,14 @@ right:
 The velocity (packing and positions included) is
 :mod:`~specforest.diffusers.flux_velocity`, the grid
 :mod:`~specforest.diffusers.grid`; this module is the pipeline's part: its
-checks, :func:`velocity_and_grid`, :func:`encode_text` and :func:`sample`.
-Text encoding (CLIP pooled + T5) and VAE decoding (``/ scaling_factor +
-shift_factor``) are the pipeline's own; only the sampling loop is
-:func:`specforest.sample`, on the churned SDE as for SD3
-(:mod:`~specforest.diffusers.pipeline_sd3`). diffusers itself is not imported.
+checks, :func:`velocity_and_grid`, :func:`encode_text`, :func:`row_bytes_of`
+and :func:`take_apart`, gathered in :data:`PARTS`. :func:`sample` is the flow
+every family shares (:func:`~specforest.diffusers.flow.sample_family`) on these
+parts, with every option SD3's takes. Text encoding (CLIP pooled + T5) and VAE
+decoding (``/ scaling_factor + shift_factor``) are the pipeline's own; only the
+sampling loop is :func:`specforest.sample`, on the churned SDE as for SD3
+(:mod:`~specforest.diffusers.pipeline_sd3`) or another ``chain``. diffusers
+itself is not imported.
 """
 
 from __future__ import annotations
@@ -44,21 +47,23 @@ from typing import Any, Optional
 import torch
 
 from ..couplings import Coupling
-from ..planning import make_tree
-from ..sampler import TunedFor, check_tuned_for
+from ..options import TunedFor
 from ..trees import DraftTree
 from ..validation import check_int as _check_int
 from ..validation import check_number as _check_number
-from .checks import check_components, check_run_options, image_size, vae_scale_factor
+from .checks import check_components, image_size, vae_scale_factor
 from .decoding import decode_flow_match as decode
+from .decoding import flow_match_images
 from .detection import is_flux
+from .flow import DEFAULT_CHURN, FamilyParts, Prepared, sample_family
 from .flow_matching import transformer_row_bytes
 from .flux_velocity import FluxVelocity, latent_image_ids, pack_latents, unpack_latents
 from .grid import flux_sigmas
-from .run import SD3Result, execution_device, run_sampler, sampler_options
-from .text import check_prompts, cond_from_embeds
+from .run import SD3Result, execution_device
+from .text import EMBEDS, TRANSFORMER_TEXT, check_transformer_text, cond_from_embeds
 
 __all__ = [
+    "PARTS",
     "FluxResult",
     "FluxVelocity",
     "cond_from_embeds",
@@ -69,6 +74,7 @@ __all__ = [
     "pack_latents",
     "row_bytes_of",
     "sample",
+    "take_apart",
     "unpack_latents",
     "velocity_and_grid",
 ]
@@ -104,6 +110,12 @@ def _check_pipeline(pipe: Any) -> None:
             f"pipe.transformer takes in_channels={tin}, not 4 x the VAE's latent_channels={lat}: a "
             "fill, control or inpainting transformer (extra input channels) is not supported"
         )
+
+
+def _sigmas(pipe: Any, steps: int, latent_shape: tuple, shift: Optional[float]) -> torch.Tensor:
+    """``FluxPipeline``'s grid of ``steps`` for latents ``(C, h, w)`` (``mu`` from the packed sequence length)."""
+    _, h, w = latent_shape
+    return flux_sigmas(pipe.scheduler.config, steps, (h // 2) * (w // 2), shift=shift)
 
 
 def velocity_and_grid(
@@ -146,7 +158,7 @@ def velocity_and_grid(
         what=f"2 x vae_scale_factor = {mult} (Flux packs 2 x 2 latent patches)",
     )
     h, w = height // vsf, width // vsf
-    sigmas = flux_sigmas(pipe.scheduler.config, steps, (h // 2) * (w // 2), shift=shift)
+    sigmas = _sigmas(pipe, steps, (None, h, w), shift)
     device = execution_device(pipe, pipe.transformer)
     velocity = FluxVelocity(
         pipe.transformer, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, device=device
@@ -205,12 +217,14 @@ def encode_text(
     return pe, ppe, npe, nppe
 
 
-def row_bytes_of(pipe: Any, velocity: FluxVelocity, latent_shape: tuple, pe: torch.Tensor, ppe: torch.Tensor) -> int:
-    """Bytes one transformer row needs (:func:`~specforest.diffusers.pipeline_sd3.transformer_row_bytes`)
-    for these embeddings: ``hw/4`` image tokens and ``seq`` text tokens per branch."""
+def row_bytes_of(pipe: Any, velocity: FluxVelocity, latent_shape: tuple, cond: dict) -> int:
+    """Bytes one transformer row needs (:func:`~specforest.diffusers.flow_matching.transformer_row_bytes`)
+    with the per-caption conditioning ``cond`` (:func:`cond_from_embeds`): ``hw/4`` image tokens and
+    ``seq`` text tokens per branch."""
     tcfg = pipe.transformer.config
     _, h, w = latent_shape
     heads = int(tcfg.get("num_attention_heads", 24))
+    pe, ppe = cond["encoder_hidden_states"], cond["pooled_projections"]
     return transformer_row_bytes(
         branches=velocity.branches,
         dtype=velocity.dtype,
@@ -221,6 +235,81 @@ def row_bytes_of(pipe: Any, velocity: FluxVelocity, latent_shape: tuple, pe: tor
         cond_numel=pe[0].numel() + ppe[0].numel(),
         latent_numel=math.prod(latent_shape),
     )
+
+
+def _check_inputs(pipe: Any, text: dict, options: dict) -> tuple[dict, int, dict]:
+    """The family options and the text inputs of a run, checked (:attr:`FamilyParts.check_inputs`)."""
+    guidance = _check_number("guidance_scale", options["guidance_scale"], 0.0)
+    true_cfg = _check_number("true_cfg_scale", options["true_cfg_scale"], 0.0)
+    max_seq = _check_int("max_sequence_length", options["max_sequence_length"], 1, 512)
+    if true_cfg > 1.0 and text.get("negative_prompt") is None and text.get("negative_prompt_embeds") is None:
+        # FluxPipeline would silently run without true CFG here
+        raise ValueError(
+            f'true_cfg_scale={true_cfg} > 1 needs negative_prompt ("" for an empty one) or '
+            "negative_prompt_embeds; or use true_cfg_scale=1"
+        )
+    text, n = check_transformer_text(text, pipe.transformer.config)
+    return text, n, {**options, "guidance_scale": guidance, "true_cfg_scale": true_cfg, "max_sequence_length": max_seq}
+
+
+def take_apart(pipe: Any, text: dict, steps: int, options: dict) -> Prepared:
+    """The parts of a Flux run (:class:`~specforest.diffusers.flow.Prepared`; the state is the
+    unpacked latents ``(C, h, w)``): the packing velocity on ``FluxPipeline``'s grid
+    (:func:`velocity_and_grid`) and one row of conditioning per caption (:func:`encode_text`),
+    from checked inputs (:attr:`FamilyParts.take_apart`)."""
+    o = options
+    velocity, sigmas, latent_shape, device = velocity_and_grid(
+        pipe,
+        num_inference_steps=steps,
+        guidance_scale=o["guidance_scale"],
+        true_cfg_scale=o["true_cfg_scale"],
+        height=o.get("height"),
+        width=o.get("width"),
+        shift=o.get("shift"),
+    )
+    pe, ppe, npe, nppe = encode_text(
+        pipe,
+        text["prompt"],
+        text["negative_prompt"],
+        device=device,
+        true_cfg=velocity.do_true_cfg,
+        max_sequence_length=o["max_sequence_length"],
+        **{k: text[k] for k in EMBEDS},
+    )
+    height, width = velocity.image_size
+    return Prepared(
+        velocity=velocity,
+        sigmas=sigmas,
+        latent_shape=latent_shape,
+        device=device,
+        cond=cond_from_embeds(pe, ppe, npe, nppe, velocity, device),
+        decode=lambda latents: decode(pipe, latents, "pil"),
+        config=dict(
+            family="flux",
+            num_inference_steps=steps,
+            guidance_scale=o["guidance_scale"],
+            guidance_embeds=velocity.guidance_embeds,
+            true_cfg_scale=o["true_cfg_scale"],
+            height=height,
+            width=width,
+            shift=o.get("shift"),
+            dynamic_shift=bool(pipe.scheduler.config.get("use_dynamic_shifting", False)) and o.get("shift") is None,
+        ),
+    )
+
+
+PARTS = FamilyParts(
+    network="transformer",
+    result=FluxResult,
+    text_inputs=TRANSFORMER_TEXT,
+    check_pipeline=_check_pipeline,
+    check_inputs=_check_inputs,
+    take_apart=take_apart,
+    sigmas=lambda pipe, steps, prepared: _sigmas(pipe, steps, prepared.latent_shape, prepared.config["shift"]),
+    row_bytes=row_bytes_of,
+    decode=flow_match_images,
+)
+"""Flux's part of the flow every family shares (:mod:`~specforest.diffusers.flow`)."""
 
 
 def sample(
@@ -240,7 +329,8 @@ def sample(
     generator: torch.Generator | list[torch.Generator] | None = None,
     num_images_per_prompt: int = 1,
     output_type: str = "pil",
-    churn: float = 0.8,
+    churn: float | None = DEFAULT_CHURN,
+    chain: Any = "em",
     tree: DraftTree | None = None,
     K: int | None = None,
     L: int | None = None,
@@ -254,6 +344,9 @@ def sample(
     shift: float | None = None,
     max_sequence_length: int = 512,
     tuned_for: TunedFor | None = None,
+    pad_rows: "Optional[str | list[int]]" = None,
+    warmup: bool = False,
+    record_deltas: bool = False,
 ) -> FluxResult:
     """Generate images with a Flux pipeline, sampling the churned SDE exactly.
 
@@ -298,8 +391,10 @@ def sample(
             function of ``generator[i]`` alone.
         num_images_per_prompt: images per caption (``>= 1``); ``N = n x num_images_per_prompt`` images.
         output_type: ``pil``, ``np``, ``pt`` or ``latent`` (unpacked ``(N, C, h, w)``).
-        churn, tree, K, L, coupling, draft, prefetch, verify, progress, lazy:
-            as in :func:`specforest.diffusers.pipeline_sd3.sample`.
+        churn, chain, tree, K, L, coupling, draft, prefetch, verify, progress, lazy, pad_rows,
+            warmup, record_deltas: as in :func:`specforest.diffusers.pipeline_sd3.sample`
+            (``warmup``: the transformer called at every row count of the run first; padding and
+            warm-up change no image).
         max_memory_gb: memory limit in GB (> 0). Default: the free memory of the
             CUDA device, or 50% of RAM on other devices.
         shift: a static timestep shift overriding the scheduler's (dynamic)
@@ -311,7 +406,8 @@ def sample(
             (``**tuned.options()``: unchecked).
 
     Returns:
-        :class:`FluxResult` with ``images``, ``latents``, ``stats``, ``memory``, ``config``.
+        :class:`FluxResult` with ``images``, ``latents``, ``stats``, ``memory``, ``config`` (``chain``
+        and its parameters among it), ``warmup_seconds``.
 
     Raises:
         ValueError / TypeError: on invalid arguments (naming the parameter).
@@ -319,120 +415,5 @@ def sample(
             and what to change; nothing is allocated for sampling in that case).
         FloatingPointError: if the transformer returns NaN or inf.
     """
-    _check_pipeline(pipe)
-    tcfg = pipe.transformer.config
-    steps, churn, n_img, max_memory_gb = check_run_options(
-        num_inference_steps=num_inference_steps,
-        churn=churn,
-        num_images_per_prompt=num_images_per_prompt,
-        output_type=output_type,
-        verify=verify,
-        lazy=lazy,
-        generator=generator,
-        max_memory_gb=max_memory_gb,
-    )
-    guidance = _check_number("guidance_scale", guidance_scale, 0.0)
-    true_cfg = _check_number("true_cfg_scale", true_cfg_scale, 0.0)
-    max_seq = _check_int("max_sequence_length", max_sequence_length, 1, 512)
-    do_true_cfg = true_cfg > 1.0
-    if do_true_cfg and negative_prompt is None and negative_prompt_embeds is None:
-        # FluxPipeline would silently run without true CFG here
-        raise ValueError(
-            f'true_cfg_scale={true_cfg} > 1 needs negative_prompt ("" for an empty one) or '
-            "negative_prompt_embeds; or use true_cfg_scale=1"
-        )
-    prompts, negatives, n = check_prompts(
-        prompt,
-        prompt_embeds,
-        negative_prompt,
-        negative_prompt_embeds,
-        pooled_prompt_embeds,
-        negative_pooled_prompt_embeds,
-        tcfg,
-    )
-    check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=n * n_img, batch_name="images")
-    tree = make_tree(K, L, coupling=coupling, tree=tree, steps=steps)
-    velocity, sigmas, latent_shape, device = velocity_and_grid(
-        pipe,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        true_cfg_scale=true_cfg,
-        height=height,
-        width=width,
-        shift=shift,
-    )
-    t_dtype = velocity.dtype
-    height, width = velocity.image_size
-
-    # -- text ---------------------------------------------------------------------------
-    pe, ppe, npe, nppe = encode_text(
-        pipe,
-        prompts,
-        negatives,
-        device=device,
-        true_cfg=do_true_cfg,
-        max_sequence_length=max_seq,
-        prompt_embeds=prompt_embeds,
-        pooled_prompt_embeds=pooled_prompt_embeds,
-        negative_prompt_embeds=negative_prompt_embeds,
-        negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
-    )
-    # each caption's rows repeated consecutively, as diffusers repeats them
-    conds = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
-    cond = {k: v.repeat_interleave(n_img, dim=0) for k, v in conds.items()}
-    images = n * n_img
-    cond_numel = pe[0].numel() + ppe[0].numel()
-    run = run_sampler(
-        pipe,
-        velocity,
-        options=sampler_options(
-            sigmas=sigmas,
-            churn=churn,
-            tree=tree,
-            coupling=coupling,
-            draft=draft,
-            prefetch=prefetch,
-            verify=verify,
-            lazy=lazy,
-        ),
-        latent_shape=latent_shape,
-        device=device,
-        cond=cond,
-        images=images,
-        generator=generator,
-        progress=progress,
-        max_memory_gb=max_memory_gb,
-        output_type=output_type,
-        height=height,
-        width=width,
-        row_bytes=row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
-        cond_bytes=velocity.branches * cond_numel * torch.empty((), dtype=t_dtype).element_size(),
-    )
-    latents = run.out.samples
-
-    # -- decoding: unpacked latents, then / scaling_factor + shift_factor, as FluxPipeline ----------
-    out_images: Any = (
-        latents.to(t_dtype) if output_type == "latent" else decode(pipe, latents, output_type, run.decode_batch)
-    )
-    config = dict(
-        run.out.config,
-        family="flux",
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        guidance_embeds=velocity.guidance_embeds,
-        true_cfg_scale=true_cfg,
-        height=height,
-        width=width,
-        num_images=images,
-        num_images_per_prompt=n_img,
-        K=K,
-        L=L,
-        shift=shift,
-        dynamic_shift=bool(pipe.scheduler.config.get("use_dynamic_shifting", False)) and shift is None,
-        lazy=lazy,
-        max_rows=run.memory.max_rows,
-        decode_batch=run.decode_batch,
-        transformer_dtype=str(t_dtype).replace("torch.", ""),
-        device=str(device),
-    )
-    return FluxResult(images=out_images, latents=latents, stats=run.out.stats, memory=run.memory, config=config)
+    # every parameter, as given, to the flow every family shares
+    return sample_family(PARTS, **locals())

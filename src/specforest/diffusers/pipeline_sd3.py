@@ -4,16 +4,20 @@ The native sampler integrates the probability-flow ODE, whose transitions are
 point masses, so speculation would accept nothing; :func:`sample` samples the
 same marginals with the churned SDE of eqs. (35)-(37), whose Euler-Maruyama
 kernels share a variance and differ only in their means, the structure both
-couplings need. Text encoding, latents and VAE decoding are the pipeline's own;
-only the sampling loop is :func:`specforest.sample`.
+couplings need (or with any other chain of :mod:`specforest.chains`, ``chain=``).
+Text encoding, latents and VAE decoding are the pipeline's own; only the
+sampling loop is :func:`specforest.sample`.
 
-This module is SD3's part: the pipeline's checks, :func:`velocity_and_grid`,
-:func:`encode_text` and :func:`sample`. What the families share lives beside
-it: the result (:class:`~specforest.diffusers.run.SD3Result`) and the run
+This module is SD3's part: the pipeline's checks, :func:`velocity_and_grid`
+(:class:`FlowMatchVelocity` on the scheduler's grid), :func:`encode_text`,
+:func:`row_bytes_of` and :func:`take_apart`, gathered in :data:`PARTS`.
+:func:`sample` is the flow every family shares
+(:func:`~specforest.diffusers.flow.sample_family`) on these parts: the result
+(:class:`~specforest.diffusers.run.SD3Result`), the run
 (:mod:`~specforest.diffusers.run`), the checks (:mod:`~specforest.diffusers.checks`,
-:mod:`~specforest.diffusers.text`), the decoding (:mod:`~specforest.diffusers.decoding`).
-diffusers itself is not imported here: everything goes through the pipeline
-object that is passed in.
+:mod:`~specforest.diffusers.text`) and the decoding (:mod:`~specforest.diffusers.decoding`)
+live beside it. diffusers itself is not imported here: everything goes through
+the pipeline object that is passed in.
 """
 
 from __future__ import annotations
@@ -26,27 +30,29 @@ import torch
 
 from .. import memory as _memory
 from ..couplings import Coupling
-from ..planning import make_tree
-from ..sampler import TunedFor, check_tuned_for
+from ..options import TunedFor
 from ..trees import DraftTree
 from ..validation import check_int as _check_int
 from ..validation import check_number as _check_number
-from .checks import check_components, check_run_options, image_size, vae_scale_factor
-from .decoding import OUTPUT_TYPES
+from .checks import check_components, image_size, vae_scale_factor
+from .decoding import OUTPUT_TYPES, flow_match_images
 from .decoding import decode_flow_match as decode
+from .flow import DEFAULT_CHURN, FamilyParts, Prepared, sample_family
 from .flow_matching import FlowMatchVelocity, transformer_row_bytes
 from .grid import scheduler_sigmas
-from .run import SD3Result, execution_device, run_sampler, sampler_options
-from .text import check_prompts, cond_from_embeds
+from .run import SD3Result, execution_device
+from .text import EMBEDS, TRANSFORMER_TEXT, check_transformer_text, cond_from_embeds
 
 __all__ = [
     "OUTPUT_TYPES",
+    "PARTS",
     "SD3Result",
     "cond_from_embeds",
     "decode",
     "encode_text",
     "row_bytes_of",
     "sample",
+    "take_apart",
     "transformer_row_bytes",
     "velocity_and_grid",
 ]
@@ -65,6 +71,13 @@ def _check_pipeline(pipe: Any) -> None:
             "pipe.scheduler must be a flow-matching scheduler (the transformer must predict the "
             f"flow-matching velocity), got {type(pipe.scheduler).__name__}"
         )
+
+
+def _sigmas(pipe: Any, steps: int, latent_shape: tuple, shift: Optional[float]) -> torch.Tensor:
+    """The scheduler's grid of ``steps`` for latents ``(C, h, w)`` (its dynamic shift reads their patches)."""
+    patch = int(pipe.transformer.config.get("patch_size", 1) or 1)
+    _, h, w = latent_shape
+    return scheduler_sigmas(pipe.scheduler.config, steps, shift=shift, image_seq_len=(h // patch) * (w // patch))
 
 
 def velocity_and_grid(
@@ -114,7 +127,7 @@ def velocity_and_grid(
             f"height={height}, width={width} give {h // patch} x {w // patch} patches but the transformer's "
             f"positional embedding covers at most {max_pos} per side (<= {max_pos * mult} pixels)"
         )
-    sigmas = scheduler_sigmas(sched_cfg, steps, shift=shift, image_seq_len=(h // patch) * (w // patch))
+    sigmas = _sigmas(pipe, steps, (None, h, w), shift)
     device = execution_device(pipe, pipe.transformer)
     velocity = FlowMatchVelocity(
         pipe.transformer,
@@ -154,17 +167,79 @@ def encode_text(
         )
 
 
-def row_bytes_of(
-    pipe: Any, velocity: FlowMatchVelocity, latent_shape: tuple, pe: torch.Tensor, ppe: torch.Tensor
-) -> int:
-    """Bytes one transformer row needs (:meth:`FlowMatchVelocity.row_bytes`) with these embeddings.
+def row_bytes_of(pipe: Any, velocity: FlowMatchVelocity, latent_shape: tuple, cond: dict) -> int:
+    """Bytes one transformer row needs (:meth:`FlowMatchVelocity.row_bytes`) with the per-caption
+    conditioning ``cond`` (:func:`cond_from_embeds`).
 
     ``pipe`` is accepted for the callers' convenience; the velocity reads its transformer's config.
     """
     x_row = torch.zeros((1, *latent_shape))
-    cond_row = {"encoder_hidden_states": pe[:1], "pooled_projections": ppe[:1]}
-    declared = _memory.row_bytes_of(velocity, x_row, cond_row)
+    declared = _memory.row_bytes_of(velocity, x_row, {k: v[:1] for k, v in cond.items()})
     return declared if declared is not None else _memory.DEFAULT_ROW_STATES * 4 * math.prod(latent_shape)
+
+
+def _check_inputs(pipe: Any, text: dict, options: dict) -> tuple[dict, int, dict]:
+    """The family options and the text inputs of a run, checked (:attr:`FamilyParts.check_inputs`)."""
+    guidance = _check_number("guidance_scale", options["guidance_scale"], 0.0)
+    max_seq = _check_int("max_sequence_length", options["max_sequence_length"], 1, 512)
+    text, n = check_transformer_text(text, pipe.transformer.config)
+    return text, n, {**options, "guidance_scale": guidance, "max_sequence_length": max_seq}
+
+
+def take_apart(pipe: Any, text: dict, steps: int, options: dict) -> Prepared:
+    """The parts of an SD3 run (:class:`~specforest.diffusers.flow.Prepared`): the velocity on the
+    scheduler's grid (:func:`velocity_and_grid`) and one row of conditioning per caption
+    (:func:`encode_text`), from checked inputs (:attr:`FamilyParts.take_apart`)."""
+    o = options
+    velocity, sigmas, latent_shape, device = velocity_and_grid(
+        pipe,
+        num_inference_steps=steps,
+        guidance_scale=o["guidance_scale"],
+        height=o.get("height"),
+        width=o.get("width"),
+        shift=o.get("shift"),
+    )
+    pe, npe, ppe, nppe = encode_text(
+        pipe,
+        text["prompt"],
+        text["negative_prompt"],
+        device=device,
+        guidance=velocity.branches == 2,
+        max_sequence_length=o["max_sequence_length"],
+        **{k: text[k] for k in EMBEDS},
+    )
+    height, width = velocity.image_size
+    return Prepared(
+        velocity=velocity,
+        sigmas=sigmas,
+        latent_shape=latent_shape,
+        device=device,
+        cond=cond_from_embeds(pe, ppe, npe, nppe, velocity, device),
+        decode=lambda latents: decode(pipe, latents, "pil"),
+        config=dict(
+            family="sd3",
+            num_inference_steps=steps,
+            guidance_scale=o["guidance_scale"],
+            height=height,
+            width=width,
+            shift=o.get("shift"),
+            scheduler_shift=pipe.scheduler.config.get("shift"),
+        ),
+    )
+
+
+PARTS = FamilyParts(
+    network="transformer",
+    result=SD3Result,
+    text_inputs=TRANSFORMER_TEXT,
+    check_pipeline=_check_pipeline,
+    check_inputs=_check_inputs,
+    take_apart=take_apart,
+    sigmas=lambda pipe, steps, prepared: _sigmas(pipe, steps, prepared.latent_shape, prepared.config["shift"]),
+    row_bytes=row_bytes_of,
+    decode=flow_match_images,
+)
+"""SD3's part of the flow every family shares (:mod:`~specforest.diffusers.flow`)."""
 
 
 def sample(
@@ -183,7 +258,8 @@ def sample(
     generator: torch.Generator | None = None,
     num_images_per_prompt: int = 1,
     output_type: str = "pil",
-    churn: float = 0.8,
+    churn: float | None = DEFAULT_CHURN,
+    chain: Any = "em",
     tree: DraftTree | None = None,
     K: int | None = None,
     L: int | None = None,
@@ -199,6 +275,7 @@ def sample(
     tuned_for: TunedFor | None = None,
     pad_rows: "Optional[str | list[int]]" = None,
     warmup: bool = False,
+    record_deltas: bool = False,
 ) -> SD3Result:
     """Generate images with a Stable Diffusion 3 pipeline, sampling the churned SDE exactly.
 
@@ -231,7 +308,12 @@ def sample(
             makes image ``i`` a function of ``generator[i]`` alone.
         num_images_per_prompt: images per caption (``>= 1``); ``N = n x num_images_per_prompt`` images.
         output_type: ``pil``, ``np``, ``pt`` or ``latent``.
-        churn: ``eps`` in (0, 1] (0 makes speculation vacuous, ERRATA 8).
+        churn: ``eps`` in (0, 1] (0 makes speculation vacuous, ERRATA 8), the ``em`` chain's
+            parameter; with another ``chain`` leave it at its default (or ``None``): it is unused.
+        chain: the chain whose law the images have (:class:`~specforest.options.SamplerOptions`):
+            ``"em"`` (the churned SDE, the default), another registered name
+            (``"euler_ancestral"``, ...) or a :class:`~specforest.chains.Chain` with its
+            parameters; a chain that refuses the grid (one starting at ``sigma = 1``) says so.
         tree: a draft tree; exclusive with ``K``/``L``.
         K, L: ``trees.uniform(K, L)``; with ``coupling="rmc"`` only ``L`` (the chain
             length ``B``). ``tree``, ``K`` and ``L`` all ``None``: the standard sampler.
@@ -259,9 +341,11 @@ def sample(
             first call at each shape (cuDNN autotuning, allocator growth); without ``pad_rows``,
             with many images on a tree, the calls are padded to
             :func:`specforest.warmup.pad_rows_for`'s sizes (``config["pad_rows"]`` says which).
+        record_deltas: keep every verification in ``stats.deltas`` (as in :func:`specforest.sample`).
 
     Returns:
-        :class:`SD3Result` with ``images``, ``latents``, ``stats``, ``memory``, ``config``,
+        :class:`SD3Result` with ``images``, ``latents``, ``stats``, ``memory``, ``config`` (the
+        sampler's record, ``chain`` and its parameters among it, the family's and the run's),
         ``warmup_seconds``.
 
     Raises:
@@ -270,117 +354,5 @@ def sample(
             and what to change; nothing is allocated for sampling in that case).
         FloatingPointError: if the transformer returns NaN or inf.
     """
-    _check_pipeline(pipe)
-    tcfg = pipe.transformer.config
-    sched_cfg = pipe.scheduler.config
-    steps, churn, n_img, max_memory_gb = check_run_options(
-        num_inference_steps=num_inference_steps,
-        churn=churn,
-        num_images_per_prompt=num_images_per_prompt,
-        output_type=output_type,
-        verify=verify,
-        lazy=lazy,
-        generator=generator,
-        max_memory_gb=max_memory_gb,
-    )
-    guidance = _check_number("guidance_scale", guidance_scale, 0.0)
-    max_seq = _check_int("max_sequence_length", max_sequence_length, 1, 512)
-    cfg = guidance > 1.0
-    prompts, negatives, n = check_prompts(
-        prompt,
-        prompt_embeds,
-        negative_prompt,
-        negative_prompt_embeds,
-        pooled_prompt_embeds,
-        negative_pooled_prompt_embeds,
-        tcfg,
-    )
-    check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=n * n_img, batch_name="images")
-    tree = make_tree(K, L, coupling=coupling, tree=tree, steps=steps)
-    velocity, sigmas, latent_shape, device = velocity_and_grid(
-        pipe, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width, shift=shift
-    )
-    t_dtype = velocity.dtype
-    t_bytes = torch.empty((), dtype=t_dtype).element_size()
-    height, width = velocity.image_size
-
-    # -- text ---------------------------------------------------------------------------
-    pe, npe, ppe, nppe = encode_text(
-        pipe,
-        prompts,
-        negatives,
-        device=device,
-        guidance=cfg,
-        max_sequence_length=max_seq,
-        prompt_embeds=prompt_embeds,
-        negative_prompt_embeds=negative_prompt_embeds,
-        pooled_prompt_embeds=pooled_prompt_embeds,
-        negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
-    )
-    # each caption's rows repeated consecutively, as diffusers repeats them
-    conds = cond_from_embeds(pe, ppe, npe, nppe, velocity, device)
-    cond = {k: v.repeat_interleave(n_img, dim=0) for k, v in conds.items()}
-    images = n * n_img
-    run = run_sampler(
-        pipe,
-        velocity,
-        options=sampler_options(
-            sigmas=sigmas,
-            churn=churn,
-            tree=tree,
-            coupling=coupling,
-            draft=draft,
-            prefetch=prefetch,
-            verify=verify,
-            lazy=lazy,
-            pad_rows=pad_rows,
-        ),
-        latent_shape=latent_shape,
-        device=device,
-        cond=cond,
-        images=images,
-        generator=generator,
-        progress=progress,
-        max_memory_gb=max_memory_gb,
-        output_type=output_type,
-        height=height,
-        width=width,
-        row_bytes=row_bytes_of(pipe, velocity, latent_shape, pe, ppe),
-        cond_bytes=velocity.branches * (pe[0].numel() + ppe[0].numel()) * t_bytes,
-        warmup=warmup,
-    )
-    latents = run.out.samples
-
-    # -- decoding, as the SD3 pipeline does it ------------------------------------------------
-    if output_type == "latent":
-        out_images: Any = latents.to(t_dtype)
-    else:
-        out_images = decode(pipe, latents, output_type, run.decode_batch)
-
-    config = dict(
-        run.out.config,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        height=height,
-        width=width,
-        num_images=images,
-        num_images_per_prompt=n_img,
-        K=K,
-        L=L,
-        shift=shift,
-        scheduler_shift=sched_cfg.get("shift"),
-        lazy=lazy,
-        max_rows=run.memory.max_rows,
-        pad_rows=run.pad_rows,
-        decode_batch=run.decode_batch,
-        transformer_dtype=str(t_dtype).replace("torch.", ""),
-        device=str(device),
-    )
-    return SD3Result(
-        images=out_images,
-        latents=latents,
-        stats=run.out.stats,
-        memory=run.memory,
-        config=config,
-        warmup_seconds=run.warmup_seconds,
-    )
+    # every parameter, as given, to the flow every family shares
+    return sample_family(PARTS, **locals())

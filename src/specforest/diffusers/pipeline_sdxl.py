@@ -20,7 +20,11 @@ first step.
 
 This module is the two families' part: the pipeline's checks,
 :func:`velocity_and_grid`, SDXL's micro-conditioning (:func:`micro_conditioning`),
-the text encoding (:func:`encode_cond`) and :func:`sample`. The UNet adapter, its
+the text encoding (:func:`encode_cond`), :func:`row_bytes_of` and :func:`take_apart`,
+gathered in :data:`PARTS`; :func:`sample` is the flow every family shares
+(:func:`~specforest.diffusers.flow.sample_family`) on these parts, with every
+option SD3's takes (``chain`` among them: SDXL's grid starts below ``t = 1``, so
+the chains that refuse a grid from ``sigma = 1`` run here too). The UNet adapter, its
 grid and its memory heuristic are :mod:`~specforest.diffusers.unet`; which family a
 pipeline is, :func:`~specforest.diffusers.detection.is_sdxl` and
 :func:`~specforest.diffusers.detection.is_sd`; the decoding,
@@ -36,19 +40,21 @@ from typing import Any, Optional
 import torch
 
 from ..couplings import Coupling
-from ..planning import make_tree
-from ..sampler import TunedFor, check_tuned_for
+from ..options import TunedFor
 from ..trees import DraftTree
 from ..validation import check_int as _check_int
 from ..validation import check_number as _check_number
-from .checks import check_run_options, image_size, vae_scale_factor
+from .checks import image_size, vae_scale_factor
 from .decoding import decode_unet as decode
+from .decoding import unet_images
 from .detection import is_sd, is_sdxl, unet_family
-from .run import SD3Result, execution_device, run_sampler, sampler_options
-from .text import check_unet_text
+from .flow import DEFAULT_CHURN, FamilyParts, Prepared, sample_family
+from .run import SD3Result, execution_device
+from .text import UNET_TEXT, check_unet_text
 from .unet import PREDICTION_TYPES, UNetVelocity, VPSchedule, unet_row_bytes, vp_schedule
 
 __all__ = [
+    "PARTS",
     "decode",
     "encode_cond",
     "is_sd",
@@ -56,6 +62,7 @@ __all__ = [
     "micro_conditioning",
     "row_bytes_of",
     "sample",
+    "take_apart",
     "unet_row_bytes",
     "velocity_and_grid",
 ]
@@ -291,6 +298,85 @@ def row_bytes_of(pipe: Any, velocity: UNetVelocity, latent_shape: tuple, cond: d
     )
 
 
+_MICRO = (
+    "original_size",
+    "crops_coords_top_left",
+    "target_size",
+    "negative_original_size",
+    "negative_crops_coords_top_left",
+    "negative_target_size",
+)
+
+
+def _check_parts(pipe: Any) -> None:
+    """The pipeline is a supported SDXL or SD one (:attr:`FamilyParts.check_pipeline`)."""
+    _check_pipeline(pipe, unet_family(pipe))
+
+
+def _check_inputs(pipe: Any, text: dict, options: dict) -> tuple[dict, int, dict]:
+    """The guidance and the text inputs of a run, checked (:attr:`FamilyParts.check_inputs`)."""
+    family = unet_family(pipe)
+    guidance = _guidance(family, options["guidance_scale"])
+    text, n = check_unet_text(family, pipe.unet.config, **text)
+    return text, n, {**options, "guidance_scale": guidance}
+
+
+def take_apart(pipe: Any, text: dict, steps: int, options: dict) -> Prepared:
+    """The parts of an SDXL or SD run (:class:`~specforest.diffusers.flow.Prepared`): the UNet velocity
+    on the scheduler's VP grid (:func:`velocity_and_grid`), which starts below ``t = 1`` (the initial
+    state is ``noise_scale x N(0, I)``, ``noise_scale = init_noise_sigma / (1 + s_0)``, the scheduler's
+    initial noise on the linear path), and one row of conditioning per caption with SDXL's
+    micro-conditioning (:func:`encode_cond`), from checked inputs (:attr:`FamilyParts.take_apart`)."""
+    o = options
+    velocity, schedule, latent_shape, device = velocity_and_grid(
+        pipe,
+        num_inference_steps=steps,
+        guidance_scale=o["guidance_scale"],
+        height=o.get("height"),
+        width=o.get("width"),
+        cross_attention_kwargs=o.get("cross_attention_kwargs"),
+    )
+    height, width = velocity.image_size
+    micro = micro_conditioning(pipe, height, width, **{k: o[k] for k in _MICRO if k in o})
+    return Prepared(
+        velocity=velocity,
+        sigmas=schedule.sigmas,
+        latent_shape=latent_shape,
+        device=device,
+        cond=encode_cond(pipe, velocity, text, micro=micro, clip_skip=o.get("clip_skip")),
+        decode=lambda latents: decode(pipe, latents, "pil")[0],
+        noise_scale=schedule.latent_scale,
+        config=dict(
+            family=unet_family(pipe),
+            scheduler=schedule.scheduler,
+            prediction_type=velocity.prediction_type,
+            first_timestep=float(schedule.timesteps[0]),
+            first_sigma=float(schedule.sigmas[0]),
+            init_noise_sigma=schedule.init_noise_sigma,
+            num_inference_steps=steps,
+            guidance_scale=o["guidance_scale"],
+            height=height,
+            width=width,
+            **micro,
+        ),
+    )
+
+
+PARTS = FamilyParts(
+    network="unet",
+    result=SD3Result,
+    text_inputs=UNET_TEXT,
+    check_pipeline=_check_parts,
+    check_inputs=_check_inputs,
+    take_apart=take_apart,
+    # the tuner's timing runs: the scheduler's grid of their own number of steps
+    sigmas=lambda pipe, steps, prepared: vp_schedule(pipe.scheduler, steps).sigmas,
+    row_bytes=row_bytes_of,
+    decode=unet_images,
+)
+"""SDXL's and SD's part of the flow every family shares (:mod:`~specforest.diffusers.flow`)."""
+
+
 def sample(
     pipe: Any,
     prompt: str | list[str] | None = None,
@@ -309,7 +395,8 @@ def sample(
     generator: torch.Generator | list[torch.Generator] | None = None,
     num_images_per_prompt: int = 1,
     output_type: str = "pil",
-    churn: float = 0.8,
+    churn: float | None = DEFAULT_CHURN,
+    chain: Any = "em",
     tree: DraftTree | None = None,
     K: int | None = None,
     L: int | None = None,
@@ -329,6 +416,9 @@ def sample(
     clip_skip: int | None = None,
     cross_attention_kwargs: dict | None = None,
     tuned_for: TunedFor | None = None,
+    pad_rows: "Optional[str | list[int]]" = None,
+    warmup: bool = False,
+    record_deltas: bool = False,
 ) -> SD3Result:
     """Generate images with an SDXL or SD 1.5 / 2.x pipeline, sampling the churned SDE exactly.
 
@@ -369,9 +459,11 @@ def sample(
             of ``generator[i]`` alone.
         num_images_per_prompt: images per caption; ``N = n x num_images_per_prompt`` images.
         output_type: ``pil``, ``np``, ``pt`` or ``latent``.
-        churn: ``eps`` in (0, 1].
-        tree, K, L, coupling, draft, prefetch, verify, lazy: as in
-            :func:`specforest.diffusers.pipeline_sd3.sample`.
+        churn: ``eps`` in (0, 1], the ``em`` chain's (unused with another ``chain``).
+        chain, tree, K, L, coupling, draft, prefetch, verify, lazy, pad_rows, warmup, record_deltas:
+            as in :func:`specforest.diffusers.pipeline_sd3.sample` (``warmup``: the UNet called at
+            every row count of the run first; padding and warm-up change no image). This grid starts
+            below ``t = 1``, so a chain that refuses one from ``sigma = 1`` runs here.
         progress: show the sampler's progress bar.
         max_memory_gb: memory limit in GB (> 0); default the free CUDA memory, or 50% of RAM.
         original_size, crops_coords_top_left, target_size: SDXL's micro-conditioning
@@ -397,122 +489,5 @@ def sample(
         MemoryError: if the run would not fit the memory limit.
         FloatingPointError: if the UNet returns NaN or inf.
     """
-    family = unet_family(pipe)
-    ucfg = _check_pipeline(pipe, family)
-    steps, churn, n_img, max_memory_gb = check_run_options(
-        num_inference_steps=num_inference_steps,
-        churn=churn,
-        num_images_per_prompt=num_images_per_prompt,
-        output_type=output_type,
-        verify=verify,
-        lazy=lazy,
-        generator=generator,
-        max_memory_gb=max_memory_gb,
-    )
-    guidance = _guidance(family, guidance_scale)
-    text, n = check_unet_text(
-        family,
-        ucfg,
-        prompt=prompt,
-        prompt_2=prompt_2,
-        prompt_embeds=prompt_embeds,
-        negative_prompt=negative_prompt,
-        negative_prompt_2=negative_prompt_2,
-        negative_prompt_embeds=negative_prompt_embeds,
-        pooled_prompt_embeds=pooled_prompt_embeds,
-        negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
-    )
-    check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=n * n_img, batch_name="images")
-    tree = make_tree(K, L, coupling=coupling, tree=tree, steps=steps)
-
-    # -- velocity, grid and conditioning: the calls prepared.prepare_sdxl makes --------------------
-    velocity, schedule, latent_shape, device = velocity_and_grid(
-        pipe,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        height=height,
-        width=width,
-        cross_attention_kwargs=cross_attention_kwargs,
-    )
-    height, width = velocity.image_size
-    micro = micro_conditioning(
-        pipe,
-        height,
-        width,
-        original_size=original_size,
-        crops_coords_top_left=crops_coords_top_left,
-        target_size=target_size,
-        negative_original_size=negative_original_size,
-        negative_crops_coords_top_left=negative_crops_coords_top_left,
-        negative_target_size=negative_target_size,
-    )
-    u_dtype = velocity.dtype
-    # one row per trajectory: each caption's rows repeated consecutively, as diffusers repeats them
-    cond = {
-        k: v.repeat_interleave(n_img, dim=0)
-        for k, v in encode_cond(pipe, velocity, text, micro=micro, clip_skip=clip_skip).items()
-    }
-    images = n * n_img
-    run = run_sampler(
-        pipe,
-        velocity,
-        options=sampler_options(
-            sigmas=schedule.sigmas,
-            churn=churn,
-            tree=tree,
-            coupling=coupling,
-            draft=draft,
-            prefetch=prefetch,
-            verify=verify,
-            lazy=lazy,
-        ),
-        latent_shape=latent_shape,
-        device=device,
-        cond=cond,
-        images=images,
-        generator=generator,
-        progress=progress,
-        max_memory_gb=max_memory_gb,
-        output_type=output_type,
-        height=height,
-        width=width,
-        row_bytes=row_bytes_of(pipe, velocity, latent_shape, cond),
-        cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
-        # from the scheduler's initial noise: x_lin = x_VE / (1 + s_0)
-        noise_scale=schedule.latent_scale,
-    )
-    latents = run.out.samples
-
-    # -- decoding, as the pipelines do it ---------------------------------------------------------
-    nsfw = None
-    if output_type == "latent":
-        out_images: Any = latents.to(u_dtype)
-    else:
-        out_images, nsfw = decode(pipe, latents, output_type, run.decode_batch)
-
-    config = dict(
-        run.out.config,
-        family=family,
-        scheduler=schedule.scheduler,
-        prediction_type=velocity.prediction_type,
-        first_timestep=float(schedule.timesteps[0]),
-        first_sigma=float(schedule.sigmas[0]),
-        init_noise_sigma=schedule.init_noise_sigma,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        height=height,
-        width=width,
-        num_images=images,
-        num_images_per_prompt=n_img,
-        K=K,
-        L=L,
-        lazy=lazy,
-        max_rows=run.memory.max_rows,
-        decode_batch=run.decode_batch,
-        unet_dtype=str(u_dtype).replace("torch.", ""),
-        device=str(device),
-    )
-    config.update(micro)
-    if nsfw is not None:
-        config["nsfw_content_detected"] = nsfw
-    return SD3Result(images=out_images, latents=latents, stats=run.out.stats, memory=run.memory, config=config)
+    # every parameter, as given, to the flow every family shares
+    return sample_family(PARTS, **locals())

@@ -1,11 +1,13 @@
 """What every family's ``sample`` does around its own text encoding and decoding: memory, latents, the sampler.
 
-A family's ``sample`` checks its inputs, builds its velocity, grid and per-image
-conditioning, then calls :func:`run_sampler`: the memory plan
-(:func:`plan_memory`, before anything is allocated), the initial latents drawn
-from the caller's generator(s) as diffusers draws them, and one run of
-:func:`specforest.sample`. It decodes the latents itself and returns an
-:class:`SD3Result`, the result type of every family.
+The flow every family shares (:func:`~specforest.diffusers.flow.sample_family`)
+checks the inputs, takes the pipeline apart (the family's velocity, grid and
+per-image conditioning), makes the sampler's options (:func:`sampler_options`),
+then calls :func:`run_sampler`: the memory plan (:func:`plan_memory`, before
+anything is allocated), the initial latents drawn from the caller's
+generator(s) as diffusers draws them, the warm-up, and one run of
+:func:`specforest.sample`. It decodes the latents with the family's decoding and
+returns an :class:`SD3Result`, the result type of every family.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from typing import Any, Optional
 import torch
 
 from .. import memory as _memory
-from ..couplings import Coupling
 from ..options import SamplerOptions
 from ..sampler import SampleResult, SampleStats
 from ..sampler import sample as _engine_sample
@@ -147,35 +148,16 @@ class Run:
     warmup_seconds: float
 
 
-def sampler_options(
-    *,
-    sigmas: torch.Tensor,
-    churn: float,
-    tree: Optional[DraftTree],
-    coupling: "str | Coupling",
-    draft: Any,
-    prefetch: str,
-    verify: str,
-    lazy: bool,
-    pad_rows: Any = None,
-) -> SamplerOptions:
+def sampler_options(*, sigmas: torch.Tensor, **options: Any) -> SamplerOptions:
     """The sampler's options of a family's run, made here for every family: its grid ``sigmas``
-    ``(T + 1,)`` and the options of its ``sample`` (as in :class:`~specforest.options.SamplerOptions`).
+    ``(T + 1,)`` and the sampler's options of its ``sample`` (every field of
+    :class:`~specforest.options.SamplerOptions` but the grid's: ``churn``, ``chain``, ``tree``,
+    ``coupling``, ``draft``, ``prefetch``, ``verify``, ``lazy``, ``pad_rows``, ...).
 
     Raises:
-        ValueError / TypeError: naming the option.
+        ValueError / TypeError: naming the option (a chain that refuses the grid says so).
     """
-    return SamplerOptions(
-        sigmas=sigmas,
-        churn=churn,
-        tree=tree,
-        coupling=coupling,
-        draft=draft,
-        prefetch=prefetch,
-        verify=verify,
-        lazy=lazy,
-        pad_rows=pad_rows,
-    )
+    return SamplerOptions(sigmas=sigmas, **options)
 
 
 def run_sampler(

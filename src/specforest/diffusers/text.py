@@ -18,7 +18,23 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["check_embeds", "check_prompts", "check_unet_text", "cond_from_embeds", "str_list"]
+__all__ = [
+    "EMBEDS",
+    "TRANSFORMER_TEXT",
+    "UNET_TEXT",
+    "check_embeds",
+    "check_prompts",
+    "check_transformer_text",
+    "check_unet_text",
+    "cond_from_embeds",
+    "str_list",
+]
+
+EMBEDS = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+"""The precomputed embeddings a family's ``sample`` takes instead of captions."""
+
+TRANSFORMER_TEXT = ("negative_prompt", *EMBEDS)
+"""SD3's and Flux's text inputs besides ``prompt``."""
 
 
 def check_embeds(name: str, t: Any, ndim: int) -> None:
@@ -112,6 +128,26 @@ def check_prompts(
     return (None if prompt is None else list(prompt)), negs, n
 
 
+def check_transformer_text(text: Mapping, tcfg: Mapping) -> tuple[dict, int]:
+    """:func:`check_prompts` of SD3's or Flux's text inputs by name (``prompt`` and
+    :data:`TRANSFORMER_TEXT`; absent: ``None``).
+
+    Returns:
+        ``(text, n)``: the inputs with the captions and negative captions as lists, and the number of captions.
+    """
+    kw = {k: text.get(k) for k in ("prompt", *TRANSFORMER_TEXT)}
+    prompts, negs, n = check_prompts(
+        kw["prompt"],
+        kw["prompt_embeds"],
+        kw["negative_prompt"],
+        kw["negative_prompt_embeds"],
+        kw["pooled_prompt_embeds"],
+        kw["negative_pooled_prompt_embeds"],
+        tcfg,
+    )
+    return {**kw, "prompt": prompts, "negative_prompt": negs}, n
+
+
 def str_list(name: str, value: Any, n: Optional[int]) -> Optional[list[str]]:
     """``value`` as a list of ``n`` captions (a str repeats), or ``None``."""
     if value is None:
@@ -124,16 +160,8 @@ def str_list(name: str, value: Any, n: Optional[int]) -> Optional[list[str]]:
     return list(vals)
 
 
-_UNET_TEXT_INPUTS = (
-    "prompt",
-    "prompt_2",
-    "prompt_embeds",
-    "negative_prompt",
-    "negative_prompt_2",
-    "negative_prompt_embeds",
-    "pooled_prompt_embeds",
-    "negative_pooled_prompt_embeds",
-)
+UNET_TEXT = ("prompt_2", "negative_prompt", "negative_prompt_2", *EMBEDS)
+"""SDXL's and SD's text inputs besides ``prompt``."""
 
 
 def check_unet_text(family: str, ucfg: Mapping, **given: Any) -> tuple[dict, int]:
@@ -147,7 +175,7 @@ def check_unet_text(family: str, ucfg: Mapping, **given: Any) -> tuple[dict, int
     Returns:
         ``(text, n)``: what the pipeline's ``encode_prompt`` gets and the number of captions.
     """
-    kw = {k: given.get(k) for k in _UNET_TEXT_INPUTS}
+    kw = {k: given.get(k) for k in ("prompt", *UNET_TEXT)}
     sdxl = family == "sdxl"
     prompt, pe = kw["prompt"], kw["prompt_embeds"]
     npe, ppe, nppe = kw["negative_prompt_embeds"], kw["pooled_prompt_embeds"], kw["negative_pooled_prompt_embeds"]
