@@ -65,9 +65,9 @@ import torch
 
 from . import sampler
 from .chains import PATHS
+from .drafts import Proposal
 from .models.edm import EDMDenoiserVelocity
 from .options import RUN_INPUTS, SamplerOptions
-from .proposals import Proposal
 from .validation import check_states, working_dtype
 
 __all__ = [

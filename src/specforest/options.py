@@ -21,8 +21,8 @@ import torch
 
 from .chains import EM, Chain, available_chains, get_chain
 from .couplings import Coupling, get_coupling
+from .drafts import Proposal, get_proposal
 from .engine import PREFETCH_POLICIES
-from .proposals import Proposal, get_proposal
 from .sde import GaussianChain, flow_match_grid, uniform_grid
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 from .validation import check_choice, check_int
@@ -84,7 +84,7 @@ class SamplerOptions:
             :func:`~specforest.couplings.register_coupling`) or a
             :class:`~specforest.couplings.Coupling`.
         draft: a registered draft name (``velocity``, ``drift``, ``x0``, ``eps``,
-            ``x0_extrap``, ``auto``), a :class:`~specforest.proposals.Proposal`,
+            ``x0_extrap``, ``auto``), a :class:`~specforest.drafts.Proposal`,
             or a draft-model callable.
         prefetch: ``nearest`` or ``parent``, see :data:`specforest.engine.PREFETCH_POLICIES`.
         verify: ``internal`` (evaluate root and internal nodes) or ``drafted``

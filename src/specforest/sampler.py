@@ -22,9 +22,9 @@ import torch
 
 from . import engine, streams
 from .couplings import Coupling, get_coupling
+from .drafts import Proposal, get_proposal
 from .engine import PREFETCH_POLICIES
 from .options import GRIDS, SamplerOptions, TunedFor, check_tuned_for, make_sde, pad_sizes, resolve
-from .proposals import Proposal, get_proposal
 from .records import RunContext
 from .results import SampleResult, SampleStats, returned, stats_of
 from .sde import GaussianChain

@@ -43,7 +43,7 @@ P_TOL = 1e-4
 
 class X0Features:
     """A velocity ``fn(x, sigma, **cond)`` with the cached self-draft's protocol
-    (:class:`~specforest.proposals.CachedDraft`), whose "deep features" are its clean-data
+    (:class:`~specforest.drafts.CachedDraft`), whose "deep features" are its clean-data
     prediction ``x - sigma v`` (the state's numbers a row) and whose cheap evaluation freezes that
     prediction: ``from_features(x, sigma, f) = (x - f) / sigma``.
 
