@@ -138,15 +138,15 @@ class TargetAtMemory(SecantDraft):
         self.model, self.h = model, h
         self.name = f"target at memory, h = {h:g}"
 
-    def mean(self, tab, y, steps, pre, cond, shape, state):
+    def mean(self, tab, y, steps, pre, cond, shape, state, memory=None):
         G, n, D = y.shape
-        A, C = SecantDraft.coefficients(self, tab, steps, pre, state)
-        if not pre.mem_y.shape[1]:
+        A, C = SecantDraft.coefficients(self, tab, steps, pre, state, memory=memory)
+        if memory is None or memory.y is None:
             return torch.addcmul(C, A, y)
-        t = steps - pre.mem_s0[:, None]
-        same = (t >= 0) & (t < pre.mem_n[:, None]) & (steps >= pre.step[:, None])
-        j = t.clamp(0, pre.mem_y.shape[1] - 1)[..., None].expand(-1, -1, D)
-        ym, xm = pre.mem_y.gather(1, j), pre.mem_x0.gather(1, j)
+        t = steps - memory.s0[:, None]
+        same = (t >= 0) & (t < memory.n[:, None]) & (steps >= pre.step[:, None])
+        j = t.clamp(0, memory.y.shape[1] - 1)[..., None].expand(-1, -1, D)
+        ym, xm = memory.y.gather(1, j), memory.x0.gather(1, j)
         sig = tab.sig[steps][..., None]
         z = ym + self.h * (y - ym)
         rows = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}

@@ -9,6 +9,7 @@ import torch
 import specforest
 from specforest import testing, trees
 from specforest.drafting import runs_full
+from specforest.drafts import ChainMemory
 from specforest.models import GaussianMixture
 from specforest.proposals import (
     CachedDraft,
@@ -34,17 +35,22 @@ class PeekMemory(MemoryDraft):
 
     name = "peek"
 
-    def coefficients(self, tab, steps, pre, state, terms=None):
+    def coefficients(self, tab, steps, pre, state, terms=None, memory=None):
         ac = tab.ac[steps]
         a, c = ac[..., :1], ac[..., 1:]
         k = c / tab.sig[steps][..., None]
         x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]
-        n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
+        n, s0 = memory.n[:, None], memory.s0[:, None]
         t = steps - s0 + 1
         j = torch.minimum(t, n - 1).clamp(min=0)
         use = (n > 0) & (t >= 0) & (t < n)
-        mem = pre.mem_x0.gather(1, j[..., None].expand(-1, -1, pre.mem_x0.shape[2]))
+        mem = memory.x0.gather(1, j[..., None].expand(-1, -1, memory.x0.shape[2]))
         return a + k, -k * torch.where(use[..., None], mem, x0)
+
+
+def _a_step_early(memory):
+    """``memory`` as if each trajectory's remembered chain started one step earlier (a peek)."""
+    return None if memory is None else replace(memory, s0=memory.s0 - 1)
 
 
 class PeekSecant(SecantDraft):
@@ -53,8 +59,8 @@ class PeekSecant(SecantDraft):
 
     name = "peek_secant"
 
-    def coefficients(self, tab, steps, pre, state, terms=None):
-        return super().coefficients(tab, steps, replace(pre, mem_s0=pre.mem_s0 - 1), state, terms)
+    def coefficients(self, tab, steps, pre, state, terms=None, memory=None):
+        return super().coefficients(tab, steps, pre, state, terms, memory=_a_step_early(memory))
 
 
 def _law_failures(draft, coupling="rmc", model=GAUSS):
@@ -84,12 +90,18 @@ def test_a_secant_draft_that_peeks_fails_the_law_test_the_real_one_passes(coupli
     assert _law_failures(PeekSecant(), coupling)
 
 
-def _pre(batch=3, dim=5, memory=4, seed=0, states=False, steps=0):
+def _pre(batch=3, dim=5, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    pre = Prefetch.empty(batch, dim, torch.float64, torch.device("cpu"), memory=memory, states=states, steps=steps)
+    pre = Prefetch.empty(batch, dim, torch.float64, torch.device("cpu"))
     pre = pre.replaced(r(batch, dim), r(batch, dim), torch.tensor([3, 5, 7]))
     return pre, r
+
+
+def _memory(batch=3, dim=5, width=4, states=False, steps=0, features=0):
+    """An empty chain memory (no node remembered) of ``batch`` trajectories."""
+    cpu = torch.device("cpu")
+    return ChainMemory.empty(batch, width, dim, torch.float64, cpu, states=states, steps=steps, features=features)
 
 
 def test_memory_draft_reads_the_node_at_the_parents_step_and_falls_back_to_x0():
@@ -98,14 +110,15 @@ def test_memory_draft_reads_the_node_at_the_parents_step_and_falls_back_to_x0():
     steps = pre.step[:, None] + 1 + torch.arange(5)  # (3, 5) parents after each prefetch
     y = r(3, 5, 5)
     mem = MemoryDraft()
-    # no memory yet: the x0 kind's mean
-    A, C = mem.coefficients(tab, steps, pre, None)
+    # no memory yet (none kept, or nothing remembered): the x0 kind's mean
     Ax, Cx = FrozenPrediction("x0").coefficients(tab, steps, pre, None)
-    torch.testing.assert_close(torch.addcmul(C, A, y), torch.addcmul(Cx, Ax, y), rtol=0, atol=1e-12)
+    for memory in (None, _memory()):
+        A, C = mem.coefficients(tab, steps, pre, None, memory=memory)
+        torch.testing.assert_close(torch.addcmul(C, A, y), torch.addcmul(Cx, Ax, y), rtol=0, atol=1e-12)
     # row 0 remembers 4 nodes from step 3, row 1 two from step 5, row 2 four from step 2 (older than its prefetch at 7)
     x0 = r(3, 4, 5)
-    pre = pre.with_memory(None, x0, torch.tensor([3, 5, 2]), torch.tensor([4, 2, 4]))
-    A, C = mem.coefficients(tab, steps, pre, None)
+    memory = _memory().replaced(x0, torch.tensor([3, 5, 2]), torch.tensor([4, 2, 4]))
+    A, C = mem.coefficients(tab, steps, pre, None, memory=memory)
     m = torch.addcmul(C, A, y)
     k = tab.ac[steps][..., 1:] / tab.sig[steps][..., None]
     want = lambda b, i, src: (tab.ac[steps[b, i], 0] + k[b, i]) * y[b, i] - k[b, i] * src  # noqa: E731
@@ -116,22 +129,6 @@ def test_memory_draft_reads_the_node_at_the_parents_step_and_falls_back_to_x0():
         torch.testing.assert_close(m[1, i], want(1, i, x0[1, 1]), rtol=0, atol=1e-12)
     # row 2: its memory ends at step 5, before its prefetch (step 7): the prefetch's x0
     torch.testing.assert_close(m[2], torch.addcmul(Cx, Ax, y)[2], rtol=0, atol=1e-12)
-
-
-def test_memory_rows_follow_take_restart_and_with_rows():
-    pre, r = _pre()
-    x0 = r(3, 4, 5)
-    pre = pre.with_memory(None, x0, torch.tensor([3, 5, 2]), torch.tensor([4, 2, 4]))
-    sub = pre.take(torch.tensor([2, 0]), history=False)
-    assert torch.equal(sub.mem_x0, x0[[2, 0]]) and sub.mem_s0.tolist() == [2, 3] and sub.mem_n.tolist() == [4, 4]
-    back = pre.restart(torch.tensor([1]))
-    assert back.mem_n.tolist() == [4, 0, 4] and torch.equal(back.mem_x0[1], torch.zeros(4, 5, dtype=torch.float64))
-    # a shorter chain is padded, a subset of rows replaced
-    part = pre.with_memory(torch.tensor([1]), x0[:1, :2], torch.tensor([9]), torch.tensor([2]))
-    assert part.mem_s0.tolist() == [3, 9, 2] and torch.equal(part.mem_x0[1, :2], x0[0, :2])
-    assert torch.equal(part.mem_x0[0], x0[0]) and not part.mem_x0[1, 2:].any()
-    moved = part.with_rows(torch.tensor([0]), r(1, 5), r(1, 5), torch.tensor([8]), keep_prev=True)
-    assert torch.equal(moved.mem_x0, part.mem_x0)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +163,8 @@ def test_secant_gain_is_the_least_squares_slope_and_recovers_a_linear_target():
     is the mean under the target's own prediction there (the draft is the target's transition)."""
     tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
     T, D = 20, 5
-    pre, r = _pre(states=True, steps=T)
+    pre, r = _pre()
+    mem = _memory(states=True, steps=T)
     m, gain = r(T, D), torch.rand(T, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     # round 1 remembers steps 3..6 / 5..6 / 2..5; round 2 steps 4..7 / 5..8 / 9..12
     s0a, na = torch.tensor([3, 5, 2]), torch.tensor([4, 2, 4])
@@ -174,38 +172,26 @@ def test_secant_gain_is_the_least_squares_slope_and_recovers_a_linear_target():
     for s0, n in ((s0a, na), (s0b, nb)):
         st = s0[:, None] + torch.arange(4)
         y = r(3, 4, D)
-        pre = pre.with_memory(None, _linear_x0(tab, y, st, m, gain), s0, n, y=y)
-    has = pre.gain_den > 0
+        mem = mem.replaced(_linear_x0(tab, y, st, m, gain), s0, n, y=y)
+    has = mem.gain_den > 0
     # pairs: row 0 at steps 4, 5, 6; row 1 at 5, 6; row 2 none (its rounds share no step)
     assert has.nonzero().tolist() == [[0, 4], [0, 5], [0, 6], [1, 5], [1, 6]]
-    torch.testing.assert_close(pre.gain_num[has] / pre.gain_den[has], gain[has.nonzero()[:, 1]], rtol=1e-12, atol=0)
+    torch.testing.assert_close(mem.gain_num[has] / mem.gain_den[has], gain[has.nonzero()[:, 1]], rtol=1e-12, atol=0)
     # parents at the remembered steps: the secant mean is the target's x0-kind mean at y
     steps = torch.tensor([[4, 5, 6], [5, 6, 6], [9, 10, 11]])
     pre = replace(pre, step=torch.tensor([3, 4, 8]))
     y = r(3, 3, D)
-    A, C = SecantDraft().coefficients(tab, steps, pre, None)
+    A, C = SecantDraft().coefficients(tab, steps, pre, None, memory=mem)
     ac = tab.ac[steps]
     k = ac[..., 1:] / tab.sig[steps][..., None]
     exact = (ac[..., :1] + k) * y - k * _linear_x0(tab, y, steps, m, gain)
     mean = torch.addcmul(C, A, y)
     torch.testing.assert_close(mean[:2], exact[:2], rtol=0, atol=1e-10)
     # row 2 has no pair yet: the memory draft, which is not the target's transition
-    torch.testing.assert_close(mean[2], torch.addcmul(*MemoryDraft().coefficients(tab, steps, pre, None)[::-1], y)[2])
+    torch.testing.assert_close(
+        mean[2], torch.addcmul(*MemoryDraft().coefficients(tab, steps, pre, None, memory=mem)[::-1], y)[2]
+    )
     assert not torch.allclose(mean[2], exact[2])
-
-
-def test_secant_states_and_gains_follow_take_and_restart():
-    pre, r = _pre(states=True, steps=12)
-    y = r(3, 4, 5)
-    for s0 in (torch.tensor([3, 5, 2]), torch.tensor([4, 5, 3])):
-        pre = pre.with_memory(None, r(3, 4, 5), s0, torch.tensor([4, 2, 4]), y=y + 0.1 * r(3, 4, 5))
-    assert (pre.gain_den > 0).any(1).all()
-    sub = pre.take(torch.tensor([2, 0]), history=False)
-    assert torch.equal(sub.mem_y, pre.mem_y[[2, 0]]) and torch.equal(sub.gain_num, pre.gain_num[[2, 0]])
-    back = pre.restart(torch.tensor([1]))
-    assert not back.gain_den[1].any() and not back.mem_y[1].any() and torch.equal(back.gain_den[0], pre.gain_den[0])
-    with pytest.raises(ValueError, match="needs y"):
-        pre.with_memory(None, r(3, 4, 5), torch.tensor([4, 5, 3]), torch.tensor([4, 2, 4]))
 
 
 class MeanOnlySecant(SecantDraft):
@@ -215,8 +201,8 @@ class MeanOnlySecant(SecantDraft):
     affine = False
     name = "secant_mean_only"
 
-    def mean(self, tab, y, steps, pre, cond, shape, state):
-        A, C = super().coefficients(tab, steps, pre, state)
+    def mean(self, tab, y, steps, pre, cond, shape, state, memory=None):
+        A, C = super().coefficients(tab, steps, pre, state, memory=memory)
         return torch.addcmul(C, A, y)
 
 
@@ -273,8 +259,8 @@ class PeekLearned(LearnedDraft):
 
     name = "peek_learned"
 
-    def mean(self, tab, y, steps, pre, cond, shape, state):
-        return super().mean(tab, y, steps, replace(pre, mem_s0=pre.mem_s0 - 1), cond, shape, state)
+    def mean(self, tab, y, steps, pre, cond, shape, state, memory=None):
+        return super().mean(tab, y, steps, pre, cond, shape, state, memory=_a_step_early(memory))
 
 
 def _constant_prediction(x, s):
@@ -433,8 +419,8 @@ class PeekCached(CachedDraft):
 
     name = "peek_cached"
 
-    def mean(self, tab, y, steps, pre, cond, shape, state):
-        return super().mean(tab, y, steps, replace(pre, mem_s0=pre.mem_s0 - 1), cond, shape, state)
+    def mean(self, tab, y, steps, pre, cond, shape, state, memory=None):
+        return super().mean(tab, y, steps, pre, cond, shape, state, memory=_a_step_early(memory))
 
 
 @pytest.mark.parametrize("coupling", ["rmc", "grs"])
@@ -468,15 +454,13 @@ def test_cached_mean_is_the_targets_own_transition_for_one_gaussian():
     step; a parent without a remembered node (before the prefetch) takes the x0 kind."""
     tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
     pre, r = _pre(dim=3)
-    pre = Prefetch.empty(3, 3, torch.float64, torch.device("cpu"), memory=4, features=1).replaced(
-        pre.y, pre.v, pre.step
-    )
-    pre = pre.with_memory(None, r(3, 4, 3), torch.tensor([3, 5, 2]), torch.tensor([4, 2, 4]), f=torch.ones(3, 4, 1))
+    mem = _memory(dim=3, features=1)
+    mem = mem.replaced(r(3, 4, 3), torch.tensor([3, 5, 2]), torch.tensor([4, 2, 4]), features=torch.ones(3, 4, 1))
     draft = CachedDraft()
     draft.bind(GAUSS, (3,))
     steps = pre.step[:, None] + 1 + torch.arange(5)
     y = r(3, 5, 3)
-    got = draft.mean(tab, y, steps, pre, {}, (3,), None)
+    got = draft.mean(tab, y, steps, pre, {}, (3,), None, memory=mem)
     exact = tab.mean(y, GAUSS(y.reshape(-1, 3), tab.sig[steps].reshape(-1)).view(3, 5, 3), steps)
     torch.testing.assert_close(got[:2], exact[:2], rtol=0, atol=1e-12)
     # row 2's memory ends before its prefetch: the x0 kind, which is not the transition

@@ -178,7 +178,7 @@ def test_auto_draft_tells_stretches_of_the_grid_apart():
     tab = ReverseSDE(flow_match_grid(20), 0.5).tables("cpu", torch.float64)
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    pre = _auto_prefetch(r, 3, 5, memory=False)  # prefetched at steps 3, 5, 7
+    pre, _ = _auto_prefetch(r, 3, 5, memory=False)  # prefetched at steps 3, 5, 7
     steps = torch.tensor([4, 14, 9])  # offsets 1, 9 (kept as 3), 2; stretches 0, 1, 0
     state = auto.observe(auto.init_state(torch.device("cpu")), tab, r(3, 5), r(3, 5), steps, pre, torch.ones(3))
     assert state[1].tolist() == [[0, 1, 1, 0], [0, 0, 0, 1]]
@@ -187,21 +187,24 @@ def test_auto_draft_tells_stretches_of_the_grid_apart():
 
 
 def _auto_prefetch(r, batch, dim, memory):
-    """A prefetch with a history and, when ``memory``, a memory that some parents read, with its
-    states and gains fitted from two chain memories (rows 0 and 1 have pairs at steps 4-6, 5-6)."""
-    from specforest.proposals import Prefetch
+    """A prefetch with a history and, when ``memory``, a chain memory that some parents read, with
+    its states and gains fitted from two chain memories (rows 0 and 1 have pairs at steps 4-6, 5-6):
+    ``(pre, memory)``, the memory ``None`` without."""
+    from specforest.drafts import ChainMemory, Prefetch
 
     live = torch.ones(batch, dtype=torch.bool)
     pre = Prefetch(r(batch, dim), r(batch, dim), torch.tensor([3, 5, 7]), r(batch, dim), r(batch, dim),
                    torch.tensor([2, 4, 6]), torch.tensor([True, False, True]), live)  # fmt: skip
+    mem = None
     if memory:
-        empty = Prefetch.empty(batch, dim, torch.float64, torch.device("cpu"), memory=4, states=True, steps=20)
-        pre = empty.replaced(pre.prev_y, pre.prev_v, pre.prev_step)
+        cpu = torch.device("cpu")
+        pre = Prefetch.empty(batch, dim, torch.float64, cpu).replaced(pre.prev_y, pre.prev_v, pre.prev_step)
         pre = pre.replaced(pre.y * 0 + r(batch, dim), r(batch, dim), torch.tensor([3, 5, 7]))
+        mem = ChainMemory.empty(batch, 4, dim, torch.float64, cpu, states=True, steps=20)
         n = torch.tensor([4, 2, 4])
         for s0 in (torch.tensor([2, 5, 1]), torch.tensor([3, 5, 2])):
-            pre = pre.with_memory(None, r(batch, 4, dim), s0, n, y=r(batch, 4, dim))
-    return pre
+            mem = mem.replaced(r(batch, 4, dim), s0, n, y=r(batch, 4, dim))
+    return pre, mem
 
 
 @pytest.mark.parametrize("memory", [False, True])
@@ -216,31 +219,34 @@ def test_auto_draft_means_are_the_kinds_means(memory):
     g = torch.Generator().manual_seed(0)
     batch, dim = 3, 5
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    pre = _auto_prefetch(r, batch, dim, memory)
+    pre, mem = _auto_prefetch(r, batch, dim, memory)
     steps = torch.tensor([[4, 5, 6, 7], [6, 7, 8, 9], [8, 9, 10, 11]])
     y = r(batch, 4, dim)
-    coef, (ys, vs, x0p, x0m, ym) = AutoDraft._all_kinds(tab, steps, pre)
+    coef, (ys, vs, x0p, x0m, ym) = AutoDraft._all_kinds(tab, steps, pre, mem)
     assert (x0m is None) == (not memory) and (ym is None) == (not memory)
     A, alpha, beta, eps, mu, nu = coef  # (7, batch, 4) each
     props = {"memory": MemoryDraft(), "secant": SecantDraft()}
     for i, kind in enumerate(AUTO_KINDS):
-        Ak, Ck = (props[kind] if kind in props else FrozenPrediction(kind)).coefficients(tab, steps, pre, None)
+        if kind in props:
+            Ak, Ck = props[kind].coefficients(tab, steps, pre, None, memory=mem)
+        else:
+            Ak, Ck = FrozenPrediction(kind).coefficients(tab, steps, pre, None)
         ours = A[i][..., None] * y + alpha[i][..., None] * ys[:, None] + beta[i][..., None] * vs[:, None]
         ours = ours + eps[i][..., None] * x0p[:, None]
         if x0m is not None:
             ours = ours + mu[i][..., None] * x0m + nu[i][..., None] * ym
         torch.testing.assert_close(ours, torch.addcmul(Ck, Ak, y), rtol=0, atol=1e-13)
     auto = AutoDraft()
-    Aa, Ca = auto.coefficients(tab, steps, pre, auto.init_state(torch.device("cpu")))
+    Aa, Ca = auto.coefficients(tab, steps, pre, auto.init_state(torch.device("cpu")), memory=mem)
     Av, Cv = FrozenPrediction("velocity").coefficients(tab, steps, pre, None)
     assert torch.equal(torch.addcmul(Ca, Aa, y), torch.addcmul(Cv, Av, y))
     # the check can fail: another kind's mean is not the velocity kind's, and the memory is read
     Ax, Cx = FrozenPrediction("x0").coefficients(tab, steps, pre, None)
     assert not torch.allclose(torch.addcmul(Cx, Ax, y), torch.addcmul(Cv, Av, y))
-    Am, Cm = MemoryDraft().coefficients(tab, steps, pre, None)
+    Am, Cm = MemoryDraft().coefficients(tab, steps, pre, None, memory=mem)
     assert torch.allclose(torch.addcmul(Cx, Ax, y), torch.addcmul(Cm, Am, y)) == (not memory)
     # and the secant kind's gain moves the memory's mean where a trajectory has pairs
-    As, Cs = SecantDraft().coefficients(tab, steps, pre, None)
+    As, Cs = SecantDraft().coefficients(tab, steps, pre, None, memory=mem)
     assert torch.allclose(torch.addcmul(Cs, As, y), torch.addcmul(Cm, Am, y)) == (not memory)
 
 
@@ -255,7 +261,7 @@ def test_auto_draft_shared_round_terms_change_nothing(memory):
     g = torch.Generator().manual_seed(1)
     batch, dim, n = 3, 5, 4
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    pre = _auto_prefetch(r, batch, dim, memory)
+    pre, mem = _auto_prefetch(r, batch, dim, memory)
     steps = pre.step[:, None] + 1 + torch.arange(n)
     auto = AutoDraft()
     # a state that picks a different kind at each offset
@@ -263,20 +269,23 @@ def test_auto_draft_shared_round_terms_change_nothing(memory):
         torch.rand(auto.stretches, auto.max_offset + 1, len(AUTO_KINDS), generator=g, dtype=torch.float64),
         torch.ones(auto.stretches, auto.max_offset + 1).double(),
     )
-    terms = auto.round_terms(tab, steps, pre)
+    terms = auto.round_terms(tab, steps, pre, memory=mem)
     for a, b in zip(
-        auto.coefficients(tab, steps, pre, state, terms), auto.coefficients(tab, steps, pre, state), strict=True
+        auto.coefficients(tab, steps, pre, state, terms, memory=mem),
+        auto.coefficients(tab, steps, pre, state, memory=mem),
+        strict=True,
     ):
         assert torch.equal(a, b)
     rows, cols = torch.tensor([0, 0, 1, 2, 2]), torch.tensor([0, 1, 0, 2, 3])
     y, mu_q, scale = r(5, dim), r(5, dim), torch.rand(5, generator=g, dtype=torch.float64) + 0.1
     st = steps[rows, cols]
     args = (state, tab, y, mu_q, st, pre.take(rows), scale)
-    shared = auto.observe(*args, auto.take_terms(terms, rows, cols))
-    alone = auto.observe(*args)
+    kw = dict(memory=None if mem is None else mem.take(rows))
+    shared = auto.observe(*args, auto.take_terms(terms, rows, cols), **kw)
+    alone = auto.observe(*args, **kw)
     assert all(torch.equal(a, b) for a, b in zip(shared, alone, strict=True))
     # terms taken at other parents give another state: the comparison can fail
-    wrong = auto.observe(*args, auto.take_terms(terms, rows, (cols + 1) % n))
+    wrong = auto.observe(*args, auto.take_terms(terms, rows, (cols + 1) % n), **kw)
     assert not torch.equal(wrong[0], alone[0])
 
 

@@ -75,7 +75,8 @@ def chain_draft(proposal, tt, Lr: int) -> bool:
 def remembers_chain(proposal, tree) -> bool:
     """Whether a run of ``proposal`` with ``tree`` (a :class:`~specforest.trees.DraftTree`, a
     :class:`~specforest.trees.TreePolicy` or ``None``) keeps each round's evaluated chain for the
-    next (:attr:`~specforest.proposals.Proposal.uses_memory`): it must then evaluate every node
+    next (:attr:`~specforest.drafts.Proposal.uses_memory`, in the memory it makes with
+    :meth:`~specforest.drafts.Proposal.init_memory`): it must then evaluate every node
     of a chain round, so it runs full. A tree whose first level branches never drafts a chain
     (:func:`chain_draft`), and the standard sampler drafts nothing."""
     return getattr(proposal, "uses_memory", False) and _drafts_chains(tree)
@@ -93,7 +94,7 @@ def _drafts_chains(tree) -> bool:
 def runs_full(proposal, tree) -> bool:
     """Whether a run of ``proposal`` with ``tree`` must run full even when ``lazy`` is asked: it
     remembers its chain (:func:`remembers_chain`), or it refines its chain rounds with Picard
-    sweeps (:attr:`~specforest.proposals.Proposal.picard_sweeps`), which evaluate every parent."""
+    sweeps (:attr:`~specforest.drafts.Proposal.picard_sweeps`), which evaluate every parent."""
     return remembers_chain(proposal, tree) or (getattr(proposal, "picard_sweeps", 0) > 0 and _drafts_chains(tree))
 
 
@@ -189,6 +190,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
     tt = ts.tt
     tab = ctx.tab
     carry = state.carry
+    memory = state.memory
     if group.everyone:
         s0, pre, x0 = state.step, state.pre, state.x
         keys = state.keys.gather(1, s0[:, None])
@@ -196,6 +198,9 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
         s0, pre, x0 = state.step[ids], state.pre.take(ids, history=ctx.proposal.uses_history), state.x[ids]
         keys = state.keys[ids, s0][:, None]
         carry = None if carry is None else carry[ids]
+        memory = None if memory is None else memory.take(ids)
+    # the proposal's memory, for a proposal that keeps one (one that keeps none need not take it)
+    mem = {} if memory is None else {"memory": memory}
     Vr = tt.size_at(Lr)
     prop = ctx.proposal
     if prop.aligned_noise and is_chain(tt, Lr):
@@ -205,7 +210,18 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
         # that key with its own mixed counter (streams.uniform), so no second mixing pass is needed
         keys = keys ^ tt.code[None, :Vr]
     if ctx.lazy:
-        return Draft(steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre, carry=carry)
+        return Draft(
+            steps=ts,
+            ids=ids,
+            s0=s0,
+            Ls=Ls,
+            Lr=Lr,
+            everyone=group.everyone,
+            keys=keys,
+            pre=pre,
+            carry=carry,
+            memory=memory,
+        )
     G, D = ids.numel(), state.x.shape[1]
     Vi = tt.size_at(Lr - 1)
     # (G, Vr - 1, D): noise of nodes 1..Vr-1, drawn with the coupling's uniforms at nodes 0..Vi-1
@@ -220,11 +236,11 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
     sweeps = 0
     terms = None
     if prop.affine:
-        terms = prop.round_terms(tab, steps, pre)
+        terms = prop.round_terms(tab, steps, pre, **mem)
         if terms is None:
-            A, C = prop.coefficients(tab, steps, pre, state.draft_state)
+            A, C = prop.coefficients(tab, steps, pre, state.draft_state, **mem)
         else:
-            A, C = prop.coefficients(tab, steps, pre, state.draft_state, terms)
+            A, C = prop.coefficients(tab, steps, pre, state.draft_state, terms, **mem)
         extra = carry_term(ctx, steps, carry)
         if extra is not None:
             C = C + extra
@@ -272,6 +288,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
                         cond,
                         ctx.shape,
                         state.draft_state,
+                        **mem,
                     )
                 )
                 if extra is not None:
@@ -285,7 +302,9 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             else:
                 rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
                 torch.add(rep, SZl[level - 1], out=Yl[level])
-    full = dict(steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre, carry=carry)
+    full = dict(
+        steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre, carry=carry, memory=memory
+    )
     drawn = dict(Y=Y, Z=Z, Mp=Mp, U=U, terms=terms, draft_calls=calls, sweeps=sweeps)
     if group.even and tt.eval_prefix[Lr] >= Vi:
         # every tree evaluates the same first nodes, the verified ones among them: a view of Y, no scatter

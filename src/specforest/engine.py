@@ -69,7 +69,7 @@ import torch
 from . import lockstep, streams
 from .couplings import Coupling
 from .drafting import draft, is_chain, remembers_chain, runs_full
-from .proposals import Prefetch, Proposal
+from .drafts import DraftMemory, EvaluatedChain, Prefetch, Proposal
 from .records import (
     PHASES,
     Counters,
@@ -149,7 +149,7 @@ def make_context(
     (:func:`~specforest.lockstep.lockstep_round`); otherwise rounds are
     :func:`speculative_round`. ``depth`` is the deepest round (``0`` for the standard sampler).
     ``features``: deep-feature numbers a row's evaluation keeps for the proposal (its
-    :meth:`~specforest.proposals.Proposal.bind`), used only where it remembers chains.
+    :meth:`~specforest.drafts.Proposal.bind`), used only where it remembers chains.
     """
     # a proposal that remembers the previous round's chain needs all its nodes evaluated
     lazy = lazy and not runs_full(proposal, tree if policy is None else policy)
@@ -255,13 +255,17 @@ def init_state(ctx: RunContext, x: torch.Tensor, keys: torch.Tensor) -> RunState
     batch, D = x.shape
     x = chain_start(ctx, x, keys)
     W = remembered_states(ctx)
-    states = ctx.proposal.uses_states and W > 0
-    feats = ctx.features if W > 0 else 0
+    memory = None
+    if W:
+        memory = ctx.proposal.init_memory(
+            batch, D, width=W, steps=ctx.T, features=ctx.features, dtype=ctx.work, device=ctx.device
+        )
     return RunState(
         x=x,
         step=torch.zeros(batch, dtype=torch.long, device=ctx.device),
         keys=step_keys(keys, ctx.T),
-        pre=Prefetch.empty(batch, D, ctx.work, ctx.device, memory=W, states=states, steps=ctx.T, features=feats),
+        pre=Prefetch.empty(batch, D, ctx.work, ctx.device),
+        memory=memory,
         counters=Counters.zeros(batch, ctx.depth, ctx.device),
         draft_state=ctx.proposal.init_state(ctx.device),
         draft_bad=torch.full((), -1, dtype=torch.long, device=ctx.device),
@@ -270,8 +274,10 @@ def init_state(ctx: RunContext, x: torch.Tensor, keys: torch.Tensor) -> RunState
 
 
 def remembered_states(ctx: RunContext) -> int:
-    """States per trajectory a run keeps of its last chain round (``0`` unless its proposal
-    remembers one: :func:`~specforest.drafting.remembers_chain`); a chain never runs past the grid."""
+    """Chain nodes per trajectory a run's proposal may remember of its last chain round (the
+    ``width`` of :meth:`~specforest.drafts.Proposal.init_memory`; ``0`` unless it remembers one:
+    :func:`~specforest.drafting.remembers_chain`, and then it keeps no memory); a chain never runs
+    past the grid."""
     if not remembers_chain(ctx.proposal, ctx.tree if ctx.policy is None else ctx.policy):
         return 0
     return min(ctx.depth, ctx.T)
@@ -428,7 +434,7 @@ def commit(
     ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, drafts: list, walks: list[WalkResult]
 ) -> RunState:
     """The run state after the round (phase 5)."""
-    x, step, pre, carry = state.x, state.step, state.pre, state.carry
+    x, step, pre, carry, memory = state.x, state.step, state.pre, state.carry, state.memory
     ids1 = sched.single
     committed = torch.zeros_like(step)
     single = None
@@ -466,8 +472,8 @@ def commit(
                 carry = carry.index_put((ids,), w.carry)
             committed = committed.index_put((ids,), w.committed)
             pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True, history=hist)
-        if ctx.proposal.uses_memory and is_chain(d.tt, d.Lr):
-            pre = _remember(ctx, pre, d, V, Fd)
+        if memory is not None and is_chain(d.tt, d.Lr):
+            memory = _remember(ctx, memory, d, V, Fd)
         Lw = w.act.shape[1]
         cols = ctx.depth_cols[:Lw]
         draft_bad = _first_bad_draft(ctx, w, d, cols, draft_bad)
@@ -483,10 +489,12 @@ def commit(
         o = w.observed
         if o is not None:
             args = (dstate, ctx.tab, o.y, o.mu_q, o.steps, state.pre.take(ids[o.rows]), ctx.tab64.scale[o.steps])
+            kw = {} if state.memory is None else {"memory": state.memory.take(ids[o.rows])}
             if d.terms is None:
-                dstate = ctx.proposal.observe(*args)
+                dstate = ctx.proposal.observe(*args, **kw)
             else:
-                dstate = ctx.proposal.observe(*args, ctx.proposal.take_terms(d.terms, o.rows, o.steps - d.s0[o.rows]))
+                terms = ctx.proposal.take_terms(d.terms, o.rows, o.steps - d.s0[o.rows])
+                dstate = ctx.proposal.observe(*args, terms, **kw)
     counters = state.counters.with_round(RoundEntry(active=sched.active, single=single, outcomes=tuple(outcomes)))
     calls = sum(d.draft_calls for d in drafts) + sum(w.draft_calls for w in walks)
     return RunState(
@@ -503,6 +511,7 @@ def commit(
         seconds=state.seconds,
         draft_bad=draft_bad,
         carry=carry,
+        memory=memory,
     )
 
 
@@ -514,17 +523,24 @@ def _first_bad_draft(ctx: RunContext, w: WalkResult, d: Draft, cols: torch.Tenso
     return torch.where((bad < 0) & (at < ctx.T), at, bad)
 
 
-def _remember(ctx: RunContext, pre: Prefetch, d: Draft, V: torch.Tensor, feats: Optional[torch.Tensor]) -> Prefetch:
-    """``pre`` with the round's evaluated chain of draft ``d`` as its trajectories' memory: the
-    clean-data predictions ``y - sigma v`` of parents ``0 .. Ls - 1`` (full mode: ``V`` holds them),
-    their states where the proposal :attr:`~specforest.proposals.Proposal.uses_states`, and their
-    deep features ``feats (G, V_r, F)`` where the run keeps them."""
+def _remember(
+    ctx: RunContext, memory: DraftMemory, d: Draft, V: torch.Tensor, feats: Optional[torch.Tensor]
+) -> DraftMemory:
+    """``memory`` after draft ``d``'s chain round: the proposal's
+    :meth:`~specforest.drafts.Proposal.remember` of the group's rows the round drafted with, given
+    the round's parents ``0 .. Lr - 1`` (full mode: ``V`` holds their velocities), their steps and
+    their deep features ``feats (G, V_r, F)`` where the run keeps them; put back at the group's rows."""
     Lr = d.Lr
-    steps = d.steps.level[d.s0, :Lr]  # (G, Lr)
-    x0 = d.Y[:, :Lr] - ctx.tab.sig[steps][..., None] * V[:, :Lr].to(d.Y.dtype)
-    y = d.Y[:, :Lr] if ctx.proposal.uses_states else None
-    f = None if feats is None else feats[:, :Lr]
-    return pre.with_memory(None if d.everyone else d.ids, x0, d.s0, d.Ls, y=y, f=f)
+    chain = EvaluatedChain(
+        y=d.Y[:, :Lr],
+        v=V[:, :Lr],
+        steps=d.steps.level[d.s0, :Lr],
+        s0=d.s0,
+        n=d.Ls,
+        features=None if feats is None else feats[:, :Lr],
+    )
+    part = ctx.proposal.remember(d.memory, ctx.tab, chain)
+    return part if d.everyone else memory.put(d.ids, part)
 
 
 def speculative_round(ctx: RunContext, state: RunState) -> Optional[RunState]:

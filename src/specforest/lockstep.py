@@ -106,5 +106,6 @@ def lockstep_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
         noise=block,
         draft_bad=state.draft_bad,
         carry=carry,
+        memory=state.memory,
         seconds=(sched, drafted, evaluated + (t1 - t0 - inside), walked, committed + (t2 - t1)),
     )

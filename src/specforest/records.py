@@ -2,8 +2,8 @@
 
 Every record has named fields and is built with keywords. The ones a round
 makes (:class:`Group`, :class:`Schedule`, :class:`Draft`, :class:`Evaluations`,
-:class:`Observed`, :class:`WalkResult`, :class:`Outcome`, :class:`RoundEntry`)
-and the run's state (:class:`RunState`, :class:`Counters`) are frozen values: a
+:class:`Observed`, :class:`WalkResult`, and the counters' :class:`Outcome`, :class:`RoundEntry`,
+kept in :mod:`specforest.counters`) and the run's state (:class:`RunState`, :class:`Counters`) are frozen values: a
 phase returns a new one instead of changing the one it was given.
 :class:`RunContext` is frozen too, and nothing in it is filled in by a round:
 what a round reads per tree and per step is tabulated when the context is made
@@ -23,8 +23,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import streams
+from .counters import FLUSH_ROUNDS as FLUSH_ROUNDS
+from .counters import Counters, Outcome, RoundEntry
 from .couplings import Coupling
-from .proposals import Prefetch, Proposal
+from .drafts import DraftMemory, Prefetch, Proposal
 from .sde import StepTables
 from .target import Target
 from .trees import DraftTree, TreePolicy, TreeTables
@@ -51,9 +53,6 @@ __all__ = [
 PHASES = ("schedule", "draft", "evaluate", "walk", "commit")
 """The phases of a round, as timed in ``SampleStats.phase_seconds`` (``evaluate`` excludes the
 target call itself, which is ``target_seconds``). Host wall time: on CUDA, kernel launch time."""
-
-FLUSH_ROUNDS = 16
-"""Rounds whose counters are added together (:meth:`Counters.with_round`): memory for ``16 (batch, L)`` outcomes."""
 
 
 def step_keys(keys: torch.Tensor, T: int) -> torch.Tensor:
@@ -141,7 +140,7 @@ class RunContext:
             evaluates the first ``n`` nodes (``None`` where no round does).
         lockstep_steps: the lockstep round's :class:`LockstepStep` per step (empty otherwise).
         features: deep-feature numbers the target keeps per row for the proposal
-            (:meth:`~specforest.proposals.Proposal.bind`; ``0``: the verification call keeps none).
+            (:meth:`~specforest.drafts.Proposal.bind`; ``0``: the verification call keeps none).
         noise: the standard sampler's noise given by the caller instead of the streams:
             ``noise(n)`` is step ``n``'s ``(batch, D)`` standard normal draws (``n = -1``: the
             chain's start), called once per step in order (a parity test's noise sampler).
@@ -206,173 +205,6 @@ class RunContext:
 # -- the state between rounds ------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One speculating group's outcome in a round, as :class:`Counters` add it.
-
-    Attributes:
-        ids: ``(G,)`` its trajectories.
-        committed: ``(G,)`` steps each committed.
-        rows: ``(G,)`` rows each had evaluated.
-        act: ``(G, Lw)`` bool, a verification problem met at each depth walked.
-        acc: ``(G, Lw)`` bool, ... and a child accepted.
-        delta: ``(G, Lw)`` float64 mismatch of the problem met (junk where not ``act``).
-        sweeps: target calls each trajectory took part in before the round's verification call
-            (Picard sweeps; 0 for a free draft).
-    """
-
-    ids: torch.Tensor
-    committed: torch.Tensor
-    rows: torch.Tensor
-    act: torch.Tensor
-    acc: torch.Tensor
-    delta: torch.Tensor
-    sweeps: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RoundEntry:
-    """A speculative round's outcome, pending in :class:`Counters`.
-
-    Attributes:
-        active: ``(batch,)`` bool or 0/1 long, the trajectories that took part.
-        single: ``(n1,)`` trajectories that took a single row (one evaluated row each, not a
-            speculative round), or ``None``.
-        outcomes: the speculating groups'.
-    """
-
-    active: torch.Tensor
-    single: Optional[torch.Tensor]
-    outcomes: tuple
-
-
-@dataclass(frozen=True)
-class Counters:
-    """Per-trajectory counters, accumulated in batches of rounds so that a round adds no ops.
-
-    A round appends its outcome to ``pending`` (a Python tuple: no tensor op);
-    every :data:`FLUSH_ROUNDS` rounds, and whenever they are read
-    (:meth:`flushed`), the pending rounds are added in a few ops for all of
-    them together.
-
-    Attributes:
-        nfe: ``(batch,)`` target calls each trajectory took part in.
-        per_traj: ``(batch, 3)`` long: speculative rounds, steps they committed, evaluated rows.
-        per_depth: ``(batch, L, 3)`` float64: verifications met, accepted, summed ``delta`` at each depth.
-        commits: ``(batch, L + 1)`` long: rounds that committed ``j`` steps.
-        pending: :class:`RoundEntry` of the rounds not yet added.
-        lockstep: lockstep rounds not yet added (every trajectory evaluated one row): a Python
-            int, so that such a round adds no tensor op.
-
-    See :class:`specforest.sampler.SampleStats` for their meaning.
-    """
-
-    nfe: torch.Tensor
-    per_traj: torch.Tensor
-    per_depth: torch.Tensor
-    commits: torch.Tensor
-    pending: tuple = ()
-    lockstep: int = 0
-
-    @classmethod
-    def zeros(cls, batch: int, L: int, device: torch.device) -> Counters:
-        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
-        return cls(
-            nfe=z(batch),
-            per_traj=z(batch, 3),
-            per_depth=torch.zeros(batch, L, 3, dtype=torch.float64, device=device),
-            commits=z(batch, L + 1),
-        )
-
-    def with_round(self, entry: RoundEntry) -> Counters:
-        """These counters with one more speculative round."""
-        out = Counters(
-            nfe=self.nfe,
-            per_traj=self.per_traj,
-            per_depth=self.per_depth,
-            commits=self.commits,
-            pending=self.pending + (entry,),
-            lockstep=self.lockstep,
-        )
-        return out.flushed() if len(out.pending) >= FLUSH_ROUNDS else out
-
-    def with_lockstep_round(self) -> Counters:
-        """These counters with one more lockstep round (every trajectory, one row)."""
-        return Counters(
-            nfe=self.nfe,
-            per_traj=self.per_traj,
-            per_depth=self.per_depth,
-            commits=self.commits,
-            pending=self.pending,
-            lockstep=self.lockstep + 1,
-        )
-
-    @staticmethod
-    def _one_row(ids: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([[0, 0, 1]], dtype=torch.long, device=ids.device)
-
-    def flushed(self) -> Counters:
-        """The counters with every pending round added."""
-        if self.lockstep:
-            n = self.lockstep
-            one_row = self._one_row(self.nfe)
-            out = Counters(
-                nfe=self.nfe + n,
-                per_traj=self.per_traj + n * one_row,
-                per_depth=self.per_depth,
-                commits=self.commits,
-                pending=self.pending,
-            )
-            return out.flushed()
-        if not self.pending:
-            return self
-        actives = [e.active for e in self.pending]
-        nfe = self.nfe + (torch.stack(actives).sum(0) if len(actives) > 1 else actives[0])
-        per_traj, per_depth, commits = self.per_traj, self.per_depth, self.commits
-        single = [e.single for e in self.pending if e.single is not None]
-        if single:
-            # a single row is not a speculative round: it counts one evaluated row only
-            ids = torch.cat(single) if len(single) > 1 else single[0]
-            per_traj = per_traj.index_add(0, ids, self._one_row(ids).expand(ids.numel(), 3))
-        spec = [o for e in self.pending for o in e.outcomes]
-        swept = [o for o in spec if o.sweeps]
-        if swept:
-            # a Picard sweep is one more sequential target call of each of the group's trajectories
-            ids = torch.cat([o.ids for o in swept])
-            nfe = nfe.index_add(0, ids, torch.cat([torch.full_like(o.ids, o.sweeps) for o in swept]))
-        if spec:
-            ids = torch.cat([o.ids for o in spec])
-            committed = torch.cat([o.committed for o in spec])
-            rows = torch.cat([o.rows for o in spec])
-            per_traj = per_traj.index_add(0, ids, torch.stack([torch.ones_like(ids), committed, rows], 1))
-            commits = commits.index_put((ids, committed), torch.ones_like(ids), accumulate=True)
-            by_depth: dict = {}
-            for o in spec:
-                by_depth.setdefault(o.act.shape[1], []).append(o)
-            for Lw, group in by_depth.items():
-                act = torch.cat([o.act for o in group])
-                acc = torch.cat([o.acc for o in group])
-                delta = torch.cat([o.delta for o in group])
-                gid = torch.cat([o.ids for o in group])
-                cols = torch.arange(Lw, device=gid.device)
-                per_depth = per_depth.index_put(
-                    (gid[:, None], cols[None]),
-                    torch.stack([act.double(), acc.double(), torch.where(act, delta, 0.0)], -1),
-                    accumulate=True,
-                )
-        return Counters(nfe=nfe, per_traj=per_traj, per_depth=per_depth, commits=commits)
-
-    def restart(self, rows: torch.Tensor) -> Counters:
-        """The counters (pending rounds added) with trajectories ``rows`` back at zero."""
-        c = self.flushed()
-        return Counters(
-            nfe=c.nfe.index_fill(0, rows, 0),
-            per_traj=c.per_traj.index_fill(0, rows, 0),
-            per_depth=c.per_depth.index_fill(0, rows, 0),
-            commits=c.commits.index_fill(0, rows, 0),
-        )
-
-
 @dataclass(frozen=True)
 class NoiseBlock:
     """The lockstep round's noise of steps ``first .. first + n - 1``: ``noise (n, batch, D)``."""
@@ -385,8 +217,8 @@ class NoiseBlock:
 class RunState:
     """The state of a run between rounds.
 
-    Per trajectory (one row each, reset by :meth:`restart`): ``x``, ``step``, ``keys``, ``pre``
-    and ``counters``. The rest belongs to the run.
+    Per trajectory (one row each, reset by :meth:`restart`): ``x``, ``step``, ``keys``, ``pre``,
+    ``memory`` and ``counters``. The rest belongs to the run.
 
     Attributes:
         x: ``(batch, D)`` current states (working dtype).
@@ -394,6 +226,9 @@ class RunState:
         keys: ``(batch, T)`` int64 key of each trajectory at each step (:func:`step_keys`).
         pre: the prefetched evaluations.
         counters: per-trajectory statistics.
+        memory: the proposal's per-trajectory memory of earlier rounds
+            (:meth:`~specforest.drafts.Proposal.init_memory`; ``None``: it keeps none). The engine
+            carries it (``take``, ``put``, ``restart``) without reading it.
         draft_state: the proposal's learnt state.
         draft_bad: ``()`` long, the first step at which the draft's mean came out NaN or inf
             (``-1``: none so far); set on the device by the rounds, read with the round's one
@@ -424,6 +259,7 @@ class RunState:
     noise: Optional[NoiseBlock] = None
     seconds: tuple = (0.0,) * len(PHASES)
     carry: Optional[torch.Tensor] = None
+    memory: Optional[DraftMemory] = None
 
     @property
     def phase_seconds(self) -> dict:
@@ -433,7 +269,7 @@ class RunState:
     def restart(self, rows: torch.Tensor, x: torch.Tensor, keys: torch.Tensor) -> RunState:
         """The state with trajectories ``rows (n,)`` started afresh from states ``x (n, D)`` with
         sample keys ``keys (n,)``: every per-trajectory field of those rows as :func:`init_state`
-        makes it (step 0, no prefetched evaluation, zero counters); the other rows and the run's
+        makes it (step 0, no prefetched evaluation, no memory, zero counters); the other rows and the run's
         own fields (the proposal's state, the records, the rounds, the timings) unchanged.
 
         For a speculative run (:func:`specforest.generate` refills finished slots); a lockstep
@@ -455,6 +291,7 @@ class RunState:
             seconds=self.seconds,
             draft_bad=self.draft_bad,
             carry=None if self.carry is None else self.carry.index_fill(0, rows, 0),
+            memory=None if self.memory is None else self.memory.restart(rows),
         )
 
 
@@ -516,6 +353,8 @@ class Draft:
         everyone: as in :class:`Group`.
         keys: ``(G, V_r)`` int64 node keys.
         pre: the group's prefetched evaluations.
+        memory: the group's rows of the proposal's memory (:attr:`RunState.memory`) the round
+            drafts with, or ``None``.
         Y: ``(G, V_r, D)`` node states (full mode; ``None`` lazy).
         Z: ``(G, V_r - 1, D)`` standard noise of the drafted nodes (full mode).
         Mp: ``(G, V_i, D)`` draft means at the nodes of depth ``< Lr`` (full mode).
@@ -524,10 +363,10 @@ class Draft:
         n_first: see ``emask``.
         U: ``(G, V_i, C)`` the coupling's declared uniforms at the nodes of depth ``< Lr``,
             drawn with ``Z`` (:func:`~specforest.drafting.tree_draws`; full mode), or ``None``.
-        terms: the proposal's :meth:`~specforest.proposals.Proposal.round_terms` at the
+        terms: the proposal's :meth:`~specforest.drafts.Proposal.round_terms` at the
             ``(G, Lr)`` parent steps (full mode), or ``None``.
         draft_calls: calls of a draft model made drafting it.
-        sweeps: Picard sweeps made drafting it (:class:`~specforest.proposals.PicardDraft`):
+        sweeps: Picard sweeps made drafting it (:class:`~specforest.drafts.PicardDraft`):
             sequential target calls before the verification's, each of ``Lr`` rows a trajectory.
         carry: ``(G, D)`` the roots' parent predictions (:attr:`RunState.carry`), or ``None``.
     """
@@ -550,6 +389,7 @@ class Draft:
     draft_calls: int = 0
     carry: Optional[torch.Tensor] = None
     sweeps: int = 0
+    memory: Optional[DraftMemory] = None
 
     @property
     def tt(self) -> TreeTables:
@@ -571,7 +411,7 @@ class Evaluations:
 @dataclass(frozen=True, slots=True)
 class Observed:
     """A group's verified parents, level-major, for a proposal that observes
-    (:meth:`~specforest.proposals.Proposal.observe`).
+    (:meth:`~specforest.drafts.Proposal.observe`).
 
     Attributes:
         y: ``(P, D)`` the parents.

@@ -321,18 +321,18 @@ class OnDemand:
         prev = None if self.prev is None else self.prev[a]
         mu_q = ctx.tab.mean(yu[:, None], vu[:, None], sa[:, None], None if prev is None else prev[:, None])[:, 0]
         pre = d.pre.take(a)
+        mem = {} if d.memory is None else {"memory": d.memory.take(a)}
         prop = ctx.proposal
         # the draft's multistep term, as the full draft makes it (the root's carried prediction)
         extra = carry_term(ctx, sa[:, None], None if d.carry is None else d.carry[a])
         if prop.affine:
-            A, C = prop.coefficients(ctx.tab, sa[:, None], pre, self.draft_state)
+            A, C = prop.coefficients(ctx.tab, sa[:, None], pre, self.draft_state, **mem)
             if extra is not None:
                 C = C + extra
             mu_p = torch.addcmul(C, A, yu[:, None])[:, 0]
         else:
-            mu_p = prop.mean(
-                ctx.tab, yu[:, None], sa[:, None], pre, ctx.target.cond_rows(d.ids[a]), ctx.shape, self.draft_state
-            )[:, 0]
+            cond = ctx.target.cond_rows(d.ids[a])
+            mu_p = prop.mean(ctx.tab, yu[:, None], sa[:, None], pre, cond, ctx.shape, self.draft_state, **mem)[:, 0]
             if extra is not None:
                 mu_p = mu_p + extra[:, 0]
             self.draft_calls += 1

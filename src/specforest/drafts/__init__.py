@@ -16,8 +16,12 @@ draft uses. The proposal only moves the acceptance rate.
 One module a draft family, and the registry:
 
 * :mod:`~specforest.drafts.base` -- :class:`Proposal`, the base class every draft subclasses,
-  and the draft kind names;
-* :mod:`~specforest.drafts.prefetch` -- :class:`Prefetch`, the evaluations a draft reads;
+  :class:`DraftMemory`, the base of a draft's per-trajectory memory, :class:`EvaluatedChain`,
+  what a chain round hands it, and the draft kind names;
+* :mod:`~specforest.drafts.prefetch` -- :class:`Prefetch`, the evaluations a draft reads (the
+  engine's);
+* :mod:`~specforest.drafts.chain_memory` -- :class:`ChainMemory`, the previous chain round of
+  each trajectory, and :class:`RemembersChain`, the base of the drafts that read it;
 * :mod:`~specforest.drafts.frozen` -- :class:`FrozenPrediction` (``velocity``, ``drift``,
   ``x0``, ``eps``, ``x0_extrap``);
 * :mod:`~specforest.drafts.memory` -- :class:`MemoryDraft` (``memory``) and
@@ -33,7 +37,17 @@ One module a draft family, and the registry:
 """
 
 from .auto import AutoDraft
-from .base import AUTO_KINDS, DRAFT_KINDS, FROZEN_KINDS, MODEL_DRAFTS, PICARD_DRAFTS, Proposal
+from .base import (
+    AUTO_KINDS,
+    DRAFT_KINDS,
+    FROZEN_KINDS,
+    MODEL_DRAFTS,
+    PICARD_DRAFTS,
+    DraftMemory,
+    EvaluatedChain,
+    Proposal,
+)
+from .chain_memory import ChainMemory, RemembersChain
 from .frozen import FrozenPrediction
 from .memory import MemoryDraft, SecantDraft
 from .model import CachedDraft, DraftModel, LearnedDraft
@@ -47,7 +61,10 @@ __all__ = [
     "FROZEN_KINDS",
     "AutoDraft",
     "CachedDraft",
+    "ChainMemory",
+    "DraftMemory",
     "DraftModel",
+    "EvaluatedChain",
     "LearnedDraft",
     "MODEL_DRAFTS",
     "FrozenPrediction",
@@ -56,6 +73,7 @@ __all__ = [
     "PICARD_DRAFTS",
     "Prefetch",
     "Proposal",
+    "RemembersChain",
     "SecantDraft",
     "available_drafts",
     "drafts_serving",

@@ -6,13 +6,14 @@ import torch
 
 from ..sde import StepTables
 from ..validation import check_int
-from .base import AUTO_KINDS, Proposal
+from .base import AUTO_KINDS
+from .chain_memory import RemembersChain
 from .memory import _memory_at, _secant_at
 
 __all__ = ["AutoDraft"]
 
 
-class AutoDraft(Proposal):
+class AutoDraft(RemembersChain):
     """The draft chosen online among :data:`AUTO_KINDS` (``draft="auto"``).
 
     After every verification the sampler reports the exact target mean; for each
@@ -47,9 +48,7 @@ class AutoDraft(Proposal):
     affine = True
     observes = True
     uses_history = True
-    uses_memory = True
     uses_states = True
-    aligned_noise = True
     name = "auto"
 
     def __init__(self, max_offset: int = 64, stretches: int = 2, min_count: int = 16) -> None:
@@ -91,13 +90,14 @@ class AutoDraft(Proposal):
         return stretch * (self.max_offset + 1) + offset
 
     @staticmethod
-    def _all_kinds(tab, steps, pre):
+    def _all_kinds(tab, steps, pre, memory=None):
         """Every kind's mean as ``A y + alpha y* + beta v* + eps x0_prev + mu x0_mem + nu y_mem``.
 
         Returns ``coef (6, 7, G, n)``: ``A, alpha, beta, eps, mu, nu`` of the seven kinds (in
         :data:`AUTO_KINDS` order) at each parent, and the vectors ``y* (G, D)``, ``v* (G, D)``,
         ``x0_prev (G, D)``, ``x0_mem (G, n, D)`` (the memory node each parent would read) and
-        ``y_mem (G, n, D)`` (its state), the last two ``None`` when the run keeps no memory. The
+        ``y_mem (G, n, D)`` (its state), the last two ``None`` when the run keeps no memory
+        (``memory``, the trajectories' :class:`~specforest.drafts.chain_memory.ChainMemory`). The
         same affine maps as :class:`FrozenPrediction`'s, :class:`MemoryDraft`'s and
         :class:`SecantDraft`'s, written so that the kinds cost a few scalar ops and five vector
         ones, not seven vector computations (``velocity`` is bit-identical to its own; the
@@ -114,7 +114,7 @@ class AutoDraft(Proposal):
         r = torch.where(ok, (sig - sig_src) / torch.where(ok, gap, torch.ones_like(gap)), torch.zeros_like(gap))
         k0r = k0 * (1.0 + r)
         zero = torch.zeros_like(c)
-        x0_mem, use = _memory_at(steps, pre)
+        x0_mem, use = _memory_at(steps, pre, memory)
         # the memory kind: mu x0_mem where it reads a node, the x0 kind (times keep = 1) where not
         reads = zero if use is None else use.to(c.dtype)
         keep = 1.0 - reads
@@ -122,8 +122,8 @@ class AutoDraft(Proposal):
         # the secant kind: the memory kind plus k0 g (y_mem - y), g = 0 where it reads no node
         # at the parent's own step
         y_mem, kg = None, zero
-        if x0_mem is not None and pre.mem_y.shape[1]:
-            g, y_mem = _secant_at(steps, pre)
+        if x0_mem is not None and memory.y is not None:
+            g, y_mem = _secant_at(steps, pre, memory)
             kg = k0 * g.to(c.dtype)
         # A, alpha, beta, eps, mu, nu of velocity, drift, x0, eps, x0_extrap, memory, secant
         coef = torch.stack(
@@ -140,16 +140,16 @@ class AutoDraft(Proposal):
         x0_prev = pre.prev_y - sig_prev * pre.prev_v
         return coef, (pre.y, pre.v, x0_prev, x0_mem, y_mem)
 
-    def round_terms(self, tab, steps, pre):
-        return self._all_kinds(tab, steps, pre)
+    def round_terms(self, tab, steps, pre, memory=None):
+        return self._all_kinds(tab, steps, pre, memory)
 
     def take_terms(self, terms, rows, cols):
         coef, (ys, vs, x0p, x0m, ym) = terms
         at = lambda t: None if t is None else t[rows, cols]  # noqa: E731
         return coef[:, :, rows, cols], (ys[rows], vs[rows], x0p[rows], at(x0m), at(ym))
 
-    def coefficients(self, tab, steps, pre, state, terms=None):
-        coef, (ys, vs, x0p, x0m, ym) = self._all_kinds(tab, steps, pre) if terms is None else terms
+    def coefficients(self, tab, steps, pre, state, terms=None, memory=None):
+        coef, (ys, vs, x0p, x0m, ym) = self._all_kinds(tab, steps, pre, memory) if terms is None else terms
         offset = (steps - pre.step[:, None]).clamp(0, self.max_offset)
         pick = self.choice(state, self.min_count).reshape(-1)[self._cell(tab, steps, offset)]  # (G, n)
         A, alpha, beta, eps, mu, nu = coef.gather(1, pick.expand(6, 1, *pick.shape))[:, 0, ..., None].unbind(0)
@@ -160,10 +160,10 @@ class AutoDraft(Proposal):
             C = torch.addcmul(C, nu, ym)
         return A, C
 
-    def observe(self, state, tab, y, mu_q, steps, pre, scale, terms=None):
+    def observe(self, state, tab, y, mu_q, steps, pre, scale, terms=None, memory=None):
         total, count = state
         if terms is None:
-            coef, (ys, vs, x0p, x0m, ym) = self._all_kinds(tab, steps[:, None], pre)  # (6, 7, P, 1)
+            coef, (ys, vs, x0p, x0m, ym) = self._all_kinds(tab, steps[:, None], pre, memory)  # (6, 7, P, 1)
             x0m = None if x0m is None else x0m[:, 0]
             ym = None if ym is None else ym[:, 0]
         else:

@@ -1,10 +1,12 @@
 """What every draft shares: the base class :class:`Proposal` (the draft mean at drafted parents and
-the needs a draft declares), the draft kind names, and the table of registered drafts that the
-drafts' errors cite (filled with the shipped drafts by :mod:`specforest.drafts.registry`)."""
+the needs a draft declares), a draft's per-trajectory memory (:class:`DraftMemory`) and what a chain
+round hands it (:class:`EvaluatedChain`), the draft kind names, and the table of registered drafts
+that the drafts' errors cite (filled with the shipped drafts by :mod:`specforest.drafts.registry`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -18,6 +20,8 @@ __all__ = [
     "FROZEN_KINDS",
     "MODEL_DRAFTS",
     "PICARD_DRAFTS",
+    "DraftMemory",
+    "EvaluatedChain",
     "Proposal",
     "VelocityFn",
     "available_drafts",
@@ -45,6 +49,60 @@ AUTO_KINDS = (*FROZEN_KINDS, "memory", "secant")
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+M = TypeVar("M", bound="DraftMemory")
+
+
+@dataclass(frozen=True)
+class DraftMemory:
+    """Base of a draft's per-trajectory memory (:meth:`Proposal.init_memory`): a frozen dataclass
+    whose fields are tensors with one row per trajectory (``(batch, ...)``), or ``None`` for a part
+    the run does not keep. Subclass it with the fields; the engine carries it without reading them
+    (:attr:`specforest.records.RunState.memory`) through the three methods here, which act on every
+    field that is not ``None``.
+    """
+
+    def _parts(self) -> dict:
+        """``{name: tensor}`` of the fields that are kept (not ``None``)."""
+        return {f.name: t for f in fields(self) if (t := getattr(self, f.name)) is not None}
+
+    def take(self: M, idx: torch.Tensor) -> M:
+        """The rows ``idx (G,)`` (a group's trajectories, in its order)."""
+        return replace(self, **{k: t[idx] for k, t in self._parts().items()})
+
+    def put(self: M, idx: torch.Tensor, part: M) -> M:
+        """Rows ``idx (G,)`` replaced by ``part``'s ``G`` rows (a group's new memory), the others kept."""
+        return replace(self, **{k: t.index_put((idx,), getattr(part, k)) for k, t in self._parts().items()})
+
+    def restart(self: M, rows: torch.Tensor) -> M:
+        """Rows ``rows`` as a fresh trajectory's (every number 0, as :meth:`Proposal.init_memory`
+        makes them), the others kept (continuous batching refills a slot with it)."""
+        return replace(self, **{k: t.index_fill(0, rows, 0) for k, t in self._parts().items()})
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluatedChain:
+    """What one chain round evaluated for its group of ``G`` trajectories, as the engine hands it to
+    :meth:`Proposal.remember` (views of the round's tensors: never write them). ``Lr`` is the
+    round's deepest lookahead.
+
+    Attributes:
+        y: ``(G, Lr, D)`` the chain's parents, node ``j`` at step ``s0 + j`` (working dtype).
+        v: ``(G, Lr, D)`` the target's velocities there, from the round's verification call (the
+            target's dtype; meaningless at nodes ``j >= n``).
+        steps: ``(G, Lr)`` long, the parents' steps.
+        s0: ``(G,)`` long, the roots' steps.
+        n: ``(G,)`` long, each trajectory's lookahead: its parents ``j < n`` are its own.
+        features: ``(G, Lr, F)`` the target's deep features at the parents where the run keeps
+            them (:attr:`Proposal.uses_features`, ``F`` from :meth:`Proposal.bind`), else ``None``.
+    """
+
+    y: torch.Tensor
+    v: torch.Tensor
+    steps: torch.Tensor
+    s0: torch.Tensor
+    n: torch.Tensor
+    features: Optional[torch.Tensor] = None
+
 
 class Proposal:
     """Base class: the draft transition mean ``m^p(y)`` at drafted parents.
@@ -62,27 +120,45 @@ class Proposal:
             of each round's verified parents.
         uses_history: the proposal reads the evaluation prefetched before the
             last one (``Prefetch.prev_*``); otherwise the sampler does not track it.
-        uses_memory: the proposal reads the previous round's evaluated chain
-            (``Prefetch.mem_*``, kept by the sampler only then); such a run
-            evaluates every node of its rounds, so ``lazy`` runs it as a full round.
+        uses_memory: the proposal keeps a memory of each trajectory's last chain round (below:
+            :meth:`init_memory`, :meth:`remember`); such a run evaluates every node of its
+            rounds, so ``lazy`` runs it as a full round.
         aligned_noise: a chain draws its node at step ``t`` from the key of the
             transition into ``t`` (the same in every round) rather than from
             the round's root, so a node redrafted in a later round gets the
             noise it had before (:class:`MemoryDraft`).
-        uses_states: with :attr:`uses_memory`, the proposal also reads the remembered nodes'
-            states and the per-step gain sums fitted from them (``Prefetch.mem_y``,
-            ``gain_num``, ``gain_den``, :class:`SecantDraft`); the sampler keeps them only then.
+        uses_states: with :attr:`uses_memory`, the memory also keeps the remembered nodes'
+            states (and, for the shipped drafts, the per-step gain sums fitted from them:
+            :class:`SecantDraft`); the memory estimate counts them twice.
         picard_sweeps: Picard sweeps over each drafted chain before its verification, each one
             batched target call counted in the NFE (:class:`PicardDraft`); such a run goes full.
         uses_features: with :attr:`uses_memory`, the round's verification call also keeps the
-            target's deep features of every row (the model's ``with_features``), and the proposal
-            reads those of the remembered nodes (``Prefetch.mem_f``, :class:`CachedDraft`).
+            target's deep features of every row (the model's ``with_features``), handed to
+            :meth:`remember` (:class:`CachedDraft`).
         name: short name recorded in results.
 
     A proposal's learnt state (if any) is an explicit value: :meth:`init_state`
     makes it, :meth:`observe` returns the next one, and a round drafts with the
     state it started with, so the draft of a round depends only on earlier
     rounds and the sampler stays exact.
+
+    Memory: a proposal may keep, per trajectory, what earlier rounds evaluated. The engine carries
+    it without knowing its fields:
+
+    * :meth:`init_memory` makes it before the first round (``None``, the default: none), for a run
+      whose rounds may be chains (:attr:`uses_memory` and a tree whose first level does not
+      branch); it is a :class:`DraftMemory` (rows taken for a group with ``take``, a group's rows
+      replaced with ``put``, a refilled slot cleared with ``restart``), kept in
+      :attr:`specforest.records.RunState.memory` beside the prefetch;
+    * :meth:`remember` gets it back after every chain round with what the round evaluated
+      (:class:`EvaluatedChain`) and returns the next one, for the round's group only;
+    * :meth:`coefficients`, :meth:`round_terms`, :meth:`mean` and :meth:`observe` get the
+      memory of their ``G`` (``P``) trajectories as the keyword ``memory``, the one the round
+      started with, and only when :meth:`init_memory` made one: a proposal that keeps none need
+      not take the keyword.
+
+    The memory holds evaluations of earlier rounds only (never the drafted nodes' own draws), so
+    the draft of a round depends only on earlier rounds and the sampler stays exact.
     """
 
     needs_prefetch: bool = True
@@ -99,6 +175,28 @@ class Proposal:
     def init_state(self, device: torch.device) -> Any:
         """The state before any round (``None`` for stateless proposals)."""
         return None
+
+    def init_memory(
+        self, batch: int, D: int, width: int, steps: int, features: int, dtype: torch.dtype, device: torch.device
+    ) -> Optional[DraftMemory]:
+        """The memory of ``batch`` trajectories of state dimension ``D`` before any round, or ``None``
+        (the default) for a proposal that keeps none.
+
+        Args:
+            width: the most chain nodes a round evaluates per trajectory (its deepest lookahead,
+                at most the ``steps`` of the grid).
+            steps: steps of the grid.
+            features: the deep-feature numbers the verification call keeps per row
+                (:meth:`bind`; ``0``: none).
+            dtype, device: the run's working dtype and device.
+        """
+        return None
+
+    def remember(self, memory: DraftMemory, tab: StepTables, chain: EvaluatedChain) -> DraftMemory:
+        """The memory of a chain round's ``G`` trajectories after it: ``memory`` holds their rows
+        before the round (``take`` of the run's), ``chain`` what the round evaluated. Called by the
+        engine after every chain round of a run that keeps a memory; the result has ``G`` rows."""
+        raise NotImplementedError(f"draft {self.name!r} keeps a memory: it must implement remember")
 
     def check(self, shape: tuple[int, ...], dtype: torch.dtype, model: Any = None) -> None:
         """Refuse, before sampling, a run whose per-sample state ``shape``, working ``dtype`` or
@@ -118,7 +216,13 @@ class Proposal:
         return 0
 
     def coefficients(
-        self, tab: StepTables, steps: torch.Tensor, pre: Prefetch, state: Any, terms: Any = None
+        self,
+        tab: StepTables,
+        steps: torch.Tensor,
+        pre: Prefetch,
+        state: Any,
+        terms: Any = None,
+        memory: Optional[DraftMemory] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A, C)`` with ``mean = A * y + C`` (affine proposals only).
 
@@ -129,17 +233,20 @@ class Proposal:
             state: the proposal's state.
             terms: :meth:`round_terms` of the same ``steps`` and ``pre`` when the
                 sampler made them (a drafted round), else ``None``.
+            memory: the ``G`` trajectories' memory (only given where :meth:`init_memory` made one).
 
         Returns:
             ``A (G, n, 1)`` and ``C (G, n, D)``.
         """
         raise NotImplementedError
 
-    def round_terms(self, tab: StepTables, steps: torch.Tensor, pre: Prefetch) -> Any:
+    def round_terms(
+        self, tab: StepTables, steps: torch.Tensor, pre: Prefetch, memory: Optional[DraftMemory] = None
+    ) -> Any:
         """What :meth:`coefficients` and :meth:`observe` both compute from the parents' steps
-        ``(G, n)`` and prefetch, made once per drafted round; ``None`` (the default) when nothing is
-        shared. The sampler passes it to :meth:`coefficients`, and :meth:`take_terms` of it at the
-        verified parents to :meth:`observe`."""
+        ``(G, n)``, prefetch and memory, made once per drafted round; ``None`` (the default) when
+        nothing is shared. The sampler passes it to :meth:`coefficients`, and :meth:`take_terms` of
+        it at the verified parents to :meth:`observe`."""
         return None
 
     def take_terms(self, terms: Any, rows: torch.Tensor, cols: torch.Tensor) -> Any:
@@ -155,13 +262,18 @@ class Proposal:
         cond: dict,
         shape: tuple[int, ...],
         state: Any,
+        memory: Optional[DraftMemory] = None,
     ) -> torch.Tensor:
         """Draft means ``(G, n, D)`` at parents ``y (G, n, D)`` at ``steps (G, n)``.
 
         ``cond`` holds the ``G`` trajectories' per-trajectory conditioning
-        (``(G, ...)`` tensors); ``shape`` is the per-sample state shape.
+        (``(G, ...)`` tensors); ``shape`` is the per-sample state shape; ``memory`` the ``G``
+        trajectories' memory (only given where :meth:`init_memory` made one).
         """
-        A, C = self.coefficients(tab, steps, pre, state)
+        if memory is None:
+            A, C = self.coefficients(tab, steps, pre, state)
+        else:
+            A, C = self.coefficients(tab, steps, pre, state, memory=memory)
         return torch.addcmul(C, A, y)
 
     def observe(
@@ -174,6 +286,7 @@ class Proposal:
         pre: Prefetch,
         scale: torch.Tensor,
         terms: Any = None,
+        memory: Optional[DraftMemory] = None,
     ) -> Any:
         """The next state, given one round's verified parents (only if :attr:`observes`).
 
@@ -182,7 +295,8 @@ class Proposal:
             means; steps: ``(P,)``; pre: their trajectories' prefetch (``P``
             rows); scale: ``(P,)`` transition std; terms: :meth:`take_terms` of
             the round's :meth:`round_terms` at these parents, or ``None``
-            (then compute what is needed).
+            (then compute what is needed); memory: their trajectories' memory the round
+            drafted with (``P`` rows; only given where :meth:`init_memory` made one).
         """
         return state
 

@@ -1,6 +1,6 @@
 """Drafts that read the previous round's evaluated chain: time-aligned memory (``memory``) and its
 secant-gain correction (``secant``), with the rules, shared by other drafts, of which remembered
-node a parent reads."""
+node a parent reads. What they remember is :class:`~specforest.drafts.chain_memory.ChainMemory`."""
 
 from __future__ import annotations
 
@@ -8,25 +8,25 @@ from typing import Optional
 
 import torch
 
-from .base import Proposal
+from .chain_memory import ChainMemory, RemembersChain
 from .prefetch import Prefetch
 
 __all__ = ["MemoryDraft", "SecantDraft"]
 
 
-class MemoryDraft(Proposal):
+class MemoryDraft(RemembersChain):
     """Time-aligned memory (``draft="memory"``): a parent at step ``s`` is drafted from the target's
     clean-data prediction at step ``s`` made by the previous round's verification call.
 
     What it reads, all made before the round's verification call:
 
-    * ``Prefetch.mem_x0``: ``x0_j = y_j - sigma_j v_j`` at the previous speculative round's
-      evaluated chain nodes ``j`` (steps ``mem_s0 + j``, ``j < mem_n``);
+    * its memory's ``x0``: ``x0_j = y_j - sigma_j v_j`` at the previous speculative round's
+      evaluated chain nodes ``j`` (steps ``s0 + j``, ``j < n``; :class:`ChainMemory`);
     * the prefetched evaluation ``(y*, v*, step*)``, as the ``x0`` kind does.
 
-    Rule: at a parent of step ``s``, with ``j = min(s - mem_s0, mem_n - 1)``, the draft velocity is
-    ``v = (y - x0_j) / sigma_s`` when ``s >= mem_s0`` and node ``j`` is not older than the
-    prefetch (``mem_s0 + j >= step*``), else the ``x0`` kind's ``(y - x0*) / sigma_s``. Past the
+    Rule: at a parent of step ``s``, with ``j = min(s - s0, n - 1)``, the draft velocity is
+    ``v = (y - x0_j) / sigma_s`` when ``s >= s0`` and node ``j`` is not older than the
+    prefetch (``s0 + j >= step*``), else the ``x0`` kind's ``(y - x0*) / sigma_s``. Past the
     previous round's chain it freezes its last node's prediction, the latest the run has.
 
     With :attr:`aligned_noise`, a chain redrafts the steps the previous round evaluated but did
@@ -38,18 +38,16 @@ class MemoryDraft(Proposal):
     """
 
     affine = True
-    uses_memory = True
-    aligned_noise = True
     name = "memory"
 
-    def coefficients(self, tab, steps, pre, state, terms=None):
+    def coefficients(self, tab, steps, pre, state, terms=None, memory=None):
         if pre is None:
             raise ValueError("the memory draft needs a prefetched evaluation")
         ac = tab.ac[steps]  # (G, n, 2)
         a, c = ac[..., :1], ac[..., 1:]
         k = c / tab.sig[steps][..., None]
         x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]  # (G, 1, D)
-        mem, use = _memory_at(steps, pre)
+        mem, use = _memory_at(steps, pre, memory)
         if mem is not None:
             x0 = torch.where(use[..., None], mem, x0)
         return a + k, -k * x0
@@ -64,14 +62,14 @@ class SecantDraft(MemoryDraft):
 
     What it reads, all made before the round's verification call:
 
-    * what :class:`MemoryDraft` reads, and the remembered nodes' states ``Prefetch.mem_y``;
-    * the trajectory's gain sums ``Prefetch.gain_num``, ``Prefetch.gain_den`` at each step: each
+    * what :class:`MemoryDraft` reads, and the remembered nodes' states (its memory's ``y``);
+    * the trajectory's gain sums (its memory's ``gain_num``, ``gain_den``) at each step: each
       time a chain round evaluates a step the previous round evaluated too, the two evaluations
-      ``(y, x0)`` and ``(y', x0')`` add ``<x0' - x0, y' - y>`` and ``|y' - y|^2`` (the engine does
-      it when it stores the new memory, :meth:`Prefetch.with_memory`).
+      ``(y, x0)`` and ``(y', x0')`` add ``<x0' - x0, y' - y>`` and ``|y' - y|^2`` (when the draft
+      remembers the new chain, :meth:`ChainMemory.replaced`).
 
     Rule: at a parent ``y`` of step ``s`` that reads memory node ``j`` at the same step (``s =
-    mem_s0 + j``, ``j < mem_n``), the clean-data prediction is ``x0_j + g_s (y - y_j)`` with the
+    s0 + j``, ``j < n``), the clean-data prediction is ``x0_j + g_s (y - y_j)`` with the
     least-squares scalar gain ``g_s = gain_num / gain_den`` of the trajectory's own pairs at
     ``s``, or at the nearest earlier step that has pairs (``g = 0``, which is :class:`MemoryDraft`,
     before any). Everywhere else it is :class:`MemoryDraft`. ``g_s`` estimates how the target's
@@ -88,14 +86,14 @@ class SecantDraft(MemoryDraft):
     uses_states = True
     name = "secant"
 
-    def coefficients(self, tab, steps, pre, state, terms=None):
+    def coefficients(self, tab, steps, pre, state, terms=None, memory=None):
         if pre is None:
             raise ValueError("the secant draft needs a prefetched evaluation")
-        A, C = super().coefficients(tab, steps, pre, state)
-        if not pre.mem_y.shape[1]:
+        A, C = super().coefficients(tab, steps, pre, state, memory=memory)
+        if memory is None or memory.y is None:
             return A, C
         # the memory draft's mean plus (c / sigma) g (y_j - y)
-        g, ym = _secant_at(steps, pre)
+        g, ym = _secant_at(steps, pre, memory)
         kg = tab.ac[steps][..., 1:] / tab.sig[steps][..., None] * g.to(C.dtype)[..., None]
         return A - kg, torch.addcmul(C, kg, ym)
 
@@ -103,44 +101,46 @@ class SecantDraft(MemoryDraft):
         return "SecantDraft()"
 
 
-def _memory_at(steps: torch.Tensor, pre: Prefetch) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _memory_at(
+    steps: torch.Tensor, pre: Prefetch, memory: Optional[ChainMemory]
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The memory node a parent at ``steps (G, n)`` reads (:class:`MemoryDraft`'s rule):
     ``x0_mem (G, n, D)`` and ``use (G, n)`` bool (False: fall back to the prefetch's ``x0``);
     ``(None, None)`` when the run keeps no memory."""
-    if not pre.mem_x0.shape[1]:
+    if memory is None:
         return None, None
-    j, use = _memory_node(steps, pre)
-    return pre.mem_x0.gather(1, j[..., None].expand(-1, -1, pre.mem_x0.shape[2])), use
+    j, use = _memory_node(steps, pre, memory)
+    return memory.x0.gather(1, j[..., None].expand(-1, -1, memory.x0.shape[2])), use
 
 
-def _memory_node(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor]:
+def _memory_node(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`MemoryDraft`'s node index ``j (G, n)`` long for parents of ``steps (G, n)``: the
     remembered node at the parent's step, or the last one past the remembered chain; and ``use
     (G, n)`` bool, False where there is none not older than the prefetch."""
-    n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
+    n, s0 = memory.n[:, None], memory.s0[:, None]
     t = steps - s0
     j = torch.minimum(t, n - 1).clamp(min=0)
     return j, (n > 0) & (t >= 0) & (s0 + j >= pre.step[:, None])
 
 
-def _same_step(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor]:
+def _same_step(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tuple[torch.Tensor, torch.Tensor]:
     """Where parents of ``steps (G, n)`` have a remembered node at their own step (not older than
     the prefetch), for the drafts that read the remembered states (:attr:`Proposal.uses_states`):
-    ``same (G, n)`` bool and the node's index ``(G, n, D)`` into ``Prefetch.mem_y`` / ``mem_x0``
+    ``same (G, n)`` bool and the node's index ``(G, n, D)`` into the memory's ``y`` / ``x0``
     for ``gather`` along dim 1 (meaningless where ``same`` is False)."""
-    n, s0 = pre.mem_n[:, None], pre.mem_s0[:, None]
+    n, s0 = memory.n[:, None], memory.s0[:, None]
     t = steps - s0
     same = (n > 0) & (t >= 0) & (t < n) & (steps >= pre.step[:, None])
-    return same, t.clamp(0, pre.mem_y.shape[1] - 1)[..., None].expand(-1, -1, pre.mem_y.shape[2])
+    return same, t.clamp(0, memory.y.shape[1] - 1)[..., None].expand(-1, -1, memory.y.shape[2])
 
 
-def _secant_at(steps: torch.Tensor, pre: Prefetch) -> tuple[torch.Tensor, torch.Tensor]:
+def _secant_at(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`SecantDraft`'s gain ``g (G, n)`` float64 and remembered state ``y_j (G, n, D)`` at
     parents of ``steps (G, n)``: ``g`` is 0 where the parent does not read a memory node at its
     own step or the trajectory has no pair at or before it."""
-    same, j = _same_step(steps, pre)
-    ym = pre.mem_y.gather(1, j)
-    num, den = pre.gain_num, pre.gain_den  # (G, S)
+    same, j = _same_step(steps, pre, memory)
+    ym = memory.y.gather(1, j)
+    num, den = memory.gain_num, memory.gain_den  # (G, S)
     S = num.shape[1]
     has = den > 0
     ratio = torch.where(has, num / torch.where(has, den, torch.ones_like(den)), torch.zeros_like(den))

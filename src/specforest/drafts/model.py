@@ -10,6 +10,7 @@ import torch
 
 from ..target import outside_inference
 from .base import Proposal, VelocityFn
+from .chain_memory import RemembersChain
 from .memory import _memory_node, _same_step
 
 __all__ = ["CachedDraft", "DraftModel", "LearnedDraft"]
@@ -56,7 +57,7 @@ class DraftModel(Proposal):
         return f"DraftModel({self.fn!r})"
 
 
-class LearnedDraft(DraftModel):
+class LearnedDraft(RemembersChain, DraftModel):
     """A draft network anchored at the run's own evaluations (``draft="learned"`` with the digits
     model's distilled U-Net, :func:`specforest.models.digits.load_draft_velocity`).
 
@@ -66,8 +67,9 @@ class LearnedDraft(DraftModel):
       parents and at their anchors: one batched call per drafted level (counted in
       ``draft_calls``, never in the target's NFE);
     * the anchor of each parent: the remembered chain node at the parent's own step
-      (``Prefetch.mem_y``, ``Prefetch.mem_x0``: the previous round's evaluation there, as
-      :class:`SecantDraft` reads it), else the prefetched evaluation ``(y*, v*, step*)``.
+      (its memory's ``y`` and ``x0``, :class:`~specforest.drafts.chain_memory.ChainMemory`: the
+      previous round's evaluation there, as :class:`SecantDraft` reads it), else the prefetched
+      evaluation ``(y*, v*, step*)``.
 
     Rule: with the anchor's state ``y_a`` at noise level ``sigma_a`` and the target's clean-data
     prediction there ``x0_a``, the draft's prediction at a parent ``y`` of level ``sigma`` is
@@ -92,9 +94,7 @@ class LearnedDraft(DraftModel):
     """
 
     needs_prefetch = True
-    uses_memory = True
     uses_states = True
-    aligned_noise = True
     name = "learned"
 
     def __init__(
@@ -129,7 +129,7 @@ class LearnedDraft(DraftModel):
                 f"draft={self.name!r} is {self.label}: it serves states of shape {self.serves}, got {tuple(shape)}"
             )
 
-    def mean(self, tab, y, steps, pre, cond, shape, state):
+    def mean(self, tab, y, steps, pre, cond, shape, state, memory=None):
         if pre is None:
             raise ValueError(f"draft={self.name!r} needs a prefetched evaluation")
         if self._load is not None:
@@ -140,10 +140,10 @@ class LearnedDraft(DraftModel):
         ya = pre.y[:, None].expand(G, n, D)
         xa = (pre.y - sig_p[:, None] * pre.v)[:, None].expand(G, n, D)
         sa = sig_p[:, None].expand(G, n)
-        if pre.mem_y.shape[1]:
-            same, j = _same_step(steps, pre)
-            ya = torch.where(same[..., None], pre.mem_y.gather(1, j), ya)
-            xa = torch.where(same[..., None], pre.mem_x0.gather(1, j), xa)
+        if memory is not None and memory.y is not None:
+            same, j = _same_step(steps, pre, memory)
+            ya = torch.where(same[..., None], memory.y.gather(1, j), ya)
+            xa = torch.where(same[..., None], memory.x0.gather(1, j), xa)
             sa = torch.where(same, sig, sa)
         # one call: the parents' rows, then their anchors' (trajectory-major within each half)
         kw = {k: v.repeat_interleave(n, dim=0).repeat(2, *(1,) * (v.ndim - 1)) for k, v in cond.items()}
@@ -162,16 +162,17 @@ class LearnedDraft(DraftModel):
         return f"LearnedDraft({self.label})"
 
 
-class CachedDraft(Proposal):
+class CachedDraft(RemembersChain):
     """The cached self-draft (``draft="cached"``, DeepCache-style): the target network itself with
     its deep features reused from an evaluation of the previous round, only its outer blocks
     recomputed at the drafted state and level.
 
     What it reads, all made before the round's verification call:
 
-    * ``Prefetch.mem_f``: the target's deep features at the previous speculative round's evaluated
-      chain nodes, kept by that round's verification call (the model's ``with_features``; the
-      engine asks for them only for this draft), and those nodes' steps (``mem_s0``, ``mem_n``);
+    * its memory's ``features``: the target's deep features at the previous speculative round's
+      evaluated chain nodes, kept by that round's verification call (the model's
+      ``with_features``; the engine asks for them only for this draft), and those nodes' steps
+      (``s0``, ``n``; :class:`~specforest.drafts.chain_memory.ChainMemory`);
     * the prefetched evaluation ``(y*, v*, step*)``, as the ``x0`` kind does, where no node is
       remembered.
 
@@ -192,8 +193,6 @@ class CachedDraft(Proposal):
     ``shallow``, as the digits model's) is refused before sampling (:meth:`check`).
     """
 
-    uses_memory = True
-    aligned_noise = True
     uses_features = True
     name = "cached"
 
@@ -225,19 +224,20 @@ class CachedDraft(Proposal):
         self.model, self.model_kwargs = model, dict(model_kwargs or {})
         return self._features_of(model, shape)
 
-    def mean(self, tab, y, steps, pre, cond, shape, state):
+    def mean(self, tab, y, steps, pre, cond, shape, state, memory=None):
         if pre is None:
             raise ValueError(f"draft={self.name!r} needs a prefetched evaluation")
         G, n, D = y.shape
         sig = tab.sig[steps]  # (G, n)
         x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]  # (G, 1, D)
         v = (y - x0) / sig[..., None]
-        F = pre.mem_f.shape[2] if pre.mem_f.shape[1] else 0
-        if F:
+        feats = None if memory is None else memory.features
+        if feats is not None:
+            F = feats.shape[2]
             if self.model is None:
                 raise ValueError(f"draft={self.name!r} was not bound to the run's model")
-            j, use = _memory_node(steps, pre)
-            feat = pre.mem_f.gather(1, j[..., None].expand(-1, -1, F))
+            j, use = _memory_node(steps, pre, memory)
+            feat = feats.gather(1, j[..., None].expand(-1, -1, F))
             kw = {k: t.repeat_interleave(n, dim=0) for k, t in cond.items()}
             with outside_inference():
                 vc = self.model.from_features(
