@@ -672,3 +672,63 @@ def test_tune_flux_measures_the_pipeline_and_its_choice_runs(pipe, monkeypatch):
         sd.tune(pipe, PROMPT, num_inference_steps=4, height=8, width=8)
     with pytest.raises(ValueError, match="max_sequence_length"):
         sd.tune_flux(pipe, PROMPT, max_sequence_length=513)
+
+
+# -- every option of the sampler, as SD3's sample takes them (issue 39) -------------------------------------
+
+
+@pytest.mark.parametrize("tree", [dict(K=2, L=2), dict(coupling="rmc", L=3)], ids=["dgrs", "rmc"])
+def test_pad_rows_and_warmup_keep_the_latents(pipe, tree):
+    """Flux takes pad_rows and warmup: the warm-up only calls the transformer first (bit-equal latents,
+    the same through the dispatching sample); padding rows are dropped, so the latents differ only by
+    the rounding of calls with other row counts, with the same calls per image."""
+    kw = dict(num_inference_steps=6, num_images_per_prompt=3, **tree, **BASE)
+    ref = flux.sample(pipe, PROMPT, generator=gen(1), **kw)
+    warm = sd.sample(pipe, PROMPT, generator=gen(1), warmup=True, **kw)
+    assert torch.equal(warm.latents, ref.latents) and torch.equal(warm.stats.nfe, ref.stats.nfe)
+    assert warm.warmup_seconds > 0 and ref.warmup_seconds == 0.0 and ref.config["pad_rows"] is None
+    for pad in ("pow2", [5, 64]):
+        for warmup in (False, True):
+            padded = flux.sample(pipe, PROMPT, generator=gen(1), pad_rows=pad, warmup=warmup, **kw)
+            torch.testing.assert_close(padded.latents, ref.latents, rtol=0, atol=1e-5)
+            assert torch.equal(padded.stats.nfe, ref.stats.nfe) and padded.config["pad_rows"] == pad
+    with pytest.raises(ValueError, match="pad_rows"):
+        flux.sample(pipe, PROMPT, pad_rows=[0], **kw)
+
+
+def test_chain_reaches_the_sampler(pipe):
+    """chain= is the sampler's: another law than the em chain's, recorded with its parameters; churn, the em
+    chain's, is left out at its default and refused at another value; a chain that needs a grid below
+    sigma = 1 says so on Flux's, which starts at 1."""
+    from specforest.chains import get_chain
+
+    kw = dict(num_inference_steps=6, K=2, L=2, **BASE)
+    em = flux.sample(pipe, PROMPT, generator=gen(2), **kw)
+    anc = flux.sample(pipe, PROMPT, generator=gen(2), chain="euler_ancestral", **kw)
+    assert em.config["chain"] == "em" and em.config["churn"] == 0.8
+    assert anc.config["chain"] == "euler_ancestral" and anc.config["eta"] == 1.0 and "churn" not in anc.config
+    assert not torch.allclose(anc.latents, em.latents)
+    # the same chain as an object with its parameters (churn=None alike); another eta, another law
+    same = flux.sample(pipe, PROMPT, generator=gen(2), chain=get_chain("euler_ancestral"), churn=None, **kw)
+    half = sd.sample(pipe, PROMPT, generator=gen(2), chain=get_chain("euler_ancestral", eta=0.5), **kw)
+    assert torch.equal(same.latents, anc.latents) and half.config["eta"] == 0.5
+    assert not torch.allclose(half.latents, anc.latents)
+    std = flux.sample(pipe, PROMPT, generator=gen(2), chain="ddim", num_inference_steps=6, **BASE)
+    assert std.config["chain"] == "ddim" and std.stats.nfe.tolist() == [6]
+    with pytest.raises(ValueError, match="churn=0.5 is the em chain's parameter; chain 'euler_ancestral'"):
+        flux.sample(pipe, PROMPT, chain="euler_ancestral", churn=0.5, **kw)
+    with pytest.raises(ValueError, match="chain 'ddpm' is not defined on this grid"):
+        flux.sample(pipe, PROMPT, chain="ddpm", **kw)
+
+
+def test_tune_flux_takes_the_samplers_options(pipe, monkeypatch):
+    """tune_flux forwards the sampler's options as the SD3 tuner does: the chain to tune for among them."""
+    monkeypatch.setattr(specforest.memory, "held_bytes", lambda device="cpu": 0)
+    kw = dict(num_inference_steps=6, height=8, width=8, max_sequence_length=SEQ, budget_max=3)
+    kw.update(drafts=("velocity",), calibration_images=1, max_memory_gb=1.0)
+    with pytest.raises(ValueError, match="grid is set by this function"):
+        sd.tune_flux(pipe, PROMPT, grid="uniform", **kw)
+    tuned = sd.tune_flux(pipe, PROMPT, chain="euler_ancestral", prefetch="parent", **kw)
+    assert tuned.chain == "euler_ancestral" and tuned.churn is None and tuned.prefetch == "parent"
+    res = flux.sample(pipe, PROMPT, num_inference_steps=6, generator=gen(0), **BASE, **tuned)
+    assert res.config["chain"] == "euler_ancestral" and res.config["prefetch"] == "parent"

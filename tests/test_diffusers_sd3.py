@@ -934,3 +934,20 @@ def test_tune_and_sd3_commands_choose_then_run_the_tuned_configuration(pipe, tmp
     gmm_file.write_text(json.dumps({**data, "tuned_for": {"model": "gmm"}}))
     wrong = CliRunner().invoke(sd3_command, [*args[:-1], str(gmm_file)])
     assert wrong.exit_code != 0 and "--model sd3 here, gmm in the file" in wrong.output
+
+
+# -- every option of the sampler (issue 39) ---------------------------------------------------------------
+
+
+def test_chain_reaches_the_sampler(pipe):
+    """chain= is the sampler's: another law than the em chain's, recorded with its parameters; churn is
+    left out at its default; a tuned configuration of another chain runs it (``**tuned`` carries it)."""
+    kw = dict(num_inference_steps=6, K=2, L=2, **BASE)
+    em = sd.sample(pipe, PROMPT, generator=gen(3), **kw)
+    anc = sd.sample(pipe, PROMPT, generator=gen(3), chain="euler_ancestral", **kw)
+    assert em.config["chain"] == "em" and anc.config["chain"] == "euler_ancestral" and anc.config["eta"] == 1.0
+    assert anc.config["family"] == "sd3" and not torch.allclose(anc.latents, em.latents)
+    deltas = sd.sample(pipe, PROMPT, generator=gen(3), chain="euler_ancestral", record_deltas=True, **kw)
+    assert torch.equal(deltas.latents, anc.latents) and deltas.stats.deltas is not None
+    with pytest.raises(ValueError, match="chain 'dpmpp_2m_sde' is not defined on this grid"):
+        sd.sample(pipe, PROMPT, chain="dpmpp_2m_sde", **kw)

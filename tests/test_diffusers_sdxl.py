@@ -826,3 +826,57 @@ def test_prepare_sdxl_refuses_bad_input_naming_it(sdxl, sd):
         prepare_sdxl(sd, PROMPTS, clip_skip=-1, **kw)
     with pytest.raises(TypeError, match="StableDiffusionXLPipeline or a StableDiffusionPipeline"):
         prepare_sdxl(object(), PROMPTS, **kw)
+
+
+# -- (i) every option of the sampler, as SD3's sample takes them (issue 39) ------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sdxl", "sd"])
+def test_pad_rows_and_warmup_keep_the_latents(sdxl, sd, kind):
+    """SDXL and SD take pad_rows and warmup: the warm-up only calls the UNet first (bit-equal latents, the
+    same through the dispatching sample); padding rows are dropped, so the latents differ only by the
+    rounding of calls with other row counts, with the same calls per image."""
+    from specforest import diffusers as sdiff
+
+    pipe = {"sdxl": sdxl, "sd": sd}[kind]
+    kw = dict(num_inference_steps=6, num_images_per_prompt=3, K=2, L=2, **BASE)
+    ref = px.sample(pipe, PROMPTS, generator=gen(1), **kw)
+    warm = sdiff.sample(pipe, PROMPTS, generator=gen(1), warmup=True, **kw)
+    assert torch.equal(warm.latents, ref.latents) and torch.equal(warm.stats.nfe, ref.stats.nfe)
+    assert warm.warmup_seconds > 0 and ref.warmup_seconds == 0.0 and ref.config["pad_rows"] is None
+    for pad in ("pow2", [5, 64]):
+        padded = px.sample(pipe, PROMPTS, generator=gen(1), pad_rows=pad, warmup=True, **kw)
+        torch.testing.assert_close(padded.latents, ref.latents, rtol=0, atol=1e-4)
+        assert torch.equal(padded.stats.nfe, ref.stats.nfe) and padded.config["pad_rows"] == pad
+
+
+def test_chain_reaches_the_sampler(sdxl, sd):
+    """chain= is the sampler's: another law than the em chain's, recorded with its parameters; churn, the em
+    chain's, is refused at another value than its default. The grid starts below t = 1, so the chains that
+    need VE levels (ddpm, dpmpp_2m_sde), which Flux's and SD3's grids refuse, run here too."""
+    kw = dict(num_inference_steps=6, K=2, L=2, **BASE)
+    em = px.sample(sdxl, PROMPTS, generator=gen(2), **kw)
+    for chain in ("euler_ancestral", "ddpm", "dpmpp_2m_sde"):
+        other = px.sample(sdxl, PROMPTS, generator=gen(2), chain=chain, **kw)
+        assert other.config["chain"] == chain and "churn" not in other.config, chain
+        assert not torch.allclose(other.latents, em.latents), chain
+    assert em.config["chain"] == "em" and em.config["churn"] == 0.8
+    std = px.sample(sd, PROMPTS, generator=gen(2), chain="ddpm", num_inference_steps=6, **BASE)
+    assert std.config["family"] == "sd" and std.stats.nfe.tolist() == [6, 6]
+    with pytest.raises(ValueError, match="churn=0.5 is the em chain's parameter"):
+        px.sample(sd, PROMPTS, chain="euler_ancestral", churn=0.5, **kw)
+
+
+def test_tune_sdxl_takes_the_samplers_options(sd, monkeypatch):
+    """tune_sdxl forwards the sampler's options as the SD3 tuner does, the chain to tune for among them."""
+    import specforest.memory
+    from specforest import diffusers as sdiff
+
+    monkeypatch.setattr(specforest.memory, "held_bytes", lambda device="cpu": 0)
+    kw = dict(num_inference_steps=6, height=8, width=8, budget_max=3, drafts=("velocity",), calibration_images=1)
+    with pytest.raises(ValueError, match="max_rows is set by this function"):
+        sdiff.tune_sdxl(sd, PROMPTS[0], max_rows=2, **kw)
+    tuned = sdiff.tune_sdxl(sd, PROMPTS[0], chain="euler_ancestral", prefetch="parent", max_memory_gb=1.0, **kw)
+    assert tuned.chain == "euler_ancestral" and tuned.churn is None and tuned.prefetch == "parent"
+    res = px.sample(sd, PROMPTS[0], num_inference_steps=6, generator=gen(0), **BASE, **tuned)
+    assert res.config["chain"] == "euler_ancestral" and res.config["prefetch"] == "parent"
