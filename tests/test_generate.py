@@ -519,7 +519,7 @@ def test_a_complete_job_has_nothing_to_do_and_loads_no_model(faulty_cli, tmp_pat
 @pytest.mark.parametrize("parallel", ["data", "tree"])
 def test_the_memory_draft_gives_the_same_samples_on_two_processes(tmp_path, parallel, draft):
     """The memory, secant and cached drafts keep each trajectory's last chain (secant its gains,
-    cached the target's features of its nodes, gathered with the velocities) in its own prefetch
+    cached the target's features of its nodes, gathered with the velocities) in its own memory
     row: refilled slots, shards (data-parallel) and shared calls (tree-parallel) give every sample
     as one process does."""
     args = ["generate", "gmm", *GMM, "--method", "rmc", "--L", "5", "--draft", draft, "--count", "9", "--batch", "4"]
