@@ -22,7 +22,13 @@ One entry point, a module per family, and the concepts they share in a module ea
 * The grids as data, without touching the pipeline's scheduler:
   :func:`scheduler_sigmas` and :func:`~specforest.diffusers.grid.flux_sigmas`
   (:mod:`~specforest.diffusers.grid`), :func:`~specforest.diffusers.unet.vp_schedule`.
-* What the families' ``sample`` share: the checks before any work
+* :mod:`~specforest.diffusers.flow`: the flow every family shares, written once:
+  a family's ``sample``, ``prepare`` and tuner are ``sample_family``,
+  ``prepare_family`` and ``tune_family`` on the family's own parts (its
+  ``PARTS``, a ``FamilyParts``: checks, text encoding, velocity and grid,
+  row bytes, decoding), so every family takes every option (``chain``,
+  ``pad_rows``, ``warmup``, ...).
+* What the flow uses: the checks before any work
   (:mod:`~specforest.diffusers.checks`, the text inputs in
   :mod:`~specforest.diffusers.text`), the run (:mod:`~specforest.diffusers.run`:
   memory plan, initial latents, the sampler; :class:`SD3Result`) and the decoding
