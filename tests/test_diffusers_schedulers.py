@@ -1,0 +1,248 @@
+"""``chain="scheduler"``: each stochastic diffusers scheduler as a chain, against the scheduler's own ``step``.
+
+A smooth fake network (``eps(x, t)``) stands in for the UNet. The reference is the pipeline's loop
+(``scale_model_input``, the network, ``step`` with the generator); specforest runs the chain that
+:func:`specforest.diffusers.scheduler_chain` reads off the scheduler, with the network behind a
+velocity that feeds it the same latents at the same timestep, and the same generator's draws at
+the steps where ``step`` draws. With no tree the outputs agree to float tolerance; with trees the law
+is the same (closed form on a Gaussian data law, the squared norm included), and the same test
+rejects the EM chain and a wrong ``eta``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+import specforest  # noqa: E402
+from specforest import testing, trees  # noqa: E402,F401
+from specforest.diffusers.schedulers import scheduler_chain  # noqa: E402
+
+D = 16
+MU = torch.linspace(-0.8, 0.8, D, dtype=torch.float64)
+S0 = 0.5  # data N(MU, S0^2 I), inside the clip range mostly
+
+
+def eps_gauss(x_vp: torch.Tensor, ab: torch.Tensor) -> torch.Tensor:
+    """The exact noise prediction for data ``N(MU, S0^2 I)`` at ``abar``: ``E[xi | x_vp]``."""
+    ab = ab.reshape(-1, *[1] * (x_vp.ndim - 1)).to(torch.float64)
+    a, b = ab.sqrt(), (1 - ab).sqrt()
+    var = a * a * S0**2 + b * b
+    return (b * (x_vp.double() - a * MU) / var).to(x_vp.dtype)
+
+
+def bent(x_vp, ab):
+    """A network that is not affine: the scheduler's multistep terms and clipping then show."""
+    return eps_gauss(x_vp, ab) + 0.2 * torch.tanh(x_vp)
+
+
+def make(name: str, **cfg):
+    cls = getattr(diffusers, name)
+    return cls(**cfg)
+
+
+CASES = {
+    "ddpm_small": ("DDPMScheduler", dict(clip_sample=False), 0.0, 25),
+    "ddpm_large_clip": ("DDPMScheduler", dict(variance_type="fixed_large", clip_sample=True), 0.0, 25),
+    "ddpm_offset": ("DDPMScheduler", dict(steps_offset=1, clip_sample=False, timestep_spacing="leading"), 0.0, 20),
+    "ddim_eta1": ("DDIMScheduler", dict(clip_sample=False), 1.0, 20),
+    "ddim_trailing_clip": ("DDIMScheduler", dict(timestep_spacing="trailing", clip_sample=True), 0.7, 30),
+    "euler_a": ("EulerAncestralDiscreteScheduler", dict(), 0.0, 20),
+    "dpm_sde_2": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++"), 0.0, 20),
+    "dpm_sde_2_heun": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", solver_type="heun"),
+        0.0,
+        20,
+    ),
+    "dpm_sde_1": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++", solver_order=1), 0.0, 20),
+    "lcm": ("LCMScheduler", dict(), 0.0, 6),
+    "tcd": ("TCDScheduler", dict(), 0.3, 6),
+}
+
+
+def pipeline_loop(sch, steps, eta, x, gen, net):
+    """What a pipeline does: ``set_timesteps``, then per timestep the network and ``step``."""
+    sch.set_timesteps(steps)
+    acp = sch.alphas_cumprod.to(torch.float64)
+    kw = {"eta": eta} if type(sch).__name__ in ("DDIMScheduler", "TCDScheduler") else {}
+    sigma_based = type(sch).__name__ in ("EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
+    for i, t in enumerate(sch.timesteps):
+        inp = sch.scale_model_input(x, t)
+        # the level the network is trained at for this input: the scheduler's sigma (fractional timesteps)
+        ab = 1 / (1 + float(sch.sigmas[i]) ** 2) if sigma_based else float(acp[int(t)])
+        e = net(inp, torch.full((x.shape[0],), ab, dtype=torch.float64))
+        x = sch.step(e, t, x, generator=gen, **kw).prev_sample
+    return x
+
+
+def velocity_of(chain, net):
+    """The library's velocity for ``chain``: the network at the scheduler's latents and timestep."""
+    grid = chain.grid
+
+    def v(y, t, **_):
+        step = torch.searchsorted(-grid[:-1].to(t.device, torch.float64), -t.double())
+        s = t.double() / (1 - t.double())
+        ab = 1 / (1 + s * s)
+        n = (1 + s) / (1 + s * s).sqrt()  # x_vp = n y
+        x_vp = (y.double() * n[:, None]).to(y.dtype)
+        e = net(x_vp, ab).double()
+        d = y.double() * (1 + s[:, None]) - s[:, None] * e  # x_ve - s eps
+        if chain.prediction is not None:
+            d = chain.prediction(d, step)
+        return ((y.double() - d) / t.double()[:, None]).to(y.dtype)
+
+    return v
+
+
+def initial(sch, steps, n, seed=0, dtype=torch.float64):
+    fresh = type(sch).from_config(sch.config)
+    fresh.set_timesteps(steps)
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(seed), dtype=dtype) * float(fresh.init_noise_sigma)
+
+
+def to_y(chain, x, sch):
+    """The pipeline's initial latents on the linear path (VE latents for Euler ancestral, VP else)."""
+    s = chain.grid[0] / (1 - chain.grid[0])
+    if type(sch).__name__ == "EulerAncestralDiscreteScheduler":
+        return x / (1 + s)
+    return x * (1 + s * s).sqrt() / (1 + s)
+
+
+def replay(chain, gen, shape, dtype):
+    """The generator's draws at the steps where the scheduler draws."""
+
+    def noise(step):
+        if step < 0 or not bool(chain.draws[step]):
+            return torch.zeros(shape, dtype=dtype)
+        return torch.randn(shape, generator=gen, dtype=chain.noise_dtype or dtype).to(dtype)
+
+    return noise
+
+
+CLIPPED = [c for c, (_, cfg, _, _) in CASES.items() if cfg.get("clip_sample")]
+END_TO_END = [
+    (c, dt) for c in CASES for dt in (torch.float64, torch.float32) if not (c in CLIPPED and dt == torch.float32)
+]
+
+
+@pytest.mark.parametrize("case, dtype", END_TO_END)
+def test_no_tree_equals_the_schedulers_own_loop(case, dtype):
+    """End to end, the pipeline's loop and the chain with the same draws. (With ``clip_sample`` the
+    scheduler's own float32 and float64 runs part by O(1): a clipped coordinate leaves the raw
+    prediction's large coefficient uncancelled. Float32 is checked step by step there, below.)"""
+    name, cfg, eta, steps = CASES[case]
+    sch = make(name, **cfg)
+    x = initial(sch, steps, 8, dtype=dtype)
+    ref = pipeline_loop(make(name, **cfg), steps, eta, x.clone(), torch.Generator().manual_seed(3), bent)
+    chain = scheduler_chain(sch, steps, eta=eta)
+    out = specforest.sample(
+        velocity_of(chain, bent), to_y(chain, x, sch), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, dtype),
+    ).samples  # fmt: skip
+    tol = 1e-5 if dtype == torch.float64 else 1e-3
+    scale = float(ref.double().abs().max())
+    assert float((out.double() - ref.double()).abs().max()) <= tol * scale, case
+
+
+@pytest.mark.parametrize("case", CLIPPED)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_each_clipped_step_equals_the_schedulers_step(case, dtype):
+    """From the scheduler's own states, each step of the chain is the scheduler's step (same draws)."""
+    name, cfg, eta, steps = CASES[case]
+    sch = make(name, **cfg)
+    chain = scheduler_chain(sch, steps, eta=eta)
+    tr = chain.build(chain.grid)
+    vel = velocity_of(chain, bent)
+    sch.set_timesteps(steps)
+    x = initial(sch, steps, 8, dtype=dtype)
+    acp = sch.alphas_cumprod.to(torch.float64)
+    kw = {"eta": eta} if name == "DDIMScheduler" else {}
+    for i, t in enumerate(sch.timesteps):
+        gen_state = torch.Generator().manual_seed(100 + i)
+        e = bent(x, acp[int(t)].expand(x.shape[0]))
+        ref = sch.step(e, t, x, generator=gen_state, **kw).prev_sample
+        z = torch.randn(x.shape, generator=torch.Generator().manual_seed(100 + i), dtype=dtype).double()
+        s = chain.grid[i] / (1 - chain.grid[i])
+        y = x.double() * (1 + s * s).sqrt() / (1 + s)
+        v = vel(y, chain.grid[i].expand(x.shape[0])).double()
+        y2 = tr.a[i] * y + tr.c[i] * v + tr.scale[i] * (z if bool(chain.draws[i]) else 0)
+        s2 = chain.grid[i + 1] / (1 - chain.grid[i + 1])
+        ours = y2 * (1 + s2) / (1 + s2 * s2).sqrt()
+        tol = 1e-6 if dtype == torch.float64 else 1e-5  # (the scheduler keeps its alphas in float32)
+        assert float((ours - ref.double()).abs().max()) <= tol * max(1.0, float(ref.abs().max())), (case, i)
+        x = ref
+
+
+def flow_net(x, sigma):
+    """A flow-matching velocity ``E[xi - x_0 | x]`` for data ``N(MU, S0^2 I)``, bent."""
+    alpha, beta = testing._gaussian_velocity(float(sigma), MU, S0)
+    return (alpha * x.double() + beta + 0.2 * torch.tanh(x.double())).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_stochastic_flow_matching_equals_the_schedulers_own_loop(dtype):
+    """``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``, SD3's and Flux's stochastic scheduler."""
+    mk = lambda: diffusers.FlowMatchEulerDiscreteScheduler(stochastic_sampling=True, shift=3.0)  # noqa: E731
+    steps = 12
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    sch, gen = mk(), torch.Generator().manual_seed(3)
+    sch.set_timesteps(steps)
+    ref = x.clone()
+    for i, t in enumerate(sch.timesteps):
+        ref = sch.step(flow_net(ref, sch.sigmas[i]), t, ref, generator=gen).prev_sample
+    chain = scheduler_chain(mk(), steps)
+
+    def v(y, t, **_):
+        return torch.stack([flow_net(y[j : j + 1], t[j])[0] for j in range(y.shape[0])])
+
+    out = specforest.sample(
+        v, x, sigmas=chain.grid, chain=chain, noise=replay(chain, torch.Generator().manual_seed(3), x.shape, dtype)
+    ).samples
+    tol = 1e-5 if dtype == torch.float64 else 1e-3
+    assert float((out.double() - ref.double()).abs().max()) <= tol * float(ref.double().abs().max())
+
+
+# -- the law with trees ---------------------------------------------------------------------------
+
+LAW = {
+    "ddpm": ("DDPMScheduler", dict(clip_sample=False), 0.0, 25, trees.uniform(2, 3), "grs"),
+    "ddim": ("DDIMScheduler", dict(clip_sample=False, timestep_spacing="trailing"), 1.0, 30, trees.chain(5), "rmc"),
+    "euler_a": ("EulerAncestralDiscreteScheduler", dict(), 0.0, 20, trees.uniform(2, 2), "grs"),
+    "dpm_sde": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++"), 0.0, 20, trees.chain(4), "rmc"),
+    "lcm": ("LCMScheduler", dict(), 0.0, 6, trees.uniform(2, 2), "grs"),
+    "tcd": ("TCDScheduler", dict(), 0.3, 8, trees.chain(3), "rmc"),
+}
+
+
+def law_run(chain, tree, coupling, n=4000, seed=4):
+    y0 = torch.randn(n, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return specforest.sample(
+        velocity_of(chain, eps_gauss), y0, sigmas=chain.grid, chain=chain, tree=tree, coupling=coupling,
+        draft="x0", seed=seed,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(LAW))
+def test_speculated_scheduler_chains_keep_the_schedulers_law(case):
+    name, cfg, eta, steps, tree, coupling = LAW[case]
+    chain = scheduler_chain(make(name, **cfg), steps, eta=eta)
+    run = law_run(chain, tree, coupling)
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+    assert float(run.stats.nfe.double().mean()) < steps
+
+
+def test_the_law_test_rejects_a_wrong_eta_and_the_em_chain():
+    """The same check, on DDIM at eta 1: samples of eta 0.6, and of the paper's EM chain on the same grid."""
+    name, cfg, eta, steps, tree, coupling = LAW["ddim"]
+    chain = scheduler_chain(make(name, **cfg), steps, eta=eta)
+    wrong = scheduler_chain(make(name, **cfg), steps, eta=0.6)
+    rep = testing.check_law(law_run(wrong, tree, coupling).samples, chain.grid, None, MU, S0, chain=chain)
+    assert not rep.passed
+    em = specforest.sample(
+        velocity_of(chain, eps_gauss), torch.randn(4000, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64),
+        sigmas=chain.grid, churn=1.0, tree=tree, coupling=coupling, draft="x0", seed=4,
+    )  # fmt: skip
+    assert not testing.check_law(em.samples, chain.grid, None, MU, S0, chain=chain).passed
