@@ -47,6 +47,24 @@ def _tuned(tree=None, coupling="grs", *, steps=10, batch=2, churn=0.3, verify="i
 # -- sample(model, x, **tuned) -------------------------------------------------------------------
 
 
+def test_a_tuned_configuration_is_refused_on_another_chain_or_chain_setting(gmm):
+    """tuned_for records the chain: an em configuration run on ddpm, or one tuned at eta 0.7 run at
+    0.5, is refused naming the chain; the chain it was tuned for runs."""
+    x = streams.randn(0, torch.arange(2), (4,))
+    sigmas = specforest.chains.karras_sigmas(10, 0.03, 20.0)
+    em = _tuned(trees.chain(3), "rmc")
+    with pytest.raises(ValueError, match="chain ddpm \\(tuned for em\\)"):
+        specforest.sample(gmm, x, sigmas=sigmas, chain="ddpm", seed=0, **em)
+    ea = Tuned(**{**em.__dict__, "churn": None, "chain": "euler_ancestral", "chain_params": {"eta": 0.7}})
+    assert ea.tuned_for.chain == "euler_ancestral" and ea.tuned_for.chain_params[0][0] == "eta"
+    specforest.sample(gmm, x, sigmas=sigmas, seed=0, **ea)  # its own chain, carried by **tuned
+    with pytest.raises(ValueError, match="chain euler_ancestral's eta 0.5 \\(tuned for 0.7\\)"):
+        specforest.options.check_tuned_for(
+            ea.tuned_for, steps=None, sigmas=sigmas, churn=None, batch=2,
+            chain=get_chain("euler_ancestral", eta=0.5),
+        )  # fmt: skip
+
+
 def test_sample_with_a_tuned_configuration_takes_its_steps_and_refuses_another_run(gmm):
     tuned = _tuned(trees.chain(3), "rmc", prefetch="parent")
     x = streams.randn(0, torch.arange(3), (4,))
@@ -73,7 +91,7 @@ def test_a_file_written_before_churn_and_prefetch_were_kept_reads_and_checks_ste
     data = _tuned(trees.chain(2), "rmc").to_json()
     del data["churn"], data["prefetch"], data["chain"], data["chain_params"]
     old = Tuned.from_json(json.loads(json.dumps(data)))
-    assert old.churn is None and old.prefetch == "nearest" and old.tuned_for == TunedFor(10, 2, None)
+    assert old.churn is None and old.prefetch == "nearest" and old.tuned_for == TunedFor(10, 2, None, chain="em")
     assert old.chain == "em" and old.chain_params == {} and "chain" not in old
     x = streams.randn(0, torch.arange(2), (4,))
     assert specforest.sample(gmm, x, churn=0.7, seed=0, **old).stats.steps == 10  # churn unknown: unchecked

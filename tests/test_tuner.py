@@ -66,7 +66,7 @@ def test_a_tuned_configuration_runs_and_survives_json(gmm):
     )
     assert set(tuned) == {"tree", "coupling", "verify", "draft", "prefetch", "tuned_for"}
     assert set(tuned.options()) == {"tree", "coupling", "verify", "draft", "prefetch"}
-    assert tuned.tuned_for == TunedFor(steps=20, batch=2, churn=0.3)
+    assert tuned.tuned_for == TunedFor(steps=20, batch=2, churn=0.3, chain="em", chain_params=(("churn", 0.3),))
     back = Tuned.from_json(json.loads(json.dumps(tuned.to_json())))
     assert back.label == tuned.label and back.predicted_seconds_per_image == tuned.predicted_seconds_per_image
     assert (back.tree is None) == (tuned.tree is None)

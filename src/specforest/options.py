@@ -247,6 +247,29 @@ def _chain_of(churn: Any, chain: Any) -> Chain:
     return made
 
 
+def _chain_diffs(tuned_for: TunedFor, chain: "str | Chain", churn: Any) -> list:
+    """How the run's chain differs from the tuned one's (empty if it does not, or cannot be made)."""
+    is_em = (isinstance(chain, str) and chain.lower() == "em") or isinstance(chain, EM)
+    if churn is None and is_em:
+        churn = dict(tuned_for.chain_params).get("churn", tuned_for.churn)
+    try:
+        made = _chain_of(churn, chain)
+    except (TypeError, ValueError):
+        return []  # (the options' own check names it)
+    if made.name != tuned_for.chain:
+        return [f"chain {made.name} (tuned for {tuned_for.chain})"]
+    out = []
+    for name, tuned in tuned_for.chain_params:
+        value = made.params.get(name)
+        same = value == tuned or (
+            isinstance(value, (int, float)) and isinstance(tuned, (int, float))
+            and math.isclose(float(value), float(tuned), rel_tol=1e-9, abs_tol=1e-12)
+        )  # fmt: skip
+        if not same and name != "churn":
+            out.append(f"chain {made.name}'s {name} {value!r} (tuned for {tuned!r})")
+    return out
+
+
 def make_sde(steps, sigmas, grid, shift, churn, chain: "str | Chain" = "em") -> GaussianChain:
     """The chain's tables for the options ``steps`` (on ``grid`` with ``shift``) or ``sigmas``.
 
@@ -308,11 +331,15 @@ class TunedFor:
         steps: grid steps ``T``.
         batch: trajectories per run (rows of ``x``; slots of :func:`specforest.generate`).
         churn: the churn, or ``None`` where it was not recorded (files written before it was).
+        chain: the chain's name, or ``None`` where it was not recorded (then it is not checked).
+        chain_params: ``(name, value)`` pairs of the chain's parameters (``em``: its churn).
     """
 
     steps: int
     batch: int
     churn: Optional[float] = None
+    chain: Optional[str] = None
+    chain_params: tuple = ()
 
 
 def check_tuned_for(
@@ -323,13 +350,14 @@ def check_tuned_for(
     churn: Any,
     batch: Optional[int],
     batch_name: str = "rows of x",
+    chain: Any = "em",
 ) -> Optional[int]:
     """The steps of a run given with ``tuned_for``: its own, or the tuned run's when neither ``steps``
     nor ``sigmas`` is given.
 
     Args:
         tuned_for: the tuned run (``None``: nothing is checked, ``steps`` is returned).
-        steps, sigmas, churn: the run's options, as given to :func:`specforest.sample`.
+        steps, sigmas, churn, chain: the run's options, as given to :func:`specforest.sample`.
         batch: the run's trajectories (``None``: not checked).
         batch_name: what ``batch`` counts, for the message.
 
@@ -358,6 +386,8 @@ def check_tuned_for(
         diffs.append(f"churn {churn:g} (tuned for {tuned_for.churn:g})")
     if batch is not None and batch != tuned_for.batch:
         diffs.append(f"{batch} {batch_name} (tuned for {tuned_for.batch})")
+    if tuned_for.chain is not None and isinstance(chain, (str, Chain)):
+        diffs += _chain_diffs(tuned_for, chain, churn)
     if diffs:
         raise ValueError(
             "the tuned configuration was chosen for another run: "
@@ -399,6 +429,7 @@ def resolve(
         churn=given.get("churn"),
         batch=batch,
         batch_name=batch_name,
+        chain=given.get("chain", "em"),
     )
     if steps is not given.get("steps"):
         option_kwargs = {**option_kwargs, "steps": steps}

@@ -115,7 +115,8 @@ class Tuned(Mapping):
     @property
     def tuned_for(self) -> TunedFor:
         """The run it was tuned for, as :func:`specforest.sample` checks it."""
-        return TunedFor(steps=self.steps, batch=self.batch, churn=self.churn)
+        params = tuple(sorted((k, v) for k, v in (self.chain_params or {}).items() if v is not None))
+        return TunedFor(steps=self.steps, batch=self.batch, churn=self.churn, chain=self.chain, chain_params=params)
 
     def _mapping(self) -> dict:
         # the em chain is sample's default: a Tuned for it unpacks into a pipeline's sample as before
