@@ -319,3 +319,13 @@ def test_keep_freed_memory_keeps_freed_heap_blocks_resident():
     assert kept["released"] <= 0.1 * freed, kept
     default = released("default")
     assert default["released"] >= 0.9 * freed, default  # the behaviour it replaces: every block goes back
+
+
+def test_a_multistep_chain_counts_the_predictions_it_carries():
+    """DPM++ 2M SDE keeps each state's parent prediction, and a full round its inner nodes' two."""
+    kw = dict(trajectories=4, state_numel=1000, tree=trees.uniform(2, 3), steps=20, limit_bytes=10**12)
+    plain, carried = memory.estimate(**kw), memory.estimate(**kw, carries=True)
+    inner = trees.uniform(2, 3).size_at_depth(2)
+    assert carried.trajectory_bytes - plain.trajectory_bytes == 1000 * 4 * (1 + 2 * inner)
+    lazy = memory.estimate(**kw, lazy=True, carries=True).trajectory_bytes
+    assert lazy - memory.estimate(**kw, lazy=True).trajectory_bytes == 1000 * 4

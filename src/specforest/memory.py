@@ -467,6 +467,7 @@ def estimate(
     world: int = 1,
     draft: Any = None,
     held: Sequence[Held] = (),
+    carries: bool = False,
 ) -> MemoryEstimate:
     """Estimate a run's memory and choose ``chunk`` and ``max_rows`` so it fits.
 
@@ -503,6 +504,9 @@ def estimate(
             chain node and trajectory (two where it :attr:`~specforest.drafts.Proposal.uses_states`),
             and the deep features of those nodes and of every evaluated row where it
             :attr:`~specforest.drafts.Proposal.uses_features` (``model.feature_numel`` of them).
+        carries: the chain's mean reads each state's parent prediction (a multistep chain:
+            :attr:`~specforest.sde.GaussianChain.carries`, DPM++ 2M SDE): the run keeps one more state
+            per trajectory, and a full round the predictions and parent predictions of its inner nodes.
         held: what the run holds whole whatever its chunking (:class:`Held`), counted with
             ``fixed_bytes`` and checked first (:func:`check_held`, where the process alone is within
             the limit), before the model's declaration is read.
@@ -551,6 +555,8 @@ def estimate(
     else:
         states = _NODE_STATES * nodes + _INNER_STATES * inner + _ROW_STATES * rows + _SCRATCH_STATES
     states += remembered
+    if carries:
+        states += 1 + (0 if lazy else 2 * inner)
     if world > 1:
         states += _SPLIT_ROW_STATES * rows
     per = D * w * states + _KEY_BYTES * size + int(cond_bytes) + gains
