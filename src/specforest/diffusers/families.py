@@ -75,46 +75,18 @@ class Family:
     parts: Optional[FamilyParts] = None
 
 
-# The predicates are disjoint (SD3 and Flux key on their transformer class, SDXL and
-# SD on their UNet's added embeddings and second text encoder), so the order only sets
-# the order of the names in errors.
+def _family(name: str, pipeline_class: str, is_family: Callable[[Any], bool], module: Any, **functions: Any) -> Family:
+    """An entry whose ``sample`` and parts are those of its family module (on the shared flow)."""
+    return Family(name, (pipeline_class,), is_family, module.sample, parts=module.PARTS, **functions)
+
+
+# The predicates are disjoint (SD3 and Flux key on their transformer class, SDXL and SD on their UNet's added
+# embeddings and second text encoder), so the order only sets the order of the names in errors.
 FAMILIES: tuple[Family, ...] = (
-    Family(
-        "sd3",
-        ("StableDiffusion3Pipeline",),
-        is_sd3,
-        pipeline_sd3.sample,
-        tune=tuning.tune,
-        prepare=prepare_sd3,
-        parts=pipeline_sd3.PARTS,
-    ),
-    Family(
-        "flux",
-        ("FluxPipeline",),
-        is_flux,
-        pipeline_flux.sample,
-        tune=tuning.tune_flux,
-        prepare=prepare_flux,
-        parts=pipeline_flux.PARTS,
-    ),
-    Family(
-        "sdxl",
-        ("StableDiffusionXLPipeline",),
-        is_sdxl,
-        pipeline_sdxl.sample,
-        tune=tuning.tune_sdxl,
-        prepare=prepare_sdxl,
-        parts=pipeline_sdxl.PARTS,
-    ),
-    Family(
-        "sd",
-        ("StableDiffusionPipeline",),
-        is_sd,
-        pipeline_sdxl.sample,
-        tune=tuning.tune_sdxl,
-        prepare=prepare_sdxl,
-        parts=pipeline_sdxl.PARTS,
-    ),
+    _family("sd3", "StableDiffusion3Pipeline", is_sd3, pipeline_sd3, tune=tuning.tune, prepare=prepare_sd3),
+    _family("flux", "FluxPipeline", is_flux, pipeline_flux, tune=tuning.tune_flux, prepare=prepare_flux),
+    _family("sdxl", "StableDiffusionXLPipeline", is_sdxl, pipeline_sdxl, tune=tuning.tune_sdxl, prepare=prepare_sdxl),
+    _family("sd", "StableDiffusionPipeline", is_sd, pipeline_sdxl, tune=tuning.tune_sdxl, prepare=prepare_sdxl),
 )
 
 

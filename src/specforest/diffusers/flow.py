@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_CHURN",
     "FamilyParts",
     "Prepared",
+    "SAMPLER_INPUTS",
     "captions",
     "negatives",
     "prepare_family",
@@ -96,7 +97,8 @@ class FamilyParts:
             (``prompt`` and ``text_inputs``, absent ones ``None``) and the family options
             (``guidance_scale``, ``height``, ...) checked, ``n`` the number of captions.
         take_apart: ``take_apart(pipe, text, steps, options) -> Prepared`` of checked inputs: the
-            velocity, the grid, one row of conditioning per caption, the decoder, the record.
+            velocity, the grid, one row of conditioning per caption, the decoder, and the record
+            (``family``, ``height`` and ``width`` among it: the run's memory plan reads the size).
         sigmas: ``sigmas(pipe, steps, prepared) -> (steps + 1,)``: its grid of another number of
             steps, for the same run otherwise (the tuner's timing runs).
         row_bytes: ``row_bytes(pipe, velocity, latent_shape, cond) -> int``: what one state adds
@@ -178,41 +180,39 @@ def prepare_family(
     return parts.take_apart(pipe, text, steps, options)
 
 
+SAMPLER_INPUTS = ("coupling", "draft", "prefetch", "verify", "lazy", "record_deltas", "pad_rows")
+"""The sampler's options a family's ``sample`` passes to :class:`~specforest.options.SamplerOptions` as
+they are (beside ``churn``, ``chain`` and the tree that ``tree``/``K``/``L`` make)."""
+
+
 def sample_family(
     parts: FamilyParts,
     pipe: Any,
-    prompt: "str | list[str] | None" = None,
+    prompt: "str | list[str] | None",
     *,
     num_inference_steps: int,
-    generator: "torch.Generator | list[torch.Generator] | None" = None,
-    num_images_per_prompt: int = 1,
-    output_type: str = "pil",
-    churn: "float | None" = DEFAULT_CHURN,
-    chain: Any = "em",
-    tree: Any = None,
-    K: Optional[int] = None,
-    L: Optional[int] = None,
-    coupling: Any = "grs",
-    draft: Any = "velocity",
-    prefetch: str = "nearest",
-    verify: str = "internal",
-    progress: bool = True,
-    max_memory_gb: Optional[float] = None,
-    lazy: bool = False,
-    record_deltas: bool = False,
-    tuned_for: Any = None,
-    pad_rows: "Optional[str | list[int]]" = None,
-    warmup: bool = False,
+    generator: "torch.Generator | list[torch.Generator] | None",
+    num_images_per_prompt: int,
+    output_type: str,
+    progress: bool,
+    max_memory_gb: Optional[float],
+    tuned_for: Any,
+    warmup: bool,
+    churn: "float | None",
+    chain: Any,
+    tree: Any,
+    K: Optional[int],
+    L: Optional[int],
     **inputs: Any,
 ) -> Any:
     """A family's ``sample``: images of ``pipe`` sampled exactly with :func:`specforest.sample`.
 
-    The arguments are those of the family's ``sample`` (:func:`~specforest.diffusers.pipeline_sd3.sample`
-    documents them); ``inputs`` holds its text inputs (``parts.text_inputs``) and its family options.
-    The sampler's options (``churn``, ``chain``, ``tree`` or ``K``/``L``, ``coupling``, ``draft``,
-    ``prefetch``, ``verify``, ``lazy``, ``record_deltas``, ``pad_rows``) make one
-    :class:`~specforest.options.SamplerOptions` on the family's grid; ``churn`` at its default (or
-    ``None``) is left out with another chain than ``em`` (:func:`run_churn`).
+    The arguments are those of the family's ``sample``, which passes every one of its parameters
+    (:func:`~specforest.diffusers.pipeline_sd3.sample` documents them; their defaults are the family's);
+    ``inputs`` holds the sampler's options of :data:`SAMPLER_INPUTS`, the text inputs
+    (``parts.text_inputs``) and the family options. The sampler's options, ``churn``, ``chain`` and the
+    tree make one :class:`~specforest.options.SamplerOptions` on the family's grid; ``churn`` at its
+    default (or ``None``) is left out with another chain than ``em`` (:func:`run_churn`).
 
     Returns:
         ``parts.result``: ``images``, ``latents`` ``(N, C, h, w)``, ``stats``, ``memory``, ``config``
@@ -223,14 +223,15 @@ def sample_family(
         limit (nothing is allocated for sampling then). FloatingPointError: if the network returns NaN or inf.
     """
     parts.check_pipeline(pipe)
+    sampler = {k: inputs.pop(k) for k in SAMPLER_INPUTS}
     churn = run_churn(churn, chain)
     steps, churn, n_img, max_memory_gb = check_run_options(
         num_inference_steps=num_inference_steps,
         churn=churn,
         num_images_per_prompt=num_images_per_prompt,
         output_type=output_type,
-        verify=verify,
-        lazy=lazy,
+        verify=sampler["verify"],
+        lazy=sampler["lazy"],
         generator=generator,
         max_memory_gb=max_memory_gb,
     )
@@ -238,29 +239,15 @@ def sample_family(
     text, n, options = parts.check_inputs(pipe, text, inputs)
     images = n * n_img
     check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=images, batch_name="images")
-    tree = make_tree(K, L, coupling=coupling, tree=tree, steps=steps)
+    tree = make_tree(K, L, coupling=sampler["coupling"], tree=tree, steps=steps)
     prepared = parts.take_apart(pipe, text, steps, options)
     velocity, latent_shape = prepared.velocity, prepared.latent_shape
-    sampler = sampler_options(
-        sigmas=prepared.sigmas,
-        churn=churn,
-        chain=chain,
-        tree=tree,
-        coupling=coupling,
-        draft=draft,
-        prefetch=prefetch,
-        verify=verify,
-        lazy=lazy,
-        record_deltas=record_deltas,
-        pad_rows=pad_rows,
-    )
     # each caption's rows repeated consecutively, as diffusers repeats them
     cond = {k: v.repeat_interleave(n_img, dim=0) for k, v in prepared.cond.items()}
-    height, width = prepared.config["height"], prepared.config["width"]
     run = run_sampler(
         pipe,
         velocity,
-        options=sampler,
+        options=sampler_options(sigmas=prepared.sigmas, churn=churn, chain=chain, tree=tree, **sampler),
         latent_shape=latent_shape,
         device=prepared.device,
         cond=cond,
@@ -269,8 +256,8 @@ def sample_family(
         progress=progress,
         max_memory_gb=max_memory_gb,
         output_type=output_type,
-        height=height,
-        width=width,
+        height=prepared.config["height"],
+        width=prepared.config["width"],
         row_bytes=parts.row_bytes(pipe, velocity, latent_shape, prepared.cond),
         cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
         noise_scale=None if prepared.noise_scale == 1.0 else prepared.noise_scale,
@@ -288,7 +275,7 @@ def sample_family(
         "num_images_per_prompt": n_img,
         "K": K,
         "L": L,
-        "lazy": lazy,
+        "lazy": sampler["lazy"],
         "max_rows": run.memory.max_rows,
         "pad_rows": run.pad_rows,
         "decode_batch": run.decode_batch,
@@ -321,23 +308,24 @@ def tune_family(
     prompt: "str | Sequence[str]",
     *,
     num_inference_steps: int,
-    churn: "float | None" = DEFAULT_CHURN,
-    batch: int = 1,
-    budget_max: int = 62,
-    drafts: Sequence[str] = ("velocity", "x0"),
-    calibration_images: int = 4,
-    max_memory_gb: Optional[float] = None,
-    seed: int = 0,
-    progress: bool = False,
+    churn: "float | None",
+    batch: int,
+    budget_max: int,
+    drafts: Sequence[str],
+    calibration_images: int,
+    max_memory_gb: Optional[float],
+    seed: int,
+    progress: bool,
+    options: dict,
     negative_prompt: Optional[str] = None,
-    options: Optional[dict] = None,
     **family_options: Any,
 ) -> Any:
     """A family's tuner: :func:`specforest.latency.tune` on the pipeline's network, its grid and the
     captions' conditioning (:func:`prepare_family`), from the run's initial noise.
 
-    The arguments are those of the family's tuner (:func:`~specforest.diffusers.tuning.tune` documents
-    them); ``family_options`` are its family options (``guidance_scale``, ``height``, ...), ``options``
+    The arguments are those of the family's tuner, which passes every one of its parameters
+    (:func:`~specforest.diffusers.tuning.tune` documents them; their defaults are the family's);
+    ``family_options`` are its family options (``guidance_scale``, ``height``, ...), ``options``
     the sampler's options for :func:`specforest.latency.tune` (``chain``, ``verify``, ``prefetch``,
     ``pad_rows``, ...; refused: those set here, ``steps``, ``cond``, ``grid``, ``sigmas``, ``max_rows``).
     The shorter timing runs use the family's grid of their own number of steps.
@@ -349,7 +337,7 @@ def tune_family(
     Raises:
         ValueError / TypeError: naming the parameter.
     """
-    options = dict(options or {})
+    options = dict(options)
     set_here = [k for k in options if k in _SET_HERE]
     if set_here:
         raise ValueError(
