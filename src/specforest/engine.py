@@ -274,10 +274,10 @@ def init_state(ctx: RunContext, x: torch.Tensor, keys: torch.Tensor) -> RunState
 
 
 def remembered_states(ctx: RunContext) -> int:
-    """Chain nodes per trajectory a run's proposal may remember of its last chain round (the
-    ``width`` of :meth:`~specforest.drafts.Proposal.init_memory`; ``0`` unless it remembers one:
-    :func:`~specforest.drafting.remembers_chain`, and then it keeps no memory); a chain never runs
-    past the grid."""
+    """Chain nodes per trajectory a run's proposal may remember of its last chain round, the
+    ``width`` of :meth:`~specforest.drafts.Proposal.init_memory`: ``0`` (the run keeps no memory)
+    unless it remembers one (:func:`~specforest.drafting.remembers_chain`); a chain never runs past
+    the grid."""
     if not remembers_chain(ctx.proposal, ctx.tree if ctx.policy is None else ctx.policy):
         return 0
     return min(ctx.depth, ctx.T)
@@ -488,8 +488,9 @@ def commit(
             records = records + (rec.cpu(),)
         o = w.observed
         if o is not None:
-            args = (dstate, ctx.tab, o.y, o.mu_q, o.steps, state.pre.take(ids[o.rows]), ctx.tab64.scale[o.steps])
-            kw = {} if state.memory is None else {"memory": state.memory.take(ids[o.rows])}
+            seen = ids[o.rows]
+            args = (dstate, ctx.tab, o.y, o.mu_q, o.steps, state.pre.take(seen), ctx.tab64.scale[o.steps])
+            kw = {} if state.memory is None else {"memory": state.memory.take(seen)}
             if d.terms is None:
                 dstate = ctx.proposal.observe(*args, **kw)
             else:
