@@ -266,7 +266,7 @@ def _gaussian_velocity(t: float, mu0: torch.Tensor, s0: float) -> tuple[float, t
 
 
 def chain_law(
-    sigmas: torch.Tensor, churn: Optional[float], mu0: torch.Tensor, s0: float, *, chain=None
+    sigmas: torch.Tensor, churn: Optional[float], mu0: torch.Tensor, s0: float, *, chain=None, init_scale: float = 1.0
 ) -> tuple[torch.Tensor, float]:
     """Mean ``(d,)`` and per-coordinate variance of a chain's final state from ``N(0, I)``.
 
@@ -276,10 +276,11 @@ def chain_law(
     of :mod:`specforest.sde`. With ``chain`` (a registered name or a
     :class:`~specforest.chains.Chain`), any chain's tables on ``sigmas`` (whose own correctness
     ``tests/test_chains.py`` checks against the samplers' code), from its start ``init_a x + init_scale z``.
+    The initial states are ``N(0, init_scale^2 I)`` (a pipeline's latents on the linear path).
     """
     mu0 = mu0.double()
     mean = torch.zeros_like(mu0)
-    var = 1.0
+    var = float(init_scale) ** 2
     if chain is not None:
         from .chains import get_chain
 
@@ -349,15 +350,17 @@ def check_law(
     s0: float,
     *,
     chain=None,
+    init_scale: float = 1.0,
 ) -> ChainReport:
-    """Compare ``samples (n, d)`` with the closed-form law of the chain (see :func:`check_chain_law`).
+    """Compare ``samples (n, d)`` with the closed-form law of the chain (see :func:`check_chain_law`),
+    run from ``N(0, init_scale^2 I)``.
 
     Per coordinate: the mean and variance z-scores and a KS test; and the standardized squared
     norm ``sum_j (x_j - mean_j)^2 / var``, chi-square with ``d`` degrees of freedom: a KS test and
     the z-score of its mean. In high dimension a wrong chain moves the spread long before any one
     coordinate's law, and the squared norm sees it first.
     """
-    mean, var = chain_law(sigmas, churn, mu0, s0, chain=chain)
+    mean, var = chain_law(sigmas, churn, mu0, s0, chain=chain, init_scale=init_scale)
     n = samples.shape[0]
     x = samples.double()
     zm = (x.mean(0) - mean) / math.sqrt(var / n)

@@ -37,6 +37,7 @@ from ..trees import chain as chain_tree
 from ..validation import check_int, check_number
 from .checks import check_run_options
 from .run import run_sampler, sampler_options
+from .schedulers import check_scheduler, for_pipeline
 
 __all__ = [
     "DEFAULT_CHURN",
@@ -224,6 +225,15 @@ def sample_family(
     """
     parts.check_pipeline(pipe)
     sampler = {k: inputs.pop(k) for k in SAMPLER_INPUTS}
+    eta = check_number("eta", inputs.pop("eta", 0.0), 0.0)
+    scheduled = isinstance(chain, str) and chain.lower() == "scheduler"
+    if eta != 0.0 and not scheduled:
+        raise ValueError(
+            f"eta={eta} is the scheduler's step argument (DDIM, TCD): it applies with chain='scheduler'; "
+            "another chain takes its own (specforest.chains.get_chain(name, eta=...))"
+        )
+    if scheduled:
+        check_scheduler(pipe.scheduler, eta)
     churn = run_churn(churn, chain)
     steps, churn, n_img, max_memory_gb = check_run_options(
         num_inference_steps=num_inference_steps,
@@ -242,12 +252,20 @@ def sample_family(
     tree = make_tree(K, L, coupling=sampler["coupling"], tree=tree, steps=steps)
     prepared = parts.take_apart(pipe, text, steps, options)
     velocity, latent_shape = prepared.velocity, prepared.latent_shape
+    sigmas, noise_scale, noise_from = prepared.sigmas, prepared.noise_scale, None
+    if scheduled:
+        # the pipeline's own scheduler, as its step computes it (specforest.diffusers.schedulers)
+        plan = for_pipeline(pipe, steps, eta, velocity, prepared.sigmas)
+        chain, sigmas, velocity, noise_scale = plan.chain, plan.chain.grid, plan.velocity, plan.noise_scale
+        if tree is None:
+            shape = (images, *latent_shape)
+            noise_from = lambda g: plan.noise_from(g, shape, prepared.device, velocity.dtype)  # noqa: E731
     # each caption's rows repeated consecutively, as diffusers repeats them
     cond = {k: v.repeat_interleave(n_img, dim=0) for k, v in prepared.cond.items()}
     run = run_sampler(
         pipe,
         velocity,
-        options=sampler_options(sigmas=prepared.sigmas, churn=churn, chain=chain, tree=tree, **sampler),
+        options=sampler_options(sigmas=sigmas, churn=churn, chain=chain, tree=tree, **sampler),
         latent_shape=latent_shape,
         device=prepared.device,
         cond=cond,
@@ -260,8 +278,9 @@ def sample_family(
         width=prepared.config["width"],
         row_bytes=parts.row_bytes(pipe, velocity, latent_shape, prepared.cond),
         cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
-        noise_scale=None if prepared.noise_scale == 1.0 else prepared.noise_scale,
+        noise_scale=None if noise_scale == 1.0 else noise_scale,
         warmup=warmup,
+        noise_from=noise_from,
     )
     latents = run.out.samples
     if output_type == "latent":

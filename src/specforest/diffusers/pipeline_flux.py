@@ -331,6 +331,7 @@ def sample(
     output_type: str = "pil",
     churn: float | None = DEFAULT_CHURN,
     chain: Any = "em",
+    eta: float = 0.0,
     tree: DraftTree | None = None,
     K: int | None = None,
     L: int | None = None,
@@ -391,7 +392,7 @@ def sample(
             function of ``generator[i]`` alone.
         num_images_per_prompt: images per caption (``>= 1``); ``N = n x num_images_per_prompt`` images.
         output_type: ``pil``, ``np``, ``pt`` or ``latent`` (unpacked ``(N, C, h, w)``).
-        churn, chain, tree, K, L, coupling, draft, prefetch, verify, progress, lazy, pad_rows,
+        churn, chain, eta, tree, K, L, coupling, draft, prefetch, verify, progress, lazy, pad_rows,
             warmup, record_deltas: as in :func:`specforest.diffusers.pipeline_sd3.sample`
             (``warmup``: the transformer called at every row count of the run first; padding and
             warm-up change no image).

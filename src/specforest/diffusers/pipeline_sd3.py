@@ -260,6 +260,7 @@ def sample(
     output_type: str = "pil",
     churn: float | None = DEFAULT_CHURN,
     chain: Any = "em",
+    eta: float = 0.0,
     tree: DraftTree | None = None,
     K: int | None = None,
     L: int | None = None,
@@ -314,6 +315,13 @@ def sample(
             ``"em"`` (the churned SDE, the default), another registered name
             (``"euler_ancestral"``, ...) or a :class:`~specforest.chains.Chain` with its
             parameters; a chain that refuses the grid (one starting at ``sigma = 1``) says so.
+            ``"scheduler"``: the pipeline's own scheduler's chain, as its ``step`` computes it
+            (:mod:`specforest.diffusers.schedulers`: DDPM, DDIM with ``eta``, Euler ancestral,
+            ``sde-dpmsolver++``, LCM, TCD with ``eta``, flow matching with
+            ``stochastic_sampling=True``); with no tree the latents are the pipeline's for the same
+            generator, with a tree they have the same law. A deterministic scheduler is refused with a tree.
+        eta: the scheduler's ``eta``, passed to its ``step`` as pipelines pass it (DDIM, TCD; with
+            ``chain="scheduler"`` only).
         tree: a draft tree; exclusive with ``K``/``L``.
         K, L: ``trees.uniform(K, L)``; with ``coupling="rmc"`` only ``L`` (the chain
             length ``B``). ``tree``, ``K`` and ``L`` all ``None``: the standard sampler.

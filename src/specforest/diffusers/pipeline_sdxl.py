@@ -397,6 +397,7 @@ def sample(
     output_type: str = "pil",
     churn: float | None = DEFAULT_CHURN,
     chain: Any = "em",
+    eta: float = 0.0,
     tree: DraftTree | None = None,
     K: int | None = None,
     L: int | None = None,
@@ -460,7 +461,7 @@ def sample(
         num_images_per_prompt: images per caption; ``N = n x num_images_per_prompt`` images.
         output_type: ``pil``, ``np``, ``pt`` or ``latent``.
         churn: ``eps`` in (0, 1], the ``em`` chain's (unused with another ``chain``).
-        chain, tree, K, L, coupling, draft, prefetch, verify, lazy, pad_rows, warmup, record_deltas:
+        chain, eta, tree, K, L, coupling, draft, prefetch, verify, lazy, pad_rows, warmup, record_deltas:
             as in :func:`specforest.diffusers.pipeline_sd3.sample` (``warmup``: the UNet called at
             every row count of the run first; padding and warm-up change no image). This grid starts
             below ``t = 1``, so a chain that refuses one from ``sigma = 1`` runs here.

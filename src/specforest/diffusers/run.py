@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -179,6 +179,7 @@ def run_sampler(
     cond_bytes: int,
     noise_scale: Optional[float] = None,
     warmup: bool = False,
+    noise_from: Optional[Callable[[Any], Callable[[int], torch.Tensor]]] = None,
 ) -> Run:
     """Size, draw and sample ``images`` images of a family's run (:func:`specforest.sample` on the churned SDE).
 
@@ -205,6 +206,9 @@ def run_sampler(
         noise_scale: the initial state's scale (``None``: 1, the grid starts at ``sigma = 1``).
         warmup: call the network at every row count of the run first
             (:func:`specforest.warmup.warm_up`; same images).
+        noise_from: ``noise_from(generator) -> noise``: the standard sampler's draws from the
+            generator(s) after the latents, as the pipeline's scheduler draws them
+            (``chain="scheduler"`` with no tree); the sampler's seed is then not drawn from them.
 
     Raises:
         ValueError: if a list of generators does not hold one per image.
@@ -245,7 +249,11 @@ def run_sampler(
         shaping = {k: v for k, v in options.as_dict().items() if k not in ("model_kwargs", "pad_rows")}
         options = dataclasses.replace(options, pad_rows=options.pad_rows or pad_rows_for(images, **shaping))
         warmup_seconds = warm_up(velocity, x_T, cond=cond, pad_rows=options.pad_rows, **shaping)
-    out = _engine_sample(velocity, x_T, options, generator=generator, progress=progress, cond=cond)
+    if noise_from is not None:
+        # the generator's next draws are the scheduler's noise: nothing else may read it
+        out = _engine_sample(velocity, x_T, options, seed=0, noise=noise_from(generator), progress=progress, cond=cond)
+    else:
+        out = _engine_sample(velocity, x_T, options, generator=generator, progress=progress, cond=cond)
     return Run(
         out=out, memory=memory, decode_batch=decode_batch, pad_rows=options.pad_rows, warmup_seconds=warmup_seconds
     )

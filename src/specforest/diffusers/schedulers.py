@@ -39,7 +39,7 @@ import torch
 from ..chains import DPMPP2MSDE, LCM, REFUSED, Chain, EulerAncestral, from_ve
 from ..sde import _check_sigmas
 
-__all__ = ["SCHEDULERS", "SchedulerChain", "scheduler_chain"]
+__all__ = ["SCHEDULERS", "PipelinePlan", "SchedulerChain", "check_scheduler", "for_pipeline", "scheduler_chain"]
 
 SCHEDULERS = (
     "DDPMScheduler",
@@ -120,6 +120,12 @@ class SchedulerChain(Chain):
 
 def _name(scheduler: Any) -> str:
     return type(scheduler).__name__
+
+
+def check_scheduler(scheduler: Any, eta: float = 0.0) -> None:
+    """Raise for a scheduler ``chain="scheduler"`` cannot follow (or an ``eta`` out of its range),
+    naming the reason and the swap."""
+    _refuse(scheduler, float(eta))
 
 
 def _refuse(scheduler: Any, eta: float) -> None:
@@ -353,3 +359,83 @@ def _made(name, eta, grid, timesteps, P, Q, R, B=None, prediction=None) -> Sched
         if name in ("DPMSolverMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
         else None,
     )
+
+
+class _Predicted:
+    """A family's velocity whose clean prediction goes through the scheduler's clip or threshold
+    (:attr:`SchedulerChain.prediction`); every other attribute is the velocity's."""
+
+    def __init__(self, velocity: Any, chain: SchedulerChain) -> None:
+        self._velocity, self._chain = velocity, chain
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._velocity, name)
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **cond: Any) -> torch.Tensor:
+        v = self._velocity(x, sigma, **cond)
+        t = sigma.to(x.dtype).reshape(-1, *[1] * (x.ndim - 1))
+        grid = self._chain.grid[:-1].to(sigma.device, torch.float64)
+        step = torch.searchsorted(-grid, -sigma.to(torch.float64)).clamp(max=grid.numel() - 1)
+        d = self._chain.prediction(x - t * v, step)
+        return (x - d) / t
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How a family's run follows its pipeline's scheduler (:func:`for_pipeline`).
+
+    Attributes:
+        chain: the scheduler's chain; ``chain.grid`` is the run's grid.
+        velocity: the family's velocity, behind the scheduler's clip or threshold where it has one.
+        noise_scale: the run's initial state is ``noise_scale x N(0, I)``: the pipeline's latents
+            (``init_noise_sigma x N(0, I)``) on the linear path.
+    """
+
+    chain: SchedulerChain
+    velocity: Any
+    noise_scale: float
+
+    def noise_from(self, generator: Any, shape: tuple, device: torch.device, dtype: torch.dtype) -> Callable:
+        """The standard sampler's noise as the pipeline draws it: after the latents, one
+        ``randn_tensor(shape, generator)`` at each step where the scheduler's ``step`` draws one
+        (``shape`` the batch of latents; ``dtype`` the network output's unless the scheduler fixes it)."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        draws, noise_dtype = self.chain.draws.tolist(), self.chain.noise_dtype or dtype
+
+        def noise(step: int) -> torch.Tensor:
+            if step < 0 or not draws[step]:
+                return torch.zeros(shape, device=device)
+            return randn_tensor(shape, generator=generator, device=device, dtype=noise_dtype).float()
+
+        return noise
+
+
+def for_pipeline(pipe: Any, steps: int, eta: float, velocity: Any, grid: torch.Tensor) -> PipelinePlan:
+    """The plan of ``chain="scheduler"`` for a family's run of ``pipe`` at ``steps`` steps.
+
+    Args:
+        pipe: the pipeline; its ``scheduler`` is read (a copy takes ``set_timesteps``), not changed.
+        steps: ``num_inference_steps``.
+        eta: the pipeline's ``eta`` (DDIM, TCD).
+        velocity: the family's velocity.
+        grid: the family's grid: a flow-matching family's is its scheduler's (shift, ``mu``) already.
+
+    Raises:
+        ValueError: as :func:`scheduler_chain`.
+    """
+    scheduler = pipe.scheduler
+    name = _name(scheduler)
+    if name == "FlowMatchEulerDiscreteScheduler":
+        _refuse(scheduler, float(eta))
+        g = torch.as_tensor(grid, dtype=torch.float64)
+        P, Q, R = LCM().step(g[:-1], g[1:])
+        chain = _made(name, eta, g, 1000.0 * g[:-1], P, Q, R)
+        return PipelinePlan(chain=chain, velocity=velocity, noise_scale=1.0)
+    chain = scheduler_chain(scheduler, steps, eta=eta)
+    fresh = _fresh(scheduler, steps)
+    s0 = float(chain.grid[0] / (1.0 - chain.grid[0]))
+    # the pipeline's latents: VE (x_0 + s xi) for Euler ancestral, variance-preserving for the others
+    m0 = 1.0 / (1.0 + s0) if name == "EulerAncestralDiscreteScheduler" else math.sqrt(1.0 + s0 * s0) / (1.0 + s0)
+    wrapped = velocity if chain.prediction is None else _Predicted(velocity, chain)
+    return PipelinePlan(chain=chain, velocity=wrapped, noise_scale=float(fresh.init_noise_sigma) * m0)

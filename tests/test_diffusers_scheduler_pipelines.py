@@ -1,0 +1,158 @@
+"""``specforest.diffusers.sample(pipe, ..., chain="scheduler")`` on tiny SD 1.5 and SDXL pipelines.
+
+With no tree, the latents are the pipeline's own ``pipe(...)`` for the same generator, for each
+stochastic scheduler swapped in from the pipeline's config; the pipeline and its scheduler are left
+as they were. With a tree, the law is the scheduler's: a "UNet" returning the exact noise of a
+Gaussian data law (``GaussianUNet``) gives the closed form, which the same test rejects for a wrong
+``eta`` and for the EM chain. A deterministic scheduler is refused with a tree, naming the swap.
+"""
+
+from __future__ import annotations
+
+import diffusers
+import pytest
+import torch
+from test_diffusers_sdxl import (
+    BETAS,
+    MU,
+    PROMPTS,
+    TAU,
+    GaussianUNet,
+    build_tiny_pipeline,
+    gen,
+    text_shift,
+    with_scheduler,
+)
+
+import specforest.diffusers as px
+from specforest import testing, trees
+
+KW = dict(num_inference_steps=8, guidance_scale=4.0, height=8, width=8, output_type="latent")
+
+SCHEDULERS = {
+    "ddpm": ("DDPMScheduler", {}, 0.0),
+    "ddim": ("DDIMScheduler", {"clip_sample": False}, 1.0),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}, 0.0),
+    "dpm_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}, 0.0),
+    "lcm": ("LCMScheduler", {}, 0.0),
+    "tcd": ("TCDScheduler", {}, 0.3),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    return {"sd": build_tiny_pipeline("sd"), "sdxl": build_tiny_pipeline("sdxl")}
+
+
+def swapped(pipe, name, cfg):
+    """``pipe`` with ``name`` swapped in as users do: ``Scheduler.from_config(pipe.scheduler.config)``."""
+    return with_scheduler(pipe, getattr(diffusers, name).from_config(pipe.scheduler.config, **cfg))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+@pytest.mark.parametrize("case", list(SCHEDULERS))
+def test_no_tree_gives_the_pipelines_own_latents(pipes, family, case):
+    name, cfg, eta = SCHEDULERS[case]
+    pipe = swapped(pipes[family], name, cfg)
+    extra = {"eta": eta} if eta else {}
+    ref = pipe(PROMPTS, generator=gen(1), **extra, **KW).images
+    before = (pipe.scheduler.timesteps.clone(), getattr(pipe.scheduler, "_step_index", None))
+    ours = px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **extra, **KW)
+    torch.testing.assert_close(ours.latents, ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
+    assert ours.stats.nfe.tolist() == [8, 8]
+    # the pipeline is left as it was: its scheduler did not move, and pipe(...) gives its own latents again
+    assert (
+        torch.equal(pipe.scheduler.timesteps, before[0]) and getattr(pipe.scheduler, "_step_index", None) == before[1]
+    )
+    assert torch.equal(pipe(PROMPTS, generator=gen(1), **extra, **KW).images, ref)
+    assert ours.config["chain"] == "scheduler" and ours.config["scheduler"] == name
+
+
+def test_refusals_name_the_scheduler_and_the_swap(pipes):
+    pipe = pipes["sd"]  # PNDM: deterministic
+    with pytest.raises(ValueError, match="EulerAncestralDiscreteScheduler.from_config"):
+        px.sample(pipe, PROMPTS, chain="scheduler", K=2, L=2, generator=gen(0), progress=False, **KW)
+    learned = swapped(pipe, "DDPMScheduler", {"variance_type": "learned_range"})
+    with pytest.raises(ValueError, match="comes from the network"):
+        px.sample(learned, PROMPTS, chain="scheduler", generator=gen(0), progress=False, **KW)
+    with pytest.raises(ValueError, match="two correlated noises"):
+        px.sample(
+            swapped(pipe, "DPMSolverSDEScheduler", {}), PROMPTS, chain="scheduler", progress=False, **KW
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="eta=0.5 is the scheduler's step argument"):
+        px.sample(pipe, PROMPTS, eta=0.5, generator=gen(0), progress=False, **KW)
+    # a deterministic scheduler with no tree is its own chain's standard sampler: not refused here,
+    # but with PNDM there is no chain to follow at all
+    with pytest.raises(ValueError, match="PNDMScheduler is deterministic"):
+        px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(0), progress=False, **KW)
+
+
+# -- the law with trees ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gaussian(pipes):
+    """The SD pipeline with the exact Gaussian "UNet" of data ``N(MU + shift(caption), TAU^2 I)``."""
+    sd = pipes["sd"]
+
+    def make(name, cfg):
+        pipe = swapped(sd, name, {**BETAS, **cfg})
+        object.__setattr__(pipe, "unet", GaussianUNet(sd.unet.config, pipe.scheduler.alphas_cumprod))
+        return pipe
+
+    return make
+
+
+def law(gaussian, case, N=1500, tree=None, coupling="grs", eta=None, chain="scheduler", seed=3):
+    name, cfg, eta0 = SCHEDULERS[case]
+    pipe = gaussian(name, {**cfg, "clip_sample": False})  # (clipping: a law without a closed form)
+    eta = eta0 if eta is None else eta
+    extra = {"eta": eta} if chain == "scheduler" and eta else {}
+    out = px.sample(
+        pipe, PROMPTS[:1], num_images_per_prompt=N, num_inference_steps=8, guidance_scale=1.0, height=8, width=8,
+        output_type="latent", chain=chain, tree=tree, coupling=coupling, generator=gen(seed), progress=False,
+        **extra,
+    )  # fmt: skip
+    with torch.no_grad():
+        pe, _ = pipe.encode_prompt(PROMPTS[:1], "cpu", 1, False)
+    from specforest.diffusers.schedulers import for_pipeline
+
+    plan = for_pipeline(pipe, 8, eta0, None, None)
+    mu = (MU + text_shift(pe)[0]).reshape(-1)
+    rep = testing.check_law(
+        out.latents.reshape(N, -1).double(), plan.chain.grid, None, mu, TAU, chain=plan.chain,
+        init_scale=plan.noise_scale,
+    )  # fmt: skip
+    return rep, out.stats
+
+
+@pytest.mark.parametrize(
+    "case, tree, coupling",
+    [
+        ("ddpm", trees.uniform(2, 2), "grs"),
+        ("ddim", trees.chain(4), "rmc"),
+        ("euler_a", trees.uniform(2, 2), "grs"),
+        ("dpm_sde", trees.chain(4), "rmc"),
+        ("tcd", trees.chain(3), "rmc"),
+    ],
+)
+def test_speculated_pipelines_have_the_schedulers_law(gaussian, case, tree, coupling):
+    rep, stats = law(gaussian, case, tree=tree, coupling=coupling)
+    rep.assert_exact()
+    assert float(stats.nfe.double().mean()) < 8
+
+
+def test_the_pipeline_law_test_rejects_a_wrong_eta_and_the_em_chain(gaussian):
+    rep, _ = law(gaussian, "ddim", tree=trees.chain(4), coupling="rmc", eta=0.5)
+    assert not rep.passed
+    rep, _ = law(gaussian, "ddim", tree=trees.chain(4), coupling="rmc", chain="em")
+    assert not rep.passed
