@@ -156,3 +156,42 @@ def test_the_pipeline_law_test_rejects_a_wrong_eta_and_the_em_chain(gaussian):
     assert not rep.passed
     rep, _ = law(gaussian, "ddim", tree=trees.chain(4), coupling="rmc", chain="em")
     assert not rep.passed
+
+
+# -- flow matching: SD3 and Flux with stochastic_sampling=True --------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_stochastic_flow_matching_gives_the_pipelines_own_latents(family, tmp_path):
+    """FlowMatchEulerDiscreteScheduler(stochastic_sampling=True), the one stochastic scheduler for SD3
+    and Flux: with no tree the pipeline's latents, with a tree fewer calls; off, it is refused with a tree."""
+    if family == "sd3":
+        from test_diffusers_sd3 import BASE, PROMPT, build_tiny_pipeline as build
+
+        base = build(tmp_path)
+    else:
+        from test_diffusers_flux import BASE, PROMPT, build_tiny_flux
+
+        base = build_tiny_flux()
+    for m in base.components.values():
+        if isinstance(m, torch.nn.Module):
+            m.eval()  # (no dropout drawing from the global generator the scheduler's noise comes from)
+    sch = diffusers.FlowMatchEulerDiscreteScheduler.from_config(base.scheduler.config, stochastic_sampling=True)
+    pipe = with_scheduler(base, sch)
+    kw = {k: v for k, v in BASE.items() if k != "progress"}
+    # (these pipelines call step without their generator: its noise is torch's global generator's)
+    torch.manual_seed(5)
+    ref = pipe(PROMPT, num_inference_steps=6, generator=gen(2), **kw).images
+    torch.manual_seed(5)
+    ours = px.sample(pipe, PROMPT, chain="scheduler", num_inference_steps=6, generator=gen(2), progress=False, **kw)
+    if family == "flux":
+        ref = pipe._unpack_latents(ref, 8, 8, pipe.vae_scale_factor)
+    torch.testing.assert_close(ours.latents, ref.float(), atol=1e-5 * float(ref.abs().max()), rtol=0)
+    tree = px.sample(
+        pipe, PROMPT, chain="scheduler", num_inference_steps=6, coupling="rmc", L=4, generator=gen(2),
+        progress=False, **kw,
+    )  # fmt: skip
+    assert float(tree.stats.nfe.double().mean()) <= 6
+    with pytest.raises(ValueError, match="stochastic_sampling=False is deterministic"):
+        px.sample(base, PROMPT, chain="scheduler", num_inference_steps=6, L=4, coupling="rmc", progress=False, **kw)

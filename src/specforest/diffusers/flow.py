@@ -259,7 +259,13 @@ def sample_family(
         chain, sigmas, velocity, noise_scale = plan.chain, plan.chain.grid, plan.velocity, plan.noise_scale
         if tree is None:
             shape = (images, *latent_shape)
-            noise_from = lambda g: plan.noise_from(g, shape, prepared.device, velocity.dtype)  # noqa: E731
+            layout = None
+            if prepared.config.get("family") == "flux":
+                # Flux's scheduler draws its noise in the packed layout of the pipeline's latents
+                h, w = prepared.config["height"], prepared.config["width"]
+                packed = pipe._pack_latents(torch.zeros(shape), *shape).shape
+                layout = (packed, lambda z: pipe._unpack_latents(z, h, w, pipe.vae_scale_factor))
+            noise_from = lambda g: plan.noise_from(g, shape, prepared.device, velocity.dtype, layout)  # noqa: E731
     # each caption's rows repeated consecutively, as diffusers repeats them
     cond = {k: v.repeat_interleave(n_img, dim=0) for k, v in prepared.cond.items()}
     run = run_sampler(

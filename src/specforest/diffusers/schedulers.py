@@ -395,17 +395,34 @@ class PipelinePlan:
     velocity: Any
     noise_scale: float
 
-    def noise_from(self, generator: Any, shape: tuple, device: torch.device, dtype: torch.dtype) -> Callable:
+    def noise_from(
+        self,
+        generator: Any,
+        shape: tuple,
+        device: torch.device,
+        dtype: torch.dtype,
+        layout: Optional[tuple] = None,
+    ) -> Callable:
         """The standard sampler's noise as the pipeline draws it: after the latents, one
         ``randn_tensor(shape, generator)`` at each step where the scheduler's ``step`` draws one
-        (``shape`` the batch of latents; ``dtype`` the network output's unless the scheduler fixes it)."""
+        (``shape`` the batch of latents; ``dtype`` the network output's unless the scheduler fixes it).
+        SD3's and Flux's pipelines pass no generator to ``step``: their scheduler's noise comes from
+        torch's global generator, and so does this. ``layout``: ``(shape drawn, to_states)`` where the
+        pipeline's latents are laid out otherwise (Flux's packed latents), ``to_states`` mapping a draw
+        to ``shape``."""
         from diffusers.utils.torch_utils import randn_tensor
 
         draws, noise_dtype = self.chain.draws.tolist(), self.chain.noise_dtype or dtype
+        if self.chain.scheduler == "FlowMatchEulerDiscreteScheduler":
+            # SD3's and Flux's pipelines call step without their generator: its noise is torch's global one
+            generator = None
 
         def noise(step: int) -> torch.Tensor:
             if step < 0 or not draws[step]:
                 return torch.zeros(shape, device=device)
+            if layout is not None:
+                z = randn_tensor(layout[0], generator=generator, device=device, dtype=noise_dtype)
+                return layout[1](z).float().reshape(shape)
             return randn_tensor(shape, generator=generator, device=device, dtype=noise_dtype).float()
 
         return noise
