@@ -167,7 +167,8 @@ def test_stochastic_flow_matching_gives_the_pipelines_own_latents(family, tmp_pa
     """FlowMatchEulerDiscreteScheduler(stochastic_sampling=True), the one stochastic scheduler for SD3
     and Flux: with no tree the pipeline's latents, with a tree fewer calls; off, it is refused with a tree."""
     if family == "sd3":
-        from test_diffusers_sd3 import BASE, PROMPT, build_tiny_pipeline as build
+        from test_diffusers_sd3 import BASE, PROMPT
+        from test_diffusers_sd3 import build_tiny_pipeline as build
 
         base = build(tmp_path)
     else:
