@@ -127,7 +127,10 @@ def test_every_table_of_options_is_keyed_by_the_fields():
     keywords = [p.name for p in inspect.signature(specforest.sample).parameters.values() if p.kind is p.KEYWORD_ONLY]
     assert keywords == list(RUN_INPUTS)
     assert list(latency.SAMPLE_OPTIONS) == [*names, *RUN_INPUTS]
-    assert set(kdiffusion._PASSED) | set(kdiffusion._GIVEN_OTHERWISE) | {"callback", "tuned_for"} == {
+    assert set(kdiffusion.speculative._PASSED) | set(kdiffusion.speculative._GIVEN_OTHERWISE) | {
+        "callback",
+        "tuned_for",
+    } == {
         *names,
         *RUN_INPUTS,
     }

@@ -1,0 +1,31 @@
+"""k-diffusion's sampler signature over the exact speculative sampler, and drop-in samplers.
+
+:func:`sample_speculative` (:mod:`~specforest.kdiffusion.speculative`) runs the library's chain
+behind k-diffusion's signature; the drop-ins (:mod:`~specforest.kdiffusion.dropins`:
+``sample_euler_ancestral``, ``sample_euler``, ``sample_dpmpp_2m_sde``, ``sample_ddpm``,
+``sample_lcm``) are the samplers people run, exactly (``docs/kdiffusion.md``).
+"""
+
+from .dropins import (
+    sample_ddpm,
+    sample_dpmpp_2m_sde,
+    sample_dpmpp_sde,
+    sample_euler,
+    sample_euler_ancestral,
+    sample_lcm,
+)
+from .speculative import KEYS, PATHS, linear_grid, sample, sample_speculative
+
+__all__ = [
+    "KEYS",
+    "PATHS",
+    "linear_grid",
+    "sample",
+    "sample_ddpm",
+    "sample_dpmpp_2m_sde",
+    "sample_dpmpp_sde",
+    "sample_euler",
+    "sample_euler_ancestral",
+    "sample_lcm",
+    "sample_speculative",
+]

@@ -1,0 +1,339 @@
+"""Drop-in samplers with the signatures of the functions they replace (k-diffusion's and ComfyUI's).
+
+``sample_euler_ancestral``, ``sample_euler`` and ``sample_dpmpp_2m_sde`` take k-diffusion's exact
+signatures; ``sample_ddpm`` and ``sample_lcm`` take ComfyUI's. Each runs its sampler's chain
+(:mod:`specforest.chains`) through :func:`specforest.kdiffusion.sample`: with ``tree=None`` and the same
+noise the output is the real function's, with a tree the law is the same. ``sample_dpmpp_sde`` is
+refused with the reason. ``docs/kdiffusion.md`` shows them registered as ComfyUI ``KSAMPLER`` s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from .speculative import sample
+
+__all__ = [
+    "sample_ddpm",
+    "sample_dpmpp_2m_sde",
+    "sample_dpmpp_sde",
+    "sample_euler",
+    "sample_euler_ancestral",
+    "sample_lcm",
+]
+
+
+def _seed(seed: Optional[int], extra_args: Optional[dict], tree: Any) -> Optional[int]:
+    """The run's seed: ``seed``, else ComfyUI's ``extra_args["seed"]``; with a tree and neither, one
+    draw from torch's global generator (so ``torch.manual_seed`` reproduces the run, as it does
+    k-diffusion's)."""
+    if seed is None and isinstance(extra_args, dict) and "seed" in extra_args:
+        seed = extra_args["seed"]
+        if isinstance(seed, torch.Tensor) and seed.numel() == 1:
+            seed = int(seed)
+    if seed is None and tree is not None:
+        seed = int(torch.randint(0, 2**62, ()))
+    return seed
+
+
+def _step_noise(
+    x: torch.Tensor, sigmas: torch.Tensor, noise_sampler: Optional[Callable], start: bool = False
+) -> Callable[[int], torch.Tensor]:
+    """The standard chain's noise in k-diffusion's order of calls: step ``n``'s draw is
+    ``noise_sampler(sigmas[n], sigmas[n + 1])`` (or ``torch.randn_like(x)`` without one), made only
+    where ``sigmas[n + 1] > 0``; with ``start`` (EDM's churn) the draws are one step ahead (the start
+    takes the first, step ``n`` the churn of step ``n + 1``)."""
+    T = sigmas.numel() - 1
+    started = [False]
+
+    def noise(n: int) -> torch.Tensor:
+        if start:
+            # EDM's churn: k-diffusion draws at every step i the churn of step i; the start takes
+            # draw 0 (drawn even where the chain's start adds none, which the engine does not ask for),
+            # step n the draw of step n + 1, the last step none
+            if not started[0]:
+                started[0] = True
+                z0 = torch.randn_like(x)
+                if n == -1:
+                    return z0
+            return torch.randn_like(x) if n + 1 < T else torch.zeros_like(x)
+        if not bool(sigmas[n + 1] > 0):
+            return torch.zeros_like(x)
+        return noise_sampler(sigmas[n], sigmas[n + 1]) if noise_sampler is not None else torch.randn_like(x)
+
+    return noise
+
+
+def _ve_only(name: str, path: str) -> None:
+    if path != "ve":
+        raise ValueError(
+            f"{name} is defined on VE noise levels (x = x_0 + sigma xi) only, path='ve'; got path={path!r} "
+            "(for a CONST model use sample_euler_ancestral or sample_lcm with path='linear')"
+        )
+
+
+def _drop_in(
+    chain,
+    model,
+    x,
+    sigmas,
+    extra_args,
+    callback,
+    disable,
+    noise_sampler,
+    *,
+    tree,
+    seed,
+    path,
+    row_args,
+    shared_args,
+    options,
+    start: bool = False,
+) -> torch.Tensor:
+    for name in ("chain", "churn", "noise"):
+        if name in options:
+            raise TypeError(f"{name} is set by this sampler's own arguments; call specforest.kdiffusion.sample for it")
+    if noise_sampler is not None and tree is not None:
+        raise ValueError(
+            "noise_sampler was given with a tree: a speculative run draws each node's noise from seed (or "
+            "extra_args['seed']), keyed by sample and node, so that drafts and the exact chain share it; it "
+            "cannot replay a noise sampler's sequence. Pass seed, or tree=None"
+        )
+    seed = _seed(seed, extra_args, tree)
+    noise = None
+    if tree is None and (noise_sampler is not None or seed is None):
+        noise = _step_noise(x, sigmas, noise_sampler, start=start)
+    return sample(
+        model,
+        x,
+        sigmas,
+        extra_args,
+        callback,
+        disable,
+        row_args=row_args,
+        shared_args=shared_args,
+        path=path,
+        chain=chain,
+        tree=tree,
+        seed=seed,
+        noise=noise,
+        **options,
+    ).samples
+
+
+def sample_euler_ancestral(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    eta: float = 1.0,
+    s_noise: float = 1.0,
+    noise_sampler: Optional[Callable] = None,
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """k-diffusion's ``sample_euler_ancestral``, exactly; with a ``tree``, speculated in law.
+
+    The signature is k-diffusion's, then keyword-only ``tree``, ``coupling``, ``draft``, ``seed``,
+    ``row_args``, ``shared_args`` (see :func:`sample_speculative`), ``path`` and further options of
+    :func:`specforest.sample` (``prefetch``, ``verify``, ``max_rows``, ``lazy``, ``pad_rows``, ...).
+    With ``path="linear"`` (ComfyUI's ``CONST`` models: SD3, Flux) it is ComfyUI's
+    ``sample_euler_ancestral_RF``, which ComfyUI runs for them.
+
+    Randomness: with ``tree=None`` and a ``noise_sampler`` the steps take its draws, called as
+    k-diffusion calls it (``noise_sampler(sigma, sigma_next)`` where ``sigma_next > 0``): the output
+    is k-diffusion's for the same draws. With neither a ``noise_sampler`` nor a seed it draws
+    ``torch.randn_like(x)`` per step, as k-diffusion's default does. With a ``seed`` (or ComfyUI's
+    ``extra_args["seed"]``) every draw is keyed by (seed, sample, step, node) (per sample
+    reproducible); a ``tree`` needs that (a ``noise_sampler`` beside one is refused).
+
+    Returns:
+        ``(batch, *shape)`` samples at ``sigma = 0`` in ``x``'s dtype.
+    """
+    from ..chains import EulerAncestral
+
+    chain = EulerAncestral(eta=eta, s_noise=s_noise, path=path)
+    return _drop_in(
+        chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options},
+    )  # fmt: skip
+
+
+def sample_euler(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    s_churn: float = 0.0,
+    s_tmin: float = 0.0,
+    s_tmax: float = float("inf"),
+    s_noise: float = 1.0,
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """k-diffusion's ``sample_euler`` (EDM's Algorithm 2 with Euler steps), exactly; with a ``tree`` and
+    ``s_churn > 0``, speculated in law on the churned states ``x-hat`` (:class:`~specforest.chains.EulerChurn`).
+
+    Randomness: with ``tree=None`` and no ``seed`` the churn noise is ``torch.randn_like(x)``, drawn at
+    every step as k-diffusion draws it (same global-generator state, same output). With a ``seed`` (or
+    ``extra_args["seed"]``) every draw is keyed by sample. ``s_churn = 0`` is the deterministic Euler
+    sampler: it runs with ``tree=None`` and is refused with a tree. Other arguments as
+    :func:`sample_euler_ancestral`.
+    """
+    from ..chains import EulerChurn
+
+    _ve_only("sample_euler", path)
+    chain = EulerChurn(s_churn=s_churn, s_tmin=s_tmin, s_tmax=s_tmax, s_noise=s_noise)
+    return _drop_in(
+        chain, model, x, sigmas, extra_args, callback, disable, None,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options}, start=True,
+    )  # fmt: skip
+
+
+def sample_ddpm(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    noise_sampler: Optional[Callable] = None,
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """ComfyUI's ``sample_ddpm`` (ancestral DDPM, ``fixed_small`` variance, on VE sigmas), exactly;
+    with a ``tree``, speculated in law. Arguments and randomness as :func:`sample_euler_ancestral`
+    (:func:`specforest.chains.ddpm_sigmas` is DDPM's own 1000-step schedule)."""
+    from ..chains import DDPM
+
+    _ve_only("sample_ddpm", path)
+    return _drop_in(
+        DDPM(), model, x, sigmas, extra_args, callback, disable, noise_sampler,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options},
+    )  # fmt: skip
+
+
+def sample_lcm(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    noise_sampler: Optional[Callable] = None,
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """ComfyUI's ``sample_lcm`` (``x = D``, then re-noised to the next level), exactly; with a ``tree``,
+    speculated in law. ``path="linear"`` for ``CONST`` models (the same chain on the linear path).
+    Arguments and randomness as :func:`sample_euler_ancestral`."""
+    from ..chains import LCM
+
+    return _drop_in(
+        LCM(), model, x, sigmas, extra_args, callback, disable, noise_sampler,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options},
+    )  # fmt: skip
+
+
+def sample_dpmpp_2m_sde(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    eta: float = 1.0,
+    s_noise: float = 1.0,
+    noise_sampler: Optional[Callable] = None,
+    solver_type: str = "midpoint",
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """k-diffusion's ``sample_dpmpp_2m_sde`` (DPM-Solver++(2M) SDE, ``solver_type`` ``midpoint`` or
+    ``heun``), exactly; with a ``tree`` and ``eta > 0``, speculated in law
+    (:class:`~specforest.chains.DPMPP2MSDE`: the engine carries each node's parent prediction).
+
+    Randomness as :func:`sample_euler_ancestral`. k-diffusion's default noise is a Brownian tree
+    over ``[sigma_min, sigma_max]``; its steps' intervals are disjoint, so its draws are independent
+    standard normals (up to torchsde's rounding of the query times, ``docs/chains.md``), the law
+    this sampler draws without a ``noise_sampler``. ``eta = 0`` (DPM++ 2M) runs with ``tree=None``
+    and is refused with a tree.
+    """
+    from ..chains import DPMPP2MSDE
+
+    _ve_only("sample_dpmpp_2m_sde", path)
+    chain = DPMPP2MSDE(eta=eta, s_noise=s_noise, solver_type=solver_type)
+    return _drop_in(
+        chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options},
+    )  # fmt: skip
+
+
+def sample_dpmpp_sde(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    eta: float = 1.0,
+    s_noise: float = 1.0,
+    noise_sampler: Optional[Callable] = None,
+    r: float = 0.5,
+    **options: Any,
+) -> torch.Tensor:
+    """Refused: k-diffusion's ``sample_dpmpp_sde`` is not a Gaussian chain of its state.
+
+    Raises:
+        NotImplementedError: always, with the reason (:data:`specforest.chains.REFUSED`).
+    """
+    from ..chains import REFUSED
+
+    raise NotImplementedError(f"sample_dpmpp_sde: {REFUSED['dpmpp_sde']}")
