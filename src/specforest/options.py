@@ -3,6 +3,10 @@
 :func:`specforest.sample`, :func:`specforest.generate`, :func:`specforest.latency.tune`,
 the diffusers pipelines and the CLI all take the same options; this module is their
 one list (a new option is a new field here) and the one place they are checked.
+Each field declares, once, what the other places need of it (:class:`Option`, made by :func:`option`):
+its command-line flag, help, choices (a registry's ``available_*`` for the registry-backed ones, read when
+asked), the key of run records and tuned files, whether the command line exposes it, and how
+:func:`specforest.latency.tune` treats it; :func:`declared_options` reads them back.
 The inputs of a single run (``generator``, ``seed``, ``sample_index``, ``callback``,
 ``progress``, ``cond``, ``process_group``, ``tuned_for``: :data:`RUN_INPUTS`) are not
 options: they are the arguments of the call that runs.
@@ -20,8 +24,8 @@ from typing import Any, Optional
 import torch
 
 from .chains import EM, Chain, available_chains, get_chain
-from .couplings import Coupling, get_coupling
-from .drafts import Proposal, get_proposal
+from .couplings import Coupling, available_couplings, get_coupling
+from .drafts import Proposal, available_drafts, get_proposal
 from .engine import PREFETCH_POLICIES
 from .sde import GaussianChain, flow_match_grid, uniform_grid
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
@@ -30,10 +34,14 @@ from .validation import check_choice, check_int
 __all__ = [
     "GRIDS",
     "RUN_INPUTS",
+    "Option",
     "SamplerOptions",
     "TunedFor",
+    "check_option",
     "check_tuned_for",
+    "declared_options",
     "make_sde",
+    "option",
     "pad_sizes",
     "resolve",
 ]
@@ -53,6 +61,85 @@ RUN_INPUTS = (
     "noise",
 )
 """The keyword arguments of :func:`specforest.sample` that are a run's inputs, not options."""
+
+
+TUNE_ROLES = ("tuner", "constraint", "passed", "refused")
+"""How :func:`specforest.latency.tune` treats an option: its own parameter, a constraint on the search,
+passed to every run it makes, or refused (with :attr:`Option.refused` saying why)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """What every place beside the sampler needs of one option, declared once on its field (:func:`option`).
+
+    Attributes:
+        help: the command line's help of its flag.
+        flag: the flag (default ``--`` and the name, ``_`` as ``-``).
+        choices: the names it takes: a tuple, or a registry's lister (``available_drafts``), called each
+            time the choices are asked for (:meth:`allowed`), so a registered plug-in is offered.
+        key: its key in run records and tuned files (default: the name).
+        cli: whether the command line exposes it as its flag (``False``: a command sets it otherwise,
+            or not at all).
+        kind: the flag's value type: ``int``, ``float``, ``str`` or ``bool`` (an on flag); with
+            ``choices``, a name.
+        low, high, low_open: the flag's range (``low_open``: ``low`` excluded).
+        tune: how :func:`specforest.latency.tune` treats it (:data:`TUNE_ROLES`).
+        refused: why ``tune`` refuses it (``tune="refused"``).
+        name: the field's name (filled in by :func:`declared_options`).
+    """
+
+    help: str = ""
+    flag: Optional[str] = None
+    choices: "Sequence[str] | Callable[[], Sequence[str]] | None" = None
+    key: Optional[str] = None
+    cli: bool = True
+    kind: Optional[type] = None
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    tune: str = "passed"
+    refused: str = ""
+    name: str = ""
+
+    def allowed(self) -> "Optional[tuple[str, ...]]":
+        """The choices now (a registry's as registered now), or ``None`` for an option without them."""
+        if self.choices is None:
+            return None
+        return tuple(self.choices() if callable(self.choices) else self.choices)
+
+
+def option(default: Any, **declared: Any) -> Any:
+    """A field of :class:`SamplerOptions` with its default and its :class:`Option` declaration."""
+    return dataclasses.field(default=default, metadata={"option": Option(**declared)})
+
+
+def declared_options(cls: "type | None" = None) -> "dict[str, Option]":
+    """Each option's declaration by name, in the order of the fields, name, flag and key filled in.
+
+    ``cls``: a subclass of :class:`SamplerOptions` (default: this module's ``SamplerOptions``, read when called).
+    """
+    cls = cls or SamplerOptions
+    out = {}
+    for f in dataclasses.fields(cls):
+        made = f.metadata.get("option") or Option(cli=False)
+        out[f.name] = dataclasses.replace(
+            made, name=f.name, flag=made.flag or "--" + f.name.replace("_", "-"), key=made.key or f.name
+        )
+    return out
+
+
+def option_default(name: str) -> Any:
+    """The default of the option ``name``."""
+    return next(f.default for f in dataclasses.fields(SamplerOptions) if f.name == name)
+
+
+def check_option(name: str, value: Any) -> Any:
+    """``value`` if it is one of the option ``name``'s choices now (:meth:`Option.allowed`).
+
+    Raises:
+        ValueError: naming the option and its choices.
+    """
+    return check_choice(name, value, declared_options()[name].allowed())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,22 +195,94 @@ class SamplerOptions:
         ValueError / TypeError: naming the option and what it accepts.
     """
 
-    steps: Optional[int] = None
-    churn: Optional[float] = None
-    chain: "str | Chain" = "em"
-    sigmas: Optional[torch.Tensor] = None
-    grid: str = "flow_match"
-    shift: float = 1.0
-    tree: "Optional[DraftTree | TreePolicy]" = None
-    coupling: "str | Coupling" = "grs"
-    draft: "str | Proposal | Callable" = "velocity"
-    prefetch: str = "nearest"
-    verify: str = "internal"
-    max_rows: Optional[int] = None
-    model_kwargs: Optional[dict] = None
-    lazy: bool = False
-    record_deltas: bool = False
-    pad_rows: "Optional[str | Sequence[int]]" = None
+    steps: Optional[int] = option(
+        None,
+        help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
+        kind=int,
+        low=3,
+        tune="tuner",
+    )
+    churn: Optional[float] = option(
+        None,
+        help="Churn eps in (0, 1] of the em chain, the default --chain (0 would make speculation accept nothing).",
+        kind=float,
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        tune="tuner",
+    )
+    chain: "str | Chain" = option(
+        "em",
+        help="The stochastic sampler whose chain the run speculates exactly (docs/chains.md): em is the paper's "
+        "Euler-Maruyama step with --churn. Each chain takes its own options, its defaults where not given: "
+        "{chains}. An option the chain does not take is an error.",
+        choices=available_chains,
+        tune="tuner",
+    )
+    sigmas: Optional[torch.Tensor] = option(
+        None,
+        cli=False,
+        tune="refused",
+        refused="give sigmas_for, the grid as a function of its steps: the timing runs are shorter than the run",
+    )
+    grid: str = option(
+        "flow_match",
+        help="Time grid: flow_match (diffusers' FlowMatchEulerDiscreteScheduler grid, the authors' code) or uniform.",
+        choices=GRIDS,
+    )
+    shift: float = option(1.0, cli=False, kind=float, low=0.0, low_open=True)
+    tree: "Optional[DraftTree | TreePolicy]" = option(
+        None,
+        cli=False,
+        tune="refused",
+        refused="the tree is what tune chooses (Predictor.predict prices one given tree)",
+    )
+    coupling: "str | Coupling" = option("grs", cli=False, choices=available_couplings, tune="constraint")
+    draft: "str | Proposal | Callable" = option(
+        "velocity",
+        help="What the draft reads from the evaluations made before the round: the prefetched "
+        "velocity (the paper's protocol), the whole drift (App. C.1), the clean-data prediction x0, "
+        "the noise prediction eps, x0 extrapolated in time (x0_extrap), the previous round's x0 at "
+        "each drafted step (memory; the run goes full), that one moved to the drafted state by a fitted "
+        "gain (secant), auto (chosen online among those per draft offset and half of the grid), picard / "
+        "picard2 (the x0 chain refined by 1 / 2 Picard sweeps, each one more target call a round), learned "
+        "(the digits model's distilled draft network anchored at those evaluations; digits only), or cached "
+        "(the target's own outer blocks with its deep features from the previous round's node at that step, "
+        "DeepCache-style; a model that keeps them: digits, the mixture); the exactly known rest is "
+        "recomputed at each drafted state.",
+        choices=available_drafts,
+        tune="constraint",
+    )
+    prefetch: str = option(
+        "nearest",
+        help="Which evaluated node the next round drafts from after a rejection (ERRATA 9).",
+        choices=PREFETCH_POLICIES,
+    )
+    verify: str = option(
+        "internal",
+        help="Evaluate every drafted node (drafted: the paper's protocol, B = |V|) or only "
+        "the root and internal nodes (internal: fewer states per call, same NFE or more).",
+        choices=VERIFY_MODES,
+        tune="constraint",
+    )
+    max_rows: Optional[int] = option(None, cli=False, kind=int, low=1)
+    model_kwargs: Optional[dict] = option(None, cli=False)
+    lazy: bool = option(
+        False,
+        help="Realize only the visited nodes: same law of samples and NFE, far less memory.",
+        kind=bool,
+        tune="refused",
+        refused="lazy=True is a cost simulation whose wall time is not a run's (the calibration chains are lazy "
+        "already)",
+    )
+    record_deltas: bool = option(
+        False,
+        cli=False,
+        kind=bool,
+        tune="refused",
+        refused="the calibration chains record their deltas already; a timed run would pay for it",
+    )
+    pad_rows: "Optional[str | Sequence[int]]" = option(None, cli=False)
 
     def __post_init__(self) -> None:
         if self.steps is not None:
@@ -131,8 +290,8 @@ class SamplerOptions:
                 raise TypeError(f"steps must be an int >= 1, got {type(self.steps).__name__}")
             if self.steps < 1:
                 raise ValueError(f"steps must be >= 1, got {self.steps}")
-        check_choice("prefetch", self.prefetch, PREFETCH_POLICIES)
-        check_choice("verify", self.verify, VERIFY_MODES)
+        for name in ("prefetch", "verify"):
+            check_option(name, getattr(self, name))
         if self.max_rows is not None:
             check_int("max_rows", self.max_rows, 1)
         tree = self.tree

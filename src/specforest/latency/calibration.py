@@ -21,7 +21,7 @@ import torch
 
 from ..acceptance import acceptance_model
 from ..chains import Chain
-from ..engine import PREFETCH_POLICIES
+from ..options import declared_options
 from ..sampler import pad_sizes
 from ..trees import DraftTree
 from ..validation import check_int
@@ -249,8 +249,9 @@ class Calibration:
         check_int("batch", self.batch, 1)
         if self.max_rows is not None:
             check_int("max_rows", self.max_rows, 1)
-        if self.prefetch not in PREFETCH_POLICIES:
-            raise ValueError(f"prefetch must be one of {PREFETCH_POLICIES}, got {self.prefetch!r}")
+        policies = declared_options()["prefetch"].allowed()
+        if self.prefetch not in policies:
+            raise ValueError(f"prefetch must be one of {policies}, got {self.prefetch!r}")
         acc = {k: v if isinstance(v, AcceptanceRecords) else AcceptanceRecords(v) for k, v in self.acceptance.items()}
         if any(not isinstance(k, Config) or not isinstance(v, Timing) for k, v in self.timings.items()):
             raise TypeError("timings must map each Config to its Timing")

@@ -8,15 +8,12 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, Optional
 
-from ..chains import EM, Chain, available_chains, get_chain
-from ..couplings import available_couplings
-from ..engine import PREFETCH_POLICIES
-from ..options import SamplerOptions
-from ..proposals import available_drafts
+from ..chains import EM, Chain, get_chain
+from ..options import SamplerOptions, check_option
 from ..sampler import TunedFor
 from ..sde import MAX_STEPS
-from ..trees import VERIFY_MODES, DraftTree, from_parents
-from ..validation import check_choice, check_churn, check_int, check_ints, check_number
+from ..trees import DraftTree, from_parents
+from ..validation import check_churn, check_int, check_ints, check_number
 from .curve import CostCurve
 
 __all__ = ["Tuned"]
@@ -190,13 +187,12 @@ class Tuned(Mapping):
         if not isinstance(d["label"], str):
             raise TypeError(f"label must be a str, got {type(d['label']).__name__}")
         tree = _tree_from_json(d["tree"])
-        coupling = check_choice("coupling", d["coupling"], available_couplings())
-        draft = check_choice("draft", d["draft"], available_drafts())
-        verify = check_choice("verify", d["verify"], VERIFY_MODES)
-        prefetch = check_choice("prefetch", get("prefetch"), PREFETCH_POLICIES)
+        # (each option's choices as the sampler's options declare them)
+        coupling, draft, verify = (check_option(k, d[k]) for k in ("coupling", "draft", "verify"))
+        prefetch = check_option("prefetch", get("prefetch"))
         steps = check_int("steps", d["steps"], 1, MAX_STEPS)
         churn = None if get("churn") is None else check_churn(get("churn"))
-        chain_name = check_choice("chain", get("chain"), tuple(available_chains()))
+        chain_name = check_option("chain", get("chain"))
         _chain_of(chain_name, get("chain_params"), churn)
         # the sampler's own checks of the configuration: a tree the coupling cannot take (an rmc
         # "chain" with a node of two children, say) is refused here, not run as another sampler

@@ -12,7 +12,7 @@ import torch
 
 from .. import trees
 from ..chains import Chain
-from ..options import SamplerOptions
+from ..options import resolve
 from ..proposals import get_proposal
 from ..trees import optimal, uniform
 from ..validation import check_int
@@ -229,7 +229,7 @@ def tune(
     constraints, sample_kwargs = split_options(sample_kwargs)
     # the sampler's own checks of every option given (the tree aside: it is what is chosen)
     churn, chain = tuned_chain(churn, chain)
-    SamplerOptions(steps=steps, churn=churn, chain=chain, **constraints, **sample_kwargs)
+    resolve(None, dict(steps=steps, churn=churn, chain=chain, **constraints, **sample_kwargs))
     verify = constraints.get("verify")
     draft = constraints.get("draft")
     if draft is not None:

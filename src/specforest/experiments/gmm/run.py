@@ -19,11 +19,10 @@ import torch
 from ... import __version__, memory, sample
 from ...drafting import runs_full
 from ...models.gmm import MixtureSize
-from ...options import SamplerOptions
+from ...options import SamplerOptions, check_option
 from ...planning import AdaptiveTree, plan_tree
-from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS, get_proposal
-from ...sampler import PREFETCH_POLICIES
-from ...trees import VERIFY_MODES, DraftTree, TreePolicy, chain
+from ...proposals import get_proposal
+from ...trees import DraftTree, TreePolicy, chain
 from ...warmup import pad_rows_for, warm_up
 from ..common import (
     COUPLING_OF,
@@ -112,9 +111,8 @@ def simulate(
     check_choice("method", method, METHODS)
     K = check_int("K", K, 1)
     L = check_int("L", L, 1)
-    check_choice("prefetch", prefetch, PREFETCH_POLICIES)
-    check_choice("verify", verify, VERIFY_MODES)
-    check_choice("draft", draft, (*DRAFT_KINDS, *PICARD_DRAFTS, *MODEL_DRAFTS))
+    for name, value in (("prefetch", prefetch), ("verify", verify), ("draft", draft)):
+        check_option(name, value)  # (the choices the sampler's options declare)
     seed = check_int("seed", seed, 0)
     if memory_gb is not None:
         memory_gb = check_number("memory_gb", memory_gb, 0.0, lo_open=True)

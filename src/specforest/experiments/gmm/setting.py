@@ -10,9 +10,9 @@ import torch
 
 from ...chains import EM, Chain
 from ...models import GaussianMixture
-from ...sampler import GRIDS
+from ...options import check_option
 from ...sde import GaussianChain, flow_match_grid, uniform_grid
-from ..common import check_choice, check_int, derive_seed, run_chain
+from ..common import check_int, derive_seed, run_chain
 
 __all__ = ["KEY_FIELDS", "GMMSetting", "initial_states", "mixture_fingerprint"]
 
@@ -82,7 +82,7 @@ class GMMSetting:
         check_int("steps", self.steps, 3)
         check_int("trajectories", self.trajectories, 1)
         check_int("mixture_seed", self.mixture_seed, 0, 2**64 - 1)
-        check_choice("grid", self.grid, GRIDS)
+        check_option("grid", self.grid)
         chain = run_chain(self.chain, self.churn, DEFAULT_CHURN)
         em = isinstance(chain, EM)
         object.__setattr__(self, "churn", chain.churn if em else None)

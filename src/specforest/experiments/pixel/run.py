@@ -21,11 +21,10 @@ from ... import __version__, memory, sample
 from ...chains import Chain
 from ...drafting import runs_full
 from ...models.digits import IMAGE_SHAPE, DigitsClassifier, load_classifier, load_velocity
-from ...options import SamplerOptions
+from ...options import SamplerOptions, check_option
 from ...planning import plan_tree
-from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS, get_proposal
-from ...sampler import GRIDS, PREFETCH_POLICIES
-from ...trees import VERIFY_MODES, DraftTree
+from ...proposals import get_proposal
+from ...trees import DraftTree
 from ...warmup import pad_rows_for, warm_up
 from ..common import (
     COUPLING_OF,
@@ -162,10 +161,8 @@ def simulate(
     lo = 0 if method == "standard" else 1  # standard ignores K and L
     K, L = check_int("K", K, lo), check_int("L", L, lo)
     n, T, seed = check_int("samples", samples, 1), check_int("steps", steps, 3), check_int("seed", seed, 0)
-    check_choice("grid", grid, GRIDS)
-    check_choice("prefetch", prefetch, PREFETCH_POLICIES)
-    check_choice("verify", verify, VERIFY_MODES)
-    check_choice("draft", draft, (*DRAFT_KINDS, *PICARD_DRAFTS, *MODEL_DRAFTS))
+    for name, value in (("grid", grid), ("prefetch", prefetch), ("verify", verify), ("draft", draft)):
+        check_option(name, value)  # (the choices the sampler's options declare)
     if method == "antithetic" and K % 2:
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
     ch = run_chain(chain, churn, DEFAULT_CHURN)

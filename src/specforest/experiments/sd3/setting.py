@@ -8,10 +8,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...proposals import DRAFT_KINDS, MODEL_DRAFTS, PICARD_DRAFTS
-from ...sampler import PREFETCH_POLICIES
-from ...trees import VERIFY_MODES
-from ..common import budget_of, check_choice, check_churn, check_int, check_number
+from ...options import check_option
+from ..common import budget_of, check_churn, check_int, check_number
 
 __all__ = ["DETERMINISTIC_STEPS", "METHODS", "SD3Setting", "configs", "setting_id"]
 
@@ -76,9 +74,8 @@ class SD3Setting:
         check_churn(self.churn)
         check_number("guidance_scale", self.guidance_scale, 0.0)
         check_number("shift", self.shift, 0.0, lo_open=True)
-        check_choice("verify", self.verify, VERIFY_MODES)
-        check_choice("prefetch", self.prefetch, PREFETCH_POLICIES)
-        check_choice("draft", self.draft, (*DRAFT_KINDS, *PICARD_DRAFTS, *MODEL_DRAFTS))
+        for name in ("verify", "prefetch", "draft"):
+            check_option(name, getattr(self, name))  # (the choices the sampler's options declare)
 
     def as_dict(self) -> dict:
         """The fields as a JSON-serializable dict (``K_values`` a list)."""
