@@ -54,6 +54,7 @@ bench: venv
 	$(PY) benchmarks/warmup.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/chains.py
+	$(PY) benchmarks/schedulers.py
 
 # on a CUDA machine, with its own python3 (no venv: nothing is downloaded there); not part of `bench`
 bench-gpu:
