@@ -32,6 +32,7 @@ from .common import (
     churn_option,
     compile_option,
     draft_option,
+    extra_options,
     grid_option,
     library_errors,
     method_option,
@@ -124,6 +125,7 @@ def _job_options(model: str, K: int, L: int, device: bool = True):
             threads_option(),
             compile_option(),
             tune_option(),
+            extra_options,
         ]
         if device:
             opts.append(

@@ -26,9 +26,11 @@ from .common import (
     churn_option,
     compile_option,
     draft_option,
+    extra_options,
     grid_option,
     int_list,
     json_option,
+    lazy_option,
     library_errors,
     method_option,
     output_path,
@@ -115,11 +117,7 @@ def _setting(o: dict, chain=None) -> gmm_exp.GMMSetting:
 @tree_size_options(K=6, L=6)
 @_setting_options
 @chain_options
-@click.option(
-    "--lazy",
-    is_flag=True,
-    help="Realize only the visited nodes: same law of samples and NFE, far less memory.",
-)
+@lazy_option()
 @json_option()
 @click.option(
     "--dump-samples",
@@ -132,6 +130,7 @@ def _setting(o: dict, chain=None) -> gmm_exp.GMMSetting:
 @threads_option()
 @compile_option()
 @tune_option()
+@extra_options
 @click.pass_context
 def gmm(ctx: click.Context, **o) -> None:
     """Gaussian-mixture experiment of the paper (Section 5.1): one configuration.

@@ -25,9 +25,11 @@ from .common import (
     churn_option,
     compile_option,
     draft_option,
+    extra_options,
     float_list,
     grid_option,
     json_option,
+    lazy_option,
     library_errors,
     method_option,
     output_path,
@@ -92,11 +94,7 @@ def _common(f):
 @churn_option(MODEL_DEFAULTS["digits"]["churn"])
 @chain_options
 @_common
-@click.option(
-    "--lazy",
-    is_flag=True,
-    help="Realize only the visited nodes: same law and NFE, less compute; wall-clock not comparable.",
-)
+@lazy_option("Realize only the visited nodes: same law and NFE, less compute; wall-clock not comparable.")
 @click.option(
     "--memory-gb",
     type=click.FloatRange(0.0, min_open=True),
@@ -116,6 +114,7 @@ def _common(f):
 @threads_option()
 @compile_option()
 @tune_option()
+@extra_options
 @click.pass_context
 def pixel(ctx: click.Context, **o) -> None:
     """Pixel-space experiment of the paper (Section 5.2) on class-conditional 8x8 digits: ONE configuration.

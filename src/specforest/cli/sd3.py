@@ -17,7 +17,9 @@ from .common import (
     apply_tuned,
     churn_option,
     draft_option,
+    extra_options,
     int_list,
+    lazy_option,
     library_errors,
     output_path,
     prefetch_option,
@@ -173,11 +175,7 @@ def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> li
     show_default="free CUDA memory, or 50% of RAM",
     help="Memory limit in GB (> 0); transformer calls are split to fit it, runs that cannot fit are refused.",
 )
-@click.option(
-    "--lazy",
-    is_flag=True,
-    help="Draft only the visited nodes: same law of images and NFE, far less memory and compute.",
-)
+@lazy_option("Draft only the visited nodes: same law of images and NFE, far less memory and compute.")
 @click.option("--save-images", is_flag=True, help="Save every image under OUT/images/<configuration>/.")
 @progress_option("Progress bars on stderr.")
 @threads_option()
@@ -187,6 +185,7 @@ def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> li
     "--steps, --churn, --batch-size, --guidance, --shift, --height, --width, --device and --threads default "
     "to the file's; given, they must match it (an error lists every difference)."
 )
+@extra_options
 def sd3(**o) -> None:
     """Stable Diffusion 3 experiment of the paper (Section 5.3, Figure 5, Table 1).
 

@@ -17,7 +17,6 @@ from ..devices import default_dtype
 from ..experiments.common import chain_kwargs
 from .common import (
     CHAIN_FLAGS,
-    CHURN,
     CONTEXT,
     MODEL_DEFAULTS,
     NAMED_GRID,
@@ -25,12 +24,15 @@ from .common import (
     chain_options,
     chain_settings,
     check_named_grid,
+    churn_option,
+    extra_options,
     is_given,
     library_errors,
     output_path,
     progress_option,
     run_chain,
     set_threads,
+    steps_option,
     threads_option,
 )
 from .diffusers import FAMILY_FLAGS, family_given
@@ -183,20 +185,8 @@ def _tune_diffusers(o: dict, drafts: list):
     required=True,
     help="The target to tune for (diffusers: a pipeline of any family, read from --pipeline).",
 )
-@click.option(
-    "--steps",
-    type=click.IntRange(3),
-    default=None,
-    show_default=f"the model's command default: {_STEPS_SHOWN}",
-    help="Grid steps T (>= 3) of the run to tune for.",
-)
-@click.option(
-    "--churn",
-    type=CHURN,
-    default=None,
-    show_default=f"the model's command default: {_CHURNS_SHOWN}",
-    help="Churn eps in (0, 1] of the run to tune for.",
-)
+@steps_option(None, f"the model's command default: {_STEPS_SHOWN}", "Grid steps T (>= 3) of the run to tune for.")
+@churn_option(None, f"the model's command default: {_CHURNS_SHOWN}", "Churn eps in (0, 1] of the run to tune for.")
 @chain_options
 @click.option(
     "--batch",
@@ -249,6 +239,7 @@ def _tune_diffusers(o: dict, drafts: list):
 )
 @threads_option()
 @progress_option()
+@extra_options
 def tune(**o) -> None:
     """Measure this device's batch-cost curve and the sampler's own time, and pick the fastest configuration.
 

@@ -1,0 +1,281 @@
+"""The sampler's options on the command line, derived from their declaration.
+
+Each field of :class:`~specforest.options.SamplerOptions` declares its flag, help, choices and whether the
+command line exposes it (:class:`~specforest.options.Option`); :func:`sampler_option` makes the click option
+of one from that, with the command's own default (``--verify drafted`` in ``gmm``, ``internal`` in ``pixel``).
+The choices of a registry-backed option (``--draft``, ``--chain``) are the registry's when the command runs
+(:class:`RegistryChoice`), so a registered plug-in is offered. :func:`extra_options` adds every exposed
+option that no command places itself (:data:`PLACED`): a new field with ``cli=True`` reaches every command
+that runs the sampler without another edit, and :func:`extra_values` hands its value on.
+The chains' own options (``--eta``, ``--s-noise``, ...: parameters of a chain, not fields) and the
+chain of a command's options (:func:`run_chain`) are here too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import click
+import torch
+
+from ..chains import EM, Chain, available_chains, get_chain
+from ..options import Option, declared_options, option_default
+
+__all__ = [
+    "CHAIN_FLAGS",
+    "NAMED_GRID",
+    "NAMED_GRID_SHIFT",
+    "PLACED",
+    "RegistryChoice",
+    "chain_options",
+    "chain_settings",
+    "check_named_grid",
+    "churn_option",
+    "draft_option",
+    "extra_options",
+    "extra_values",
+    "grid_option",
+    "is_given",
+    "lazy_option",
+    "prefetch_option",
+    "run_chain",
+    "sampler_option",
+    "steps_option",
+    "verify_option",
+]
+
+NAMED_GRID = option_default("grid")
+"""The default of ``--grid``, which ``specforest tune`` tunes the mixture and the digits model on."""
+
+NAMED_GRID_SHIFT = option_default("shift")
+"""The timestep shift of the named grids (``--grid``) that the gmm and pixel commands run: the sampler's
+default, which they have no option to change (``specforest tune`` records it; a ``--tune`` file must match)."""
+
+PLACED = ("steps", "churn", "chain", "grid", "draft", "prefetch", "verify", "lazy")
+"""The exposed options each command places itself (its own default, place in ``--help`` and use);
+:func:`extra_options` adds the rest."""
+
+_GIVEN = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+
+_UNSET: Any = object()
+
+
+def is_given(ctx: click.Context, name: str) -> bool:
+    """Whether the parameter ``name`` was given, on the command line or in the environment, whatever its value."""
+    return ctx.get_parameter_source(name) in _GIVEN
+
+
+class RegistryChoice(click.Choice):
+    """A :class:`click.Choice` whose choices are a registry's when asked (``available_drafts()``), not when made."""
+
+    def __init__(self, lister: Callable[[], Any]) -> None:
+        self._lister = lister
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple:  # type: ignore[override]
+        return tuple(self._lister())
+
+    @choices.setter
+    def choices(self, value: Any) -> None:  # (click's __init__ sets them; the registry's are read instead)
+        pass
+
+
+def _decl(name: str) -> Option:
+    return declared_options()[name]
+
+
+def _type(decl: Option) -> Any:
+    """The click type of a declared option (``None`` for an on flag)."""
+    if decl.choices is not None:
+        return RegistryChoice(decl.choices) if callable(decl.choices) else click.Choice(tuple(decl.choices))
+    if decl.kind is int:
+        return click.IntRange(decl.low, decl.high, min_open=decl.low_open)
+    if decl.kind is float:
+        return click.FloatRange(decl.low, decl.high, min_open=decl.low_open)
+    return decl.kind or str
+
+
+def sampler_option(name: str, *, default: Any = _UNSET, show_default: Any = True, help: "str | None" = None):
+    """The click option of the sampler's option ``name`` as its field declares it: its flag, type (choices,
+    range), help and default, each but the flag overridable by a command (its own default, a help
+    worded for it)."""
+    decl = _decl(name)
+    default = option_default(name) if default is _UNSET else default
+    if decl.kind is bool:
+        return click.option(decl.flag, name, is_flag=True, default=default, help=help or decl.help)
+    return click.option(
+        decl.flag, name, type=_type(decl), default=default, show_default=show_default, help=help or decl.help
+    )
+
+
+def extra_options(f):
+    """The options the command line exposes (``cli=True``) that no command places itself (:data:`PLACED`),
+    each as :func:`sampler_option` makes it: none today; a new field declared for the command line
+    appears here, on every command that runs the sampler."""
+    for name in reversed(extra_names()):
+        f = sampler_option(name)(f)
+    return f
+
+
+def extra_names() -> "tuple[str, ...]":
+    """The names :func:`extra_options` adds."""
+    return tuple(n for n, d in declared_options().items() if d.cli and n not in PLACED)
+
+
+def extra_values(o: dict) -> dict:
+    """The values of a command's :func:`extra_options`, by option name, to pass to the sampler as keywords."""
+    return {n: o[n] for n in extra_names() if n in o}
+
+
+def prefetch_option():
+    """``--prefetch``: which evaluated node the next round drafts from after a rejection."""
+    return sampler_option("prefetch")
+
+
+def verify_option(default: str):
+    """``--verify drafted|internal`` (``default``: the command's protocol)."""
+    return sampler_option("verify", default=default)
+
+
+def draft_option():
+    """``--draft``: what the draft reads from the evaluations made before the round (the registered drafts,
+    :func:`specforest.drafts.available_drafts`, as registered when the command runs)."""
+    return sampler_option("draft")
+
+
+def lazy_option(help: "str | None" = None):
+    """``--lazy``: realize only the visited nodes (``help``: the command's wording)."""
+    return sampler_option("lazy", help=help)
+
+
+def steps_option(default: "int | None", shown: "str | None" = None, help: "str | None" = None):
+    """``--steps``: grid steps ``T >= 3`` (``default=None`` with ``shown``: a default chosen later, so described)."""
+    return sampler_option("steps", default=default, show_default=shown or True, help=help)
+
+
+def churn_option(default: "float | None", shown: "str | None" = None, help: "str | None" = None):
+    """``--churn``: the churn ``eps`` in (0, 1] (``default=None`` with ``shown``: chosen later, so described)."""
+    return sampler_option("churn", default=default, show_default=shown or True, help=help)
+
+
+def grid_option():
+    """``--grid flow_match|uniform``: the time grid."""
+    return sampler_option("grid")
+
+
+CHAIN_FLAGS = {"eta": "--eta", "s_noise": "--s-noise", "s_churn": "--s-churn", "solver_type": "--solver-type"}
+"""The chains' parameters the command line sets, by their flags (each chain takes some of them; ``--churn``
+is the ``em`` chain's)."""
+
+_CHAIN_HELP = {
+    "eta": "The chain's eta: the share of the ancestral noise, >= 0 (0: no noise, no speculation).",
+    "s_noise": "The chain's s_noise: the scale of the noise it adds, > 0.",
+    "s_churn": "The chain's s_churn: EDM's churn, >= 0 (0: no noise, no speculation).",
+    "solver_type": "The chain's solver_type (DPM++ 2M SDE's second-order step: midpoint or heun).",
+}
+
+
+def _chain_flags(name: str) -> list:
+    """The flags of the command line that set the parameters of the registered chain ``name``."""
+    try:
+        params = get_chain(name).params
+    except (TypeError, ValueError):
+        return []
+    return [("--churn" if p == "churn" else CHAIN_FLAGS[p]) for p in params if p == "churn" or p in CHAIN_FLAGS]
+
+
+def _takers(param: str) -> str:
+    """The registered chains that take ``param``, for its flag's help."""
+    return ", ".join(n for n in available_chains() if CHAIN_FLAGS[param] in _chain_flags(n))
+
+
+def chain_options(f):
+    """``--chain`` (the registered chains, :func:`specforest.chains.available_chains`, offered as registered when
+    the command runs) and the chains' own
+    options ``--eta``, ``--s-noise``, ``--s-churn``, ``--solver-type`` (:data:`CHAIN_FLAGS`), all unset by
+    default: :func:`run_chain` makes the chain of a command's options."""
+    chains = available_chains()
+    listed = "; ".join(f"{n}: {', '.join(fl)}" if (fl := _chain_flags(n)) else n for n in chains)
+    opts = [
+        sampler_option("chain", default=None, show_default="em", help=_decl("chain").help.replace("{chains}", listed))
+    ]
+    for param, flag in CHAIN_FLAGS.items():
+        opts.append(
+            click.option(
+                flag,
+                param,
+                type=str if param == "solver_type" else float,
+                default=None,
+                show_default="the chain's",
+                help=f"{_CHAIN_HELP[param]} Chains: {_takers(param)}.",
+            )
+        )
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def run_chain(o: dict, ctx: "click.Context | None" = None) -> Chain:
+    """The chain of a command's options ``o``: ``--chain`` (``em`` when not given) with the chain options
+    set (``--churn`` for the em chain, whose churn ``o["churn"]`` must be known by then).
+
+    Raises:
+        click.UsageError: naming each chain option given (or ``--churn`` with another chain than em) that the
+            chain does not take, the chain, and its parameters.
+        click.BadParameter: a value the chain refuses, with the library's message, naming the flag.
+    """
+    ctx = ctx or click.get_current_context()
+    name = o.get("chain") or "em"
+    chain = get_chain(name)
+    params = list(chain.params)
+    settable = {**({"churn": "--churn"} if "churn" in o else {}), **{p: f for p, f in CHAIN_FLAGS.items() if p in o}}
+    wrong = [flag for p, flag in settable.items() if p not in params and is_given(ctx, p)]
+    if wrong:
+        verb = "is not a parameter" if len(wrong) == 1 else "are not parameters"
+        raise click.UsageError(
+            f"{', '.join(wrong)} {verb} of chain {chain.name!r}; its parameters: {', '.join(params)}"
+        )
+    for p in params:
+        value = o.get(p) if p in settable else None
+        if value is None:
+            if isinstance(chain, EM):
+                raise click.UsageError("the em chain needs --churn")  # (every command sets its default first)
+            continue
+        try:
+            chain = chain.replace(**{p: value})
+        except (TypeError, ValueError) as e:
+            raise click.BadParameter(str(e), param_hint=settable[p]) from None
+    return chain
+
+
+def check_named_grid(chain: Chain, steps: int, grid: str, where: "str | None" = None) -> None:
+    """Refuse a chain that is not defined on the named grid ``--grid`` of ``steps`` steps (the samplers
+    on VE noise levels whose first step needs a finite level: the named grids start at t = 1).
+    ``where`` names the grid in the message (default ``--grid GRID``).
+
+    Raises:
+        click.UsageError: naming ``--chain`` and the grid, with the library's reason.
+    """
+    from ..sde import flow_match_grid, uniform_grid
+
+    make = flow_match_grid if grid == "flow_match" else uniform_grid
+    try:
+        chain.build(make(steps, shift=NAMED_GRID_SHIFT).to(torch.float64))
+    except ValueError as e:
+        raise click.UsageError(
+            f"--chain {chain.name} does not run on {where or f'--grid {grid}'}, which starts at t = 1 "
+            f"(sigma = inf): {e}"
+        ) from None
+
+
+def chain_settings(chain: Chain) -> dict:
+    """What a run's record and a tuned file hold of its chain: ``churn`` (``None`` with another chain than
+    em), ``chain`` (its name) and ``chain_params`` (its parameters, a non-finite one as ``null``)."""
+    from ..experiments.common import json_params
+
+    return {
+        "churn": chain.churn if isinstance(chain, EM) else None,
+        "chain": chain.name,
+        "chain_params": json_params(chain.params),
+    }
