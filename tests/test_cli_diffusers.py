@@ -121,6 +121,27 @@ def test_diffusers_command_detects_the_family_and_makes_fewer_calls_than_steps(s
     assert again.exit_code != 0 and "exists" in again.output
 
 
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+def test_diffusers_command_follows_a_swapped_scheduler(saved, family, tmp_path):
+    """--scheduler swaps the pipeline's scheduler from its config; --chain scheduler follows its chain
+    (--eta its step's), recorded; a name that is no scheduler is refused, and the pipeline's own
+    deterministic scheduler with a tree too."""
+    out = tmp_path / "images"
+    res = run_diffusers(
+        saved, family, out, "--scheduler", "DDIMScheduler", "--chain", "scheduler", "--eta", 1.0, "--method", "rmc",
+        "--L", 4,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    rec = json.loads((out / "run.json").read_text())
+    assert rec["options"]["chain"] == "scheduler" and rec["options"]["scheduler"] == "DDIMScheduler"
+    assert rec["options"]["eta"] == 1.0 and rec["config"]["scheduler"] == "DDIMScheduler"
+    assert rec["nfe_mean"] <= STEPS
+    bad = run_diffusers(saved, family, tmp_path / "bad", "--scheduler", "NoSuchScheduler")
+    assert bad.exit_code == 2 and "is not a diffusers scheduler" in bad.output
+    det = run_diffusers(saved, family, tmp_path / "det", "--chain", "scheduler")  # its own PNDM/Euler: deterministic
+    assert det.exit_code != 0 and "from_config" in det.output
+
+
 def test_images_depend_on_the_seed_and_index_not_on_the_batch_size(saved, tmp_path):
     a, b, c = tmp_path / "all", tmp_path / "one", tmp_path / "other"
     assert run_diffusers(saved, "sd3", a).exit_code == 0
@@ -385,14 +406,14 @@ def test_a_tune_file_of_another_family_or_run_is_refused(saved, tuned, tmp_path)
 
 
 def test_a_tune_file_of_another_chain_is_refused_by_the_pipeline_commands(saved, tuned, tmp_path):
-    # the pipelines' commands run the em chain only: a file tuned for another is not their run
+    # a file tuned for another chain is not the run of --chain em
     data = json.loads(tuned("sd3").read_text())
     data.update(chain="ddim", chain_params={"eta": 1.0}, churn=None)
     data["tuned_for"].update(chain="ddim", chain_params={"eta": 1.0}, churn=None)
     path = tmp_path / "ddim.json"
     path.write_text(json.dumps(data))
-    res = run_diffusers(saved, "sd3", tmp_path / "x", "--tune", path)
-    assert res.exit_code == 2 and "chain em here (this command's only one), ddim in the file" in res.output, res.output
+    res = run_diffusers(saved, "sd3", tmp_path / "x", "--tune", path, "--chain", "em")
+    assert res.exit_code == 2 and "--chain em here, ddim in the file" in res.output, res.output
     res = _generate(saved, "sd3", tmp_path / "y", "--tune", path, "--chain", "em")
     assert res.exit_code == 2 and "--chain em here, ddim in the file" in res.output, res.output
     assert not any((tmp_path / n).exists() for n in "xy")

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from ..chains import available_chains
 from ..devices import default_device, default_dtype
 from ..experiments.common import METHODS
 from .common import (
@@ -223,6 +224,30 @@ def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
 @tree_size_options(K=2, L=2)
 @steps_option(None, family_shown("num_inference_steps"))
 @churn_option(None, family_shown("churn"))
+@click.option(
+    "--chain",
+    type=click.Choice([*available_chains(), "scheduler"]),
+    default=None,
+    show_default="em",
+    help="The sampler whose law the images have (docs/chains.md): a registered chain, or scheduler: the "
+    "pipeline's own stochastic scheduler as its step computes it (DDPM, DDIM with --eta, EulerAncestralDiscrete, "
+    "DPMSolverMultistep sde-dpmsolver++, LCM, TCD with --eta, FlowMatchEulerDiscrete with stochastic_sampling).",
+)
+@click.option(
+    "--scheduler",
+    "scheduler_name",
+    default=None,
+    metavar="NAME",
+    help="Swap the pipeline's scheduler for diffusers' class NAME, made from the pipeline's scheduler config "
+    "(e.g. EulerAncestralDiscreteScheduler); with --chain scheduler its chain is followed.",
+)
+@click.option(
+    "--eta",
+    type=click.FloatRange(0.0),
+    default=None,
+    help="eta (>= 0): the scheduler's step argument with --chain scheduler (DDIM, TCD), else the chain's own "
+    "parameter (euler_ancestral, ddim, dpmpp_2m_sde).",
+)
 @draft_option()
 @verify_option("internal")
 @prefetch_option()
@@ -291,7 +316,10 @@ def diffusers_command(**o) -> None:
     tree, coupling = library_errors(lambda: _tree_and_coupling(o, options["num_inference_steps"]))
     click.echo(f"loading {o['pipeline_path']} ({family.name}, {dtype} on {device})", err=True)
     pipe, _ = library_errors(lambda: load_pipeline(o["pipeline_path"], device=device, dtype=dtype))
-    keys = ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size")
+    if o["scheduler_name"] is not None:
+        pipe.scheduler = _swapped_scheduler(pipe, o["scheduler_name"])
+    chain = _chain_of(o)
+    keys = ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size", "eta")
     sampler = as_ran({k: o[k] for k in keys})
     if tuned is not None:
         sampler.update(tuned=tuned.label, tune_file=str(Path(o["tune_file"]).resolve()), coupling=tuned.coupling)
@@ -304,6 +332,8 @@ def diffusers_command(**o) -> None:
         "options": {
             **options,
             **sampler,
+            "chain": o["chain"] or "em",
+            "scheduler": type(pipe.scheduler).__name__,
             "num_images_per_prompt": o["num_images_per_prompt"],
             "max_memory_gb": o["max_memory_gb"],
             "dtype": dtype,
@@ -332,6 +362,7 @@ def diffusers_command(**o) -> None:
             lazy=o["lazy"],
             max_memory_gb=o["max_memory_gb"],
             progress=o["progress"],
+            **chain,
             **options,
         )
     )
@@ -343,6 +374,36 @@ def diffusers_command(**o) -> None:
         f"for {rec['steps']} steps ({rec['speedup']:.2f}x fewer calls), {rec['wall_seconds']:.1f} s; "
         f"wrote {o['out']}/ ({len(rec['nfe'])} PNGs and run.json)"
     )
+
+
+def _swapped_scheduler(pipe: Any, name: str) -> Any:
+    """``--scheduler NAME``: diffusers' scheduler class ``NAME`` made from the pipeline's scheduler config."""
+    import diffusers
+
+    cls = getattr(diffusers, name, None)
+    if not (isinstance(cls, type) and name.endswith("Scheduler") and hasattr(cls, "from_config")):
+        known = sorted(n for n in dir(diffusers) if n.endswith("Scheduler") and not n.startswith("_"))
+        raise click.BadParameter(
+            f"{name!r} is not a diffusers scheduler; one of {', '.join(known)}", param_hint="--scheduler"
+        )
+    return library_errors(lambda: cls.from_config(pipe.scheduler.config))
+
+
+def _chain_of(o: dict) -> dict:
+    """The family ``sample``'s ``chain`` (and ``eta``) of ``--chain`` and ``--eta``."""
+    name = o["chain"] or "em"
+    if name == "scheduler":
+        return {"chain": "scheduler", "eta": o["eta"] or 0.0}
+    if o["eta"] is None:
+        return {"chain": name}
+    from ..chains import get_chain
+
+    try:
+        return {"chain": get_chain(name, eta=o["eta"])}
+    except TypeError as err:
+        raise click.UsageError(f"--eta is not a parameter of chain {name!r}: {err}") from None
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--eta") from None
 
 
 def _diffusers_version() -> "str | None":
