@@ -229,7 +229,9 @@ def tune(
     constraints, sample_kwargs = split_options(sample_kwargs)
     # the sampler's own checks of every option given (the tree aside: it is what is chosen)
     churn, chain = tuned_chain(churn, chain)
-    resolve(None, dict(steps=steps, churn=churn, chain=chain, **constraints, **sample_kwargs))
+    # (on the run's own grid where it has one: a VE chain refuses the named grids, which start at t = 1)
+    grid = {"steps": steps} if sigmas_for is None else {"sigmas": sigmas_for(steps)}
+    resolve(None, dict(churn=churn, chain=chain, **grid, **constraints, **sample_kwargs))
     verify = constraints.get("verify")
     draft = constraints.get("draft")
     if draft is not None:
