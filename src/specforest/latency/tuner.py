@@ -230,7 +230,7 @@ def tune(
     # the sampler's own checks of every option given (the tree aside: it is what is chosen)
     churn, chain = tuned_chain(churn, chain)
     # (on the run's own grid where it has one: a VE chain refuses the named grids, which start at t = 1)
-    grid = {"steps": steps} if sigmas_for is None else {"sigmas": sigmas_for(steps)}
+    grid = {"sigmas": sigmas_for(steps)} if callable(sigmas_for) else {"steps": steps}
     resolve(None, dict(churn=churn, chain=chain, **grid, **constraints, **sample_kwargs))
     verify = constraints.get("verify")
     draft = constraints.get("draft")
