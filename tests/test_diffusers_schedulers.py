@@ -128,7 +128,9 @@ END_TO_END = [
 ]
 
 
-@pytest.mark.parametrize("case, dtype", END_TO_END)
+@pytest.mark.parametrize(
+    "case, dtype", END_TO_END, ids=[f"{c}-{'f64' if dt == torch.float64 else 'f32'}" for c, dt in END_TO_END]
+)
 def test_no_tree_equals_the_schedulers_own_loop(case, dtype):
     """End to end, the pipeline's loop and the chain with the same draws. (With ``clip_sample`` the
     scheduler's own float32 and float64 runs part by O(1): a clipped coordinate leaves the raw
