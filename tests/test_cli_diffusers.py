@@ -436,3 +436,21 @@ def test_help_documents_the_family_defaults():
     text = " ".join(res.output.split())
     for part in ("the family's: sd3 7.0, flux 3.5", "the family's: sd3 50, flux 28", "--pipeline", "--tune"):
         assert part in text, part
+
+
+@pytest.mark.parametrize("family", ["sd"])
+def test_generate_diffusers_follows_a_swapped_scheduler_and_resumes(saved, family, tmp_path):
+    """generate diffusers --scheduler NAME --chain scheduler: the job records both, runs the scheduler's
+    chain, and a resumed job is the same; a name that is no scheduler is refused before any work."""
+    out = tmp_path / "job"
+    extra = ("--scheduler", "DDPMScheduler", "--chain", "scheduler", "--method", "rmc", "--L", 4)
+    res = _generate(saved, family, out, *extra)
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "job.json").read_text())
+    assert meta["options"]["sampler"]["chain"] == "scheduler"
+    assert meta["options"]["model_options"]["scheduler"] == "DDPMScheduler"
+    again = _generate(saved, family, out, *extra, "--resume")
+    assert again.exit_code == 0, again.output
+    bad = _generate(saved, family, tmp_path / "bad", "--scheduler", "NoSuchScheduler", "--chain", "scheduler")
+    assert bad.exit_code != 0 and "is not a diffusers scheduler" in bad.output
+    assert not (tmp_path / "bad").exists()

@@ -38,7 +38,7 @@ COMMANDS = {
     "--tune",
     "generate": "",
     "generate diffusers": f"{_JOB} --pipeline --prompts --num-prompts --negative-prompt --guidance --true-cfg-scale "
-    "--shift --height --width --max-sequence-length --dtype --device",
+    "--shift --height --width --max-sequence-length --dtype --device --scheduler",
     "generate gmm": f"{_JOB} --device --dim --components --mixture-seed",
     "generate pixel": f"{_JOB} --device",
     "generate sd3": f"{_JOB} --model --prompts --num-prompts --guidance --shift --height --width "

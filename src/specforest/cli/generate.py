@@ -21,6 +21,7 @@ from ..experiments import generate as gen_exp
 from ..experiments.common import METHODS
 from ..trees import DraftTree
 from .common import (
+    CHAIN_FLAGS,
     CONTEXT,
     MODEL_DEFAULTS,
     NAMED_GRID_SHIFT,
@@ -54,6 +55,14 @@ from .sd3 import pipeline_options
 __all__ = ["generate"]
 
 
+def _scheduler_settings(o: dict) -> dict:
+    """What a job records of ``--chain scheduler``: its step's ``eta``; the other chain options are refused."""
+    given = [flag for p, flag in CHAIN_FLAGS.items() if p != "eta" and o.get(p) is not None]
+    if given:
+        raise click.UsageError(f"{', '.join(given)}: --chain scheduler takes the scheduler's own settings (and --eta)")
+    return {"churn": None, "chain": "scheduler", "chain_params": {"eta": o.get("eta") or 0.0}}
+
+
 def _job_options(model: str, K: int, L: int, device: bool = True):
     """The options every ``generate`` model takes: the sampler's and the job's (``model``: as ``specforest tune``
     names it, whose command defaults the grid takes; ``diffusers``: the pipeline family's)."""
@@ -70,7 +79,7 @@ def _job_options(model: str, K: int, L: int, device: bool = True):
             tree_size_options(K=K, L=L),
             steps_opt,
             churn_opt,
-            chain_options,
+            chain_options(extra=("scheduler",)) if model == "diffusers" else chain_options,
             grid_option(),
             prefetch_option(),
             verify_option("internal"),
@@ -161,13 +170,14 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
             param_hint="--count",
         )
     refuse_unused(o)
-    chain = run_chain(o)
+    scheduled = o.get("chain") == "scheduler"  # (generate diffusers: the pipeline's own scheduler)
+    chain = None if scheduled else run_chain(o)
     if model not in gen_exp.IMAGE_MODELS:  # (an image job runs its pipeline's grid)
         check_named_grid(chain, o["steps"], o["grid"])
     set_threads(o["threads"])
     sampler = {k: o[k] for k in ("method", "K", "L", "steps", "grid", "prefetch", "verify", "draft")}
     # the chain as the job records it: churn (null with another chain than em), chain, chain_params
-    sampler.update(chain_settings(chain))
+    sampler.update(_scheduler_settings(o) if scheduled else chain_settings(chain))
     # what runs: the standard sampler takes the draft's options and does not use them
     sampler = as_ran(sampler)
     tree = o.get("tree_mode")
@@ -279,6 +289,14 @@ def generate_sd3(**o):
 @generate.command("diffusers", context_settings=CONTEXT)
 @_job_options("diffusers", K=2, L=2, device=False)
 @family_pipeline_options()
+@click.option(
+    "--scheduler",
+    "scheduler_name",
+    default=None,
+    metavar="NAME",
+    help="Swap the pipeline's scheduler for diffusers' class NAME, made from its config (recorded with the job); "
+    "with --chain scheduler its chain is followed.",
+)
 def generate_diffusers(**o):
     """Images from a local diffusers pipeline of any supported family (read from DIR/model_index.json):
     image i has caption i mod n; OUT is a folder of PNGs by index.
@@ -306,6 +324,7 @@ def generate_diffusers(**o):
         if k not in ("steps", "churn"):
             o.pop(k)
     pipeline, prompts_file, num_prompts = o.pop("pipeline_path"), o.pop("prompts_file"), o.pop("num_prompts")
+    scheduler = o.pop("scheduler_name")
     device = o["device"] or default_device()
     o["device"] = device
     dtype = o.pop("dtype") or default_dtype(device)
@@ -313,6 +332,6 @@ def generate_diffusers(**o):
         "diffusers",
         o,
         lambda: gen_exp.diffusers_options(
-            pipeline, prompts_file, num_prompts=num_prompts, dtype=dtype, options=options
+            pipeline, prompts_file, num_prompts=num_prompts, dtype=dtype, options=options, scheduler=scheduler
         ),
     )

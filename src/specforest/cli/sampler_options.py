@@ -190,16 +190,30 @@ def _takers(param: str) -> str:
     return ", ".join(n for n in available_chains() if CHAIN_FLAGS[param] in _chain_flags(n))
 
 
-def chain_options(f):
+def chain_options(f=None, *, extra: tuple = ()):
     """``--chain`` (the registered chains, :func:`specforest.chains.available_chains`, offered as registered when
     the command runs) and the chains' own
     options ``--eta``, ``--s-noise``, ``--s-churn``, ``--solver-type`` (:data:`CHAIN_FLAGS`), all unset by
-    default: :func:`run_chain` makes the chain of a command's options."""
+    default: :func:`run_chain` makes the chain of a command's options. ``chain_options(extra=(...))``
+    offers more ``--chain`` values (``scheduler`` on a pipeline command: its own scheduler's chain)."""
+    if f is None:
+        return lambda g: chain_options(g, extra=extra)
     chains = available_chains()
     listed = "; ".join(f"{n}: {', '.join(fl)}" if (fl := _chain_flags(n)) else n for n in chains)
-    opts = [
-        sampler_option("chain", default=None, show_default="em", help=_decl("chain").help.replace("{chains}", listed))
-    ]
+    help_ = _decl("chain").help.replace("{chains}", listed)
+    if extra:
+        chain_opt = click.option(
+            _decl("chain").flag,
+            "chain",
+            type=RegistryChoice(lambda: (*available_chains(), *extra)),
+            default=None,
+            show_default="em",
+            help=help_
+            + " scheduler: the pipeline's own stochastic scheduler, as its step computes it (with --eta its step's eta).",
+        )
+    else:
+        chain_opt = sampler_option("chain", default=None, show_default="em", help=help_)
+    opts = [chain_opt]
     for param, flag in CHAIN_FLAGS.items():
         opts.append(
             click.option(

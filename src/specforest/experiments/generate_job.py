@@ -96,6 +96,9 @@ def sampler_chain(sampler: dict) -> dict:
     name = sampler.get("chain", "em")
     if name == "em":
         return {"churn": sampler.get("churn"), "chain": "em"}
+    if name == "scheduler":
+        # the pipeline's own scheduler: its chain is made when the pipeline is loaded (generate_model)
+        return {"churn": None, "chain": "scheduler", "eta": float((sampler.get("chain_params") or {}).get("eta", 0.0))}
     chain = chain_of_record(name, sampler.get("chain_params"))
     if sampler.get("churn") is not None:
         raise ValueError(
@@ -189,6 +192,7 @@ def diffusers_options(
     num_prompts: Optional[int],
     dtype: str,
     options: dict,
+    scheduler: Optional[str] = None,
 ) -> dict:
     """The ``model_options`` of a diffusers job: the pipeline directory and its family (read from its
     ``model_index.json``, nothing loaded), the captions with their digest (a resumed job checks it), the
@@ -202,6 +206,8 @@ def diffusers_options(
         dtype: the models' dtype.
         options: the family's options by their library names (``guidance_scale``, ``height``, ...; ``None``:
             the family's default); ``num_inference_steps`` is the sampler's ``steps``, not one of them.
+        scheduler: a diffusers scheduler class name swapped in from the pipeline's scheduler config
+            (``None``: the pipeline's own; a job without the key is one).
 
     Raises:
         FileNotFoundError / ValueError: as :func:`specforest.diffusers.family_of_directory`; ValueError
@@ -226,4 +232,17 @@ def diffusers_options(
         "prompts_sha256": prompts_digest(caps),
         "dtype": dtype,
         "options": resolved,
+        # (only when swapped: a job without the key, one started before, is the pipeline's own)
+        **({"scheduler": _scheduler_name(scheduler)} if scheduler is not None else {}),
     }
+
+
+def _scheduler_name(name: str) -> str:
+    """``name`` if diffusers has a scheduler class of that name (nothing is loaded)."""
+    import diffusers
+
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and name.endswith("Scheduler") and hasattr(cls, "from_config")):
+        known = sorted(n for n in dir(diffusers) if n.endswith("Scheduler") and not n.startswith("_"))
+        raise ValueError(f"scheduler {name!r} is not a diffusers scheduler; one of {', '.join(known)}")
+    return name

@@ -112,6 +112,8 @@ def image_model(spec: JobSpec, out: Path, device: str) -> JobModel:
         pipe, family = load_pipeline(m["pipeline"], device=device, dtype=m["dtype"])
         if family.name != m["family"]:
             raise ValueError(f"{m['pipeline']} now holds a {family.name} pipeline, not the job's {m['family']}")
+        if m.get("scheduler"):
+            pipe.scheduler = _swapped(pipe, m["scheduler"])
         options = family_options(family, "prepare", m["options"])
         prepare = family.prepare
     prompts = load_prompts(m["prompts"], m["num_prompts"])
@@ -129,14 +131,32 @@ def image_model(spec: JobSpec, out: Path, device: str) -> JobModel:
         for i, im in zip(index.tolist(), images, strict=True):
             atomic_write(out / f"{i:06d}.png", lambda f, im=im: im.save(f, format="PNG"), binary=True)
 
+    kwargs, velocity, sigmas, noise_scale = _tree_kwargs(o), parts.velocity, parts.sigmas, parts.noise_scale
+    if kwargs["chain"] == "scheduler":
+        # the pipeline's own scheduler (specforest.diffusers.schedulers): its chain on its grid, its clip
+        # inside the velocity, the pipeline's latents on the linear path
+        from ..diffusers.schedulers import for_pipeline
+
+        plan = for_pipeline(pipe, o["steps"], kwargs.pop("eta"), velocity, sigmas)
+        kwargs["chain"], velocity, sigmas, noise_scale = plan.chain, plan.velocity, plan.chain.grid, plan.noise_scale
     return JobModel(
-        parts.velocity,
+        velocity,
         parts.latent_shape,
-        SamplerOptions(sigmas=parts.sigmas, **_tree_kwargs(o)),
+        SamplerOptions(sigmas=sigmas, **kwargs),
         make_cond=make_cond,
         save_images=save_images,
-        noise_scale=parts.noise_scale,
+        noise_scale=noise_scale,
     )
+
+
+def _swapped(pipe, name: str):
+    """The job's ``scheduler``: diffusers' class ``name`` made from the pipeline's scheduler config."""
+    import diffusers
+
+    cls = getattr(diffusers, name, None)
+    if not (isinstance(cls, type) and name.endswith("Scheduler") and hasattr(cls, "from_config")):
+        raise ValueError(f"scheduler={name!r} is not a diffusers scheduler class")
+    return cls.from_config(pipe.scheduler.config)
 
 
 def size_slots(
