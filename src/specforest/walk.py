@@ -474,10 +474,7 @@ def walk(ctx: RunContext, d: Draft, R: Realizer) -> WalkResult:
     if d.carry is not None:
         # the new state's parent: the node whose children were rejected, or the last accepted one's parent
         par = torch.where(rejected, cur, tt.up[cur])
-        same = par == src
-        y_par = torch.where(same[:, None], pre_y, R.state(par))
-        v_par = torch.where(same[:, None], pre_v, R.velocity(par))
-        carry = ctx.tab.carry(y_par, v_par, (d.s0 + tt.depth[par]).clamp(max=ctx.T - 1))
+        carry = ctx.tab.carry(R.state(par), R.velocity(par), (d.s0 + tt.depth[par]).clamp(max=ctx.T - 1))
     return WalkResult(
         x=new_x,
         committed=ncom,
