@@ -378,15 +378,12 @@ def diffusers_command(**o) -> None:
 
 def _swapped_scheduler(pipe: Any, name: str) -> Any:
     """``--scheduler NAME``: diffusers' scheduler class ``NAME`` made from the pipeline's scheduler config."""
-    import diffusers
+    from ..diffusers.schedulers import swapped_scheduler
 
-    cls = getattr(diffusers, name, None)
-    if not (isinstance(cls, type) and name.endswith("Scheduler") and hasattr(cls, "from_config")):
-        known = sorted(n for n in dir(diffusers) if n.endswith("Scheduler") and not n.startswith("_"))
-        raise click.BadParameter(
-            f"{name!r} is not a diffusers scheduler; one of {', '.join(known)}", param_hint="--scheduler"
-        )
-    return library_errors(lambda: cls.from_config(pipe.scheduler.config))
+    try:
+        return swapped_scheduler(pipe, name)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--scheduler") from None
 
 
 def _chain_of(o: dict) -> dict:

@@ -39,7 +39,16 @@ import torch
 from ..chains import DPMPP2MSDE, LCM, REFUSED, Chain, EulerAncestral, from_ve
 from ..sde import _check_sigmas
 
-__all__ = ["SCHEDULERS", "PipelinePlan", "SchedulerChain", "check_scheduler", "for_pipeline", "scheduler_chain"]
+__all__ = [
+    "SCHEDULERS",
+    "PipelinePlan",
+    "SchedulerChain",
+    "check_scheduler",
+    "for_pipeline",
+    "scheduler_chain",
+    "scheduler_class",
+    "swapped_scheduler",
+]
 
 SCHEDULERS = (
     "DDPMScheduler",
@@ -84,6 +93,8 @@ class SchedulerChain(Chain):
             ``randn_tensor`` each), so that a run with ``tree=None`` replays the pipeline's draws.
         noise_dtype: the dtype of those draws when the scheduler fixes it (DPM-Solver, flow matching: float32), else
             ``None`` (the network output's dtype).
+        noise_scale: the pipeline's initial latents (``init_noise_sigma xi``) on the linear path are
+            ``noise_scale xi``.
     """
 
     scheduler: str = ""
@@ -99,6 +110,7 @@ class SchedulerChain(Chain):
     )
     draws: torch.Tensor = field(default=None, repr=False, compare=False)
     noise_dtype: Optional[torch.dtype] = field(default=None, repr=False, compare=False)
+    noise_scale: float = field(default=1.0, repr=False, compare=False)
     name: ClassVar[str] = "scheduler"
 
     @property
@@ -125,11 +137,7 @@ def _name(scheduler: Any) -> str:
 def check_scheduler(scheduler: Any, eta: float = 0.0) -> None:
     """Raise for a scheduler ``chain="scheduler"`` cannot follow (or an ``eta`` out of its range),
     naming the reason and the swap."""
-    _refuse(scheduler, float(eta))
-
-
-def _refuse(scheduler: Any, eta: float) -> None:
-    """Raise for a scheduler ``chain="scheduler"`` cannot follow, with the reason."""
+    eta = float(eta)
     name, cfg = _name(scheduler), scheduler.config
     if name == "DPMSolverSDEScheduler":
         raise ValueError(f"DPMSolverSDEScheduler is not a Gaussian chain: {REFUSED['dpmpp_sde']}")
@@ -164,6 +172,30 @@ def _refuse(scheduler: Any, eta: float) -> None:
         )
     if not math.isfinite(eta) or eta < 0 or (name == "TCDScheduler" and eta > 1):
         raise ValueError(f"eta must be in [0, {1 if name == 'TCDScheduler' else 'inf'}), got {eta}")
+
+
+def scheduler_class(name: str) -> type:
+    """diffusers' scheduler class ``name`` (``--scheduler NAME``; nothing is made).
+
+    Raises:
+        ValueError: if diffusers has no scheduler of that name, listing the ones it has.
+    """
+    import diffusers
+
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and name.endswith("Scheduler") and hasattr(cls, "from_config")):
+        known = sorted(n for n in dir(diffusers) if n.endswith("Scheduler") and not n.startswith("_"))
+        raise ValueError(f"scheduler {name!r} is not a diffusers scheduler; one of {', '.join(known)}")
+    return cls
+
+
+def swapped_scheduler(pipe: Any, name: str) -> Any:
+    """The scheduler ``name`` made from ``pipe``'s scheduler config, as users swap one in (``pipe`` is not changed).
+
+    Raises:
+        ValueError: as :func:`scheduler_class`.
+    """
+    return scheduler_class(name).from_config(pipe.scheduler.config)
 
 
 def _fresh(scheduler: Any, steps: int, **kw: Any) -> Any:
@@ -298,34 +330,48 @@ def scheduler_chain(scheduler: Any, steps: int, *, eta: float = 0.0, **set_times
     Raises:
         ValueError: a scheduler or setting it does not follow, naming the reason.
     """
-    _refuse(scheduler, float(eta))
+    check_scheduler(scheduler, eta)
     name = _name(scheduler)
     sch = _fresh(scheduler, steps, **set_timesteps)
     timesteps = torch.as_tensor(sch.timesteps).detach().to("cpu", torch.float64)
     if name == "FlowMatchEulerDiscreteScheduler":
-        # x' = (1 - s') D + s' z: LCM's step on the flow path
-        grid = torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64)
-        P, Q, R = LCM().step(grid[:-1], grid[1:])
-        return _made(name, eta, grid, timesteps, P, Q, R)
+        return _flow_chain(eta, torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64), timesteps)
     if name in ("EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler"):
         s = _ve_levels(sch)
         grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
         t, t_next = grid[:-1], grid[1:]
         if name == "EulerAncestralDiscreteScheduler":
-            return _made(name, eta, grid, timesteps, *EulerAncestral(eta=1.0).step(t, t_next))
+            # its latents are VE (x_0 + s xi): the initial noise init_noise_sigma xi is y = x / (1 + s_0)
+            scale = float(sch.init_noise_sigma) / (1.0 + float(s[0]))
+            return _made(name, eta, grid, timesteps, *EulerAncestral(eta=1.0).step(t, t_next), noise_scale=scale)
         # sde-dpmsolver++ is k-diffusion's DPM++ 2M SDE at eta = 1 (first order: without its multistep term)
         chain = DPMPP2MSDE(eta=1.0, solver_type=sch.config.get("solver_type", "midpoint"))
+        scale = _vp_noise_scale(sch, float(s[0]))
         if sch.config.get("solver_order", 2) == 1:
             Pv, Q0, _, Rv, _ = chain._terms(t, t_next)
-            return _made(name, eta, grid, timesteps, *from_ve(t, t_next, Pv, Q0, Rv))
-        return _made(name, eta, grid, timesteps, *chain.step(t, t_next), B=chain.previous(t, t_next))
+            return _made(name, eta, grid, timesteps, *from_ve(t, t_next, Pv, Q0, Rv), noise_scale=scale)
+        B = chain.previous(t, t_next)
+        return _made(name, eta, grid, timesteps, *chain.step(t, t_next), B=B, noise_scale=scale)
     ab, P, Q, R, weight = _vp_tables(name, sch, float(eta))
     s = ((1.0 - ab) / ab).sqrt()
     grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
     n = _vp_scale(ab)
     n_next = torch.cat([n[1:], torch.ones(1, dtype=torch.float64)])  # the last state is the output latents
     P, Q, R = _to_linear(P, Q, R, n, n_next)
-    return _made(name, eta, grid, timesteps, P, Q, R, prediction=_clip(sch.config, weight))
+    scale = _vp_noise_scale(sch, float(s[0]))
+    return _made(name, eta, grid, timesteps, P, Q, R, prediction=_clip(sch.config, weight), noise_scale=scale)
+
+
+def _vp_noise_scale(sch: Any, s0: float) -> float:
+    """The initial state's scale on the linear path for variance-preserving latents ``init_noise_sigma xi``
+    at level ``s0``: ``y = x sqrt(1 + s0^2) / (1 + s0)``."""
+    return float(sch.init_noise_sigma) * math.sqrt(1.0 + s0 * s0) / (1.0 + s0)
+
+
+def _flow_chain(eta: float, grid: torch.Tensor, timesteps: torch.Tensor) -> SchedulerChain:
+    """Stochastic flow matching on ``grid``: ``x' = (1 - s') D + s' z``, LCM's step on the flow path."""
+    P, Q, R = LCM().step(grid[:-1], grid[1:])
+    return _made("FlowMatchEulerDiscreteScheduler", eta, grid, timesteps, P, Q, R)
 
 
 def _draws(name: str, timesteps: torch.Tensor, eta: float) -> torch.Tensor:
@@ -343,7 +389,7 @@ def _draws(name: str, timesteps: torch.Tensor, eta: float) -> torch.Tensor:
     return torch.ones(T, dtype=torch.bool)
 
 
-def _made(name, eta, grid, timesteps, P, Q, R, B=None, prediction=None) -> SchedulerChain:
+def _made(name, eta, grid, timesteps, P, Q, R, B=None, prediction=None, noise_scale=1.0) -> SchedulerChain:
     return SchedulerChain(
         scheduler=name,
         eta=float(eta),
@@ -358,6 +404,7 @@ def _made(name, eta, grid, timesteps, P, Q, R, B=None, prediction=None) -> Sched
         noise_dtype=torch.float32
         if name in ("DPMSolverMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
         else None,
+        noise_scale=float(noise_scale),
     )
 
 
@@ -387,13 +434,15 @@ class PipelinePlan:
     Attributes:
         chain: the scheduler's chain; ``chain.grid`` is the run's grid.
         velocity: the family's velocity, behind the scheduler's clip or threshold where it has one.
-        noise_scale: the run's initial state is ``noise_scale x N(0, I)``: the pipeline's latents
-            (``init_noise_sigma x N(0, I)``) on the linear path.
     """
 
     chain: SchedulerChain
     velocity: Any
-    noise_scale: float
+
+    @property
+    def noise_scale(self) -> float:
+        """The run's initial state is ``noise_scale x N(0, I)``: the pipeline's latents on the linear path."""
+        return self.chain.noise_scale
 
     def noise_from(
         self,
@@ -442,17 +491,10 @@ def for_pipeline(pipe: Any, steps: int, eta: float, velocity: Any, grid: torch.T
         ValueError: as :func:`scheduler_chain`.
     """
     scheduler = pipe.scheduler
-    name = _name(scheduler)
-    if name == "FlowMatchEulerDiscreteScheduler":
-        _refuse(scheduler, float(eta))
+    if _name(scheduler) == "FlowMatchEulerDiscreteScheduler":
+        check_scheduler(scheduler, eta)
         g = torch.as_tensor(grid, dtype=torch.float64)
-        P, Q, R = LCM().step(g[:-1], g[1:])
-        chain = _made(name, eta, g, 1000.0 * g[:-1], P, Q, R)
-        return PipelinePlan(chain=chain, velocity=velocity, noise_scale=1.0)
+        return PipelinePlan(chain=_flow_chain(eta, g, 1000.0 * g[:-1]), velocity=velocity)
     chain = scheduler_chain(scheduler, steps, eta=eta)
-    fresh = _fresh(scheduler, steps)
-    s0 = float(chain.grid[0] / (1.0 - chain.grid[0]))
-    # the pipeline's latents: VE (x_0 + s xi) for Euler ancestral, variance-preserving for the others
-    m0 = 1.0 / (1.0 + s0) if name == "EulerAncestralDiscreteScheduler" else math.sqrt(1.0 + s0 * s0) / (1.0 + s0)
     wrapped = velocity if chain.prediction is None else _Predicted(velocity, chain)
-    return PipelinePlan(chain=chain, velocity=wrapped, noise_scale=float(fresh.init_noise_sigma) * m0)
+    return PipelinePlan(chain=chain, velocity=wrapped)

@@ -215,6 +215,7 @@ def diffusers_options(
         NotImplementedError: for a family without ``prepare``.
     """
     from ..diffusers.families import family_of_directory
+    from ..diffusers.schedulers import scheduler_class
     from .pipelines import DTYPES, family_options
     from .sd3.loading import load_prompts
 
@@ -233,16 +234,5 @@ def diffusers_options(
         "dtype": dtype,
         "options": resolved,
         # (only when swapped: a job without the key, one started before, is the pipeline's own)
-        **({"scheduler": _scheduler_name(scheduler)} if scheduler is not None else {}),
+        **({"scheduler": scheduler_class(scheduler).__name__} if scheduler is not None else {}),
     }
-
-
-def _scheduler_name(name: str) -> str:
-    """``name`` if diffusers has a scheduler class of that name (nothing is loaded)."""
-    import diffusers
-
-    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
-    if not (isinstance(cls, type) and name.endswith("Scheduler") and hasattr(cls, "from_config")):
-        known = sorted(n for n in dir(diffusers) if n.endswith("Scheduler") and not n.startswith("_"))
-        raise ValueError(f"scheduler {name!r} is not a diffusers scheduler; one of {', '.join(known)}")
-    return name

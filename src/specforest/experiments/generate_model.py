@@ -113,7 +113,9 @@ def image_model(spec: JobSpec, out: Path, device: str) -> JobModel:
         if family.name != m["family"]:
             raise ValueError(f"{m['pipeline']} now holds a {family.name} pipeline, not the job's {m['family']}")
         if m.get("scheduler"):
-            pipe.scheduler = _swapped(pipe, m["scheduler"])
+            from ..diffusers.schedulers import swapped_scheduler
+
+            pipe.scheduler = swapped_scheduler(pipe, m["scheduler"])
         options = family_options(family, "prepare", m["options"])
         prepare = family.prepare
     prompts = load_prompts(m["prompts"], m["num_prompts"])
@@ -147,16 +149,6 @@ def image_model(spec: JobSpec, out: Path, device: str) -> JobModel:
         save_images=save_images,
         noise_scale=noise_scale,
     )
-
-
-def _swapped(pipe, name: str):
-    """The job's ``scheduler``: diffusers' class ``name`` made from the pipeline's scheduler config."""
-    import diffusers
-
-    cls = getattr(diffusers, name, None)
-    if not (isinstance(cls, type) and name.endswith("Scheduler") and hasattr(cls, "from_config")):
-        raise ValueError(f"scheduler={name!r} is not a diffusers scheduler class")
-    return cls.from_config(pipe.scheduler.config)
 
 
 def size_slots(
