@@ -422,6 +422,3 @@ def sample_speculative(
         path=path,
         **options,
     ).samples
-
-
-# -- drop-in samplers: k-diffusion's and ComfyUI's signatures, their chains exactly ------------------
