@@ -196,3 +196,15 @@ def test_stochastic_flow_matching_gives_the_pipelines_own_latents(family, tmp_pa
     assert float(tree.stats.nfe.double().mean()) <= 6
     with pytest.raises(ValueError, match="stochastic_sampling=False is deterministic"):
         px.sample(base, PROMPT, chain="scheduler", num_inference_steps=6, L=4, coupling="rmc", progress=False, **kw)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_memory_plan_counts_the_prediction_dpm_solver_carries(pipes):
+    """sde-dpmsolver++ (order 2) reads the previous prediction: the plan holds one more state an image."""
+    pipe = pipes["sd"]
+    runs = {
+        case: px.sample(swapped(pipe, *SCHEDULERS[case][:2]), PROMPTS, chain="scheduler", progress=False, **KW)
+        for case in ("euler_a", "dpm_sde")
+    }
+    state = 4 * 4 * 4 * 4  # one (4, 4, 4) latent in float32
+    assert runs["dpm_sde"].memory.trajectory_bytes - runs["euler_a"].memory.trajectory_bytes == state

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import memory as _memory
-from ..options import SamplerOptions
+from ..options import SamplerOptions, make_sde
 from ..sampler import SampleResult, SampleStats
 from ..sampler import sample as _engine_sample
 from ..trees import DraftTree
@@ -87,10 +87,12 @@ def plan_memory(
     row_bytes: int,
     cond_bytes: int,
     draft: Any = None,
+    carries: bool = False,
 ) -> "tuple[_memory.MemoryEstimate, int]":
     """The run's memory estimate and the images per VAE call, before anything is allocated.
 
-    All images sample together: the limit splits the network calls, never the images.
+    All images sample together: the limit splits the network calls, never the images. ``carries``:
+    the chain's mean reads the parent's prediction (:func:`specforest.memory.estimate`).
 
     Raises:
         MemoryError: if one image's decode, or the sampler's states, exceed the limit.
@@ -114,6 +116,7 @@ def plan_memory(
         row_bytes=row_bytes,
         cond_bytes=cond_bytes,
         draft=draft,
+        carries=carries,
         fixed_bytes=fixed,
         limit_bytes=limit,
         limit_source=source,
@@ -231,6 +234,9 @@ def run_sampler(
         row_bytes=row_bytes,
         cond_bytes=cond_bytes,
         draft=options.draft,
+        carries=make_sde(
+            options.steps, options.sigmas, options.grid, options.shift, options.churn, options.chain
+        ).carries,
     )
     if generator is None:
         generator = torch.Generator(device="cpu")
