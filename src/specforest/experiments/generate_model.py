@@ -17,7 +17,7 @@ import torch
 
 from .. import memory, streams
 from ..atomic import atomic_write
-from ..options import SamplerOptions
+from ..options import SamplerOptions, make_sde
 from ..trees import from_parents
 from .common import COUPLING_OF, method_tree
 from .generate_job import JobSpec, prompts_digest, sampler_chain
@@ -190,4 +190,5 @@ def size_slots(
         device=device,
         world=world,
         draft=kw.draft,
+        carries=make_sde(kw.steps, kw.sigmas, kw.grid, kw.shift, kw.churn, kw.chain).carries,
     )
