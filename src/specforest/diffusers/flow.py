@@ -31,7 +31,7 @@ from .. import memory as _memory
 from .. import streams
 from ..drafts import get_proposal
 from ..latency import tune as latency_tune
-from ..options import check_tuned_for
+from ..options import check_tuned_for, make_sde
 from ..planning import make_tree
 from ..trees import chain as chain_tree
 from ..validation import check_int, check_number
@@ -409,6 +409,7 @@ def tune_family(
         limit_source=source,
         device=x.device,
         chunked=False,
+        carries=make_sde(None, prepared.sigmas, "flow_match", 1.0, churn, options.get("chain", "em")).carries,
     )
     return latency_tune(
         prepared.velocity,
