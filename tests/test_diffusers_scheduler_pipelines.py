@@ -208,3 +208,61 @@ def test_the_memory_plan_counts_the_prediction_dpm_solver_carries(pipes):
     }
     state = 4 * 4 * 4 * 4  # one (4, 4, 4) latent in float32
     assert runs["dpm_sde"].memory.trajectory_bytes - runs["euler_a"].memory.trajectory_bytes == state
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_tune_with_the_schedulers_chain_records_it_and_its_choice_runs_checked(pipes, monkeypatch):
+    """tune_sdxl(chain="scheduler", eta=...) tunes the pipeline's own scheduler: the choice records the
+    scheduler's class and eta (through JSON too), unpacks as chain="scheduler" with that eta, and a run
+    with another scheduler or eta is refused naming both. Ten steps: the timing runs (six-step warm-ups)
+    take the scheduler's chain at their own step count (SchedulerChain.for_steps)."""
+    import specforest.memory
+    from specforest.diffusers import tune_sdxl
+    from specforest.latency import Tuned
+
+    monkeypatch.setattr(specforest.memory, "held_bytes", lambda device="cpu": 0)
+    tcd = swapped(pipes["sd"], "TCDScheduler", {})
+    kw = dict(num_inference_steps=10, height=8, width=8, budget_max=3, drafts=("velocity",), calibration_images=1)
+    tuned = tune_sdxl(tcd, PROMPTS[0], chain="scheduler", eta=0.3, max_memory_gb=1.0, **kw)
+    assert tuned.chain == "scheduler" and tuned.churn is None
+    assert tuned.chain_params == {"scheduler": "TCDScheduler", "eta": 0.3}
+    assert dict(tuned)["chain"] == "scheduler" and dict(tuned)["eta"] == 0.3
+    back = Tuned.from_json(tuned.to_json())
+    assert (back.chain, back.chain_params, back.tuned_for) == (tuned.chain, tuned.chain_params, tuned.tuned_for)
+    run = dict(num_inference_steps=10, height=8, width=8, progress=False, output_type="latent")
+    res = px.sample(tcd, PROMPTS[0], generator=gen(0), **run, **tuned)
+    assert res.config["chain"] == "scheduler" and res.config["scheduler"] == "TCDScheduler"
+    euler_a = swapped(pipes["sd"], "EulerAncestralDiscreteScheduler", {})
+    with pytest.raises(ValueError, match=r"scheduler 'EulerAncestralDiscreteScheduler' \(tuned for 'TCDScheduler'\)"):
+        px.sample(euler_a, PROMPTS[0], **run, **{**tuned, "eta": 0.0})
+    with pytest.raises(ValueError, match=r"eta 0.5 \(tuned for 0.3\)"):
+        px.sample(tcd, PROMPTS[0], **run, **{**tuned, "eta": 0.5})
+    with pytest.raises(ValueError, match=r"chain euler_ancestral \(tuned for scheduler\)"):
+        px.sample(tcd, PROMPTS[0], **run, **{**tuned, "chain": "euler_ancestral", "eta": 0.0})
+    bad = {**tuned.to_json(), "chain_params": {"scheduler": "TCDScheduler", "eta": -1}}
+    with pytest.raises(ValueError, match="chain_params.eta"):
+        Tuned.from_json(bad)
+
+
+def test_a_schedulers_chain_at_another_step_count_is_its_own_there():
+    """SchedulerChain.for_steps(n) is scheduler_chain(scheduler, n): the same tables, and the chain of T
+    steps built on that grid takes them (what a tuner's shorter timing runs do); one made for an
+    explicit grid has that length only."""
+    from specforest.diffusers.schedulers import scheduler_chain
+
+    for name, cfg, eta in SCHEDULERS.values():
+        sch = getattr(diffusers, name)(**BETAS, **cfg)
+        chain = scheduler_chain(sch, 12, eta=eta)
+        short = chain.for_steps(5)
+        ref = scheduler_chain(sch, 5, eta=eta)
+        torch.testing.assert_close(short.grid, ref.grid, rtol=0, atol=0)
+        built, own = chain.build(ref.grid), ref.build(ref.grid)
+        for field in ("a", "c", "scale"):
+            assert torch.equal(getattr(built, field), getattr(own, field)), (name, field)
+        assert torch.equal(built.b, own.b), name
+        assert short.for_steps(12) is chain
+    fixed = scheduler_chain(
+        diffusers.FlowMatchEulerDiscreteScheduler(stochastic_sampling=True), 4, sigmas=[1.0, 0.6, 0.3, 0.1]
+    )
+    with pytest.raises(ValueError, match="made for 4 steps only"):
+        fixed.for_steps(6)

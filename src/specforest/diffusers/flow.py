@@ -37,7 +37,7 @@ from ..trees import chain as chain_tree
 from ..validation import check_int, check_number
 from .checks import check_run_options
 from .run import run_sampler, sampler_options
-from .schedulers import check_scheduler, for_pipeline
+from .schedulers import SchedulerChain, check_scheduler, for_pipeline
 
 __all__ = [
     "DEFAULT_CHURN",
@@ -151,6 +151,26 @@ def run_churn(churn: Any, chain: Any) -> Any:
     return None if churn is None or (isinstance(churn, float) and churn == DEFAULT_CHURN) else churn
 
 
+def follows_scheduler(pipe: Any, chain: Any, eta: Any) -> "tuple[bool, float]":
+    """``(scheduled, eta)``: whether ``chain`` is ``"scheduler"`` (the pipeline's own scheduler's chain),
+    its scheduler checked, and ``eta`` checked (>= 0; the scheduler's step argument, so 0 with another chain).
+
+    Raises:
+        ValueError: a scheduler ``chain="scheduler"`` does not follow, or ``eta`` out of range or given
+            with another chain, naming it.
+    """
+    eta = check_number("eta", eta, 0.0)
+    scheduled = isinstance(chain, str) and chain.lower() == "scheduler"
+    if eta != 0.0 and not scheduled:
+        raise ValueError(
+            f"eta={eta} is the scheduler's step argument (DDIM, TCD): it applies with chain='scheduler'; "
+            "another chain takes its own (specforest.chains.get_chain(name, eta=...))"
+        )
+    if scheduled:
+        check_scheduler(pipe.scheduler, eta)
+    return scheduled, eta
+
+
 def prepare_family(
     parts: FamilyParts,
     pipe: Any,
@@ -225,15 +245,8 @@ def sample_family(
     """
     parts.check_pipeline(pipe)
     sampler = {k: inputs.pop(k) for k in SAMPLER_INPUTS}
-    eta = check_number("eta", inputs.pop("eta", 0.0), 0.0)
-    scheduled = isinstance(chain, str) and chain.lower() == "scheduler"
-    if eta != 0.0 and not scheduled:
-        raise ValueError(
-            f"eta={eta} is the scheduler's step argument (DDIM, TCD): it applies with chain='scheduler'; "
-            "another chain takes its own (specforest.chains.get_chain(name, eta=...))"
-        )
-    if scheduled:
-        check_scheduler(pipe.scheduler, eta)
+    eta = inputs.pop("eta", 0.0)
+    scheduled, eta = follows_scheduler(pipe, chain, eta)
     churn = run_churn(churn, chain)
     steps, churn, n_img, max_memory_gb = check_run_options(
         num_inference_steps=num_inference_steps,
@@ -248,7 +261,9 @@ def sample_family(
     text = {"prompt": prompt, **{k: inputs.pop(k, None) for k in parts.text_inputs}}
     text, n, options = parts.check_inputs(pipe, text, inputs)
     images = n * n_img
-    check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=images, batch_name="images")
+    # (the scheduler's chain by what a tuned configuration records of it: its class and eta)
+    ran = SchedulerChain(scheduler=type(pipe.scheduler).__name__, eta=eta) if scheduled else chain
+    check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=images, batch_name="images", chain=ran)
     tree = make_tree(K, L, coupling=sampler["coupling"], tree=tree, steps=steps)
     prepared = parts.take_apart(pipe, text, steps, options)
     velocity, latent_shape = prepared.velocity, prepared.latent_shape
@@ -343,6 +358,7 @@ def tune_family(
     progress: bool,
     options: dict,
     negative_prompt: Optional[str] = None,
+    eta: float = 0.0,
     **family_options: Any,
 ) -> Any:
     """A family's tuner: :func:`specforest.latency.tune` on the pipeline's network, its grid and the
@@ -353,7 +369,10 @@ def tune_family(
     ``family_options`` are its family options (``guidance_scale``, ``height``, ...), ``options``
     the sampler's options for :func:`specforest.latency.tune` (``chain``, ``verify``, ``prefetch``,
     ``pad_rows``, ...; refused: those set here, ``steps``, ``cond``, ``grid``, ``sigmas``, ``max_rows``).
-    The shorter timing runs use the family's grid of their own number of steps.
+    The shorter timing runs use the family's grid of their own number of steps. ``chain="scheduler"``
+    (with ``eta``) tunes for the pipeline's own scheduler, as :func:`sample_family` runs it: its chain,
+    its clip inside the velocity, its initial noise; the timing runs take its chain at their own step
+    count (:meth:`~specforest.diffusers.schedulers.SchedulerChain.for_steps`).
 
     Returns:
         A :class:`~specforest.latency.Tuned`; the family's ``sample(pipe, ..., **tuned)`` runs it and
@@ -373,6 +392,7 @@ def tune_family(
     captions(prompt, name="prompt")  # a bad prompt is named before any work
     batch = check_int("batch", batch, 1)
     calibration_images = check_int("calibration_images", calibration_images, 1)
+    scheduled, eta = follows_scheduler(pipe, options.get("chain", "em"), eta)
     churn = run_churn(churn, options.get("chain", "em"))
     if churn is not None:
         churn = check_number("churn", churn, 0.0, 1.0, lo_open=True)
@@ -387,10 +407,18 @@ def tune_family(
         negative_prompt=negative_prompt,
         **family_options,
     )
+    velocity, noise_scale, sigmas = prepared.velocity, prepared.noise_scale, prepared.sigmas
+    sigmas_for = lambda k: parts.sigmas(pipe, k, prepared)  # noqa: E731
+    if scheduled:
+        # the pipeline's own scheduler, as sample_family runs it; each timing run on its chain of that many steps
+        plan = for_pipeline(pipe, num_inference_steps, eta, velocity, sigmas, grid_for=sigmas_for)
+        velocity, noise_scale, sigmas = plan.velocity, plan.noise_scale, plan.chain.grid
+        options["chain"] = plan.chain
+        sigmas_for = lambda k: plan.chain.for_steps(k).grid  # noqa: E731
     x = streams.randn(seed, torch.arange(n), prepared.latent_shape, device=prepared.device)
-    if prepared.noise_scale != 1.0:
-        x = prepared.noise_scale * x  # the run's initial states: the scheduler's initial noise
-    steps = len(prepared.sigmas) - 1
+    if noise_scale != 1.0:
+        x = noise_scale * x  # the run's initial states: the scheduler's initial noise
+    steps = len(sigmas) - 1
     cond = prepared.cond
     limit, source, fixed = _memory.resolve_limit(max_memory_gb, x.device, "max_memory_gb")
     # the largest run the tuner times is the batch on a tree of budget_max (any tree of that budget
@@ -402,17 +430,17 @@ def tune_family(
         verify="drafted",
         draft=_memory_draft(drafts),
         steps=steps,
-        row_bytes=parts.row_bytes(pipe, prepared.velocity, prepared.latent_shape, cond),
+        row_bytes=parts.row_bytes(pipe, velocity, prepared.latent_shape, cond),
         cond_bytes=sum(v[0].numel() * v.element_size() for v in cond.values()),
         fixed_bytes=fixed,
         limit_bytes=limit,
         limit_source=source,
         device=x.device,
         chunked=False,
-        carries=make_sde(None, prepared.sigmas, "flow_match", 1.0, churn, options.get("chain", "em")).carries,
+        carries=make_sde(None, sigmas, "flow_match", 1.0, churn, options.get("chain", "em")).carries,
     )
     return latency_tune(
-        prepared.velocity,
+        velocity,
         x,
         steps=steps,
         churn=churn,
@@ -423,7 +451,7 @@ def tune_family(
         calibration_trajectories=calibration_images,
         seed=seed,
         progress=progress,
-        sigmas_for=lambda k: parts.sigmas(pipe, k, prepared),
+        sigmas_for=sigmas_for,
         max_rows=sized.max_rows or sized.rows_per_call,
         **options,
     )

@@ -30,8 +30,9 @@ than ``zero``).
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Optional
 
 import torch
@@ -95,6 +96,8 @@ class SchedulerChain(Chain):
             ``None`` (the network output's dtype).
         noise_scale: the pipeline's initial latents (``init_noise_sigma xi``) on the linear path are
             ``noise_scale xi``.
+        remake: ``remake(n)`` the same scheduler's chain at ``n`` inference steps (:meth:`for_steps`), or
+            ``None``: the chain runs on its own grid only.
     """
 
     scheduler: str = ""
@@ -111,14 +114,34 @@ class SchedulerChain(Chain):
     draws: torch.Tensor = field(default=None, repr=False, compare=False)
     noise_dtype: Optional[torch.dtype] = field(default=None, repr=False, compare=False)
     noise_scale: float = field(default=1.0, repr=False, compare=False)
+    remake: Optional[Callable[[int], "SchedulerChain"]] = field(default=None, repr=False, compare=False)
     name: ClassVar[str] = "scheduler"
 
     @property
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "eta": self.eta}
 
+    def for_steps(self, steps: int) -> "SchedulerChain":
+        """The same scheduler's chain at ``steps`` inference steps, on its own grid of that many steps
+        (a tuner's shorter timing runs: ``chain.for_steps(n).grid`` is their grid, and this chain built
+        on it takes that chain's tables).
+
+        Raises:
+            ValueError: if the chain was made without ``remake`` and ``steps`` is not its own.
+        """
+        if steps == self.grid.numel() - 1:
+            return self
+        if self.remake is None:
+            raise ValueError(
+                f"this {self.scheduler} chain was made for {self.grid.numel() - 1} steps only; make the chain of "
+                f"{steps} steps with specforest.diffusers.scheduler_chain"
+            )
+        return self.remake(steps)
+
     def coefficients(self, sigmas: torch.Tensor) -> tuple:
         s = _check_sigmas(sigmas)
+        if s.shape != self.grid.shape and self.remake is not None:
+            return self.for_steps(s.numel() - 1).coefficients(s)
         if s.shape != self.grid.shape or not torch.allclose(s, self.grid, rtol=1e-12, atol=0.0):
             raise ValueError(
                 f"the {self.scheduler} chain is tabulated on its own {self.grid.numel() - 1}-step grid; "
@@ -127,6 +150,8 @@ class SchedulerChain(Chain):
         return self.grid, self.P, self.Q, self.R, 1.0, 0.0
 
     def previous(self, t: torch.Tensor, t_next: torch.Tensor) -> Optional[torch.Tensor]:
+        if t.numel() != self.grid.numel() - 1 and self.remake is not None:
+            return self.for_steps(t.numel()).B
         return self.B
 
 
@@ -331,6 +356,24 @@ def scheduler_chain(scheduler: Any, steps: int, *, eta: float = 0.0, **set_times
         ValueError: a scheduler or setting it does not follow, naming the reason.
     """
     check_scheduler(scheduler, eta)
+    if "sigmas" in set_timesteps or "timesteps" in set_timesteps:
+        return _tabulated(scheduler, steps, eta, set_timesteps)  # (an explicit grid has its own length only)
+    return _remaking(lambda n: _tabulated(scheduler, n, eta, set_timesteps))(steps)
+
+
+def _remaking(make: Callable[[int], SchedulerChain]) -> Callable[[int], SchedulerChain]:
+    """``make`` (a chain of ``n`` steps), each chain it makes able to remake itself the same way
+    (:meth:`SchedulerChain.for_steps`); the last few made are kept."""
+
+    @functools.lru_cache(maxsize=8)
+    def remake(steps: int) -> SchedulerChain:
+        return replace(make(steps), remake=remake)
+
+    return remake
+
+
+def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict) -> SchedulerChain:
+    """:func:`scheduler_chain`'s tables, the scheduler checked already."""
     name = _name(scheduler)
     sch = _fresh(scheduler, steps, **set_timesteps)
     timesteps = torch.as_tensor(sch.timesteps).detach().to("cpu", torch.float64)
@@ -477,7 +520,14 @@ class PipelinePlan:
         return noise
 
 
-def for_pipeline(pipe: Any, steps: int, eta: float, velocity: Any, grid: torch.Tensor) -> PipelinePlan:
+def for_pipeline(
+    pipe: Any,
+    steps: int,
+    eta: float,
+    velocity: Any,
+    grid: torch.Tensor,
+    grid_for: Optional[Callable[[int], torch.Tensor]] = None,
+) -> PipelinePlan:
     """The plan of ``chain="scheduler"`` for a family's run of ``pipe`` at ``steps`` steps.
 
     Args:
@@ -486,6 +536,9 @@ def for_pipeline(pipe: Any, steps: int, eta: float, velocity: Any, grid: torch.T
         eta: the pipeline's ``eta`` (DDIM, TCD).
         velocity: the family's velocity.
         grid: the family's grid: a flow-matching family's is its scheduler's (shift, ``mu``) already.
+        grid_for: the family's grid of ``n`` steps (``(n + 1,)``), for the chain at other step counts
+            (:meth:`SchedulerChain.for_steps`, a tuner's timing runs) of a flow-matching family; the
+            other schedulers' chains remake themselves.
 
     Raises:
         ValueError: as :func:`scheduler_chain`.
@@ -493,8 +546,13 @@ def for_pipeline(pipe: Any, steps: int, eta: float, velocity: Any, grid: torch.T
     scheduler = pipe.scheduler
     if _name(scheduler) == "FlowMatchEulerDiscreteScheduler":
         check_scheduler(scheduler, eta)
-        g = torch.as_tensor(grid, dtype=torch.float64)
-        return PipelinePlan(chain=_flow_chain(eta, g, 1000.0 * g[:-1]), velocity=velocity)
+
+        def flow(n: int) -> SchedulerChain:
+            g = torch.as_tensor(grid if n == steps or grid_for is None else grid_for(n), dtype=torch.float64)
+            return _flow_chain(eta, g, 1000.0 * g[:-1])
+
+        chain = flow(steps) if grid_for is None else _remaking(flow)(steps)
+        return PipelinePlan(chain=chain, velocity=velocity)
     chain = scheduler_chain(scheduler, steps, eta=eta)
     wrapped = velocity if chain.prediction is None else _Predicted(velocity, chain)
     return PipelinePlan(chain=chain, velocity=wrapped)

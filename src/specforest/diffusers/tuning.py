@@ -48,6 +48,7 @@ def tune(
     max_memory_gb: Optional[float] = None,
     seed: int = 0,
     progress: bool = False,
+    eta: float = 0.0,
     **options: Any,
 ) -> Tuned:
     """Choose the tree, coupling, verification mode and draft that minimize predicted wall time for SD3 here.
@@ -64,9 +65,12 @@ def tune(
         max_memory_gb: memory limit in GB (default: the free CUDA memory, or 50% of RAM).
         seed: seed of the calibration latents and runs.
         progress: progress bars while measuring.
+        eta: with ``chain="scheduler"``, the ``eta`` the pipeline passes to its scheduler's ``step``
+            (DDIM, TCD), as in :func:`~specforest.diffusers.pipeline_sd3.sample`.
         options: further options of :func:`specforest.sample`, as
             :func:`specforest.latency.tune` takes them: the ``chain`` to tune for (``churn``, the
-            ``em`` chain's, is left out with another at its default), constraints (``verify``, ``draft``,
+            ``em`` chain's, is left out with another at its default; ``"scheduler"``: the pipeline's own
+            scheduler, recorded by its class and ``eta``), constraints (``verify``, ``draft``,
             ``coupling``) and options passed to every run (``prefetch``, ``pad_rows``,
             ``model_kwargs``); ``prefetch`` and the chain are recorded in the result, give the others to
             :func:`~specforest.diffusers.pipeline_sd3.sample` again. Refused here, as set by
@@ -111,6 +115,7 @@ def tune_flux(
     max_memory_gb: Optional[float] = None,
     seed: int = 0,
     progress: bool = False,
+    eta: float = 0.0,
     **options: Any,
 ) -> Tuned:
     """:func:`tune` for a ``FluxPipeline``: its transformer (one call per round, both true-CFG
@@ -123,7 +128,7 @@ def tune_flux(
             max_sequence_length: the run to tune for, as in
             :func:`~specforest.diffusers.pipeline_flux.sample`.
         negative_prompt: the negative caption of every image (used with ``true_cfg_scale > 1``).
-        batch, budget_max, drafts, calibration_images, max_memory_gb, seed, progress, options: as in
+        batch, budget_max, drafts, calibration_images, max_memory_gb, seed, progress, eta, options: as in
             :func:`tune`.
 
     Returns:
@@ -154,6 +159,7 @@ def tune_sdxl(
     max_memory_gb: Optional[float] = None,
     seed: int = 0,
     progress: bool = False,
+    eta: float = 0.0,
     **options: Any,
 ) -> Tuned:
     """:func:`tune` for a ``StableDiffusionXLPipeline`` or ``StableDiffusionPipeline``: its UNet (one call
@@ -170,7 +176,7 @@ def tune_sdxl(
         num_inference_steps, guidance_scale, height, width, churn: the run to tune for, as in
             :func:`~specforest.diffusers.pipeline_sdxl.sample` (``guidance_scale=None``: SDXL 5.0, SD 7.5).
         negative_prompt: the negative caption of every image (``None``: the pipeline's).
-        batch, budget_max, drafts, calibration_images, max_memory_gb, seed, progress, options: as in
+        batch, budget_max, drafts, calibration_images, max_memory_gb, seed, progress, eta, options: as in
             :func:`tune` (a chain that refuses a grid from ``sigma = 1`` runs on this one).
 
     Returns:

@@ -16,7 +16,26 @@ from ..trees import DraftTree, from_parents
 from ..validation import check_churn, check_int, check_ints, check_number
 from .curve import CostCurve
 
-__all__ = ["Tuned"]
+__all__ = ["SCHEDULER", "Tuned"]
+
+SCHEDULER = "scheduler"
+"""The chain of a diffusers pipeline's own scheduler (``specforest.diffusers.sample(..., chain="scheduler")``):
+not a registered chain (its tables come from the pipeline that runs it), so a configuration tuned for it
+records the scheduler's class name and the ``eta`` its steps take, and unpacks as ``chain="scheduler"``
+with that ``eta``; the pipeline's sample checks its scheduler against them."""
+
+
+@dataclass(frozen=True)
+class _SchedulerRecord:
+    """What a tuned configuration keeps of a pipeline scheduler's chain: its class name and ``eta``."""
+
+    scheduler: str
+    eta: float
+    name = SCHEDULER
+
+    @property
+    def params(self) -> dict:
+        return {"scheduler": self.scheduler, "eta": self.eta}
 
 
 def _tree_to_json(tree: Optional[DraftTree]) -> Optional[list]:
@@ -94,9 +113,12 @@ class Tuned(Mapping):
 
     def run_chain(self) -> "Chain | str":
         """The chain it was tuned for, as :func:`specforest.sample`'s ``chain``: a
-        :class:`~specforest.chains.Chain` with its parameters, or ``"em"`` (its churn is ``churn``)."""
+        :class:`~specforest.chains.Chain` with its parameters, ``"em"`` (its churn is ``churn``), or
+        ``"scheduler"`` (:data:`SCHEDULER`: the pipeline's own, its ``eta`` in ``chain_params``)."""
         if self.chain == "em":
             return "em" if self.churn is None else EM(churn=self.churn)
+        if self.chain == SCHEDULER:
+            return SCHEDULER
         return _chain_of(self.chain, self.chain_params, None)
 
     def options(self) -> dict:
@@ -118,6 +140,8 @@ class Tuned(Mapping):
     def _mapping(self) -> dict:
         # the em chain is sample's default: a Tuned for it unpacks into a pipeline's sample as before
         chain = {} if self.chain == "em" else {"chain": self.run_chain()}
+        if self.chain == SCHEDULER:
+            chain["eta"] = self.chain_params["eta"]  # (the scheduler's step argument: a pipeline's sample takes it)
         return {**self.options(), **chain, "tuned_for": self.tuned_for}
 
     def __getitem__(self, key: str) -> Any:
@@ -192,7 +216,7 @@ class Tuned(Mapping):
         prefetch = check_option("prefetch", get("prefetch"))
         steps = check_int("steps", d["steps"], 1, MAX_STEPS)
         churn = None if get("churn") is None else check_churn(get("churn"))
-        chain_name = check_option("chain", get("chain"))
+        chain_name = SCHEDULER if get("chain") == SCHEDULER else check_option("chain", get("chain"))
         _chain_of(chain_name, get("chain_params"), churn)
         # the sampler's own checks of the configuration: a tree the coupling cannot take (an rmc
         # "chain" with a node of two children, say) is refused here, not run as another sampler
@@ -252,6 +276,8 @@ def _chain_of(name: Any, params: Any, churn: Optional[float]) -> Chain:
         params = {}
     if not isinstance(params, Mapping):
         raise TypeError(f"chain_params must be an object of the chain's parameters, got {type(params).__name__}")
+    if name == SCHEDULER:
+        return _scheduler_record(params, churn)
     made = get_chain(name, **{k: v for k, v in params.items() if v is not None})
     if isinstance(made, EM):
         if churn is None:
@@ -266,6 +292,26 @@ def _chain_of(name: Any, params: Any, churn: Optional[float]) -> Chain:
             f"(its parameters: {', '.join(made.params)})"
         )
     return made
+
+
+def _scheduler_record(params: Mapping, churn: Optional[float]) -> _SchedulerRecord:
+    """The record of a pipeline scheduler's chain (:data:`SCHEDULER`) from its ``chain_params``.
+
+    Raises:
+        ValueError / TypeError: naming the parameter: ``scheduler`` (a class name) and ``eta`` (>= 0) only.
+    """
+    if set(params) != {"scheduler", "eta"}:
+        raise ValueError(
+            f"chain_params of chain 'scheduler' must hold scheduler (the class name) and eta, got {sorted(params)}"
+        )
+    name = params["scheduler"]
+    if not isinstance(name, str) or not name.isidentifier():
+        raise TypeError(f"chain_params.scheduler must be a scheduler's class name, got {name!r}")
+    if churn is not None:
+        raise ValueError(
+            "churn is the em chain's parameter; a configuration tuned for chain 'scheduler' has churn null"
+        )
+    return _SchedulerRecord(name, check_number("chain_params.eta", params["eta"], 0.0))
 
 
 _FIELDS = (
