@@ -68,7 +68,7 @@ def _samples(path) -> np.ndarray:
 def test_help_lists_every_registered_chain_and_the_chain_options(command):
     out = _ok(invoke(*command, "--help")).output
     flat = "".join(out.split())
-    extra = "|scheduler" if command == ["generate", "diffusers"] else ""  # (the pipeline's own scheduler)
+    extra = "|scheduler" if command in (["generate", "diffusers"], ["tune"]) else ""  # (a pipeline's own scheduler)
     assert "[" + "|".join(available_chains()) + extra + "]" in flat, out
     for flag in ("--chain", "--eta", "--s-noise", "--s-churn", "--solver-type"):
         assert flag in out
@@ -176,7 +176,7 @@ def test_a_chain_option_the_chain_does_not_take_is_refused_before_the_work(tmp_p
 
 def test_tune_for_a_pipeline_refuses_the_chain_options(tmp_path, no_work):
     res = invoke("tune", "--model", "sd3", "--chain", "ddim", "--eta", "0.5", "--out", tmp_path / "t.json")
-    refused(res, "--chain, --eta apply only to --model gmm or digits", "em chain")
+    refused(res, "--chain, --eta apply only to --model gmm, digits or diffusers", "em chain")
 
 
 # -- tune: the file holds the chain, a run on another chain is refused ----------------------------------

@@ -419,6 +419,45 @@ def test_a_tune_file_of_another_chain_is_refused_by_the_pipeline_commands(saved,
     assert not any((tmp_path / n).exists() for n in "xy")
 
 
+def test_tune_diffusers_tunes_the_pipelines_own_scheduler_and_its_file_runs_it(saved, tmp_path):
+    """tune --model diffusers --scheduler TCDScheduler --chain scheduler --eta 0.3: the file records the chain
+    (the scheduler's class and eta) and the swap; a run with --tune makes the swap and takes the chain and
+    its eta, and one with another scheduler or eta is refused naming both, nothing written."""
+    path = tmp_path / "tcd.json"
+    swap = ["--scheduler", "TCDScheduler", "--chain", "scheduler"]
+    res = _tune(saved, "sd", path, *swap, "--eta", 0.3)
+    assert res.exit_code == 0, res.output
+    data = json.loads(path.read_text())
+    assert data["chain"] == "scheduler" and data["chain_params"] == {"scheduler": "TCDScheduler", "eta": 0.3}
+    assert data["churn"] is None and data["tuned_for"]["scheduler"] == "TCDScheduler"
+    run = run_diffusers(saved, "sd", tmp_path / "run", "--tune", path)
+    assert run.exit_code == 0, run.output
+    opts = json.loads((tmp_path / "run" / "run.json").read_text())["options"]
+    assert opts["chain"] == "scheduler" and opts["scheduler"] == "TCDScheduler" and opts["eta"] == 0.3
+    res = run_diffusers(saved, "sd", tmp_path / "x", "--tune", path, "--eta", 0.5)
+    assert res.exit_code == 2 and "--eta 0.5 here, 0.3 in the file (chain scheduler)" in res.output, res.output
+    res = run_diffusers(saved, "sd", tmp_path / "y", "--tune", path, "--scheduler", "DDPMScheduler")
+    assert res.exit_code == 2 and "--scheduler DDPMScheduler here, TCDScheduler in the file" in res.output
+    assert not any((tmp_path / n).exists() for n in "xy")
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--model", "gmm", "--chain", "scheduler"], "--chain scheduler (a pipeline's own scheduler) applies only"),
+        (["--model", "diffusers", "--chain", "scheduler", "--churn", 0.5], "--churn: --chain scheduler takes"),
+        (["--model", "diffusers", "--chain", "scheduler", "--s-noise", 2], "--s-noise: --chain scheduler takes"),
+        (["--model", "gmm", "--scheduler", "DDPMScheduler"], "--scheduler applies only to --model diffusers"),
+        (["--model", "sd3", "--chain", "ddpm"], "--chain applies only to --model gmm, digits or diffusers"),
+    ],
+)
+def test_tune_refuses_a_scheduler_chain_where_it_cannot_run(saved, tmp_path, args, named):
+    extra = ["--pipeline", saved["sd"], "--prompts", saved["prompts"]] if "diffusers" in args else []
+    res = invoke("tune", *args, *extra, "--out", tmp_path / "t.json")
+    assert res.exit_code == 2 and named in res.output, res.output
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_a_family_without_a_tuner_or_prepare_says_so(saved, tmp_path, monkeypatch):
     """What a new family (SDXL, before its tuner exists) gets: a clear error naming it, nothing written."""
     untunable = tuple(dataclasses.replace(f, tune=None, prepare=None) for f in families.FAMILIES)

@@ -51,6 +51,9 @@ __all__ = [
     "family_given",
     "family_pipeline_options",
     "family_shown",
+    "pipeline_chain",
+    "scheduler_option",
+    "swap_scheduler",
     "tuned_run_keys",
 ]
 
@@ -204,6 +207,65 @@ def family_pipeline_options(*, device: bool = True):
     return wrap
 
 
+def scheduler_option(help: str = ""):
+    """``--scheduler NAME``: swap the pipeline's scheduler for diffusers' class ``NAME``, from its config
+    (:func:`swap_scheduler`); ``help``: what the command adds."""
+    return click.option(
+        "--scheduler",
+        "scheduler_name",
+        default=None,
+        metavar="NAME",
+        help="Swap the pipeline's scheduler for diffusers' class NAME, made from the pipeline's scheduler config "
+        "(e.g. EulerAncestralDiscreteScheduler); with --chain scheduler its chain is followed." + help,
+    )
+
+
+def swap_scheduler(pipe: Any, name: "str | None") -> Any:
+    """``pipe`` with ``--scheduler NAME`` swapped in (nothing when ``name`` is ``None``).
+
+    Raises:
+        click.BadParameter: naming ``--scheduler`` and the reason (no such scheduler class, ...).
+    """
+    if name is None:
+        return pipe
+    from ..diffusers.schedulers import swapped_scheduler
+
+    try:
+        pipe.scheduler = swapped_scheduler(pipe, name)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--scheduler") from None
+    return pipe
+
+
+def pipeline_chain(o: dict, ctx: "click.Context | None" = None) -> dict:
+    """The family ``sample``'s or tuner's ``chain`` (and ``eta``) of ``--chain`` and its options: nothing for
+    the em chain (``--churn`` is a family option), ``chain="scheduler"`` with ``eta`` (its step's; the
+    other chain options and ``--churn`` refused), or the registered chain with its options set.
+
+    Raises:
+        click.UsageError / click.BadParameter: naming the option and the chain.
+    """
+    from .sampler_options import CHAIN_FLAGS, is_given, run_chain
+
+    ctx = ctx or click.get_current_context()
+    name = o.get("chain") or "em"
+    if name == "scheduler":
+        given = [
+            f for p, f in {"churn": "--churn", **CHAIN_FLAGS}.items() if p != "eta" and p in o and is_given(ctx, p)
+        ]
+        if given:
+            raise click.UsageError(
+                f"{', '.join(given)}: --chain scheduler takes the scheduler's own settings (and --eta, its step's)"
+            )
+        return {"chain": "scheduler", "eta": o.get("eta") or 0.0}
+    if name == "em":
+        wrong = [f for p, f in CHAIN_FLAGS.items() if p in o and is_given(ctx, p)]
+        if wrong:
+            raise click.UsageError(f"{', '.join(wrong)}: not a parameter of chain 'em'; its parameter: --churn")
+        return {}
+    return {"chain": run_chain({k: v for k, v in o.items() if k != "churn" or is_given(ctx, k)}, ctx)}
+
+
 def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
     """The draft tree and coupling of the command's method, or of its ``--tune`` file."""
     from ..experiments.common import COUPLING_OF, method_tree
@@ -233,14 +295,7 @@ def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
     "pipeline's own stochastic scheduler as its step computes it (DDPM, DDIM with --eta, EulerAncestralDiscrete, "
     "DPMSolverMultistep sde-dpmsolver++, LCM, TCD with --eta, FlowMatchEulerDiscrete with stochastic_sampling).",
 )
-@click.option(
-    "--scheduler",
-    "scheduler_name",
-    default=None,
-    metavar="NAME",
-    help="Swap the pipeline's scheduler for diffusers' class NAME, made from the pipeline's scheduler config "
-    "(e.g. EulerAncestralDiscreteScheduler); with --chain scheduler its chain is followed.",
-)
+@scheduler_option()
 @click.option(
     "--eta",
     type=click.FloatRange(0.0),
@@ -302,7 +357,10 @@ def diffusers_command(**o) -> None:
 
     family = library_errors(lambda: family_of_directory(o["pipeline_path"]))
     o, tuned = apply_tuned(
-        o, "diffusers", run={**tuned_run_keys(), "batch": "batch_size"}, fixed={"family": family.name}
+        o,
+        "diffusers",
+        run={**tuned_run_keys(), "batch": "batch_size", "scheduler": "scheduler_name"},
+        fixed={"family": family.name},
     )
     refuse_unused(o)
     threads = set_threads(o.pop("threads"))
@@ -316,9 +374,8 @@ def diffusers_command(**o) -> None:
     tree, coupling = library_errors(lambda: _tree_and_coupling(o, options["num_inference_steps"]))
     click.echo(f"loading {o['pipeline_path']} ({family.name}, {dtype} on {device})", err=True)
     pipe, _ = library_errors(lambda: load_pipeline(o["pipeline_path"], device=device, dtype=dtype))
-    if o["scheduler_name"] is not None:
-        pipe.scheduler = _swapped_scheduler(pipe, o["scheduler_name"])
-    chain = _chain_of(o)
+    swap_scheduler(pipe, o["scheduler_name"])
+    chain = pipeline_chain(o, ctx)
     keys = ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size", "eta")
     sampler = as_ran({k: o[k] for k in keys})
     if tuned is not None:
@@ -374,33 +431,6 @@ def diffusers_command(**o) -> None:
         f"for {rec['steps']} steps ({rec['speedup']:.2f}x fewer calls), {rec['wall_seconds']:.1f} s; "
         f"wrote {o['out']}/ ({len(rec['nfe'])} PNGs and run.json)"
     )
-
-
-def _swapped_scheduler(pipe: Any, name: str) -> Any:
-    """``--scheduler NAME``: diffusers' scheduler class ``NAME`` made from the pipeline's scheduler config."""
-    from ..diffusers.schedulers import swapped_scheduler
-
-    try:
-        return swapped_scheduler(pipe, name)
-    except ValueError as err:
-        raise click.BadParameter(str(err), param_hint="--scheduler") from None
-
-
-def _chain_of(o: dict) -> dict:
-    """The family ``sample``'s ``chain`` (and ``eta``) of ``--chain`` and ``--eta``."""
-    name = o["chain"] or "em"
-    if name == "scheduler":
-        return {"chain": "scheduler", "eta": o["eta"] or 0.0}
-    if o["eta"] is None:
-        return {"chain": name}
-    from ..chains import get_chain
-
-    try:
-        return {"chain": get_chain(name, eta=o["eta"])}
-    except TypeError as err:
-        raise click.UsageError(f"--eta is not a parameter of chain {name!r}: {err}") from None
-    except ValueError as err:
-        raise click.BadParameter(str(err), param_hint="--eta") from None
 
 
 def _diffusers_version() -> "str | None":

@@ -35,7 +35,7 @@ from .common import (
     steps_option,
     threads_option,
 )
-from .diffusers import FAMILY_FLAGS, family_given
+from .diffusers import FAMILY_FLAGS, family_given, pipeline_chain, scheduler_option, swap_scheduler
 from .sd3 import tune_pipeline_options
 
 __all__ = ["tune"]
@@ -59,7 +59,7 @@ _PIPELINE_PARAMS = (
 _MODELS_OF = {
     **{name: ("gmm",) for name in ("dim", "components", "mixture_seed")},
     **{name: ("sd3", "diffusers") for name in _PIPELINE_PARAMS},
-    **{name: ("diffusers",) for name in ("true_cfg_scale", "negative_prompt")},
+    **{name: ("diffusers",) for name in ("true_cfg_scale", "negative_prompt", "scheduler_name")},
 }
 """The options of some models only (the mixture's size, a pipeline's), and those models."""
 
@@ -159,7 +159,9 @@ def _tune_diffusers(o: dict, drafts: list):
     options = library_errors(lambda: family_options(family, "tune", family_given(o, ctx), names=names))
     dtype = o["dtype"] or default_dtype(o["device"])
     prompts = library_errors(lambda: sd3_exp.load_prompts(o["prompts_file"], o["num_prompts"]))
+    chain = pipeline_chain(o, ctx)
     pipe, _ = library_errors(lambda: load_pipeline(o["pipeline_path"], device=o["device"], dtype=dtype))
+    swap_scheduler(pipe, o["scheduler_name"])
     res = library_errors(
         lambda: family.tune(
             pipe,
@@ -169,13 +171,19 @@ def _tune_diffusers(o: dict, drafts: list):
             drafts=drafts,
             max_memory_gb=o["max_memory_gb"],
             progress=o["progress"],
+            **chain,
             **options,
         )
     )
     o["family"] = family.name
     for k, lib in FAMILY_FLAGS.items():
         o[k] = options.get(lib)
-    return res, [k for k, lib in FAMILY_FLAGS.items() if lib in options and k not in ("steps", "churn")]
+    o["churn"] = res.churn  # (None with another chain than em: the family's default churn was not run)
+    keys = [k for k, lib in FAMILY_FLAGS.items() if lib in options and k not in ("steps", "churn")]
+    if o["scheduler_name"] is not None:
+        o["scheduler"] = o["scheduler_name"]  # (the swap, so that a run with --tune makes it too)
+        keys.append("scheduler")
+    return res, keys
 
 
 @click.command("tune", context_settings=CONTEXT)
@@ -187,7 +195,8 @@ def _tune_diffusers(o: dict, drafts: list):
 )
 @steps_option(None, f"the model's command default: {_STEPS_SHOWN}", "Grid steps T (>= 3) of the run to tune for.")
 @churn_option(None, f"the model's command default: {_CHURNS_SHOWN}", "Churn eps in (0, 1] of the run to tune for.")
-@chain_options
+@chain_options(extra=("scheduler",))
+@scheduler_option(" diffusers only.")
 @click.option(
     "--batch",
     type=click.IntRange(1),
@@ -258,8 +267,10 @@ def tune(**o) -> None:
 
     Without --steps and --churn it tunes at the model's own command defaults
     (digits: those of 'specforest pixel'; see --steps and --churn). --chain
-    tunes the run of another sampler's chain (gmm and digits; the pipelines'
-    tuners run the em chain). A command run with --tune FILE takes the file's
+    tunes the run of another sampler's chain (gmm, digits and diffusers; the SD3
+    study's tuner runs the em chain); --model diffusers --chain scheduler tunes
+    the pipeline's own scheduler (swapped in with --scheduler NAME, with --eta
+    its step's), and the file records both. A command run with --tune FILE takes the file's
     steps, churn, chain, batch, device and threads where they are not given, and
     refuses a run that differs from them.
     """
@@ -268,15 +279,20 @@ def tune(**o) -> None:
     _refuse_other_models(o["model"])
     ctx = click.get_current_context()
     em = (o["chain"] or "em") == "em"
-    if o["model"] in ("sd3", "diffusers"):
+    if o["model"] == "sd3":
         given = [
             f for n, f in (("chain", "--chain"), *CHAIN_FLAGS.items()) if is_given(ctx, n) and not (n == "chain" and em)
         ]
         if given:
             raise click.UsageError(
-                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --model gmm or digits: the "
-                f"pipelines' tuners run the em chain (--churn); leave {'it' if len(given) == 1 else 'them'} out"
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --model gmm, digits or "
+                f"diffusers: the SD3 study's tuner runs the em chain (--churn); leave {'it' if len(given) == 1 else 'them'} "
+                "out, or tune the pipeline with --model diffusers"
             )
+    if o["chain"] == "scheduler" and o["model"] != "diffusers":
+        raise click.UsageError(
+            f"--chain scheduler (a pipeline's own scheduler) applies only to --model diffusers, not {o['model']}"
+        )
     if o["model"] != "diffusers":
         for key in ("steps", "churn"):
             if o[key] is None and (key == "steps" or em):

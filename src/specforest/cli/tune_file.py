@@ -15,6 +15,7 @@ from typing import Any, Callable
 import click
 
 from ..chains import get_chain
+from ..latency.tuned import SCHEDULER
 from ..options import declared_options
 from ..validation import check_choice, check_int, check_number, is_int
 from .sampler_options import CHAIN_FLAGS, is_given
@@ -83,7 +84,8 @@ _TUNED_FOR: "dict[str, Callable[[str, Any], Any]]" = {
     "height": lambda k, v: check_int(k, v, 1),
     "width": lambda k, v: check_int(k, v, 1),
     "max_sequence_length": lambda k, v: check_int(k, v, 1, 512),
-    "chain": lambda k, v: check_choice(k, v, declared_options()["chain"].allowed()),
+    "scheduler": _text,
+    "chain": lambda k, v: check_choice(k, v, (*declared_options()["chain"].allowed(), SCHEDULER)),
     "chain_params": lambda k, v: _params(k, v),
 }
 """Each key a ``tuned_for`` may record (``null``: not recorded) and its check, named by the key."""
@@ -188,6 +190,9 @@ def _chain_differs(ctx: click.Context, o: dict, made_for: dict, params: dict, pa
         o["chain"] = name
     elif o["chain"] != name:
         return [f"--chain {o['chain']} here, {name} in the file"]
+    if name == SCHEDULER:
+        # a pipeline's own scheduler: its class is the pipeline's (or tuned_for's --scheduler), its eta --eta's
+        return _scheduler_differs(ctx, o, there.get("eta"), params, path)
     defaults = get_chain(name).params
     diffs = []
     for p, value in there.items():
@@ -201,6 +206,18 @@ def _chain_differs(ctx: click.Context, o: dict, made_for: dict, params: dict, pa
         elif p in defaults and _differs(p, defaults[p], value):
             diffs.append(f"chain {name}'s {p} {defaults[p]} here (no option sets it), {value} in the file")
     return diffs
+
+
+def _scheduler_differs(ctx: click.Context, o: dict, eta: Any, params: dict, path: str) -> list:
+    """``--eta`` against the ``eta`` of a file tuned for a pipeline's own scheduler (``chain="scheduler"``):
+    taken where not given, else it must match."""
+    if eta is None or "eta" not in params:
+        return []
+    if not is_given(ctx, "eta"):
+        o["eta"] = _adopt(ctx, params["eta"], "chain_params.eta", eta, path)
+        return []
+    here = o["eta"] or 0.0
+    return [f"--eta {here} here, {eta} in the file (chain scheduler)"] if _differs("eta", here, eta) else []
 
 
 def apply_tuned(
