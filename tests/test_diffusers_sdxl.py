@@ -880,3 +880,16 @@ def test_tune_sdxl_takes_the_samplers_options(sd, monkeypatch):
     assert tuned.chain == "euler_ancestral" and tuned.churn is None and tuned.prefetch == "parent"
     res = px.sample(sd, PROMPTS[0], num_inference_steps=6, generator=gen(0), **BASE, **tuned)
     assert res.config["chain"] == "euler_ancestral" and res.config["prefetch"] == "parent"
+
+
+def test_a_familys_sample_takes_the_samplers_further_options_and_refuses_its_own(sd):
+    """A family's sample passes a field of SamplerOptions it has no parameter for to the sampler (a new
+    option reaches every family: tests/test_option_declarations.py), refuses one its run sets, naming
+    what sets it, and names a keyword that is no option."""
+    kw = dict(num_inference_steps=4, **BASE)
+    with pytest.raises(ValueError, match=r"shift is set by the pipeline's run \(the scheduler's grid"):
+        px.sample(sd, PROMPTS, shift=2.0, **kw)
+    with pytest.raises(ValueError, match=r"max_rows is set by the pipeline's run \(from max_memory_gb\)"):
+        px.sample(sd, PROMPTS, max_rows=2, **kw)
+    with pytest.raises(TypeError, match="unexpected option.*boosted"):
+        px.sample(sd, PROMPTS, boosted=1, **kw)

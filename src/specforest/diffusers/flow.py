@@ -31,7 +31,7 @@ from .. import memory as _memory
 from .. import streams
 from ..drafts import get_proposal
 from ..latency import tune as latency_tune
-from ..options import check_tuned_for, make_sde
+from ..options import check_names, check_tuned_for, make_sde
 from ..planning import make_tree
 from ..trees import chain as chain_tree
 from ..validation import check_int, check_number
@@ -151,6 +151,35 @@ def run_churn(churn: Any, chain: Any) -> Any:
     return None if churn is None or (isinstance(churn, float) and churn == DEFAULT_CHURN) else churn
 
 
+_SET_BY_FAMILY = {
+    "steps": "num_inference_steps",
+    "grid": "the scheduler's grid",
+    "sigmas": "the scheduler's grid",
+    "shift": "the scheduler's grid (SD3's and Flux's shift parameter)",
+    "max_rows": "from max_memory_gb",
+    "model_kwargs": "the captions' conditioning",
+}
+"""The sampler's options a family's run sets itself, with what sets them."""
+
+
+def further_options(options: dict) -> dict:
+    """The sampler's options a family's ``sample`` takes beyond its parameters (``**options``): fields of
+    :class:`~specforest.options.SamplerOptions`, passed to it as they are (a new field reaches every family).
+
+    Raises:
+        TypeError: naming a keyword that is not an option (listing the options).
+        ValueError: naming an option the family's run sets itself, and what sets it.
+    """
+    check_names(options)
+    set_here = [k for k in options if k in _SET_BY_FAMILY]
+    if set_here:
+        raise ValueError(
+            "; ".join(f"{k} is set by the pipeline's run ({_SET_BY_FAMILY[k]})" for k in set_here)
+            + ": give those through the sample function's own parameters"
+        )
+    return dict(options)
+
+
 def follows_scheduler(pipe: Any, chain: Any, eta: Any) -> "tuple[bool, float]":
     """``(scheduled, eta)``: whether ``chain`` is ``"scheduler"`` (the pipeline's own scheduler's chain),
     its scheduler checked, and ``eta`` checked (>= 0; the scheduler's step argument, so 0 with another chain).
@@ -245,6 +274,7 @@ def sample_family(
     """
     parts.check_pipeline(pipe)
     sampler = {k: inputs.pop(k) for k in SAMPLER_INPUTS}
+    sampler.update(further_options(inputs.pop("options", None) or {}))
     eta = inputs.pop("eta", 0.0)
     scheduled, eta = follows_scheduler(pipe, chain, eta)
     churn = run_churn(churn, chain)

@@ -348,6 +348,7 @@ def sample(
     pad_rows: "Optional[str | list[int]]" = None,
     warmup: bool = False,
     record_deltas: bool = False,
+    **options: Any,
 ) -> FluxResult:
     """Generate images with a Flux pipeline, sampling the churned SDE exactly.
 
@@ -393,7 +394,7 @@ def sample(
         num_images_per_prompt: images per caption (``>= 1``); ``N = n x num_images_per_prompt`` images.
         output_type: ``pil``, ``np``, ``pt`` or ``latent`` (unpacked ``(N, C, h, w)``).
         churn, chain, eta, tree, K, L, coupling, draft, prefetch, verify, progress, lazy, pad_rows,
-            warmup, record_deltas: as in :func:`specforest.diffusers.pipeline_sd3.sample`
+            warmup, record_deltas, options: as in :func:`specforest.diffusers.pipeline_sd3.sample`
             (``warmup``: the transformer called at every row count of the run first; padding and
             warm-up change no image).
         max_memory_gb: memory limit in GB (> 0). Default: the free memory of the

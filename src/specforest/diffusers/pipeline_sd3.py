@@ -277,6 +277,7 @@ def sample(
     pad_rows: "Optional[str | list[int]]" = None,
     warmup: bool = False,
     record_deltas: bool = False,
+    **options: Any,
 ) -> SD3Result:
     """Generate images with a Stable Diffusion 3 pipeline, sampling the churned SDE exactly.
 
@@ -350,6 +351,9 @@ def sample(
             with many images on a tree, the calls are padded to
             :func:`specforest.warmup.pad_rows_for`'s sizes (``config["pad_rows"]`` says which).
         record_deltas: keep every verification in ``stats.deltas`` (as in :func:`specforest.sample`).
+        options: further options of :func:`specforest.sample` (a field of
+            :class:`~specforest.options.SamplerOptions` this function has no parameter for), passed to
+            the sampler as they are; one the pipeline sets (its grid, ``max_rows``, ``model_kwargs``) is refused.
 
     Returns:
         :class:`SD3Result` with ``images``, ``latents``, ``stats``, ``memory``, ``config`` (the

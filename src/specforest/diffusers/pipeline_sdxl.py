@@ -420,6 +420,7 @@ def sample(
     pad_rows: "Optional[str | list[int]]" = None,
     warmup: bool = False,
     record_deltas: bool = False,
+    **options: Any,
 ) -> SD3Result:
     """Generate images with an SDXL or SD 1.5 / 2.x pipeline, sampling the churned SDE exactly.
 
@@ -461,7 +462,7 @@ def sample(
         num_images_per_prompt: images per caption; ``N = n x num_images_per_prompt`` images.
         output_type: ``pil``, ``np``, ``pt`` or ``latent``.
         churn: ``eps`` in (0, 1], the ``em`` chain's (unused with another ``chain``).
-        chain, eta, tree, K, L, coupling, draft, prefetch, verify, lazy, pad_rows, warmup, record_deltas:
+        chain, eta, tree, K, L, coupling, draft, prefetch, verify, lazy, pad_rows, warmup, record_deltas, options:
             as in :func:`specforest.diffusers.pipeline_sd3.sample` (``warmup``: the UNet called at
             every row count of the run first; padding and warm-up change no image). This grid starts
             below ``t = 1``, so a chain that refuses one from ``sigma = 1`` runs here.
