@@ -329,3 +329,22 @@ def test_a_multistep_chain_counts_the_predictions_it_carries():
     assert carried.trajectory_bytes - plain.trajectory_bytes == 1000 * 4 * (1 + 2 * inner)
     lazy = memory.estimate(**kw, lazy=True, carries=True).trajectory_bytes
     assert lazy - memory.estimate(**kw, lazy=True).trajectory_bytes == 1000 * 4
+
+
+def test_run_shape_reads_what_the_options_decide():
+    """memory.run_shape(options): the tree, verification, lazy, draft, the grid's steps and the chain's
+    carried prediction, as estimate's keywords; the same estimate as given by hand."""
+    from specforest import SamplerOptions
+
+    tree = trees.uniform(2, 3)
+    grid = torch.linspace(0.9, 0.0, 13)  # (a VE chain needs a first level below t = 1)
+    opts = SamplerOptions(sigmas=grid, chain="dpmpp_2m_sde", tree=tree, verify="drafted", lazy=True)
+    shape = memory.run_shape(opts)
+    assert shape == dict(tree=tree, verify="drafted", lazy=True, draft="velocity", steps=12, carries=True)
+    em = memory.run_shape(SamplerOptions(sigmas=torch.linspace(1, 0, 6), churn=0.5))
+    assert em["steps"] == 5 and em["carries"] is False and em["tree"] is None
+    kw = dict(trajectories=4, state_numel=64, limit_bytes=10**9, fixed_bytes=0)
+    by_hand = memory.estimate(**kw, tree=tree, verify="drafted", lazy=True, steps=12, carries=True)
+    assert memory.estimate(**kw, **shape) == by_hand
+    # the carried prediction is counted: the same run of the em chain holds less
+    assert memory.estimate(**kw, **{**shape, "carries": False}).total_bytes < by_hand.total_bytes

@@ -90,6 +90,7 @@ __all__ = [
     "resolve_limit",
     "returned_bytes",
     "row_bytes_of",
+    "run_shape",
     "tree_footprint",
 ]
 
@@ -392,6 +393,27 @@ class MemoryEstimate:
             f"{self.fixed_bytes / gb:.3g} GB fixed (held before, tree tables), {self.slack_bytes / gb:.3g} GB allocator slack; "
             f"peak ~{self.total_bytes / gb:.3g} GB of {self.limit_bytes / gb:.3g} GB ({self.limit_source})"
         )
+
+
+def run_shape(options: Any) -> dict:
+    """What a run's options decide of its memory, as :func:`estimate`'s keywords: ``tree``, ``verify``,
+    ``lazy``, ``draft``, ``steps`` (its grid's) and ``carries`` (its chain's, on that grid).
+
+    ``options``: the run's :class:`~specforest.options.SamplerOptions` (an option that changes what a
+    run holds is read here, so every caller sizes its runs with it).
+    """
+    from .options import make_sde
+
+    o = options
+    chain = make_sde(o.steps, o.sigmas, o.grid, o.shift, o.churn, o.chain)
+    return {
+        "tree": o.tree,
+        "verify": o.verify,
+        "lazy": o.lazy,
+        "draft": o.draft,
+        "steps": len(chain.sigmas) - 1,
+        "carries": chain.carries,
+    }
 
 
 def estimate(

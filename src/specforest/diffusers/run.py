@@ -21,10 +21,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import memory as _memory
-from ..options import SamplerOptions, make_sde
+from ..options import SamplerOptions
 from ..sampler import SampleResult, SampleStats
 from ..sampler import sample as _engine_sample
-from ..trees import DraftTree
 from ..warmup import pad_rows_for, warm_up
 from .checks import check_generators
 from .decoding import decode_bytes
@@ -80,19 +79,15 @@ def plan_memory(
     height: int,
     width: int,
     output_type: str,
-    tree: Optional[DraftTree],
-    verify: str,
-    lazy: bool,
-    steps: int,
+    options: SamplerOptions,
     row_bytes: int,
     cond_bytes: int,
-    draft: Any = None,
-    carries: bool = False,
 ) -> "tuple[_memory.MemoryEstimate, int]":
     """The run's memory estimate and the images per VAE call, before anything is allocated.
 
-    All images sample together: the limit splits the network calls, never the images. ``carries``:
-    the chain's mean reads the parent's prediction (:func:`specforest.memory.estimate`).
+    All images sample together: the limit splits the network calls, never the images. What the
+    sampler's ``options`` decide (tree, verification, lazy, draft, the chain's carried prediction) is
+    read from them (:func:`specforest.memory.run_shape`).
 
     Raises:
         MemoryError: if one image's decode, or the sampler's states, exceed the limit.
@@ -109,14 +104,9 @@ def plan_memory(
     memory = _memory.estimate(
         trajectories=images,
         state_numel=math.prod(latent_shape),
-        tree=tree,
-        verify=verify,
-        lazy=lazy,
-        steps=steps,
+        **_memory.run_shape(options),
         row_bytes=row_bytes,
         cond_bytes=cond_bytes,
-        draft=draft,
-        carries=carries,
         fixed_bytes=fixed,
         limit_bytes=limit,
         limit_source=source,
@@ -227,16 +217,9 @@ def run_sampler(
         height=height,
         width=width,
         output_type=output_type,
-        tree=options.tree,
-        verify=options.verify,
-        lazy=options.lazy,
-        steps=len(options.sigmas) - 1,
+        options=options,
         row_bytes=row_bytes,
         cond_bytes=cond_bytes,
-        draft=options.draft,
-        carries=make_sde(
-            options.steps, options.sigmas, options.grid, options.shift, options.churn, options.chain
-        ).carries,
     )
     if generator is None:
         generator = torch.Generator(device="cpu")
