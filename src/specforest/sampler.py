@@ -24,7 +24,7 @@ from . import engine, streams
 from .couplings import Coupling, get_coupling
 from .drafts import Proposal, get_proposal
 from .engine import PREFETCH_POLICIES
-from .options import GRIDS, SamplerOptions, TunedFor, check_tuned_for, make_sde, pad_sizes, resolve
+from .options import GRIDS, SamplerOptions, TunedFor, check_tuned_for, declared_options, make_sde, pad_sizes, resolve
 from .records import RunContext
 from .results import SampleResult, SampleStats, returned, stats_of
 from .sde import GaussianChain
@@ -173,6 +173,15 @@ class RunSpec:
         )
 
 
+_NAMED_IN_RECORD = (
+    *("steps", "churn", "chain", "sigmas", "grid", "shift", "tree", "coupling", "draft", "prefetch", "verify"),
+    *("lazy", "max_rows", "model_kwargs", "record_deltas", "pad_rows"),
+)
+"""The options :func:`prepare`'s record names itself (as the chain's parameters, the tree's repr, the mode, ...)
+or leaves out (a run's call sizes, the model's keywords, what it keeps); each other option is recorded by
+its declared key."""
+
+
 def prepare(options: SamplerOptions) -> RunSpec:
     """The :class:`RunSpec` of validated options: the SDE, the coupling and a fresh draft of one run.
 
@@ -201,6 +210,8 @@ def prepare(options: SamplerOptions) -> RunSpec:
         verify=o.verify,
         mode="lazy" if o.lazy else "full",
     )
+    # every other declared option under its record key: a new field is in every run's record as it is
+    config.update({d.key: getattr(o, n) for n, d in declared_options(type(o)).items() if n not in _NAMED_IN_RECORD})
     return RunSpec(
         sde=sde,
         coupling=cp,
