@@ -291,3 +291,35 @@ def test_picard_sweeps_add_their_calls_to_every_chain_round_and_none_to_a_tree(s
     many = predict_seconds(curve, 30, 8, trees.chain(4), "internal", acc, 0.0)
     many_swept = predict_seconds(curve, 30, 8, trees.chain(4), "internal", acc, 0.0, sweeps=sweeps)
     assert many_swept[1] - 3 == pytest.approx((1 + sweeps) * (many[1] - 3))
+
+
+@pytest.mark.parametrize("chain,deterministic", [("em", 2), ("euler_ancestral", 1)])
+def test_the_predicted_calls_count_the_chains_own_deterministic_steps(chain, deterministic):
+    """em's first (from pure noise) and last steps carry no noise, Euler ancestral's last only: a run of 10 steps on a chain
+    of 3 that accepts every draft (a constant velocity: the frozen draft is exact) makes 1 + 1 + ceil(8 / 3)
+    + 1 = 6 calls on em and 1 + ceil(9 / 3) + 1 = 5 on Euler ancestral. The prediction with the chain's
+    count is the run's; the em count on Euler ancestral would be off by one."""
+    import math
+
+    import torch
+
+    from specforest import sample
+    from specforest.options import make_sde
+
+    # (em from pure noise, whose first step is a plain Euler step; Euler ancestral's VE levels need t < 1)
+    grid = torch.linspace(1.0 if chain == "em" else 0.9, 0.0, 11, dtype=torch.float64)
+    churn = 0.5 if chain == "em" else None
+    sde = make_sde(None, grid, "flow_match", 1.0, churn, chain)
+    assert int((~sde.stochastic).sum()) == deterministic
+    run = sample(
+        lambda x, t, **kw: torch.full_like(x, 0.3), torch.randn(1, 4, dtype=torch.float64),
+        sigmas=grid, churn=churn, chain=chain, tree=trees.chain(3), coupling="rmc", seed=0,
+    )  # fmt: skip
+    rounds = math.ceil((10 - deterministic) / 3)
+    assert int(run.stats.calls) == deterministic + 1 + rounds
+    curve = CostCurve((1, 1024), (1.0, 1.0))
+    always = lambda level, k: 1.0  # noqa: E731
+    _, calls = predict_seconds(curve, 10, 1, trees.chain(3), "internal", always, 0.0, deterministic=deterministic)
+    assert calls == int(run.stats.calls)
+    if deterministic != 2:
+        assert predict_seconds(curve, 10, 1, trees.chain(3), "internal", always, 0.0)[1] != calls

@@ -450,3 +450,30 @@ def test_the_cached_draft_is_timed_with_its_features_and_outer_block_calls(gmm):
     pred = Calibrator.calibrate(gmm, x, steps=20, churn=0.1, batch=1, drafts=("cached", "secant"), budget_max=8)
     got = {d: pred.predict(trees.chain(8), "rmc", "internal", d) for d in ("cached", "secant")}
     assert got["cached"].calls < got["secant"].calls
+
+
+def test_a_calibration_knows_its_chains_stochastic_steps(gmm):
+    """The calibrator reads the chain's own noisy steps on the run's grid: em from pure noise has two
+    steps without noise, Euler ancestral one (its last); the predictor's calls for a chain of the
+    calibrated length follow the chain's count (a real run of Euler ancestral within 4 standard errors
+    plus one call)."""
+    from specforest.latency import Calibrator
+
+    x = torch.randn(24, gmm.dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    em = Calibrator.calibrate(gmm, x, batch=1, drafts=("x0",), budget_max=8, steps=20, churn=0.3)
+    assert (em.calibration.first_stochastic, em.calibration.stochastic_steps) == (1, 18)
+    grid = torch.cat([torch.linspace(0.95, 0.05, 20, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+    opts = dict(chain="euler_ancestral")
+    ea = Calibrator.calibrate(
+        gmm, x, batch=1, drafts=("x0",), budget_max=8, steps=20, sigmas_for=lambda n: grid, **opts
+    )
+    assert (ea.calibration.first_stochastic, ea.calibration.stochastic_steps) == (0, 19)
+    calls = ea.predict(trees.chain(8), "rmc", "internal", "x0").calls
+    runs = [
+        specforest.sample(
+            gmm, x[i : i + 1], sigmas=grid, tree=trees.chain(8), coupling="rmc", draft="x0", seed=i, **opts
+        )
+        for i in range(24)
+    ]
+    nfe = torch.tensor([float(r.stats.calls) for r in runs], dtype=torch.float64)
+    assert abs(calls - float(nfe.mean())) < 4 * float(nfe.std() / 24**0.5) + 1.0

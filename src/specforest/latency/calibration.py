@@ -156,9 +156,12 @@ class AcceptanceRecords:
         """``a(l, k)`` of ``coupling`` from every record (the whole grid)."""
         return acceptance_model(self.records[:, [0, 2]], coupling)
 
-    def by_stretch(self, coupling: str, steps: int, bins: Optional[int] = None) -> list:
+    def by_stretch(
+        self, coupling: str, steps: int, bins: Optional[int] = None, first: int = 1, stochastic: Optional[int] = None
+    ) -> list:
         """``[(fraction of the stochastic steps, a(l, k))]`` over ``bins`` stretches of a grid of ``steps``
-        steps (``None``: one per stochastic step).
+        steps (``None``: one per stochastic step), whose ``stochastic`` steps (default ``steps -``
+        :data:`~specforest.latency.law.DETERMINISTIC_STEPS`, the ``em`` chain's) start at step ``first``.
 
         Acceptance changes along the grid, and rounds in easy stretches reach deep: one
         average over the grid would understate the steps a long round commits. A stretch
@@ -168,19 +171,20 @@ class AcceptanceRecords:
         Raises:
             ValueError: ``bins`` is not ``None`` or an int ``>= 1``.
         """
+        stochastic = max(steps - DETERMINISTIC_STEPS, 1) if stochastic is None else max(int(stochastic), 1)
         if bins is None:
-            bins = max(steps - DETERMINISTIC_STEPS, 1)
+            bins = stochastic
         elif not (isinstance(bins, int) and not isinstance(bins, bool) and bins >= 1):
             raise ValueError(f"bins must be an int >= 1 or None (one per stochastic step), got {bins!r}")
-        key = (coupling, steps, bins)
+        key = (coupling, steps, bins, first, stochastic)
         if key not in self._memo:
-            self._memo[key] = self._stretches(coupling, steps, bins)
+            self._memo[key] = self._stretches(coupling, bins, int(first), stochastic)
         return self._memo[key]
 
-    def _stretches(self, coupling: str, steps: int, bins: int) -> list:
+    def _stretches(self, coupling: str, bins: int, first: int, stochastic: int) -> list:
         d = self.records
         step = d[:, 1]
-        lo, hi = 1, max(steps - 1, 2)
+        lo, hi = first, first + max(stochastic, 1)
         width = (hi - lo) / bins
         out = []
         for i in range(bins):
@@ -223,6 +227,9 @@ class Calibration:
         prefetch: the sampler's prefetch policy of the runs.
         chain: the chain of the runs: ``"em"`` (the paper's, at ``churn``; the default) or a
             :class:`~specforest.chains.Chain` with its parameters.
+        first_stochastic, stochastic_steps: the first step with noise and how many there are, on the
+            run's grid (``None``: the ``em`` chain's, from step 1, ``steps -``
+            :data:`~specforest.latency.law.DETERMINISTIC_STEPS`); the rest no round verifies.
 
     Raises:
         TypeError / ValueError: a field of the wrong type or out of range, naming it.
@@ -240,9 +247,15 @@ class Calibration:
     max_rows: Optional[int] = None
     prefetch: str = "nearest"
     chain: "str | Chain" = "em"
+    first_stochastic: int = 1
+    stochastic_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps, 1)
+        check_int("first_stochastic", self.first_stochastic, 0, self.steps)
+        if self.stochastic_steps is None:
+            object.__setattr__(self, "stochastic_steps", max(self.steps - DETERMINISTIC_STEPS, 0))
+        check_int("stochastic_steps", self.stochastic_steps, 0, self.steps - self.first_stochastic)
         churn, chain = tuned_chain(self.churn, self.chain)
         object.__setattr__(self, "churn", churn)
         object.__setattr__(self, "chain", chain)

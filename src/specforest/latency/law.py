@@ -22,7 +22,9 @@ from .curve import CostCurve
 __all__ = ["DETERMINISTIC_STEPS", "PREFETCH_KINDS", "expected_steps", "predict_seconds", "steps_moments"]
 
 DETERMINISTIC_STEPS = 2
-"""Steps of every run that no round verifies: the first (from noise level 1) and the last (into 0)."""
+"""Steps of an ``em`` run that no round verifies: the first (from noise level 1) and the last (into 0).
+Another chain has its own (:attr:`~specforest.sde.GaussianChain.stochastic`; Euler ancestral's last step
+only): :func:`predict_seconds` takes the run's count."""
 
 
 PREFETCH_KINDS = ("sibling", "older", "own")
@@ -81,6 +83,7 @@ def predict_seconds(
     setup_seconds: float = 0.0,
     prefetch: str = "nearest",
     sweeps: int = 0,
+    deterministic: int = DETERMINISTIC_STEPS,
 ) -> "tuple[float, float]":
     """``(seconds of the run, calls)`` predicted for ``batch`` trajectories of ``steps`` steps.
 
@@ -104,6 +107,8 @@ def predict_seconds(
             a round whose tree (truncated to the steps left) is a chain makes that many more
             sequential calls before its verification, each of the chain's parents (its depth
             rows a trajectory), costed on the curve and counted as calls.
+        deterministic: the run's steps that no round verifies (its chain's steps of no noise:
+            :data:`DETERMINISTIC_STEPS` for ``em``), one call each.
 
     The run is simulated: ``batch`` trajectories step through the grid in
     lockstep calls (the first step, the first root's fetch, speculative rounds
@@ -134,7 +139,8 @@ def predict_seconds(
     s_round = per_round if callable(per_round) else (lambda rows: per_round)
     if tree is None:
         return setup_seconds + steps * (curve(batch) + s_round(batch)), float(steps)
-    stoch = max(steps - DETERMINISTIC_STEPS, 0)
+    deterministic = min(int(deterministic), steps)
+    stoch = steps - deterministic
     bins = [(1.0, acceptance)] if callable(acceptance) else list(acceptance)
     edges = []
     acc_at = 0.0
@@ -188,8 +194,8 @@ def predict_seconds(
         depth = min(h, tree.L)
         return depth if sweeps and tree.truncate(depth).max_children == 1 else 0
 
-    # the first deterministic step, the first root's fetch and the last step: one call each
-    ends = 3 * (curve(batch) + s_round(batch))
+    # each deterministic step (em's first and last) and the first root's fetch: one call each
+    ends = (deterministic + 1) * (curve(batch) + s_round(batch))
     if batch == 1:
         # one trajectory: the expectation itself, over (stochastic steps left, the start of the
         # round's draft), from the end of the grid back
@@ -208,11 +214,11 @@ def predict_seconds(
                 row.append((seconds, calls))
             value.append(row)
         seconds, calls = value[stoch][_FROM_OWN]
-        return setup_seconds + ends + seconds, 3.0 + calls
+        return setup_seconds + ends + seconds, deterministic + 1.0 + calls
     seconds, calls = _simulated(
         batch, stoch, law, rows_at, lambda rows: curve(rows) + s_round(rows), swept=swept, sweeps=sweeps, curve=curve
     )
-    return setup_seconds + ends + seconds, 3.0 + calls
+    return setup_seconds + ends + seconds, deterministic + 1.0 + calls
 
 
 def _simulated(

@@ -19,6 +19,7 @@ import torch
 
 from .. import trees
 from ..chains import Chain
+from ..options import make_sde, option_default
 from ..sampler import pad_sizes, sample
 from ..trees import DraftTree
 from .calibration import Calibration, Config, RoundCost, Timing
@@ -60,6 +61,24 @@ class TimingRun:
 def _grid(sigmas_for: Optional[Callable[[int], torch.Tensor]], steps: int) -> dict:
     """The grid options of a run of ``steps`` steps: the caller's grid when it has one."""
     return {"steps": steps} if sigmas_for is None else {"sigmas": sigmas_for(steps)}
+
+
+def _stochastic_steps(grid: dict, options: dict, churn: Any, chain: Any) -> dict:
+    """:class:`Calibration`'s ``first_stochastic`` and ``stochastic_steps``: the run's chain on its grid
+    (``grid``: :func:`_grid`'s; ``options``: the run's, with ``grid`` and ``shift`` where given)."""
+    sde = make_sde(
+        grid.get("steps"),
+        grid.get("sigmas"),
+        options.get("grid", option_default("grid")),
+        options.get("shift", option_default("shift")),
+        churn,
+        chain,
+    )
+    noisy = sde.stochastic.nonzero().flatten()
+    return {
+        "first_stochastic": int(noisy[0]) if noisy.numel() else 0,
+        "stochastic_steps": int(noisy.numel()),
+    }
 
 
 def _rows(cond: Optional[dict], n: int) -> Optional[dict]:
@@ -199,6 +218,7 @@ class Calibrator:
             max_rows=sample_kwargs.get("max_rows"),
             prefetch=sample_kwargs.get("prefetch", "nearest"),
             chain=chain,
+            **_stochastic_steps(_grid(sigmas_for, steps), sample_kwargs, churn, chain),
         )
         return cls(
             model, x, calibration=calibration, cond=cond, sigmas_for=sigmas_for, seed=seed, options=sample_kwargs

@@ -70,7 +70,8 @@ class Predictor:
         """``[(fraction of the stochastic steps, a(l, k))]`` over ``bins`` stretches of the grid (``None``:
         one per stochastic step), as :meth:`AcceptanceRecords.by_stretch` gives them."""
         records = self.calibration.records(coupling, self._draft(draft))
-        return records.by_stretch(coupling, self.calibration.steps, bins)
+        cal = self.calibration
+        return records.by_stretch(coupling, cal.steps, bins, cal.first_stochastic, cal.stochastic_steps)
 
     def network_factor(self, config: Optional[Config] = None) -> float:
         """A network call's cost inside a run over its cost on the curve.
@@ -192,5 +193,6 @@ class Predictor:
             setup,
             cal.prefetch,
             sweeps=get_proposal(self._draft(config.draft)).picard_sweeps if tree is not None else 0,
+            deterministic=cal.steps - cal.stochastic_steps,
         )
         return seconds / cal.batch, calls
