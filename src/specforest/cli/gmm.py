@@ -27,6 +27,7 @@ from .common import (
     compile_option,
     draft_option,
     extra_options,
+    extra_values,
     grid_option,
     int_list,
     json_option,
@@ -171,6 +172,7 @@ def gmm(ctx: click.Context, **o) -> None:
             budget=o["budget"],
             compile=o["compile_model"],
             warmup=bool(o["tune_file"]),
+            options=extra_values(o),
         )
     )
     rec = as_ran(run.record)

@@ -26,6 +26,7 @@ from .common import (
     compile_option,
     draft_option,
     extra_options,
+    extra_values,
     float_list,
     grid_option,
     json_option,
@@ -153,6 +154,7 @@ def pixel(ctx: click.Context, **o) -> None:
             compile=o["compile_model"],
             warmup=bool(o["tune_file"]),
             memory_gb=o["memory_gb"],
+            options=extra_values(o),
         )
     )
     rec = as_ran(run.record)

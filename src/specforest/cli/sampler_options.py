@@ -6,7 +6,8 @@ of one from that, with the command's own default (``--verify drafted`` in ``gmm`
 The choices of a registry-backed option (``--draft``, ``--chain``) are the registry's when the command runs
 (:class:`RegistryChoice`), so a registered plug-in is offered. :func:`extra_options` adds every exposed
 option that no command places itself (:data:`PLACED`): a new field with ``cli=True`` reaches every command
-that runs the sampler without another edit, and :func:`extra_values` hands its value on.
+that runs the sampler without another edit, and :func:`extra_values` hands its value on to the run
+(:mod:`specforest.experiments.further_options`: each experiment passes it to every run it makes and records it).
 The chains' own options (``--eta``, ``--s-noise``, ...: parameters of a chain, not fields) and the
 chain of a command's options (:func:`run_chain`) are here too.
 """
@@ -124,8 +125,12 @@ def extra_names() -> "tuple[str, ...]":
 
 
 def extra_values(o: dict) -> dict:
-    """The values of a command's :func:`extra_options`, by option name, to pass to the sampler as keywords."""
-    return {n: o[n] for n in extra_names() if n in o}
+    """The values of a command's :func:`extra_options` that differ from the option's default, by option name:
+    the further options a command passes to its run (:mod:`specforest.experiments.further_options`).
+
+    An option at its default is left to the sampler, which has the same default: a run's record, a
+    ``generate`` job or an SD3 study made before the option existed is the same run, and resumes as it was."""
+    return {n: o[n] for n in extra_names() if n in o and o[n] != option_default(n)}
 
 
 def prefetch_option():

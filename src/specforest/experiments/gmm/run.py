@@ -39,6 +39,7 @@ from ..common import (
     normalize,
     summarize,
 )
+from ..further_options import further_options, with_options
 from .setting import (
     STREAM_CALIBRATION_NOISE,
     STREAM_CALIBRATION_X,
@@ -104,10 +105,12 @@ def simulate(
     budget: int | None = None,
     compile: bool = False,
     warmup: bool = False,
+    options: dict | None = None,
 ) -> GMMRun:
     """Run one configuration and keep its samples; see :func:`run_config`."""
     if not isinstance(setting, GMMSetting):
         raise TypeError(f"setting must be a GMMSetting, got {type(setting).__name__}")
+    further = further_options(options, by="the gmm experiment's run")
     check_choice("method", method, METHODS)
     K = check_int("K", K, 1)
     L = check_int("L", L, 1)
@@ -164,6 +167,7 @@ def simulate(
                 prefetch=prefetch,
                 verify=verify,
                 seed=derive_seed(seed, STREAM_CALIBRATION_NOISE),
+                **further,
             )
 
         tree, budget = choose_tree(method, K, L, setting.steps, tree_mode, budget, plan)
@@ -191,6 +195,7 @@ def simulate(
         verify=verify,
         max_rows=mem.max_rows,
         lazy=lazy,
+        **further,
     )
     warmup_seconds = 0.0
     if warmup:
@@ -262,7 +267,7 @@ def simulate(
         "torch_version": torch.__version__,
         "platform": platform.platform(),
     }
-    return GMMRun(record, cat["samples"], tree)
+    return GMMRun(with_options(record, further), cat["samples"], tree)
 
 
 def run_config(setting: GMMSetting, **options) -> dict:
@@ -294,6 +299,10 @@ def run_config(setting: GMMSetting, **options) -> dict:
         warmup: call the target at every row count of the run's chunks before them
             (:func:`specforest.warmup.warm_up`; same samples); with many trajectories on a tree
             the calls are padded to :func:`specforest.warmup.pad_rows_for`'s sizes.
+        options: further options of :func:`specforest.sample` by name, passed to every run (the
+            calibration of a planned tree too) and recorded under their keys
+            (:mod:`specforest.experiments.further_options`); one the run sets itself (``steps``, ``churn``,
+            ``tree``, ... :data:`~specforest.experiments.further_options.SET_BY_RUNS`) is refused.
 
     Returns:
         A JSON-serializable dict (NaN written as ``None``) with the options (the setting's chain as

@@ -43,6 +43,7 @@ from ..common import (
     run_chain,
     summarize,
 )
+from ..further_options import further_options, with_options
 from .setting import (
     DETERMINISTIC_STEPS,
     MODEL_NAME,
@@ -103,6 +104,7 @@ def simulate(
     warmup: bool = False,
     memory_gb: Optional[float] = None,
     chain: "str | Chain" = "em",
+    options: Optional[dict] = None,
 ) -> PixelRun:
     """Sample ``samples`` class-conditional digits with one method and summarize.
 
@@ -139,6 +141,10 @@ def simulate(
         chain: the sampler's chain (:mod:`specforest.chains`): ``"em"`` (the paper's Euler-Maruyama
             step with ``churn``, the default), or another registered name or
             :class:`~specforest.chains.Chain` with its parameters (``get_chain("euler_ancestral", eta=0.7)``).
+        options: further options of :func:`specforest.sample` by name, passed to every run (the
+            calibration of a planned tree too) and recorded under their keys
+            (:mod:`specforest.experiments.further_options`); one the run sets itself (``steps``, ``churn``,
+            ``tree``, ... :data:`~specforest.experiments.further_options.SET_BY_RUNS`) is refused.
 
     Returns:
         A :class:`PixelRun`; its record holds the options and ``budget``, the
@@ -165,6 +171,7 @@ def simulate(
         check_option(name, value)  # (the choices the sampler's options declare)
     if method == "antithetic" and K % 2:
         raise ValueError(f"K must be even for the antithetic method (K/2 mirrored pairs per node), got {K}")
+    further = further_options(options, by="the pixel experiment's run")
     ch = run_chain(chain, churn, DEFAULT_CHURN)
     churn = chain_kwargs(ch)["churn"]
     if memory_gb is not None:
@@ -190,6 +197,7 @@ def simulate(
             verify=verify,
             cond={"class_labels": cl},
             generator=torch.Generator().manual_seed(derive_seed(seed, STREAM_CALIBRATION_NOISE)),
+            **further,
         )
 
     if isinstance(tree, DraftTree):
@@ -237,6 +245,7 @@ def simulate(
         verify=verify,
         lazy=lazy,
         max_rows=mem.max_rows,
+        **further,
     )
     cond = {"class_labels": labels}
     warmup_seconds = 0.0
@@ -294,4 +303,4 @@ def simulate(
         "specforest_version": __version__,
         "torch_version": torch.__version__,
     }
-    return PixelRun(record, out.samples.to(torch.float32), labels)
+    return PixelRun(with_options(record, further), out.samples.to(torch.float32), labels)
