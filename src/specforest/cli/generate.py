@@ -19,6 +19,7 @@ from .. import distributed
 from ..devices import default_device, default_dtype
 from ..experiments import generate as gen_exp
 from ..experiments.common import METHODS
+from ..experiments.further_options import options_record
 from ..trees import DraftTree
 from .common import (
     CHAIN_FLAGS,
@@ -34,6 +35,7 @@ from .common import (
     compile_option,
     draft_option,
     extra_options,
+    extra_values,
     grid_option,
     library_errors,
     method_option,
@@ -184,6 +186,9 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
     if isinstance(tree, DraftTree):
         # a tuned tree, kept as its parent list (K and L: its widest node and its depth)
         sampler.update(tree=tree.parent.tolist(), K=tree.max_children, L=tree.L)
+    # the further options under their keys, those at their default left out (extra_values): a job started
+    # before an option existed resumes as it was
+    sampler.update(options_record(extra_values(o)))
     if callable(model_options):
         model_options = library_errors(model_options)
     spec = library_errors(lambda: gen_exp.JobSpec(model, o["count"], o["seed"], sampler, model_options))

@@ -17,9 +17,11 @@ import torch
 from .. import memory
 from ..generation import MAX_COUNT
 from .common import METHODS, chain_of_record, check_choice, check_int
+from .further_options import further_options, options_of_record
 
 __all__ = [
     "IMAGE_MODELS",
+    "JOB_SAMPLER_KEYS",
     "MERGE_ROW_BYTES",
     "MODELS",
     "JobSpec",
@@ -27,6 +29,7 @@ __all__ = [
     "diffusers_options",
     "prompts_digest",
     "sampler_chain",
+    "sampler_further",
     "sd3_options",
 ]
 
@@ -42,6 +45,22 @@ MERGE_ROW_BYTES = 1024
 and label as NumPy scalars, in a dict keyed by its index) and its NFE in the list and in the JSON
 (about 700 bytes measured with CPython 3.11 and NumPy 2)."""
 
+JOB_SAMPLER_KEYS = (
+    "method",
+    "K",
+    "L",
+    "steps",
+    "grid",
+    "prefetch",
+    "verify",
+    "draft",
+    "churn",
+    "chain",
+    "chain_params",
+    "tree",
+)
+"""The sampler options every job records (:attr:`JobSpec.sampler`); any other key is a further option's."""
+
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -55,7 +74,10 @@ class JobSpec:
             ``grid``, ``prefetch``, ``verify``, ``draft``; ``chain``, the chain's name, and
             ``chain_params``, its parameters (a job without them runs the ``em`` chain at ``churn``,
             and ``churn`` is ``None`` with another chain); ``tree``, a parent list, for a
-            tree given as it is, e.g. a tuned one).
+            tree given as it is, e.g. a tuned one); and further options of :func:`specforest.sample`
+            under their record keys (``declared_options()[name].key``; :func:`sampler_further`), passed
+            to every run: a job without one ran at the option's default, and one given at its default is
+            best left out, so that such a job resumes as it was.
         model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``; ``sd3``:
             :func:`sd3_options`; ``diffusers``: :func:`diffusers_options`).
     """
@@ -72,6 +94,7 @@ class JobSpec:
         check_int("seed", self.seed, 0)
         check_choice("method", self.sampler.get("method"), METHODS)
         sampler_chain(self.sampler)  # the chain and its parameters, checked before anything is loaded
+        sampler_further(self.sampler)
 
     def options(self) -> dict:
         """What identifies the job's samples (``--batch`` and the process count do not)."""
@@ -82,6 +105,17 @@ class JobSpec:
             "sampler": dict(self.sampler),
             "model_options": dict(self.model_options),
         }
+
+
+def sampler_further(sampler: dict) -> dict:
+    """The further options of :func:`specforest.sample` a job's sampler options hold, by name: its keys beside
+    :data:`JOB_SAMPLER_KEYS`, each an option's record key (a job started before they existed has none).
+
+    Raises:
+        ValueError / TypeError: a key that is no option's, an option the job sets itself (``coupling``,
+            ``sigmas``, ``max_rows``, ...), or a value JSON does not hold, naming it.
+    """
+    return further_options(options_of_record(sampler, JOB_SAMPLER_KEYS), by="a generate job")
 
 
 def sampler_chain(sampler: dict) -> dict:

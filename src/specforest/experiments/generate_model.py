@@ -20,7 +20,7 @@ from ..atomic import atomic_write
 from ..options import SamplerOptions, make_sde
 from ..trees import from_parents
 from .common import COUPLING_OF, method_tree
-from .generate_job import JobSpec, prompts_digest, sampler_chain
+from .generate_job import JobSpec, prompts_digest, sampler_chain, sampler_further
 
 __all__ = ["JobModel", "gmm_model", "image_model", "pixel_model", "size_slots"]
 
@@ -52,14 +52,15 @@ class JobModel:
 
 
 def _tree_kwargs(o: dict) -> dict:
-    """The tree, coupling and round options of :func:`specforest.generate` for a job's sampler options ``o``."""
+    """The tree, coupling and round options of :func:`specforest.generate` for a job's sampler options ``o``,
+    with its further options (:func:`~.generate_job.sampler_further`)."""
     method = o["method"]
     # a tuned tree comes as its parent list; otherwise the method's (K, L) tree
     tree = from_parents(o["tree"]) if o.get("tree") is not None else method_tree(method, o["K"], o["L"], o["steps"])
     kwargs = dict(tree=tree, coupling=COUPLING_OF.get(method, "grs"), **sampler_chain(o))
     # a standard job records none of the draft's options (it uses none; a job started before recorded the defaults)
     kwargs.update({k: o[k] for k in ("draft", "prefetch", "verify") if o.get(k) is not None})
-    return kwargs
+    return {**kwargs, **sampler_further(o)}
 
 
 def gmm_model(spec: JobSpec) -> JobModel:
