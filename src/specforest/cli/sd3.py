@@ -18,6 +18,7 @@ from .common import (
     churn_option,
     draft_option,
     extra_options,
+    extra_values,
     int_list,
     lazy_option,
     library_errors,
@@ -225,6 +226,7 @@ def sd3(**o) -> None:
             seed=o["seed"],
             batch_size=o["batch_size"],
             max_sequence_length=o["max_sequence_length"],
+            options=extra_values(o),
         )
     )
     prompts = library_errors(lambda: sd3_exp.load_prompts(o["prompts_file"], o["num_prompts"]))

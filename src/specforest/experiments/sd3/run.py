@@ -50,7 +50,7 @@ def run_config(
     Args:
         pipe: a loaded ``StableDiffusion3Pipeline``.
         prompts: the captions (one image each).
-        setting: the study's :class:`~.setting.SD3Setting`.
+        setting: the study's :class:`~.setting.SD3Setting` (its further ``options`` go to every sampler call).
         method: ``standard``, ``rmc`` (chain of ``L`` drafted states), ``dgrs`` (``(K, L)`` tree)
             or ``tuned`` (``tuned``'s configuration).
         K, L: as recorded by :func:`~.setting.configs`.
@@ -124,6 +124,7 @@ def run_config(
             max_sequence_length=setting.max_sequence_length,
             pad_rows=pads.get(b),
             warmup=tuned is not None and b not in pads,
+            **setting.options,
         )
         pads.setdefault(b, res.config["pad_rows"])
         warmup_seconds += res.warmup_seconds

@@ -6,10 +6,11 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...options import check_option
 from ..common import budget_of, check_churn, check_int, check_number
+from ..further_options import further_options, with_options
 
 __all__ = ["DETERMINISTIC_STEPS", "METHODS", "SD3Setting", "configs", "setting_id"]
 
@@ -40,6 +41,10 @@ class SD3Setting:
         seed: seed of the initial latents and of the sampling noise.
         batch_size: images per sampler call (``None``: all at once).
         max_sequence_length: T5 tokens.
+        options: further options of :func:`specforest.sample` by name, passed to every run of the study
+            (:func:`specforest.diffusers.sample`, which refuses one it does not take) and recorded under
+            their keys (:mod:`specforest.experiments.further_options`); none the study sets itself
+            (``steps``, ``churn``, ``tree``, ...).
 
     Raises:
         ValueError / TypeError: on an invalid field, naming it.
@@ -60,6 +65,7 @@ class SD3Setting:
     seed: int = 0
     batch_size: int | None = None
     max_sequence_length: int = 256
+    options: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         for name, lo in (("height", 1), ("width", 1), ("steps", 3), ("L", 1), ("seed", 0), ("max_sequence_length", 1)):
@@ -76,12 +82,15 @@ class SD3Setting:
         check_number("shift", self.shift, 0.0, lo_open=True)
         for name in ("verify", "prefetch", "draft"):
             check_option(name, getattr(self, name))  # (the choices the sampler's options declare)
+        object.__setattr__(self, "options", further_options(self.options, by="the SD3 study"))
+        self.as_dict()  # (an option's key that is a field already is refused now, before any work)
 
     def as_dict(self) -> dict:
-        """The fields as a JSON-serializable dict (``K_values`` a list)."""
+        """The fields as a JSON-serializable dict (``K_values`` a list; the further options under their
+        record keys, none without them)."""
         d = dataclasses.asdict(self)
         d["K_values"] = list(self.K_values)
-        return d
+        return with_options(d, d.pop("options"))
 
 
 def configs(K_values: Sequence[int], L: int) -> list[tuple[str, int, int]]:
@@ -97,7 +106,8 @@ def configs(K_values: Sequence[int], L: int) -> list[tuple[str, int, int]]:
 def setting_id(setting: SD3Setting, prompts: Sequence[str], model: str, dtype: str) -> str:
     """Short hash of what makes results comparable: the setting (``K_values`` aside), captions, model, dtype.
 
-    ``K_values`` is left out so that a study can be extended to more ``K`` in the same directory.
+    ``K_values`` is left out so that a study can be extended to more ``K`` in the same directory; the
+    further options are in under their record keys (none without them: the ids of studies made before stay).
     """
     st = {k: v for k, v in setting.as_dict().items() if k != "K_values"}
     if st["draft"] == "velocity":
