@@ -142,6 +142,19 @@ def test_diffusers_command_follows_a_swapped_scheduler(saved, family, tmp_path):
     assert det.exit_code != 0 and "from_config" in det.output
 
 
+def test_diffusers_command_takes_every_chain_option(saved, tmp_path):
+    """--chain NAME with the chain's own options (here --s-noise) on 'specforest diffusers', as on every
+    command that runs the sampler: recorded with the chain's parameters; one the chain lacks is refused."""
+    out = tmp_path / "ea"
+    res = run_diffusers(saved, "sdxl", out, "--chain", "euler_ancestral", "--s-noise", 0.5, "--method", "rmc", "--L", 3)
+    assert res.exit_code == 0, res.output
+    opts = json.loads((out / "run.json").read_text())["options"]
+    assert opts["chain"] == "euler_ancestral" and opts["chain_params"]["s_noise"] == 0.5
+    bad = run_diffusers(saved, "sdxl", tmp_path / "bad", "--chain", "ddpm", "--s-noise", 0.5)
+    assert bad.exit_code == 2 and "--s-noise is not a parameter of chain 'ddpm'" in bad.output, bad.output
+    assert not (tmp_path / "bad").exists()
+
+
 def test_images_depend_on_the_seed_and_index_not_on_the_batch_size(saved, tmp_path):
     a, b, c = tmp_path / "all", tmp_path / "one", tmp_path / "other"
     assert run_diffusers(saved, "sd3", a).exit_code == 0

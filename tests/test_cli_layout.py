@@ -33,7 +33,7 @@ COMMANDS = {
     "couplings table": "--json --K-values --deltas",
     "diffusers": "--pipeline --prompts --num-prompts --negative-prompt --guidance --true-cfg-scale --shift --height "
     "--width --max-sequence-length --dtype --device --num-images-per-prompt --method --K --L --steps --churn --chain "
-    "--scheduler --eta --draft "
+    "--eta --s-noise --s-churn --solver-type --scheduler --draft "
     "--verify --prefetch --lazy --seed --batch-size --max-memory-gb --out --json --progress/--no-progress --threads "
     "--tune",
     "generate": "",

@@ -20,16 +20,20 @@ from typing import Any
 
 import click
 
-from ..chains import available_chains
 from ..devices import default_device, default_dtype
-from ..experiments.common import METHODS
+from ..experiments.common import METHODS, json_params
+from ..options import declared_options
 from .common import (
     CONTEXT,
     apply_tuned,
     as_ran,
+    chain_options,
     churn_option,
     draft_option,
+    extra_options,
+    extra_values,
     json_option,
+    lazy_option,
     library_errors,
     method_option,
     output_path,
@@ -286,27 +290,12 @@ def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
 @tree_size_options(K=2, L=2)
 @steps_option(None, family_shown("num_inference_steps"))
 @churn_option(None, family_shown("churn"))
-@click.option(
-    "--chain",
-    type=click.Choice([*available_chains(), "scheduler"]),
-    default=None,
-    show_default="em",
-    help="The sampler whose law the images have (docs/chains.md): a registered chain, or scheduler: the "
-    "pipeline's own stochastic scheduler as its step computes it (DDPM, DDIM with --eta, EulerAncestralDiscrete, "
-    "DPMSolverMultistep sde-dpmsolver++, LCM, TCD with --eta, FlowMatchEulerDiscrete with stochastic_sampling).",
-)
+@chain_options(extra=("scheduler",))
 @scheduler_option()
-@click.option(
-    "--eta",
-    type=click.FloatRange(0.0),
-    default=None,
-    help="eta (>= 0): the scheduler's step argument with --chain scheduler (DDIM, TCD), else the chain's own "
-    "parameter (euler_ancestral, ddim, dpmpp_2m_sde).",
-)
 @draft_option()
 @verify_option("internal")
 @prefetch_option()
-@click.option("--lazy", is_flag=True, help="Draft only the visited nodes: same law of images and NFE, far less memory.")
+@lazy_option("Draft only the visited nodes: same law of images and NFE, far less memory.")
 @seed_option("the images: image i's latents and noise come from (--seed, i) alone")
 @click.option(
     "--batch-size",
@@ -334,6 +323,7 @@ def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
 @json_option()
 @progress_option("Progress bar of the sampler on stderr.")
 @threads_option()
+@extra_options
 @tune_option(
     "A JSON written by 'specforest tune --model diffusers' for a pipeline of the same family: its tree, "
     "coupling, verify, draft and prefetch replace --method/--K/--L/--draft/--verify/--prefetch (giving any "
@@ -378,6 +368,7 @@ def diffusers_command(**o) -> None:
     chain = pipeline_chain(o, ctx)
     keys = ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size", "eta")
     sampler = as_ran({k: o[k] for k in keys})
+    sampler.update({declared_options()[k].key: v for k, v in extra_values(o).items()})
     if tuned is not None:
         sampler.update(tuned=tuned.label, tune_file=str(Path(o["tune_file"]).resolve()), coupling=tuned.coupling)
     record = {
@@ -390,6 +381,11 @@ def diffusers_command(**o) -> None:
             **options,
             **sampler,
             "chain": o["chain"] or "em",
+            **(
+                {"chain_params": json_params(chain["chain"].params)}
+                if not isinstance(chain.get("chain", ""), str)
+                else {}
+            ),
             "scheduler": type(pipe.scheduler).__name__,
             "num_images_per_prompt": o["num_images_per_prompt"],
             "max_memory_gb": o["max_memory_gb"],
@@ -420,6 +416,7 @@ def diffusers_command(**o) -> None:
             max_memory_gb=o["max_memory_gb"],
             progress=o["progress"],
             **chain,
+            **extra_values(o),
             **options,
         )
     )
