@@ -26,6 +26,7 @@ from .common import (
     check_named_grid,
     churn_option,
     extra_options,
+    extra_values,
     is_given,
     library_errors,
     output_path,
@@ -138,6 +139,7 @@ def _tune_sd3(o: dict, drafts: list):
             max_sequence_length=o["max_sequence_length"],
             max_memory_gb=o["max_memory_gb"],
             progress=o["progress"],
+            **extra_values(o),
         )
     )
 
@@ -172,6 +174,7 @@ def _tune_diffusers(o: dict, drafts: list):
             max_memory_gb=o["max_memory_gb"],
             progress=o["progress"],
             **chain,
+            **extra_values(o),
             **options,
         )
     )
@@ -366,5 +369,6 @@ def _tune_small(o: dict, drafts: list, tune_fn, every: bool, chain):
             progress=o["progress"],
             grid=NAMED_GRID,
             shift=NAMED_GRID_SHIFT,
+            **extra_values(o),
         )
     )
