@@ -2,7 +2,8 @@
 
 Adding an option is one edit: a field declared with :func:`specforest.options.option` is taken by
 ``sample``, ``generate`` and ``tune`` and appears, with its help, on every command that runs the sampler,
-its value reaching the runs of ``gmm``, ``pixel`` and ``generate`` and their records under its key (shown in
+its value reaching the runs of ``gmm``, ``pixel``, ``generate``, ``sd3``, ``diffusers`` (through a pipeline
+family's ``sample``) and ``tune``, and their records (``specforest.sample``'s too) under its key (shown in
 a fresh process, on a test-only subclass put in the module's place before the command line is built). The
 experiments take such further options as given and refuse one they set themselves. And the registry-backed
 choices (``--draft``, ``--chain``, the ``coupling`` option) are the registries', a plug-in registered here
@@ -142,6 +143,7 @@ _ONE_EDIT = textwrap.dedent(
     model = lambda x, t, **kw: -x
     res = specforest.sample(model, torch.zeros(2, 3), steps=4, churn=0.5, boost=2, seed=0)
     out["sample"] = list(res.samples.shape)
+    out["sample_record"] = res.config.get("boost_level")
     try:
         specforest.sample(model, torch.zeros(2, 3), steps=4, churn=0.5, boosted=2, seed=0)
     except TypeError as e:
@@ -173,7 +175,8 @@ _ONE_EDIT = textwrap.dedent(
         if res.exit_code == 0 and (record or "--json" in args):
             # the JSON of gmm and pixel, a job's (its sampler options) or the SD3 study's results (its last)
             rec = json.loads(record.read_text()) if record else json.loads(res.stdout)
-            rec = rec[-1] if isinstance(rec, list) else rec.get("options", {}).get("sampler", rec)
+            rec = rec[-1] if isinstance(rec, list) else rec.get("options", rec)
+            rec = rec.get("sampler", rec)  # (a job's sampler options; specforest diffusers' options)
             recorded = rec.get("boost_level", "absent")
         out["runs"][name] = [res.exit_code, BOOSTS[:], recorded]
 
@@ -205,6 +208,11 @@ _ONE_EDIT = textwrap.dedent(
     run("generate sd3", "generate", "sd3", *SMALL, *PIPE, "--count", 1, "--out", tmp / "img", "--boost", 3, record=tmp / "img.json")
     STUDY = ["--K-values", 2, "--L", 1, "--steps", 4, "--device", "cpu", "--no-progress", "--out", tmp / "study"]
     run("sd3", "sd3", *PIPE, *STUDY, "--boost", 3, record=tmp / "study" / "results.json")
+    FAMILY = ["--pipeline", tmp / "sd3", "--prompts", tmp / "captions.txt", "--height", 16, "--width", 16]
+    FAMILY += ["--max-sequence-length", SEQ, "--dtype", "float32", "--device", "cpu"]
+    run("diffusers", "diffusers", *FAMILY, *SMALL, "--out", tmp / "fam", "--boost", 3, record=tmp / "fam" / "run.json")
+    TUNE = ["--model", "gmm", "--dim", 3, "--components", 2, "--steps", 6, "--budget-max", 2, "--drafts", "velocity"]
+    run("tune", "tune", *TUNE, "--no-progress", "--out", tmp / "t.json", "--boost", 3)
     print(json.dumps(out))
     """
 )
@@ -240,10 +248,13 @@ def test_adding_an_option_is_one_edit():
     assert runs["old boosted"][0] != 0 and "boost_level: None on disk, 3 now" in runs["old boosted"][2]
     # the SD3 study hands the option to specforest.diffusers.sample (every call: test_a_further_option_reaches_...):
     # carried to every run and recorded where that takes further options, else refused naming it; never dropped
-    code, boosts, recorded = runs["sd3"]
-    assert (code == 0 and boosts and set(boosts) == {3} and recorded == 3) or (
-        code != 0 and not boosts and "boost" in recorded
-    ), runs["sd3"]
+    for name in ("sd3", "diffusers"):
+        code, boosts, recorded = runs[name]
+        assert code == 0 and boosts and set(boosts) == {3} and recorded == 3, (name, runs[name])
+    # every run the tuner makes (its calibration, timing runs and race) takes it
+    code, boosts, recorded = runs["tune"]
+    assert code == 0 and len(boosts) > 3 and set(boosts) == {3}, runs["tune"]
+    assert out["sample_record"] == 2  # specforest.sample's record: under its key
 
 
 def _gmm_setting() -> "gmm_exp.GMMSetting":

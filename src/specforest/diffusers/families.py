@@ -190,12 +190,18 @@ def sample(pipe: Any, prompt: "str | list[str] | None" = None, **options: Any) -
 
     Raises:
         TypeError: for a pipeline of no supported family (naming the supported
-            ones), or an option the family does not take (naming the family).
+            ones), or an option the family does not take (naming the family). A field
+            of :class:`~specforest.options.SamplerOptions` the family's ``sample`` has no
+            parameter for is passed to the sampler (its further options).
         ValueError / MemoryError / FloatingPointError: as the family's ``sample``.
     """
+    from .. import options as sampler_options
+
     family = family_of(pipe)
     params = inspect.signature(family.sample).parameters
-    unknown = sorted(k for k in options if k not in params)
+    # (a field of SamplerOptions without a parameter goes to the family's further options, which check it)
+    further = sampler_options.SamplerOptions.names()
+    unknown = sorted(k for k in options if k not in params and k not in further)
     if unknown:
         raise TypeError(
             f"{', '.join(unknown)}: not an option of the {family.name} family's sample "
