@@ -1,4 +1,4 @@
-"""One prepared GPU run: the digits model, SD3-medium- and Flux-dev-sized transformers, on CUDA.
+"""One prepared GPU run: the digits model, SD3-medium- and Flux-dev-sized transformers, an SDXL-sized UNet, on CUDA.
 
     benchmarks/gpu.sh             # on one large CUDA GPU: at most 8 minutes, no downloads
     benchmarks/gpu.sh --dry-run   # the same code paths at tiny sizes on the CPU
@@ -33,10 +33,16 @@ stops where it is, keeps what it measured and says what it did not reach:
    to 8, one calibration image), and timed runs of the standard sampler, an RMC
    chain of 4 and the tuned configuration (sampler time per round, wall per image,
    predicted, speedup).
-5. ``digits-throughput``: the digits protocol at 64 images per run, with the time left.
+5. ``sdxl-euler-ancestral-1024``, ``sdxl-dpmpp-2m-sde-1024``: the pipeline's own scheduler
+   (``chain="scheduler"``) in a ``StableDiffusionXLPipeline`` built in code around
+   stable-diffusion-xl-base-1.0's UNet with random weights in bf16, 1024 x 1024, Euler ancestral
+   (T = 30) and DPM++ 2M SDE (T = 25): the standard sampler against RMC chains, one image per
+   run (NFE, T/NFE, wall speedup, sampler time per round beside the UNet call);
+   :mod:`gpu_schedulers`.
+6. ``digits-throughput``: the digits protocol at 64 images per run, with the time left.
 
 Each stage's transformer model is built once per family (both sizes share it) and freed
-before the next family's.
+before the next family's; the SDXL pipeline once for both schedulers, after the transformers.
 
 Writes the ``gpu`` section of ``benchmarks/RESULTS.md`` and the GPU rows of its
 ``wallclock`` section (the sub-block ``wallclock_gpu``; the CPU rows stay as they
@@ -50,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import math
 import shutil
@@ -66,8 +73,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # wallclock.py, beside this file
+sys.path.insert(0, str(HERE))  # wallclock.py and gpu_schedulers.py, beside this file
 
+import gpu_schedulers  # noqa: E402
 import wallclock  # noqa: E402
 
 RESULTS = HERE / "RESULTS.md"
@@ -200,6 +208,7 @@ class Plan:
     race: int
     runs: int  # timed runs per transformer row
     throughput_batch: int
+    sdxl: gpu_schedulers.SDXLPlan  # the scheduler stages'
     shares: dict = field(default_factory=dict)
 
     @classmethod
@@ -226,6 +235,7 @@ class Plan:
             race=1,
             runs=2,
             throughput_batch=64,
+            sdxl=gpu_schedulers.SDXLPlan.full(),
             shares=SHARES,
         )
 
@@ -253,6 +263,7 @@ class Plan:
             race=1,
             runs=1,
             throughput_batch=4,
+            sdxl=gpu_schedulers.SDXLPlan.dry_run(),
             shares=SHARES,
         )
 
@@ -260,15 +271,18 @@ class Plan:
 SHARES = {
     "digits-law": 20,
     "digits-syncs": 15,
-    "digits-latency": 90,
-    "sd3-512": 35,
-    "sd3-1024": 50,
-    "flux-512": 60,
-    "flux-1024": 150,
+    "digits-latency": 80,
+    "sd3-512": 30,
+    "sd3-1024": 45,
+    "flux-512": 50,
+    "flux-1024": 100,
+    "sdxl-euler-ancestral-1024": 40,
+    "sdxl-dpmpp-2m-sde-1024": 40,
     "digits-throughput": 20,
 }
 """Each stage's share of the budget (seconds of a 450-second run; what a stage leaves passes on to
 the stages after it in proportion to their shares, so the last, throughput, gets what is left)."""
+GPU_HEADING = "## GPU: digits, diffusers-sized transformers and an SDXL-sized UNet on CUDA"
 REPORT_SECONDS = 10.0
 """Kept back from the stages for writing the report."""
 
@@ -798,6 +812,12 @@ def stage_transformer(plan: Plan, spec: TransformerSpec, st: Stage) -> None:
     )
 
 
+def stage_scheduler(plan: Plan, case: gpu_schedulers.SchedulerCase, st: Stage) -> None:
+    """A scheduler stage (:func:`gpu_schedulers.stage_scheduler`), the transformers freed first."""
+    _MODELS.clear()  # the transformer leaves the GPU before the SDXL UNet is built beside it
+    gpu_schedulers.stage_scheduler(plan.sdxl, case, st)
+
+
 # -- the report ------------------------------------------------------------------------------------
 
 
@@ -929,6 +949,8 @@ def report(plan: Plan, stages: dict, budget: float, total: float, command: str) 
                 f"{meas} |"
             )
 
+    gpu += gpu_schedulers.report_lines(plan.sdxl, [stages[key] for key in gpu_schedulers.STAGES])
+
     # the wallclock section's GPU rows: curves, then wallclock.py's latency tables
     rows = [
         f"`{command}` on {machine}{dry}. The digits model through `benchmarks/wallclock.py`'s protocol "
@@ -981,6 +1003,15 @@ def _jsonable(obj: Any) -> Any:
     return repr(obj)
 
 
+def _import_error(name: str) -> Optional[str]:
+    """Why ``import name`` fails, or ``None`` where it does not."""
+    try:
+        importlib.import_module(name)
+    except ImportError as err:
+        return str(err)
+    return None
+
+
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU; writes a temporary copy")
@@ -1018,12 +1049,8 @@ def main(argv: Optional[list] = None) -> int:
         torch.set_num_threads(1)  # a shared machine: one thread, as the CPU benchmarks do
 
     specs = {s.key: s for s in transformer_specs(args.dry_run)}
-    try:
-        import diffusers  # noqa: F401
-
-        no_diffusers = None
-    except ImportError as err:
-        no_diffusers = str(err)
+    # (transformers: the SDXL pipeline's text encoders and tokenizer)
+    no_diffusers, no_transformers = _import_error("diffusers"), _import_error("transformers")
     fns: dict[str, Callable] = {
         "digits-law": lambda st: stage_law(plan, st),
         "digits-syncs": lambda st: stage_syncs(plan, st),
@@ -1032,23 +1059,28 @@ def main(argv: Optional[list] = None) -> int:
     }
     for key, spec in specs.items():
         fns[key] = lambda st, spec=spec: stage_transformer(plan, spec, st)
+    for case in gpu_schedulers.SCHEDULERS:
+        fns[case.key] = lambda st, case=case: stage_scheduler(plan, case, st)
     stages = {name: Stage(name, box=float(share)) for name, share in plan.shares.items()}
     todo = []
     for name, st in stages.items():
         if only is not None and name not in only:
             st.status, st.box = "not asked for (--only)", 0.0
-        elif name in specs and no_diffusers:
+        elif (name in specs or name in gpu_schedulers.STAGES) and no_diffusers:
             st.status, st.box = f"skipped: diffusers not importable ({no_diffusers})", 0.0
+        elif name in gpu_schedulers.STAGES and no_transformers:
+            st.status, st.box = f"skipped: transformers not importable ({no_transformers})", 0.0
         else:
             todo.append(st)
     run_stages(todo, fns, deadline)
     _MODELS.clear()
+    gpu_schedulers.release()
 
     command = "benchmarks/gpu.sh" + (" --dry-run" if args.dry_run else "")
     gpu_body, rows_body = report(plan, stages, args.budget, time.monotonic() - t_start, command)
     from specforest.experiments.results import replace_section
 
-    replace_section(out, "gpu", "## GPU: digits and diffusers-sized transformers on CUDA", gpu_body)
+    replace_section(out, "gpu", GPU_HEADING, gpu_body)
     wallclock.write_gpu_rows(out, rows_body)
     if args.json is not None:
         from specforest.experiments.io import atomic_write_text

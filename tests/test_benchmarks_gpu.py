@@ -3,8 +3,11 @@
 The GPU run itself needs a CUDA machine; what can be checked here is that its
 dry run (the same stages at tiny sizes) runs end to end and writes only its own
 blocks of a results file, that its time boxes stop a stage, that its law smoke
-test tells a shifted sample from an equal one, and that the GPU rows of the
-``wallclock`` section survive ``benchmarks/wallclock.py`` rewriting its CPU rows.
+test tells a shifted sample from an equal one, that the GPU rows of the
+``wallclock`` section survive ``benchmarks/wallclock.py`` rewriting its CPU rows,
+and that the scheduler stages (``benchmarks/gpu_schedulers.py``: an SDXL-sized
+UNet with Euler ancestral and DPM++ 2M SDE) run at the dry run's sizes and report
+their rows, or say why they did not run.
 """
 
 from __future__ import annotations
@@ -150,6 +153,67 @@ def test_the_configurations_are_the_released_models(gpu):
     assert specs["flux-512"].latent == (16, 64, 64) and specs["flux-512"].image_tokens == 1024
 
 
+def test_the_sdxl_unet_is_the_released_one_and_the_shares_fit_the_budget(gpu):
+    import diffusers
+
+    sch = gpu.gpu_schedulers
+    size = gpu.Plan.full().sdxl.size
+    with torch.device("meta"):  # shapes only: no memory, no time
+        unet = diffusers.UNet2DConditionModel(**size.unet)
+    assert sum(p.numel() for p in unet.parameters()) == 2_567_463_684  # stable-diffusion-xl-base-1.0's UNet
+    assert size.unet["cross_attention_dim"] == sum(size.widths) == 768 + 1280 and size.tokens == 77
+    assert size.unet["projection_class_embeddings_input_dim"] == 6 * 256 + size.projection
+    assert size.latent == (4, 128, 128) and gpu.Plan.dry_run().sdxl.size.latent == (4, 8, 8)
+    assert [gpu.Plan.full().sdxl.steps(c) for c in sch.SCHEDULERS] == [30, 25]
+    assert all(key in gpu.SHARES for key in sch.STAGES)
+    assert sum(gpu.SHARES.values()) + gpu.REPORT_SECONDS <= 450  # the default budget
+
+
+def test_the_scheduler_stages_run_at_dry_sizes_and_report_their_rows(gpu):
+    """Both scheduler stages in their boxes at the dry run's sizes (a few seconds), and the report's rows."""
+    sch = gpu.gpu_schedulers
+    plan = gpu.Plan.dry_run()
+    stages = {name: gpu.Stage(name, box=float(share)) for name, share in plan.shares.items()}
+    todo = [stages[key] for key in sch.STAGES]
+    fns = {c.key: lambda st, c=c: gpu.stage_scheduler(plan, c, st) for c in sch.SCHEDULERS}
+    try:
+        gpu.run_stages(todo, fns, time.monotonic() + gpu.REPORT_SECONDS + 120)
+    finally:
+        sch.release()
+    for st in todo:
+        assert st.status == "done", st.status  # a failure in the stage is recorded as "failed: ..."
+        rows = st.result["rows"]
+        assert [r["label"] for r in rows] == ["standard", "RMC chain B=2, secant", "RMC chain B=4, secant"]
+        for r in rows:
+            assert 1 <= r["nfe"] <= st.result["steps"] == 4 and r["t_over_nfe"] == pytest.approx(4 / r["nfe"])
+            assert r["wall_s"] > 0 and r["sampler_ms"] > 0 and r["network_ms"] > 0 and r["speedup"] > 0
+        assert st.result["best"] == min(rows[1:], key=lambda r: r["wall_s"])["label"]
+    body, _ = gpu.report(plan, stages, 450.0, 1.0, "benchmarks/gpu.sh --dry-run")
+    for label in ("Euler ancestral", "DPM++ 2M SDE"):
+        (row,) = [line for line in body.splitlines() if line.startswith(f"| {label} | 4 | 4, ")]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3].startswith("RMC chain B=") and float(cells[5]) > 0 and cells[6].endswith("x")
+        assert len([line for line in body.splitlines() if line.startswith(f"| {label} | RMC chain B=")]) == 2
+
+
+def test_a_scheduler_stage_that_did_not_run_says_why_in_its_row(gpu):
+    sch = gpu.gpu_schedulers
+    skipped = gpu.Stage(sch.STAGES[0], status="not asked for (--only)")
+    failed = gpu.Stage(sch.STAGES[1], status="failed: RuntimeError: CUDA out of memory")
+    lines = sch.report_lines(gpu.Plan.full().sdxl, [skipped, failed])
+    assert "| Euler ancestral | 30 | not run (not asked for (--only)) | - |" in "\n".join(lines)
+    assert "| DPM++ 2M SDE | 25 | not run (failed: RuntimeError: CUDA out of memory) | - |" in "\n".join(lines)
+    # the best exact configuration is the one of least wall time, and only an exact one
+    runs = {
+        "standard": [(2.0, 30, 30, 0.1, 1.9, {})],
+        "A": [(3.0, 10, 10, 0.1, 2.9, {})],
+        "B": [(1.5, 15, 15, 0, 1, {})],
+    }
+    rows, best = sch.summarize(runs, 30)
+    assert best == "B" and [r["speedup"] for r in rows] == [1.0, 2.0 / 3.0, 2.0 / 1.5]
+    assert sch.summarize({"standard": runs["standard"], "A": []}, 30)[1] is None
+
+
 def test_dry_run_refuses_to_write_the_committed_results(gpu):
     with pytest.raises(SystemExit) as err:
         gpu.main(["--dry-run", "--out", str(BENCH / "RESULTS.md")])
@@ -157,7 +221,7 @@ def test_dry_run_refuses_to_write_the_committed_results(gpu):
 
 
 @pytest.mark.slow
-def test_the_dry_run_runs_every_stage_and_writes_only_its_blocks(tmp_path):
+def test_the_dry_run_runs_every_stage_and_writes_only_its_blocks(tmp_path, gpu):
     """The whole script, as ``benchmarks/gpu.sh --dry-run`` runs it (about 40 s here)."""
     committed = BENCH / "RESULTS.md"
     before = hashlib.sha256(committed.read_bytes()).hexdigest()
@@ -183,6 +247,12 @@ def test_the_dry_run_runs_every_stage_and_writes_only_its_blocks(tmp_path):
     assert stages["digits-syncs"]["rows"][0]["counted"] == 0  # the standard sampler reads nothing in a round
     for key in ("sd3-512", "sd3-1024", "flux-512", "flux-1024"):
         assert [r["label"].split(",")[0] for r in stages[key]["latency"]["rows"]][:2] == ["standard", "RMC chain B=4"]
+    for key, label in (("sdxl-euler-ancestral-1024", "Euler ancestral"), ("sdxl-dpmpp-2m-sde-1024", "DPM++ 2M SDE")):
+        rows = stages[key]["rows"]
+        assert [r["label"] for r in rows] == ["standard", "RMC chain B=2, secant", "RMC chain B=4, secant"]
+        assert all(r["nfe"] >= 1 and r["wall_s"] > 0 and r["sampler_ms"] > 0 for r in rows)
+        assert stages[key]["best"] in {r["label"] for r in rows[1:]}
+        assert f"| {label} | 4 | 4, " in run.stdout  # its summary row, with numbers, in the printed table
     text = out.read_text()
     # the file outside the two blocks is the committed one: CPU rows untouched
     begin, end = "<!-- wallclock_gpu:begin -->", "<!-- wallclock_gpu:end -->"
@@ -190,4 +260,4 @@ def test_the_dry_run_runs_every_stage_and_writes_only_its_blocks(tmp_path):
     outside = outside.split("<!-- gpu:begin -->")[0].rstrip()
     kept = original.split("\nGPU rows (")[0] if "\nGPU rows (" in original else original.split(begin)[0]
     assert outside.startswith(kept.rstrip())
-    assert "## GPU: digits and diffusers-sized transformers on CUDA" in text and "DRY RUN" in text
+    assert gpu.GPU_HEADING in text and "DRY RUN" in text
