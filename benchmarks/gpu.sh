@@ -7,10 +7,13 @@
 #
 # The package is imported from this checkout's src/ (no install: it is pure Python, and its
 # core needs, torch, numpy, scipy, safetensors and tqdm, are on a CUDA image). diffusers, for
-# the transformer stages, is imported if installed, else installed offline from the wheels in
-# $SPECFOREST_WHEELS (default: .whl in the checkout); without it those stages are skipped and
-# say so. The budget in seconds is $SPECFOREST_GPU_BUDGET (default 450; gpu.py keeps to it and
-# this script stops it 30 s after); other options pass through to gpu.py (--only STAGES, --json PATH).
+# the transformer and SDXL scheduler stages, is imported if installed, else installed offline from
+# the wheels in $SPECFOREST_WHEELS (default: .whl in the checkout); without it those stages are
+# skipped and say so. The SDXL stages (an SDXL-base-sized UNet at 1024x1024 with Euler ancestral
+# and DPM++ 2M SDE, benchmarks/gpu_schedulers.py) also need transformers (on a CUDA image) for
+# their text encoders and tokenizer, built in code. The budget in seconds is $SPECFOREST_GPU_BUDGET
+# (default 450; gpu.py keeps to it and this script stops it 30 s after); other options pass
+# through to gpu.py (--only STAGES, --json PATH).
 # The interpreter is $PYTHON, default the checkout's .venv/bin/python where it exists, else python3.
 set -euo pipefail
 
@@ -31,7 +34,7 @@ if ! "$python" -c "import diffusers" 2>/dev/null; then
         "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl
         export PYTHONPATH="$PYTHONPATH:$site"
     else
-        echo "[gpu.sh] diffusers is not importable and $wheels holds no wheels: the transformer stages will be skipped" >&2
+        echo "[gpu.sh] diffusers is not importable and $wheels holds no wheels: the transformer and SDXL stages will be skipped" >&2
     fi
 fi
 
