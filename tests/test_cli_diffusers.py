@@ -447,6 +447,11 @@ def test_tune_diffusers_tunes_the_pipelines_own_scheduler_and_its_file_runs_it(s
     assert run.exit_code == 0, run.output
     opts = json.loads((tmp_path / "run" / "run.json").read_text())["options"]
     assert opts["chain"] == "scheduler" and opts["scheduler"] == "TCDScheduler" and opts["eta"] == 0.3
+    gen = _generate(saved, "sd", tmp_path / "job", "--tune", path)
+    assert gen.exit_code == 0, gen.output
+    job = json.loads((tmp_path / "job.json").read_text())["options"]
+    assert job["sampler"]["chain"] == "scheduler" and job["sampler"]["chain_params"] == {"eta": 0.3}
+    assert job["model_options"]["scheduler"] == "TCDScheduler"
     res = run_diffusers(saved, "sd", tmp_path / "x", "--tune", path, "--eta", 0.5)
     assert res.exit_code == 2 and "--eta 0.5 here, 0.3 in the file (chain scheduler)" in res.output, res.output
     res = run_diffusers(saved, "sd", tmp_path / "y", "--tune", path, "--scheduler", "DDPMScheduler")

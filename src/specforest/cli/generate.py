@@ -22,7 +22,6 @@ from ..experiments.common import METHODS
 from ..experiments.further_options import options_record
 from ..trees import DraftTree
 from .common import (
-    CHAIN_FLAGS,
     CONTEXT,
     MODEL_DEFAULTS,
     NAMED_GRID_SHIFT,
@@ -51,18 +50,24 @@ from .common import (
     tune_option,
     verify_option,
 )
-from .diffusers import FAMILY_FLAGS, family_given, family_pipeline_options, family_shown, tuned_run_keys
+from .diffusers import (
+    FAMILY_FLAGS,
+    family_given,
+    family_pipeline_options,
+    family_shown,
+    pipeline_chain,
+    scheduler_option,
+    tuned_run_keys,
+)
 from .sd3 import pipeline_options
 
 __all__ = ["generate"]
 
 
 def _scheduler_settings(o: dict) -> dict:
-    """What a job records of ``--chain scheduler``: its step's ``eta``; the other chain options are refused."""
-    given = [flag for p, flag in CHAIN_FLAGS.items() if p != "eta" and o.get(p) is not None]
-    if given:
-        raise click.UsageError(f"{', '.join(given)}: --chain scheduler takes the scheduler's own settings (and --eta)")
-    return {"churn": None, "chain": "scheduler", "chain_params": {"eta": o.get("eta") or 0.0}}
+    """What a job records of ``--chain scheduler``: its step's ``eta``; the other chain options and ``--churn``
+    are refused (:func:`~specforest.cli.diffusers.pipeline_chain`)."""
+    return {"churn": None, "chain": "scheduler", "chain_params": {"eta": pipeline_chain(o)["eta"]}}
 
 
 def _job_options(model: str, K: int, L: int, device: bool = True):
@@ -294,14 +299,7 @@ def generate_sd3(**o):
 @generate.command("diffusers", context_settings=CONTEXT)
 @_job_options("diffusers", K=2, L=2, device=False)
 @family_pipeline_options()
-@click.option(
-    "--scheduler",
-    "scheduler_name",
-    default=None,
-    metavar="NAME",
-    help="Swap the pipeline's scheduler for diffusers' class NAME, made from its config (recorded with the job); "
-    "with --chain scheduler its chain is followed.",
-)
+@scheduler_option(" Recorded with the job.")
 def generate_diffusers(**o):
     """Images from a local diffusers pipeline of any supported family (read from DIR/model_index.json):
     image i has caption i mod n; OUT is a folder of PNGs by index.
@@ -314,7 +312,9 @@ def generate_diffusers(**o):
     from ..experiments.pipelines import family_options
 
     family = library_errors(lambda: family_of_directory(o["pipeline_path"]))
-    o, _ = apply_tuned(o, "diffusers", run=tuned_run_keys(), fixed={"family": family.name})
+    o, _ = apply_tuned(
+        o, "diffusers", run={**tuned_run_keys(), "scheduler": "scheduler_name"}, fixed={"family": family.name}
+    )
     ctx = click.get_current_context()
     flags = {p.name: p.opts[0] for p in ctx.command.params}
     names = {lib: flags[k] for k, lib in FAMILY_FLAGS.items()}
