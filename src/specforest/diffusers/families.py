@@ -199,8 +199,10 @@ def sample(pipe: Any, prompt: "str | list[str] | None" = None, **options: Any) -
 
     family = family_of(pipe)
     params = inspect.signature(family.sample).parameters
-    # (a field of SamplerOptions without a parameter goes to the family's further options, which check it)
-    further = sampler_options.SamplerOptions.names()
+    # (a field of SamplerOptions without a parameter goes to the family's further options, which check it;
+    # one that is another family's own parameter, SD3's and Flux's shift, is not this family's)
+    others = {k for f in FAMILIES for k in inspect.signature(f.sample).parameters}
+    further = set(sampler_options.SamplerOptions.names()) - others
     unknown = sorted(k for k in options if k not in params and k not in further)
     if unknown:
         raise TypeError(
