@@ -13,7 +13,11 @@ configurations tried are the RMC chains of ``B`` = 4, 8, 16, 32 with the ``x0`` 
 drafts; the table gives the best as T/NFE (mean ± standard error over images), and at that
 configuration the sampler's own time per round beside the network call's (one thread). Every
 configuration has the scheduler's law (``tests/test_diffusers_scheduler_pipelines.py``).
-Regenerates the ``schedulers`` section of ``benchmarks/RESULTS.md``.
+
+Then ``tune_sdxl(pipe, ..., chain="scheduler")``'s choice for one image, for Euler ancestral and
+DPM++ 2M SDE on the random UNet: the configuration, its predicted speedup, and the sampling wall time
+of the standard sampler and of the choice, measured side by side (interleaved, median of the repeats,
+warm, one thread). Regenerates the ``schedulers`` section of ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -81,6 +85,39 @@ def best(pipe, prompt, steps: int, eta: float, images: int) -> tuple:
     return top
 
 
+TUNED = ("Euler ancestral", "DPM++ 2M SDE")
+"""The schedulers whose ``tune_sdxl`` choice is measured."""
+
+
+def tuned_row(pipe, prompt, label: str, steps: int, eta: float, repeats: int) -> str:
+    """The table row of ``tune_sdxl(chain="scheduler")``'s choice for one image: the configuration, its
+    prediction, and the median sampling wall time of the standard sampler and of the choice, run in turns."""
+    from specforest.diffusers import tune_sdxl
+
+    t0 = time.perf_counter()
+    tuned = tune_sdxl(
+        pipe, prompt, num_inference_steps=steps, height=8, width=8, batch=1, budget_max=32,
+        drafts=DRAFTS, calibration_images=4, chain="scheduler", eta=eta,
+    )  # fmt: skip
+    tune_s = time.perf_counter() - t0
+    walls: dict = {"standard": [], "tuned": []}
+    nfe = []
+    for _ in range(repeats + 1):  # (the first pass warms up, and is not kept)
+        for kind in walls:
+            # (the choice with its check: chain="scheduler" and eta are _run's, the same as tuned)
+            kw = {k: v for k, v in tuned.items() if k not in ("chain", "eta")} if kind == "tuned" else {}
+            out = _run(pipe, prompt, steps, eta, 1, **kw)
+            walls[kind].append(out.stats.wall_seconds)
+            if kind == "tuned":
+                nfe.append(float(out.stats.nfe.double().mean()))
+    med = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in walls.items()}
+    return (
+        f"| {label} | {steps} | {tuned.label} | {tuned.predicted_speedup:.2f}x | "
+        f"{steps / (sum(nfe[1:]) / len(nfe[1:])):.2f} | {1000 * med['standard']:.0f} | {1000 * med['tuned']:.0f} | "
+        f"{med['standard'] / med['tuned']:.2f}x | {tune_s:.0f} |"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=8, help="images per setting (>= 2)")
@@ -130,6 +167,23 @@ def main() -> None:
         f"| tiny SD3, random transformer | FlowMatchEuler, stochastic_sampling | {steps} | {how} | {r:.2f} ± {se:.2f} "
         f"| {own:.2f} | {call:.2f} |"
     )
+    repeats = 1 if args.dry_run else 5
+    lines += [
+        "",
+        f'`tune_sdxl(pipe, ..., chain="scheduler")`\'s choice for one image on the random UNet (RMC chains up to '
+        f"B = 32 and D-GRS trees, drafts {', '.join(DRAFTS)}), and the sampling wall time of the standard sampler and "
+        f"of the choice, run in turns: median of {repeats} warm repeats each, one thread.",
+        "",
+        "| scheduler | standard calls | tune's choice | predicted speedup | T/NFE | standard ms | tuned ms | "
+        "measured speedup | tune s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, name, cfg, eta, steps in SCHEDULERS:
+        if label in TUNED:
+            steps = min(steps, 6) if args.dry_run else steps
+            print(f"tune_sdxl: {label}, {steps} steps", file=sys.stderr, flush=True)
+            lines.append(tuned_row(_swap(sd, name, cfg), "a photo of a cat", label, steps, eta, repeats))
+            print(lines[-1], file=sys.stderr, flush=True)
     lines += ["", f"Total wall time {(time.perf_counter() - t0) / 60:.1f} min."]
     text = "\n".join(lines)
     if not args.dry_run:
