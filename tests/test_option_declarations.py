@@ -213,6 +213,11 @@ _ONE_EDIT = textwrap.dedent(
     run("diffusers", "diffusers", *FAMILY, *SMALL, "--out", tmp / "fam", "--boost", 3, record=tmp / "fam" / "run.json")
     TUNE = ["--model", "gmm", "--dim", 3, "--components", 2, "--steps", 6, "--budget-max", 2, "--drafts", "velocity"]
     run("tune", "tune", *TUNE, "--no-progress", "--out", tmp / "t.json", "--boost", 3)
+    out["tuned_for"] = json.loads((tmp / "t.json").read_text())["tuned_for"].get("boost_level")
+    # a run with the file takes the value it was tuned with, and refuses another
+    TUNED = ["gmm", "--dim", 3, "--components", 2, "--no-progress", "--tune", tmp / "t.json", "--json"]
+    run("gmm tuned", *TUNED)
+    run("gmm tuned other", *TUNED, "--boost", 4)
     print(json.dumps(out))
     """
 )
@@ -255,6 +260,12 @@ def test_adding_an_option_is_one_edit():
     code, boosts, recorded = runs["tune"]
     assert code == 0 and len(boosts) > 3 and set(boosts) == {3}, runs["tune"]
     assert out["sample_record"] == 2  # specforest.sample's record: under its key
+    assert out["tuned_for"] == 3  # the tuned file records it; a run with the file takes it, or refuses another
+    # (the first SamplerOptions: Tuned.from_json's check of the file's configuration, at the defaults)
+    code, boosts, recorded = runs["gmm tuned"]
+    assert code == 0 and boosts[0] == 0 and boosts[1:] and set(boosts[1:]) == {3} and recorded == 3, runs["gmm tuned"]
+    code, boosts, recorded = runs["gmm tuned other"]
+    assert code == 2 and boosts == [0] and "--boost 4 here, 3 in the file" in recorded, runs["gmm tuned other"]
 
 
 def _gmm_setting() -> "gmm_exp.GMMSetting":

@@ -18,7 +18,7 @@ from ..chains import get_chain
 from ..latency.tuned import SCHEDULER
 from ..options import declared_options
 from ..validation import check_choice, check_int, check_number, is_int
-from .sampler_options import CHAIN_FLAGS, is_given
+from .sampler_options import CHAIN_FLAGS, extra_names, is_given
 
 __all__ = ["MAX_THREADS", "SAMPLER_PARAMS", "apply_tuned", "read_tuned", "tune_option"]
 
@@ -91,6 +91,13 @@ _TUNED_FOR: "dict[str, Callable[[str, Any], Any]]" = {
 """Each key a ``tuned_for`` may record (``null``: not recorded) and its check, named by the key."""
 
 
+def _further_keys() -> "dict[str, str]":
+    """The record key of each further option the command line declares (:func:`extra_names`) -> its name:
+    what ``specforest tune`` records of those it was given, beside :data:`_TUNED_FOR`."""
+    declared = declared_options()
+    return {declared[n].key: n for n in extra_names()}
+
+
 def read_tuned(path: str) -> "tuple[Any, dict]":
     """The :class:`~specforest.latency.Tuned` of a file ``specforest tune`` wrote, and the run it was tuned
     for: the file's ``tuned_for`` with its steps, batch, churn (``None`` where not recorded), chain and
@@ -122,12 +129,16 @@ def read_tuned(path: str) -> "tuple[Any, dict]":
             made_for = {}
         if not isinstance(made_for, dict):
             raise TypeError(f"tuned_for must be an object (the run it was tuned for), got {type(made_for).__name__}")
-        unknown = sorted(str(k) for k in made_for if k not in _TUNED_FOR)
+        further = _further_keys()
+        unknown = sorted(str(k) for k in made_for if k not in _TUNED_FOR and k not in further)
         if unknown:
-            raise ValueError(f"unknown key(s) {', '.join(unknown)} in tuned_for; it records {', '.join(_TUNED_FOR)}")
+            raise ValueError(
+                f"unknown key(s) {', '.join(unknown)} in tuned_for; it records {', '.join(_TUNED_FOR)} and the "
+                "keys of the further options the command line declares"
+            )
         for key, value in made_for.items():
-            if value is not None:
-                _TUNED_FOR[key](f"tuned_for.{key}", value)
+            if value is not None and key in _TUNED_FOR:
+                _TUNED_FOR[key](f"tuned_for.{key}", value)  # (a further option's: checked as its option when taken)
     except (ValueError, TypeError) as e:
         raise click.ClickException(f"--tune {path}: {e}") from e
     made_for = dict(made_for)
@@ -238,7 +249,8 @@ def apply_tuned(
     (checked as the option checks it), and must match it where it was, as do ``--chain`` and each chain
     option (a command without ``--chain`` runs only the em chain); ``fixed`` holds the
     command's values of keys it has no option for (``device="cpu"``, ``shift=1.0``; ``sigmas``:
-    none, as no command runs an explicit grid). "Given" is click's parameter source: the
+    none, as no command runs an explicit grid). The further options the file was tuned with (those the
+    command line declares, under their record keys) are taken and checked the same way. "Given" is click's parameter source: the
     command line or the environment, whatever the value.
 
     Args:
@@ -275,6 +287,7 @@ def apply_tuned(
         diffs.append(f"--model {model} here, {made_for['model']} in the file")
     params = {p.name: p for p in ctx.command.params}
     names = {k: k for k in _RUN_KEYS if k in flags}
+    names.update({key: n for key, n in _further_keys().items() if n in flags})
     names.update(run or {})
     fixed = {"sigmas": None, **(fixed or {})}
     rank = lambda k: _RUN_KEYS.index(k) if k in _RUN_KEYS else len(_RUN_KEYS)  # noqa: E731
