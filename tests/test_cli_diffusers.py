@@ -152,7 +152,9 @@ def test_diffusers_command_takes_every_chain_option(saved, tmp_path):
     assert opts["chain"] == "euler_ancestral" and opts["chain_params"]["s_noise"] == 0.5
     bad = run_diffusers(saved, "sdxl", tmp_path / "bad", "--chain", "ddpm", "--s-noise", 0.5)
     assert bad.exit_code == 2 and "--s-noise is not a parameter of chain 'ddpm'" in bad.output, bad.output
-    assert not (tmp_path / "bad").exists()
+    em = run_diffusers(saved, "sdxl", tmp_path / "em", "--eta", 0.5)
+    assert em.exit_code == 2 and "--eta is not a parameter of chain 'em'; its parameters: churn" in em.output
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "em").exists()
 
 
 def test_images_depend_on_the_seed_and_index_not_on_the_batch_size(saved, tmp_path):

@@ -265,7 +265,8 @@ def pipeline_chain(o: dict, ctx: "click.Context | None" = None) -> dict:
     if name == "em":
         wrong = [f for p, f in CHAIN_FLAGS.items() if p in o and is_given(ctx, p)]
         if wrong:
-            raise click.UsageError(f"{', '.join(wrong)}: not a parameter of chain 'em'; its parameter: --churn")
+            verb = "is not a parameter" if len(wrong) == 1 else "are not parameters"
+            raise click.UsageError(f"{', '.join(wrong)} {verb} of chain 'em'; its parameters: churn")
         return {}
     return {"chain": run_chain({k: v for k, v in o.items() if k != "churn" or is_given(ctx, k)}, ctx)}
 
