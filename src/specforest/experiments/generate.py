@@ -264,7 +264,7 @@ def _run_job(
     world = distributed.world_size() if tree_parallel else 1
     # the last checks, before anything is written: the slots that fit, the options of every call
     with distributed.together("sizing the slots", control):
-        mem = size_slots(model, spec, batch, memory_gb, world=world, device=dev)
+        mem = size_slots(model, batch, memory_gb, world=world, device=dev)
         velocity, pad_rows = compiled(model.velocity, compile)
         if warmup and len(mine):
             # the slots that fit, and the last run of the standard sampler, whose slots all finish together

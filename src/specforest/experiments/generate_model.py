@@ -17,7 +17,7 @@ import torch
 
 from .. import memory, streams
 from ..atomic import atomic_write
-from ..options import SamplerOptions, make_sde
+from ..options import SamplerOptions
 from ..trees import from_parents
 from .common import COUPLING_OF, method_tree
 from .generate_job import JobSpec, prompts_digest, sampler_chain, sampler_further
@@ -154,7 +154,6 @@ def image_model(spec: JobSpec, out: Path, device: str) -> JobModel:
 
 def size_slots(
     model: JobModel,
-    spec: JobSpec,
     batch: int,
     memory_gb: Optional[float],
     *,
@@ -173,14 +172,12 @@ def size_slots(
     limit, source, fixed = memory.resolve_limit(memory_gb, device, "--memory-gb")
     idx = torch.zeros(1, dtype=torch.long)
     cond_row = model.make_cond(idx) if model.make_cond is not None else {}
-    kw = model.sampler
-    steps = kw.steps or spec.sampler["steps"]
+    # (what the job's options decide; generate runs every tree full, whatever lazy says)
+    shape = {**memory.run_shape(model.sampler), "lazy": False}
     return memory.estimate(
         trajectories=batch,
         state_numel=math.prod(model.shape),
-        tree=kw.tree,
-        verify=kw.verify,
-        steps=steps,
+        **shape,
         model=model.velocity,
         x_row=torch.zeros((1, *model.shape)),
         cond_row=cond_row,
@@ -190,6 +187,4 @@ def size_slots(
         limit_source=source,
         device=device,
         world=world,
-        draft=kw.draft,
-        carries=make_sde(kw.steps, kw.sigmas, kw.grid, kw.shift, kw.churn, kw.chain).carries,
     )
