@@ -22,7 +22,7 @@ import click
 
 from ..devices import default_device, default_dtype
 from ..experiments.common import METHODS, json_params
-from ..options import declared_options
+from ..experiments.further_options import options_record
 from .common import (
     CONTEXT,
     apply_tuned,
@@ -369,7 +369,7 @@ def diffusers_command(**o) -> None:
     chain = pipeline_chain(o, ctx)
     keys = ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size", "eta")
     sampler = as_ran({k: o[k] for k in keys})
-    sampler.update({declared_options()[k].key: v for k, v in extra_values(o).items()})
+    sampler.update(options_record(extra_values(o)))
     if tuned is not None:
         sampler.update(tuned=tuned.label, tune_file=str(Path(o["tune_file"]).resolve()), coupling=tuned.coupling)
     record = {

@@ -15,7 +15,7 @@ import click
 from ..atomic import atomic_write_text
 from ..devices import default_dtype
 from ..experiments.common import chain_kwargs
-from ..options import declared_options
+from ..experiments.further_options import options_record
 from .common import (
     CHAIN_FLAGS,
     CONTEXT,
@@ -332,7 +332,7 @@ def tune(**o) -> None:
     data["tuned_for"] = {k: o[k] for k in keys}
     data["tuned_for"]["threads"] = threads
     # the further options it was tuned with (not at their defaults), under their keys: a run takes them
-    data["tuned_for"].update({declared_options()[n].key: v for n, v in extra_values(o).items()})
+    data["tuned_for"].update(options_record(extra_values(o)))
     atomic_write_text(o["out"], json.dumps(data, indent=1) + "\n")
     ms = 1e3
     per_s = lambda sec: 1.0 / sec if sec > 0 else float("inf")  # noqa: E731

@@ -275,8 +275,7 @@ def sample_family(
     parts.check_pipeline(pipe)
     sampler = {k: inputs.pop(k) for k in SAMPLER_INPUTS}
     sampler.update(further_options(inputs.pop("options", None) or {}))
-    eta = inputs.pop("eta", 0.0)
-    scheduled, eta = follows_scheduler(pipe, chain, eta)
+    scheduled, eta = follows_scheduler(pipe, chain, inputs.pop("eta", 0.0))
     churn = run_churn(churn, chain)
     steps, churn, n_img, max_memory_gb = check_run_options(
         num_inference_steps=num_inference_steps,
