@@ -280,3 +280,54 @@ def test_refusals_name_the_reason():
         kdiffusion.sample_ddpm(denoiser, x, sig / (1 + sig), path="linear", disable=True)
     # with no tree, the deterministic settings run
     assert kdiffusion.sample_euler(denoiser, x, sig, disable=True).shape == x.shape
+
+
+# -- randomness: generator, seed and ComfyUI's extra_args["seed"] ---------------------------------
+
+DROP_INS = [
+    (kdiffusion.sample_euler_ancestral, {}),
+    (kdiffusion.sample_euler, {"s_churn": 20.0}),
+    (kdiffusion.sample_dpmpp_2m_sde, {}),
+    (kdiffusion.sample_ddpm, {}),
+    (kdiffusion.sample_lcm, {}),
+]
+DROP_IN_IDS = ["euler_ancestral", "euler", "dpmpp_2m_sde", "ddpm", "lcm"]
+
+
+@pytest.mark.parametrize("tree", [None, trees.chain(2)], ids=["standard", "tree"])
+@pytest.mark.parametrize("fn, kw", DROP_INS, ids=DROP_IN_IDS)
+def test_drop_ins_draw_from_the_generator(fn, kw, tree):
+    """A generator's seed decides the samples, torch's global generator does not."""
+    sig = karras(6)
+    x = start(4, sig)
+
+    def run(seed: int, global_seed: int) -> torch.Tensor:
+        torch.manual_seed(global_seed)
+        g = torch.Generator().manual_seed(seed)
+        return fn(denoiser, x, sig, **kw, tree=tree, generator=g, draft="x0", disable=True)
+
+    a, b, c = run(1, 0), run(1, 5), run(2, 0)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # the generator gives the run its seed, as specforest.sample takes it
+    seed = int(torch.randint(0, 2**63 - 1, (), generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(a, fn(denoiser, x, sig, **kw, tree=tree, seed=seed, draft="x0", disable=True))
+
+
+@pytest.mark.parametrize("fn, kw", DROP_INS, ids=DROP_IN_IDS)
+def test_drop_ins_refuse_two_sources_of_randomness_naming_both(fn, kw):
+    sig = karras(6)
+    x = start(2, sig)
+    g = torch.Generator().manual_seed(0)
+    for tree in (None, trees.chain(2)):
+        with pytest.raises(ValueError, match=r"seed=3 and generator"):
+            fn(denoiser, x, sig, **kw, tree=tree, seed=3, generator=g, disable=True)
+        with pytest.raises(ValueError, match=r"seed=3 and extra_args\['seed'\] = 4"):
+            fn(denoiser, x, sig, {"seed": 4}, **kw, tree=tree, seed=3, disable=True)
+        with pytest.raises(ValueError, match=r"generator and extra_args\['seed'\] = 4"):
+            fn(denoiser, x, sig, {"seed": torch.tensor(4)}, **kw, tree=tree, generator=g, disable=True)
+    if "noise_sampler" in fn.__code__.co_varnames:
+        with pytest.raises(ValueError, match=r"noise_sampler and generator"):
+            fn(denoiser, x, sig, **kw, noise_sampler=lambda a, b: torch.randn_like(x), generator=g, disable=True)
+    # the same seed given twice is one seed
+    same = fn(denoiser, x, sig, {"seed": torch.tensor(3)}, **kw, seed=3, disable=True)
+    assert torch.equal(same, fn(denoiser, x, sig, **kw, seed=3, disable=True))

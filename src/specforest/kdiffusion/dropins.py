@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from .speculative import sample
+from .speculative import linear_grid, sample
 
 __all__ = [
     "sample_ddpm",
@@ -26,14 +26,36 @@ __all__ = [
 ]
 
 
-def _seed(seed: Optional[int], extra_args: Optional[dict], tree: Any) -> Optional[int]:
-    """The run's seed: ``seed``, else ComfyUI's ``extra_args["seed"]``; with a tree and neither, one
-    draw from torch's global generator (so ``torch.manual_seed`` reproduces the run, as it does
-    k-diffusion's)."""
-    if seed is None and isinstance(extra_args, dict) and "seed" in extra_args:
-        seed = extra_args["seed"]
-        if isinstance(seed, torch.Tensor) and seed.numel() == 1:
-            seed = int(seed)
+def _seed(seed: Any, extra_args: Optional[dict], tree: Any, generator: Any) -> Optional[int]:
+    """The run's seed: ``seed``, else ComfyUI's ``extra_args["seed"]``; ``None`` with a ``generator``
+    (the run draws its seed from it, as :func:`specforest.sample` does); with a tree and none of them,
+    one draw from torch's global generator (so ``torch.manual_seed`` reproduces the run, as it does
+    k-diffusion's).
+
+    Raises:
+        ValueError: naming both where two of ``seed``, ``generator`` and ``extra_args["seed"]`` are
+            given and disagree (the two seeds with one value are one seed).
+    """
+    comfy = None
+    if isinstance(extra_args, dict) and extra_args.get("seed") is not None:
+        comfy = extra_args["seed"]
+        if isinstance(comfy, torch.Tensor) and comfy.numel() == 1:
+            comfy = int(comfy)
+    if generator is not None:
+        if seed is not None:
+            raise ValueError(f"give seed or generator, not both: got seed={seed!r} and generator")
+        if comfy is not None:
+            raise ValueError(
+                f"give generator or extra_args['seed'], not both: got generator and extra_args['seed'] = {comfy!r}"
+            )
+        return None
+    if seed is not None and comfy is not None and seed != comfy:
+        raise ValueError(
+            f"seed and extra_args['seed'] disagree: got seed={seed!r} and extra_args['seed'] = {comfy!r}; "
+            "give one (or the same value in both)"
+        )
+    if seed is None:
+        seed = comfy
     if seed is None and tree is not None:
         seed = int(torch.randint(0, 2**62, ()))
     return seed
@@ -102,9 +124,16 @@ def _drop_in(
             "extra_args['seed']), keyed by sample and node, so that drafts and the exact chain share it; it "
             "cannot replay a noise sampler's sequence. Pass seed, or tree=None"
         )
-    seed = _seed(seed, extra_args, tree)
+    generator = options.get("generator")
+    if noise_sampler is not None and generator is not None:
+        raise ValueError(
+            "give noise_sampler or generator, not both: got noise_sampler and generator (the steps would take "
+            "the noise sampler's draws and never read the generator)"
+        )
+    linear_grid(sigmas, path)  # refuse a bad schedule by name before the noise reads it
+    seed = _seed(seed, extra_args, tree, generator)
     noise = None
-    if tree is None and (noise_sampler is not None or seed is None):
+    if tree is None and (noise_sampler is not None or (seed is None and generator is None)):
         noise = _step_noise(x, sigmas, noise_sampler, start=start)
     return sample(
         model,
