@@ -331,3 +331,72 @@ def test_drop_ins_refuse_two_sources_of_randomness_naming_both(fn, kw):
     # the same seed given twice is one seed
     same = fn(denoiser, x, sig, {"seed": torch.tensor(3)}, **kw, seed=3, disable=True)
     assert torch.equal(same, fn(denoiser, x, sig, **kw, seed=3, disable=True))
+
+
+# -- the callback: k-diffusion's dict, as its own functions pass it -------------------------------
+
+
+def _keys(seen: list) -> list:
+    return [{k: d[k] for k in kdiffusion.KEYS} for d in seen]
+
+
+def _same_callbacks(ours: list, ref: list) -> None:
+    assert len(ours) == len(ref)
+    for a, b in zip(ours, ref, strict=True):
+        assert list(a) == list(b) == list(kdiffusion.KEYS)
+        assert a["i"] == b["i"] and type(a["i"]) is int
+        for k in ("sigma", "sigma_hat"):
+            assert a[k].ndim == 0 and a[k].dtype == b[k].dtype
+            torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=0)
+        for k in ("x", "denoised"):
+            torch.testing.assert_close(a[k], b[k], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "s_churn, s_tmin, s_tmax",
+    [(20.0, 0.1, 40.0), (4.0, 0.0, float("inf")), (100.0, 0.5, 10.0)],
+    ids=["window", "below-clip", "clipped"],
+)
+def test_euler_callback_is_k_diffusions_with_churn(s_churn, s_tmin, s_tmax):
+    """``sigma_hat`` is the churned level the model was called at, ``x`` the churned state."""
+    sig = karras(12)
+    x = start(8, sig)
+    kw = dict(s_churn=s_churn, s_tmin=s_tmin, s_tmax=s_tmax, disable=True)
+    ref, ours = [], []
+    torch.manual_seed(3)
+    sampling().sample_euler(denoiser, x, sig, callback=ref.append, **kw)
+    torch.manual_seed(3)
+    kdiffusion.sample_euler(denoiser, x, sig, callback=ours.append, **kw)
+    assert any(bool(d["sigma_hat"] > d["sigma"]) for d in ref)  # the churn binds somewhere
+    if s_tmin > 0 or s_tmax < float("inf"):
+        assert any(bool(d["sigma_hat"] == d["sigma"]) for d in ref[:-1])  # and the window binds somewhere
+    _same_callbacks(_keys(ours), ref)
+
+
+@pytest.mark.parametrize("name", ["sample_euler_ancestral", "sample_dpmpp_2m_sde"])
+def test_ancestral_callbacks_are_k_diffusions(name):
+    sig = karras(10)
+    x, z = start(8, sig), draws(8, len(sig))
+    ref, ours = [], []
+    it = iter(z)
+    getattr(sampling(), name)(denoiser, x, sig, callback=ref.append, noise_sampler=lambda a, b: next(it), disable=True)
+    it = iter(z)
+    getattr(kdiffusion, name)(denoiser, x, sig, callback=ours.append, noise_sampler=lambda a, b: next(it), disable=True)
+    _same_callbacks(_keys(ours), ref)
+    assert all(d["sigma_hat"] is not None and bool(d["sigma_hat"] == d["sigma"]) for d in ours)
+
+
+@pytest.mark.parametrize("fn, kw", DROP_INS, ids=DROP_IN_IDS)
+def test_speculated_callbacks_report_the_level_the_model_saw(fn, kw):
+    """With a tree, ``sigma_hat`` is the level of step ``i``'s state (EDM's churned level for ``euler``),
+    the level the slowest trajectory's row was evaluated at."""
+    sig = karras(10)
+    seen = []
+    fn(denoiser, start(6, sig), sig, **kw, callback=seen.append, tree=trees.chain(3), draft="x0", seed=2, disable=True)
+    assert seen
+    for d in seen:
+        slowest = d["step"] == d["i"]
+        torch.testing.assert_close(d["row_sigma"][slowest], d["sigma_hat"].expand(int(slowest.sum())), rtol=1e-12, atol=0)
+        assert bool(d["sigma_hat"] >= d["sigma"]) and bool(d["sigma"] == sig[d["i"]])
+    churned = [bool(d["sigma_hat"] > d["sigma"]) for d in seen]
+    assert any(churned) == (fn is kdiffusion.sample_euler)

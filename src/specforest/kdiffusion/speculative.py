@@ -67,7 +67,7 @@ from .. import sampler
 from ..chains import PATHS
 from ..drafts import Proposal
 from ..models.edm import EDMDenoiserVelocity
-from ..options import RUN_INPUTS, SamplerOptions
+from ..options import RUN_INPUTS, SamplerOptions, make_sde
 from ..validation import check_states, working_dtype
 
 __all__ = ["KEYS", "PATHS", "linear_grid", "sample", "sample_speculative"]
@@ -306,7 +306,11 @@ def sample(
         options["draft"] = _velocity(_Denoiser(draft, shared, None), s, path)
     work = working_dtype(x.dtype)
     x_lin = x.to(work) / float(_ve_scale(s[0])) if path == "ve" else x
-    hook = None if callback is None else _callback(callback, roots, sigmas, t.numel() - 1)
+    hook = None
+    if callback is not None:
+        chain, churn = options.get("chain", "em"), options.get("churn")
+        # the run checks the options before its first round: the hook builds the tables after it
+        hook = _callback(callback, roots, sigmas, t, path, lambda: make_sde(None, t, None, None, churn, chain).sigmas)
     out = sampler.sample(velocity, x_lin, sigmas=t, cond=cond, callback=hook, progress=_progress(disable), **options)
     # at sigma = 0 the VE and linear-path states coincide (both scales are 1)
     out.samples = out.samples.to(x.dtype)
@@ -314,8 +318,32 @@ def sample(
     return out
 
 
-def _callback(user: Callable[[dict], None], roots: _Roots, sigmas: torch.Tensor, T: int) -> Callable[[dict], None]:
-    """The library's per-round callback turned into k-diffusion's dict (see :func:`sample_speculative`)."""
+def _callback(
+    user: Callable[[dict], None],
+    roots: _Roots,
+    sigmas: torch.Tensor,
+    t: torch.Tensor,
+    path: str,
+    state_levels: Callable[[], torch.Tensor],
+) -> Callable[[dict], None]:
+    """The library's per-round callback turned into k-diffusion's dict (see :func:`sample_speculative`).
+
+    ``t`` is the run's grid ``(T + 1,)`` on ``path`` and ``state_levels()`` the levels its chain's states sit at
+    (the grid, or EDM's churned levels for ``euler``), both linear-path float64: ``sigma_hat`` is
+    step ``i``'s state level on ``sigmas``' scale, ``sigmas[i]`` itself where the chain does not move it.
+    """
+    T = t.numel() - 1
+    hats: list = []  # k-diffusion's sigma_hat per step, made at the first report
+
+    def sigma_hat(i: int) -> torch.Tensor:
+        if not hats:
+            lvl = state_levels()
+            own = lvl / (1.0 - lvl) if path == "ve" else lvl  # on sigmas' scale
+            hats.extend(
+                sigmas[n] if bool(lvl[n] == t[n]) else own[n].to(sigmas.dtype).to(sigmas.device) for n in range(T)
+            )
+        return hats[i]
+
     before: list = [None]  # each trajectory's step at the start of the next round
 
     def hook(info: dict) -> None:
@@ -338,7 +366,7 @@ def _callback(user: Callable[[dict], None], roots: _Roots, sigmas: torch.Tensor,
                 "x": x,
                 "i": i,
                 "sigma": sigmas[i],
-                "sigma_hat": sigmas[i],
+                "sigma_hat": sigma_hat(i),
                 "denoised": denoised,
                 "step": step0,
                 "row_sigma": row_sigma,
