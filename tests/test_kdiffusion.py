@@ -430,3 +430,46 @@ def test_a_bad_model_output_is_refused(path):
         kd.sample_speculative(lambda x, s: x[:, :2], noise(2), sigmas, churn=CHURN, seed=0, path=path)
     with pytest.raises(FloatingPointError):
         kd.sample_speculative(lambda x, s: x * float("nan"), noise(2), sigmas, churn=CHURN, seed=0, path=path)
+
+
+class RowsChecked(KarrasDenoiser):
+    """A denoiser that needs one row of ``emb`` per row of ``x`` (as a network concatenating it would)."""
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, emb=None, **kw) -> torch.Tensor:
+        if emb.shape[0] != x.shape[0]:
+            raise RuntimeError(f"emb has {emb.shape[0]} rows for {x.shape[0]} states")
+        return super().__call__(x, sigma, offset=emb[:, 0].reshape(-1, 1), **kw)
+
+
+@pytest.mark.parametrize("fn", ["sample_speculative", "sample_euler_ancestral"])
+def test_a_batch_of_one_gives_its_leading_dim_one_tensors_to_every_row(fn):
+    """At batch 1 an undeclared ``(1, ...)`` tensor is that sample's: every row of a tree call gets it."""
+    emb = torch.full((1, 2), 0.5, dtype=torch.float64)
+    model = RowsChecked()
+    kw = dict(churn=CHURN) if fn == "sample_speculative" else {}
+    out = getattr(kd, fn)(model, noise(1), SIGMAS, {"emb": emb}, tree=specforest.trees.uniform(2, 2), seed=3, **kw)
+    assert any(rows > 1 for rows, _, _ in model.calls)
+    # the rows are the sample's own: the run equals one with emb declared per row
+    ref = getattr(kd, fn)(
+        RowsChecked(),
+        noise(1),
+        SIGMAS,
+        {"emb": emb},
+        row_args=("emb",),
+        tree=specforest.trees.uniform(2, 2),
+        seed=3,
+        **kw,
+    )
+    assert torch.equal(out, ref)
+    # named in shared_args it is passed as it is
+    with pytest.raises(RuntimeError, match="emb has 1 rows"):
+        getattr(kd, fn)(
+            RowsChecked(),
+            noise(1),
+            SIGMAS,
+            {"emb": emb},
+            shared_args=("emb",),
+            tree=specforest.trees.uniform(2, 2),
+            seed=3,
+            **kw,
+        )

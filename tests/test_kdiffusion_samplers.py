@@ -396,7 +396,9 @@ def test_speculated_callbacks_report_the_level_the_model_saw(fn, kw):
     assert seen
     for d in seen:
         slowest = d["step"] == d["i"]
-        torch.testing.assert_close(d["row_sigma"][slowest], d["sigma_hat"].expand(int(slowest.sum())), rtol=1e-12, atol=0)
+        torch.testing.assert_close(
+            d["row_sigma"][slowest], d["sigma_hat"].expand(int(slowest.sum())), rtol=1e-12, atol=0
+        )
         assert bool(d["sigma_hat"] >= d["sigma"]) and bool(d["sigma"] == sig[d["i"]])
     churned = [bool(d["sigma_hat"] > d["sigma"]) for d in seen]
     assert any(churned) == (fn is kdiffusion.sample_euler)

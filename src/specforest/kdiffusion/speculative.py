@@ -240,9 +240,13 @@ def _split_extra_args(extra_args: Optional[dict], batch: int, row_args: Any, sha
             )
         cond[k] = v
     for k, v in extra.items():
-        if k in cond or k in shared:
+        if k in cond or k in shared or not (isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch):
             continue
-        if batch > 1 and isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch:
+        if batch == 1:
+            # the sample's own tensor, as k-diffusion's calls of one row saw it: a tree call of several
+            # rows (all of this one trajectory) gets it on each
+            cond[k] = v
+        else:
             raise ValueError(
                 f"extra_args[{k!r}] has one row per sample (shape {tuple(v.shape)}), but a speculative call "
                 f"evaluates other rows: name it in row_args=({k!r},) to give each call its rows' values, or "
