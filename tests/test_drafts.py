@@ -487,7 +487,9 @@ def test_the_cached_draft_is_refused_on_a_model_without_features_before_sampling
         calls.append(1)
         return GAUSS(x, s)
 
-    with pytest.raises(ValueError, match=r"draft='cached' reuses the target's deep features: .*function does not"):
+    with pytest.raises(
+        ValueError, match=r"draft='cached' reuses the target's deep features: .*the model given, model, does not"
+    ):
         specforest.sample(model, torch.zeros(4, 3), steps=10, churn=0.3, tree=trees.chain(3), draft="cached")
     assert not calls  # refused before the first target call
     # and the tuner's filter drops it for a model it cannot serve, keeps it for one it can

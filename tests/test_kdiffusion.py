@@ -473,3 +473,44 @@ def test_a_batch_of_one_gives_its_leading_dim_one_tensors_to_every_row(fn):
             seed=3,
             **kw,
         )
+
+
+@pytest.mark.parametrize("path", kd.PATHS)
+def test_a_denoiser_output_on_another_device_names_the_denoiser_and_both_devices(path):
+    sigmas = SIGMAS if path == "ve" else SIGMAS / 80.0
+
+    def elsewhere(x, s):
+        return torch.empty_like(x, device="meta")
+
+    with pytest.raises(ValueError, match=r"the denoiser elsewhere returned its output on meta.*states.*on cpu"):
+        kd.sample_speculative(elsewhere, noise(2), sigmas, churn=CHURN, seed=0, path=path)
+    with pytest.raises(ValueError, match=r"the denoiser elsewhere returned its output on meta.*on cpu"):
+        specforest.sample(EDMDenoiserVelocity(elsewhere), noise(2) / 81.0, sigmas=kd.linear_grid(SIGMAS), churn=CHURN)
+
+
+def test_the_drop_ins_refuse_numpy_sigmas_naming_sigmas():
+    sigmas = SIGMAS.numpy()
+    for fn in (kd.sample_euler_ancestral, kd.sample_euler, kd.sample_ddpm, kd.sample_lcm, kd.sample_dpmpp_2m_sde):
+        with pytest.raises(TypeError, match=r"sigmas must be a 1-D torch.Tensor .*got ndarray"):
+            fn(exact_denoiser, noise(2), sigmas, disable=True)
+
+
+def test_the_cached_draft_refused_names_the_users_denoiser_and_what_it_needs():
+    with pytest.raises(
+        ValueError, match=r"draft='cached'.*deep and shallow.*the model given here, exact_denoiser"
+    ) as err:
+        kd.sample_speculative(
+            exact_denoiser, noise(2), SIGMAS, churn=CHURN, seed=0, tree=specforest.trees.chain(2), draft="cached"
+        )
+    assert "_Denoiser" not in str(err.value) and "EDMDenoiserVelocity does not" not in str(err.value)
+
+
+def test_a_vp_network_output_on_another_device_names_the_network_and_both_devices():
+    from specforest.models.edm import VPDenoiser
+
+    def eps_elsewhere(x, k):
+        return torch.empty_like(x, device="meta")
+
+    ac = torch.linspace(0.999, 0.01, 100, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"the network eps_elsewhere returned its output on meta.*on cpu"):
+        VPDenoiser(eps_elsewhere, ac)(noise(2), torch.full((2,), 1.0, dtype=torch.float64))

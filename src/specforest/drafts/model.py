@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..target import outside_inference
+from ..target import model_name, outside_inference
 from .base import Proposal, VelocityFn
 from .chain_memory import RemembersChain
 from .memory import _memory_node, _same_step
@@ -216,8 +216,8 @@ class CachedDraft(RemembersChain):
         if model is not None and self._features_of(model, shape) <= 0:
             raise ValueError(
                 f"draft={self.name!r} reuses the target's deep features: the model must keep them "
-                f"(feature_numel > 0, with_features, from_features; the digits model does), "
-                f"{type(model).__name__} does not"
+                f"(feature_numel > 0, with_features, from_features: an EDMDenoiserVelocity around a denoiser with "
+                f"deep and shallow methods, as the digits model's); the model given, {model_name(model)}, does not"
             )
 
     def bind(self, model, shape, model_kwargs=None):

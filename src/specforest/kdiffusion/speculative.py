@@ -65,9 +65,10 @@ import torch
 
 from .. import sampler
 from ..chains import PATHS
-from ..drafts import Proposal
+from ..drafts import Proposal, get_proposal
 from ..models.edm import EDMDenoiserVelocity
 from ..options import RUN_INPUTS, SamplerOptions, make_sde
+from ..target import model_name
 from ..validation import check_states, working_dtype
 
 __all__ = ["KEYS", "PATHS", "linear_grid", "sample", "sample_speculative"]
@@ -182,6 +183,11 @@ class _Denoiser:
         d = self.fn(y, s, **rows, **self.shared)
         if not isinstance(d, torch.Tensor):
             raise TypeError(f"the denoiser must return a tensor (the denoised x0), got {type(d).__name__}")
+        if d.device != y.device:
+            raise ValueError(
+                f"the denoiser {model_name(self.fn)} returned its output on {d.device}, but the states it was "
+                f"given are on {y.device}: return the denoised x0 on its input's device"
+            )
         # (a wrong shape is refused by the velocity adapter right after)
         if self.roots is not None and traj is not None and d.shape == y.shape:
             self.roots.record(traj.to(y.device), y, s, d)
@@ -305,6 +311,14 @@ def sample(
         cond = {**cond, _ROW: torch.arange(batch, device=x.device)}
     velocity = _velocity(_Denoiser(model, shared, roots), s, path)
     draft = options.get("draft", "velocity")
+    if isinstance(draft, (str, Proposal)) and get_proposal(draft).uses_features:
+        raise ValueError(
+            f"draft={getattr(draft, 'name', draft)!r} reuses the target network's deep features, read through "
+            "specforest's model protocol (feature_numel, with_features, from_features: an EDMDenoiserVelocity around "
+            "a denoiser with deep and shallow methods, as the digits model's); the model given here, "
+            f"{model_name(model)}, is a k-diffusion denoiser, called as model(x, sigma, **extra_args) only. Pick "
+            "another draft (velocity, x0, secant, ...), or run specforest.sample with such a model"
+        )
     if callable(draft) and not isinstance(draft, (str, Proposal)):
         # a draft model in k-diffusion's convention: a denoiser, called with the same extra_args
         options["draft"] = _velocity(_Denoiser(draft, shared, None), s, path)

@@ -66,6 +66,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..target import model_name
 from ..validation import check_number, check_optional_int
 
 __all__ = [
@@ -213,6 +214,11 @@ class EDMDenoiserVelocity:
         d = denoise(y, s_c).to(work)
         if d.shape != x.shape:
             raise ValueError(f"the denoiser must return shape {tuple(x.shape)}, got {tuple(d.shape)}")
+        if d.device != x.device:
+            raise ValueError(
+                f"the denoiser {model_name(self.denoiser)} returned its output on {d.device}, but the states it "
+                f"was given are on {x.device}: return the denoised x0 on its input's device"
+            )
         # E[xi | x_t]: from the state's decomposition where t is not small, from the
         # denoiser's own noise estimate below sigma_min (bounded as t -> 0)
         eps_state = (xw - one_m_t.reshape(bshape) * d) / t.clamp_min(tiny).reshape(bshape)
@@ -306,6 +312,11 @@ class VPDenoiser:
         out = _unwrap(self.net(x_k, k, **cond)).to(work)
         if out.shape != y.shape:
             raise ValueError(f"the network must return shape {tuple(y.shape)}, got {tuple(out.shape)}")
+        if out.device != y.device:
+            raise ValueError(
+                f"the network {model_name(self.net)} returned its output on {out.device}, but the states it was "
+                f"given are on {y.device}: return its prediction on its input's device"
+            )
         if self.prediction == "epsilon":
             return y.to(work) - s_b * out
         if self.prediction == "v_prediction":
