@@ -402,3 +402,45 @@ def test_speculated_callbacks_report_the_level_the_model_saw(fn, kw):
         assert bool(d["sigma_hat"] >= d["sigma"]) and bool(d["sigma"] == sig[d["i"]])
     churned = [bool(d["sigma_hat"] > d["sigma"]) for d in seen]
     assert any(churned) == (fn is kdiffusion.sample_euler)
+
+
+# -- the run's statistics: each drop-in is kdiffusion.sample with its chain -----------------------
+
+
+def test_the_docs_stats_snippet_runs(capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "kdiffusion.md").read_text()
+    (block,) = [
+        b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "chain=chains.EulerChurn(s_churn=10.0)" in b
+    ]
+    exec(compile(block, "docs/kdiffusion.md", "exec"), {})
+    calls = int(capsys.readouterr().out.split()[0])
+    assert 0 < calls < 16
+
+
+@pytest.mark.parametrize("tree", [None, trees.chain(3)], ids=["standard", "tree"])
+@pytest.mark.parametrize(
+    "fn, kw, chain",
+    [
+        (
+            kdiffusion.sample_euler_ancestral,
+            {"eta": 0.8, "s_noise": 1.02},
+            chains.EulerAncestral(eta=0.8, s_noise=1.02),
+        ),
+        (kdiffusion.sample_euler, {"s_churn": 20.0, "s_tmax": 40.0}, chains.EulerChurn(s_churn=20.0, s_tmax=40.0)),
+        (kdiffusion.sample_dpmpp_2m_sde, {"solver_type": "heun"}, chains.DPMPP2MSDE(solver_type="heun")),
+        (kdiffusion.sample_ddpm, {}, chains.DDPM()),
+        (kdiffusion.sample_lcm, {}, chains.LCM()),
+    ],
+    ids=DROP_IN_IDS[:1] + ["euler", "dpmpp_2m_sde", "ddpm", "lcm"],
+)
+def test_a_drop_in_is_kdiffusion_sample_with_its_chain(fn, kw, chain, tree):
+    """What ``docs/kdiffusion.md`` says to call for a drop-in's statistics gives its samples, bitwise."""
+    sig = karras(8)
+    x = start(4, sig)
+    run = dict(tree=tree, draft="x0", seed=5, disable=True)
+    out = kdiffusion.sample(denoiser, x, sig, chain=chain, **run)
+    assert torch.equal(out.samples, fn(denoiser, x, sig, **kw, **run))
+    assert out.stats.calls >= 1 and out.stats.speedup.shape == (4,)

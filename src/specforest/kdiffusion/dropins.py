@@ -186,10 +186,22 @@ def sample_euler_ancestral(
     is k-diffusion's for the same draws. With neither a ``noise_sampler`` nor a seed it draws
     ``torch.randn_like(x)`` per step, as k-diffusion's default does. With a ``seed`` (or ComfyUI's
     ``extra_args["seed"]``) every draw is keyed by (seed, sample, step, node) (per sample
-    reproducible); a ``tree`` needs that (a ``noise_sampler`` beside one is refused).
+    reproducible); a ``tree`` needs that (a ``noise_sampler`` beside one is refused). A ``generator``
+    (in ``options``: a ``torch.Generator`` or one per sample) gives the run its seed, as
+    :func:`specforest.sample` takes it, with or without a tree. Two sources of randomness are refused
+    naming both: ``seed`` and ``generator``, ``seed`` and another ``extra_args["seed"]``, ``generator``
+    and ``extra_args["seed"]``, ``noise_sampler`` and ``generator``.
+
+    Statistics: the drop-in is :func:`specforest.kdiffusion.sample` with
+    ``chain=EulerAncestral(eta=eta, s_noise=s_noise, path=path)``; that call, with the same ``seed``
+    or ``generator``, returns the same samples with the run's ``stats`` (``docs/kdiffusion.md``).
 
     Returns:
         ``(batch, *shape)`` samples at ``sigma = 0`` in ``x``'s dtype.
+
+    Raises:
+        ValueError / TypeError: naming the parameter (``sigmas``, ``eta``, ``s_noise``, two sources of
+            randomness, ...).
     """
     from ..chains import EulerAncestral
 

@@ -52,7 +52,9 @@ must be declared: names in ``row_args`` are tensors ``(batch, ...)`` given row b
 (each call receives the rows of the trajectories its states belong to, through
 :func:`specforest.sample`'s ``cond``); every other argument is passed as it is.
 An undeclared tensor with one row per sample (a batch of more than one) is refused,
-unless ``shared_args`` names it: it could be either.
+unless ``shared_args`` names it: it could be either. At batch 1 an undeclared ``(1, ...)``
+tensor is the sample's own (what k-diffusion's calls of one row saw): every row of a call
+gets it, as if named in ``row_args``.
 """
 
 from __future__ import annotations
@@ -429,8 +431,9 @@ def sample_speculative(
             ``x`` ``(batch, *shape)`` each trajectory's state at the round's start, the one its model
             call saw (VE scale; a trajectory that has finished: its sample), ``i`` (int) the
             slowest trajectory's step (non-decreasing; every step when ``tree=None``), ``sigma``
-            and ``sigma_hat`` ``sigmas[i]`` (the chain evaluates the model at the state's own
-            level: no ``sigma_hat > sigma``), ``denoised`` ``(batch, *shape)`` the model's output at
+            ``sigmas[i]``, ``sigma_hat`` the level step ``i``'s state is evaluated at (``sigmas[i]``
+            itself, but EDM's churned level with ``chain="euler"``, as k-diffusion's ``sample_euler``
+            reports), ``denoised`` ``(batch, *shape)`` the model's output at
             ``x`` (finished: the sample); then ``step`` ``(batch,)`` each trajectory's step at the
             round's start (``T`` when finished), ``row_sigma`` ``(batch,)`` the level each row of ``x``
             was evaluated at (0 when finished), ``committed`` ``(batch,)`` steps the round committed,
