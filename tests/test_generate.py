@@ -70,6 +70,53 @@ def test_continuous_batching_gives_each_index_its_own_sample(tree):
         assert torch.equal(samples[i], ref.samples[i])
 
 
+def _shifted_gmm64():
+    """A conditional model: the mixture's data moved by a per-sample ``offset (M, 6)``, whose exact
+    velocity at ``x`` is the mixture's at ``x - (1 - sigma) offset``, minus ``offset``."""
+    gmm = GaussianMixture.paper(dim=6, components=3, seed=0)
+
+    def velocity(x, s, offset):
+        x, s = x.double(), s.double()
+        return (gmm(x - (1 - s)[:, None] * offset, s) - offset).to(x.dtype)
+
+    return velocity
+
+
+@pytest.mark.parametrize(
+    "tree, draft", [(trees.uniform(2, 3), "velocity"), (trees.chain(4), "memory")], ids=["dgrs", "rmc-memory"]
+)
+def test_per_sample_conditioning_follows_each_index_through_refills(tree, draft, monkeypatch):
+    """generate's refills give a slot the new sample's conditioning: every sample equals
+    ``sample(..., cond=...)``'s bitwise, with trees that take each trajectory a different number of
+    rounds, so that slots are refilled (several at once) while the others run on."""
+    model = _shifted_gmm64()
+
+    def mk(i):
+        return streams.randn(5, i, (6,), dtype=torch.float64)
+
+    def offsets(i):
+        # far apart, one per index: a sample run with another index's offset lands elsewhere
+        return {"offset": 3.0 * streams.randn(11, i, (6,), dtype=torch.float64)}
+
+    refills: list = []
+    set_rows = specforest.target.Target.set_rows
+    monkeypatch.setattr(
+        specforest.target.Target, "set_rows", lambda t, traj, cond: refills.append(len(traj)) or set_rows(t, traj, cond)
+    )
+    coupling = "rmc" if tree.max_children == 1 else "grs"
+    opts = dict(steps=12, churn=0.4, tree=tree, coupling=coupling, draft=draft)
+    n = 23
+    ref = specforest.sample(model, mk(torch.arange(n)), seed=7, cond=offsets(torch.arange(n)), **opts)
+    assert len(set(ref.stats.nfe.tolist())) > 1  # the trajectories take different numbers of rounds
+    gen = specforest.generate(model, count=n, make_x=mk, make_cond=offsets, seed=7, batch=4, **opts)
+    samples, nfe = _collect(gen)
+    # slots were refilled while others ran, several of them at once at least once
+    assert sum(refills) == n - 4 and max(refills) >= 2, refills
+    got = torch.stack([samples[i] for i in range(n)])
+    assert torch.equal(got, ref.samples)
+    assert [nfe[i] for i in range(n)] == ref.stats.nfe.tolist()
+
+
 def test_continuous_batching_keeps_slots_fuller_than_fixed_batches():
     model = _gmm64()
 
