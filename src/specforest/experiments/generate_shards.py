@@ -57,7 +57,7 @@ class JobHeldError(OSError):
 
 
 class JobLock:
-    """The job at ``out`` held by this process: an exclusive ``flock`` on ``PATH.parts/lock``.
+    """The job at ``out`` held by this process: an exclusive ``flock`` on ``PATH.parts/lock`` (POSIX).
 
     The operating system releases the lock when its process ends, however it ends (a SIGKILL too),
     so a job is never left held; the file, with the holder's pid, host and start time in it, may stay
