@@ -10,8 +10,8 @@ samples every N-th index with continuous batching, or, with
 from __future__ import annotations
 
 import signal
-import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
@@ -199,8 +199,14 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
     spec = library_errors(lambda: gen_exp.JobSpec(model, o["count"], o["seed"], sampler, model_options))
     library_errors(lambda: distributed.init_from_env(o["device"]))
     rank = distributed.rank()
+    stopped_by = [signal.SIGINT]
+
+    def terminated(*_) -> None:
+        stopped_by[0] = signal.SIGTERM
+        raise KeyboardInterrupt
+
     # a SIGTERM unwinds like an interrupt: temporary files are removed, written shards stay
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         res = library_errors(
             lambda: gen_exp.run_job(
@@ -220,6 +226,8 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
     except distributed.PeerError as e:
         # another process failed: its own error is on its stderr; this one says which and exits non-zero too
         raise click.ClickException(f"process {rank}: {e}") from e
+    except KeyboardInterrupt:
+        _interrupted(o["out"], rank, stopped_by[0])
     finally:
         signal.signal(signal.SIGTERM, previous)
         if distributed.is_distributed():
@@ -232,6 +240,20 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
             f"{res.rounds} rounds, occupancy {res.occupancy:.3f}",
             err=True,
         )
+
+
+def _interrupted(out: str, rank: int, signum: int) -> None:
+    """Stop the command after a SIGINT or SIGTERM, saying where the finished samples are and that ``--resume``
+    finishes the job, with exit status ``128 + signum`` (the shell's for a signal)."""
+    parts = gen_exp.parts_dir(Path(out))
+    who = f"process {rank}: " if distributed.is_distributed() else ""
+    if parts.exists():
+        msg = f"interrupted: the finished samples are kept in {parts}; rerun with --resume to finish the job"
+    else:
+        msg = f"interrupted before any sample was written to {parts}; rerun to start the job"
+    err = click.ClickException(who + msg)
+    err.exit_code = 128 + signum
+    raise err
 
 
 @click.group(context_settings=CONTEXT)
