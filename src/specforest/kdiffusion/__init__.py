@@ -8,6 +8,7 @@ k-diffusion's own VE sigmas, under k-diffusion's names (:mod:`specforest.schedul
 ``get_sigmas_exponential``, ``get_sigmas_polyexponential``, ``get_sigmas_vp``.
 """
 
+from ..schedules import get_sigmas_exponential, get_sigmas_karras, get_sigmas_polyexponential, get_sigmas_vp
 from .dropins import (
     sample_ddpm,
     sample_dpmpp_2m_sde,
@@ -16,7 +17,6 @@ from .dropins import (
     sample_euler_ancestral,
     sample_lcm,
 )
-from ..schedules import get_sigmas_exponential, get_sigmas_karras, get_sigmas_polyexponential, get_sigmas_vp
 from .speculative import KEYS, PATHS, linear_grid, sample, sample_speculative
 
 __all__ = [
