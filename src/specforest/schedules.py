@@ -206,7 +206,7 @@ def schedule_grid(
         given = [n for n, v in (("sigma_min", sigma_min), ("sigma_max", sigma_max)) if v is not None]
         if given:
             raise ValueError(
-                f"{' and '.join(given)} apply to the schedules {', '.join(SCHEDULE_SIGMA_RANGE)}; schedule "
+                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the schedules {', '.join(SCHEDULE_SIGMA_RANGE)}; schedule "
                 f"{schedule!r} has its own levels: leave {' and '.join(given)} unset"
             )
         check_int("steps", steps, 1)
