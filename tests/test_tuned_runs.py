@@ -144,6 +144,10 @@ OPTION_CASES = {
     ),
     "grid": ("uniform", _every_call("grid", "uniform")),
     "shift": (2.0, _every_call("shift", 2.0)),
+    "schedule": ("karras", _every_call("schedule", "karras")),
+    # (a range without a schedule is refused before any run: the case with one is the schedule's)
+    "sigma_min": (0.01, "sigma_min sets the range of a schedule"),
+    "sigma_max": (20.0, "sigma_max sets the range of a schedule"),
     "prefetch": (
         "parent",
         lambda t, calls, seen: (

@@ -282,7 +282,14 @@ def check_named_grid(chain: Chain, steps: int, grid: str, where: "str | None" = 
 
     make = flow_match_grid if grid == "flow_match" else uniform_grid
     try:
-        chain.build(make(steps, shift=NAMED_GRID_SHIFT).to(torch.float64))
+        sigmas = make(steps, shift=NAMED_GRID_SHIFT).to(torch.float64)
+    except ValueError as e:
+        raise click.UsageError(
+            f"--chain {chain.name} does not run on {where or f'--grid {grid}'}, which starts at t = 1 "
+            f"(sigma = inf): {e}"
+        ) from None
+    try:
+        chain.build(sigmas)
     except ValueError:
         raise click.UsageError(
             f"--chain {chain.name} does not run on {where or f'--grid {grid}'}, which starts at t = 1 "
