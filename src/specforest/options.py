@@ -468,10 +468,8 @@ def _chain_diffs(tuned_for: TunedFor, chain: "str | Chain", churn: Any) -> list:
 
 def options_sde(o: "SamplerOptions") -> GaussianChain:
     """The chain's tables of the options ``o`` (:func:`make_sde` of its grid and chain options)."""
-    return make_sde(
-        o.steps, o.sigmas, o.grid, o.shift, o.churn, o.chain, schedule=o.schedule, sigma_min=o.sigma_min,
-        sigma_max=o.sigma_max,
-    )  # fmt: skip
+    grid = dict(schedule=o.schedule, sigma_min=o.sigma_min, sigma_max=o.sigma_max)
+    return make_sde(o.steps, o.sigmas, o.grid, o.shift, o.churn, o.chain, **grid)
 
 
 def _check_schedule(schedule, sigma_min, sigma_max, sigmas, grid, shift) -> None:
@@ -479,9 +477,11 @@ def _check_schedule(schedule, sigma_min, sigma_max, sigmas, grid, shift) -> None
     if schedule is None:
         given = [n for n, v in (("sigma_min", sigma_min), ("sigma_max", sigma_max)) if v is not None]
         if given:
+            verb = "sets" if len(given) == 1 else "set"
+            takers = " or ".join(map(repr, SCHEDULE_SIGMA_RANGE))
             raise ValueError(
-                f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} the range of a schedule (schedule={' or '.join(map(repr, SCHEDULE_SIGMA_RANGE))}); "
-                "give one, or leave them unset"
+                f"{' and '.join(given)} {verb} the range of a schedule (schedule={takers}); give one, or leave "
+                f"{'it' if len(given) == 1 else 'them'} unset"
             )
         return
     if sigmas is not None:

@@ -205,9 +205,10 @@ def schedule_grid(
     else:
         given = [n for n, v in (("sigma_min", sigma_min), ("sigma_max", sigma_max)) if v is not None]
         if given:
+            named, verb = " and ".join(given), "applies" if len(given) == 1 else "apply"
             raise ValueError(
-                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the schedules {', '.join(SCHEDULE_SIGMA_RANGE)}; schedule "
-                f"{schedule!r} has its own levels: leave {' and '.join(given)} unset"
+                f"{named} {verb} to the schedules {', '.join(SCHEDULE_SIGMA_RANGE)}; schedule {schedule!r} has its "
+                f"own levels: leave {named} unset"
             )
         check_int("steps", steps, 1)
         s = ddpm_discrete_sigmas(steps) if schedule == "ddpm" else _vp(steps, 19.9, 0.1, 1e-3, torch.float64)
