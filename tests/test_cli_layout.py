@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # each command's path -> its options in --help order, as typed (``--a/--b``: an on/off pair)
 _JOB = (
     "--method --K --L --steps --churn --chain --eta --s-noise --s-churn --solver-type --grid --prefetch --verify --draft --count --seed --out --batch --memory-gb "
-    "--resume --tree-parallel --progress/--no-progress --threads --compile --tune"
+    "--resume --tree-parallel --progress/--no-progress --threads --compile --tune --schedule --sigma-min --sigma-max"
 )
 COMMANDS = {
     "": "--version",
@@ -35,7 +35,7 @@ COMMANDS = {
     "--width --max-sequence-length --dtype --device --num-images-per-prompt --method --K --L --steps --churn --chain "
     "--eta --s-noise --s-churn --solver-type --scheduler --draft "
     "--verify --prefetch --lazy --seed --batch-size --max-memory-gb --out --json --progress/--no-progress --threads "
-    "--tune",
+    "--schedule --sigma-min --sigma-max --tune",
     "generate": "",
     "generate diffusers": f"{_JOB} --pipeline --prompts --num-prompts --negative-prompt --guidance --true-cfg-scale "
     "--shift --height --width --max-sequence-length --dtype --device --scheduler",
@@ -45,25 +45,27 @@ COMMANDS = {
     "--max-sequence-length --dtype --device",
     "gmm": "--method --K --L --components --dim --steps --churn --trajectories --seed --mixture-seed --grid "
     "--prefetch --verify --tree --budget --draft --memory-gb --chain --eta --s-noise --s-churn --solver-type --lazy --json --dump-samples "
-    "--progress/--no-progress --threads --compile --tune",
+    "--progress/--no-progress --threads --compile --tune --schedule --sigma-min --sigma-max",
     "gmm drafts": "--out --model --trajectories --depth --seed",
     "gmm sweep": "--out --K-values --L-values --methods --components --dim --steps --churn --trajectories --seed "
     "--mixture-seed --grid --prefetch --verify --tree --budget --draft --memory-gb --lazy --progress/--no-progress "
     "--threads",
     "pixel": "--method --draft --tree --budget --K --L --churn --chain --eta --s-noise --s-churn --solver-type --steps --samples --seed --grid --prefetch --verify "
-    "--lazy --memory-gb --json --dump-samples --progress/--no-progress --threads --compile --tune",
+    "--lazy --memory-gb --json --dump-samples --progress/--no-progress --threads --compile --tune --schedule "
+    "--sigma-min --sigma-max",
     "pixel sweep": "--out --trees --churns --methods --steps --samples --seed --grid --prefetch --verify "
     "--lazy/--full --progress/--no-progress --threads",
     "sd3": "--model --prompts --num-prompts --guidance --shift --height --width --max-sequence-length --dtype "
     "--device --K-values --L --steps --churn --seed --verify --prefetch --draft --batch-size --out --clip --max-memory-gb "
-    "--lazy --save-images --progress/--no-progress --threads --tune",
+    "--lazy --save-images --progress/--no-progress --threads --tune --schedule --sigma-min --sigma-max",
     "train": "",
     "train digits": "--out --weights-dir --steps --max-minutes --seed --eval-samples --threads "
     "--progress/--no-progress",
     "train digits-draft": "--weights-dir --steps --batch --max-minutes --seed --threads --progress/--no-progress",
     "tune": "--model --steps --churn --chain --eta --s-noise --s-churn --solver-type --scheduler --batch --device --dim --components --mixture-seed --drafts --budget-max --out "
     "--pipeline --prompts --num-prompts --guidance --shift --height --width --max-sequence-length --dtype "
-    "--true-cfg-scale --negative-prompt --max-memory-gb --threads --progress/--no-progress",
+    "--true-cfg-scale --negative-prompt --max-memory-gb --threads --progress/--no-progress --schedule --sigma-min "
+    "--sigma-max",
 }
 
 

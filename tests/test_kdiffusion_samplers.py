@@ -140,7 +140,7 @@ def test_euler_ancestral_on_the_linear_path_is_comfys_rf_sampler():
 
 
 def test_ddpm_and_lcm_equal_comfys_samplers():
-    t = chains.ddpm_sigmas(100)
+    t = chains.ddpm_linear_grid(100)
     sig = t / (1 - t)
     x, z = start(32, sig), draws(32, len(sig))
     it = iter(z)
@@ -444,3 +444,51 @@ def test_a_drop_in_is_kdiffusion_sample_with_its_chain(fn, kw, chain, tree):
     out = kdiffusion.sample(denoiser, x, sig, chain=chain, **run)
     assert torch.equal(out.samples, fn(denoiser, x, sig, **kw, **run))
     assert out.stats.calls >= 1 and out.stats.speedup.shape == (4,)
+
+
+# -- k-diffusion's schedule functions -------------------------------------------------------------
+
+SCHEDULE_CALLS = [
+    ("get_sigmas_karras", (12, 0.03, 80.0), {}),
+    ("get_sigmas_karras", (7, 0.002, 14.6), {"rho": 5.0}),
+    ("get_sigmas_karras", (1, 0.1, 10.0), {}),
+    ("get_sigmas_exponential", (12, 0.03, 80.0), {}),
+    ("get_sigmas_polyexponential", (12, 0.03, 80.0), {}),
+    ("get_sigmas_polyexponential", (9, 0.1, 20.0), {"rho": 2.5}),
+    ("get_sigmas_vp", (12,), {}),
+    ("get_sigmas_vp", (10,), {"beta_d": 15.0, "beta_min": 0.2, "eps_s": 1e-2}),
+]
+
+
+@pytest.mark.parametrize("name, args, kw", SCHEDULE_CALLS)
+def test_schedule_functions_equal_k_diffusions(name, args, kw):
+    """Under k-diffusion's names, signatures and meaning: VE sigmas, a 0 appended, k-diffusion's dtype."""
+    ours, ref = getattr(kdiffusion, name)(*args, **kw), getattr(sampling(), name)(*args, **kw)
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref) and ours[-1] == 0
+    assert torch.equal(getattr(kdiffusion, name)(*args, **kw, device="cpu"), ref)
+
+
+def test_schedule_functions_refuse_bad_values_naming_them():
+    with pytest.raises(ValueError, match="sigma_max"):
+        kdiffusion.get_sigmas_karras(10, 1.0, 0.5)
+    with pytest.raises(ValueError, match="sigma_min"):
+        kdiffusion.get_sigmas_exponential(10, 0.0, 10.0)
+    with pytest.raises(ValueError, match="rho"):
+        kdiffusion.get_sigmas_polyexponential(10, 0.1, 10.0, rho=0.0)
+    with pytest.raises(ValueError, match="eps_s"):
+        kdiffusion.get_sigmas_vp(10, eps_s=0.0)
+    with pytest.raises(ValueError, match="n "):
+        kdiffusion.get_sigmas_karras(0, 0.1, 10.0)
+
+
+def test_a_drop_in_on_get_sigmas_karras_is_k_diffusions_run_on_its_own():
+    """The obvious call (k-diffusion's schedule under its name) runs k-diffusion's sampler at its levels."""
+    ours_sig = kdiffusion.get_sigmas_karras(16, 0.03, 80.0).to(torch.float64)
+    ref_sig = sampling().get_sigmas_karras(16, 0.03, 80.0).to(torch.float64)
+    x, z = start(32, ref_sig), draws(32, len(ref_sig))
+    it = iter(z)
+    ref = sampling().sample_euler_ancestral(denoiser, x, ref_sig, noise_sampler=lambda a, b: next(it), disable=True)
+    it = iter(z)
+    ours = kdiffusion.sample_euler_ancestral(denoiser, x, ours_sig, noise_sampler=lambda a, b: next(it), disable=True)
+    assert close(ours, ref, torch.float64)
+    assert float(ours_sig[0]) == pytest.approx(80.0)  # VE levels, not the linear path's t < 1

@@ -43,6 +43,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .registry import Registry
+from .schedules import _karras
 from .sde import GaussianChain, ReverseSDE, _check_sigmas
 from .validation import check_choice, check_number
 
@@ -61,9 +62,9 @@ __all__ = [
     "get_chain",
     "register_chain",
     "unregister_chain",
-    "ddpm_sigmas",
+    "ddpm_linear_grid",
     "from_ve",
-    "karras_sigmas",
+    "karras_linear_grid",
 ]
 
 
@@ -160,7 +161,8 @@ class Chain:
                 f"chain {self.name!r} is not defined on this grid at step {n} (levels {float(t[n]):.6g} -> "
                 f"{float(t_next[n]):.6g} on the linear path): a sampler on VE noise levels sigma = t / (1 - t) "
                 "needs a finite first level, t < 1; pass sigmas that start below 1 "
-                "(specforest.kdiffusion.linear_grid of a k-diffusion schedule, or chains.ddpm_sigmas)"
+                "(specforest.kdiffusion.linear_grid of a k-diffusion schedule such as "
+                "specforest.kdiffusion.get_sigmas_karras, or chains.karras_linear_grid / chains.ddpm_linear_grid)"
             )
         return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, B)
 
@@ -465,12 +467,14 @@ class DPMPP2MSDE(Chain):
         return -(1.0 - t_next) * self._multistep(t, t_next)
 
 
-def ddpm_sigmas(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
+def ddpm_linear_grid(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
     """DDPM's own schedule as a linear-path grid: linear betas over ``steps`` training steps
     (``DDPMScheduler``'s defaults), every one a sampling step, VE ``sigma = sqrt((1 - ab) / ab)``.
 
+    A k-diffusion drop-in takes VE sigmas: ``t / (1 - t)`` of this grid (the last level 0 stays 0).
+
     Returns:
-        ``(steps + 1,)`` float64, decreasing to 0 (``t = sigma / (1 + sigma)``).
+        ``(steps + 1,)`` float64 linear-path levels, decreasing to 0 (``t = sigma / (1 + sigma)``).
     """
     from .validation import check_int
 
@@ -482,21 +486,43 @@ def ddpm_sigmas(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float 
     return torch.cat([t, t.new_zeros(1)])
 
 
-def karras_sigmas(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
-    """Karras et al.'s schedule (k-diffusion's ``get_sigmas_karras``) as a linear-path grid.
+def karras_linear_grid(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
+    """Karras et al.'s schedule (k-diffusion's ``get_sigmas_karras``) as a linear-path grid, for
+    :func:`specforest.sample`'s ``sigmas=`` and :meth:`Chain.build`.
+
+    A k-diffusion drop-in takes the VE sigmas themselves: :func:`specforest.kdiffusion.get_sigmas_karras`.
 
     Returns:
         ``(steps + 1,)`` float64 ``t = sigma / (1 + sigma)``, decreasing from ``t_0 < 1`` to 0.
+
+    Raises:
+        TypeError / ValueError: naming ``steps``, ``sigma_min``, ``sigma_max`` or ``rho``.
     """
     from .validation import check_int
 
     check_int("steps", steps, 1)
-    lo = check_number("sigma_min", sigma_min, 0.0, lo_open=True)
-    hi = check_number("sigma_max", sigma_max, lo, lo_open=True)
-    rho = check_number("rho", rho, 0.0, lo_open=True)
-    ramp = torch.linspace(0, 1, steps, dtype=torch.float64)
-    s = (hi ** (1 / rho) + ramp * (lo ** (1 / rho) - hi ** (1 / rho))) ** rho
-    return torch.cat([s / (1.0 + s), s.new_zeros(1)])
+    s = _karras(steps, sigma_min, sigma_max, rho, torch.float64)
+    return s / (1.0 + s)
+
+
+_RENAMED = {
+    "karras_sigmas": "karras_linear_grid",
+    "ddpm_sigmas": "ddpm_linear_grid",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # the old names returned linear-path levels that a k-diffusion drop-in (which takes VE sigmas, as
+    # k-diffusion's get_sigmas_karras returns them) ran without complaint at sigma <= 1: refused, naming both
+    if name in _RENAMED:
+        raise AttributeError(
+            f"specforest.chains.{name} is gone: it returned linear-path levels t = sigma / (1 + sigma), not the "
+            f"VE sigmas its name suggested. For a grid of specforest.sample(sigmas=...) or Chain.build use "
+            f"specforest.chains.{_RENAMED[name]}; for VE sigmas (the k-diffusion drop-ins, k-diffusion's own "
+            "samplers) use specforest.kdiffusion.get_sigmas_karras (and get_sigmas_exponential, "
+            "get_sigmas_polyexponential, get_sigmas_vp)"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 REFUSED = {

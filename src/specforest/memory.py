@@ -402,10 +402,10 @@ def run_shape(options: Any) -> dict:
     ``options``: the run's :class:`~specforest.options.SamplerOptions` (an option that changes what a
     run holds is read here, so every caller sizes its runs with it).
     """
-    from .options import make_sde
+    from .options import options_sde
 
     o = options
-    chain = make_sde(o.steps, o.sigmas, o.grid, o.shift, o.churn, o.chain)
+    chain = options_sde(o)
     return {
         "tree": o.tree,
         "verify": o.verify,

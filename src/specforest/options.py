@@ -27,6 +27,7 @@ from .chains import EM, Chain, available_chains, get_chain
 from .couplings import Coupling, available_couplings, get_coupling
 from .drafts import Proposal, available_drafts, get_proposal
 from .engine import PREFETCH_POLICIES
+from .schedules import SCHEDULE_SIGMA_RANGE, SCHEDULES, schedule_grid
 from .sde import GaussianChain, flow_match_grid, uniform_grid
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 from .validation import check_choice, check_int
@@ -42,6 +43,7 @@ __all__ = [
     "declared_options",
     "make_sde",
     "option",
+    "options_sde",
     "pad_sizes",
     "resolve",
 ]
@@ -161,8 +163,17 @@ class SamplerOptions:
             ``ddim``, ``lcm``; :func:`~specforest.chains.available_chains`) with its default parameters, or a
             :class:`~specforest.chains.Chain` (``chains.get_chain("euler_ancestral", eta=0.5)``).
         sigmas: an explicit ``(T + 1,)`` grid, decreasing from <= 1 to 0.
-        grid: ``flow_match`` (diffusers' default grid) or ``uniform`` (the paper's text).
+        grid: ``flow_match`` (diffusers' default grid) or ``uniform`` (the paper's text). Both start at
+            ``t = 1`` (``sigma = inf``), where a sampler on VE levels is not defined: give ``schedule``.
         shift: timestep shift ``kappa`` of eq. (38).
+        schedule: ``None`` (the grid is ``grid``'s) or a named noise schedule whose ``steps`` VE levels,
+            then 0, make the grid (:func:`specforest.schedules.schedule_grid`): ``karras`` (``rho = 7``) or
+            ``exponential`` between ``sigma_min`` and ``sigma_max``, ``ddpm`` (DDPM's 1000-step training
+            schedule) or ``vp`` (k-diffusion's ``get_sigmas_vp``). It starts below ``t = 1``, so every
+            chain runs on it; ``grid`` (other than its default), ``shift`` (other than 1) and ``sigmas``
+            are refused beside it.
+        sigma_min, sigma_max: the VE range of the ``karras`` and ``exponential`` schedules (``None``:
+            0.002 and 80); refused with another schedule or none.
         tree: draft topology (a :class:`~specforest.trees.DraftTree`), a
             :class:`~specforest.trees.TreePolicy` re-planned every round
             (``planning.AdaptiveTree``), or ``None`` for the standard sampler.
@@ -231,6 +242,30 @@ class SamplerOptions:
         choices=GRIDS,
     )
     shift: float = option(1.0, cli=False, kind=float, low=0.0, low_open=True)
+    schedule: Optional[str] = option(
+        None,
+        help="Noise schedule whose --steps VE levels, then 0, make the grid instead of --grid's: karras "
+        "(Karras et al., rho 7) or exponential between --sigma-min and --sigma-max, ddpm (DDPM's 1000-step "
+        "training schedule, linear betas) or vp (k-diffusion's get_sigmas_vp). It starts below t = 1, so "
+        "every --chain runs on it (the named grids start at t = 1, where the VE samplers are not defined).",
+        choices=SCHEDULES,
+    )
+    sigma_min: Optional[float] = option(
+        None,
+        help=f"Smallest VE noise level of --schedule karras or exponential, > 0 "
+        f"(default {SCHEDULE_SIGMA_RANGE['karras'][0]}).",
+        kind=float,
+        low=0.0,
+        low_open=True,
+    )
+    sigma_max: Optional[float] = option(
+        None,
+        help=f"Largest VE noise level of --schedule karras or exponential, > --sigma-min "
+        f"(default {SCHEDULE_SIGMA_RANGE['karras'][1]}).",
+        kind=float,
+        low=0.0,
+        low_open=True,
+    )
     tree: "Optional[DraftTree | TreePolicy]" = option(
         None,
         cli=False,
@@ -306,7 +341,9 @@ class SamplerOptions:
         for name in ("lazy", "record_deltas"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        sde = make_sde(self.steps, self.sigmas, self.grid, self.shift, self.churn, self.chain)
+        if self.schedule is not None:
+            check_option("schedule", self.schedule)
+        sde = options_sde(self)
         # (the em chain's first and last steps are deterministic by construction: a grid of one or two
         # steps has none, and has always run as the standard sampler whatever the tree)
         if tree is not None and sde.name != "em" and not bool(sde.stochastic.any()):
@@ -429,13 +466,58 @@ def _chain_diffs(tuned_for: TunedFor, chain: "str | Chain", churn: Any) -> list:
     return out
 
 
-def make_sde(steps, sigmas, grid, shift, churn, chain: "str | Chain" = "em") -> GaussianChain:
-    """The chain's tables for the options ``steps`` (on ``grid`` with ``shift``) or ``sigmas``.
+def options_sde(o: "SamplerOptions") -> GaussianChain:
+    """The chain's tables of the options ``o`` (:func:`make_sde` of its grid and chain options)."""
+    grid = dict(schedule=o.schedule, sigma_min=o.sigma_min, sigma_max=o.sigma_max)
+    return make_sde(o.steps, o.sigmas, o.grid, o.shift, o.churn, o.chain, **grid)
+
+
+def _check_schedule(schedule, sigma_min, sigma_max, sigmas, grid, shift) -> None:
+    """Refuse what a schedule leaves no room for (another grid given beside it), and a range without one."""
+    if schedule is None:
+        given = [n for n, v in (("sigma_min", sigma_min), ("sigma_max", sigma_max)) if v is not None]
+        if given:
+            verb = "sets" if len(given) == 1 else "set"
+            takers = " or ".join(map(repr, SCHEDULE_SIGMA_RANGE))
+            raise ValueError(
+                f"{' and '.join(given)} {verb} the range of a schedule (schedule={takers}); give one, or leave "
+                f"{'it' if len(given) == 1 else 'them'} unset"
+            )
+        return
+    if sigmas is not None:
+        raise ValueError(f"schedule={schedule!r} makes the grid from steps, and sigmas is a grid: give one of them")
+    if grid != option_default("grid"):
+        raise ValueError(f"schedule={schedule!r} and grid={grid!r} both choose the grid: give one of them")
+    if shift != option_default("shift"):
+        raise ValueError(f"shift={shift!r} shifts a named grid (grid=...); schedule={schedule!r} takes none")
+
+
+def make_sde(
+    steps,
+    sigmas,
+    grid,
+    shift,
+    churn,
+    chain: "str | Chain" = "em",
+    *,
+    schedule: Optional[str] = None,
+    sigma_min: Optional[float] = None,
+    sigma_max: Optional[float] = None,
+) -> GaussianChain:
+    """The chain's tables for the options ``steps`` (on ``grid`` with ``shift``, or on ``schedule`` with its
+    ``sigma_min`` and ``sigma_max``) or ``sigmas``.
 
     Raises:
         ValueError / TypeError: naming the option (the chain checks the grid and its parameters).
     """
     ch = _chain_of(churn, chain)
+    _check_schedule(schedule, sigma_min, sigma_max, sigmas, grid, shift)
+    if schedule is not None:
+        if steps is None:
+            raise ValueError(f"schedule={schedule!r} needs steps (an int >= 1)")
+        if type(steps) is int and all(v is None or type(v) in (int, float) for v in (sigma_min, sigma_max)):
+            return _schedule_sde(steps, schedule, sigma_min, sigma_max, ch)
+        return ch.build(schedule_grid(schedule, steps, sigma_min, sigma_max))  # (it names the bad value)
     if sigmas is None:
         if steps is None:
             raise ValueError("give steps (an int >= 1) or sigmas (a (T + 1,) tensor)")
@@ -455,6 +537,12 @@ def _grid_sde(steps: int, grid: str, shift: float, chain: Chain) -> GaussianChai
     """The tables of a named grid, made once per (steps, grid, shift, chain): they are cached on it,
     so repeated runs (one image at a time, say) do not rebuild them."""
     return chain.build(_grid_sigmas(steps, grid, shift).to(torch.float64))
+
+
+@functools.lru_cache(maxsize=32)
+def _schedule_sde(steps: int, schedule: str, sigma_min, sigma_max, chain: Chain) -> GaussianChain:
+    """The tables of a named schedule, made once per (steps, schedule, range, chain), as :func:`_grid_sde`'s."""
+    return chain.build(schedule_grid(schedule, steps, sigma_min, sigma_max))
 
 
 def _grid_sigmas(steps, grid: str, shift) -> torch.Tensor:

@@ -29,7 +29,7 @@ from .common import (
     as_ran,
     chain_options,
     chain_settings,
-    check_named_grid,
+    check_grid,
     churn_option,
     compile_option,
     draft_option,
@@ -180,7 +180,7 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
     scheduled = o.get("chain") == "scheduler"  # (generate diffusers: the pipeline's own scheduler)
     chain = None if scheduled else run_chain(o)
     if model not in gen_exp.IMAGE_MODELS:  # (an image job runs its pipeline's grid)
-        check_named_grid(chain, o["steps"], o["grid"])
+        check_grid(chain, o)
     set_threads(o["threads"])
     sampler = {k: o[k] for k in ("method", "K", "L", "steps", "grid", "prefetch", "verify", "draft")}
     # the chain as the job records it: churn (null with another chain than em), chain, chain_params

@@ -21,7 +21,7 @@ from .common import (
     apply_tuned,
     as_ran,
     chain_options,
-    check_named_grid,
+    check_grid,
     choice_list,
     churn_option,
     compile_option,
@@ -152,7 +152,7 @@ def gmm(ctx: click.Context, **o) -> None:
     )
     refuse_unused(o)
     chain = run_chain(o)
-    check_named_grid(chain, o["steps"], o["grid"])
+    check_grid(chain, o)
     set_threads(o["threads"])
     setting = library_errors(lambda: _setting(o, chain))
     run = library_errors(

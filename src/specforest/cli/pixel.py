@@ -20,7 +20,7 @@ from .common import (
     apply_tuned,
     as_ran,
     chain_options,
-    check_named_grid,
+    check_grid,
     choice_list,
     churn_option,
     compile_option,
@@ -132,7 +132,7 @@ def pixel(ctx: click.Context, **o) -> None:
     o, _ = apply_tuned(o, "digits", run={"batch": "samples"}, fixed={"device": "cpu", "shift": NAMED_GRID_SHIFT})
     refuse_unused(o)
     chain = run_chain(o)
-    check_named_grid(chain, o["steps"], o["grid"])
+    check_grid(chain, o)
     set_threads(o["threads"])
     run = library_errors(
         lambda: pixel_exp.simulate(

@@ -24,7 +24,7 @@ from .common import (
     NAMED_GRID_SHIFT,
     chain_options,
     chain_settings,
-    check_named_grid,
+    check_grid,
     churn_option,
     extra_options,
     extra_values,
@@ -304,7 +304,7 @@ def tune(**o) -> None:
     chain = None
     if o["model"] in ("gmm", "digits"):
         chain = run_chain(o)
-        check_named_grid(chain, o["steps"], NAMED_GRID, where=f"the {NAMED_GRID} grid tune runs")
+        check_grid(chain, o, grid=NAMED_GRID, where=f"the {NAMED_GRID} grid tune runs")
     threads = set_threads(o["threads"])
     drafts = parse_drafts(o["drafts"])
     every = o["drafts"].strip() == "all"

@@ -3,9 +3,12 @@
 :func:`sample_speculative` (:mod:`~specforest.kdiffusion.speculative`) runs the library's chain
 behind k-diffusion's signature; the drop-ins (:mod:`~specforest.kdiffusion.dropins`:
 ``sample_euler_ancestral``, ``sample_euler``, ``sample_dpmpp_2m_sde``, ``sample_ddpm``,
-``sample_lcm``) are the samplers people run, exactly (``docs/kdiffusion.md``).
+``sample_lcm``) are the samplers people run, exactly (``docs/kdiffusion.md``). The schedules they take are
+k-diffusion's own VE sigmas, under k-diffusion's names (:mod:`specforest.schedules`): ``get_sigmas_karras``,
+``get_sigmas_exponential``, ``get_sigmas_polyexponential``, ``get_sigmas_vp``.
 """
 
+from ..schedules import get_sigmas_exponential, get_sigmas_karras, get_sigmas_polyexponential, get_sigmas_vp
 from .dropins import (
     sample_ddpm,
     sample_dpmpp_2m_sde,
@@ -19,6 +22,10 @@ from .speculative import KEYS, PATHS, linear_grid, sample, sample_speculative
 __all__ = [
     "KEYS",
     "PATHS",
+    "get_sigmas_exponential",
+    "get_sigmas_karras",
+    "get_sigmas_polyexponential",
+    "get_sigmas_vp",
     "linear_grid",
     "sample",
     "sample_ddpm",

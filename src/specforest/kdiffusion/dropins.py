@@ -274,7 +274,8 @@ def sample_ddpm(
 ) -> torch.Tensor:
     """ComfyUI's ``sample_ddpm`` (ancestral DDPM, ``fixed_small`` variance, on VE sigmas), exactly;
     with a ``tree``, speculated in law. Arguments and randomness as :func:`sample_euler_ancestral`
-    (:func:`specforest.chains.ddpm_sigmas` is DDPM's own 1000-step schedule)."""
+    (DDPM's own 1000-step schedule as VE sigmas: ``t / (1 - t)`` of :func:`specforest.chains.ddpm_linear_grid`,
+    or :func:`specforest.schedules.ddpm_discrete_sigmas` at fewer steps)."""
     from ..chains import DDPM
 
     _ve_only("sample_ddpm", path)
