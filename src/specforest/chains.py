@@ -263,11 +263,17 @@ class EulerAncestral(Chain):
         return P, Q, R
 
 
-def _churn_gamma(s: torch.Tensor, steps: int, s_churn: float, s_tmin: float, s_tmax: float) -> torch.Tensor:
-    """EDM's ``gamma_i = min(s_churn / N, sqrt 2 - 1)`` inside ``[s_tmin, s_tmax]``, else 0."""
+def _churn_gamma(t: torch.Tensor, steps: int, s_churn: float, s_tmin: float, s_tmax: float) -> torch.Tensor:
+    """EDM's ``gamma_i = min(s_churn / N, sqrt 2 - 1)`` where ``s_tmin <= sigma_i <= s_tmax``, else 0, at the
+    levels ``t (T,)`` on the linear path (``sigma = t / (1 - t)``)."""
     g = min(s_churn / steps, math.sqrt(2.0) - 1.0)
-    inside = (s >= s_tmin) & (s <= s_tmax)
-    return torch.where(inside, torch.full_like(s, g), torch.zeros_like(s))
+    # the window's edges are mapped as a k-diffusion schedule's levels are (t = sigma / (1 + sigma)), and
+    # compared there: an edge at one of the schedule's own sigmas then includes that level, as k-diffusion's
+    # s_tmin <= sigma_i does, where t / (1 - t) can be an ulp off sigma_i
+    edges = torch.tensor([s_tmin, s_tmax], dtype=torch.float64)
+    lo, hi = torch.where(torch.isinf(edges), 1.0, edges / (1.0 + edges)).tolist()
+    inside = (t >= lo) & (t <= hi)
+    return torch.where(inside, torch.full_like(t, g), torch.zeros_like(t))
 
 
 @dataclass(frozen=True)
@@ -305,7 +311,7 @@ class EulerChurn(Chain):
     def coefficients(self, sigmas):
         s = _ve(sigmas)  # (N + 1,) k-diffusion's levels, the last 0
         N = s.numel() - 1
-        g = _churn_gamma(s[:-1], N, self.s_churn, self.s_tmin, self.s_tmax)
+        g = _churn_gamma(sigmas[:-1], N, self.s_churn, self.s_tmin, self.s_tmax)
         hat = torch.cat([s[:-1] * (1.0 + g), s.new_zeros(1)])  # the states' levels sigma-hat
         t_hat = torch.where(torch.isinf(hat), torch.ones_like(hat), hat / (1.0 + hat))
         # step i: x-hat_{i+1} = (s_{i+1} / hat_i) x-hat_i + (1 - s_{i+1} / hat_i) D + noise_{i+1} z
