@@ -183,3 +183,98 @@ def test_euler_window_edges_at_grid_levels_are_inclusive_as_k_diffusions(edges):
     ref = sampling().sample_euler(denoiser, x, sig, **kw)
     torch.manual_seed(4)
     assert_close(kdiffusion.sample_euler(denoiser, x, sig, **kw), ref)
+
+
+LAW_TREES = [(trees.uniform(2, 3), "grs"), (trees.chain(4), "rmc")]
+
+
+@pytest.mark.parametrize("tree, coupling", LAW_TREES, ids=["grs", "rmc"])
+def test_speculated_euler_below_the_clip_in_a_window_has_k_diffusions_law(tree, coupling):
+    sig = karras()
+    mean, var = reference_law(sampling().sample_euler, sig, **CHURN)
+    out = kdiffusion.sample_euler(
+        denoiser, ve_start(N_LAW, sig), sig, **CHURN, tree=tree, coupling=coupling, draft="x0", seed=5, disable=True
+    )
+    assert not law_failures(out, mean, var), law_failures(out, mean, var)
+
+
+def test_the_law_test_rejects_churn_at_the_clip():
+    """The same test, on samples of the clip's gamma (``s_churn / N = 0.5``): 5 % more variance."""
+    sig = karras()
+    mean, var = reference_law(sampling().sample_euler, sig, **CHURN)
+    clipped = dict(CHURN, s_churn=10.0)
+    out = kdiffusion.sample_euler(denoiser, ve_start(N_LAW, sig), sig, **clipped, tree=trees.chain(4), seed=5, disable=True)
+    assert law_failures(out, mean, var)
+
+
+# -- Euler ancestral with eta > 1: get_ancestral_step's min binds --------------------------------------
+
+
+def _binds(sig: torch.Tensor, eta: float) -> torch.Tensor:
+    """``(T - 1,)`` whether ``min(sigma', eta sqrt(sigma'^2 (sigma^2 - sigma'^2) / sigma^2))`` takes ``sigma'``."""
+    s, s1 = sig[:-2], sig[1:-1]
+    return eta * (s1**2 * (s**2 - s1**2) / s**2).sqrt() > s1
+
+
+@pytest.mark.parametrize("eta, s_noise", [(1.5, 1.0), (1.3, 1.4)])
+def test_euler_ancestral_above_eta_one_equals_k_diffusions(eta, s_noise):
+    sig = karras()
+    binds = _binds(sig, eta)
+    assert bool(binds.any()) and bool((~binds).any())  # both sides of the min
+    x, z = start(32, sig), draws(32, len(sig))
+    kw = dict(eta=eta, s_noise=s_noise, disable=True)
+    it = iter(z)
+    ref = sampling().sample_euler_ancestral(denoiser, x, sig, noise_sampler=lambda a, b: next(it), **kw)
+    it = iter(z)
+    assert_close(kdiffusion.sample_euler_ancestral(denoiser, x, sig, noise_sampler=lambda a, b: next(it), **kw), ref)
+
+
+@pytest.mark.parametrize("tree, coupling", LAW_TREES, ids=["grs", "rmc"])
+def test_speculated_euler_ancestral_above_eta_one_has_k_diffusions_law(tree, coupling):
+    sig = karras()
+    mean, var = reference_law(sampling().sample_euler_ancestral, sig, eta=1.5)
+    out = kdiffusion.sample_euler_ancestral(
+        denoiser, ve_start(N_LAW, sig), sig, eta=1.5, tree=tree, coupling=coupling, draft="x0", seed=6, disable=True
+    )
+    assert not law_failures(out, mean, var), law_failures(out, mean, var)
+
+
+def linear_denoiser(y: torch.Tensor, s, **_) -> torch.Tensor:
+    """A ``CONST`` model (ComfyUI's SD3, Flux): ``D`` at the linear-path level ``s``."""
+    s = s.reshape(-1, 1).to(torch.float64) if torch.is_tensor(s) else s
+    return denoiser(y / (1 - s), s / (1 - s))
+
+
+LINEAR_GRID = torch.linspace(0.98, 0.0, 16, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("eta", [1.5, 3.0])
+def test_euler_ancestral_rf_above_eta_one_equals_comfys(eta):
+    """ComfyUI's ``sample_euler_ancestral_RF`` above ``eta = 1``: at 3 its ``sigma_down`` falls below 0 on the
+    last steps (an Euler step past the clean prediction), where the re-noising is still defined."""
+    t = LINEAR_GRID
+    down = t[1:-1] * (1 + eta * (t[1:-1] / t[:-2] - 1))
+    assert eta < 2 or bool((down < 0).any())
+    x, z = draws(32, 1, seed=5)[0], draws(32, len(t))
+    ref = comfy_euler_ancestral_rf(denoiser, x, t, z, eta=eta, s_noise=1.3)
+    it = iter(z)
+    ours = kdiffusion.sample_euler_ancestral(
+        linear_denoiser, x, t, eta=eta, s_noise=1.3, noise_sampler=lambda a, b: next(it), path="linear", disable=True
+    )
+    assert_close(ours, ref)
+
+
+def test_euler_ancestral_rf_refuses_an_eta_whose_renoising_variance_is_negative():
+    """Above ``2 (1 - t') / ((1 - 2 t') (1 - t' / t))`` at some step ComfyUI's re-noising coefficient is the square
+    root of a negative number (NaN); the chain refuses it, naming the step and the bound, rather than
+    clamping it to another chain. At the bound itself it builds."""
+    t = LINEAR_GRID
+    tn, tp = t[1:-1], t[:-2]
+    top = float((2 * (1 - tn) / ((1 - 2 * tn) * (1 - tn / tp)))[tn < 0.5].min())
+    x, z = draws(4, 1, seed=5)[0], draws(4, len(t))
+    assert torch.isnan(comfy_euler_ancestral_rf(denoiser, x, t, z, eta=1.01 * top)).all()
+    chains.EulerAncestral(eta=top * (1 - 1e-9), path="linear").build(t)
+    with pytest.raises(ValueError, match=rf"eta=.* gives a negative variance at step 13 .* at most {top:.6g}"):
+        chains.EulerAncestral(eta=1.01 * top, path="linear").build(t)
+    with pytest.raises(ValueError, match="negative variance at step 13"):
+        kdiffusion.sample_euler_ancestral(linear_denoiser, x, t, eta=1.01 * top, path="linear", disable=True)
