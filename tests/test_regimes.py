@@ -278,3 +278,56 @@ def test_euler_ancestral_rf_refuses_an_eta_whose_renoising_variance_is_negative(
         chains.EulerAncestral(eta=1.01 * top, path="linear").build(t)
     with pytest.raises(ValueError, match="negative variance at step 13"):
         kdiffusion.sample_euler_ancestral(linear_denoiser, x, t, eta=1.01 * top, path="linear", disable=True)
+
+
+# -- the other parameters at their boundaries -------------------------------------------------------
+
+
+def bent(x: torch.Tensor, sigma, **_) -> torch.Tensor:
+    """A denoiser not affine along the path, so that DPM++ 2M's multistep term ``D - D_prev`` shows."""
+    return denoiser(x, sigma) + 0.3 * torch.tanh(x)
+
+
+SHORT = {"one": torch.tensor([14.6, 0.0], dtype=torch.float64), "two": torch.tensor([14.6, 1.2, 0.0], dtype=torch.float64)}
+BOUNDARY_CASES = {
+    # name: (ours, the sampler's own code, its keywords, the schedule)
+    "dpmpp-eta1.5-heun-s_noise1.4": ("dpmpp_2m_sde", dict(eta=1.5, s_noise=1.4, solver_type="heun"), None),
+    "dpmpp-eta2.5-midpoint": ("dpmpp_2m_sde", dict(eta=2.5), None),
+    "dpmpp-eta1.5-two-steps": ("dpmpp_2m_sde", dict(eta=1.5, solver_type="heun"), "two"),
+    "ancestral-s_noise1.5": ("euler_ancestral", dict(s_noise=1.5), None),
+    "ancestral-eta1.5-one-step": ("euler_ancestral", dict(eta=1.5), "one"),
+    "ancestral-eta1.5-two-steps": ("euler_ancestral", dict(eta=1.5), "two"),
+    "lcm-s_noise1.5": ("lcm", dict(s_noise=1.5), None),
+    "lcm-two-steps": ("lcm", {}, "two"),
+    "euler-churn-one-step": ("euler", dict(s_churn=0.3, s_noise=1.2), "one"),
+    "euler-churn-two-steps": ("euler", dict(s_churn=0.5), "two"),
+}
+
+
+@pytest.mark.parametrize("case", list(BOUNDARY_CASES))
+def test_drop_ins_at_their_boundaries_equal_the_samplers_own_code(case):
+    """``eta`` above 1 and ``s_noise`` above 1 on DPM++ 2M SDE, Euler ancestral and LCM, and one- and two-step
+    schedules (the first step is the last, into sigma 0; the multistep term's first use is the step into 0).
+    k-diffusion's ``sample_dpmpp_2m_sde`` fails on a one-step schedule (its ``h_last`` is never set), so that
+    case is not compared."""
+    name, kw, short = BOUNDARY_CASES[case]
+    sig = karras(12) if short is None else SHORT[short]
+    model = bent if name == "dpmpp_2m_sde" else denoiser
+    ours = getattr(kdiffusion, f"sample_{name}")
+    x = start(32, sig)
+    if name == "euler":
+        torch.manual_seed(8)
+        ref = sampling().sample_euler(model, x, sig, disable=True, **kw)
+        torch.manual_seed(8)
+        assert_close(ours(model, x, sig, disable=True, **kw), ref)
+        return
+    z = draws(32, len(sig))
+    if name == "lcm":  # ComfyUI's sample_lcm takes no s_noise: the chain's own, as the drop-in runs it
+        ref = comfy_lcm(model, x, sig, z, **kw)
+        ours = kdiffusion.sample(model, x, sig, chain=chains.LCM(**kw), noise=lambda n: z[n], disable=True).samples
+        assert_close(ours, ref)
+        return
+    it = iter(z)
+    ref = getattr(sampling(), f"sample_{name}")(model, x, sig, noise_sampler=lambda a, b: next(it), disable=True, **kw)
+    it = iter(z)
+    assert_close(ours(model, x, sig, noise_sampler=lambda a, b: next(it), disable=True, **kw), ref)
