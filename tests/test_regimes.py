@@ -331,3 +331,114 @@ def test_drop_ins_at_their_boundaries_equal_the_samplers_own_code(case):
     ref = getattr(sampling(), f"sample_{name}")(model, x, sig, noise_sampler=lambda a, b: next(it), disable=True, **kw)
     it = iter(z)
     assert_close(ours(model, x, sig, noise_sampler=lambda a, b: next(it), disable=True, **kw), ref)
+
+
+# -- GRS at a small mismatch ------------------------------------------------------------------------
+
+SMALL_DELTAS = [1e-4, 1e-3, 3e-3, 1e-2]
+mpmath = pytest.importorskip("mpmath")
+
+
+def _mp_sf(x):
+    return mpmath.erfc(x / mpmath.sqrt(2)) / 2
+
+
+def mp_levels(delta: float, K: int) -> tuple[list, list]:
+    """``lambda_0 .. lambda_K`` and ``G_1 .. G_{K+1}`` in 50 digits from the closed form (ERRATA 1-3):
+    ``tau_k = ln(lambda_k) / delta + delta / 2``, ``G_{k+1} = Phibar(tau_k - delta) - lambda_k Phibar(tau_k)``."""
+    with mpmath.workdps(50):
+        d = mpmath.mpf(delta)
+        lam, G = [mpmath.mpf(0)], [mpmath.mpf(1)]
+        for _ in range(K):
+            lam_k = lam[-1] + G[-1]
+            tau = mpmath.log(lam_k) / d + d / 2
+            lam.append(lam_k)
+            G.append(_mp_sf(tau - d) - lam_k * _mp_sf(tau))
+        return lam, G
+
+
+@pytest.mark.parametrize("delta", SMALL_DELTAS)
+def test_grs_levels_and_acceptance_at_a_small_mismatch_are_the_closed_form(delta):
+    """At ``delta`` from 1e-4 to 1e-2 the remaining masses ``G_k`` are of order ``delta``, differences of masses
+    near 1/2: ``grs_levels`` and ``1 - grs_acceptance`` must still hold them to 1e-9 relative (the midpoint form
+    of the tail mass below 1e-2; without its second-order term ``G`` is 4e-8 off at 1e-3)."""
+    K = 6
+    lam_ref, G_ref = mp_levels(delta, K)
+    lam, G = grs_levels(torch.tensor([delta], dtype=torch.float64), K)
+    for k in range(K + 1):
+        assert float(lam[0, k]) == pytest.approx(float(lam_ref[k]), rel=1e-12, abs=0.0), k
+        assert float(G[0, k]) == pytest.approx(float(G_ref[k]), rel=1e-9, abs=0.0), k
+    for k in range(1, K + 1):
+        rejected = 1.0 - float(grs_acceptance(torch.tensor(delta, dtype=torch.float64), k))
+        assert rejected == pytest.approx(float(G_ref[k]), rel=1e-9, abs=0.0), k
+
+
+@pytest.mark.parametrize("delta", SMALL_DELTAS)
+def test_grs_acceptance_weights_at_a_small_mismatch_are_the_closed_form(delta):
+    """``GRS.select`` at fixed uniforms: child ``k`` is taken exactly when the children before it are not and
+    ``u_k < beta_k = min(1, (rho_k - lambda_{k-1})_+ / G_k)``, ``rho = exp(delta s - delta^2 / 2)``, with the
+    levels in 50 digits. Uniforms 0.5 % either side of ``beta_k`` at a grid of ``s``; ``G_k`` is of order ``delta``
+    there, so a floor on it (against a division by 0) above 1e-300 moves the rule."""
+    K = 4
+    lam_ref, G_ref = mp_levels(delta, K)
+    s = torch.linspace(-1.0, 3.0, 21, dtype=torch.float64)
+    rows, expected_hit = [], []
+    for k in range(K):
+        with mpmath.workdps(50):
+            beta = [
+                float(min(1, max(0, mpmath.exp(delta * mpmath.mpf(v) - mpmath.mpf(delta) ** 2 / 2) - lam_ref[k]) / G_ref[k]))
+                for v in s.tolist()
+            ]
+        for v, b in zip(s.tolist(), beta, strict=True):
+            for rel in (0.995, 1.005):
+                if b * rel > 1.0 or b == 0.0:
+                    continue
+                u = torch.ones(K, dtype=torch.float64)  # the children before k: never taken
+                u[k] = b * rel
+                s_hat = torch.full((K,), 5.0, dtype=torch.float64)
+                s_hat[k] = v
+                rows.append((s_hat, u))
+                expected_hit.append(rel < 1.0)
+    s_hat = torch.stack([r[0] for r in rows])
+    u = torch.stack([r[1] for r in rows])
+    P = u.shape[0]
+    rng = Stream(torch.arange(P), drawn=u, layout=((0, K),))
+    d = torch.full((P,), delta, dtype=torch.float64)
+    accepted, index = GRS().select(s_hat, d, torch.ones(P, K, dtype=torch.bool), rng)
+    k_of = (u < 1.0).to(torch.int8).argmax(1)
+    hit = torch.tensor(expected_hit)
+    assert 0 < int(hit.sum()) < P  # both outcomes occur
+    # a row whose child k is not taken accepts none of them (its children after k get u = 1)
+    assert torch.equal(accepted, hit), int((accepted != hit).sum())
+    assert torch.equal(index[hit], k_of[hit])
+
+
+@pytest.mark.parametrize("delta", SMALL_DELTAS)
+def test_grs_residual_at_a_small_mismatch_is_the_closed_form_quantile(delta):
+    """``GRS.residual`` with fixed uniforms: with ``G_{K+1}`` of order ``delta`` no rejection trial is made, and a
+    draw is the residual's quantile, the root of ``H(s) = u G_{K+1}`` with
+    ``H(s) = Phibar(s - delta) - lambda_K Phibar(s)``. Checked in 50 digits by the sign of ``H - u G`` at the draw
+    plus and minus ``1e-9 (1 + |s|)``, for ``K`` 1, 3 and 6 and ``u`` from 1e-6 to ``1 - 1e-9``."""
+    from specforest.residuals import TRIALS
+
+    us = [1e-6, 0.02, 0.3, 0.5, 0.8, 0.99, 1 - 1e-9]
+    for K in (1, 3, 6):
+        lam_ref, G_ref = mp_levels(delta, K)
+        P = len(us)
+        drawn = torch.ones(P, 1 + 2 * TRIALS, dtype=torch.float64)  # trial tests at 1: never kept
+        drawn[:, 0] = torch.tensor(us, dtype=torch.float64)
+        rng = Stream(torch.arange(P), drawn=drawn, layout=((1, 1 + 2 * TRIALS),))
+        d = torch.full((P,), delta, dtype=torch.float64)
+        s = GRS().residual(torch.zeros(P, K, dtype=torch.float64), d, torch.ones(P, K, dtype=torch.bool), None, rng)
+        with mpmath.workdps(50):
+            dm, lam, G = mpmath.mpf(delta), lam_ref[K], G_ref[K]  # lambda_K, G_{K+1}
+            tau = mpmath.log(lam) / dm + dm / 2
+
+            def excess(x, u):
+                """``u G - H(x)``: increasing in ``x``, 0 at the quantile."""
+                return u * G - (_mp_sf(x - dm) - lam * _mp_sf(x))
+
+            for s_i, u_i in zip(s.tolist(), us, strict=True):
+                tol = 1e-9 * (1 + abs(s_i))
+                lo, hi = max(tau, mpmath.mpf(s_i) - tol), mpmath.mpf(s_i) + tol
+                assert excess(lo, mpmath.mpf(u_i)) <= 0 <= excess(hi, mpmath.mpf(u_i)), (K, u_i, s_i)
