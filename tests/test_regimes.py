@@ -149,19 +149,14 @@ N_LAW = 4000
 CHURN = dict(s_churn=5.0, s_tmin=0.1, s_tmax=10.0)
 
 
-def test_churn_settings_reach_below_the_clip_and_both_sides_of_the_window():
-    """The settings below are what they claim: gamma is ``s_churn / N``, not the clip, and the window
-    leaves levels out above and below."""
-    sig = karras()
-    N = len(sig) - 1
-    assert CHURN["s_churn"] / N < math.sqrt(2.0) - 1.0
-    inside = (sig[:-1] >= CHURN["s_tmin"]) & (sig[:-1] <= CHURN["s_tmax"])
-    assert bool(inside.any()) and bool((sig[:-1] > CHURN["s_tmax"]).any()) and bool((sig[:-1] < CHURN["s_tmin"]).any())
-
-
 @pytest.mark.parametrize("s_noise", [1.0, 1.4])
 def test_euler_below_the_clip_in_a_window_equals_k_diffusions_sample_euler(s_noise):
     sig = karras()
+    # the setting is what it claims: gamma is s_churn / N, not the clip, and the window leaves levels out
+    # above and below it
+    assert CHURN["s_churn"] / (len(sig) - 1) < math.sqrt(2.0) - 1.0
+    inside = (sig[:-1] >= CHURN["s_tmin"]) & (sig[:-1] <= CHURN["s_tmax"])
+    assert bool(inside.any()) and bool((sig[:-1] > CHURN["s_tmax"]).any()) and bool((sig[:-1] < CHURN["s_tmin"]).any())
     x = start(32, sig)
     kw = dict(CHURN, s_noise=s_noise, disable=True)
     torch.manual_seed(3)
@@ -203,7 +198,9 @@ def test_the_law_test_rejects_churn_at_the_clip():
     sig = karras()
     mean, var = reference_law(sampling().sample_euler, sig, **CHURN)
     clipped = dict(CHURN, s_churn=10.0)
-    out = kdiffusion.sample_euler(denoiser, ve_start(N_LAW, sig), sig, **clipped, tree=trees.chain(4), seed=5, disable=True)
+    out = kdiffusion.sample_euler(
+        denoiser, ve_start(N_LAW, sig), sig, **clipped, tree=trees.chain(4), seed=5, disable=True
+    )
     assert law_failures(out, mean, var)
 
 
@@ -288,7 +285,10 @@ def bent(x: torch.Tensor, sigma, **_) -> torch.Tensor:
     return denoiser(x, sigma) + 0.3 * torch.tanh(x)
 
 
-SHORT = {"one": torch.tensor([14.6, 0.0], dtype=torch.float64), "two": torch.tensor([14.6, 1.2, 0.0], dtype=torch.float64)}
+SHORT = {
+    "one": torch.tensor([14.6, 0.0], dtype=torch.float64),
+    "two": torch.tensor([14.6, 1.2, 0.0], dtype=torch.float64),
+}
 BOUNDARY_CASES = {
     # name: (ours, the sampler's own code, its keywords, the schedule)
     "dpmpp-eta1.5-heun-s_noise1.4": ("dpmpp_2m_sde", dict(eta=1.5, s_noise=1.4, solver_type="heun"), None),
@@ -386,7 +386,12 @@ def test_grs_acceptance_weights_at_a_small_mismatch_are_the_closed_form(delta):
     for k in range(K):
         with mpmath.workdps(50):
             beta = [
-                float(min(1, max(0, mpmath.exp(delta * mpmath.mpf(v) - mpmath.mpf(delta) ** 2 / 2) - lam_ref[k]) / G_ref[k]))
+                float(
+                    min(
+                        1,
+                        max(0, mpmath.exp(delta * mpmath.mpf(v) - mpmath.mpf(delta) ** 2 / 2) - lam_ref[k]) / G_ref[k],
+                    )
+                )
                 for v in s.tolist()
             ]
         for v, b in zip(s.tolist(), beta, strict=True):
@@ -413,6 +418,11 @@ def test_grs_acceptance_weights_at_a_small_mismatch_are_the_closed_form(delta):
     assert torch.equal(index[hit], k_of[hit])
 
 
+def _mp_excess(x, u, delta, lam, G):
+    """``u G - H(x)`` with ``H(x) = Phibar(x - delta) - lam Phibar(x)``: increasing in ``x``, 0 at the quantile."""
+    return u * G - (_mp_sf(x - delta) - lam * _mp_sf(x))
+
+
 @pytest.mark.parametrize("delta", SMALL_DELTAS)
 def test_grs_residual_at_a_small_mismatch_is_the_closed_form_quantile(delta):
     """``GRS.residual`` with fixed uniforms: with ``G_{K+1}`` of order ``delta`` no rejection trial is made, and a
@@ -434,11 +444,41 @@ def test_grs_residual_at_a_small_mismatch_is_the_closed_form_quantile(delta):
             dm, lam, G = mpmath.mpf(delta), lam_ref[K], G_ref[K]  # lambda_K, G_{K+1}
             tau = mpmath.log(lam) / dm + dm / 2
 
-            def excess(x, u):
-                """``u G - H(x)``: increasing in ``x``, 0 at the quantile."""
-                return u * G - (_mp_sf(x - dm) - lam * _mp_sf(x))
-
             for s_i, u_i in zip(s.tolist(), us, strict=True):
                 tol = 1e-9 * (1 + abs(s_i))
                 lo, hi = max(tau, mpmath.mpf(s_i) - tol), mpmath.mpf(s_i) + tol
-                assert excess(lo, mpmath.mpf(u_i)) <= 0 <= excess(hi, mpmath.mpf(u_i)), (K, u_i, s_i)
+                u_mp = mpmath.mpf(u_i)
+                assert _mp_excess(lo, u_mp, dm, lam, G) <= 0 <= _mp_excess(hi, u_mp, dm, lam, G), (K, u_i, s_i)
+
+
+# -- initial states from streams.randn(seed, i) with the run's own seed ------------------------------
+
+RECIPE_GRID = linear_grid(karras(12, 0.03, 20.0))
+
+
+@pytest.mark.parametrize("chain", chains.available_chains())
+def test_initial_states_from_the_runs_own_seed_keep_the_law(chain):
+    """The README's recipe: ``x = streams.randn(seed, i)`` and ``sample(..., seed=seed)``. The run's draws (its
+    chain's start, EDM's churn of ``x``, its transitions, drafts and couplings) are keyed apart from the initial
+    noise, so reusing the seed leaves the law the standard sampler's from ``N(0, I)``: a start noise keyed as
+    ``randn``'s would be ``x`` itself and scale its variance."""
+    seed, n = 7, 4000
+    mu0 = MU[:3]
+    ch = chains.get_chain(chain).example()
+    model = specforest.models.GaussianMixture(mu0[None], torch.tensor([S0], dtype=torch.float64))
+    x = streams.randn(seed, torch.arange(n), (3,), dtype=torch.float64)
+    out = specforest.sample(
+        model, x, sigmas=RECIPE_GRID, chain=ch, tree=trees.uniform(2, 3), coupling="grs", draft="x0", seed=seed
+    )
+    testing.check_law(out.samples, RECIPE_GRID, None, mu0, S0, chain=ch).assert_exact()
+
+
+def test_euler_drop_in_from_the_runs_own_seed_has_k_diffusions_law():
+    """The same recipe through ``sample_euler`` with churn from the first level (its start adds noise to ``x``)."""
+    seed, sig = 11, karras()
+    mean, var = reference_law(sampling().sample_euler, sig, s_churn=5.0)
+    x = streams.randn(seed, torch.arange(N_LAW), (D,), dtype=torch.float64) * (1 + sig[0])
+    out = kdiffusion.sample_euler(
+        denoiser, x, sig, s_churn=5.0, tree=trees.chain(4), coupling="rmc", seed=seed, disable=True
+    )
+    assert not law_failures(out, mean, var), law_failures(out, mean, var)
