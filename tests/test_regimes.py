@@ -453,7 +453,8 @@ def test_grs_residual_at_a_small_mismatch_is_the_closed_form_quantile(delta):
 
 # -- initial states from streams.randn(seed, i) with the run's own seed ------------------------------
 
-RECIPE_GRID = linear_grid(karras(12, 0.03, 20.0))
+# from sigma 1.5, where the final state still depends on the initial one (from sigma 80 it hardly does)
+RECIPE_GRID = linear_grid(karras(12, 0.03, 1.5))
 
 
 @pytest.mark.parametrize("chain", chains.available_chains())
@@ -462,20 +463,19 @@ def test_initial_states_from_the_runs_own_seed_keep_the_law(chain):
     chain's start, EDM's churn of ``x``, its transitions, drafts and couplings) are keyed apart from the initial
     noise, so reusing the seed leaves the law the standard sampler's from ``N(0, I)``: a start noise keyed as
     ``randn``'s would be ``x`` itself and scale its variance."""
-    seed, n = 7, 4000
-    mu0 = MU[:3]
+    seed = 7
     ch = chains.get_chain(chain).example()
-    model = specforest.models.GaussianMixture(mu0[None], torch.tensor([S0], dtype=torch.float64))
-    x = streams.randn(seed, torch.arange(n), (3,), dtype=torch.float64)
+    model = specforest.models.GaussianMixture(MU[None], torch.tensor([S0], dtype=torch.float64))
+    x = streams.randn(seed, torch.arange(N_LAW), (D,), dtype=torch.float64)
     out = specforest.sample(
         model, x, sigmas=RECIPE_GRID, chain=ch, tree=trees.uniform(2, 3), coupling="grs", draft="x0", seed=seed
     )
-    testing.check_law(out.samples, RECIPE_GRID, None, mu0, S0, chain=ch).assert_exact()
+    testing.check_law(out.samples, RECIPE_GRID, None, MU, S0, chain=ch).assert_exact()
 
 
 def test_euler_drop_in_from_the_runs_own_seed_has_k_diffusions_law():
     """The same recipe through ``sample_euler`` with churn from the first level (its start adds noise to ``x``)."""
-    seed, sig = 11, karras()
+    seed, sig = 11, karras(20, 0.03, 1.5)
     mean, var = reference_law(sampling().sample_euler, sig, s_churn=5.0)
     x = streams.randn(seed, torch.arange(N_LAW), (D,), dtype=torch.float64) * (1 + sig[0])
     out = kdiffusion.sample_euler(
