@@ -336,14 +336,19 @@ def test_drop_ins_at_their_boundaries_equal_the_samplers_own_code(case):
 # -- GRS at a small mismatch ------------------------------------------------------------------------
 
 SMALL_DELTAS = [1e-4, 1e-3, 3e-3, 1e-2]
-mpmath = pytest.importorskip("mpmath")
 
 
-def _mp_sf(x):
+@pytest.fixture(scope="module")
+def mpmath():
+    """mpmath (with sympy, which torch requires), for the 50-digit references."""
+    return pytest.importorskip("mpmath")
+
+
+def _mp_sf(mpmath, x):
     return mpmath.erfc(x / mpmath.sqrt(2)) / 2
 
 
-def mp_levels(delta: float, K: int) -> tuple[list, list]:
+def mp_levels(mpmath, delta: float, K: int) -> tuple[list, list]:
     """``lambda_0 .. lambda_K`` and ``G_1 .. G_{K+1}`` in 50 digits from the closed form (ERRATA 1-3):
     ``tau_k = ln(lambda_k) / delta + delta / 2``, ``G_{k+1} = Phibar(tau_k - delta) - lambda_k Phibar(tau_k)``."""
     with mpmath.workdps(50):
@@ -353,17 +358,17 @@ def mp_levels(delta: float, K: int) -> tuple[list, list]:
             lam_k = lam[-1] + G[-1]
             tau = mpmath.log(lam_k) / d + d / 2
             lam.append(lam_k)
-            G.append(_mp_sf(tau - d) - lam_k * _mp_sf(tau))
+            G.append(_mp_sf(mpmath, tau - d) - lam_k * _mp_sf(mpmath, tau))
         return lam, G
 
 
 @pytest.mark.parametrize("delta", SMALL_DELTAS)
-def test_grs_levels_and_acceptance_at_a_small_mismatch_are_the_closed_form(delta):
+def test_grs_levels_and_acceptance_at_a_small_mismatch_are_the_closed_form(delta, mpmath):
     """At ``delta`` from 1e-4 to 1e-2 the remaining masses ``G_k`` are of order ``delta``, differences of masses
     near 1/2: ``grs_levels`` and ``1 - grs_acceptance`` must still hold them to 1e-9 relative (the midpoint form
     of the tail mass below 1e-2; without its second-order term ``G`` is 4e-8 off at 1e-3)."""
     K = 6
-    lam_ref, G_ref = mp_levels(delta, K)
+    lam_ref, G_ref = mp_levels(mpmath, delta, K)
     lam, G = grs_levels(torch.tensor([delta], dtype=torch.float64), K)
     for k in range(K + 1):
         assert float(lam[0, k]) == pytest.approx(float(lam_ref[k]), rel=1e-12, abs=0.0), k
@@ -374,13 +379,13 @@ def test_grs_levels_and_acceptance_at_a_small_mismatch_are_the_closed_form(delta
 
 
 @pytest.mark.parametrize("delta", SMALL_DELTAS)
-def test_grs_acceptance_weights_at_a_small_mismatch_are_the_closed_form(delta):
+def test_grs_acceptance_weights_at_a_small_mismatch_are_the_closed_form(delta, mpmath):
     """``GRS.select`` at fixed uniforms: child ``k`` is taken exactly when the children before it are not and
     ``u_k < beta_k = min(1, (rho_k - lambda_{k-1})_+ / G_k)``, ``rho = exp(delta s - delta^2 / 2)``, with the
     levels in 50 digits. Uniforms 0.5 % either side of ``beta_k`` at a grid of ``s``; ``G_k`` is of order ``delta``
     there, so a floor on it (against a division by 0) above 1e-300 moves the rule."""
     K = 4
-    lam_ref, G_ref = mp_levels(delta, K)
+    lam_ref, G_ref = mp_levels(mpmath, delta, K)
     s = torch.linspace(-1.0, 3.0, 21, dtype=torch.float64)
     rows, expected_hit = [], []
     for k in range(K):
@@ -418,13 +423,13 @@ def test_grs_acceptance_weights_at_a_small_mismatch_are_the_closed_form(delta):
     assert torch.equal(index[hit], k_of[hit])
 
 
-def _mp_excess(x, u, delta, lam, G):
+def _mp_excess(mpmath, x, u, delta, lam, G):
     """``u G - H(x)`` with ``H(x) = Phibar(x - delta) - lam Phibar(x)``: increasing in ``x``, 0 at the quantile."""
-    return u * G - (_mp_sf(x - delta) - lam * _mp_sf(x))
+    return u * G - (_mp_sf(mpmath, x - delta) - lam * _mp_sf(mpmath, x))
 
 
 @pytest.mark.parametrize("delta", SMALL_DELTAS)
-def test_grs_residual_at_a_small_mismatch_is_the_closed_form_quantile(delta):
+def test_grs_residual_at_a_small_mismatch_is_the_closed_form_quantile(delta, mpmath):
     """``GRS.residual`` with fixed uniforms: with ``G_{K+1}`` of order ``delta`` no rejection trial is made, and a
     draw is the residual's quantile, the root of ``H(s) = u G_{K+1}`` with
     ``H(s) = Phibar(s - delta) - lambda_K Phibar(s)``. Checked in 50 digits by the sign of ``H - u G`` at the draw
@@ -433,7 +438,7 @@ def test_grs_residual_at_a_small_mismatch_is_the_closed_form_quantile(delta):
 
     us = [1e-6, 0.02, 0.3, 0.5, 0.8, 0.99, 1 - 1e-9]
     for K in (1, 3, 6):
-        lam_ref, G_ref = mp_levels(delta, K)
+        lam_ref, G_ref = mp_levels(mpmath, delta, K)
         P = len(us)
         drawn = torch.ones(P, 1 + 2 * TRIALS, dtype=torch.float64)  # trial tests at 1: never kept
         drawn[:, 0] = torch.tensor(us, dtype=torch.float64)
@@ -448,7 +453,11 @@ def test_grs_residual_at_a_small_mismatch_is_the_closed_form_quantile(delta):
                 tol = 1e-9 * (1 + abs(s_i))
                 lo, hi = max(tau, mpmath.mpf(s_i) - tol), mpmath.mpf(s_i) + tol
                 u_mp = mpmath.mpf(u_i)
-                assert _mp_excess(lo, u_mp, dm, lam, G) <= 0 <= _mp_excess(hi, u_mp, dm, lam, G), (K, u_i, s_i)
+                assert _mp_excess(mpmath, lo, u_mp, dm, lam, G) <= 0 <= _mp_excess(mpmath, hi, u_mp, dm, lam, G), (
+                    K,
+                    u_i,
+                    s_i,
+                )
 
 
 # -- initial states from streams.randn(seed, i) with the run's own seed ------------------------------
