@@ -6,7 +6,9 @@ unseen. Here each is reached on its binding side and on the other:
 
 * EDM's churn (k-diffusion's ``sample_euler``): ``s_churn / N`` below its clip ``sqrt 2 - 1``, an
   ``s_tmin`` / ``s_tmax`` window with steps inside and outside it, and window edges at grid levels;
-* ``eta > 1`` on Euler ancestral, where ``get_ancestral_step``'s ``min(sigma_to, ...)`` binds;
+* ``eta > 1`` on Euler ancestral, where ``get_ancestral_step``'s ``min(sigma_to, ...)`` binds, and on ComfyUI's
+  ``sample_euler_ancestral_RF``, whose ``sigma_down`` falls below 0 and whose re-noising variance turns negative
+  (refused) for a large enough ``eta``;
 * the other parameters at their boundaries (``s_noise`` above 1, ``eta`` 0 and above 1 on DPM++ 2M SDE,
   one- and two-step schedules, the last step into sigma 0);
 * GRS at a small mismatch (``delta`` from 1e-4 to 1e-2): its levels, acceptance weights and
