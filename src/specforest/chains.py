@@ -244,8 +244,10 @@ class EulerAncestral(Chain):
         if self.path == "linear":
             down = t_next * (1.0 + self.eta * (t_next / t - 1.0))
             renoise = (1.0 - t_next) / (1.0 - down)
-            up2 = (t_next**2 - (down * renoise) ** 2).clamp_min(0.0)
             last = t_next == 0
+            up2 = t_next**2 - (down * renoise) ** 2
+            _check_renoise(self.eta, t, t_next, up2, last)
+            up2 = up2.clamp_min(0.0)  # (rounding at eta = 0, where it is t'^2 - t'^2)
             P = torch.where(last, torch.zeros_like(t), renoise * down / t)
             Q = torch.where(last, torch.ones_like(t), renoise * (1.0 - down / t))
             R = torch.where(last | (self.eta == 0), torch.zeros_like(t), self.s_noise * up2.sqrt())
@@ -265,11 +267,40 @@ class EulerAncestral(Chain):
         return P, Q, R
 
 
-def _churn_gamma(s: torch.Tensor, steps: int, s_churn: float, s_tmin: float, s_tmax: float) -> torch.Tensor:
-    """EDM's ``gamma_i = min(s_churn / N, sqrt 2 - 1)`` inside ``[s_tmin, s_tmax]``, else 0."""
+def _check_renoise(eta: float, t: torch.Tensor, t_next: torch.Tensor, up2: torch.Tensor, last: torch.Tensor) -> None:
+    """Refuse an ``eta`` whose linear-path ancestral step re-noises with a negative variance ``up2 (T,)``.
+
+    ``sigma_down = t' (1 - eta (1 - t' / t))`` falls below ``-t' / (1 - 2 t')`` for ``eta`` above
+    ``2 (1 - t') / ((1 - 2 t') (1 - t' / t))``: ComfyUI's ``sample_euler_ancestral_RF`` takes the square root
+    of a negative number there (NaN), and clamping it to 0 would sample another chain.
+
+    Raises:
+        ValueError: naming ``eta``, the first such step, and the largest ``eta`` the grid allows.
+    """
+    bad = (up2 < -1e-12 * t_next**2) & ~last
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0, 0])
+    small = (t_next > 0) & (t_next < 0.5)
+    top = float((2.0 * (1.0 - t_next) / ((1.0 - 2.0 * t_next) * (1.0 - t_next / t)))[small].min())
+    raise ValueError(
+        f"eta={eta:g} gives a negative variance at step {i} (levels {float(t[i]):.6g} -> {float(t_next[i]):.6g} on the "
+        f"linear path: the re-noising step's variance is {float(up2[i]):.3g} < 0, NaN in ComfyUI's "
+        f"sample_euler_ancestral_RF); on this grid eta must be at most {top:.6g}"
+    )
+
+
+def _churn_gamma(t: torch.Tensor, steps: int, s_churn: float, s_tmin: float, s_tmax: float) -> torch.Tensor:
+    """EDM's ``gamma_i = min(s_churn / N, sqrt 2 - 1)`` where ``s_tmin <= sigma_i <= s_tmax``, else 0, at the
+    levels ``t (T,)`` on the linear path (``sigma = t / (1 - t)``)."""
     g = min(s_churn / steps, math.sqrt(2.0) - 1.0)
-    inside = (s >= s_tmin) & (s <= s_tmax)
-    return torch.where(inside, torch.full_like(s, g), torch.zeros_like(s))
+    # the window's edges are mapped as a k-diffusion schedule's levels are (t = sigma / (1 + sigma)), and
+    # compared there: an edge at one of the schedule's own sigmas then includes that level, as k-diffusion's
+    # s_tmin <= sigma_i does, where t / (1 - t) can be an ulp off sigma_i
+    edges = torch.tensor([s_tmin, s_tmax], dtype=torch.float64)
+    lo, hi = torch.where(torch.isinf(edges), 1.0, edges / (1.0 + edges)).tolist()
+    inside = (t >= lo) & (t <= hi)
+    return torch.where(inside, torch.full_like(t, g), torch.zeros_like(t))
 
 
 @dataclass(frozen=True)
@@ -307,7 +338,7 @@ class EulerChurn(Chain):
     def coefficients(self, sigmas):
         s = _ve(sigmas)  # (N + 1,) k-diffusion's levels, the last 0
         N = s.numel() - 1
-        g = _churn_gamma(s[:-1], N, self.s_churn, self.s_tmin, self.s_tmax)
+        g = _churn_gamma(sigmas[:-1], N, self.s_churn, self.s_tmin, self.s_tmax)
         hat = torch.cat([s[:-1] * (1.0 + g), s.new_zeros(1)])  # the states' levels sigma-hat
         t_hat = torch.where(torch.isinf(hat), torch.ones_like(hat), hat / (1.0 + hat))
         # step i: x-hat_{i+1} = (s_{i+1} / hat_i) x-hat_i + (1 - s_{i+1} / hat_i) D + noise_{i+1} z
