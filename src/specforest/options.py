@@ -27,7 +27,7 @@ from .chains import EM, Chain, available_chains, get_chain
 from .couplings import Coupling, available_couplings, get_coupling
 from .drafts import Proposal, available_drafts, get_proposal
 from .engine import PREFETCH_POLICIES
-from .sde import GaussianChain, flow_match_grid, uniform_grid
+from .sde import MAX_STEPS, GaussianChain, flow_match_grid, uniform_grid
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 from .validation import check_choice, check_int
 
@@ -197,9 +197,10 @@ class SamplerOptions:
 
     steps: Optional[int] = option(
         None,
-        help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
+        help=f"Grid steps T (3 to {MAX_STEPS}; the first and last are deterministic Euler steps).",
         kind=int,
         low=3,
+        high=MAX_STEPS,
         tune="tuner",
     )
     churn: Optional[float] = option(

@@ -95,6 +95,7 @@ __all__ = [
     "tree_size_options",
     "tune_option",
     "verify_option",
+    "write_result",
 ]
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -119,6 +120,29 @@ def library_errors(fn: Callable[[], T]) -> T:
         return fn()
     except LIBRARY_ERRORS as e:
         raise click.ClickException(str(e)) from e
+
+
+def write_result(path: str, write: Callable[[], object], *, option: str) -> None:
+    """Write a command's result file at its end, after the result was printed: ``write()`` writes ``path``
+    atomically (:mod:`specforest.atomic`), so a failure leaves no half-written file there.
+
+    The path was checked before the work (:func:`output_path`), but a disk can fill while the run works.
+
+    Args:
+        path: the file, as the user gave it.
+        write: writes it (raises :class:`OSError` when it cannot).
+        option: the flag that named it.
+
+    Raises:
+        click.ClickException: naming ``option``, ``path`` and why, never a traceback after the work.
+    """
+    try:
+        write()
+    except OSError as e:
+        raise click.ClickException(
+            f"{option} {path}: cannot write it ({e.strerror or e}); nothing was written there. The result is "
+            "printed above: free some space or give another path, and run again"
+        ) from e
 
 
 def refuse_group_options(ctx: click.Context) -> None:

@@ -48,6 +48,7 @@ from .common import (
     tree_size_options,
     tune_option,
     verify_option,
+    write_result,
 )
 
 __all__ = ["gmm"]
@@ -176,16 +177,19 @@ def gmm(ctx: click.Context, **o) -> None:
         )
     )
     rec = as_ran(run.record)
+    # the result first: a disk that fills at the write loses the file, not what the run found
+    click.echo(json.dumps(rec, allow_nan=False) if o["as_json"] else gmm_exp.format_result(rec))
     if o["dump_samples"]:
         meta = json.dumps(rec)
         samples = run.samples.numpy().astype(np.float32)
-        atomic_write(o["dump_samples"], lambda f: np.savez(f, samples=samples, result=np.array(meta)), binary=True)
-    if o["as_json"]:
-        click.echo(json.dumps(rec, allow_nan=False))
-    else:
-        click.echo(gmm_exp.format_result(rec))
-        if o["dump_samples"]:
-            click.echo(f"  samples written to {o['dump_samples']}")
+        path = o["dump_samples"]
+        write_result(
+            path,
+            lambda: atomic_write(path, lambda f: np.savez(f, samples=samples, result=np.array(meta)), binary=True),
+            option="--dump-samples",
+        )
+        if not o["as_json"]:
+            click.echo(f"  samples written to {path}")
 
 
 @gmm.command()

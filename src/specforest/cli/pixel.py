@@ -47,6 +47,7 @@ from .common import (
     tree_size_options,
     tune_option,
     verify_option,
+    write_result,
 )
 
 __all__ = ["pixel"]
@@ -158,17 +159,20 @@ def pixel(ctx: click.Context, **o) -> None:
         )
     )
     rec = as_ran(run.record)
+    # the result first: a disk that fills at the write loses the file, not what the run found
+    click.echo(json.dumps(rec, allow_nan=False) if o["as_json"] else pixel_exp.format_result(rec))
     if o["dump_samples"]:
         samples = run.samples.clamp(-1, 1).numpy().astype(np.float32)
         labels = run.labels.numpy().astype(np.int64)
         meta = np.array(json.dumps(rec))
-        atomic_write(o["dump_samples"], lambda f: np.savez(f, samples=samples, labels=labels, result=meta), binary=True)
-    if o["as_json"]:
-        click.echo(json.dumps(rec, allow_nan=False))
-    else:
-        click.echo(pixel_exp.format_result(rec))
-        if o["dump_samples"]:
-            click.echo(f"  samples written to {o['dump_samples']}")
+        path = o["dump_samples"]
+        write_result(
+            path,
+            lambda: atomic_write(path, lambda f: np.savez(f, samples=samples, labels=labels, result=meta), binary=True),
+            option="--dump-samples",
+        )
+        if not o["as_json"]:
+            click.echo(f"  samples written to {path}")
 
 
 @pixel.command("sweep", context_settings=CONTEXT)
