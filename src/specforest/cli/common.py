@@ -25,7 +25,9 @@ from typing import Callable, TypeVar
 
 import click
 
+from ..chains import Chain
 from ..devices import set_threads
+from ..options import NoStochasticStep, check_stochastic, make_sde
 from ..planning import TREE_MODES
 from .sampler_options import (
     CHAIN_FLAGS,
@@ -62,6 +64,7 @@ __all__ = [
     "UNUSED_BY_STANDARD",
     "apply_tuned",
     "as_ran",
+    "chain_given",
     "chain_options",
     "chain_settings",
     "check_named_grid",
@@ -80,10 +83,12 @@ __all__ = [
     "lazy_option",
     "library_errors",
     "method_option",
+    "no_stochastic_step",
     "output_path",
     "prefetch_option",
     "progress_option",
     "read_tuned",
+    "refuse_deterministic_chain",
     "refuse_group_options",
     "refuse_unused",
     "run_chain",
@@ -115,9 +120,12 @@ T = TypeVar("T")
 
 
 def library_errors(fn: Callable[[], T]) -> T:
-    """Run ``fn()`` and turn the library's errors (:data:`LIBRARY_ERRORS`) into clean CLI errors."""
+    """Run ``fn()`` and turn the library's errors (:data:`LIBRARY_ERRORS`) into clean CLI errors (a chain
+    with no stochastic step in flags, :func:`no_stochastic_step`)."""
     try:
         return fn()
+    except NoStochasticStep as e:
+        raise click.ClickException(no_stochastic_step(e)) from e
     except LIBRARY_ERRORS as e:
         raise click.ClickException(str(e)) from e
 
@@ -420,3 +428,66 @@ def refuse_unused(o: dict) -> None:
         raise click.UsageError(
             "--budget applies only to --tree optimal or adaptive (the uniform tree's budget is set by --K and --L)"
         )
+    # the library's own refusals of these name its keywords (tree='optimal'); a user gave flags
+    mode, method = o.get("tree_mode"), o.get("method")
+    if method == "standard":
+        return
+    if mode in ("optimal", "adaptive") and method == "antithetic":
+        raise click.UsageError(
+            f"--tree {mode} plans irregular trees of i.i.d. children; --method antithetic drafts K/2 mirrored pairs "
+            "per node of a uniform tree: use --method dgrs, rank or rmc with it, or --tree uniform"
+        )
+    if mode in ("optimal", "adaptive") and o.get("budget") is None:
+        raise click.UsageError(f"--tree {mode} needs --budget (drafted states per round, >= 1)")
+    if mode == "uniform" and method == "antithetic" and o.get("K") is not None and o["K"] % 2:
+        raise click.UsageError(f"--K must be even with --method antithetic (K/2 mirrored pairs per node), got {o['K']}")
+
+
+def chain_given(name: str, params: dict) -> str:
+    """A chain as the command line gives it: ``--chain ddim --eta 0.0``, with its parameters no flag sets
+    in parentheses (``(s_tmin 0.0, s_tmax None)``)."""
+    flags = [f"--chain {name}"]
+    flags += [f"{CHAIN_FLAGS[p]} {v}" for p, v in params.items() if p in CHAIN_FLAGS and v is not None]
+    other = [f"{p} {v}" for p, v in params.items() if p not in CHAIN_FLAGS and p != "churn"]
+    return " ".join(flags) + (f" ({', '.join(other)})" if other else "")
+
+
+def no_stochastic_step(err: NoStochasticStep, where: str = "this grid", *, tune: "bool | None" = None) -> str:
+    """The command line's words for the library's :class:`~specforest.options.NoStochasticStep` (whose own
+    advice is Python's ``tree=None``), on ``where``; ``tune``: worded for ``specforest tune`` (``None``: when
+    the current command is ``tune``)."""
+    if tune is None:
+        ctx = click.get_current_context(silent=True)
+        tune = ctx is not None and ctx.command.name == "tune"
+    head = (
+        f"{chain_given(err.chain, err.params)} has no stochastic step on {where}: every transition is a point "
+        "mass, so no draft can be accepted and a tree only costs calls"
+    )
+    settings = (
+        "(--eta > 0 with --chain euler_ancestral, dpmpp_2m_sde or ddim; --s-churn > 0 with --chain euler; "
+        "--chain em, ddpm or lcm)"
+    )
+    if tune:
+        return (
+            f"{head}; there is nothing to tune: run it with --method standard (no --tune file), or tune a "
+            f"stochastic setting {settings}"
+        )
+    return f"{head}. Run it with --method standard, or give a stochastic setting {settings}"
+
+
+def refuse_deterministic_chain(
+    chain: Chain, steps: int, grid: str, *, speculative: bool = True, where: "str | None" = None
+) -> None:
+    """Refuse, before any work, a tree on a chain with no stochastic step on the named grid ``--grid`` of
+    ``steps`` steps (``speculative=False``: the standard sampler, which runs any chain). ``where`` names the
+    grid in the message (default ``--grid GRID of --steps N``).
+
+    Raises:
+        click.UsageError: naming ``--chain`` with its options, the grid and ``--method standard``.
+    """
+    if not speculative:
+        return
+    try:
+        check_stochastic(make_sde(steps, None, grid, NAMED_GRID_SHIFT, None, chain), "")
+    except NoStochasticStep as e:
+        raise click.UsageError(no_stochastic_step(e, where or f"--grid {grid} of --steps {steps}")) from None

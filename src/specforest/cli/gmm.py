@@ -37,6 +37,7 @@ from .common import (
     output_path,
     prefetch_option,
     progress_option,
+    refuse_deterministic_chain,
     refuse_group_options,
     refuse_unused,
     run_chain,
@@ -154,6 +155,7 @@ def gmm(ctx: click.Context, **o) -> None:
     refuse_unused(o)
     chain = run_chain(o)
     check_named_grid(chain, o["steps"], o["grid"])
+    refuse_deterministic_chain(chain, o["steps"], o["grid"], speculative=o["method"] != "standard")
     set_threads(o["threads"])
     setting = library_errors(lambda: _setting(o, chain))
     run = library_errors(

@@ -36,6 +36,7 @@ from .common import (
     output_path,
     prefetch_option,
     progress_option,
+    refuse_deterministic_chain,
     refuse_group_options,
     refuse_unused,
     run_chain,
@@ -134,6 +135,7 @@ def pixel(ctx: click.Context, **o) -> None:
     refuse_unused(o)
     chain = run_chain(o)
     check_named_grid(chain, o["steps"], o["grid"])
+    refuse_deterministic_chain(chain, o["steps"], o["grid"], speculative=o["method"] != "standard")
     set_threads(o["threads"])
     run = library_errors(
         lambda: pixel_exp.simulate(

@@ -33,6 +33,7 @@ from .common import (
     library_errors,
     output_path,
     progress_option,
+    refuse_deterministic_chain,
     run_chain,
     set_threads,
     steps_option,
@@ -309,6 +310,9 @@ def tune(**o) -> None:
     if o["model"] in ("gmm", "digits"):
         chain = run_chain(o)
         check_named_grid(chain, o["steps"], NAMED_GRID, where=f"the {NAMED_GRID} grid tune runs")
+        refuse_deterministic_chain(
+            chain, o["steps"], NAMED_GRID, where=f"the {NAMED_GRID} grid of --steps {o['steps']}"
+        )
     threads = set_threads(o["threads"])
     drafts = parse_drafts(o["drafts"])
     every = o["drafts"].strip() == "all"
