@@ -206,3 +206,27 @@ def test_a_tuned_file_whose_duplicated_fields_agree_runs(tmp_path):
     res = invoke("gmm", "--dim", 2, "--tune", path, *QUIET, "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["chain"] == "euler_ancestral"
+
+
+# -- docs a user tripped on ----------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tune_help_says_pipeline_takes_any_family():
+    # it called --pipeline a StableDiffusion3Pipeline directory, with --model diffusers taking any family
+    text = " ".join(invoke("tune", "--help").output.split())
+    start = text.index("--pipeline DIRECTORY")
+    pipeline = text[start : text.index("--prompts", start)]
+    assert "any family" in pipeline and "--model diffusers" in pipeline and "--model sd3" in pipeline, pipeline
+
+
+def test_the_readme_says_what_make_demo_runs_for_ddpm_on_digits():
+    # the README said make demo shows B = 155 (13 calls); the demo runs B = 62
+    demo = (ROOT / "examples" / "ddpm_digits.py").read_text()
+    budgets = set(re.findall(r"trees\.chain\((\d+)\)", demo))
+    assert len(budgets) == 1, budgets
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"`make demo` runs the B = (\d+) chain", readme)
+    assert said is not None and said.group(1) in budgets, said
+    assert "ddpm_digits.py" in (ROOT / "Makefile").read_text().split("demo:")[1].split("\n\n")[0]
