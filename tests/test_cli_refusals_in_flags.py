@@ -112,6 +112,22 @@ def test_the_main_refusals_name_flags_not_python_keywords(tmp_path, no_work, arg
     assert not any(tmp_path.iterdir())
 
 
+LIBRARY_REFUSALS = [
+    (["gmm", "--dim", "2", "--steps", "6", "--draft", "learned"], ["--draft learned"]),
+    (
+        ["gmm", "--dim", "2", "--steps", "6", "--memory-gb", "1e-6"],
+        ["--memory-gb 1e-06", "--verify internal", "--lazy"],
+    ),
+    (["pixel", "--steps", "6", "--memory-gb", "1e-6"], ["--memory-gb 1e-06", "--lazy"]),
+]
+
+
+@pytest.mark.parametrize("args,named", LIBRARY_REFUSALS, ids=[" ".join(a) for a, _ in LIBRARY_REFUSALS])
+def test_the_librarys_refusals_reach_a_command_in_its_flags(args, named):
+    # draft='learned', verify='internal', lazy=True and memory_gb=1e-06: keywords a user cannot type
+    _in_flags(refused(invoke(*args, *QUIET), *named, codes=(1,)))
+
+
 # -- item 13: --steps above the bound -----------------------------------------------------------------------
 
 STEPS_COMMANDS = [

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -77,6 +78,7 @@ __all__ = [
     "extra_values",
     "float_list",
     "grid_option",
+    "in_flags",
     "int_list",
     "is_given",
     "json_option",
@@ -118,16 +120,41 @@ covers missing files); anything else is a bug and keeps its traceback."""
 
 T = TypeVar("T")
 
+_PYTHON_SPELLINGS = (
+    (re.compile(r"\blazy=True \(--lazy\)|\blazy=True\b"), "--lazy"),
+    (re.compile(r"\btree=None\b"), "--method standard"),
+    (re.compile(r"\btree='(\w+)'"), r"--tree \1"),
+)
+"""The library's advice in Python keywords whose flag has another name (``tree=None`` is the standard
+sampler, ``--method standard``), for :func:`in_flags`."""
+
+
+def in_flags(message: str) -> str:
+    """A library error's ``message`` in the current command's flags: the keywords of
+    :data:`_PYTHON_SPELLINGS`, and ``name=value`` of each option of the command (``draft='learned'``,
+    ``memory_gb=1e-06``) as its flag and value (``--draft learned``, ``--memory-gb 1e-06``). A user of a
+    command cannot type the library's keywords; the command's options are named as they are (``--steps``
+    is ``steps``), so only the spelling changes."""
+    for pattern, flags in _PYTHON_SPELLINGS:
+        message = pattern.sub(flags, message)
+    ctx = click.get_current_context(silent=True)
+    for param in ctx.command.params if ctx is not None else ():
+        if isinstance(param, click.Option) and param.name and param.opts[0].startswith("--"):
+            flag = param.opts[0]
+            message = re.sub(rf"\b{re.escape(param.name)}='([\w.-]*)'", rf"{flag} \1", message)
+            message = re.sub(rf"\b{re.escape(param.name)}=", f"{flag} ", message)
+    return message
+
 
 def library_errors(fn: Callable[[], T]) -> T:
-    """Run ``fn()`` and turn the library's errors (:data:`LIBRARY_ERRORS`) into clean CLI errors (a chain
-    with no stochastic step in flags, :func:`no_stochastic_step`)."""
+    """Run ``fn()`` and turn the library's errors (:data:`LIBRARY_ERRORS`) into clean CLI errors, in flags
+    (:func:`in_flags`; a chain with no stochastic step: :func:`no_stochastic_step`)."""
     try:
         return fn()
     except NoStochasticStep as e:
         raise click.ClickException(no_stochastic_step(e)) from e
     except LIBRARY_ERRORS as e:
-        raise click.ClickException(str(e)) from e
+        raise click.ClickException(in_flags(str(e))) from e
 
 
 def write_result(path: str, write: Callable[[], object], *, option: str) -> None:
