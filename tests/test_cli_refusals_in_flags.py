@@ -206,7 +206,7 @@ CONTRADICTIONS = [
 ]
 
 
-@pytest.mark.parametrize("data,made_for,named", CONTRADICTIONS)
+@pytest.mark.parametrize("data,made_for,named", CONTRADICTIONS, ids=["-".join(sorted(m)) for _, m, _ in CONTRADICTIONS])
 def test_a_tuned_file_whose_tuned_for_contradicts_its_configuration_is_refused(
     tmp_path, no_work, data, made_for, named
 ):
