@@ -73,9 +73,9 @@ def nothing_allocated(monkeypatch):
 @pytest.mark.parametrize(
     "args,named",
     [
-        (["--trajectories", "2", "--dim", str(BIG)], f"dim={BIG}"),
-        (["--components", str(BIG)], f"components={BIG}"),
-        (["--trajectories", str(BIG)], f"trajectories={BIG}"),
+        (["--trajectories", "2", "--dim", str(BIG)], f"--dim {BIG}"),
+        (["--components", str(BIG)], f"--components {BIG}"),
+        (["--trajectories", str(BIG)], f"--trajectories {BIG}"),
     ],
 )
 def test_cli_refuses_huge_mixture_sizes_naming_the_option_and_the_limit(nothing_allocated, args, named):
