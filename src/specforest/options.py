@@ -28,17 +28,19 @@ from .couplings import Coupling, available_couplings, get_coupling
 from .drafts import Proposal, available_drafts, get_proposal
 from .engine import PREFETCH_POLICIES
 from .schedules import SCHEDULE_SIGMA_RANGE, SCHEDULES, schedule_grid
-from .sde import GaussianChain, flow_match_grid, uniform_grid
+from .sde import MAX_STEPS, GaussianChain, flow_match_grid, uniform_grid
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 from .validation import check_choice, check_int
 
 __all__ = [
     "GRIDS",
     "RUN_INPUTS",
+    "NoStochasticStep",
     "Option",
     "SamplerOptions",
     "TunedFor",
     "check_option",
+    "check_stochastic",
     "check_tuned_for",
     "declared_options",
     "make_sde",
@@ -108,6 +110,42 @@ class Option:
         if self.choices is None:
             return None
         return tuple(self.choices() if callable(self.choices) else self.choices)
+
+
+class NoStochasticStep(ValueError):
+    """A tree asked of a chain whose every step on the run's grid is a point mass: no draft can be accepted.
+
+    Attributes:
+        chain: the chain's name.
+        params: its parameters (``{"eta": 0.0}``), for a caller that words the refusal in its own terms
+            (the command line names its flags).
+    """
+
+    def __init__(self, message: str, chain: str, params: dict) -> None:
+        super().__init__(message)
+        self.chain, self.params = chain, dict(params)
+
+
+def check_stochastic(sde: GaussianChain, remedy: str) -> None:
+    """Refuse speculation on a chain with no stochastic step on its grid (the em chain's first and last
+    steps are deterministic by construction: a grid of one or two steps has none, and has always run as
+    the standard sampler whatever the tree).
+
+    Args:
+        sde: the chain's tables on the run's grid.
+        remedy: what to do instead, in the caller's words.
+
+    Raises:
+        NoStochasticStep: naming the chain, its parameters and the stochastic settings.
+    """
+    if sde.name != "em" and not bool(sde.stochastic.any()):
+        raise NoStochasticStep(
+            f"chain {sde.name!r} with {sde.params} has no stochastic step on this grid: every transition is a "
+            f"point mass, so no draft can be accepted and a tree only costs calls. {remedy}, or pick a stochastic "
+            "setting (euler_ancestral, dpmpp_2m_sde or ddim with eta > 0, euler with s_churn > 0, em, ddpm, lcm)",
+            sde.name,
+            sde.params,
+        )
 
 
 def option(default: Any, **declared: Any) -> Any:
@@ -208,9 +246,10 @@ class SamplerOptions:
 
     steps: Optional[int] = option(
         None,
-        help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
+        help=f"Grid steps T (3 to {MAX_STEPS}; the first and last are deterministic Euler steps).",
         kind=int,
         low=3,
+        high=MAX_STEPS,
         tune="tuner",
     )
     churn: Optional[float] = option(
@@ -344,15 +383,8 @@ class SamplerOptions:
         if self.schedule is not None:
             check_option("schedule", self.schedule)
         sde = options_sde(self)
-        # (the em chain's first and last steps are deterministic by construction: a grid of one or two
-        # steps has none, and has always run as the standard sampler whatever the tree)
-        if tree is not None and sde.name != "em" and not bool(sde.stochastic.any()):
-            raise ValueError(
-                f"chain {sde.name!r} with {sde.params} has no stochastic step on this grid: every transition is a "
-                "point mass, so no draft can be accepted and a tree only costs calls. Run it with tree=None, or pick "
-                "a stochastic setting (euler_ancestral, dpmpp_2m_sde or ddim with eta > 0, euler with s_churn > 0, em, "
-                "ddpm, lcm)"
-            )
+        if tree is not None:
+            check_stochastic(sde, "Run it with tree=None")
         cp = get_coupling(self.coupling)
         if isinstance(tree, TreePolicy) and cp.structured_siblings:
             raise ValueError(f"coupling {cp.name!r} draws structured siblings; an adaptive tree needs i.i.d. children")

@@ -45,19 +45,25 @@ def pipeline_options(f):
 
 def tune_pipeline_options(f):
     """The same options for ``specforest tune --model sd3``: the pipeline is ``--pipeline``, nothing required."""
-    for opt in reversed(_pipeline_option_list("--pipeline", required=False, device=False)):
+    pipeline = (
+        "Local diffusers pipeline directory, loaded with local_files_only=True: --model sd3 a "
+        "StableDiffusion3Pipeline (e.g. a download of stabilityai/stable-diffusion-3.5-medium), --model diffusers "
+        "a pipeline of any family (sd3, flux, sdxl, sd), read from its model_index.json."
+    )
+    for opt in reversed(_pipeline_option_list("--pipeline", required=False, device=False, path_help=pipeline)):
         f = opt(f)
     return f
 
 
-def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> list:
+def _pipeline_option_list(path_flag: str, *, required: bool, device: bool, path_help: "str | None" = None) -> list:
     opts = [
         click.option(
             path_flag,
             "pipeline_path" if path_flag != "--model" else "model",
             type=click.Path(exists=True, file_okay=False),
             required=required,
-            help="Local StableDiffusion3Pipeline directory (e.g. a download of "
+            help=path_help
+            or "Local StableDiffusion3Pipeline directory (e.g. a download of "
             "stabilityai/stable-diffusion-3.5-medium); loaded with local_files_only=True.",
         ),
         click.option(

@@ -16,6 +16,7 @@ from ..atomic import atomic_write_text
 from ..devices import default_dtype
 from ..experiments.common import chain_kwargs
 from ..experiments.further_options import options_record
+from ..sde import MAX_STEPS
 from .common import (
     CHAIN_FLAGS,
     CONTEXT,
@@ -32,10 +33,12 @@ from .common import (
     library_errors,
     output_path,
     progress_option,
+    refuse_deterministic_chain,
     run_chain,
     set_threads,
     steps_option,
     threads_option,
+    write_result,
 )
 from .diffusers import FAMILY_FLAGS, family_given, pipeline_chain, scheduler_option, swap_scheduler
 from .sd3 import tune_pipeline_options
@@ -197,7 +200,9 @@ def _tune_diffusers(o: dict, drafts: list):
     required=True,
     help="The target to tune for (diffusers: a pipeline of any family, read from --pipeline).",
 )
-@steps_option(None, f"the model's command default: {_STEPS_SHOWN}", "Grid steps T (>= 3) of the run to tune for.")
+@steps_option(
+    None, f"the model's command default: {_STEPS_SHOWN}", f"Grid steps T (3 to {MAX_STEPS}) of the run to tune for."
+)
 @churn_option(None, f"the model's command default: {_CHURNS_SHOWN}", "Churn eps in (0, 1] of the run to tune for.")
 @chain_options(extra=("scheduler",))
 @scheduler_option(" diffusers only.")
@@ -305,6 +310,9 @@ def tune(**o) -> None:
     if o["model"] in ("gmm", "digits"):
         chain = run_chain(o)
         check_grid(chain, o, grid=NAMED_GRID, where=f"the {NAMED_GRID} grid tune runs")
+        refuse_deterministic_chain(
+            chain, o["steps"], NAMED_GRID, where=f"the {NAMED_GRID} grid of --steps {o['steps']}", schedule=o
+        )
     threads = set_threads(o["threads"])
     drafts = parse_drafts(o["drafts"])
     every = o["drafts"].strip() == "all"
@@ -333,14 +341,14 @@ def tune(**o) -> None:
     data["tuned_for"]["threads"] = threads
     # the further options it was tuned with (not at their defaults), under their keys: a run takes them
     data["tuned_for"].update(options_record(extra_values(o)))
-    atomic_write_text(o["out"], json.dumps(data, indent=1) + "\n")
+    # the choice first: minutes of measuring are not lost to a disk that fills at the write
     ms = 1e3
     per_s = lambda sec: 1.0 / sec if sec > 0 else float("inf")  # noqa: E731
     click.echo(
         f"chosen: {res.label}: {ms * res.predicted_seconds_per_image:.2f} ms per image predicted "
         f"({per_s(res.predicted_seconds_per_image):.1f} images/s), {res.predicted_speedup:.2f}x the standard "
         f"sampler's {ms * res.standard_seconds_per_image:.2f} ms ({per_s(res.standard_seconds_per_image):.1f} "
-        f"images/s; {o['batch']} per run, {threads} thread(s)); wrote {o['out']}"
+        f"images/s; {o['batch']} per run, {threads} thread(s))"
     )
     if res.measured_speedup is not None:
         click.echo(f"  measured {res.measured_speedup:.2f}x the standard sampler in the final race (full runs)")
@@ -349,6 +357,9 @@ def tune(**o) -> None:
         click.echo(f"  {c['label']}: {ms * c['seconds_per_image']:.2f} ms per image, {c['calls']:.1f} calls")
     if len(timed) < len(res.candidates):
         click.echo(f"  ({len(res.candidates) - len(timed)} more not timed: their network calls alone are slower)")
+    text = json.dumps(data, indent=1) + "\n"
+    write_result(o["out"], lambda: atomic_write_text(o["out"], text), option="--out")
+    click.echo(f"wrote {o['out']}")
 
 
 def _tune_small(o: dict, drafts: list, tune_fn, every: bool, chain):
