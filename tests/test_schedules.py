@@ -170,7 +170,7 @@ def test_an_interrupted_job_on_a_schedule_resumes_to_the_uninterrupted_samples(t
     out, ref = tmp_path / "job.npz", tmp_path / "ref.npz"
     args = [*GEN_GMM, "--chain", "euler", "--s-churn", 2, "--schedule", "karras", "--sigma-max", 20]
     _interrupt_after(monkeypatch, 1)
-    assert invoke(*args, "--out", out).exit_code == 1  # (the command reports the interrupt)
+    assert invoke(*args, "--out", out).exit_code == 130  # (the command reports the interrupt, as SIGINT)
     monkeypatch.undo()
     parts = json.loads((tmp_path / "job.npz.parts" / "options.json").read_text())["sampler"]
     assert (parts["schedule"], parts["sigma_max"]) == ("karras", 20.0)
