@@ -248,3 +248,81 @@ def test_the_law_test_rejects_a_wrong_eta_and_the_em_chain():
         sigmas=chain.grid, churn=1.0, tree=tree, coupling=coupling, draft="x0", seed=4,
     )  # fmt: skip
     assert not testing.check_law(em.samples, chain.grid, None, MU, S0, chain=chain).passed
+
+
+# -- options a scheduler's step does not read, and eta where DDIM's step is undefined ------------------
+
+NO_ETA = {
+    "DDPMScheduler": dict(clip_sample=False),
+    "EulerAncestralDiscreteScheduler": dict(),
+    "DPMSolverMultistepScheduler": dict(algorithm_type="sde-dpmsolver++"),
+    "LCMScheduler": dict(),
+    "FlowMatchEulerDiscreteScheduler": dict(stochastic_sampling=True),
+}
+
+
+@pytest.mark.parametrize("name", list(NO_ETA))
+def test_an_eta_the_schedulers_step_does_not_read_is_refused_and_recorded_as_null(name):
+    """Only DDIM's and TCD's ``step`` take ``eta``: with any other scheduler it would be dropped (the same
+    samples as without it), so it is refused by name; run without it, the chain records ``eta`` as null."""
+    import inspect
+
+    sch = make(name, **NO_ETA[name])
+    assert "eta" not in inspect.signature(type(sch).step).parameters  # (what makes eta a dropped option)
+    with pytest.raises(ValueError, match=rf"eta=0\.5: {name}'s step takes no eta"):
+        scheduler_chain(sch, 6, eta=0.5)
+    assert scheduler_chain(sch, 6).params == {"scheduler": name, "eta": None}
+    assert scheduler_chain(make("DDIMScheduler", clip_sample=False), 6, eta=0.7).params["eta"] == 0.7
+
+
+def _ddim_eta_max(sch, steps):
+    """The largest eta at which every DDIM step's ``1 - abar' - s_t^2`` is >= 0, from diffusers' own variance."""
+    sch.set_timesteps(steps)
+    top = float("inf")
+    for t in sch.timesteps.tolist():
+        prev_t = t - sch.config.num_train_timesteps // steps
+        var = float(sch._get_variance(t, prev_t))
+        prev = float(sch.alphas_cumprod[prev_t]) if prev_t >= 0 else float(sch.final_alpha_cumprod)
+        if var > 0:
+            top = min(top, ((1 - prev) / var) ** 0.5)
+    return top
+
+
+@pytest.mark.parametrize("spacing", ["leading", "trailing"])
+def test_ddim_refuses_an_eta_whose_step_variance_is_negative_naming_the_step(spacing):
+    """Above ``eta_max`` DDIM's own step takes the square root of a negative number (diffusers returns NaN):
+    refused, naming the step; just below it the chain runs and its step is diffusers' (no clamp binds)."""
+    cfg = dict(clip_sample=False, timestep_spacing=spacing)
+    steps = 8
+    top = _ddim_eta_max(make("DDIMScheduler", **cfg), steps)
+    assert 1.0 < top < 3.0  # (eta 1 always runs; the bound is a property of the grid)
+    with pytest.raises(ValueError, match=r"eta=.* gives a negative variance at step \d+ \(timestep \d+.*at most"):
+        scheduler_chain(make("DDIMScheduler", **cfg), steps, eta=1.01 * top)
+    # diffusers' own pipeline loop at that eta gives NaN: the refusal is where its step is undefined
+    x = initial(make("DDIMScheduler", **cfg), steps, 4)
+    nan = pipeline_loop(make("DDIMScheduler", **cfg), steps, 1.01 * top, x.clone(), torch.Generator(), bent)
+    assert bool(torch.isnan(nan).any())
+    eta = 0.99 * top
+    chain = scheduler_chain(make("DDIMScheduler", **cfg), steps, eta=eta)
+    ref = pipeline_loop(make("DDIMScheduler", **cfg), steps, eta, x.clone(), torch.Generator().manual_seed(3), bent)
+    out = specforest.sample(
+        velocity_of(chain, bent), to_y(chain, x, make("DDIMScheduler", **cfg)), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_the_ddim_chain_refuses_an_eta_whose_step_variance_is_negative():
+    """The registered ``ddim`` chain: the same bound on its own grid, computed here from alpha-bar."""
+    from specforest import chains
+
+    grid = chains.ddpm_sigmas(1000)[::100].contiguous()
+    grid = torch.cat([grid, grid.new_zeros(1)]) if float(grid[-1]) != 0 else grid
+    t, t_next = grid[:-1], grid[1:]
+    ab, ab_next = (1 - t) ** 2 / ((1 - t) ** 2 + t**2), (1 - t_next) ** 2 / ((1 - t_next) ** 2 + t_next**2)
+    var = (1 - ab_next) / (1 - ab) * (1 - ab / ab_next)
+    top = float(((1 - ab_next[var > 0]) / var[var > 0]).sqrt().min())
+    with pytest.raises(ValueError, match=r"eta=.* gives a negative variance at step \d+"):
+        chains.DDIM(eta=1.01 * top).build(grid)
+    tab = chains.DDIM(eta=0.99 * top).build(grid)
+    assert bool(torch.isfinite(tab.scale).all()) and bool((tab.scale > 0)[:-1].all())

@@ -37,10 +37,11 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from ..chains import DPMPP2MSDE, LCM, REFUSED, Chain, EulerAncestral, from_ve
+from ..chains import DPMPP2MSDE, LCM, REFUSED, Chain, EulerAncestral, check_ddim_eta, from_ve
 from ..sde import _check_sigmas
 
 __all__ = [
+    "ETA_SCHEDULERS",
     "SCHEDULERS",
     "PipelinePlan",
     "SchedulerChain",
@@ -48,6 +49,7 @@ __all__ = [
     "for_pipeline",
     "scheduler_chain",
     "scheduler_class",
+    "scheduler_eta",
     "swapped_scheduler",
 ]
 
@@ -61,6 +63,10 @@ SCHEDULERS = (
     "FlowMatchEulerDiscreteScheduler",
 )
 """The stochastic schedulers ``chain="scheduler"`` follows (by class name)."""
+
+ETA_SCHEDULERS = ("DDIMScheduler", "TCDScheduler")
+"""The schedulers whose ``step`` reads ``eta``; the others' noise is their config's alone, so an ``eta``
+given with them would be dropped (it is refused)."""
 
 DETERMINISTIC = (
     "PNDMScheduler",
@@ -85,7 +91,8 @@ class SchedulerChain(Chain):
     """The chain of one scheduler on its own grid (made by :func:`scheduler_chain`).
 
     Attributes:
-        scheduler: the scheduler's class name; ``eta``: the ``eta`` its steps take (DDIM, TCD).
+        scheduler: the scheduler's class name; ``eta``: the ``eta`` its steps take (DDIM, TCD), ``None``
+            for a scheduler whose step takes none (:data:`ETA_SCHEDULERS`).
         grid: ``(T + 1,)`` float64 linear-path levels of the timesteps the model sees, then 0.
         timesteps: ``(T,)`` the scheduler's timesteps (the network's time input at each level).
         prediction: ``prediction(D, step) -> D`` the scheduler's clip or threshold of the predicted
@@ -101,7 +108,7 @@ class SchedulerChain(Chain):
     """
 
     scheduler: str = ""
-    eta: float = 0.0
+    eta: Optional[float] = 0.0
     grid: torch.Tensor = field(default=None, repr=False, compare=False)
     timesteps: torch.Tensor = field(default=None, repr=False, compare=False)
     P: torch.Tensor = field(default=None, repr=False, compare=False)
@@ -159,9 +166,15 @@ def _name(scheduler: Any) -> str:
     return type(scheduler).__name__
 
 
-def check_scheduler(scheduler: Any, eta: float = 0.0) -> None:
-    """Raise for a scheduler ``chain="scheduler"`` cannot follow (or an ``eta`` out of its range),
-    naming the reason and the swap."""
+def scheduler_eta(name: str, eta: float) -> Optional[float]:
+    """The ``eta`` a run of scheduler ``name`` records: its step's, or ``None`` where its step takes none."""
+    return float(eta) if name in ETA_SCHEDULERS else None
+
+
+def check_scheduler(scheduler: Any, eta: float = 0.0, steps: Optional[int] = None) -> None:
+    """Raise for a scheduler ``chain="scheduler"`` cannot follow (or an ``eta`` out of its range, or given to a
+    scheduler whose step takes none), naming the reason and the swap. With ``steps``, also an ``eta`` that
+    gives a step of ``steps`` a negative variance (DDIM's, :func:`check_ddim_eta`)."""
     eta = float(eta)
     name, cfg = _name(scheduler), scheduler.config
     if name == "DPMSolverSDEScheduler":
@@ -197,6 +210,24 @@ def check_scheduler(scheduler: Any, eta: float = 0.0) -> None:
         )
     if not math.isfinite(eta) or eta < 0 or (name == "TCDScheduler" and eta > 1):
         raise ValueError(f"eta must be in [0, {1 if name == 'TCDScheduler' else 'inf'}), got {eta}")
+    if eta != 0.0 and name not in ETA_SCHEDULERS:
+        raise ValueError(
+            f"eta={eta}: {name}'s step takes no eta (its noise is set by its config alone), so it would be "
+            f"dropped; eta applies to {' and '.join(ETA_SCHEDULERS)}: leave it out"
+        )
+    if steps is not None and name == "DDIMScheduler" and eta > 0:
+        sch = _fresh(scheduler, steps)
+        ts = sch.timesteps.to(torch.long)
+        check_ddim_eta(eta, *_ddim_levels(sch, ts), ts)
+
+
+def _ddim_levels(sch: Any, ts: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    """``(abar, abar')`` ``(T,)`` float64 of DDIM's steps: ``abar'`` at ``t - num_train_timesteps // T``
+    (``final_alpha_cumprod`` below 0), which need not be the next timestep the model sees."""
+    acp = sch.alphas_cumprod.to(torch.float64)
+    final = torch.tensor(float(getattr(sch, "final_alpha_cumprod", torch.tensor(1.0))), dtype=torch.float64)
+    pt = ts - sch.config["num_train_timesteps"] // ts.numel()
+    return acp[ts], torch.where(pt >= 0, acp[pt.clamp(min=0)], final)
 
 
 def scheduler_class(name: str) -> type:
@@ -277,7 +308,6 @@ def _vp_tables(name: str, sch: Any, eta: float) -> tuple:
     acp = sch.alphas_cumprod.to(torch.float64)
     ab = acp[ts]
     cfg = sch.config
-    final = torch.tensor(float(getattr(sch, "final_alpha_cumprod", torch.tensor(1.0))), dtype=torch.float64)
     weight = None
     if name == "DDPMScheduler":
         prev = torch.cat([acp[ts[1:]], torch.ones(1, dtype=torch.float64)])  # previous_timestep, -1 -> one
@@ -292,10 +322,11 @@ def _vp_tables(name: str, sch: Any, eta: float) -> tuple:
         R = torch.where(prev >= 1.0, torch.zeros_like(R), R)
         return ab, P, Q, R, weight
     if name == "DDIMScheduler":
-        pt = ts - cfg["num_train_timesteps"] // T
-        prev = torch.where(pt >= 0, acp[pt.clamp(min=0)], final)
+        _, prev = _ddim_levels(sch, ts)
+        check_ddim_eta(eta, ab, prev, ts)
         var = (1.0 - prev) / (1.0 - ab) * (1.0 - ab / prev)
         std = eta * var.sqrt()
+        # (rounding only, eta checked: the variance is >= 0 up to 1e-12)
         k = (1.0 - prev - std**2).clamp_min(0.0).sqrt()
         P = k / (1.0 - ab).sqrt()
         Q = prev.sqrt() - k * ab.sqrt() / (1.0 - ab).sqrt()
@@ -435,7 +466,7 @@ def _draws(name: str, timesteps: torch.Tensor, eta: float) -> torch.Tensor:
 def _made(name, eta, grid, timesteps, P, Q, R, B=None, prediction=None, noise_scale=1.0) -> SchedulerChain:
     return SchedulerChain(
         scheduler=name,
-        eta=float(eta),
+        eta=scheduler_eta(name, eta),
         grid=grid,
         timesteps=timesteps,
         P=P,
