@@ -51,6 +51,7 @@ from .common import (
 
 __all__ = [
     "FAMILY_FLAGS",
+    "checked_chain",
     "diffusers_command",
     "family_given",
     "family_pipeline_options",
@@ -271,6 +272,41 @@ def pipeline_chain(o: dict, ctx: "click.Context | None" = None) -> dict:
     return {"chain": run_chain({k: v for k, v in o.items() if k != "churn" or is_given(ctx, k)}, ctx)}
 
 
+def checked_chain(o: dict, steps: int, ctx: "click.Context | None" = None) -> "tuple[dict, float | None]":
+    """:func:`pipeline_chain` of the options ``o``, with everything about the chain checked before the
+    pipeline is loaded: the chain's options, ``--scheduler``'s name, and with ``--chain scheduler`` the
+    scheduler the run will step with (the pipeline's own or ``--scheduler``'s, made from the directory's
+    scheduler config alone) and ``--eta`` against its step at ``steps`` steps.
+
+    Returns:
+        ``(chain, eta)``: the family ``sample``'s ``chain`` (and ``eta``), and the ``eta`` a record holds of
+        ``--chain scheduler`` (``None`` with a scheduler whose step takes none; ``None`` with another chain).
+
+    Raises:
+        click.UsageError / click.BadParameter: naming the flag (``--chain``, ``--scheduler``, ``--eta``, ...).
+    """
+    from ..diffusers.schedulers import check_scheduler, directory_scheduler, scheduler_eta
+
+    chain = pipeline_chain(o, ctx)
+    try:
+        sch = directory_scheduler(o["pipeline_path"], o.get("scheduler_name"))
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--scheduler") from None
+    if chain.get("chain") != "scheduler":
+        return chain, None
+    if sch is None:  # (no scheduler config saved: the loaded pipeline's scheduler is checked by the library)
+        return chain, chain["eta"]
+    try:
+        check_scheduler(sch)
+    except ValueError as err:
+        raise click.UsageError(f"--chain scheduler: {err}") from None
+    try:
+        check_scheduler(sch, chain["eta"], steps)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--eta") from None
+    return chain, scheduler_eta(type(sch).__name__, chain["eta"])
+
+
 def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
     """The draft tree and coupling of the command's method, or of its ``--tune`` file."""
     from ..experiments.common import COUPLING_OF, method_tree
@@ -363,12 +399,17 @@ def diffusers_command(**o) -> None:
     dtype = o["dtype"] or default_dtype(device)
     captions = library_errors(lambda: load_prompts(o["prompts_file"], o["num_prompts"]))
     tree, coupling = library_errors(lambda: _tree_and_coupling(o, options["num_inference_steps"]))
+    # every option is checked before the pipeline is loaded
+    chain, eta = checked_chain(o, options["num_inference_steps"], ctx)
+    if "chain" in chain:
+        options["churn"] = None  # (the em chain's; the run's record says it did not apply)
+    if not isinstance(chain.get("chain", "scheduler"), str):
+        eta = chain["chain"].params.get("eta")
     click.echo(f"loading {o['pipeline_path']} ({family.name}, {dtype} on {device})", err=True)
     pipe, _ = library_errors(lambda: load_pipeline(o["pipeline_path"], device=device, dtype=dtype))
     swap_scheduler(pipe, o["scheduler_name"])
-    chain = pipeline_chain(o, ctx)
-    keys = ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size", "eta")
-    sampler = as_ran({k: o[k] for k in keys})
+    keys = ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size")
+    sampler = as_ran({**{k: o[k] for k in keys}, "eta": eta})
     sampler.update(options_record(extra_values(o)))
     if tuned is not None:
         sampler.update(tuned=tuned.label, tune_file=str(Path(o["tune_file"]).resolve()), coupling=tuned.coupling)
@@ -385,6 +426,8 @@ def diffusers_command(**o) -> None:
             **(
                 {"chain_params": json_params(chain["chain"].params)}
                 if not isinstance(chain.get("chain", ""), str)
+                else {"chain_params": {"scheduler": type(pipe.scheduler).__name__, "eta": eta}}
+                if "chain" in chain
                 else {}
             ),
             "scheduler": type(pipe.scheduler).__name__,

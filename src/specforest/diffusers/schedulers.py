@@ -46,6 +46,7 @@ __all__ = [
     "PipelinePlan",
     "SchedulerChain",
     "check_scheduler",
+    "directory_scheduler",
     "for_pipeline",
     "scheduler_chain",
     "scheduler_class",
@@ -63,6 +64,9 @@ SCHEDULERS = (
     "FlowMatchEulerDiscreteScheduler",
 )
 """The stochastic schedulers ``chain="scheduler"`` follows (by class name)."""
+
+EULER_A_PREDICTIONS = ("epsilon", "v_prediction")
+"""The ``prediction_type`` values ``EulerAncestralDiscreteScheduler.step`` implements."""
 
 ETA_SCHEDULERS = ("DDIMScheduler", "TCDScheduler")
 """The schedulers whose ``step`` reads ``eta``; the others' noise is their config's alone, so an ``eta``
@@ -203,6 +207,11 @@ def check_scheduler(scheduler: Any, eta: float = 0.0, steps: Optional[int] = Non
             )
         if cfg.get("final_sigmas_type", "zero") != "zero" or cfg.get("euler_at_final", False):
             raise ValueError("DPMSolverMultistepScheduler is followed with final_sigmas_type='zero' only")
+    if name == "EulerAncestralDiscreteScheduler" and cfg.get("prediction_type", "epsilon") not in EULER_A_PREDICTIONS:
+        raise ValueError(
+            f"EulerAncestralDiscreteScheduler with prediction_type={cfg.get('prediction_type')!r}: its step does not "
+            f"implement it (diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
+        )
     if name == "FlowMatchEulerDiscreteScheduler" and not cfg.get("stochastic_sampling", False):
         raise ValueError(
             "FlowMatchEulerDiscreteScheduler with stochastic_sampling=False is deterministic (an ODE solver): "
@@ -252,6 +261,32 @@ def swapped_scheduler(pipe: Any, name: str) -> Any:
         ValueError: as :func:`scheduler_class`.
     """
     return scheduler_class(name).from_config(pipe.scheduler.config)
+
+
+def directory_scheduler(path: str, name: Optional[str] = None) -> Optional[Any]:
+    """The scheduler a run of the pipeline saved in ``path`` steps with, made from its
+    ``scheduler/scheduler_config.json`` alone (no model is loaded): the pipeline's own class, or diffusers'
+    class ``name`` swapped in from that config (as :func:`swapped_scheduler` does). ``None`` when the
+    directory holds no scheduler config (the loaded pipeline's is checked then).
+
+    Raises:
+        ValueError: as :func:`scheduler_class`.
+    """
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "scheduler" / "scheduler_config.json"
+    cls = scheduler_class(name) if name is not None else None  # (a wrong name is refused first)
+    if not config.is_file():
+        return None
+    saved = json.loads(config.read_text())
+    if cls is None:
+        import diffusers
+
+        cls = getattr(diffusers, str(saved.get("_class_name")), None)
+        if not (isinstance(cls, type) and hasattr(cls, "from_config")):
+            return None
+    return cls.from_config(saved)
 
 
 def _fresh(scheduler: Any, steps: int, **kw: Any) -> Any:
@@ -421,11 +456,15 @@ def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict) -> S
         # sde-dpmsolver++ is k-diffusion's DPM++ 2M SDE at eta = 1 (first order: without its multistep term)
         chain = DPMPP2MSDE(eta=1.0, solver_type=sch.config.get("solver_type", "midpoint"))
         scale = _vp_noise_scale(sch, float(s[0]))
+        # its step thresholds the predicted clean latents (the ones it keeps for the next step too); it has no clip
+        threshold = _clip({k: v for k, v in sch.config.items() if k != "clip_sample"}, None)
         if sch.config.get("solver_order", 2) == 1:
             Pv, Q0, _, Rv, _ = chain._terms(t, t_next)
-            return _made(name, eta, grid, timesteps, *from_ve(t, t_next, Pv, Q0, Rv), noise_scale=scale)
+            return _made(
+                name, eta, grid, timesteps, *from_ve(t, t_next, Pv, Q0, Rv), prediction=threshold, noise_scale=scale
+            )
         B = chain.previous(t, t_next)
-        return _made(name, eta, grid, timesteps, *chain.step(t, t_next), B=B, noise_scale=scale)
+        return _made(name, eta, grid, timesteps, *chain.step(t, t_next), B=B, prediction=threshold, noise_scale=scale)
     ab, P, Q, R, weight = _vp_tables(name, sch, float(eta))
     s = ((1.0 - ab) / ab).sqrt()
     grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
@@ -433,7 +472,9 @@ def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict) -> S
     n_next = torch.cat([n[1:], torch.ones(1, dtype=torch.float64)])  # the last state is the output latents
     P, Q, R = _to_linear(P, Q, R, n, n_next)
     scale = _vp_noise_scale(sch, float(s[0]))
-    return _made(name, eta, grid, timesteps, P, Q, R, prediction=_clip(sch.config, weight), noise_scale=scale)
+    # TCD's step neither clips nor thresholds, whatever its config says (diffusers keeps the flags unused)
+    clip = None if name == "TCDScheduler" else _clip(sch.config, weight)
+    return _made(name, eta, grid, timesteps, P, Q, R, prediction=clip, noise_scale=scale)
 
 
 def _vp_noise_scale(sch: Any, s0: float) -> float:
