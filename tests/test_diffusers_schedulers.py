@@ -326,3 +326,118 @@ def test_the_ddim_chain_refuses_an_eta_whose_step_variance_is_negative():
         chains.DDIM(eta=1.01 * top).build(grid)
     tab = chains.DDIM(eta=0.99 * top).build(grid)
     assert bool(torch.isfinite(tab.scale).all()) and bool((tab.scale > 0)[:-1].all())
+
+
+# -- every config flag of every scheduler, in parity with its own step --------------------------------
+
+
+def big(x_vp, ab):
+    """A network whose clean prediction leaves [-1, 1] by far: a clip or threshold binds at every step."""
+    return bent(x_vp, ab) - 0.8 * torch.sin(3 * x_vp)
+
+
+def as_prediction(kind, eps, x_vp, ab):
+    """The network's output in the scheduler's ``prediction_type``, for the same clean prediction as ``eps``."""
+    ab = ab.reshape(-1, *[1] * (x_vp.ndim - 1)).to(x_vp.dtype)
+    x0 = (x_vp - (1 - ab).sqrt() * eps) / ab.sqrt()
+    return {"epsilon": eps, "sample": x0, "v_prediction": ab.sqrt() * eps - (1 - ab).sqrt() * x0}[kind]
+
+
+def flagged_loop(sch, steps, eta, x, gen, net):
+    """:func:`pipeline_loop` with the network's output in the scheduler's ``prediction_type``, on latents with a
+    trailing axis (``_threshold_sample`` wants channels and at least one more dimension)."""
+    sch.set_timesteps(steps)
+    acp = sch.alphas_cumprod.to(torch.float64)
+    name = type(sch).__name__
+    kw = {"eta": eta} if name in ("DDIMScheduler", "TCDScheduler") else {}
+    sigma_based = name in ("EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
+    for i, t in enumerate(sch.timesteps):
+        inp = sch.scale_model_input(x, t)
+        ab = torch.full((x.shape[0],), 1 / (1 + float(sch.sigmas[i]) ** 2) if sigma_based else float(acp[int(t)]))
+        out = as_prediction(sch.config.prediction_type, net(inp, ab.double()), inp, ab.double())
+        x = sch.step(out[..., None], t, x[..., None], generator=gen, **kw).prev_sample[..., 0]
+    return x
+
+
+DPM = dict(algorithm_type="sde-dpmsolver++")
+# (scheduler, its config, eta, steps, network, whether the flag changes the scheduler's samples)
+FLAGS = {
+    "ddpm-thresholding": ("DDPMScheduler", dict(thresholding=True, sample_max_value=1.5), 0.0, 12, big, True),
+    "ddpm-clip-range": ("DDPMScheduler", dict(clip_sample=True, clip_sample_range=0.7), 0.0, 12, big, True),
+    "ddpm-trailing": ("DDPMScheduler", dict(clip_sample=False, timestep_spacing="trailing"), 0.0, 12, bent, True),
+    "ddpm-linspace": ("DDPMScheduler", dict(clip_sample=False, timestep_spacing="linspace"), 0.0, 12, bent, True),
+    "ddpm-offset": ("DDPMScheduler", dict(clip_sample=False, steps_offset=1), 0.0, 12, bent, True),
+    "ddpm-v": ("DDPMScheduler", dict(clip_sample=False, prediction_type="v_prediction"), 0.0, 12, bent, False),
+    "ddpm-sample": ("DDPMScheduler", dict(clip_sample=False, prediction_type="sample"), 0.0, 12, bent, False),
+    "ddim-thresholding": ("DDIMScheduler", dict(thresholding=True, sample_max_value=1.5), 0.8, 12, big, True),
+    "ddim-clip-range": ("DDIMScheduler", dict(clip_sample=True, clip_sample_range=0.7), 0.8, 12, big, True),
+    "ddim-alpha-not-one": ("DDIMScheduler", dict(clip_sample=False, set_alpha_to_one=False), 0.8, 12, bent, True),
+    "ddim-linspace": ("DDIMScheduler", dict(clip_sample=False, timestep_spacing="linspace"), 0.8, 12, bent, True),
+    "ddim-offset": ("DDIMScheduler", dict(clip_sample=False, steps_offset=1), 0.8, 12, bent, True),
+    "ddim-v": ("DDIMScheduler", dict(clip_sample=False, prediction_type="v_prediction"), 0.8, 12, bent, False),
+    "ddim-sample": ("DDIMScheduler", dict(clip_sample=False, prediction_type="sample"), 0.8, 12, bent, False),
+    "euler_a-leading-offset": (
+        "EulerAncestralDiscreteScheduler", dict(timestep_spacing="leading", steps_offset=1), 0.0, 12, bent, True,
+    ),
+    "euler_a-trailing": ("EulerAncestralDiscreteScheduler", dict(timestep_spacing="trailing"), 0.0, 12, bent, True),
+    "euler_a-v": ("EulerAncestralDiscreteScheduler", dict(prediction_type="v_prediction"), 0.0, 12, bent, False),
+    "dpm-thresholding": ("DPMSolverMultistepScheduler", dict(DPM, thresholding=True, sample_max_value=1.5), 0.0, 20, big, True),
+    "dpm-1-thresholding": (
+        "DPMSolverMultistepScheduler", dict(DPM, solver_order=1, thresholding=True, sample_max_value=1.5), 0.0, 20, big, True,
+    ),
+    "dpm-leading-offset": (
+        "DPMSolverMultistepScheduler", dict(DPM, timestep_spacing="leading", steps_offset=1), 0.0, 20, bent, True,
+    ),
+    "dpm-trailing": ("DPMSolverMultistepScheduler", dict(DPM, timestep_spacing="trailing"), 0.0, 20, bent, True),
+    "dpm-v": ("DPMSolverMultistepScheduler", dict(DPM, prediction_type="v_prediction"), 0.0, 20, bent, False),
+    "dpm-sample": ("DPMSolverMultistepScheduler", dict(DPM, prediction_type="sample"), 0.0, 20, bent, False),
+    "lcm-thresholding": ("LCMScheduler", dict(thresholding=True, sample_max_value=1.5), 0.0, 6, big, True),
+    "lcm-clip": ("LCMScheduler", dict(clip_sample=True, clip_sample_range=0.7), 0.0, 6, big, True),
+    "lcm-original-steps": ("LCMScheduler", dict(original_inference_steps=20), 0.0, 6, bent, True),
+    "lcm-v": ("LCMScheduler", dict(prediction_type="v_prediction"), 0.0, 6, bent, False),
+    "lcm-sample": ("LCMScheduler", dict(prediction_type="sample"), 0.0, 6, bent, False),
+    # TCD's step neither clips nor thresholds: the flags must change nothing
+    "tcd-clip": ("TCDScheduler", dict(clip_sample=True, clip_sample_range=0.7), 0.3, 6, big, False),
+    "tcd-thresholding": ("TCDScheduler", dict(thresholding=True, sample_max_value=1.5), 0.3, 6, big, False),
+    "tcd-trailing": ("TCDScheduler", dict(timestep_spacing="trailing"), 0.3, 6, bent, False),
+    "tcd-v": ("TCDScheduler", dict(prediction_type="v_prediction"), 0.3, 6, bent, False),
+    "tcd-sample": ("TCDScheduler", dict(prediction_type="sample"), 0.3, 6, bent, False),
+}  # fmt: skip
+DEFAULTS = {
+    "DDPMScheduler": dict(clip_sample=False),
+    "DDIMScheduler": dict(clip_sample=False),
+    "DPMSolverMultistepScheduler": DPM,
+}
+
+
+@pytest.mark.parametrize("case", list(FLAGS))
+def test_each_config_flag_follows_the_schedulers_own_step(case):
+    """Each flag of each scheduler's config, where it binds (a clip or threshold with a network that leaves
+    the range), against the scheduler's own loop with the same draws; and the flag changes the scheduler's
+    samples where it should (so the case tests it), or changes nothing where the step ignores it (TCD's clip)."""
+    name, cfg, eta, steps, net, changes = FLAGS[case]
+    sch = make(name, **cfg)
+    x = initial(sch, steps, 8)
+    ref = flagged_loop(make(name, **cfg), steps, eta, x.clone(), torch.Generator().manual_seed(3), net)
+    chain = scheduler_chain(sch, steps, eta=eta)
+    out = specforest.sample(
+        velocity_of(chain, net), to_y(chain, x, sch), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    scale = float(ref.abs().max())
+    assert float((out - ref).abs().max()) <= 1e-5 * scale, case
+    plain = make(name, **DEFAULTS.get(name, {}))
+    x_plain = initial(plain, steps, 8)
+    other = flagged_loop(plain, steps, eta, x_plain, torch.Generator().manual_seed(3), net)
+    assert (float((other - ref).abs().max()) > 1e-3 * scale) == changes, case
+
+
+def test_a_prediction_type_the_schedulers_step_does_not_implement_is_refused():
+    """Euler ancestral's step raises on ``prediction_type="sample"``: the chain refuses it by name rather than
+    sampling a chain diffusers does not define."""
+    sch = make("EulerAncestralDiscreteScheduler", prediction_type="sample")
+    with pytest.raises(NotImplementedError):
+        sch.set_timesteps(4)
+        sch.step(torch.zeros(1, D, 1), sch.timesteps[0], torch.zeros(1, D, 1))
+    with pytest.raises(ValueError, match="prediction_type='sample'"):
+        scheduler_chain(make("EulerAncestralDiscreteScheduler", prediction_type="sample"), 4)
