@@ -571,3 +571,9 @@ def test_diffusers_records_say_what_ran(saved, tmp_path):
     assert res.exit_code == 0, res.output
     sampler = json.loads((tmp_path / "job.json").read_text())["options"]["sampler"]
     assert sampler["grid"] is None and sampler["churn"] is None and sampler["chain_params"] == {"eta": None}
+    # a job written before (grid flow_match, eta 0.0 recorded for a step that takes none) resumes as the same job
+    meta = json.loads((tmp_path / "job.json").read_text())
+    meta["options"]["sampler"].update(grid="flow_match", chain_params={"eta": 0.0})
+    (tmp_path / "job.json").write_text(json.dumps(meta))
+    again = _generate(saved, "sd", tmp_path / "job", *extra, "--resume")
+    assert again.exit_code == 0 and "nothing to do" in again.output, again.output

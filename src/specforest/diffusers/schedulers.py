@@ -25,7 +25,10 @@ Refused, each naming the reason: deterministic schedulers with a tree (the calle
 network), ``fixed_large_log`` (diffusers returns NaN there), ``DPMSolverSDEScheduler`` (two
 correlated noises per step), DPM-Solver's ``sde-dpmsolver`` and third order, and grids this module
 does not follow yet (Karras or other sigma families on a UNet scheduler, ``final_sigmas_type`` other
-than ``zero``).
+than ``zero``). So are the options a step would not follow: an ``eta`` with a scheduler whose ``step``
+takes none (:data:`ETA_SCHEDULERS`), a DDIM ``eta`` that makes a step's variance negative (diffusers'
+step is NaN there), Euler ancestral's ``prediction_type="sample"`` (its step raises). A config flag is
+followed as the step follows it: TCD's step neither clips nor thresholds, DPM-Solver's thresholds.
 """
 
 from __future__ import annotations
