@@ -556,10 +556,11 @@ def test_generate_diffusers_refuses_grid_it_would_not_run(saved, tmp_path, no_wo
 def test_diffusers_records_say_what_ran(saved, tmp_path):
     """churn is null with a chain other than em (item 7), eta is the chain's (null where the scheduler's step
     takes none), and a generate diffusers job records no named grid (its scheduler's grid ran)."""
-    out = tmp_path / "ddpm"
-    assert run_diffusers(saved, "sd", out, "--chain", "ddpm", "--method", "standard").exit_code == 0
+    out = tmp_path / "ddim"
+    assert run_diffusers(saved, "sd", out, "--chain", "ddim", "--method", "standard").exit_code == 0
     opts = json.loads((out / "run.json").read_text())["options"]
-    assert opts["chain"] == "ddpm" and opts["churn"] is None and opts["eta"] is None
+    # (the chain's own eta, 1, ran: not the --eta that was not given)
+    assert opts["chain"] == "ddim" and opts["churn"] is None and opts["eta"] == opts["chain_params"]["eta"] == 1.0
     out = tmp_path / "ea"
     extra = ("--scheduler", "EulerAncestralDiscreteScheduler", "--chain", "scheduler", "--method", "standard")
     assert run_diffusers(saved, "sd", out, *extra).exit_code == 0

@@ -279,8 +279,9 @@ def checked_chain(o: dict, steps: int, ctx: "click.Context | None" = None) -> "t
     scheduler config alone) and ``--eta`` against its step at ``steps`` steps.
 
     Returns:
-        ``(chain, eta)``: the family ``sample``'s ``chain`` (and ``eta``), and the ``eta`` a record holds of
-        ``--chain scheduler`` (``None`` with a scheduler whose step takes none; ``None`` with another chain).
+        ``(chain, eta)``: the family ``sample``'s ``chain`` (and ``eta``), and the ``eta`` the run's record
+        holds: the scheduler's step's with ``--chain scheduler`` (``None`` where its step takes none), a
+        registered chain's own, ``None`` with the em chain.
 
     Raises:
         click.UsageError / click.BadParameter: naming the flag (``--chain``, ``--scheduler``, ``--eta``, ...).
@@ -293,7 +294,7 @@ def checked_chain(o: dict, steps: int, ctx: "click.Context | None" = None) -> "t
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--scheduler") from None
     if chain.get("chain") != "scheduler":
-        return chain, None
+        return chain, (chain["chain"].params.get("eta") if chain else None)
     if sch is None:  # (no scheduler config saved: the loaded pipeline's scheduler is checked by the library)
         return chain, chain["eta"]
     try:
@@ -401,10 +402,8 @@ def diffusers_command(**o) -> None:
     tree, coupling = library_errors(lambda: _tree_and_coupling(o, options["num_inference_steps"]))
     # every option is checked before the pipeline is loaded
     chain, eta = checked_chain(o, options["num_inference_steps"], ctx)
-    if "chain" in chain:
+    if chain:
         options["churn"] = None  # (the em chain's; the run's record says it did not apply)
-    if not isinstance(chain.get("chain", "scheduler"), str):
-        eta = chain["chain"].params.get("eta")
     click.echo(f"loading {o['pipeline_path']} ({family.name}, {dtype} on {device})", err=True)
     pipe, _ = library_errors(lambda: load_pipeline(o["pipeline_path"], device=device, dtype=dtype))
     swap_scheduler(pipe, o["scheduler_name"])
@@ -413,6 +412,12 @@ def diffusers_command(**o) -> None:
     sampler.update(options_record(extra_values(o)))
     if tuned is not None:
         sampler.update(tuned=tuned.label, tune_file=str(Path(o["tune_file"]).resolve()), coupling=tuned.coupling)
+    if not chain:
+        chain_record = {}  # (the em chain: its churn is the record's)
+    elif isinstance(chain["chain"], str):
+        chain_record = {"chain_params": {"scheduler": type(pipe.scheduler).__name__, "eta": eta}}
+    else:
+        chain_record = {"chain_params": json_params(chain["chain"].params)}
     record = {
         "family": family.name,
         "pipeline_class": pipeline_class_name(o["pipeline_path"]),
@@ -423,13 +428,7 @@ def diffusers_command(**o) -> None:
             **options,
             **sampler,
             "chain": o["chain"] or "em",
-            **(
-                {"chain_params": json_params(chain["chain"].params)}
-                if not isinstance(chain.get("chain", ""), str)
-                else {"chain_params": {"scheduler": type(pipe.scheduler).__name__, "eta": eta}}
-                if "chain" in chain
-                else {}
-            ),
+            **chain_record,
             "scheduler": type(pipe.scheduler).__name__,
             "num_images_per_prompt": o["num_images_per_prompt"],
             "max_memory_gb": o["max_memory_gb"],
