@@ -59,6 +59,7 @@ __all__ = [
     "EulerChurn",
     "Transitions",
     "available_chains",
+    "check_ddim_eta",
     "get_chain",
     "register_chain",
     "unregister_chain",
@@ -392,13 +393,48 @@ class DDPM(Chain):
         return from_ve(t, t_next, P, Q, R)
 
 
+def check_ddim_eta(eta: float, ab: torch.Tensor, prev: torch.Tensor, timesteps: "torch.Tensor | None" = None) -> None:
+    """Refuse an ``eta`` that makes a DDIM step's variance negative.
+
+    DDIM's step (Song et al. 2021, eq. 12) draws ``s_t z`` beside ``sqrt(1 - abar' - s_t^2) eps`` with
+    ``s_t^2 = eta^2 (1 - abar') / (1 - abar) (1 - abar / abar')``: above ``eta_max = min_t sqrt((1 - abar') /
+    var_t)`` the square root is of a negative number (diffusers' step returns NaN there), and clamping it
+    to 0 would sample another chain.
+
+    Args:
+        eta: the step's ``eta``.
+        ab, prev: ``(T,)`` float64 ``abar`` and ``abar'`` of each step.
+        timesteps: ``(T,)`` the scheduler's timesteps, named in the message (``None``: a chain's grid).
+
+    Raises:
+        ValueError: naming ``eta``, the first step whose variance is negative, and ``eta_max``.
+    """
+    var = (1.0 - prev) / (1.0 - ab) * (1.0 - ab / prev)
+    left = 1.0 - prev - eta * eta * var  # the variance of eps's term; its square root is taken
+    # (a relative margin: at eta = 1 it is (1 - abar')(abar / abar' - abar) / (1 - abar) >= 0 up to rounding)
+    bad = left < -1e-12 * (1.0 - prev)
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0, 0])
+    positive = var > 0
+    top = float(((1.0 - prev[positive]) / var[positive]).sqrt().min())
+    where = f"timestep {int(timesteps[i])}, " if timesteps is not None else ""
+    raise ValueError(
+        f"eta={eta:g} gives a negative variance at step {i} ({where}alpha-bar {float(ab[i]):.6g} -> "
+        f"{float(prev[i]):.6g}: 1 - alpha-bar' - s_t^2 = {float(left[i]):.3g} < 0); on these steps eta must be at "
+        f"most {top:.6g}"
+    )
+
+
 @dataclass(frozen=True)
 class DDIM(Chain):
     """DDIM with ``eta > 0`` on variance-preserving levels ``alpha-bar = 1 / (1 + sigma^2)``.
 
     ``x' = sqrt(alpha-bar') D + sqrt(1 - alpha-bar' - s_t^2) eps + s_t z`` with
     ``s_t = eta sqrt((1 - alpha-bar') / (1 - alpha-bar)) sqrt(1 - alpha-bar / alpha-bar')``
-    (no clipping). ``eta = 0`` is the deterministic DDIM: no tree can speculate it.
+    (no clipping). ``eta = 0`` is the deterministic DDIM: no tree can speculate it. An ``eta`` above 1
+    can make ``1 - alpha-bar' - s_t^2`` negative on a grid: it is refused there, naming the step
+    (:func:`check_ddim_eta`).
     """
 
     eta: float = 1.0
@@ -414,6 +450,7 @@ class DDIM(Chain):
         sa, sb = (1.0 - t) / r, t / r  # sqrt(ab), sqrt(1 - ab)
         sa_n, sb_n = (1.0 - t_next) / r_next, t_next / r_next
         ab, ab_next = sa**2, sa_n**2
+        check_ddim_eta(self.eta, ab, ab_next)
         st = self.eta * (sb_n / sb) * (1.0 - ab / ab_next).clamp_min(0.0).sqrt()
         c2 = (sb_n**2 - st**2).clamp_min(0.0).sqrt()
         n, n_next = sa + sb, sa_n + sb_n  # x_vp = n y

@@ -36,6 +36,7 @@ from .common import (
     extra_options,
     extra_values,
     grid_option,
+    is_given,
     library_errors,
     method_option,
     output_path,
@@ -52,6 +53,7 @@ from .common import (
 )
 from .diffusers import (
     FAMILY_FLAGS,
+    checked_chain,
     family_given,
     family_pipeline_options,
     family_shown,
@@ -65,9 +67,11 @@ __all__ = ["generate"]
 
 
 def _scheduler_settings(o: dict) -> dict:
-    """What a job records of ``--chain scheduler``: its step's ``eta``; the other chain options and ``--churn``
-    are refused (:func:`~specforest.cli.diffusers.pipeline_chain`)."""
-    return {"churn": None, "chain": "scheduler", "chain_params": {"eta": pipeline_chain(o)["eta"]}}
+    """What a job records of ``--chain scheduler``: its step's ``eta`` (``o["eta"]``, as
+    :func:`~specforest.cli.diffusers.checked_chain` gives it: null with a scheduler whose step takes none);
+    the other chain options and ``--churn`` are refused (:func:`~specforest.cli.diffusers.pipeline_chain`)."""
+    pipeline_chain(o)
+    return {"churn": None, "chain": "scheduler", "chain_params": {"eta": o["eta"]}}
 
 
 def _job_options(model: str, K: int, L: int, device: bool = True):
@@ -347,6 +351,13 @@ def generate_diffusers(**o):
         o["churn"] = library_errors(lambda: family_options(family, "sample", {"churn": churn}))["churn"]
     options = library_errors(lambda: family_options(family, "prepare", given, names=names))
     o["steps"] = options.pop("num_inference_steps")
+    # the chain, --scheduler and --eta checked against the scheduler that will run, before anything is loaded
+    _, eta = checked_chain(o, o["steps"], ctx)
+    if o["chain"] == "scheduler":
+        o["eta"] = eta
+    if is_given(ctx, "grid"):
+        raise click.UsageError("--grid: a diffusers job runs its pipeline's scheduler grid; leave it out")
+    o["grid"] = None  # (recorded null: the scheduler's grid ran)
     for k in FAMILY_FLAGS:
         if k not in ("steps", "churn"):
             o.pop(k)

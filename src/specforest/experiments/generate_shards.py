@@ -256,6 +256,12 @@ def _as_ran(opts: dict) -> dict:
         sampler = {**sampler, "chain": "em", "chain_params": {"churn": sampler.get("churn")}}
     if sampler.get("method") == "standard":
         sampler = {**sampler, **dict.fromkeys(("draft", "prefetch", "verify"))}
+    if opts.get("model") == "diffusers":
+        # its pipeline's grid ran whatever grid said (a job written before recorded flow_match); a scheduler's
+        # eta of 0 and none (a step that takes none) are one chain
+        sampler = {**sampler, "grid": None}
+        if sampler.get("chain") == "scheduler" and not (sampler.get("chain_params") or {}).get("eta"):
+            sampler = {**sampler, "chain_params": {"eta": None}}
     return {**opts, "sampler": sampler}
 
 
