@@ -23,7 +23,7 @@ from kdiff_reference import sampling
 import specforest
 from specforest import chains, trees
 from specforest.chains import available_chains, get_chain
-from specforest.cli.sampler_options import CHAIN_FLAGS
+from specforest.cli.sampler_options import CHAIN_FLAGS, extra_names, grid_flags
 from specforest.experiments import generate as gen_exp
 from specforest.models import GaussianMixture
 from specforest.schedules import SCHEDULES, ddpm_discrete_sigmas, schedule_grid
@@ -231,3 +231,37 @@ def test_a_bad_schedule_is_refused_naming_the_flags_before_the_work(tmp_path, no
     line = [str(a).replace("OUT", str(tmp_path / "out")) for a in COMMANDS[command]]
     refused(invoke(*line, *args), *named)
     assert not list(tmp_path.iterdir())
+
+
+PIPELINE_COMMANDS = (["diffusers"], ["sd3"], ["generate", "diffusers"], ["generate", "sd3"])
+
+
+@pytest.mark.parametrize("command", PIPELINE_COMMANDS, ids=lambda c: "-".join(c))
+def test_the_pipeline_commands_do_not_offer_the_grid_options(command):
+    """A pipeline's grid is its scheduler's: --schedule and its range are not offered there (offered, they
+    were refused only after the pipeline loaded), while the other further options still are."""
+    assert grid_flags() == {"schedule": "--schedule", "sigma_min": "--sigma-min", "sigma_max": "--sigma-max"}
+    shown = {w.strip(",") for w in invoke(*command, "--help").output.split()}
+    for flag in grid_flags().values():
+        assert flag not in shown, (command, flag)
+        res = invoke(*command, flag, "1")
+        assert res.exit_code == 2 and f"No such option '{flag}'" in res.output, res.output
+    assert set(extra_names()) - set(extra_names(pipeline=True)) == set(grid_flags())
+
+
+def test_a_pipelines_sample_and_tune_refuse_the_grid_options_before_any_work(no_work, tmp_path):
+    from specforest.diffusers.flow import further_options
+
+    for name in grid_flags():
+        with pytest.raises(ValueError, match=f"{name} is set by the pipeline's run \\(the scheduler's grid\\)"):
+            further_options({name: "karras" if name == "schedule" else 1.0})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    for model in ("diffusers", "sd3"):
+        out = tmp_path / "tuned.json"
+        res = invoke(
+            "tune", "--model", model, "--pipeline", tmp_path, "--prompts", prompts, "--out", out, "--schedule", "karras"
+        )
+        assert res.exit_code == 2, res.output
+        assert "--schedule applies only to --model gmm or digits" in res.output, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]

@@ -89,6 +89,8 @@ class Option:
         low, high, low_open: the flag's range (``low_open``: ``low`` excluded).
         tune: how :func:`specforest.latency.tune` treats it (:data:`TUNE_ROLES`).
         refused: why ``tune`` refuses it (``tune="refused"``).
+        grid: whether it makes the run's grid (``--schedule`` and its range): a pipeline's run, whose grid
+            is its scheduler's, sets it itself, so the pipelines' commands do not offer it.
         name: the field's name (filled in by :func:`declared_options`).
     """
 
@@ -103,6 +105,7 @@ class Option:
     low_open: bool = False
     tune: str = "passed"
     refused: str = ""
+    grid: bool = False
     name: str = ""
 
     def allowed(self) -> "Optional[tuple[str, ...]]":
@@ -283,6 +286,7 @@ class SamplerOptions:
     shift: float = option(1.0, cli=False, kind=float, low=0.0, low_open=True)
     schedule: Optional[str] = option(
         None,
+        grid=True,
         help="Noise schedule whose --steps VE levels, then 0, make the grid instead of --grid's: karras "
         "(Karras et al., rho 7) or exponential between --sigma-min and --sigma-max, ddpm (DDPM's 1000-step "
         "training schedule, linear betas) or vp (k-diffusion's get_sigmas_vp). It starts below t = 1, so "
@@ -291,6 +295,7 @@ class SamplerOptions:
     )
     sigma_min: Optional[float] = option(
         None,
+        grid=True,
         help=f"Smallest VE noise level of --schedule karras or exponential, > 0 "
         f"(default {SCHEDULE_SIGMA_RANGE['karras'][0]}).",
         kind=float,
@@ -299,6 +304,7 @@ class SamplerOptions:
     )
     sigma_max: Optional[float] = option(
         None,
+        grid=True,
         help=f"Largest VE noise level of --schedule karras or exponential, > --sigma-min "
         f"(default {SCHEDULE_SIGMA_RANGE['karras'][1]}).",
         kind=float,

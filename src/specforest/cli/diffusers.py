@@ -30,13 +30,13 @@ from .common import (
     chain_options,
     churn_option,
     draft_option,
-    extra_options,
     extra_values,
     json_option,
     lazy_option,
     library_errors,
     method_option,
     output_path,
+    pipeline_extra_options,
     prefetch_option,
     progress_option,
     refuse_unused,
@@ -361,7 +361,7 @@ def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
 @json_option()
 @progress_option("Progress bar of the sampler on stderr.")
 @threads_option()
-@extra_options
+@pipeline_extra_options
 @tune_option(
     "A JSON written by 'specforest tune --model diffusers' for a pipeline of the same family: its tree, "
     "coupling, verify, draft and prefetch replace --method/--K/--L/--draft/--verify/--prefetch (giving any "

@@ -40,6 +40,7 @@ from .common import (
     library_errors,
     method_option,
     output_path,
+    pipeline_extra_options,
     prefetch_option,
     progress_option,
     refuse_unused,
@@ -145,7 +146,7 @@ def _job_options(model: str, K: int, L: int, device: bool = True):
             threads_option(),
             compile_option(),
             tune_option(),
-            extra_options,
+            pipeline_extra_options if model in ("sd3", "diffusers") else extra_options,
         ]
         if device:
             opts.append(

@@ -36,6 +36,8 @@ __all__ = [
     "churn_option",
     "draft_option",
     "extra_options",
+    "grid_flags",
+    "pipeline_extra_options",
     "extra_values",
     "grid_option",
     "is_given",
@@ -114,16 +116,29 @@ def sampler_option(name: str, *, default: Any = _UNSET, show_default: Any = True
 
 def extra_options(f):
     """The options the command line exposes (``cli=True``) that no command places itself (:data:`PLACED`),
-    each as :func:`sampler_option` makes it: none today; a new field declared for the command line
-    appears here, on every command that runs the sampler."""
+    each as :func:`sampler_option` makes it: a new field declared for the command line appears here, on
+    every command that runs the sampler."""
     for name in reversed(extra_names()):
         f = sampler_option(name)(f)
     return f
 
 
-def extra_names() -> "tuple[str, ...]":
-    """The names :func:`extra_options` adds."""
-    return tuple(n for n, d in declared_options().items() if d.cli and n not in PLACED)
+def pipeline_extra_options(f):
+    """:func:`extra_options` less those that make the grid (``Option.grid``: ``--schedule`` and its range),
+    for the pipelines' commands, whose grid is their scheduler's."""
+    for name in reversed(extra_names(pipeline=True)):
+        f = sampler_option(name)(f)
+    return f
+
+
+def extra_names(pipeline: bool = False) -> "tuple[str, ...]":
+    """The names :func:`extra_options` adds (``pipeline``: :func:`pipeline_extra_options`)."""
+    return tuple(n for n, d in declared_options().items() if d.cli and n not in PLACED and not (pipeline and d.grid))
+
+
+def grid_flags() -> "dict[str, str]":
+    """The flags of the options that make the grid (``Option.grid``), by option name."""
+    return {n: d.flag for n, d in declared_options().items() if d.cli and d.grid}
 
 
 def extra_values(o: dict) -> dict:

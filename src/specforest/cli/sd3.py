@@ -17,12 +17,12 @@ from .common import (
     apply_tuned,
     churn_option,
     draft_option,
-    extra_options,
     extra_values,
     int_list,
     lazy_option,
     library_errors,
     output_path,
+    pipeline_extra_options,
     prefetch_option,
     progress_option,
     seed_option,
@@ -192,7 +192,7 @@ def _pipeline_option_list(path_flag: str, *, required: bool, device: bool, path_
     "--steps, --churn, --batch-size, --guidance, --shift, --height, --width, --device and --threads default "
     "to the file's; given, they must match it (an error lists every difference)."
 )
-@extra_options
+@pipeline_extra_options
 def sd3(**o) -> None:
     """Stable Diffusion 3 experiment of the paper (Section 5.3, Figure 5, Table 1).
 

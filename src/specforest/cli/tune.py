@@ -29,6 +29,7 @@ from .common import (
     churn_option,
     extra_options,
     extra_values,
+    grid_flags,
     is_given,
     library_errors,
     output_path,
@@ -297,6 +298,13 @@ def tune(**o) -> None:
                 f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --model gmm, digits or "
                 f"diffusers: the SD3 study's tuner runs the em chain (--churn); leave {'it' if len(given) == 1 else 'them'} "
                 "out, or tune the pipeline with --model diffusers"
+            )
+    if o["model"] in ("diffusers", "sd3"):
+        gridded = [flag for n, flag in grid_flags().items() if is_given(ctx, n)]
+        if gridded:
+            raise click.UsageError(
+                f"{', '.join(gridded)} {'applies' if len(gridded) == 1 else 'apply'} only to --model gmm or digits: "
+                f"a pipeline's grid is its scheduler's (--steps); leave {'it' if len(gridded) == 1 else 'them'} out"
             )
     if o["chain"] == "scheduler" and o["model"] != "diffusers":
         raise click.UsageError(

@@ -31,7 +31,7 @@ from .. import memory as _memory
 from .. import streams
 from ..drafts import get_proposal
 from ..latency import tune as latency_tune
-from ..options import check_names, check_tuned_for, make_sde
+from ..options import check_names, check_tuned_for, declared_options, make_sde
 from ..planning import make_tree
 from ..trees import chain as chain_tree
 from ..validation import check_int, check_number
@@ -158,8 +158,10 @@ _SET_BY_FAMILY = {
     "shift": "the scheduler's grid (SD3's and Flux's shift parameter)",
     "max_rows": "from max_memory_gb",
     "model_kwargs": "the captions' conditioning",
+    **{name: "the scheduler's grid" for name, decl in declared_options().items() if decl.grid},
 }
-"""The sampler's options a family's run sets itself, with what sets them."""
+"""The sampler's options a family's run sets itself, with what sets them (an option declared as making the
+grid, ``Option.grid``, among them)."""
 
 
 def further_options(options: dict) -> dict:
