@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from specforest import chains
+from specforest.testing import Z_TOL
 
 comfy_vendored = pytest.importorskip("comfy_vendored")
 try:
@@ -77,9 +78,12 @@ def tiny_model(gaussian: bool = False, first_level_only: bool = False):
         mu = context[:, 0, :4].reshape(-1, 4, 1, 1)
         if control is not None:
             mu = mu + control["shift"]
+        if gaussian is False and control is not None:
+            mu = mu - control["shift"]  # the real UNet's output takes the shift instead
         calls.records.append((sig.clone(), mu[:, :, 0, 0].clone(), list(transformer_options["cond_or_uncond"])))
         if not gaussian:
-            return real(x, timesteps, context=context, y=y, control=control, transformer_options=transformer_options)
+            out = real(x, timesteps, context=context, y=y, transformer_options=transformer_options)
+            return out if control is None else out + 0.1 * control["shift"]
         s = sig.reshape(-1, 1, 1, 1)
         xv = x * torch.sqrt(s**2 + 1)  # ComfyUI's EPS input scaling undone
         denoised = (S**2 * xv + s**2 * mu) / (S**2 + s**2)
@@ -227,3 +231,74 @@ def test_comfyuis_callback_is_fed(package):
     steps = [s[0] for s in seen]
     assert steps == sorted(steps) and len(steps) >= 2 and steps[0] == 0 and steps[-1] < 10
     assert all(s[1:] == ((1, 4, 8, 8), (1, 4, 8, 8), 10) for s in seen)
+
+
+# --- the law with a tree, and the calls ---------------------------------------------------------------------
+
+STEPS = 20
+
+
+def two_sample_z(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per channel: the z of the difference of two pooled samples' means and variances, ``(2, C)``
+    (``a, b: (B, C, H, W)`` with iid coordinates within a channel, as the Gaussian data's chain makes them)."""
+    a, b = a.transpose(0, 1).reshape(a.shape[1], -1).double(), b.transpose(0, 1).reshape(b.shape[1], -1).double()
+    na, nb = a.shape[1], b.shape[1]
+    va, vb = a.var(1), b.var(1)
+    zm = (a.mean(1) - b.mean(1)) / torch.sqrt(va / na + vb / nb)
+    zv = (va - vb) / torch.sqrt(2 * va**2 / (na - 1) + 2 * vb**2 / (nb - 1))
+    return torch.stack([zm, zv])
+
+
+LAW_CASES = {
+    "euler_ancestral": {"eta": 1.0, "s_noise": 1.0},
+    "dpmpp_2m_sde": {"eta": 1.0, "s_noise": 1.0, "solver_type": "midpoint"},
+    "ddpm": {},
+    "lcm": {},
+    "euler": {"s_churn": 4.0},
+}
+
+
+def law_run(name, options, *, own: bool, batch: int, first_level_only: bool = False):
+    """``batch`` latents sampled by ComfyUI's own ``name`` (``own``) or ``specforest_<name>`` with the default
+    tree, on the Gaussian UNet, cfg 4; the samples and the UNet's calls."""
+    patcher, calls = tiny_model(gaussian=True, first_level_only=first_level_only)
+    torch.manual_seed(7)  # ComfyUI's own samplers draw from torch's generator
+    sampler = C.samplers.ksampler(name if own else f"specforest_{name}", dict(options))
+    out = run(patcher, sampler, torch.zeros(batch, 4, 8, 8), conditioning(MU_POS), conditioning(MU_NEG),
+              seed=21, noise_seed=2 if own else 3, steps=STEPS)  # fmt: skip
+    return out, len(calls)
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == "euler_ancestral" else pytest.param(n, marks=pytest.mark.slow) for n in LAW_CASES]
+)
+def test_a_tree_keeps_comfyuis_own_samplers_law(package, name):
+    """``specforest_<name>`` with the default tree (RMC chain of 8, x0 draft) against ComfyUI's own sampler
+    of that name, 64 latents each on the Gaussian UNet (each channel's 4096 coordinates iid): per channel
+    the means and variances agree (|z| <= 4.5, 8 statistics). Detects a shift of 0.1 S in a mean or
+    14% in a variance. The wrong variant below (a model that reads one level per call) fails it."""
+    ref, own_calls = law_run(name, LAW_CASES[name], own=True, batch=64)
+    out, calls = law_run(name, LAW_CASES[name], own=False, batch=64)
+    z = two_sample_z(out, ref)
+    assert float(z.abs().max()) <= Z_TOL, (name, z)
+    assert own_calls == STEPS and calls > 1
+
+
+def test_the_law_test_rejects_a_model_that_reads_one_level_per_call(package):
+    """The same statistics with a UNet that takes the call's first level for every row (what an unguarded
+    timestep patch does in a speculative call): rejected."""
+    ref, _ = law_run("euler_ancestral", LAW_CASES["euler_ancestral"], own=True, batch=64)
+    out, _ = law_run("euler_ancestral", LAW_CASES["euler_ancestral"], own=False, batch=64, first_level_only=True)
+    assert float(two_sample_z(out, ref).abs().max()) > Z_TOL
+
+
+def test_fewer_sequential_calls_at_one_image(package):
+    """One latent, the Gaussian UNet, 20 Karras steps: the UNet calls of each sampler with the default tree
+    against ComfyUI's own 20 (the numbers docs/comfyui.md quotes)."""
+    saved = {}
+    for name, options in LAW_CASES.items():
+        _, own = law_run(name, options, own=True, batch=1)
+        _, spec = law_run(name, options, own=False, batch=1)
+        assert own == STEPS and spec < STEPS, (name, own, spec)
+        saved[name] = spec
+    print("UNet calls with the default tree, one latent, 20 steps:", saved)

@@ -104,7 +104,7 @@ def sampler_function(comfy_name: str, chain: str) -> Callable[..., torch.Tensor]
         extra = dict(extra_args or {})
         for key in _SPECULATION:
             options.setdefault(key, DEFAULT_TREE[key])
-        call = SpeculativeCall(model, extra, x.shape[0])
+        call = SpeculativeCall(model, extra, x.shape[0], speculative=options["tree"] is not None)
         rows = {ROWS: torch.arange(x.shape[0], device=x.device)}
         seed = extra.get("seed")
         kwargs = dict(row_args=(ROWS,), path=model_path(model), seed=seed, **options)

@@ -104,12 +104,14 @@ class SpeculativeCall:
             ``latent_image`` of the latent batch).
         extra_args: what ComfyUI hands the sampler.
         batch: the latent batch.
+        speculative: whether calls will mix levels (a tree); without one every call has one level, as
+            ComfyUI's own, and nothing is refused.
 
     Raises:
-        ValueError: a feature that a speculative call would change, refused naming its node.
+        ValueError: with ``speculative``, a feature that a speculative call would change, refused naming its node.
     """
 
-    def __init__(self, model: Any, extra_args: dict, batch: int) -> None:
+    def __init__(self, model: Any, extra_args: dict, batch: int, speculative: bool = True) -> None:
         self.model, self.batch = model, batch
         self.cond = list(extra_args.get("cond") or [])
         self.uncond = list(extra_args.get("uncond") or [])
@@ -117,14 +119,15 @@ class SpeculativeCall:
         self.model_options = extra_args.get("model_options") or {}
         self.seed = extra_args.get("seed")
         self.mask = extra_args.get("denoise_mask")
-        check_model_options(self.model_options)
+        if speculative:
+            check_model_options(self.model_options)
         self.ranges = []  # (high, low): a conditioning entry or ControlNet holds where low <= sigma <= high
         for entry in self.cond + self.uncond:
             if "timestep_start" in entry or "timestep_end" in entry:
                 self.ranges.append((entry.get("timestep_start"), entry.get("timestep_end")))
             for control in _controls(entry):
                 hint = getattr(control, "cond_hint_original", None)
-                if isinstance(hint, torch.Tensor) and hint.shape[0] > 1:
+                if speculative and isinstance(hint, torch.Tensor) and hint.shape[0] > 1:
                     raise ValueError(
                         f"specforest refuses a ControlNet ({type(control).__name__}) with a batch of "
                         f"{hint.shape[0]} hint images: ComfyUI spreads the hints over a call's rows, which in a "
