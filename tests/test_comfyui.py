@@ -302,3 +302,153 @@ def test_fewer_sequential_calls_at_one_image(package):
         assert own == STEPS and spec < STEPS, (name, own, spec)
         saved[name] = spec
     print("UNet calls with the default tree, one latent, 20 steps:", saved)
+
+
+# --- what a speculative call breaks, made per row or refused --------------------------------------------------
+
+
+class ShiftControl(C.controlnet.ControlBase):
+    """A ControlNet that adds a constant (``shift``) to the UNet's output where it holds, with ComfyUI's
+    ControlNet rule for its start/end percent: the call's first level against its range."""
+
+    def __init__(self, shift: float, start: float, end: float) -> None:
+        super().__init__(device=torch.device("cpu"))
+        self.set_cond_hint(torch.zeros(1, 3, 64, 64), 1.0, (start, end))
+        self.shift = shift
+
+    def get_control(self, x_noisy, t, cond, batched_number):
+        if self.timestep_range is not None and (t[0] > self.timestep_range[0] or t[0] < self.timestep_range[1]):
+            return None
+        return {"shift": torch.full((x_noisy.shape[0], 4, 1, 1), self.shift)}
+
+
+def _ranges():
+    early = C.nodes.ConditioningSetTimestepRange().set_range(conditioning(MU_POS), 0.0, 0.5)[0]
+    late = C.nodes.ConditioningSetTimestepRange().set_range(conditioning((-2.0, 1.0, 0.5, -1.0)), 0.5, 1.0)[0]
+    return early + late
+
+
+def _control():
+    pos = conditioning(MU_POS)
+    pos[0][1]["control"] = ShiftControl(3.0, 0.2, 0.6)
+    return pos
+
+
+CASES = {
+    # name: (positive, latent batch, latent image, denoise mask)
+    "per-latent conditioning batch": (lambda: conditioning(batch_means=[MU_POS, MU_NEG, (3.0, 3.0, 0.0, -3.0)]), 3),
+    "conditioning timestep ranges": (_ranges, 2),
+    "ControlNet start/end percent": (_control, 2),
+    "inpainting (denoise_mask)": (lambda: conditioning(MU_POS), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_speculative_call_gives_each_row_comfyuis_own_call_of_its_trajectory(package, case):
+    """Rows of several latents at several levels (across the ranges' boundaries) in one call: each row's
+    output is ComfyUI's own call of its latent's batch at that row's level alone (cfg 4, with what
+    ComfyUI hands a sampler). A plain call of the same rows (what ComfyUI's code does
+    with a speculative batch) differs."""
+    make_pos, batch = CASES[case]
+    # the Gaussian UNet, whose output the conditioning and a control move a lot; for the mask the tiny
+    # UNet itself, which mixes pixels (the masked-out region's blend reaches the rest)
+    patcher, _ = tiny_model(gaussian=not case.startswith("inpainting"))
+    gen = torch.Generator().manual_seed(4)
+    latent, mask = torch.zeros(batch, 4, 8, 8), None
+    if case.startswith("inpainting"):
+        latent = torch.randn(batch, 4, 8, 8, generator=gen)
+        mask = torch.zeros(batch, 8, 8)
+        mask[0, :, :4] = 1.0  # each latent its own mask: the left half, the top half
+        mask[1, :4, :] = 1.0
+    levels = torch.tensor([14.6, 0.08, 3.0, 0.5, 8.0, 1.2, 0.3, 5.0])
+    traj = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0]) if batch == 2 else torch.tensor([2, 0, 1, 1, 0, 2, 2, 1])
+    xs = torch.randn(levels.shape[0], 4, 8, 8, generator=gen) * levels.reshape(-1, 1, 1, 1)
+    got = {}
+
+    def capture(model, x, sigmas, extra_args=None, callback=None, disable=None):
+        call = package.speculative_call.SpeculativeCall(model, extra_args, batch)
+        got["rows"] = call(xs, levels, **{package.speculative_call.ROWS: traj})
+        refs = []
+        for j in range(levels.shape[0]):
+            full = torch.zeros(batch, 4, 8, 8)
+            full[traj[j]] = xs[j]
+            refs.append(model(full, levels[j].expand(batch), **extra_args)[traj[j]])
+        got["ref"] = torch.stack(refs)
+        if mask is None:
+            got["plain"] = model(xs, levels, **extra_args)
+        return x
+
+    with torch.no_grad():
+        run(patcher, C.samplers.KSAMPLER(capture), latent, make_pos(), conditioning(MU_NEG), mask=mask)
+    scale = float(got["ref"].abs().max())
+    assert torch.allclose(got["rows"], got["ref"], rtol=0, atol=1e-5 * scale), float(
+        (got["rows"] - got["ref"]).abs().max()
+    )
+    if "plain" in got:
+        assert float((got["plain"] - got["ref"]).abs().max()) > 1e-2 * scale
+
+
+def test_inpainting_keeps_each_latents_unmasked_region(package):
+    """With a tree, each latent's own mask: where it is 0 the output is the latent image, as ComfyUI's own."""
+    patcher, _ = tiny_model(gaussian=True)
+    latent = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(6))
+    mask = torch.zeros(2, 8, 8)
+    mask[0, :, :4] = 1.0
+    mask[1, :4, :] = 1.0
+    out = run(patcher, C.samplers.ksampler("specforest_euler_ancestral"), latent, conditioning(MU_POS),
+              conditioning(MU_NEG), mask=mask)  # fmt: skip
+    keep = (mask == 0)[:, None].expand_as(latent)
+    assert torch.allclose(out[keep], latent[keep], atol=1e-5)
+    assert float((out[~keep] - latent[~keep]).abs().max()) > 0.5
+
+
+def rescale_cfg(args):
+    return args["cond"]
+
+
+def post_cfg(args):
+    return args["denoised"]
+
+
+def unet_wrapper(apply_model, args):
+    return apply_model(args["input"], args["timestep"], **args["c"])
+
+
+def output_block_patch(h, hsp, transformer_options):
+    return h, hsp
+
+
+PATCHES = {
+    "sampler_cfg_function": lambda p: p.set_model_sampler_cfg_function(rescale_cfg),
+    "sampler_post_cfg_function": lambda p: p.set_model_sampler_post_cfg_function(post_cfg),
+    "model_function_wrapper": lambda p: p.set_model_unet_function_wrapper(unet_wrapper),
+    "patches": lambda p: p.set_model_output_block_patch(output_block_patch),
+}
+
+
+@pytest.mark.parametrize("key", list(PATCHES))
+def test_a_patch_that_receives_the_calls_levels_is_refused_with_a_tree(package, key):
+    """Refused by name (the model_options key and the patch's function) before any UNet call; with
+    ``tree=None`` (one level a call, as ComfyUI's own) it runs."""
+    patcher, calls = tiny_model(gaussian=True)
+    patched = patcher.clone()
+    PATCHES[key](patched)
+    fn = {"sampler_cfg_function": "rescale_cfg", "sampler_post_cfg_function": "post_cfg"}.get(key, "")
+    fn = fn or {"model_function_wrapper": "unet_wrapper", "patches": "output_block_patch"}[key]
+    args = (torch.zeros(1, 4, 8, 8), conditioning(MU_POS), conditioning(MU_NEG))
+    with pytest.raises(ValueError, match=rf"{key}'\].*{fn}"):
+        run(patched, C.samplers.ksampler("specforest_euler_ancestral"), *args)
+    assert len(calls) == 0
+    out = run(patched, C.samplers.ksampler("specforest_euler_ancestral", {"tree": None}), *args)
+    assert torch.isfinite(out).all()
+
+
+def test_a_controlnet_hint_batch_is_refused_with_a_tree(package):
+    patcher, _ = tiny_model(gaussian=True)
+    pos = conditioning(MU_POS)
+    control = ShiftControl(1.0, 0.0, 1.0)
+    control.set_cond_hint(torch.zeros(2, 3, 64, 64), 1.0, (0.0, 1.0))
+    pos[0][1]["control"] = control
+    with pytest.raises(ValueError, match="ShiftControl.*2 hint images"):
+        run(patcher, C.samplers.ksampler("specforest_euler_ancestral"), torch.zeros(2, 4, 8, 8), pos,
+            conditioning(MU_NEG))  # fmt: skip
