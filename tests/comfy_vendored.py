@@ -88,5 +88,8 @@ def comfy() -> types.SimpleNamespace:
     finally:
         for name in stubs:
             sys.modules.pop(name, None)
+    # ComfyUI's start (nodes.init_custom_nodes) adds the comfy_extras nodes to the node list; the
+    # custom-sampling ones (SamplerCustom, the schedulers, KSamplerSelect) are the ones used here
+    ns.nodes.NODE_CLASS_MAPPINGS.update(ns.custom_sampler.NODE_CLASS_MAPPINGS)
     _cache["comfy"] = ns
     return ns

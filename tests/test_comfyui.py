@@ -10,6 +10,8 @@ shift), so every row's denoised value is known in closed form, as the diffusers 
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -229,7 +231,8 @@ def test_comfyuis_callback_is_fed(package):
     run(patcher, sampler, torch.zeros(1, 4, 8, 8), conditioning(MU_POS), conditioning(MU_NEG),
         callback=lambda i, denoised, x, total: seen.append((i, denoised.shape, x.shape, total)))  # fmt: skip
     steps = [s[0] for s in seen]
-    assert steps == sorted(steps) and len(steps) >= 2 and steps[0] == 0 and steps[-1] < 10
+    # rounds jump; the bar ends at the last step, as the standard sampler's does
+    assert steps == sorted(steps) and 2 <= len(steps) < 10 and steps[0] == 0 and steps[-1] == 9
     assert all(s[1:] == ((1, 4, 8, 8), (1, 4, 8, 8), 10) for s in seen)
 
 
@@ -452,3 +455,83 @@ def test_a_controlnet_hint_batch_is_refused_with_a_tree(package):
     with pytest.raises(ValueError, match="ShiftControl.*2 hint images"):
         run(patcher, C.samplers.ksampler("specforest_euler_ancestral"), torch.zeros(2, 4, 8, 8), pos,
             conditioning(MU_NEG))  # fmt: skip
+
+
+# --- the documented workflow, through ComfyUI's executor --------------------------------------------------------
+
+
+def documented_workflow() -> dict:
+    """The API-format workflow of docs/comfyui.md."""
+    text = (ROOT / "docs" / "comfyui.md").read_text()
+    return json.loads(re.search(r"```json\n(.*?)\n```", text, re.S).group(1))
+
+
+def test_the_documented_workflow_runs_in_comfyuis_executor(package):
+    """docs/comfyui.md's workflow, its checkpoint loader and text encoders swapped for the Gaussian tiny model
+    and conditioning, VAEDecode/SaveImage for a node that keeps the latent, at 8x8 latents: ComfyUI's
+    ``PromptExecutor`` runs it; both samplers return finite latents, feed the preview (``denoised_output``)
+    and the progress bar to the last step, and call the UNet fewer times than their 20 steps each."""
+    patcher, calls = tiny_model(gaussian=True)
+    kept: dict = {}
+
+    class TinyCheckpoint:
+        RETURN_TYPES = ("MODEL", "CLIP", "VAE")
+        FUNCTION = "load"
+
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"ckpt_name": ("STRING", {})}}
+
+        def load(self, ckpt_name):
+            return (patcher, "clip", "vae")
+
+    class TinyTextEncode:
+        RETURN_TYPES = ("CONDITIONING",)
+        FUNCTION = "encode"
+
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"text": ("STRING", {}), "clip": ("CLIP",)}}
+
+        def encode(self, clip, text):
+            return (conditioning(MU_POS if text else MU_NEG),)
+
+    class KeepLatent:
+        RETURN_TYPES = ()
+        FUNCTION = "keep"
+        OUTPUT_NODE = True
+
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"samples": ("LATENT",), "vae": ("VAE",)}}
+
+        def keep(self, samples, vae):
+            kept[len(kept)] = samples["samples"]
+            return {}
+
+    swaps = {"CheckpointLoaderSimple": TinyCheckpoint, "CLIPTextEncode": TinyTextEncode, "VAEDecode": KeepLatent}
+    prompt = {k: v for k, v in documented_workflow().items() if v["class_type"] != "SaveImage"}
+    for node in prompt.values():
+        if node["class_type"] in swaps:
+            node["class_type"] = f"Test{node['class_type']}"
+        if node["class_type"] == "EmptyLatentImage":
+            node["inputs"].update(width=64, height=64)
+    progress = []
+    server = type("Server", (), {"client_id": None, "last_node_id": None, "send_sync": lambda *a: None})()
+    try:
+        C.nodes.NODE_CLASS_MAPPINGS.update({f"Test{k}": v for k, v in swaps.items()})
+        C.utils.set_progress_bar_global_hook(lambda value, total, preview: progress.append((value, total)))
+        valid, error, outputs, node_errors = C.execution.validate_prompt(prompt)
+        assert valid, (error, node_errors)
+        executor = C.execution.PromptExecutor(server)
+        executor.execute(prompt, "specforest-test", {}, outputs)
+        assert executor.success, executor.status_messages
+    finally:
+        C.utils.set_progress_bar_global_hook(None)
+        for k in swaps:
+            C.nodes.NODE_CLASS_MAPPINGS.pop(f"Test{k}", None)
+    assert len(kept) == 2 and all(v.shape == (1, 4, 8, 8) and torch.isfinite(v).all() for v in kept.values())
+    out, denoised = executor.outputs["7"][0][0]["samples"], executor.outputs["7"][1][0]["samples"]
+    assert not torch.equal(out, denoised)  # SamplerCustom's denoised_output is the last preview's x0
+    assert progress.count((20, 20)) == 2 and len(progress) < 40
+    assert len(calls) < 40

@@ -95,7 +95,8 @@ def sampler_function(comfy_name: str, chain: str) -> Callable[..., torch.Tensor]
     ``noise_sampler``, ...) and ``tree``, ``coupling``, ``draft`` (default :data:`DEFAULT_TREE`) and
     the other options of :func:`specforest.sample`. The path is read from the model, the seed from
     ``extra_args["seed"]``; ComfyUI's callback (its progress bar and preview) gets each round's
-    ``i``, ``denoised`` and ``x``. A setting without a stochastic step (ComfyUI's ``euler`` at its
+    ``i``, ``denoised`` and ``x``, and then the sample at step ``T - 1`` if the last round reported an
+    earlier step. A setting without a stochastic step (ComfyUI's ``euler`` at its
     default ``s_churn = 0``) runs as the standard sampler, which it then is.
     """
     run = _chain_function(chain)
@@ -108,13 +109,27 @@ def sampler_function(comfy_name: str, chain: str) -> Callable[..., torch.Tensor]
         rows = {ROWS: torch.arange(x.shape[0], device=x.device)}
         seed = extra.get("seed")
         kwargs = dict(row_args=(ROWS,), path=model_path(model), seed=seed, **options)
+        last = [-1]
+
+        def report(info: dict) -> None:
+            last[0] = info["i"]
+            callback(info)
+
+        hook = None if callback is None else report
         try:
-            return run(call, x, sigmas, rows, callback, disable, **kwargs)
+            out = run(call, x, sigmas, rows, hook, disable, **kwargs)
         except NoStochasticStep:
             if options["tree"] is None:
                 raise
             logging.warning(f"{PREFIX}{comfy_name}: this setting has no stochastic step; ran the standard sampler")
-            return run(call, x, sigmas, rows, callback, disable, **{**kwargs, "tree": None})
+            out = run(call, x, sigmas, rows, hook, disable, **{**kwargs, "tree": None})
+        T = sigmas.shape[0] - 1
+        if callback is not None and last[0] < T - 1:
+            # a round that accepts the last steps reports only its start: ComfyUI's progress bar and
+            # preview end where the standard sampler's last report (step T - 1, whose prediction is the
+            # sample) leaves them
+            callback({"x": out, "i": T - 1, "sigma": sigmas[T - 1], "sigma_hat": sigmas[T - 1], "denoised": out})
+        return out
 
     sample.__name__ = f"sample_{PREFIX}{comfy_name}"
     sample.__qualname__ = sample.__name__
