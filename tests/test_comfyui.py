@@ -338,11 +338,12 @@ def _control():
 
 
 CASES = {
-    # name: (positive, latent batch, latent image, denoise mask)
-    "per-latent conditioning batch": (lambda: conditioning(batch_means=[MU_POS, MU_NEG, (3.0, 3.0, 0.0, -3.0)]), 3),
-    "conditioning timestep ranges": (_ranges, 2),
-    "ControlNet start/end percent": (_control, 2),
-    "inpainting (denoise_mask)": (lambda: conditioning(MU_POS), 2),
+    # a per-latent conditioning batch, conditioning timestep ranges, ControlNet start/end percent,
+    # inpainting masks (one a latent): (the positive conditioning, the latent batch)
+    "cond-batch": (lambda: conditioning(batch_means=[MU_POS, MU_NEG, (3.0, 3.0, 0.0, -3.0)]), 3),
+    "timestep-ranges": (_ranges, 2),
+    "controlnet-percent": (_control, 2),
+    "inpainting": (lambda: conditioning(MU_POS), 2),
 }
 
 
