@@ -450,11 +450,29 @@ def output_block_patch(h, hsp, transformer_options):
     return h, hsp
 
 
+def attn_replace(q, k, v, extra_options):
+    return q
+
+
+def differential_mask(sigma, denoise_mask, extra_options):
+    return denoise_mask
+
+
 PATCHES = {
     "sampler_cfg_function": lambda p: p.set_model_sampler_cfg_function(rescale_cfg),
     "sampler_post_cfg_function": lambda p: p.set_model_sampler_post_cfg_function(post_cfg),
     "model_function_wrapper": lambda p: p.set_model_unet_function_wrapper(unet_wrapper),
     "patches": lambda p: p.set_model_output_block_patch(output_block_patch),
+    "patches_replace": lambda p: p.set_model_attn2_replace(attn_replace, "input", 1),
+    "denoise_mask_function": lambda p: p.model_options.update(denoise_mask_function=differential_mask),
+}
+PATCHED = {
+    "sampler_cfg_function": "rescale_cfg",
+    "sampler_post_cfg_function": "post_cfg",
+    "model_function_wrapper": "unet_wrapper",
+    "patches": "output_block_patch",
+    "patches_replace": "attn_replace",
+    "denoise_mask_function": "differential_mask",
 }
 
 
@@ -465,8 +483,7 @@ def test_a_patch_that_receives_the_calls_levels_is_refused_with_a_tree(package, 
     patcher, calls = tiny_model(gaussian=True)
     patched = patcher.clone()
     PATCHES[key](patched)
-    fn = {"sampler_cfg_function": "rescale_cfg", "sampler_post_cfg_function": "post_cfg"}.get(key, "")
-    fn = fn or {"model_function_wrapper": "unet_wrapper", "patches": "output_block_patch"}[key]
+    fn = PATCHED[key]
     args = (torch.zeros(1, 4, 8, 8), conditioning(MU_POS), conditioning(MU_NEG))
     with pytest.raises(ValueError, match=rf"{key}'\].*{fn}"):
         run(patched, C.samplers.ksampler("specforest_euler_ancestral"), *args)
@@ -564,3 +581,18 @@ def test_the_documented_workflow_runs_in_comfyuis_executor(package):
     assert not torch.equal(out, denoised)  # SamplerCustom's denoised_output is the last preview's x0
     assert progress.count((20, 20)) == 2 and len(progress) < 40
     assert len(calls) < 40
+
+
+def test_sampler_specforest_makes_a_sampler_of_its_inputs_and_refuses_bad_ones(package):
+    """The node's ``SAMPLER`` with a uniform D-GRS tree runs in ``SamplerCustom``'s call, in fewer calls than its
+    steps; a sampler name or tree outside its choices is refused naming the input."""
+    node = C.nodes.NODE_CLASS_MAPPINGS["SamplerSpecforest"]()
+    (sampler,) = node.get_sampler("specforest_ddpm", "uniform", 3, 2, "grs", "x0")
+    assert sampler.extra_options["tree"].L == 3 and "eta" not in sampler.extra_options  # ComfyUI's ddpm has no eta
+    patcher, calls = tiny_model(gaussian=True)
+    out = run(patcher, sampler, torch.zeros(1, 4, 8, 8), conditioning(MU_POS), conditioning(MU_NEG), steps=STEPS)
+    assert torch.isfinite(out).all() and len(calls) < STEPS
+    with pytest.raises(ValueError, match="sampler_name must be one of"):
+        node.get_sampler("euler_ancestral", "chain", 8, 2, "rmc", "x0")
+    with pytest.raises(ValueError, match="tree must be one of chain, uniform, none; got 'star'"):
+        node.get_sampler("specforest_ddpm", "star", 8, 2, "rmc", "x0")
