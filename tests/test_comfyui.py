@@ -159,6 +159,13 @@ def test_a_chain_registered_later_appears_without_an_edit(package):
         added = package.samplers.register(C.samplers, C.k_sampling)
         assert f"specforest_{name}" in added and f"specforest_{name}" in C.samplers.SAMPLER_NAMES
         assert f"specforest_{name}_gpu" in added
+        patcher, _ = tiny_model(gaussian=True)
+        args = (torch.zeros(1, 4, 8, 8), conditioning(MU_POS), conditioning(MU_NEG))
+        out = run(patcher, C.samplers.ksampler(f"specforest_{name}", {"eta": 0.7, "s_noise": 1.0}), *args)
+        assert torch.isfinite(out).all()
+        if stand_in:  # run without a drop-in, ComfyUI's options as the chain's parameters: the chain's own run
+            same = run(patcher, C.samplers.ksampler("specforest_dpmpp_2m_sde", {"eta": 0.7, "s_noise": 1.0}), *args)
+            assert torch.equal(out, same)
     finally:
         for n in (f"specforest_{name}", f"specforest_{name}_gpu"):
             for names in (C.samplers.KSAMPLER_NAMES, C.samplers.SAMPLER_NAMES):

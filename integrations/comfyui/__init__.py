@@ -36,7 +36,6 @@ class SamplerSpecforest:
     @classmethod
     def INPUT_TYPES(cls):
         names = [PREFIX + n for n in available() if PREFIX + n in SAMPLERS]
-        drafts = [d for d in DRAFT_KINDS]
         return {
             "required": {
                 "sampler_name": (names,),
@@ -44,7 +43,7 @@ class SamplerSpecforest:
                 "depth": ("INT", {"default": DEFAULT_TREE["tree"].L, "min": 1, "max": 64}),
                 "width": ("INT", {"default": 2, "min": 1, "max": 8}),
                 "coupling": (available_couplings(), {"default": DEFAULT_TREE["coupling"]}),
-                "draft": (drafts, {"default": DEFAULT_TREE["draft"]}),
+                "draft": (list(DRAFT_KINDS), {"default": DEFAULT_TREE["draft"]}),
                 **_CHAIN_OPTIONS,
             }
         }

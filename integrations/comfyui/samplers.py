@@ -79,7 +79,9 @@ def _chain_function(chain: str) -> Callable[..., torch.Tensor]:
         if noise_sampler is not None and options.get("tree") is not None:
             raise ValueError("noise_sampler was given with a tree: a speculative run draws keyed noise from its seed")
         fields = set(chains.get_chain(chain).params)
-        params = {k: options.pop(k) for k in list(options) if k in fields}
+        # ComfyUI's options that are the chain's parameters (a chain's path is also the run's)
+        params = {k: options[k] for k in fields if k in options}
+        options = {k: v for k, v in options.items() if k not in fields or k == "path"}
         return kdiffusion.sample(
             model, x, sigmas, extra_args, callback, disable, chain=chains.get_chain(chain, **params), **options
         ).samples
