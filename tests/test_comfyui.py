@@ -175,6 +175,20 @@ def test_a_chain_registered_later_appears_without_an_edit(package):
             chains.unregister_chain(name)
 
 
+def test_a_chain_named_as_a_comfyui_sampler_appears_without_a_name_map_entry(package):
+    """A chain registered under a ComfyUI sampler's name that the name map does not list (a stand-in here,
+    under ComfyUI's ``dpm_2_ancestral``) is that sampler: it is offered."""
+    name = "dpm_2_ancestral"
+    assert name in C.samplers.KSAMPLER_NAMES and name not in package.samplers.COMFY_CHAINS
+    chains.register_chain(name, chains.EulerAncestral)
+    try:
+        assert f"specforest_{name}" in package.samplers.register(C.samplers, C.k_sampling)
+    finally:
+        chains.unregister_chain(name)
+        for names in (C.samplers.KSAMPLER_NAMES, C.samplers.SAMPLER_NAMES):
+            names.remove(f"specforest_{name}")
+
+
 def test_the_path_is_read_from_the_model(package):
     patcher, _ = tiny_model()
     guided = C.samplers.KSamplerX0Inpaint(C.samplers.wrap_model(patcher.model), sigmas())

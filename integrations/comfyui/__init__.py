@@ -2,7 +2,7 @@
 
 Copy or link this folder into ``ComfyUI/custom_nodes/`` (with ``specforest`` installed in ComfyUI's
 Python). On import it adds ``specforest_<name>`` to ComfyUI's sampler list for every sampler ComfyUI
-has whose chain specforest registers (``samplers.COMFY_CHAINS``), each with ComfyUI's options and the
+has whose chain specforest registers (``samplers.available``), each with ComfyUI's options and the
 default tree, and offers the node ``SamplerSpecforest`` (a ``SAMPLER`` for ``SamplerCustom``) with the
 tree, coupling and draft as inputs. ``docs/comfyui.md`` in specforest's repository says what is
 supported and what is refused.
@@ -35,7 +35,7 @@ class SamplerSpecforest:
 
     @classmethod
     def INPUT_TYPES(cls):
-        names = [PREFIX + n for n in available() if PREFIX + n in SAMPLERS]
+        names = [PREFIX + n for n in available(list(comfy.samplers.KSAMPLER_NAMES)) if PREFIX + n in SAMPLERS]
         return {
             "required": {
                 "sampler_name": (names,),
@@ -61,7 +61,7 @@ class SamplerSpecforest:
         if sampler_name not in SAMPLERS:
             raise ValueError(f"sampler_name must be one of {SAMPLERS}, got {sampler_name!r}")
         comfy_name = sampler_name[len(PREFIX) :]
-        taken = options_of(comfy_name, available()[comfy_name])
+        taken = options_of(comfy_name, available([comfy_name])[comfy_name])
         chain_options = {k: v for k, v in {"eta": eta, "s_noise": s_noise, "s_churn": s_churn}.items() if k in taken}
         options = {"tree": make_tree(tree, depth, width), "coupling": coupling, "draft": draft, **chain_options}
         return (comfy.samplers.ksampler(sampler_name, options),)

@@ -1,11 +1,12 @@
 """specforest's samplers in ComfyUI's sampler list, and the node that makes one with a tree.
 
-Which samplers: every ComfyUI sampler name of :data:`COMFY_CHAINS` (ComfyUI's name -> the chain that is
-that sampler) whose chain is registered in :func:`specforest.chains.available_chains` and which this
-ComfyUI also has (``comfy.samplers.KSAMPLER_NAMES``). A chain registered later (``dpmpp_3m_sde``, say)
-appears without an edit here. Each is run by its drop-in ``specforest.kdiffusion.sample_<chain>``,
-whose signature is ComfyUI's function's, so it takes the same options; a chain without a drop-in is
-run by :func:`specforest.kdiffusion.sample` with ComfyUI's options as the chain's parameters.
+Which samplers: every sampler of this ComfyUI (``comfy.samplers.KSAMPLER_NAMES``) whose chain is
+registered in :func:`specforest.chains.available_chains`. A ComfyUI sampler's chain is the chain of the
+same name, unless :data:`COMFY_CHAINS` names another (ComfyUI's ``_gpu`` forms) or none. A chain
+registered later (``dpmpp_3m_sde``, say) appears without an edit here. Each is run by its drop-in
+``specforest.kdiffusion.sample_<chain>``, whose signature is ComfyUI's function's, so it takes the same
+options; a chain without a drop-in is run by :func:`specforest.kdiffusion.sample` with ComfyUI's
+options as the chain's parameters.
 """
 
 from __future__ import annotations
@@ -23,18 +24,16 @@ from .speculative_call import ROWS, SpeculativeCall
 
 PREFIX = "specforest_"
 
-COMFY_CHAINS = {
-    "euler": "euler",
-    "euler_ancestral": "euler_ancestral",
-    "dpmpp_2m_sde": "dpmpp_2m_sde",
+COMFY_CHAINS: "dict[str, str | None]" = {
     "dpmpp_2m_sde_gpu": "dpmpp_2m_sde",
-    "dpmpp_3m_sde": "dpmpp_3m_sde",
     "dpmpp_3m_sde_gpu": "dpmpp_3m_sde",
-    "ddpm": "ddpm",
-    "lcm": "lcm",
+    "dpmpp_sde_gpu": "dpmpp_sde",
+    "ddim": None,
 }
-"""ComfyUI's sampler name -> the specforest chain that is that sampler (the ``_gpu`` forms differ from
-theirs only in where ComfyUI draws its Brownian tree's noise; specforest draws keyed normals)."""
+"""ComfyUI's sampler names whose chain is not the chain of the same name: the ``_gpu`` forms (they differ
+from theirs only in where ComfyUI draws its Brownian tree's noise; specforest draws keyed normals), and
+``None`` for a name that is another sampler than specforest's chain of that name (ComfyUI's ``ddim`` is
+Euler with DDIM's inpainting noise, not DDIM with ``eta``)."""
 
 DEFAULT_TREE = {"tree": trees.chain(8), "coupling": "rmc", "draft": "x0"}
 """The tree the sampler list's entries use: ``tune``'s pick for one image at a time (an RMC chain of 8
@@ -63,10 +62,15 @@ def model_path(model: Any) -> str:
     raise TypeError(f"model must be ComfyUI's model (with a model_sampling), got {type(model).__name__}")
 
 
-def available() -> dict:
-    """ComfyUI's sampler name -> chain name, for the chains that are registered now."""
-    registered = set(chains.available_chains())
-    return {name: chain for name, chain in COMFY_CHAINS.items() if chain in registered}
+def available(comfy_names: "list[str]") -> dict:
+    """ComfyUI's sampler name -> chain name, for each of ``comfy_names`` whose chain is registered now."""
+    registered = {c.lower() for c in chains.available_chains()}
+    out = {}
+    for name in comfy_names:
+        chain = COMFY_CHAINS.get(name, name)
+        if not name.startswith(PREFIX) and chain is not None and chain.lower() in registered:
+            out[name] = chain
+    return out
 
 
 def _chain_function(chain: str) -> Callable[..., torch.Tensor]:
@@ -148,7 +152,7 @@ def options_of(comfy_name: str, chain: str) -> list:
 
 
 def register(samplers_module: Any, k_sampling: Any) -> list:
-    """Put ``specforest_<name>`` for each of :func:`available` in ComfyUI's sampler list, the way custom
+    """Put ``specforest_<name>`` for each sampler of :func:`available` in ComfyUI's sampler list, the way custom
     samplers are added: the function as ``comfy.k_diffusion.sampling.sample_<name>`` (where
     ``comfy.samplers.ksampler`` looks it up) and the name in ``KSAMPLER_NAMES`` and ``SAMPLER_NAMES``
     (the list the ``KSampler`` node and ``KSamplerSelect`` offer, ``KSampler.SAMPLERS``).
@@ -157,12 +161,7 @@ def register(samplers_module: Any, k_sampling: Any) -> list:
         The names added (those already there are kept as they are).
     """
     added = []
-    for comfy_name, chain in available().items():
-        if (
-            comfy_name not in samplers_module.KSAMPLER_NAMES
-            and PREFIX + comfy_name not in samplers_module.KSAMPLER_NAMES
-        ):
-            continue  # not a sampler this ComfyUI has
+    for comfy_name, chain in available(list(samplers_module.KSAMPLER_NAMES)).items():
         name = PREFIX + comfy_name
         setattr(k_sampling, f"sample_{name}", sampler_function(comfy_name, chain))
         for names in (samplers_module.KSAMPLER_NAMES, samplers_module.SAMPLER_NAMES):
