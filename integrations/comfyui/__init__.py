@@ -34,7 +34,7 @@ class SamplerSpecforest:
     the same names); the defaults are ComfyUI's, and the tree's :data:`samplers.DEFAULT_TREE`."""
 
     @classmethod
-    def INPUT_TYPES(cls):
+    def INPUT_TYPES(cls) -> dict:
         names = [PREFIX + n for n in available(list(comfy.samplers.KSAMPLER_NAMES)) if PREFIX + n in SAMPLERS]
         return {
             "required": {
@@ -52,7 +52,18 @@ class SamplerSpecforest:
     FUNCTION = "get_sampler"
     CATEGORY = "sampling/custom_sampling/samplers"
 
-    def get_sampler(self, sampler_name, tree, depth, width, coupling, draft, eta=1.0, s_noise=1.0, s_churn=0.0):
+    def get_sampler(
+        self,
+        sampler_name: str,
+        tree: str,
+        depth: int,
+        width: int,
+        coupling: str,
+        draft: str,
+        eta: float = 1.0,
+        s_noise: float = 1.0,
+        s_churn: float = 0.0,
+    ) -> tuple:
         """The ``KSAMPLER`` of ``sampler_name`` with these options.
 
         Raises:

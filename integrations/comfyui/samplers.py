@@ -79,7 +79,16 @@ def _chain_function(chain: str) -> Callable[..., torch.Tensor]:
     if drop_in is not None:
         return drop_in
 
-    def run(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, **options):
+    def run(
+        model: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        sigmas: torch.Tensor,
+        extra_args: Optional[dict] = None,
+        callback: Optional[Callable[[dict], None]] = None,
+        disable: Optional[bool] = None,
+        noise_sampler: Optional[Callable] = None,
+        **options: Any,
+    ) -> torch.Tensor:
         if noise_sampler is not None and options.get("tree") is not None:
             raise ValueError("noise_sampler was given with a tree: a speculative run draws keyed noise from its seed")
         fields = set(chains.get_chain(chain).params)
@@ -107,7 +116,15 @@ def sampler_function(comfy_name: str, chain: str) -> Callable[..., torch.Tensor]
     """
     run = _chain_function(chain)
 
-    def sample(model, x, sigmas, extra_args=None, callback=None, disable=None, **options):
+    def sample(
+        model: Any,
+        x: torch.Tensor,
+        sigmas: torch.Tensor,
+        extra_args: Optional[dict] = None,
+        callback: Optional[Callable[[dict], None]] = None,
+        disable: Optional[bool] = None,
+        **options: Any,
+    ) -> torch.Tensor:
         extra = dict(extra_args or {})
         for key in _SPECULATION:
             options.setdefault(key, DEFAULT_TREE[key])
