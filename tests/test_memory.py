@@ -267,7 +267,7 @@ def test_the_issues_run_fits_its_default_limit_or_is_refused():
     refused = _cli([*GMM, "--K", "6", "--L", "6", "--trajectories", "2", "--memory-gb", "0.5"])
     assert refused["rc"] != 0 and refused["peak"] < 0.5e9
     msg = " ".join(refused["stderr"].split())
-    for part in ("does not fit the memory limit of 0.5 GB (memory_gb=0.5)", "needs about", "already holds", "--lazy"):
+    for part in ("does not fit the memory limit of 0.5 GB (--memory-gb 0.5)", "needs about", "already holds", "--lazy"):
         assert part in msg, msg
 
 
