@@ -22,10 +22,12 @@ from specforest.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 # each command's path -> its options in --help order, as typed (``--a/--b``: an on/off pair)
-_JOB = (
+_PIPELINE_JOB = (
     "--method --K --L --steps --churn --chain --eta --s-noise --s-churn --solver-type --grid --prefetch --verify --draft --count --seed --out --batch --memory-gb "
-    "--resume --tree-parallel --progress/--no-progress --threads --compile --tune --schedule --sigma-min --sigma-max"
+    "--resume --tree-parallel --progress/--no-progress --threads --compile --tune"
 )
+# (the pipelines' commands do not offer the options that make the grid: their grid is the scheduler's)
+_JOB = f"{_PIPELINE_JOB} --schedule --sigma-min --sigma-max"
 COMMANDS = {
     "": "--version",
     "couplings": "",
@@ -35,13 +37,13 @@ COMMANDS = {
     "--width --max-sequence-length --dtype --device --num-images-per-prompt --method --K --L --steps --churn --chain "
     "--eta --s-noise --s-churn --solver-type --scheduler --draft "
     "--verify --prefetch --lazy --seed --batch-size --max-memory-gb --out --json --progress/--no-progress --threads "
-    "--schedule --sigma-min --sigma-max --tune",
+    "--tune",
     "generate": "",
-    "generate diffusers": f"{_JOB} --pipeline --prompts --num-prompts --negative-prompt --guidance --true-cfg-scale "
+    "generate diffusers": f"{_PIPELINE_JOB} --pipeline --prompts --num-prompts --negative-prompt --guidance --true-cfg-scale "
     "--shift --height --width --max-sequence-length --dtype --device --scheduler",
     "generate gmm": f"{_JOB} --device --dim --components --mixture-seed",
     "generate pixel": f"{_JOB} --device",
-    "generate sd3": f"{_JOB} --model --prompts --num-prompts --guidance --shift --height --width "
+    "generate sd3": f"{_PIPELINE_JOB} --model --prompts --num-prompts --guidance --shift --height --width "
     "--max-sequence-length --dtype --device",
     "gmm": "--method --K --L --components --dim --steps --churn --trajectories --seed --mixture-seed --grid "
     "--prefetch --verify --tree --budget --draft --memory-gb --chain --eta --s-noise --s-churn --solver-type --lazy --json --dump-samples "
@@ -57,7 +59,7 @@ COMMANDS = {
     "--lazy/--full --progress/--no-progress --threads",
     "sd3": "--model --prompts --num-prompts --guidance --shift --height --width --max-sequence-length --dtype "
     "--device --K-values --L --steps --churn --seed --verify --prefetch --draft --batch-size --out --clip --max-memory-gb "
-    "--lazy --save-images --progress/--no-progress --threads --tune --schedule --sigma-min --sigma-max",
+    "--lazy --save-images --progress/--no-progress --threads --tune",
     "train": "",
     "train digits": "--out --weights-dir --steps --max-minutes --seed --eval-samples --threads "
     "--progress/--no-progress",
