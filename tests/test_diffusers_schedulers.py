@@ -316,7 +316,7 @@ def test_the_ddim_chain_refuses_an_eta_whose_step_variance_is_negative():
     """The registered ``ddim`` chain: the same bound on its own grid, computed here from alpha-bar."""
     from specforest import chains
 
-    grid = chains.ddpm_sigmas(1000)[::100].contiguous()
+    grid = chains.ddpm_linear_grid(1000)[::100].contiguous()
     grid = torch.cat([grid, grid.new_zeros(1)]) if float(grid[-1]) != 0 else grid
     t, t_next = grid[:-1], grid[1:]
     ab, ab_next = (1 - t) ** 2 / ((1 - t) ** 2 + t**2), (1 - t_next) ** 2 / ((1 - t_next) ** 2 + t_next**2)

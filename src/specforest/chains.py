@@ -76,7 +76,8 @@ class Transitions(GaussianChain):
         chain: the chain that made them (its name and parameters are the record's).
         sigmas: ``(T + 1,)`` linear-path levels of the states.
         a, c, scale: ``(T,)`` float64 per-step coefficients (``mean = a y + c v``).
-        b: ``(T,)`` float64 coefficient of the parent's clean-image prediction (a multistep chain), or ``None``.
+        past: ``(T, h)`` float64 coefficients of the past predictions (a multistep chain's, ``h`` its
+            :attr:`Chain.history`), or ``None``.
         init_a, init_scale: the start ``init_a x + init_scale z`` (see :class:`~specforest.sde.GaussianChain`).
     """
 
@@ -89,12 +90,12 @@ class Transitions(GaussianChain):
         scale: torch.Tensor,
         init_a: float = 1.0,
         init_scale: float = 0.0,
-        b: "torch.Tensor | None" = None,
+        past: "torch.Tensor | None" = None,
     ) -> None:
         self.chain = chain
         self.name = chain.name
         # EDM's churn raises the level where its window begins: only a grid must decrease
-        self._set_tables(sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False, b=b)
+        self._set_tables(sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False, past=past)
 
     @property
     def params(self) -> dict:
@@ -108,11 +109,17 @@ class Chain:
     A subclass is a frozen dataclass of its parameters (validated in ``__post_init__``)
     with a :attr:`name` and :meth:`step`: the sampler's step ``x' = P x + Q D + R z``
     from level ``t`` to ``t'`` in the linear path's coordinates (``P, Q, R`` per step).
-    A multistep sampler also returns ``B`` from :meth:`previous`: ``x' = P x + Q D + B D_prev + R z``
-    with ``D_prev`` the prediction one step before.
+
+    Its shape is declared, and the engine reads only the declaration: :attr:`history`, how many
+    past predictions its mean reads. A multistep sampler declares ``history = h`` and returns their
+    coefficients from :meth:`past`: ``x' = P x + Q D + B_0 D_1 + ... + B_{h-1} D_h + R z`` with
+    ``D_j`` the prediction ``j`` steps before; the engine carries them
+    (:class:`~specforest.carried.Carried`), whatever ``h``.
     """
 
     name: ClassVar[str] = "chain"
+    history: ClassVar[int] = 0
+    """How many past clean-image predictions the mean reads (0: a one-step sampler)."""
 
     @property
     def params(self) -> dict:
@@ -123,9 +130,10 @@ class Chain:
         """``(P, Q, R)``, each ``(T,)`` float64: ``y' = P y + Q D + R z`` from ``t (T,)`` to ``t_next (T,)``."""
         raise NotImplementedError
 
-    def previous(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
-        """``B (T,)`` float64, the previous step's prediction's coefficient (linear coordinates), or
-        ``None`` for a one-step sampler (the default)."""
+    def past(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
+        """``B (T, history)`` float64, the coefficients of the predictions ``1 .. history`` steps before
+        (linear coordinates), or ``None`` for a one-step sampler (the default). Where a step has no
+        such prediction (step ``n <= j`` for ``B[:, j]``) :meth:`build` sets the coefficient to 0."""
         return None
 
     def coefficients(self, sigmas: torch.Tensor) -> tuple:
@@ -150,12 +158,15 @@ class Chain:
         t, t_next = states[:-1], states[1:]
         a, c, scale = P + Q, -Q * t, R
         with torch.no_grad():
-            B = self.previous(t, t_next)
+            B = self.past(t, t_next) if self.history else None
         if B is not None:
-            B = torch.cat([B.new_zeros(1), B[1:]])  # the first step has no previous prediction
+            B = B.reshape(t.numel(), self.history)
+            # step n has n predictions before it: the coefficients of the ones it lacks are 0
+            n = torch.arange(t.numel())[:, None]
+            B = torch.where(n > torch.arange(self.history)[None], B, torch.zeros_like(B))
         bad = ~(torch.isfinite(a) & torch.isfinite(c) & torch.isfinite(scale))
         if B is not None:
-            bad |= ~torch.isfinite(B)
+            bad |= ~torch.isfinite(B).all(1)
         if bool(bad.any()) or not (math.isfinite(init_a) and math.isfinite(init_scale)):
             n = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
             raise ValueError(
@@ -488,8 +499,9 @@ class DPMPP2MSDE(Chain):
 
     with ``k = (1 - e^(-H)) / 2`` (``midpoint``) or ``1 - (1 - e^(-H)) / H`` (``heun``), no ``D_prev``
     term at the first step, and ``x' = D`` into 0. The state is ``(x, D_prev)``: given the
-    previous prediction the step is Gaussian with a covariance free of the network, so the engine
-    carries each node's parent prediction (:attr:`~specforest.sde.GaussianChain.carries`).
+    previous prediction the step is Gaussian with a covariance free of the network, so the chain
+    declares ``history = 1`` and the engine carries each node's parent prediction
+    (:class:`~specforest.carried.Carried`).
     ``eta = 0`` is the deterministic DPM++ 2M: no tree can speculate it.
     """
 
@@ -497,6 +509,7 @@ class DPMPP2MSDE(Chain):
     s_noise: float = 1.0
     solver_type: str = "midpoint"
     name: ClassVar[str] = "dpmpp_2m_sde"
+    history: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
@@ -531,8 +544,8 @@ class DPMPP2MSDE(Chain):
         E = self._multistep(t, t_next)
         return from_ve(t, t_next, P, Q0 + E, R)
 
-    def previous(self, t, t_next):
-        return -(1.0 - t_next) * self._multistep(t, t_next)
+    def past(self, t, t_next):
+        return (-(1.0 - t_next) * self._multistep(t, t_next))[:, None]
 
 
 def ddpm_linear_grid(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
