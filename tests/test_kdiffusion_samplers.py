@@ -182,7 +182,7 @@ def bent(x: torch.Tensor, sigma, **_) -> torch.Tensor:
     return denoiser(x, sigma) + 0.3 * torch.tanh(x)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("eta, s_noise", [(1.0, 1.0), (0.5, 1.05), (1.7, 0.9), (0.0, 1.0)])
 def test_dpmpp_3m_sde_with_a_noise_sampler_equals_k_diffusions(dtype, eta, s_noise):
     """k-diffusion 0.1.1.post1's own ``sample_dpmpp_3m_sde``: float64 to 1e-12 of the output's scale."""
