@@ -331,6 +331,8 @@ def test_a_multistep_chain_counts_the_predictions_it_carries(history):
     assert carried.trajectory_bytes - plain.trajectory_bytes == 1000 * 4 * (history + (1 + history) * inner)
     lazy = memory.estimate(**kw, lazy=True, history=history).trajectory_bytes
     assert lazy - memory.estimate(**kw, lazy=True).trajectory_bytes == 1000 * 4 * history
+    with pytest.raises(ValueError, match="history"):
+        memory.estimate(**kw, history=-1)
 
 
 def test_run_shape_reads_what_the_options_decide():

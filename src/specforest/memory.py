@@ -477,7 +477,7 @@ def estimate(
             and the deep features of those nodes and of every evaluated row where it
             :attr:`~specforest.drafts.Proposal.uses_features` (``model.feature_numel`` of them).
         history: how many past predictions the chain's mean reads (its declaration,
-            :attr:`~specforest.sde.GaussianChain.history`: 1 for DPM++ 2M SDE, 2 for DPM++ 3M SDE): the run
+            :attr:`~specforest.sde.GaussianChain.history`): the run
             keeps that many more states per trajectory, and a full round the predictions and carried
             predictions of its inner nodes (:meth:`~specforest.carried.Carried.held_states`).
         held: what the run holds whole whatever its chunking (:class:`Held`), counted with
@@ -528,7 +528,7 @@ def estimate(
     else:
         states = _NODE_STATES * nodes + _INNER_STATES * inner + _ROW_STATES * rows + _SCRATCH_STATES
     states += remembered
-    states += Carried.held_states(int(history), inner, lazy)
+    states += Carried.held_states(check_int("history", history, 0), inner, lazy)
     if world > 1:
         states += _SPLIT_ROW_STATES * rows
     per = D * w * states + _KEY_BYTES * size + int(cond_bytes) + gains
