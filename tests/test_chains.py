@@ -215,7 +215,7 @@ def test_the_law_check_rejects_a_wrong_coupling_on_every_chain(chain):
     assert not rep.passed
 
 
-MULTISTEP = [n for n in chains.available_chains() if chains.get_chain(n).example().build(LAW_GRID).carries]
+MULTISTEP = [n for n in chains.available_chains() if chains.get_chain(n).example().build(LAW_GRID).history]
 
 
 @pytest.mark.parametrize("chain", MULTISTEP)

@@ -28,7 +28,9 @@ Registered (:func:`available_chains`; :func:`register_chain` adds one):
 * ``ddim``: DDIM with ``eta > 0``;
 * ``lcm``: LCM's re-noising step (ComfyUI's ``sample_lcm``);
 * ``dpmpp_2m_sde``: k-diffusion's ``sample_dpmpp_2m_sde`` (``eta``, ``s_noise``, ``solver_type``), a
-  multistep chain whose mean also reads the previous step's prediction.
+  multistep chain whose mean also reads the previous step's prediction (``history = 1``);
+* ``dpmpp_3m_sde``: k-diffusion's ``sample_dpmpp_3m_sde`` (``eta``, ``s_noise``), whose mean reads the
+  two previous steps' predictions (``history = 2``).
 
 ``../shared/research/samplers.md`` (in the project's notes) and ``docs/chains.md`` give
 each update as its code does it.
@@ -51,6 +53,7 @@ __all__ = [
     "DDIM",
     "DDPM",
     "DPMPP2MSDE",
+    "DPMPP3MSDE",
     "EM",
     "REFUSED",
     "LCM",
@@ -76,7 +79,8 @@ class Transitions(GaussianChain):
         chain: the chain that made them (its name and parameters are the record's).
         sigmas: ``(T + 1,)`` linear-path levels of the states.
         a, c, scale: ``(T,)`` float64 per-step coefficients (``mean = a y + c v``).
-        b: ``(T,)`` float64 coefficient of the parent's clean-image prediction (a multistep chain), or ``None``.
+        past: ``(T, h)`` float64 coefficients of the past predictions (a multistep chain's, ``h`` its
+            :attr:`Chain.history`), or ``None``.
         init_a, init_scale: the start ``init_a x + init_scale z`` (see :class:`~specforest.sde.GaussianChain`).
     """
 
@@ -89,12 +93,12 @@ class Transitions(GaussianChain):
         scale: torch.Tensor,
         init_a: float = 1.0,
         init_scale: float = 0.0,
-        b: "torch.Tensor | None" = None,
+        past: "torch.Tensor | None" = None,
     ) -> None:
         self.chain = chain
         self.name = chain.name
         # EDM's churn raises the level where its window begins: only a grid must decrease
-        self._set_tables(sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False, b=b)
+        self._set_tables(sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False, past=past)
 
     @property
     def params(self) -> dict:
@@ -108,11 +112,17 @@ class Chain:
     A subclass is a frozen dataclass of its parameters (validated in ``__post_init__``)
     with a :attr:`name` and :meth:`step`: the sampler's step ``x' = P x + Q D + R z``
     from level ``t`` to ``t'`` in the linear path's coordinates (``P, Q, R`` per step).
-    A multistep sampler also returns ``B`` from :meth:`previous`: ``x' = P x + Q D + B D_prev + R z``
-    with ``D_prev`` the prediction one step before.
+
+    Its shape is declared, and the engine reads only the declaration: :attr:`history`, how many
+    past predictions its mean reads. A multistep sampler declares ``history = h`` and returns their
+    coefficients from :meth:`past`: ``x' = P x + Q D + B_0 D_1 + ... + B_{h-1} D_h + R z`` with
+    ``D_j`` the prediction ``j`` steps before; the engine carries them
+    (:class:`~specforest.carried.Carried`), whatever ``h``.
     """
 
     name: ClassVar[str] = "chain"
+    history: ClassVar[int] = 0
+    """How many past clean-image predictions the mean reads (0: a one-step sampler)."""
 
     @property
     def params(self) -> dict:
@@ -123,9 +133,10 @@ class Chain:
         """``(P, Q, R)``, each ``(T,)`` float64: ``y' = P y + Q D + R z`` from ``t (T,)`` to ``t_next (T,)``."""
         raise NotImplementedError
 
-    def previous(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
-        """``B (T,)`` float64, the previous step's prediction's coefficient (linear coordinates), or
-        ``None`` for a one-step sampler (the default)."""
+    def past(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
+        """``B (T, history)`` float64, the coefficients of the predictions ``1 .. history`` steps before
+        (linear coordinates), or ``None`` for a one-step sampler (the default). Where a step has no
+        such prediction (step ``n <= j`` for ``B[:, j]``) :meth:`build` sets the coefficient to 0."""
         return None
 
     def coefficients(self, sigmas: torch.Tensor) -> tuple:
@@ -150,12 +161,15 @@ class Chain:
         t, t_next = states[:-1], states[1:]
         a, c, scale = P + Q, -Q * t, R
         with torch.no_grad():
-            B = self.previous(t, t_next)
+            B = self.past(t, t_next) if self.history else None
         if B is not None:
-            B = torch.cat([B.new_zeros(1), B[1:]])  # the first step has no previous prediction
+            B = B.reshape(t.numel(), self.history)
+            # step n has n predictions before it: the coefficients of the ones it lacks are 0
+            n = torch.arange(t.numel())[:, None]
+            B = torch.where(n > torch.arange(self.history)[None], B, torch.zeros_like(B))
         bad = ~(torch.isfinite(a) & torch.isfinite(c) & torch.isfinite(scale))
         if B is not None:
-            bad |= ~torch.isfinite(B)
+            bad |= ~torch.isfinite(B).all(1)
         if bool(bad.any()) or not (math.isfinite(init_a) and math.isfinite(init_scale)):
             n = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
             raise ValueError(
@@ -488,8 +502,9 @@ class DPMPP2MSDE(Chain):
 
     with ``k = (1 - e^(-H)) / 2`` (``midpoint``) or ``1 - (1 - e^(-H)) / H`` (``heun``), no ``D_prev``
     term at the first step, and ``x' = D`` into 0. The state is ``(x, D_prev)``: given the
-    previous prediction the step is Gaussian with a covariance free of the network, so the engine
-    carries each node's parent prediction (:attr:`~specforest.sde.GaussianChain.carries`).
+    previous prediction the step is Gaussian with a covariance free of the network, so the chain
+    declares ``history = 1`` and the engine carries each node's parent prediction
+    (:class:`~specforest.carried.Carried`).
     ``eta = 0`` is the deterministic DPM++ 2M: no tree can speculate it.
     """
 
@@ -497,6 +512,7 @@ class DPMPP2MSDE(Chain):
     s_noise: float = 1.0
     solver_type: str = "midpoint"
     name: ClassVar[str] = "dpmpp_2m_sde"
+    history: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
@@ -531,8 +547,75 @@ class DPMPP2MSDE(Chain):
         E = self._multistep(t, t_next)
         return from_ve(t, t_next, P, Q0 + E, R)
 
-    def previous(self, t, t_next):
-        return -(1.0 - t_next) * self._multistep(t, t_next)
+    def past(self, t, t_next):
+        return (-(1.0 - t_next) * self._multistep(t, t_next))[:, None]
+
+
+@dataclass(frozen=True)
+class DPMPP3MSDE(Chain):
+    """k-diffusion's ``sample_dpmpp_3m_sde`` (``eta``, ``s_noise``) on VE levels: a chain of history 2.
+
+    With ``h = log(sigma / sigma')``, ``H = (1 + eta) h``, ``phi_2 = 1 - (1 - e^(-H)) / H`` and
+    ``phi_3 = phi_2 / H - 1/2``::
+
+        x' = (sigma' / sigma) e^(-eta h) x + (1 - e^(-H)) D + phi_2 d_1 - phi_3 d_2 + s_noise sigma' sqrt(1 - e^(-2 eta h)) z
+
+    where, with the two previous steps' ``h_1, h_2``, ``r0 = h_1 / h``, ``r1 = h_2 / h``,
+    ``d1_0 = (D - D_1) / r0`` and ``d1_1 = (D_1 - D_2) / r1``: ``d_1 = d1_0 + (d1_0 - d1_1) r0 / (r0 + r1)``,
+    ``d_2 = (d1_0 - d1_1) / (r0 + r1)``; at the second step (one previous prediction) ``d_1 = (D - D_1) / r0``,
+    ``d_2 = 0``; at the first neither; ``x' = D`` into 0. ``D_1, D_2`` are the predictions one and two
+    steps before: given them the step is Gaussian with a covariance free of the network, so the chain
+    declares ``history = 2`` and the engine carries both (:class:`~specforest.carried.Carried`). On the
+    linear path (ComfyUI's ``CONST`` models, ``lambda = log((1 - sigma) / sigma)``, its ``alpha_t`` factors)
+    the same step is this chain on the same linear grid. ``eta = 0`` is the deterministic DPM++ 3M.
+    """
+
+    eta: float = 1.0
+    s_noise: float = 1.0
+    name: ClassVar[str] = "dpmpp_3m_sde"
+    history: ClassVar[int] = 2
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
+        object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+
+    def _ve(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
+        """``(P, Q, B (T, 2), R)`` of each step on VE levels (``x' = P x + Q D + B_0 D_1 + B_1 D_2 + R z``)."""
+        s, s_next = _ve(t), _ve(t_next)
+        last = s_next == 0
+        safe_next = torch.where(last, s, s_next)  # the step into 0 is x' = D: any finite h
+        h = torch.log(s / safe_next)
+        H = (1.0 + self.eta) * h
+        Q = -torch.expm1(-H)
+        phi2 = torch.expm1(-H) / H + 1.0
+        phi3 = phi2 / H - 0.5
+        # the step ratios to the one and two steps before (1 where there is none: its coefficient is 0)
+        r0 = torch.cat([h.new_ones(1), h[:-1] / h[1:]])
+        r1 = torch.cat([h.new_ones(2), h[:-2] / h[2:]])
+        # second step: phi_2 (D - D_1) / r0
+        second = phi2 / r0
+        # from the third: phi_2 d_1 - phi_3 d_2 = alpha d1_0 - beta d1_1
+        u, w = r0 / (r0 + r1), 1.0 / (r0 + r1)
+        alpha = phi2 * (1.0 + u) - phi3 * w
+        beta = phi2 * u - phi3 * w
+        n = torch.arange(t.numel())
+        e = torch.where(n >= 2, alpha / r0, torch.where(n == 1, second, torch.zeros_like(h)))
+        b1 = torch.where(n >= 2, beta / r1, torch.zeros_like(h))
+        keep = ~last
+        zero = torch.zeros_like(h)
+        P = torch.where(last, zero, torch.exp(-H))  # (s' / s) e^(-eta h) = e^(-H)
+        Q = torch.where(last, torch.ones_like(h), Q + e)
+        B = torch.stack([torch.where(keep, -e - b1, zero), torch.where(keep, b1, zero)], 1)
+        R = self.s_noise * s_next * (-torch.expm1(-2.0 * self.eta * h)).clamp_min(0.0).sqrt()
+        R = torch.where(last | (self.eta == 0), zero, R)
+        return P, Q, B, R
+
+    def step(self, t, t_next):
+        P, Q, _, R = self._ve(t, t_next)
+        return from_ve(t, t_next, P, Q, R)
+
+    def past(self, t, t_next):
+        return (1.0 - t_next)[:, None] * self._ve(t, t_next)[2]
 
 
 def ddpm_linear_grid(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
@@ -604,7 +687,9 @@ REFUSED = {
 """Samplers refused by name, with the reason (``get_chain`` and the drop-ins say it)."""
 
 _CHAINS: Registry[Chain] = Registry(
-    "chain", {c.name: c for c in (EM, EulerAncestral, EulerChurn, DDPM, DDIM, LCM, DPMPP2MSDE)}, case_insensitive=True
+    "chain",
+    {c.name: c for c in (EM, EulerAncestral, EulerChurn, DDPM, DDIM, LCM, DPMPP2MSDE, DPMPP3MSDE)},
+    case_insensitive=True,
 )
 
 

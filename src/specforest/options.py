@@ -145,7 +145,7 @@ def check_stochastic(sde: GaussianChain, remedy: str) -> None:
         raise NoStochasticStep(
             f"chain {sde.name!r} with {sde.params} has no stochastic step on this grid: every transition is a "
             f"point mass, so no draft can be accepted and a tree only costs calls. {remedy}, or pick a stochastic "
-            "setting (euler_ancestral, dpmpp_2m_sde or ddim with eta > 0, euler with s_churn > 0, em, ddpm, lcm)",
+            "setting (euler_ancestral, dpmpp_2m_sde, dpmpp_3m_sde or ddim with eta > 0, euler with s_churn > 0, em, ddpm, lcm)",
             sde.name,
             sde.params,
         )
@@ -200,7 +200,7 @@ class SamplerOptions:
         churn: ``eps`` in (0, 1] (ERRATA 8: 0 makes speculation vacuous): the ``em`` chain's
             parameter, required with it; another chain takes none.
         chain: the sampler whose law the run has: a registered name (``em`` (the paper's
-            Euler-Maruyama step with ``churn``), ``euler_ancestral``, ``euler``, ``dpmpp_2m_sde``, ``ddpm``,
+            Euler-Maruyama step with ``churn``), ``euler_ancestral``, ``euler``, ``dpmpp_2m_sde``, ``dpmpp_3m_sde``, ``ddpm``,
             ``ddim``, ``lcm``; :func:`~specforest.chains.available_chains`) with its default parameters, or a
             :class:`~specforest.chains.Chain` (``chains.get_chain("euler_ancestral", eta=0.5)``).
         sigmas: an explicit ``(T + 1,)`` grid, decreasing from <= 1 to 0.

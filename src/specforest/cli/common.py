@@ -497,7 +497,7 @@ def no_stochastic_step(err: NoStochasticStep, where: str = "this grid", *, tune:
         "mass, so no draft can be accepted and a tree only costs calls"
     )
     settings = (
-        "(--eta > 0 with --chain euler_ancestral, dpmpp_2m_sde or ddim; --s-churn > 0 with --chain euler; "
+        "(--eta > 0 with --chain euler_ancestral, dpmpp_2m_sde, dpmpp_3m_sde or ddim; --s-churn > 0 with --chain euler; "
         "--chain em, ddpm or lcm)"
     )
     if tune:

@@ -472,7 +472,7 @@ def tune_family(
         limit_source=source,
         device=x.device,
         chunked=False,
-        carries=make_sde(None, sigmas, "flow_match", 1.0, churn, options.get("chain", "em")).carries,
+        history=make_sde(None, sigmas, "flow_match", 1.0, churn, options.get("chain", "em")).history,
     )
     return latency_tune(
         velocity,

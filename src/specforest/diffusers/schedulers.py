@@ -163,10 +163,14 @@ class SchedulerChain(Chain):
             )
         return self.grid, self.P, self.Q, self.R, 1.0, 0.0
 
-    def previous(self, t: torch.Tensor, t_next: torch.Tensor) -> Optional[torch.Tensor]:
-        if t.numel() != self.grid.numel() - 1 and self.remake is not None:
-            return self.for_steps(t.numel()).B
-        return self.B
+    @property
+    def history(self) -> int:
+        """1 where the scheduler's mean reads the previous step's prediction (multistep DPM-Solver), else 0."""
+        return 0 if self.B is None else 1
+
+    def past(self, t: torch.Tensor, t_next: torch.Tensor) -> Optional[torch.Tensor]:
+        B = self.for_steps(t.numel()).B if t.numel() != self.grid.numel() - 1 and self.remake is not None else self.B
+        return None if B is None else B[:, None]
 
 
 def _name(scheduler: Any) -> str:
@@ -466,7 +470,7 @@ def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict) -> S
             return _made(
                 name, eta, grid, timesteps, *from_ve(t, t_next, Pv, Q0, Rv), prediction=threshold, noise_scale=scale
             )
-        B = chain.previous(t, t_next)
+        B = chain.past(t, t_next)[:, 0]
         return _made(name, eta, grid, timesteps, *chain.step(t, t_next), B=B, prediction=threshold, noise_scale=scale)
     ab, P, Q, R, weight = _vp_tables(name, sch, float(eta))
     s = ((1.0 - ab) / ab).sqrt()

@@ -2,7 +2,7 @@
 
 :func:`sample_speculative` (:mod:`~specforest.kdiffusion.speculative`) runs the library's chain
 behind k-diffusion's signature; the drop-ins (:mod:`~specforest.kdiffusion.dropins`:
-``sample_euler_ancestral``, ``sample_euler``, ``sample_dpmpp_2m_sde``, ``sample_ddpm``,
+``sample_euler_ancestral``, ``sample_euler``, ``sample_dpmpp_2m_sde``, ``sample_dpmpp_3m_sde``, ``sample_ddpm``,
 ``sample_lcm``) are the samplers people run, exactly (``docs/kdiffusion.md``). The schedules they take are
 k-diffusion's own VE sigmas, under k-diffusion's names (:mod:`specforest.schedules`): ``get_sigmas_karras``,
 ``get_sigmas_exponential``, ``get_sigmas_polyexponential``, ``get_sigmas_vp``.
@@ -12,6 +12,7 @@ from ..schedules import get_sigmas_exponential, get_sigmas_karras, get_sigmas_po
 from .dropins import (
     sample_ddpm,
     sample_dpmpp_2m_sde,
+    sample_dpmpp_3m_sde,
     sample_dpmpp_sde,
     sample_euler,
     sample_euler_ancestral,
@@ -30,6 +31,7 @@ __all__ = [
     "sample",
     "sample_ddpm",
     "sample_dpmpp_2m_sde",
+    "sample_dpmpp_3m_sde",
     "sample_dpmpp_sde",
     "sample_euler",
     "sample_euler_ancestral",
