@@ -19,10 +19,11 @@ safetensors file of the kind the loader reads (a U-Net's or the classifier's), r
 * :func:`load_classifier` -- a small CNN used to evaluate samples (accuracy
   against the conditioning label, and its penultimate features for a Frechet
   distance);
-* :func:`load_draft_velocity` -- the learned draft: a narrower U-Net
+* :func:`load_draft_denoiser` -- the learned draft: a narrower U-Net
   (:data:`DRAFT_CONFIG`) distilled from the target by ``specforest train
   digits-draft`` (:mod:`specforest.experiments.train_digits_draft`), for
-  ``draft="learned"`` (:class:`specforest.drafts.LearnedDraft`).
+  ``draft="learned"`` (:class:`specforest.drafts.LearnedDraft`);
+  :func:`load_draft_velocity` is it as a linear-path velocity.
 """
 
 from __future__ import annotations
@@ -312,6 +313,29 @@ def multiply_adds(config: Optional[UNetConfig] = None) -> int:
     for h in handles:
         h.remove()
     return total[0]
+
+
+def load_draft_denoiser(
+    path: Optional[PathLike] = None,
+    *,
+    sha256: Optional[str] = None,
+    device: "str | torch.device" = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> EDMPrecond:
+    """The learned draft's EDM denoiser ``D(x: (M, 1, 8, 8), s: (M,), class_labels) -> (M, 1, 8, 8)``:
+    what ``draft="learned"`` evaluates (:meth:`specforest.drafts.LearnedDraft.from_denoiser`), through
+    the EDM adapter in :func:`specforest.sample` and as the model is called in the k-diffusion drop-ins.
+
+    The weights default to the shipped ``digits_draft_unet.safetensors`` (checked against the
+    manifest); see :func:`load_denoiser` for the arguments.
+
+    Raises:
+        FileNotFoundError: if the file or its manifest entry is missing (``specforest train digits-draft``).
+        WeightsFileError: if ``path`` is not a digits U-Net's safetensors file.
+        ChecksumError: if the file's digest differs from the recorded one.
+    """
+    path, sha256 = _resolve(DRAFT_FILE, path, sha256)
+    return load_denoiser(path, sha256=sha256, device=device, dtype=dtype)
 
 
 def load_draft_velocity(
