@@ -55,6 +55,13 @@ An undeclared tensor with one row per sample (a batch of more than one) is refus
 unless ``shared_args`` names it: it could be either. At batch 1 an undeclared ``(1, ...)``
 tensor is the sample's own (what k-diffusion's calls of one row saw): every row of a call
 gets it, as if named in ``row_args``.
+
+Drafts that run a network. A draft network is a denoiser called as ``model`` is, with the same
+``extra_args`` and the same mapping: a callable ``draft``, and the network of a
+:class:`~specforest.drafts.LearnedDraft` made by its ``from_denoiser`` (``draft="learned"`` is
+the digits model's). ``draft="cached"`` reuses the target's deep features: a ``model`` with
+``deep`` and ``shallow`` methods (:func:`has_features`, the digits model's ``EDMPrecond``) keeps
+them through the adapter; any other is refused before the first call, naming the two methods.
 """
 
 from __future__ import annotations
@@ -525,7 +532,10 @@ def sample_speculative(
             (ComfyUI's CONST models: ``x = (1 - sigma) x_0 + sigma xi``).
         **options: :func:`specforest.sample`'s options: ``churn`` (required, in (0, 1]), ``tree``,
             ``coupling``, ``draft`` (a name, a Proposal, or a draft *denoiser* with ``model``'s
-            signature, given the same ``extra_args``), ``prefetch``, ``verify``, ``seed`` or
+            signature, given the same ``extra_args``, as is the network of a
+            :meth:`~specforest.drafts.LearnedDraft.from_denoiser` draft and of ``"learned"``;
+            ``"cached"`` needs a ``model`` with ``deep`` and ``shallow`` methods,
+            :func:`has_features`), ``prefetch``, ``verify``, ``seed`` or
             ``generator`` (none: fresh entropy; nothing is drawn from torch's global RNG),
             ``sample_index``, ``max_rows``, ``lazy``, ``record_deltas``, ``pad_rows``,
             ``process_group`` (not with ``callback``).
