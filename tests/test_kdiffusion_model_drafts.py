@@ -250,3 +250,47 @@ def test_a_learned_draft_from_a_denoiser_gets_the_models_extra_args_in_the_drop_
 def test_a_learned_draft_from_a_denoiser_refuses_what_is_not_one():
     with pytest.raises(TypeError, match=r"denoiser must be callable"):
         LearnedDraft.from_denoiser(3)
+
+
+class DeclaresItsDraft(GaussianDenoiser):
+    """A target of another family and shape that declares its draft network (``learned_draft``): here
+    the target itself, so every draft is accepted."""
+
+    def learned_draft(self) -> GaussianDenoiser:
+        return GaussianDenoiser()
+
+
+def test_draft_learned_is_the_network_a_model_declares_through_every_entry_point():
+    """``draft="learned"`` reads the draft network the model declares (``declared_draft``), not only the
+    digits model's: a Gaussian target of shape (16,) that declares itself as its draft is served by the
+    name in ``specforest.sample``, the drop-ins and the tuner's filter, every draft accepted; one that
+    declares none is still refused naming the digits draft's shape."""
+    from specforest.drafts import declared_draft, drafts_serving
+
+    model = DeclaresItsDraft()
+    assert callable(declared_draft(model)) and declared_draft(GaussianDenoiser()) is None
+    assert callable(declared_draft(EDMDenoiserVelocity(model)))
+    assert drafts_serving(["learned"], (D,), EDMDenoiserVelocity(model)) == ["learned"]
+    assert drafts_serving(["learned"], (D,), EDMDenoiserVelocity(GaussianDenoiser())) == []
+    sig = kdiffusion.get_sigmas_karras(20, 0.03, 80.0).double()
+    x = torch.randn(4, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * (1 + sig[0])
+    run = dict(tree=trees.chain(6), coupling="rmc", draft="learned", seed=0)
+    drop = kdiffusion.sample(model, x, sig, chain="euler_ancestral", disable=True, **run)
+    lib = specforest.sample(
+        EDMDenoiserVelocity(model), x / (1 + sig[0]), sigmas=linear_grid(sig), chain="euler_ancestral", **run
+    )
+    for out in (drop, lib):
+        assert out.stats.draft_calls > 0 and out.stats.accepts.sum() == out.stats.attempts.sum() > 0
+    with pytest.raises(ValueError, match=r"draft='learned' is the digits model's distilled U-Net: .*\(1, 8, 8\)"):
+        kdiffusion.sample(GaussianDenoiser(), x, sig, chain="euler_ancestral", disable=True, **run)
+
+
+def test_the_shipped_digits_denoiser_declares_its_distilled_draft_on_its_device_and_dtype():
+    den = digits.load_denoiser(dtype=torch.float64)
+    draft = den.learned_draft()
+    assert next(draft.parameters()).dtype == torch.float64
+    ref = digits.load_draft_denoiser(dtype=torch.float64)
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(draft(x, torch.full((2,), 0.7)), ref(x, torch.full((2,), 0.7)))
+    # a denoiser of other weights declares none: draft="learned" falls back to the shipped draft
+    assert not hasattr(digits.load_denoiser(digits.WEIGHTS_DIR / digits.UNET_FILE), "learned_draft")

@@ -13,7 +13,7 @@ from .base import Proposal, VelocityFn
 from .chain_memory import RemembersChain
 from .memory import _memory_node, _same_step
 
-__all__ = ["CachedDraft", "DraftModel", "LearnedDraft"]
+__all__ = ["CachedDraft", "DraftModel", "LearnedDraft", "declared_draft"]
 
 
 class DraftModel(Proposal):
@@ -105,9 +105,16 @@ class LearnedDraft(RemembersChain, DraftModel):
         label: how errors name the network.
         lazy_load: ``fn`` is the callable of no arguments.
 
+    ``draft="learned"`` (:meth:`of_model`) is the target model's own draft network where the model
+    declares one (a ``learned_draft`` attribute, :func:`declared_draft`: the digits denoiser of
+    :func:`specforest.models.digits.load_denoiser` declares its distilled U-Net), else the digits
+    model's; a model of another family gets the name by declaring its network the same way.
+
     Attributes:
         denoiser: for a draft made by :meth:`from_denoiser`, a callable of no arguments returning its
             denoiser network (loaded once, at the first call); ``None`` for a velocity network.
+        follows_model: whether :meth:`check` replaces the network by the one the run's model declares
+            (``draft="learned"``, :meth:`of_model`).
     """
 
     needs_prefetch = True
@@ -127,6 +134,7 @@ class LearnedDraft(RemembersChain, DraftModel):
         self.serves = None if shape is None else tuple(int(n) for n in shape)
         self.label = label
         self.denoiser: Optional[Callable[[], Callable[..., torch.Tensor]]] = None
+        self.follows_model = False
 
     @classmethod
     def from_denoiser(
@@ -185,6 +193,29 @@ class LearnedDraft(RemembersChain, DraftModel):
         return draft
 
     @classmethod
+    def of_model(cls) -> "LearnedDraft":
+        """``draft="learned"``: the target model's own draft network where the model declares one
+        (:func:`declared_draft`), else the digits model's (:meth:`digits`); resolved by
+        :meth:`check`, before sampling."""
+        draft = cls.digits()
+        draft.follows_model = True
+        return draft
+
+    def for_model(self, model: Any) -> "LearnedDraft":
+        """The draft a run of the target ``model`` uses: for a draft that follows the model
+        (:meth:`of_model`) and a model that declares its draft network (:func:`declared_draft`),
+        that network's draft (its EDM adapter clipped as the model's own, where the model is an
+        :class:`~specforest.models.edm.EDMDenoiserVelocity`); else this draft itself."""
+        from ..models.edm import EDMDenoiserVelocity
+
+        load = declared_draft(model) if self.follows_model else None
+        if load is None:
+            return self
+        lo, hi = (model.sigma_min, model.sigma_max) if isinstance(model, EDMDenoiserVelocity) else (1e-3, 80.0)
+        label = f"the learned draft {model_name(model)} declares"
+        return type(self).from_denoiser(load, label=label, lazy_load=True, sigma_min=lo, sigma_max=hi)
+
+    @classmethod
     def digits(cls) -> "LearnedDraft":
         """The digits model's learned draft: its distilled U-Net's denoiser (the shipped weights,
         :func:`specforest.models.digits.load_draft_denoiser`, loaded at the first call)."""
@@ -199,6 +230,12 @@ class LearnedDraft(RemembersChain, DraftModel):
         return cls.from_denoiser(load, shape=IMAGE_SHAPE, label="the digits model's distilled U-Net", lazy_load=True)
 
     def check(self, shape: tuple[int, ...], dtype: torch.dtype, model: Any = None) -> None:
+        if model is not None and self.follows_model:
+            # the run's draft is the model's declared network, where it declares one: this instance
+            # (a fresh one per name, get_proposal) becomes that draft for the run
+            own = self.for_model(model)
+            self.fn, self._load, self.serves, self.label = own.fn, own._load, own.serves, own.label
+            self.denoiser, self.follows_model = own.denoiser, False
         if self.serves is not None and tuple(shape) != self.serves:
             raise ValueError(
                 f"draft={self.name!r} is {self.label}: it serves states of shape {self.serves}, got {tuple(shape)}"
@@ -235,6 +272,19 @@ class LearnedDraft(RemembersChain, DraftModel):
 
     def __repr__(self) -> str:
         return f"LearnedDraft({self.label})"
+
+
+def declared_draft(model: Any) -> Optional[Callable[[], Callable[..., torch.Tensor]]]:
+    """The draft network a target model declares for ``draft="learned"``: its ``learned_draft``
+    attribute, a callable of no arguments returning the draft's EDM denoiser (an estimate of
+    ``E[x_0 | x = x_0 + sigma xi]`` with the target denoiser's signature), read on the model or on
+    the denoiser it adapts (:class:`~specforest.models.edm.EDMDenoiserVelocity`'s ``denoiser``);
+    ``None`` where neither declares one."""
+    for obj in (model, getattr(model, "denoiser", None)):
+        load = getattr(obj, "learned_draft", None)
+        if callable(load):
+            return load
+    return None
 
 
 class _Net:

@@ -309,6 +309,9 @@ def _draft(draft: Any, model: Any, shared: dict, s: torch.Tensor, path: str) -> 
             f"{model_name(model)}, is called as model(x, sigma, **extra_args) only. Pick another draft (velocity, "
             "x0, secant, ...)"
         )
+    if isinstance(prop, LearnedDraft):
+        # the user's denoiser itself may declare its draft network (the adapter around it does not)
+        prop = prop.for_model(model)
     if isinstance(prop, LearnedDraft) and prop.denoiser is not None:
         return prop.adapted(lambda net: _velocity(_Denoiser(net, shared, None), s, path))
     return draft

@@ -28,6 +28,7 @@ safetensors file of the kind the loader reads (a U-Net's or the classifier's), r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -269,7 +270,10 @@ def load_denoiser(
             network; its preconditioning and the sampler stay in float32).
 
     Returns:
-        An :class:`~specforest.models.unet.EDMPrecond` in eval mode, gradients off.
+        An :class:`~specforest.models.unet.EDMPrecond` in eval mode, gradients off. The shipped
+        weights' denoiser declares the draft distilled from it, ``learned_draft``: a callable of no
+        arguments giving :func:`load_draft_denoiser` on the same device and dtype, which
+        ``draft="learned"`` reads (:func:`specforest.drafts.declared_draft`).
 
     Raises:
         FileNotFoundError: if the file does not exist.
@@ -277,6 +281,7 @@ def load_denoiser(
             (the classifier's file, say).
         ChecksumError: if the file's digest differs from the recorded one, or none is recorded.
     """
+    shipped = path is None
     path, sha256 = _resolve(UNET_FILE, path, sha256)
     tensors, meta = read_safetensors(path, sha256)
     _check_kind(path, meta, _UNET_KIND)
@@ -288,6 +293,9 @@ def load_denoiser(
         raise WeightsFileError(f"{path} is not valid as {_UNET_KIND}: {e}") from None
     den = EDMPrecond(net.to(dtype), sigma_data=cfg.sigma_data).to(device).eval()
     den.requires_grad_(False)
+    if shipped:
+        # the shipped target declares the draft distilled from it (draft="learned"), on its device
+        den.learned_draft = functools.partial(load_draft_denoiser, device=device, dtype=dtype)
     return den
 
 
