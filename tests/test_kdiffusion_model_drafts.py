@@ -294,3 +294,31 @@ def test_the_shipped_digits_denoiser_declares_its_distilled_draft_on_its_device_
     assert torch.equal(draft(x, torch.full((2,), 0.7)), ref(x, torch.full((2,), 0.7)))
     # a denoiser of other weights declares none: draft="learned" falls back to the shipped draft
     assert not hasattr(digits.load_denoiser(digits.WEIGHTS_DIR / digits.UNET_FILE), "learned_draft")
+
+
+@pytest.mark.parametrize("kind", ["learned", "model"])
+def test_a_velocity_draft_network_given_as_a_proposal_runs_through_a_drop_in_with_a_callback(kind):
+    """A draft network in the library's convention (a velocity, in a ``LearnedDraft`` or a
+    ``DraftModel``) gets the rows' conditioning in the drop-ins and never the callback's bookkeeping;
+    the proposal given is left as it was."""
+    from specforest.drafts import DraftModel
+
+    target = EDMDenoiserVelocity(GaussianDenoiser())
+
+    def velocity(x, sigma, **cond):
+        assert set(cond) <= {"class_labels"}, sorted(cond)
+        return target(x, sigma)
+
+    draft = LearnedDraft(velocity) if kind == "learned" else DraftModel(velocity)
+    sig = kdiffusion.get_sigmas_karras(10, 0.03, 80.0).double()
+    x = torch.randn(3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * (1 + sig[0])
+    seen: list = []
+
+    def model(y, s, class_labels=None):
+        return GaussianDenoiser()(y, s)
+
+    out = kdiffusion.sample_euler_ancestral(
+        model, x, sig, {"class_labels": torch.arange(3)}, seen.append, True,
+        row_args=("class_labels",), tree=trees.chain(4), coupling="rmc", draft=draft, seed=0,
+    )  # fmt: skip
+    assert seen and torch.isfinite(out).all() and draft.fn is velocity

@@ -4,6 +4,7 @@ cached self-draft that reuses the target's deep features (``cached``)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,12 +31,24 @@ class DraftModel(Proposal):
 
     needs_prefetch = False
     name = "model"
+    _load: Optional[Callable[[], VelocityFn]] = None  # a network loaded at the first call (LearnedDraft)
 
     def __init__(self, fn: VelocityFn) -> None:
         if not callable(fn):
             raise TypeError("draft model must be callable as fn(x, sigma)")
         self.fn = fn
         self.model_kwargs: dict = {}
+
+    def mapped(self, wrap: Callable[[VelocityFn], VelocityFn]) -> "DraftModel":
+        """A copy of this draft whose network is ``wrap(network)`` (a network loaded at the first
+        call is wrapped when it is loaded); this draft is left as it is."""
+        out = copy.copy(self)
+        if self._load is not None:
+            load = self._load
+            out._load = lambda: wrap(load())
+        else:
+            out.fn = wrap(self.fn)
+        return out
 
     def bind(self, model: Any, shape: tuple[int, ...], model_kwargs: Optional[dict] = None) -> int:
         # the network is called as the target is, with the run's model_kwargs too

@@ -74,7 +74,7 @@ import torch
 
 from .. import sampler
 from ..chains import PATHS
-from ..drafts import LearnedDraft, Proposal, get_proposal
+from ..drafts import DraftModel, LearnedDraft, Proposal, get_proposal
 from ..models.edm import EDMDenoiserVelocity
 from ..options import RUN_INPUTS, SamplerOptions, make_sde
 from ..target import model_name
@@ -232,6 +232,17 @@ class _FeatureDenoiser(_Denoiser):
         return iter(params()) if callable(params) else iter(())
 
 
+class _RowBlind:
+    """A draft velocity network called without the callback's record of each row's trajectory."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        self.fn = fn
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **cond: Any) -> torch.Tensor:
+        cond.pop(_ROW, None)
+        return self.fn(x, sigma, **cond)
+
+
 def has_features(denoiser: Any) -> bool:
     """Whether a k-diffusion denoiser keeps the deep features ``draft="cached"`` reuses: it has
     ``deep(x, sigma, **extra_args) -> (denoised, features (M, ...))`` and ``shallow(x, sigma, features,
@@ -314,6 +325,10 @@ def _draft(draft: Any, model: Any, shared: dict, s: torch.Tensor, path: str) -> 
         prop = prop.for_model(model)
     if isinstance(prop, LearnedDraft) and prop.denoiser is not None:
         return prop.adapted(lambda net: _velocity(_Denoiser(net, shared, None), s, path))
+    if isinstance(prop, DraftModel):
+        # a velocity network in the library's convention, given as a Proposal: it gets the rows'
+        # conditioning as in specforest.sample, never the callback's record of each row's trajectory
+        return prop.mapped(_RowBlind)
     return draft
 
 
