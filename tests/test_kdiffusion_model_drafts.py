@@ -322,3 +322,36 @@ def test_a_velocity_draft_network_given_as_a_proposal_runs_through_a_drop_in_wit
         row_args=("class_labels",), tree=trees.chain(4), coupling="rmc", draft=draft, seed=0,
     )  # fmt: skip
     assert seen and torch.isfinite(out).all() and draft.fn is velocity
+
+
+@pytest.mark.parametrize("draft", ["cached", "learned"])
+def test_every_entry_point_reaches_the_network_drafts_on_digits(den, draft):
+    """``specforest.sample``, ``specforest.generate``, the tuner's filter of the drafts a model serves
+    and a k-diffusion drop-in all run ``draft`` on the digits model, with draft-network calls of its
+    own; ``generate``'s sample 0 is ``sample``'s with the same seed and index."""
+    from specforest import streams
+    from specforest.drafts import drafts_serving
+
+    velocity = digits.load_velocity()
+    assert drafts_serving([draft], (1, 8, 8), velocity) == [draft]
+    labels = torch.tensor([3, 5])
+    run = dict(steps=12, churn=0.3, tree=trees.chain(4), coupling="rmc", draft=draft)
+    x = streams.randn(7, torch.arange(2), (1, 8, 8))
+    one = specforest.sample(velocity, x, seed=7, sample_index=torch.arange(2), cond={"class_labels": labels}, **run)
+    assert one.stats.draft_calls > 0
+    gen = specforest.generate(
+        velocity,
+        count=2,
+        make_x=lambda i: streams.randn(7, i, (1, 8, 8)),
+        make_cond=lambda i: {"class_labels": labels[i]},
+        seed=7,
+        batch=2,
+        **run,
+    )
+    done = {int(i): s for f in gen for i, s in zip(f.index, f.samples, strict=True)}
+    assert torch.equal(done[0], one.samples[0]) and torch.equal(done[1], one.samples[1])
+    sig = _karras(12)
+    out = kdiffusion.sample(den, x * (1 + sig[0]), sig, {"class_labels": labels}, None, True,
+                            row_args=("class_labels",), chain="euler_ancestral", tree=trees.chain(4), draft=draft,
+                            seed=7)  # fmt: skip
+    assert out.stats.draft_calls > 0 and out.config["draft"] == draft
