@@ -355,3 +355,31 @@ def test_every_entry_point_reaches_the_network_drafts_on_digits(den, draft):
                             row_args=("class_labels",), chain="euler_ancestral", tree=trees.chain(4), draft=draft,
                             seed=7)  # fmt: skip
     assert out.stats.draft_calls > 0 and out.config["draft"] == draft
+
+
+class LinearGaussianDenoiser(GaussianDenoiser):
+    """The CONST (``path="linear"``) denoiser of the same data law, ``x = (1 - s) x_0 + s xi``, with the
+    same protocol (features: the denoised estimate)."""
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        s = sigma.reshape(-1, *[1] * (x.ndim - 1)).to(torch.float64)
+        gain = (1 - s) * S0**2 / ((1 - s) ** 2 * S0**2 + s**2)
+        return (MU + gain * (x.to(torch.float64) - (1 - s) * MU)).to(x.dtype)
+
+
+@pytest.mark.parametrize("path", ["ve", "linear"])
+def test_the_cached_draft_with_prediction_features_drafts_as_the_memory_draft_on_both_paths(path):
+    """Closed form for the features' path through the drop-in's adapter: features that are the denoised
+    estimate, read back by ``shallow``, make the cached draft the memory draft (same NFE, the same
+    samples to rounding), with ``path="ve"`` and ``path="linear"``."""
+    if path == "ve":
+        model, sig = GaussianDenoiser(), kdiffusion.get_sigmas_karras(20, 0.03, 80.0).double()
+    else:
+        model = LinearGaussianDenoiser()
+        sig = torch.cat([torch.linspace(0.98, 0.02, 20, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+    x = torch.randn(16, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * (1 + sig[0])
+    run = dict(churn=0.5, tree=trees.chain(6), coupling="rmc", seed=1, disable=True, path=path)
+    ref = kdiffusion.sample(model, x, sig, draft="memory", **run)
+    got = kdiffusion.sample(model, x, sig, draft="cached", **run)
+    assert got.stats.draft_calls > 0 and torch.equal(got.stats.nfe, ref.stats.nfe)
+    torch.testing.assert_close(got.samples, ref.samples, rtol=0, atol=1e-9)
