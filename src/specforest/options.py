@@ -326,7 +326,8 @@ class SamplerOptions:
         "each drafted step (memory; the run goes full), that one moved to the drafted state by a fitted "
         "gain (secant), auto (chosen online among those per draft offset and half of the grid), picard / "
         "picard2 (the x0 chain refined by 1 / 2 Picard sweeps, each one more target call a round), learned "
-        "(the digits model's distilled draft network anchored at those evaluations; digits only), or cached "
+        "(the draft network the model declares, the digits model's distilled U-Net, anchored at those "
+        "evaluations), or cached "
         "(the target's own outer blocks with its deep features from the previous round's node at that step, "
         "DeepCache-style; a model that keeps them: digits, the mixture); the exactly known rest is "
         "recomputed at each drafted state.",

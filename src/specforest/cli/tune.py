@@ -224,7 +224,7 @@ def _tune_diffusers(o: dict, drafts: list):
     default="all",
     show_default=True,
     help="Comma list of registered drafts to consider, or 'all': every registered draft that serves the model "
-    "(learned: the digits model only; a draft that remembers the last chain round, memory, secant, auto or "
+    "(learned: a model that declares its draft network, the digits model; a draft that remembers the last chain round, memory, secant, auto or "
     "learned, is considered on chains only; a draft network's calls are timed inside the sampler's rounds).",
 )
 @click.option("--budget-max", type=click.IntRange(1), default=62, show_default=True, help="Largest budget tried.")

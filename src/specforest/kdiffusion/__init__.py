@@ -5,7 +5,8 @@ behind k-diffusion's signature; the drop-ins (:mod:`~specforest.kdiffusion.dropi
 ``sample_euler_ancestral``, ``sample_euler``, ``sample_dpmpp_2m_sde``, ``sample_dpmpp_3m_sde``, ``sample_ddpm``,
 ``sample_lcm``) are the samplers people run, exactly (``docs/kdiffusion.md``). The schedules they take are
 k-diffusion's own VE sigmas, under k-diffusion's names (:mod:`specforest.schedules`): ``get_sigmas_karras``,
-``get_sigmas_exponential``, ``get_sigmas_polyexponential``, ``get_sigmas_vp``.
+``get_sigmas_exponential``, ``get_sigmas_polyexponential``, ``get_sigmas_vp``. :func:`has_features` says
+whether a denoiser keeps the deep features ``draft="cached"`` reuses.
 """
 
 from ..schedules import get_sigmas_exponential, get_sigmas_karras, get_sigmas_polyexponential, get_sigmas_vp
@@ -18,7 +19,7 @@ from .dropins import (
     sample_euler_ancestral,
     sample_lcm,
 )
-from .speculative import KEYS, PATHS, linear_grid, sample, sample_speculative
+from .speculative import KEYS, PATHS, has_features, linear_grid, sample, sample_speculative
 
 __all__ = [
     "KEYS",
@@ -27,6 +28,7 @@ __all__ = [
     "get_sigmas_karras",
     "get_sigmas_polyexponential",
     "get_sigmas_vp",
+    "has_features",
     "linear_grid",
     "sample",
     "sample_ddpm",
