@@ -205,7 +205,8 @@ def test_every_chain_keeps_its_law_with_any_tree_coupling_and_draft(chain, name)
     ch = chains.get_chain(chain).example()
     rep = testing.check_chain_law(**LAW_CONFIGS[name], chain=ch, sigmas=LAW_GRID, churn=None, trajectories=4000)
     rep.assert_exact()
-    assert rep.nfe_mean < LAW_GRID.numel() - 1
+    # fewer sequential calls than the standard run's (a chain of two stages: two a step, one at the last)
+    assert rep.nfe_mean < ch.build(LAW_GRID).standard_calls
 
 
 @pytest.mark.parametrize("chain", chains.available_chains())
@@ -229,6 +230,50 @@ def test_every_draft_keeps_a_multistep_chains_law(chain, draft):
             tree, coupling, draft, chain=ch, sigmas=LAW_GRID, churn=None, trajectories=3000, lazy=lazy
         )
         rep.assert_exact()
+
+
+STAGED = [n for n in chains.available_chains() if chains.get_chain(n).stages > 1]
+
+
+@pytest.mark.parametrize("chain", STAGED)
+@pytest.mark.parametrize("draft", drafts_serving(available_drafts(), None))
+def test_every_draft_keeps_a_staged_chains_law(chain, draft):
+    """A chain of two model calls a step, with every draft: on a chain (Picard sweeps make two calls a
+    sweep) and on a tree, full and lazy. Its target mean needs both stage calls at the node; the draft's none."""
+    ch = chains.get_chain(chain).example()
+    for tree, coupling, lazy in ((trees.chain(5), "rmc", False), (trees.uniform(2, 3), "grs", True)):
+        rep = testing.check_chain_law(
+            tree, coupling, draft, chain=ch, sigmas=LAW_GRID, churn=None, trajectories=3000, lazy=lazy
+        )
+        rep.assert_exact()
+
+
+def test_a_staged_chain_declares_its_tableau_and_counts_its_calls():
+    """``heun``: two stages; the second at ``sigma'`` from the Euler point; one call into 0; a standard
+    run of ``T`` steps makes ``2 T - 1`` calls (NFE and ``stats.calls``), a speculative round two."""
+    assert chains.get_chain("heun").stages == 2 and chains.get_chain("euler").stages == 1
+    tr = chains.HeunChurn(s_churn=5.0).build(LAW_GRID)
+    T = tr.steps
+    assert tr.stages == 2 and tr.standard_calls == 2 * T - 1 and tr.stage_tables.used == (2,) * (T - 1) + (1,)
+    assert torch.equal(tr.stage_tables.level[:-1, 1], LAW_GRID[1:-1])
+    assert chains.EulerChurn(s_churn=5.0).build(LAW_GRID).standard_calls == T
+    from specforest.models.gmm import GaussianMixture
+
+    model = GaussianMixture(MU[None], torch.tensor([S0], dtype=torch.float64))
+    calls = [0]
+
+    def counted(x, s, **kw):
+        calls[0] += 1
+        return model(x, s, **kw)
+
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = specforest.sample(counted, x, sigmas=LAW_GRID, chain="heun", seed=1)
+    assert calls[0] == out.stats.calls == 2 * T - 1 and bool((out.stats.nfe == 2 * T - 1).all())
+    calls[0] = 0
+    out = specforest.sample(
+        counted, x, sigmas=LAW_GRID, chain=chains.HeunChurn(s_churn=5.0), tree=trees.chain(4), seed=1
+    )
+    assert calls[0] == out.stats.calls and out.stats.calls % 2 == 0 and out.stats.calls < 2 * T - 1
 
 
 @pytest.mark.parametrize("chain", MULTISTEP)

@@ -130,6 +130,20 @@ def test_a_chain_of_history_two_runs_from_the_command_line_and_is_recorded(job, 
     assert np.isfinite(_samples(out)).all()
 
 
+@pytest.mark.parametrize("job", [GMM, GEN_GMM], ids=["gmm", "generate gmm"])
+def test_a_chain_of_two_stages_runs_from_the_command_line_and_is_recorded(job, tmp_path):
+    """``--chain heun`` (two model calls a step) with its options, from the registry's declaration."""
+    out = tmp_path / "a.npz"
+    args = [*job, "--chain", "heun", "--s-churn", "5", "--s-noise", "1.01", "--schedule", "karras"]
+    if job is GMM:
+        rec = _record(*args, "--dump-samples", out)
+    else:
+        _ok(invoke(*args, "--out", out))
+        rec = json.loads(out.with_suffix(".json").read_text())["options"]["sampler"]
+    assert rec["chain"] == "heun" and rec["chain_params"]["s_churn"] == 5.0 and rec["chain_params"]["s_noise"] == 1.01
+    assert np.isfinite(_samples(out)).all()
+
+
 def test_a_job_started_before_chains_were_recorded_resumes_as_em(tmp_path, monkeypatch):
     # an interrupted job whose options.json has no chain keys (what a job written before chains holds)
     spec = gen_exp.JobSpec(

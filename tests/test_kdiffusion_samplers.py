@@ -198,6 +198,54 @@ def test_dpmpp_3m_sde_with_a_noise_sampler_equals_k_diffusions(dtype, eta, s_noi
     assert float((ours.double() - ref.double()).abs().max()) <= tol * float(ref.double().abs().max())
 
 
+class Counted:
+    """A denoiser that counts its calls (each a batched call of the rows it is given)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, x, sigma, **kw):
+        self.calls += 1
+        return self.fn(x, sigma, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize(
+    "s_churn, s_tmin, s_tmax, s_noise",
+    [(20.0, 0.1, 40.0, 1.0), (40.0, 0.0, float("inf"), 1.003), (0.0, 0.0, float("inf"), 1.0), (100.0, 0.5, 10.0, 0.97)],
+    ids=["window", "everywhere", "deterministic", "clipped"],
+)
+def test_heun_with_churn_equals_k_diffusions_sample_heun(dtype, s_churn, s_tmin, s_tmax, s_noise):
+    """k-diffusion 0.1.1.post1's own ``sample_heun`` fed the same noise (its global generator): float64 to
+    1e-12 of the output's scale, with k-diffusion's ``2 N - 1`` calls (one into 0), counted at the model."""
+    sig = karras(15).to(dtype)
+    x = start(32, sig, dtype=dtype)
+    kw = dict(s_churn=s_churn, s_tmin=s_tmin, s_tmax=s_tmax, s_noise=s_noise, disable=True)
+    real, ours_m = Counted(bent), Counted(bent)
+    torch.manual_seed(3)
+    ref = sampling().sample_heun(real, x, sig, **kw)
+    torch.manual_seed(3)
+    ours = kdiffusion.sample_heun(ours_m, x, sig, **kw)
+    tol = 1e-12 if dtype == torch.float64 else 1e-3
+    assert ours.dtype == dtype
+    assert float((ours.double() - ref.double()).abs().max()) <= tol * float(ref.double().abs().max())
+    assert ours_m.calls == real.calls == 2 * (len(sig) - 1) - 1
+
+
+def test_heun_into_zero_is_one_euler_call_and_a_step_counts_two():
+    """The stage tables: the second call at ``sigma'`` from the Euler point, weights ``1 - sigma-hat / (2 sigma')``
+    and ``sigma-hat / (2 sigma')``; the last step a single call; NFE counts calls (``stats.nfe``, ``stats.calls``)."""
+    sig = karras(6)
+    tr = chains.HeunChurn().build(linear_grid(sig))
+    st = tr.stage_tables
+    assert tr.stages == 2 and st.used == (2, 2, 2, 2, 2, 1) and tr.standard_calls == 11
+    torch.testing.assert_close(st.weight[:-1, 1], sig[:-2] / (2 * sig[1:-1]), rtol=1e-12, atol=0)
+    assert float(st.weight[-1, 1]) == 0.0
+    out = kdiffusion.sample(denoiser, start(4, sig), sig, chain="heun", seed=0, disable=True)
+    assert out.stats.calls == 11 and bool((out.stats.nfe == 11).all())
+    assert torch.equal(out.stats.speedup, torch.ones(4, dtype=torch.float64))
+
+
 def test_dpmpp_3m_sde_declares_two_past_predictions_read_from_its_third_step():
     """Its tables: ``history = 2``; the prediction two steps back is read from the third step on (k-diffusion's
     ``h_2 is not None``), the one before from the second, neither by the step into 0 (``x' = D``)."""
@@ -249,6 +297,8 @@ def test_dpmpp_3m_sde_on_the_linear_path_is_comfys_const_sampler():
         (kdiffusion.sample_dpmpp_3m_sde, {}, "dpmpp_3m_sde", trees.uniform(2, 3), "grs"),
         (kdiffusion.sample_dpmpp_3m_sde, {"eta": 0.7, "lazy": True}, chains.DPMPP3MSDE(eta=0.7), trees.chain(4), "rmc"),
         (kdiffusion.sample_dpmpp_3m_sde, {"lazy": True}, "dpmpp_3m_sde", trees.uniform(2, 3), "grs"),
+        (kdiffusion.sample_heun, {"s_churn": 5.0}, chains.HeunChurn(s_churn=5.0), trees.uniform(2, 3), "grs"),
+        (kdiffusion.sample_heun, {"s_churn": 5.0, "lazy": True}, chains.HeunChurn(s_churn=5.0), trees.chain(4), "rmc"),
     ],
 )
 def test_speculated_drop_ins_keep_the_chains_law(fn, kw, chain, tree, coupling):
@@ -317,6 +367,26 @@ def test_speculated_dpmpp_3m_sde_matches_the_real_functions_samples():
     assert min(_two_sample_p(wrong, real)) < 1e-6
 
 
+def test_speculated_heun_matches_the_real_functions_samples_and_rejects_a_wrong_churn():
+    """Against k-diffusion's own ``sample_heun`` (``s_churn`` 5, its global generator), with a GRS tree and an
+    RMC chain, full and lazy; the same comparison and the chain's closed form reject ``s_churn`` 1 for 5.
+    The tree's run makes fewer sequential calls than the real function's ``2 N - 1``. 10 steps: Heun's
+    discretization error, where the churn shows, is larger there."""
+    sig = karras(10)
+    x = ve_start(N_LAW, sig, seed=3)
+    torch.manual_seed(0)
+    real = sampling().sample_heun(denoiser, x, sig, s_churn=5.0, disable=True)
+    run = dict(seed=9, disable=True, draft="x0")
+    for tree, coupling, lazy in ((trees.uniform(2, 3), "grs", False), (trees.chain(4), "rmc", True)):
+        ours = kdiffusion.sample_heun(denoiser, x, sig, s_churn=5.0, tree=tree, coupling=coupling, lazy=lazy, **run)
+        assert min(_two_sample_p(ours, real)) > 1e-4
+    out = kdiffusion.sample(denoiser, x, sig, chain=chains.HeunChurn(s_churn=5.0), tree=trees.uniform(2, 3), **run)
+    assert out.stats.calls < 2 * 10 - 1 and float(out.stats.speedup.mean()) > 1.0
+    wrong = kdiffusion.sample_heun(denoiser, x, sig, s_churn=1.0, tree=trees.uniform(2, 3), **run)
+    assert min(_two_sample_p(wrong, real)) < 1e-6
+    assert not law(wrong, sig, chains.HeunChurn(s_churn=5.0)).passed
+
+
 # -- refusals -------------------------------------------------------------------------------------
 
 
@@ -364,8 +434,10 @@ DROP_INS = [
     (kdiffusion.sample_ddpm, {}),
     (kdiffusion.sample_lcm, {}),
     (kdiffusion.sample_dpmpp_3m_sde, {}),
+    (kdiffusion.sample_heun, {"s_churn": 20.0}),
 ]
-DROP_IN_IDS = ["euler_ancestral", "euler", "dpmpp_2m_sde", "ddpm", "lcm", "dpmpp_3m_sde"]
+DROP_IN_IDS = ["euler_ancestral", "euler", "dpmpp_2m_sde", "ddpm", "lcm", "dpmpp_3m_sde", "heun"]
+CHURNED = (kdiffusion.sample_euler, kdiffusion.sample_heun)
 
 
 @pytest.mark.parametrize("tree", [None, trees.chain(2)], ids=["standard", "tree"])
@@ -426,21 +498,23 @@ def _same_callbacks(ours: list, ref: list) -> None:
             torch.testing.assert_close(a[k], b[k], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("name", ["sample_euler", "sample_heun"])
 @pytest.mark.parametrize(
     "s_churn, s_tmin, s_tmax",
     [(20.0, 0.1, 40.0), (4.0, 0.0, float("inf")), (100.0, 0.5, 10.0)],
     ids=["window", "below-clip", "clipped"],
 )
-def test_euler_callback_is_k_diffusions_with_churn(s_churn, s_tmin, s_tmax):
-    """``sigma_hat`` is the churned level the model was called at, ``x`` the churned state."""
+def test_euler_callback_is_k_diffusions_with_churn(s_churn, s_tmin, s_tmax, name):
+    """``sigma_hat`` is the churned level the model was called at, ``x`` the churned state (Heun's: its
+    first stage's, as k-diffusion reports it)."""
     sig = karras(12)
     x = start(8, sig)
     kw = dict(s_churn=s_churn, s_tmin=s_tmin, s_tmax=s_tmax, disable=True)
     ref, ours = [], []
     torch.manual_seed(3)
-    sampling().sample_euler(denoiser, x, sig, callback=ref.append, **kw)
+    getattr(sampling(), name)(denoiser, x, sig, callback=ref.append, **kw)
     torch.manual_seed(3)
-    kdiffusion.sample_euler(denoiser, x, sig, callback=ours.append, **kw)
+    getattr(kdiffusion, name)(denoiser, x, sig, callback=ours.append, **kw)
     assert any(bool(d["sigma_hat"] > d["sigma"]) for d in ref)  # the churn binds somewhere
     if s_tmin > 0 or s_tmax < float("inf"):
         assert any(bool(d["sigma_hat"] == d["sigma"]) for d in ref[:-1])  # and the window binds somewhere
@@ -475,7 +549,7 @@ def test_speculated_callbacks_report_the_level_the_model_saw(fn, kw):
         )
         assert bool(d["sigma_hat"] >= d["sigma"]) and bool(d["sigma"] == sig[d["i"]])
     churned = [bool(d["sigma_hat"] > d["sigma"]) for d in seen]
-    assert any(churned) == (fn is kdiffusion.sample_euler)
+    assert any(churned) == (fn in CHURNED)
 
 
 # -- the run's statistics: each drop-in is kdiffusion.sample with its chain -----------------------
@@ -508,8 +582,9 @@ def test_the_docs_stats_snippet_runs(capsys):
         (kdiffusion.sample_ddpm, {}, chains.DDPM()),
         (kdiffusion.sample_lcm, {}, chains.LCM()),
         (kdiffusion.sample_dpmpp_3m_sde, {"eta": 0.6, "s_noise": 1.1}, chains.DPMPP3MSDE(eta=0.6, s_noise=1.1)),
+        (kdiffusion.sample_heun, {"s_churn": 20.0, "s_tmax": 40.0}, chains.HeunChurn(s_churn=20.0, s_tmax=40.0)),
     ],
-    ids=DROP_IN_IDS[:1] + ["euler", "dpmpp_2m_sde", "ddpm", "lcm", "dpmpp_3m_sde"],
+    ids=DROP_IN_IDS[:1] + ["euler", "dpmpp_2m_sde", "ddpm", "lcm", "dpmpp_3m_sde", "heun"],
 )
 def test_a_drop_in_is_kdiffusion_sample_with_its_chain(fn, kw, chain, tree):
     """What ``docs/kdiffusion.md`` says to call for a drop-in's statistics gives its samples, bitwise."""

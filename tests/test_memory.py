@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforest import memory, trees
+from specforest import chains, memory, trees
 from specforest.experiments import gmm as gmm_exp
 from specforest.peak import run_measured
 
@@ -335,6 +335,17 @@ def test_a_multistep_chain_counts_the_predictions_it_carries(history):
         memory.estimate(**kw, history=-1)
 
 
+def test_a_chain_of_two_stages_counts_what_its_later_call_holds():
+    """A chain of s stages (Heun: 2) holds, per evaluated row, its earlier stages' predictions, the stage
+    point, the weighted sum and the call's output while the later calls run: ``s + 2`` states a row."""
+    kw = dict(trajectories=4, state_numel=1000, tree=trees.uniform(2, 3), steps=20, limit_bytes=10**12)
+    plain, staged = memory.estimate(**kw), memory.estimate(**kw, stages=2)
+    rows = trees.uniform(2, 3).size_at_depth(2)  # verify="internal": the inner nodes are evaluated
+    assert staged.trajectory_bytes - plain.trajectory_bytes == 1000 * 4 * 4 * rows
+    with pytest.raises(ValueError, match="stages"):
+        memory.estimate(**kw, stages=0)
+
+
 def test_run_shape_reads_what_the_options_decide():
     """memory.run_shape(options): the tree, verification, lazy, draft, the grid's steps and the chain's
     carried prediction, as estimate's keywords; the same estimate as given by hand."""
@@ -344,7 +355,9 @@ def test_run_shape_reads_what_the_options_decide():
     grid = torch.linspace(0.9, 0.0, 13)  # (a VE chain needs a first level below t = 1)
     opts = SamplerOptions(sigmas=grid, chain="dpmpp_2m_sde", tree=tree, verify="drafted", lazy=True)
     shape = memory.run_shape(opts)
-    assert shape == dict(tree=tree, verify="drafted", lazy=True, draft="velocity", steps=12, history=1)
+    assert shape == dict(tree=tree, verify="drafted", lazy=True, draft="velocity", steps=12, history=1, stages=1)
+    heun = memory.run_shape(SamplerOptions(sigmas=grid, chain=chains.HeunChurn(s_churn=5.0), tree=tree))
+    assert heun["stages"] == 2 and heun["history"] == 0
     em = memory.run_shape(SamplerOptions(sigmas=torch.linspace(1, 0, 6), churn=0.5))
     assert em["steps"] == 5 and em["history"] == 0 and em["tree"] is None
     kw = dict(trajectories=4, state_numel=64, limit_bytes=10**9, fixed_bytes=0)

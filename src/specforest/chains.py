@@ -30,7 +30,9 @@ Registered (:func:`available_chains`; :func:`register_chain` adds one):
 * ``dpmpp_2m_sde``: k-diffusion's ``sample_dpmpp_2m_sde`` (``eta``, ``s_noise``, ``solver_type``), a
   multistep chain whose mean also reads the previous step's prediction (``history = 1``);
 * ``dpmpp_3m_sde``: k-diffusion's ``sample_dpmpp_3m_sde`` (``eta``, ``s_noise``), whose mean reads the
-  two previous steps' predictions (``history = 2``).
+  two previous steps' predictions (``history = 2``);
+* ``heun``: EDM's Algorithm 2 (k-diffusion's ``sample_heun`` with ``s_churn``), two model calls a step
+  (``stages = 2``), as a chain on the churned state like ``euler``.
 
 ``../shared/research/samplers.md`` (in the project's notes) and ``docs/chains.md`` give
 each update as its code does it.
@@ -47,6 +49,7 @@ import torch
 from .registry import Registry
 from .schedules import _karras
 from .sde import GaussianChain, ReverseSDE, _check_sigmas
+from .stages import Stages
 from .validation import check_choice, check_number
 
 __all__ = [
@@ -60,6 +63,7 @@ __all__ = [
     "Chain",
     "EulerAncestral",
     "EulerChurn",
+    "HeunChurn",
     "Transitions",
     "available_chains",
     "check_ddim_eta",
@@ -69,6 +73,7 @@ __all__ = [
     "ddpm_linear_grid",
     "from_ve",
     "karras_linear_grid",
+    "stage_from_ve",
 ]
 
 
@@ -81,6 +86,7 @@ class Transitions(GaussianChain):
         a, c, scale: ``(T,)`` float64 per-step coefficients (``mean = a y + c v``).
         past: ``(T, h)`` float64 coefficients of the past predictions (a multistep chain's, ``h`` its
             :attr:`Chain.history`), or ``None``.
+        stages: the stage tableau of a chain of :attr:`Chain.stages` ``> 1`` (:class:`~specforest.stages.Stages`), or ``None``.
         init_a, init_scale: the start ``init_a x + init_scale z`` (see :class:`~specforest.sde.GaussianChain`).
     """
 
@@ -94,11 +100,14 @@ class Transitions(GaussianChain):
         init_a: float = 1.0,
         init_scale: float = 0.0,
         past: "torch.Tensor | None" = None,
+        stages: "Stages | None" = None,
     ) -> None:
         self.chain = chain
         self.name = chain.name
         # EDM's churn raises the level where its window begins: only a grid must decrease
-        self._set_tables(sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False, past=past)
+        self._set_tables(
+            sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False, past=past, stages=stages
+        )
 
     @property
     def params(self) -> dict:
@@ -118,11 +127,19 @@ class Chain:
     coefficients from :meth:`past`: ``x' = P x + Q D + B_0 D_1 + ... + B_{h-1} D_h + R z`` with
     ``D_j`` the prediction ``j`` steps before; the engine carries them
     (:class:`~specforest.carried.Carried`), whatever ``h``.
+
+    And :attr:`stages`, how many model calls a step makes: a chain of ``s > 1`` stages returns its
+    tableau from :meth:`stage_points` (each stage's level and point, linear in the state and the
+    earlier stages' predictions, and each prediction's weight in the mean); the engine makes ``s``
+    sequential batched calls a round (:mod:`specforest.stages`). ``P, Q, R`` of :meth:`step` are then
+    the step's with ``D`` the weighted prediction ``D_eff = sum_k w_k D_k``.
     """
 
     name: ClassVar[str] = "chain"
     history: ClassVar[int] = 0
     """How many past clean-image predictions the mean reads (0: a one-step sampler)."""
+    stages: ClassVar[int] = 1
+    """How many model calls a step makes (1: one call at the state)."""
 
     @property
     def params(self) -> dict:
@@ -137,6 +154,14 @@ class Chain:
         """``B (T, history)`` float64, the coefficients of the predictions ``1 .. history`` steps before
         (linear coordinates), or ``None`` for a one-step sampler (the default). Where a step has no
         such prediction (step ``n <= j`` for ``B[:, j]``) :meth:`build` sets the coefficient to 0."""
+        return None
+
+    def stage_points(self, sigmas: torch.Tensor) -> "tuple | None":
+        """The tableau of a chain of :attr:`stages` ``s > 1`` on the grid ``sigmas`` (the states of
+        :meth:`coefficients`), in the linear path's coordinates: ``(level (T, s), alpha (T, s),
+        beta (T, s, s), weight (T, s))`` float64 (:class:`~specforest.stages.Stages`; stage 0 is the
+        state itself: ``level[:, 0]`` its level, ``alpha[:, 0] = 1``). ``None`` (the default) for one stage.
+        :func:`stage_from_ve` writes a VE sampler's stage in these coordinates."""
         return None
 
     def coefficients(self, sigmas: torch.Tensor) -> tuple:
@@ -167,6 +192,17 @@ class Chain:
             # step n has n predictions before it: the coefficients of the ones it lacks are 0
             n = torch.arange(t.numel())[:, None]
             B = torch.where(n > torch.arange(self.history)[None], B, torch.zeros_like(B))
+        stages = None
+        if self.stages > 1:
+            if self.history:
+                raise ValueError(f"chain {self.name!r}: a chain with stages > 1 must have history 0")
+            with torch.no_grad():
+                tab = self.stage_points(sig)
+            if tab is None or tab[0].shape != (t.numel(), self.stages):
+                raise ValueError(
+                    f"chain {self.name!r} declares stages={self.stages}: stage_points must give (T, s) tables"
+                )
+            stages = Stages.build(*(x.to(torch.float64) for x in tab), self.name)
         bad = ~(torch.isfinite(a) & torch.isfinite(c) & torch.isfinite(scale))
         if B is not None:
             bad |= ~torch.isfinite(B).all(1)
@@ -179,7 +215,7 @@ class Chain:
                 "(specforest.kdiffusion.linear_grid of a k-diffusion schedule such as "
                 "specforest.kdiffusion.get_sigmas_karras, or chains.karras_linear_grid / chains.ddpm_linear_grid)"
             )
-        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, B)
+        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, B, stages)
 
     def example(self) -> "Chain":
         """This chain, or a setting of it with stochastic steps (what the test batteries run): a chain
@@ -208,6 +244,13 @@ def from_ve(t: torch.Tensor, t_next: torch.Tensor, P, Q, R) -> tuple:
     """A VE step ``x' = P x + Q D + R z`` from ``t`` to ``t_next`` in the linear path's coordinates
     (the state ``y = (1 - t) x``): ``((1 - t') P / (1 - t), (1 - t') Q, (1 - t') R)``, each ``(T,)``."""
     return (1.0 - t_next) * P / (1.0 - t), (1.0 - t_next) * Q, (1.0 - t_next) * R
+
+
+def stage_from_ve(t: torch.Tensor, t_stage: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> tuple:
+    """A VE stage point ``x_k = alpha x + sum_i beta_i D_i`` at ``t_stage`` of states at ``t`` (each ``(T,)``;
+    ``beta (T, k)``) in the linear path's coordinates (``y = (1 - t) x``, ``y_k = (1 - t_k) x_k``):
+    ``((1 - t_k) alpha / (1 - t), (1 - t_k) beta)``."""
+    return (1.0 - t_stage) * alpha / (1.0 - t), (1.0 - t_stage)[:, None] * beta
 
 
 def _check_s_noise(s_noise: object) -> float:
@@ -350,12 +393,17 @@ class EulerChurn(Chain):
     def example(self) -> "EulerChurn":
         return self if self.s_churn > 0 else replace(self, s_churn=20.0)
 
-    def coefficients(self, sigmas):
-        s = _ve(sigmas)  # (N + 1,) k-diffusion's levels, the last 0
-        N = s.numel() - 1
-        g = _churn_gamma(sigmas[:-1], N, self.s_churn, self.s_tmin, self.s_tmax)
-        hat = torch.cat([s[:-1] * (1.0 + g), s.new_zeros(1)])  # the states' levels sigma-hat
+    def _churned(self, sigmas: torch.Tensor) -> tuple:
+        """``(s, hat, t_hat)``, each ``(N + 1,)``: k-diffusion's levels (the last 0), the states' churned
+        levels ``sigma-hat`` and those on the linear path."""
+        s = _ve(sigmas)
+        g = _churn_gamma(sigmas[:-1], s.numel() - 1, self.s_churn, self.s_tmin, self.s_tmax)
+        hat = torch.cat([s[:-1] * (1.0 + g), s.new_zeros(1)])
         t_hat = torch.where(torch.isinf(hat), torch.ones_like(hat), hat / (1.0 + hat))
+        return s, hat, t_hat
+
+    def coefficients(self, sigmas):
+        s, hat, t_hat = self._churned(sigmas)
         # step i: x-hat_{i+1} = (s_{i+1} / hat_i) x-hat_i + (1 - s_{i+1} / hat_i) D + noise_{i+1} z
         noise = self.s_noise * (hat**2 - s**2).clamp_min(0.0).sqrt()  # (N + 1,), 0 where gamma = 0
         ratio = s[1:] / hat[:-1]
@@ -363,6 +411,47 @@ class EulerChurn(Chain):
         # x-hat_0 = x_0 + noise_0 z: in y, y-hat_0 = (1 - t-hat_0) (y_0 / (1 - t_0) + noise_0 z)
         init_a = float((1.0 - t_hat[0]) / (1.0 - sigmas[0]))
         return t_hat, P, Q, R, init_a, float((1.0 - t_hat[0]) * noise[0])
+
+
+@dataclass(frozen=True)
+class HeunChurn(EulerChurn):
+    """EDM's stochastic sampler, Algorithm 2 of Karras et al. (k-diffusion's ``sample_heun`` with
+    ``s_churn``, ``s_tmin``, ``s_tmax``, ``s_noise``), on the churned state ``x-hat`` as :class:`EulerChurn`.
+
+    A step makes two model calls (``stages = 2``): ``D_1`` at ``x-hat_i`` (level ``sigma-hat_i``), then
+    ``D_2`` at the Euler point ``x_2 = (sigma' / sigma-hat) x-hat + (1 - sigma' / sigma-hat) D_1`` at
+    ``sigma' = sigma_{i+1}``; the step averages the two slopes::
+
+        x_{i+1} = x-hat + (sigma' - sigma-hat) (d_1 + d_2) / 2 = (sigma' / sigma-hat) x-hat + (1 - sigma' / sigma-hat) D_eff
+
+    with ``D_eff = (1 - sigma-hat / (2 sigma')) D_1 + sigma-hat / (2 sigma') D_2``, then churned as
+    :class:`EulerChurn`. The last step (into 0) is Euler's, one call. A standard run of ``N`` steps
+    makes ``2 N - 1`` calls.
+    """
+
+    name: ClassVar[str] = "heun"
+    stages: ClassVar[int] = 2
+
+    def stage_points(self, sigmas):
+        s, hat, t_hat = self._churned(sigmas)
+        h, nxt, t = hat[:-1], s[1:], t_hat[:-1]
+        last = nxt == 0
+        ratio = nxt / h
+        # the step into 0 evaluates no second stage: a finite point at its own state, weight 0
+        t2 = torch.where(last, t, sigmas[1:])
+        alpha, beta = stage_from_ve(
+            t,
+            t2,
+            torch.where(last, torch.ones_like(h), ratio),
+            torch.where(last, torch.zeros_like(h), 1.0 - ratio)[:, None],
+        )
+        w2 = torch.where(last, torch.zeros_like(h), h / (2.0 * torch.where(last, h, nxt)))
+        T = h.numel()
+        level = torch.stack([t, t2], 1)
+        al = torch.stack([torch.ones_like(h), alpha], 1)
+        be = torch.zeros(T, 2, 2, dtype=torch.float64)
+        be[:, 1, :1] = beta
+        return level, al, be, torch.stack([1.0 - w2, w2], 1)
 
 
 VARIANCES = ("fixed_small", "fixed_large")
@@ -688,7 +777,7 @@ REFUSED = {
 
 _CHAINS: Registry[Chain] = Registry(
     "chain",
-    {c.name: c for c in (EM, EulerAncestral, EulerChurn, DDPM, DDIM, LCM, DPMPP2MSDE, DPMPP3MSDE)},
+    {c.name: c for c in (EM, EulerAncestral, EulerChurn, DDPM, DDIM, LCM, DPMPP2MSDE, DPMPP3MSDE, HeunChurn)},
     case_insensitive=True,
 )
 

@@ -48,11 +48,14 @@ class RoundEntry:
         single: ``(n1,)`` trajectories that took a single row (one evaluated row each, not a
             speculative round), or ``None``.
         outcomes: the speculating groups'.
+        calls: sequential target calls the round (and each of its Picard sweeps) made: the chain's
+            stages (:mod:`specforest.stages`).
     """
 
     active: torch.Tensor
     single: Optional[torch.Tensor]
     outcomes: tuple
+    calls: int = 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Counters:
         pending: :class:`RoundEntry` of the rounds not yet added.
         lockstep: lockstep rounds not yet added (every trajectory evaluated one row): a Python
             int, so that such a round adds no tensor op.
+        lockstep_calls: their target calls (more than ``lockstep`` for a chain of several stages).
 
     See :class:`specforest.sampler.SampleStats` for their meaning.
     """
@@ -82,6 +86,7 @@ class Counters:
     commits: torch.Tensor
     pending: tuple = ()
     lockstep: int = 0
+    lockstep_calls: int = 0
 
     @classmethod
     def zeros(cls, batch: int, L: int, device: torch.device) -> Counters:
@@ -102,11 +107,12 @@ class Counters:
             commits=self.commits,
             pending=self.pending + (entry,),
             lockstep=self.lockstep,
+            lockstep_calls=self.lockstep_calls,
         )
         return out.flushed() if len(out.pending) >= FLUSH_ROUNDS else out
 
-    def with_lockstep_round(self) -> Counters:
-        """These counters with one more lockstep round (every trajectory, one row)."""
+    def with_lockstep_round(self, calls: int = 1) -> Counters:
+        """These counters with one more lockstep round (every trajectory, one row) of ``calls`` target calls."""
         return Counters(
             nfe=self.nfe,
             per_traj=self.per_traj,
@@ -114,6 +120,7 @@ class Counters:
             commits=self.commits,
             pending=self.pending,
             lockstep=self.lockstep + 1,
+            lockstep_calls=self.lockstep_calls + calls,
         )
 
     @staticmethod
@@ -126,7 +133,7 @@ class Counters:
             n = self.lockstep
             one_row = self._one_row(self.nfe)
             out = Counters(
-                nfe=self.nfe + n,
+                nfe=self.nfe + self.lockstep_calls,
                 per_traj=self.per_traj + n * one_row,
                 per_depth=self.per_depth,
                 commits=self.commits,
@@ -135,7 +142,7 @@ class Counters:
             return out.flushed()
         if not self.pending:
             return self
-        actives = [e.active for e in self.pending]
+        actives = [e.active * e.calls if e.calls != 1 else e.active for e in self.pending]
         nfe = self.nfe + (torch.stack(actives).sum(0) if len(actives) > 1 else actives[0])
         per_traj, per_depth, commits = self.per_traj, self.per_depth, self.commits
         single = [e.single for e in self.pending if e.single is not None]
@@ -144,11 +151,11 @@ class Counters:
             ids = torch.cat(single) if len(single) > 1 else single[0]
             per_traj = per_traj.index_add(0, ids, self._one_row(ids).expand(ids.numel(), 3))
         spec = [o for e in self.pending for o in e.outcomes]
-        swept = [o for o in spec if o.sweeps]
+        swept = [(o, e.calls) for e in self.pending for o in e.outcomes if o.sweeps]
         if swept:
-            # a Picard sweep is one more sequential target call of each of the group's trajectories
-            ids = torch.cat([o.ids for o in swept])
-            nfe = nfe.index_add(0, ids, torch.cat([torch.full_like(o.ids, o.sweeps) for o in swept]))
+            # a Picard sweep is one more sequential target call (one per stage) of each of the group's trajectories
+            ids = torch.cat([o.ids for o, _ in swept])
+            nfe = nfe.index_add(0, ids, torch.cat([torch.full_like(o.ids, o.sweeps * k) for o, k in swept]))
         if spec:
             ids = torch.cat([o.ids for o in spec])
             committed = torch.cat([o.committed for o in spec])

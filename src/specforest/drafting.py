@@ -124,9 +124,10 @@ def _picard(
     k = ac[..., 1:] / sig[..., None]
     A = ac[..., :1] + k  # (G, Lr, 1)
     traj = (ctx.rows_all if group.everyone else group.ids).repeat_interleave(Lr)
-    flat_sig = sig.reshape(-1)
+    flat_sig, flat_steps = sig.reshape(-1), steps.reshape(-1)
     for _ in range(sweeps):
-        V = ctx.target(Y[:, :Lr].reshape(-1, D), flat_sig, traj).view(G, Lr, D).to(Y.dtype)
+        V = tab.velocity(ctx.target, Y[:, :Lr].reshape(-1, D), flat_steps, traj, sig=flat_sig)
+        V = V.view(G, Lr, D).to(Y.dtype)
         C = torch.addcmul(-k * Y[:, :Lr], k * sig[..., None], V)  # -k x0, x0 = y - sig v at the last sweep
         if carried.history:
             up = (torch.arange(Lr, device=Y.device) - 1).clamp(min=0)  # a chain: node l's parent is l - 1

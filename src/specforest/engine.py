@@ -375,11 +375,12 @@ def _tree_groups(ctx: RunContext, state: RunState, ids: torch.Tensor) -> tuple:
 
 def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) -> Evaluations:
     """One batched target call for every row of the round (phase 3): the single rows and, in full
-    mode, the nodes each tree evaluates."""
+    mode, the nodes each tree evaluates (``s`` sequential calls of them for a chain of ``s`` stages)."""
     ids1 = sched.single
-    xs, sig, traj = [], [], []
+    xs, sig, steps, traj = [], [], [], []
     if ids1.numel():
-        xs, sig, traj = [state.x[ids1]], [ctx.tab.sig[state.step[ids1]]], [ids1]
+        s1 = state.step[ids1]
+        xs, sig, steps, traj = [state.x[ids1]], [ctx.tab.sig[s1]], [s1], [ids1]
     key = None  # names the trajectories of the rows, when they are the same in every such round
     sizes = []
     for d in () if ctx.lazy else drafts:
@@ -387,12 +388,14 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
             n = d.n_first
             xs.append(d.Y[:, :n].reshape(-1, d.Y.shape[2]))
             sig.append(d.steps.sig[d.s0, :n].reshape(-1))
+            steps.append(d.steps.step[d.s0, :n].reshape(-1))
             traj.append(ctx.tree_rows[d.Lr])
             key = ("tree", d.Lr)
         else:
             b, u = d.emask
             xs.append(d.Y[b, u])
             sig.append(d.steps.sig[d.s0[b], u])
+            steps.append(d.steps.step[d.s0[b], u])
             traj.append(d.ids[b])
         sizes.append(xs[-1].shape[0])
     if not xs:
@@ -401,11 +404,13 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
     rows_key = key if len(xs) == 1 else None
     # (a run that keeps features remembers its chains, so it runs full)
     keep = ctx.features > 0 and bool(drafts)
+    # (a chain of several stages makes that many sequential calls of these rows: ``tab.velocity``)
+    rows = (ctx.target, cat(xs), cat(steps), cat(traj))
     if keep:
         # the deep features of every row come back beside its velocity (the cached self-draft)
-        v, f = ctx.target(cat(xs), cat(sig), cat(traj), rows_key=rows_key, features=True)
+        v, f = ctx.tab.velocity(*rows, sig=cat(sig), rows_key=rows_key, features=True)
     else:
-        v = ctx.target(cat(xs), cat(sig), cat(traj), rows_key=rows_key)
+        v = ctx.tab.velocity(*rows, sig=cat(sig), rows_key=rows_key)
     n1 = ids1.numel()
     if ctx.lazy:
         return Evaluations(single=v[:n1], trees=[None] * len(drafts))
@@ -496,7 +501,10 @@ def commit(
             else:
                 terms = ctx.proposal.take_terms(d.terms, o.rows, o.steps - d.s0[o.rows])
                 dstate = ctx.proposal.observe(*args, terms, **kw)
-    counters = state.counters.with_round(RoundEntry(active=sched.active, single=single, outcomes=tuple(outcomes)))
+    stages = ctx.tab.stages  # a round's (and a sweep's) calls: one per stage
+    entry = RoundEntry(active=sched.active, single=single, outcomes=tuple(outcomes), calls=stages)
+    counters = state.counters.with_round(entry)
+    sweeps = sum(d.sweeps for d in drafts)
     calls = sum(d.draft_calls for d in drafts) + sum(w.draft_calls for w in walks)
     return RunState(
         x=x,
@@ -508,7 +516,8 @@ def commit(
         records=records,
         rounds=state.rounds + 1,
         draft_calls=state.draft_calls + calls,
-        sweep_calls=state.sweep_calls + sum(d.sweeps for d in drafts),
+        sweep_calls=state.sweep_calls + sweeps,
+        stage_calls=state.stage_calls + (stages - 1) * (1 + sweeps),
         seconds=state.seconds,
         draft_bad=draft_bad,
         carried=carried,

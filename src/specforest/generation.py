@@ -216,7 +216,7 @@ class Generation:
             if not n_done:
                 continue
             rows = torch.nonzero_static(done, size=n_done)[:, 0]
-            stats = stats_of(state, T, rows)
+            stats = stats_of(state, T, rows, self.spec.sde.standard_calls)
             self.stats.finished += n_done
             index = slot_idx[rows].cpu()
             with outside_inference():

@@ -77,7 +77,9 @@ def lockstep_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
     t0 = clock()
     at = ctx.lockstep_steps[s]
     inside = ctx.target.seconds
-    v = ctx.target(state.x, at.sig, ctx.rows_all, rows_key=ALL_ROWS)
+    # every trajectory is at step s: a chain of several stages makes the calls this step uses
+    calls = ctx.tab.calls_at(s)
+    v = ctx.tab.velocity(ctx.target, state.x, state.step, ctx.rows_all, sig=at.sig, rows_key=ALL_ROWS, upto=calls)
     t1 = clock()
     inside = ctx.target.seconds - inside
     noise, block = _exact_noise(ctx, state)
@@ -89,7 +91,7 @@ def lockstep_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
         carried = carried.pushed(ctx.tab.prediction(state.x, v, state.step))
     x = torch.addcmul(mean, at.scale, noise)
     step = state.step + 1
-    counters = state.counters.with_lockstep_round()
+    counters = state.counters.with_lockstep_round(calls)
     t2 = clock()
     sched, drafted, evaluated, walked, committed = state.seconds
     return RunState(
@@ -103,6 +105,7 @@ def lockstep_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
         rounds=s + 1,
         draft_calls=state.draft_calls,
         sweep_calls=state.sweep_calls,
+        stage_calls=state.stage_calls + calls - 1,
         noise=block,
         draft_bad=state.draft_bad,
         carried=carried,

@@ -74,6 +74,7 @@ from .carried import Carried
 from .drafting import remembers_chain, runs_full
 from .drafts import get_proposal
 from .held import Held, check_held
+from .stages import Stages
 from .trees import DraftTree, TreePolicy
 from .validation import check_int
 
@@ -398,7 +399,7 @@ class MemoryEstimate:
 
 def run_shape(options: Any) -> dict:
     """What a run's options decide of its memory, as :func:`estimate`'s keywords: ``tree``, ``verify``,
-    ``lazy``, ``draft``, ``steps`` (its grid's) and ``history`` (its chain's declaration).
+    ``lazy``, ``draft``, ``steps`` (its grid's), ``history`` and ``stages`` (its chain's declarations).
 
     ``options``: the run's :class:`~specforest.options.SamplerOptions` (an option that changes what a
     run holds is read here, so every caller sizes its runs with it).
@@ -414,6 +415,7 @@ def run_shape(options: Any) -> dict:
         "draft": o.draft,
         "steps": len(chain.sigmas) - 1,
         "history": chain.history,
+        "stages": chain.stages,
     }
 
 
@@ -440,6 +442,7 @@ def estimate(
     draft: Any = None,
     held: Sequence[Held] = (),
     history: int = 0,
+    stages: int = 1,
 ) -> MemoryEstimate:
     """Estimate a run's memory and choose ``chunk`` and ``max_rows`` so it fits.
 
@@ -480,6 +483,9 @@ def estimate(
             :attr:`~specforest.sde.GaussianChain.history`): the run
             keeps that many more states per trajectory, and a full round the predictions and carried
             predictions of its inner nodes (:meth:`~specforest.carried.Carried.held_states`).
+        stages: how many model calls a step makes (its chain's declaration,
+            :attr:`~specforest.sde.GaussianChain.stages`): while a call's later stages run, each row
+            holds its earlier stages' predictions and its stage point (:meth:`~specforest.stages.Stages.held_states`).
         held: what the run holds whole whatever its chunking (:class:`Held`), counted with
             ``fixed_bytes`` and checked first (:func:`check_held`, where the process alone is within
             the limit), before the model's declaration is read.
@@ -529,6 +535,7 @@ def estimate(
         states = _NODE_STATES * nodes + _INNER_STATES * inner + _ROW_STATES * rows + _SCRATCH_STATES
     states += remembered
     states += Carried.held_states(check_int("history", history, 0), inner, lazy)
+    states += Stages.held_states(check_int("stages", stages, 1), rows)
     if world > 1:
         states += _SPLIT_ROW_STATES * rows
     per = D * w * states + _KEY_BYTES * size + int(cond_bytes) + gains

@@ -145,7 +145,7 @@ def check_stochastic(sde: GaussianChain, remedy: str) -> None:
         raise NoStochasticStep(
             f"chain {sde.name!r} with {sde.params} has no stochastic step on this grid: every transition is a "
             f"point mass, so no draft can be accepted and a tree only costs calls. {remedy}, or pick a stochastic "
-            "setting (euler_ancestral, dpmpp_2m_sde, dpmpp_3m_sde or ddim with eta > 0, euler with s_churn > 0, em, ddpm, lcm)",
+            "setting (euler_ancestral, dpmpp_2m_sde, dpmpp_3m_sde or ddim with eta > 0, euler or heun with s_churn > 0, em, ddpm, lcm)",
             sde.name,
             sde.params,
         )

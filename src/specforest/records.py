@@ -236,9 +236,11 @@ class RunState:
             synchronization (:func:`~specforest.engine.schedule`).
         records: ``(n, 4)`` float64 tensors ``(depth, step, delta, accepted)`` of
             every verification so far (kept when recording or planning adaptively).
-        rounds: rounds run (the batch's NFE, with ``sweep_calls``).
+        rounds: rounds run (the batch's NFE, with ``sweep_calls`` and ``stage_calls``).
         draft_calls: calls of a non-frozen draft.
         sweep_calls: batched target calls of Picard sweeps, made before the rounds' verification calls.
+        stage_calls: the further batched calls of a chain of several stages (each round's and sweep's
+            calls beyond its first; :mod:`specforest.stages`).
         noise: the lockstep round's :class:`NoiseBlock`, or ``None``.
         seconds: host seconds spent in each of the :data:`PHASES` so far.
         carried: the past clean-image predictions each state's mean reads, as many as the chain's
@@ -257,6 +259,7 @@ class RunState:
     rounds: int = 0
     draft_calls: int = 0
     sweep_calls: int = 0
+    stage_calls: int = 0
     noise: Optional[NoiseBlock] = None
     seconds: tuple = (0.0,) * len(PHASES)
     carried: Carried = NOTHING
@@ -288,6 +291,7 @@ class RunState:
             rounds=self.rounds,
             draft_calls=self.draft_calls,
             sweep_calls=self.sweep_calls,
+            stage_calls=self.stage_calls,
             noise=None,
             seconds=self.seconds,
             draft_bad=self.draft_bad,

@@ -37,6 +37,8 @@ class SampleStats:
         calls: batched target calls of the whole run (the batch's NFE).
         draft_calls: calls of an independent draft model (0 for frozen drafts).
         steps: number of steps ``T`` of the grid.
+        standard_calls: the target calls of the standard sampler's run on the grid (``T`` for a chain
+            of one call a step; a chain of several stages makes more, :attr:`~specforest.sde.GaussianChain.standard_calls`).
         wall_seconds: wall-clock time of the run.
         target_seconds: time spent inside target calls (CUDA: measured with
             events, read once at the end of the run).
@@ -56,6 +58,7 @@ class SampleStats:
     calls: int = 0
     draft_calls: int = 0
     steps: int = 0
+    standard_calls: int = 0
     wall_seconds: float = 0.0
     target_seconds: float = 0.0
     phase_seconds: dict = field(default_factory=dict)
@@ -78,8 +81,9 @@ class SampleStats:
 
     @property
     def speedup(self) -> torch.Tensor:
-        """``(batch,)`` float64 ``T / nfe``: speedup over the standard sampler's ``T`` calls."""
-        return self.steps / self.nfe.double()
+        """``(batch,)`` float64 speedup over the standard sampler: its calls (``T`` for one call a step,
+        :attr:`standard_calls`) over ``nfe``."""
+        return (self.standard_calls or self.steps) / self.nfe.double()
 
     @property
     def steps_per_round(self) -> torch.Tensor:
@@ -109,8 +113,9 @@ def returned(stats: SampleStats) -> SampleStats:
         return replace(stats, **{k: v.clone() for k, v in values.items() if isinstance(v, torch.Tensor)})
 
 
-def stats_of(state: RunState, T: int, rows: Any = None) -> SampleStats:
-    """The :class:`SampleStats` of a run's final ``state`` (rows ``rows`` of it, default all)."""
+def stats_of(state: RunState, T: int, rows: Any = None, standard_calls: Optional[int] = None) -> SampleStats:
+    """The :class:`SampleStats` of a run's final ``state`` (rows ``rows`` of it, default all) on a grid of
+    ``T`` steps whose standard run makes ``standard_calls`` target calls (default ``T``)."""
     c = state.counters.flushed()
     sel = (lambda t: t) if rows is None else (lambda t: t[rows])
     return SampleStats(
@@ -122,7 +127,8 @@ def stats_of(state: RunState, T: int, rows: Any = None) -> SampleStats:
         delta_sum=sel(c.per_depth[..., 2]),
         commits=sel(c.commits),
         rows=sel(c.per_traj[:, 2]),
-        calls=state.rounds + state.sweep_calls,
+        calls=state.rounds + state.sweep_calls + state.stage_calls,
         draft_calls=state.draft_calls,
         steps=T,
+        standard_calls=T if standard_calls is None else standard_calls,
     )

@@ -388,7 +388,7 @@ def sample(
     xs = state.x
     target.check_finite()
     refuse_non_finite(not bool(torch.isfinite(xs).all()))
-    stats = stats_of(state, T)
+    stats = stats_of(state, T, standard_calls=spec.sde.standard_calls)
     if spec.record:
         stats.deltas = torch.cat(state.records) if state.records else torch.zeros(0, 4, dtype=torch.float64)
     stats.target_seconds = target.total_seconds()

@@ -28,12 +28,14 @@ Conventions
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from .carried import NOTHING, Carried
+from .stages import Stages, evaluate
 from .validation import check_churn, check_int, check_number
 
 __all__ = [
@@ -207,6 +209,7 @@ class GaussianChain:
         init_scale: float = 0.0,
         monotone: bool = True,
         past: Optional[torch.Tensor] = None,
+        stages: Optional[Stages] = None,
     ) -> None:
         s = _check_sigmas(sigmas, monotone)
         T = s.numel() - 1
@@ -233,6 +236,7 @@ class GaussianChain:
             ("_c", tabs["c"]),
             ("_scale", tabs["scale"]),
             ("_past", past),
+            ("_stages", stages),
             ("_gamma", gamma),
             ("_drift_f", drift_f),
             ("_drift_k", drift_k),
@@ -272,6 +276,22 @@ class GaussianChain:
     def history(self) -> int:
         """``h``, the past predictions the mean reads: the engine carries them (:class:`~specforest.carried.Carried`)."""
         return self._past.shape[1]
+
+    @property
+    def stages(self) -> int:
+        """``s``, the model calls a step makes (:mod:`specforest.stages`; 1: one call at the state)."""
+        return 1 if self._stages is None else self._stages.count
+
+    @property
+    def standard_calls(self) -> int:
+        """The model calls of the standard sampler's run (``tree=None``): ``T`` for one call a step, each
+        step's stages for a chain of several (Heun's ``2 T - 1``: its last step makes one)."""
+        return self.steps if self._stages is None else sum(self._stages.used)
+
+    @property
+    def stage_tables(self) -> Optional[Stages]:
+        """The stage tableau (float64, CPU), or ``None`` for a one-stage chain."""
+        return self._stages
 
     @property
     def gamma(self) -> torch.Tensor:
@@ -397,6 +417,7 @@ class StepTables:
     past: Optional[torch.Tensor] = None  # (T, h): the past predictions' coefficients, or None (history 0)
     init_a: float = 1.0  # the chain starts from init_a x + init_scale z (see GaussianChain)
     init_scale: float = 0.0
+    tableau: Optional[Stages] = None  # the stage tableau (specforest.stages), or None (one call a step)
 
     def __post_init__(self) -> None:
         if self.ac is None:
@@ -419,6 +440,7 @@ class StepTables:
             chain.stochastic.to(device),
             chain.run_end.to(device),
             past=to(chain.past) if chain.history else None,
+            tableau=None if chain.stage_tables is None else chain.stage_tables.to(device, dtype),
             init_a=chain.init_a,
             init_scale=chain.init_scale,
         )
@@ -427,6 +449,34 @@ class StepTables:
     def history(self) -> int:
         """``h``, the past predictions the mean reads (:attr:`GaussianChain.history`)."""
         return 0 if self.past is None else self.past.shape[1]
+
+    @property
+    def stages(self) -> int:
+        """``s``, the sequential model calls a step makes (:attr:`GaussianChain.stages`)."""
+        return 1 if self.tableau is None else self.tableau.count
+
+    def calls_at(self, step: int) -> int:
+        """The model calls step ``step`` makes where every row of a call is at it (the lockstep round's)."""
+        return 1 if self.tableau is None else self.tableau.used[step]
+
+    def velocity(
+        self,
+        target: Any,
+        y: torch.Tensor,
+        step: torch.Tensor,
+        traj: torch.Tensor,
+        *,
+        sig: Optional[torch.Tensor] = None,
+        rows_key: Hashable = None,
+        features: bool = False,
+        upto: Optional[int] = None,
+    ) -> Any:
+        """The velocity the mean reads at states ``y (M, D)`` at steps ``step (M,)`` of trajectories
+        ``traj (M,)``: one call of ``target`` for a one-stage chain, ``s`` sequential calls for a chain
+        of ``s`` stages (:func:`specforest.stages.evaluate`). ``sig``: the states' levels ``(M,)`` where
+        the caller has them (default ``sig[step]``); ``rows_key``, ``features``, ``upto`` as there."""
+        sig = self.sig[step] if sig is None else sig
+        return evaluate(self.tableau, target, y, sig, step, traj, rows_key=rows_key, features=features, upto=upto)
 
     def mean(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, carried: Carried = NOTHING) -> torch.Tensor:
         """``a[step] * y + c[step] * v (+ sum_j past[step, j] p_j)``: ``y, v (M, ..., D)``, ``step (M, ...)``,

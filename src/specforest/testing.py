@@ -265,6 +265,29 @@ def _gaussian_velocity(t: float, mu0: torch.Tensor, s0: float) -> tuple[float, t
     return alpha, -alpha * a * mu0 - mu0
 
 
+def _staged_velocity(tr, n: int, t: float, mu0: torch.Tensor, s0: float) -> tuple[float, torch.Tensor]:
+    """``(alpha, beta)`` of the velocity ``v = alpha y + beta`` step ``n`` of the chain ``tr`` reads at
+    level ``t``: the model's, or a chain of several stages' ``v_eff = (y - D_eff) / t`` (each stage's
+    point and prediction affine in ``y``, from the tableau's definition in :mod:`specforest.stages`)."""
+    alpha, beta = _gaussian_velocity(t, mu0, s0)
+    st = tr.stage_tables
+    if st is None:
+        return alpha, beta
+    # each stage's prediction D_k = g_k y + h_k, its point y_k = p_k y + q_k
+    g, h = [1.0 - t * alpha], [-t * beta]
+    for k in range(1, st.count):
+        p = float(st.alpha[n, k]) + sum(float(st.beta[n, k, i]) * g[i] for i in range(k))
+        q = sum(float(st.beta[n, k, i]) * h[i] for i in range(k))
+        lv = float(st.level[n, k])
+        ak, bk = _gaussian_velocity(lv, mu0, s0)
+        g.append(p - lv * ak * p)
+        h.append(q - lv * (ak * q + bk))
+    w = [float(x) for x in st.weight[n]]
+    G = sum(wk * gk for wk, gk in zip(w, g, strict=True))
+    H = sum(wk * hk for wk, hk in zip(w, h, strict=True))
+    return (1.0 - G) / t, -H / t
+
+
 def chain_law(
     sigmas: torch.Tensor, churn: Optional[float], mu0: torch.Tensor, s0: float, *, chain=None, init_scale: float = 1.0
 ) -> tuple[torch.Tensor, float]:
@@ -296,7 +319,7 @@ def chain_law(
         cov[0, 0] = var
         for n in range(tr.steps):
             t = float(tr.sigmas[n])
-            alpha, beta = _gaussian_velocity(t, mu0, s0)
+            alpha, beta = _staged_velocity(tr, n, t, mu0, s0)
             a, c = float(tr.a[n]), float(tr.c[n])
             M = torch.zeros(h + 1, h + 1, dtype=torch.float64)  # (y, p) -> (y', p') without the offsets
             M[0, 0] = a + c * alpha

@@ -322,7 +322,7 @@ class OnDemand:
         u = cur[a]
         sa = (d.s0[a] + level - 1).clamp(max=ctx.T - 1)
         yu = self.cur_y[a]
-        vu = ctx.target(yu, ctx.tab.sig[sa], d.ids[a])
+        vu = ctx.tab.velocity(ctx.target, yu, sa, d.ids[a])
         self.cur_v[a] = vu
         self.cur_evaluated[a] = True
         carried = self.cur_carried.take(a)
@@ -440,7 +440,7 @@ class OnDemand:
         if need.numel():
             y = self.state(nodes)[need]
             s = (d.s0[need] + d.tt.depth[nodes[need]]).clamp(max=ctx.T - 1)
-            out[need] = ctx.target(y, ctx.tab.sig[s], d.ids[need])
+            out[need] = ctx.tab.velocity(ctx.target, y, s, d.ids[need])
         return out
 
     def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:

@@ -255,6 +255,45 @@ def sample_euler(
     )  # fmt: skip
 
 
+def sample_heun(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    s_churn: float = 0.0,
+    s_tmin: float = 0.0,
+    s_tmax: float = float("inf"),
+    s_noise: float = 1.0,
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """k-diffusion's ``sample_heun`` (EDM's Algorithm 2 with Heun steps), exactly; with a ``tree`` and
+    ``s_churn > 0``, speculated in law on the churned states ``x-hat`` (:class:`~specforest.chains.HeunChurn`).
+
+    Two model calls a step, one at the last (into 0): a standard run of ``N`` steps makes ``2 N - 1``
+    calls, as k-diffusion's; a speculative round makes two sequential batched calls. Randomness,
+    ``s_churn = 0`` and the other arguments as :func:`sample_euler`.
+    """
+    from ..chains import HeunChurn
+
+    _ve_only("sample_heun", path)
+    chain = HeunChurn(s_churn=s_churn, s_tmin=s_tmin, s_tmax=s_tmax, s_noise=s_noise)
+    return _drop_in(
+        chain, model, x, sigmas, extra_args, callback, disable, None,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options}, start=True,
+    )  # fmt: skip
+
+
 def sample_ddpm(
     model: Callable[..., torch.Tensor],
     x: torch.Tensor,

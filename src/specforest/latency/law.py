@@ -84,6 +84,8 @@ def predict_seconds(
     prefetch: str = "nearest",
     sweeps: int = 0,
     deterministic: int = DETERMINISTIC_STEPS,
+    stages: int = 1,
+    standard_calls: Optional[int] = None,
 ) -> "tuple[float, float]":
     """``(seconds of the run, calls)`` predicted for ``batch`` trajectories of ``steps`` steps.
 
@@ -109,6 +111,9 @@ def predict_seconds(
             rows a trajectory), costed on the curve and counted as calls.
         deterministic: the run's steps that no round verifies (its chain's steps of no noise:
             :data:`DETERMINISTIC_STEPS` for ``em``), one call each.
+        stages: the model calls a step of the run's chain makes (:attr:`~specforest.sde.GaussianChain.stages`):
+            every call of a speculative run is that many sequential calls of its rows (costed and counted
+            so); the standard run makes ``standard_calls`` (default ``steps * stages``), each of the batch.
 
     The run is simulated: ``batch`` trajectories step through the grid in
     lockstep calls (the first step, the first root's fetch, speculative rounds
@@ -138,7 +143,17 @@ def predict_seconds(
     per_round = sampler_seconds_per_round
     s_round = per_round if callable(per_round) else (lambda rows: per_round)
     if tree is None:
-        return setup_seconds + steps * (curve(batch) + s_round(batch)), float(steps)
+        n = steps * stages if standard_calls is None else standard_calls
+        return setup_seconds + n * curve(batch) + steps * s_round(batch), float(n)
+    if stages != 1:
+        # a round's (and a sweep's) call is ``stages`` sequential calls of the same rows
+        one = curve
+        curve = lambda rows: stages * one(rows)  # noqa: E731
+        seconds, calls = predict_seconds(
+            curve, steps, batch, tree, verify, acceptance, sampler_seconds_per_round, 1.0, setup_seconds,
+            prefetch, sweeps, deterministic,
+        )  # fmt: skip
+        return seconds, stages * calls
     deterministic = min(int(deterministic), steps)
     stoch = steps - deterministic
     bins = [(1.0, acceptance)] if callable(acceptance) else list(acceptance)

@@ -194,5 +194,6 @@ class Predictor:
             cal.prefetch,
             sweeps=get_proposal(self._draft(config.draft)).picard_sweeps if tree is not None else 0,
             deterministic=cal.steps - cal.stochastic_steps,
+            stages=getattr(cal.chain, "stages", 1),  # the chain's declaration: its calls a step
         )
         return seconds / cal.batch, calls
