@@ -182,9 +182,10 @@ def test_a_chain_registered_later_appears_without_an_edit(package):
 
 def test_a_chain_named_as_a_comfyui_sampler_appears_without_a_name_map_entry(package):
     """A chain registered under a ComfyUI sampler's name that the name map does not list (a stand-in here,
-    under ComfyUI's ``dpm_2_ancestral``) is that sampler: it is offered."""
-    name = "dpm_2_ancestral"
+    under ComfyUI's ``heunpp2``, which specforest does not register) is that sampler: it is offered."""
+    name = "heunpp2"
     assert name in C.samplers.KSAMPLER_NAMES and name not in package.samplers.COMFY_CHAINS
+    assert name not in chains.available_chains()
     chains.register_chain(name, chains.EulerAncestral)
     try:
         assert f"specforest_{name}" in package.samplers.register(C.samplers, C.k_sampling)
@@ -248,6 +249,7 @@ OPTIONS = {
     # drop-in) at every step: the same draws where the window holds every step
     "euler": {"s_churn": 2.0, "s_noise": 1.003},
     "heun": {"s_churn": 2.0, "s_noise": 1.003},
+    "dpm_2": {"s_churn": 2.0, "s_noise": 1.003},
     "dpmpp_2m_sde": {"eta": 1.0, "s_noise": 1.0, "solver_type": "heun"},
     "ddpm": {},
     "lcm": {},
@@ -317,6 +319,7 @@ LAW_CASES = {
     "lcm": {},
     "euler": {"s_churn": 4.0},
     "heun": {"s_churn": 4.0},
+    "dpm_2": {"s_churn": 4.0},
 }
 
 

@@ -232,6 +232,47 @@ def test_heun_with_churn_equals_k_diffusions_sample_heun(dtype, s_churn, s_tmin,
     assert ours_m.calls == real.calls == 2 * (len(sig) - 1) - 1
 
 
+TWO_STAGE = [
+    ("sample_dpm_2", {"s_churn": 20.0, "s_tmin": 0.1, "s_tmax": 40.0}),
+    ("sample_dpm_2", {"s_churn": 100.0, "s_noise": 1.003}),
+    ("sample_dpm_2", {}),
+    ("sample_dpm_2_ancestral", {}),
+    ("sample_dpm_2_ancestral", {"eta": 0.5, "s_noise": 1.05}),
+    ("sample_dpm_2_ancestral", {"eta": 1.5}),
+    ("sample_dpm_2_ancestral", {"eta": 0.0}),
+    ("sample_dpmpp_2s_ancestral", {}),
+    ("sample_dpmpp_2s_ancestral", {"eta": 0.5, "s_noise": 1.05}),
+    ("sample_dpmpp_2s_ancestral", {"eta": 1.5}),
+    ("sample_dpmpp_2s_ancestral", {"eta": 0.0}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name, kw", TWO_STAGE, ids=[f"{n[7:]}-{i}" for i, (n, _) in enumerate(TWO_STAGE)])
+def test_two_call_samplers_equal_k_diffusions(name, kw, dtype):
+    """k-diffusion 0.1.1.post1's own ``sample_dpm_2`` (churn from its global generator), ``sample_dpm_2_ancestral``
+    and ``sample_dpmpp_2s_ancestral`` (an injected noise sampler) fed the same noise: float64 to 1e-12 of the
+    output's scale, with the real function's calls counted at the model (two a step, one where it steps to 0:
+    every step with ``eta = 1.5``, where ``sigma_up`` clips to ``sigma'``)."""
+    sig = karras(15).to(dtype)
+    x = start(32, sig, dtype=dtype)
+    real, ours_m = Counted(bent), Counted(bent)
+    outs = []
+    for fn, m in ((getattr(sampling(), name), real), (getattr(kdiffusion, name), ours_m)):
+        extra = {}
+        if "ancestral" in name:
+            it = iter(draws(32, len(sig), dtype=dtype))
+            extra["noise_sampler"] = lambda a, b, it=it: next(it)
+        torch.manual_seed(3)
+        outs.append(fn(m, x, sig, **kw, **extra, disable=True))
+    ref, ours = outs
+    tol = 1e-12 if dtype == torch.float64 else 1e-3
+    assert ours.dtype == dtype
+    assert float((ours.double() - ref.double()).abs().max()) <= tol * float(ref.double().abs().max())
+    N = len(sig) - 1
+    assert ours_m.calls == real.calls == (N if kw.get("eta") == 1.5 else 2 * N - 1)
+
+
 def test_heun_into_zero_is_one_euler_call_and_a_step_counts_two():
     """The stage tables: the second call at ``sigma'`` from the Euler point, weights ``1 - sigma-hat / (2 sigma')``
     and ``sigma-hat / (2 sigma')``; the last step a single call; NFE counts calls (``stats.nfe``, ``stats.calls``)."""
@@ -299,6 +340,17 @@ def test_dpmpp_3m_sde_on_the_linear_path_is_comfys_const_sampler():
         (kdiffusion.sample_dpmpp_3m_sde, {"lazy": True}, "dpmpp_3m_sde", trees.uniform(2, 3), "grs"),
         (kdiffusion.sample_heun, {"s_churn": 5.0}, chains.HeunChurn(s_churn=5.0), trees.uniform(2, 3), "grs"),
         (kdiffusion.sample_heun, {"s_churn": 5.0, "lazy": True}, chains.HeunChurn(s_churn=5.0), trees.chain(4), "rmc"),
+        (kdiffusion.sample_dpm_2, {"s_churn": 5.0}, chains.DPM2Churn(s_churn=5.0), trees.uniform(2, 3), "grs"),
+        (kdiffusion.sample_dpm_2_ancestral, {}, "dpm_2_ancestral", trees.uniform(2, 3), "grs"),
+        (
+            kdiffusion.sample_dpm_2_ancestral,
+            {"eta": 0.7, "lazy": True},
+            chains.DPM2Ancestral(eta=0.7),
+            trees.chain(4),
+            "rmc",
+        ),
+        (kdiffusion.sample_dpmpp_2s_ancestral, {}, "dpmpp_2s_ancestral", trees.uniform(2, 3), "grs"),
+        (kdiffusion.sample_dpmpp_2s_ancestral, {"lazy": True}, "dpmpp_2s_ancestral", trees.chain(4), "rmc"),
     ],
 )
 def test_speculated_drop_ins_keep_the_chains_law(fn, kw, chain, tree, coupling):
@@ -387,6 +439,35 @@ def test_speculated_heun_matches_the_real_functions_samples_and_rejects_a_wrong_
     assert not law(wrong, sig, chains.HeunChurn(s_churn=5.0)).passed
 
 
+@pytest.mark.parametrize(
+    "name, right, wrong",
+    [
+        ("sample_dpm_2", {"s_churn": 5.0}, {"s_churn": 1.0}),
+        ("sample_dpm_2_ancestral", {}, {"eta": 0.5}),
+        ("sample_dpmpp_2s_ancestral", {}, {"eta": 0.5}),
+    ],
+    ids=["dpm_2", "dpm_2_ancestral", "dpmpp_2s_ancestral"],
+)
+def test_speculated_two_call_samplers_match_the_real_functions_samples(name, right, wrong):
+    """Against k-diffusion's own function with its default noise (torch's global generator), with a GRS tree and
+    an RMC chain, full and lazy, 10 Karras steps; the same comparison rejects the wrong setting (``s_churn`` 1
+    for 5, ``eta`` 0.5 for 1). The tree's run makes fewer sequential calls than the real function's ``2 N - 1``."""
+    sig = karras(10)
+    x = ve_start(N_LAW, sig, seed=3)
+    torch.manual_seed(0)
+    real = getattr(sampling(), name)(denoiser, x, sig, **right, disable=True)
+    run = dict(seed=9, disable=True, draft="x0")
+    fn = getattr(kdiffusion, name)
+    for tree, coupling, lazy in ((trees.uniform(2, 3), "grs", False), (trees.chain(4), "rmc", True)):
+        ours = fn(denoiser, x, sig, **right, tree=tree, coupling=coupling, lazy=lazy, **run)
+        assert min(_two_sample_p(ours, real)) > 1e-4
+    counted = Counted(denoiser)
+    fn(counted, x, sig, **right, tree=trees.uniform(2, 3), **run)
+    assert counted.calls < 2 * 10 - 1
+    bad = fn(denoiser, x, sig, **wrong, tree=trees.uniform(2, 3), **run)
+    assert min(_two_sample_p(bad, real)) < 1e-6
+
+
 # -- refusals -------------------------------------------------------------------------------------
 
 
@@ -435,9 +516,15 @@ DROP_INS = [
     (kdiffusion.sample_lcm, {}),
     (kdiffusion.sample_dpmpp_3m_sde, {}),
     (kdiffusion.sample_heun, {"s_churn": 20.0}),
+    (kdiffusion.sample_dpm_2, {"s_churn": 20.0}),
+    (kdiffusion.sample_dpm_2_ancestral, {}),
+    (kdiffusion.sample_dpmpp_2s_ancestral, {}),
 ]
-DROP_IN_IDS = ["euler_ancestral", "euler", "dpmpp_2m_sde", "ddpm", "lcm", "dpmpp_3m_sde", "heun"]
-CHURNED = (kdiffusion.sample_euler, kdiffusion.sample_heun)
+DROP_IN_IDS = [
+    "euler_ancestral", "euler", "dpmpp_2m_sde", "ddpm", "lcm", "dpmpp_3m_sde", "heun", "dpm_2", "dpm_2_ancestral",
+    "dpmpp_2s_ancestral",
+]  # fmt: skip
+CHURNED = (kdiffusion.sample_euler, kdiffusion.sample_heun, kdiffusion.sample_dpm_2)
 
 
 @pytest.mark.parametrize("tree", [None, trees.chain(2)], ids=["standard", "tree"])
@@ -498,7 +585,7 @@ def _same_callbacks(ours: list, ref: list) -> None:
             torch.testing.assert_close(a[k], b[k], rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("name", ["sample_euler", "sample_heun"])
+@pytest.mark.parametrize("name", ["sample_euler", "sample_heun", "sample_dpm_2"])
 @pytest.mark.parametrize(
     "s_churn, s_tmin, s_tmax",
     [(20.0, 0.1, 40.0), (4.0, 0.0, float("inf")), (100.0, 0.5, 10.0)],
@@ -521,7 +608,16 @@ def test_euler_callback_is_k_diffusions_with_churn(s_churn, s_tmin, s_tmax, name
     _same_callbacks(_keys(ours), ref)
 
 
-@pytest.mark.parametrize("name", ["sample_euler_ancestral", "sample_dpmpp_2m_sde", "sample_dpmpp_3m_sde"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sample_euler_ancestral",
+        "sample_dpmpp_2m_sde",
+        "sample_dpmpp_3m_sde",
+        "sample_dpm_2_ancestral",
+        "sample_dpmpp_2s_ancestral",
+    ],
+)
 def test_ancestral_callbacks_are_k_diffusions(name):
     sig = karras(10)
     x, z = start(8, sig), draws(8, len(sig))
@@ -583,8 +679,11 @@ def test_the_docs_stats_snippet_runs(capsys):
         (kdiffusion.sample_lcm, {}, chains.LCM()),
         (kdiffusion.sample_dpmpp_3m_sde, {"eta": 0.6, "s_noise": 1.1}, chains.DPMPP3MSDE(eta=0.6, s_noise=1.1)),
         (kdiffusion.sample_heun, {"s_churn": 20.0, "s_tmax": 40.0}, chains.HeunChurn(s_churn=20.0, s_tmax=40.0)),
+        (kdiffusion.sample_dpm_2, {"s_churn": 20.0, "s_tmin": 0.5}, chains.DPM2Churn(s_churn=20.0, s_tmin=0.5)),
+        (kdiffusion.sample_dpm_2_ancestral, {"eta": 0.7}, chains.DPM2Ancestral(eta=0.7)),
+        (kdiffusion.sample_dpmpp_2s_ancestral, {"s_noise": 1.05}, chains.DPMPP2SAncestral(s_noise=1.05)),
     ],
-    ids=DROP_IN_IDS[:1] + ["euler", "dpmpp_2m_sde", "ddpm", "lcm", "dpmpp_3m_sde", "heun"],
+    ids=DROP_IN_IDS,
 )
 def test_a_drop_in_is_kdiffusion_sample_with_its_chain(fn, kw, chain, tree):
     """What ``docs/kdiffusion.md`` says to call for a drop-in's statistics gives its samples, bitwise."""

@@ -32,7 +32,10 @@ Registered (:func:`available_chains`; :func:`register_chain` adds one):
 * ``dpmpp_3m_sde``: k-diffusion's ``sample_dpmpp_3m_sde`` (``eta``, ``s_noise``), whose mean reads the
   two previous steps' predictions (``history = 2``);
 * ``heun``: EDM's Algorithm 2 (k-diffusion's ``sample_heun`` with ``s_churn``), two model calls a step
-  (``stages = 2``), as a chain on the churned state like ``euler``.
+  (``stages = 2``), as a chain on the churned state like ``euler``;
+* ``dpm_2``: k-diffusion's ``sample_dpm_2`` (DPM-Solver-2 with churn), two calls a step, on the churned state;
+* ``dpm_2_ancestral``, ``dpmpp_2s_ancestral``: k-diffusion's ``sample_dpm_2_ancestral`` and
+  ``sample_dpmpp_2s_ancestral`` (``eta``, ``s_noise``), two calls a step.
 
 ``../shared/research/samplers.md`` (in the project's notes) and ``docs/chains.md`` give
 each update as its code does it.
@@ -57,6 +60,9 @@ __all__ = [
     "DDPM",
     "DPMPP2MSDE",
     "DPMPP3MSDE",
+    "DPM2Ancestral",
+    "DPM2Churn",
+    "DPMPP2SAncestral",
     "EM",
     "REFUSED",
     "LCM",
@@ -434,24 +440,140 @@ class HeunChurn(EulerChurn):
 
     def stage_points(self, sigmas):
         s, hat, t_hat = self._churned(sigmas)
-        h, nxt, t = hat[:-1], s[1:], t_hat[:-1]
+        h, nxt = hat[:-1], s[1:]
         last = nxt == 0
-        ratio = nxt / h
-        # the step into 0 evaluates no second stage: a finite point at its own state, weight 0
-        t2 = torch.where(last, t, sigmas[1:])
-        alpha, beta = stage_from_ve(
-            t,
-            t2,
-            torch.where(last, torch.ones_like(h), ratio),
-            torch.where(last, torch.zeros_like(h), 1.0 - ratio)[:, None],
-        )
-        w2 = torch.where(last, torch.zeros_like(h), h / (2.0 * torch.where(last, h, nxt)))
-        T = h.numel()
-        level = torch.stack([t, t2], 1)
-        al = torch.stack([torch.ones_like(h), alpha], 1)
-        be = torch.zeros(T, 2, 2, dtype=torch.float64)
-        be[:, 1, :1] = beta
-        return level, al, be, torch.stack([1.0 - w2, w2], 1)
+        # the second call at sigma' itself (t' = sigmas[n + 1], the grid's own level)
+        w2 = h / (2.0 * torch.where(last, h, nxt))
+        return _euler_point_stages(t_hat[:-1], h, nxt, sigmas[1:], w2, last)
+
+
+def _euler_point_stages(
+    t: torch.Tensor, sigma: torch.Tensor, mid: torch.Tensor, t_mid: torch.Tensor, w2: torch.Tensor, one: torch.Tensor
+) -> tuple:
+    """The tableau of a two-stage VE step whose second call is at the Euler point toward ``mid``:
+    ``x_2 = (mid / sigma) x + (1 - mid / sigma) D_1`` at ``mid`` (Heun, DPM-Solver-2, DPM++ 2S: the same
+    point), ``D_eff = (1 - w2) D_1 + w2 D_2`` (:meth:`Chain.stage_points`).
+
+    Args:
+        t, sigma: ``(T,)`` the states' levels, linear and VE.
+        mid, t_mid: ``(T,)`` the second call's level, VE and linear.
+        w2: ``(T,)`` the second prediction's weight.
+        one: ``(T,)`` bool, the steps that make one call (an Euler step into 0): their second stage is a
+            finite point at the state itself, of weight 0.
+    """
+    ratio = torch.where(one, sigma, mid) / sigma
+    # the steps of one call evaluate no second stage: a finite point at their own state, weight 0
+    t2 = torch.where(one, t, t_mid)
+    alpha, beta = stage_from_ve(t, t2, ratio, (1.0 - ratio)[:, None])
+    w2 = torch.where(one, torch.zeros_like(w2), w2)
+    be = torch.zeros(t.numel(), 2, 2, dtype=torch.float64)
+    be[:, 1, :1] = beta
+    return torch.stack([t, t2], 1), torch.stack([torch.ones_like(t), alpha], 1), be, torch.stack([1.0 - w2, w2], 1)
+
+
+def _log_midpoint(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """k-diffusion's ``a.log().lerp(b.log(), 0.5).exp()``, the geometric mean of ``a, b > 0`` (``(T,)``)."""
+    return torch.lerp(a.log(), b.log(), 0.5).exp()
+
+
+def _ancestral_ve(s: torch.Tensor, s_next: torch.Tensor, eta: float) -> tuple:
+    """k-diffusion's ``get_ancestral_step`` on VE levels: ``(sigma_down, sigma_up)``, each ``(T,)``."""
+    up = torch.minimum(s_next, eta * (s_next**2 * (s**2 - s_next**2) / s**2).clamp_min(0.0).sqrt())
+    return (s_next**2 - up**2).clamp_min(0.0).sqrt(), up
+
+
+@dataclass(frozen=True)
+class DPM2Churn(EulerChurn):
+    """k-diffusion's ``sample_dpm_2`` (DPM-Solver-2 with EDM's churn: ``s_churn``, ``s_tmin``, ``s_tmax``,
+    ``s_noise``), on the churned state ``x-hat`` as :class:`EulerChurn`: two calls a step.
+
+    ``D_1`` at ``x-hat`` (``sigma-hat``), ``D_2`` at ``x_2 = x-hat + (sigma_mid - sigma-hat) d_1`` at the log-midpoint
+    ``sigma_mid = sqrt(sigma-hat sigma')``, then ``x = x-hat + (sigma' - sigma-hat) d_2``: the Euler step's
+    ``P, Q`` with ``D_eff = (1 - sigma-hat / sigma_mid) D_1 + (sigma-hat / sigma_mid) D_2``. Into 0: Euler's, one call.
+    """
+
+    name: ClassVar[str] = "dpm_2"
+    stages: ClassVar[int] = 2
+
+    def stage_points(self, sigmas):
+        s, hat, t_hat = self._churned(sigmas)
+        h, nxt = hat[:-1], s[1:]
+        last = nxt == 0
+        mid = _log_midpoint(h, torch.where(last, h, nxt))
+        return _euler_point_stages(t_hat[:-1], h, mid, mid / (1.0 + mid), h / mid, last)
+
+
+@dataclass(frozen=True)
+class _AncestralTwoStage(Chain):
+    """An ancestral step of two calls on VE levels (``eta``, ``s_noise``): ``(sigma_down, sigma_up) =
+    get_ancestral_step(sigma, sigma', eta)``, the deterministic step to ``sigma_down`` at the log-midpoint's
+    Euler point (two calls; one, the Euler step ``x' = D``, where ``sigma_down = 0``), then ``s_noise sigma_up z``."""
+
+    eta: float = 1.0
+    s_noise: float = 1.0
+    stages: ClassVar[int] = 2
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
+        object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+
+    def _noise(self, s_next: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``(T,)`` the VE noise scale of each step: ``s_noise sigma_up`` where ``sigma' > 0``."""
+        return torch.where(s_next > 0, self.s_noise * up, torch.zeros_like(up))
+
+    def _weight(self, s: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
+        """``(T,)`` the second prediction's weight in ``D_eff``."""
+        raise NotImplementedError
+
+    def step(self, t, t_next):
+        s, s_next = _ve(t), _ve(t_next)
+        down, up = _ancestral_ve(s, s_next, self.eta)
+        ratio = down / s
+        return from_ve(t, t_next, ratio, 1.0 - ratio, self._noise(s_next, down, up))
+
+    def stage_points(self, sigmas):
+        t = sigmas[:-1]
+        s, s_next = _ve(t), _ve(sigmas[1:])
+        down, _ = _ancestral_ve(s, s_next, self.eta)
+        one = down == 0
+        mid = _log_midpoint(s, torch.where(one, s, down))
+        return _euler_point_stages(t, s, mid, mid / (1.0 + mid), self._weight(s, mid), one)
+
+
+@dataclass(frozen=True)
+class DPM2Ancestral(_AncestralTwoStage):
+    """k-diffusion's ``sample_dpm_2_ancestral`` (``eta``, ``s_noise``): DPM-Solver-2 to ``sigma_down`` (the
+    second call at ``sigma_mid = sqrt(sigma sigma_down)``, ``x' = x + (sigma_down - sigma) d_2``, so
+    ``D_eff = (1 - sigma / sigma_mid) D_1 + (sigma / sigma_mid) D_2``), then ``s_noise sigma_up z``; where
+    ``sigma_down = 0`` the Euler step ``x' = D`` with no noise (its code adds the noise in the two-call branch only)."""
+
+    name: ClassVar[str] = "dpm_2_ancestral"
+
+    def draws_noise(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """``(T,)`` bool: the steps whose code draws a noise on the VE levels ``sigmas (T + 1,)`` (those with
+        ``sigma_down > 0``; with ``eta > 1`` ``sigma_up`` can clip to ``sigma'`` before the last step)."""
+        s = sigmas.detach().to("cpu", torch.float64)
+        return _ancestral_ve(s[:-1], s[1:], self.eta)[0] > 0
+
+    def _noise(self, s_next, down, up):
+        return torch.where(down > 0, self.s_noise * up, torch.zeros_like(up))
+
+    def _weight(self, s, mid):
+        return s / mid
+
+
+@dataclass(frozen=True)
+class DPMPP2SAncestral(_AncestralTwoStage):
+    """k-diffusion's ``sample_dpmpp_2s_ancestral`` (``eta``, ``s_noise``): DPM-Solver++(2S) to ``sigma_down``,
+    ``x_2 = (sigma_mid / sigma) x - expm1(-h / 2) D_1`` at ``sigma_mid = sqrt(sigma sigma_down)``
+    (``h = log(sigma / sigma_down)``), ``x' = (sigma_down / sigma) x - expm1(-h) D_2``: the mean reads the second
+    prediction only (``D_eff = D_2``); then ``s_noise sigma_up z`` where ``sigma' > 0``. Where
+    ``sigma_down = 0`` the Euler step ``x' = D``."""
+
+    name: ClassVar[str] = "dpmpp_2s_ancestral"
+
+    def _weight(self, s, mid):
+        return torch.ones_like(s)
 
 
 VARIANCES = ("fixed_small", "fixed_large")
@@ -777,7 +899,23 @@ REFUSED = {
 
 _CHAINS: Registry[Chain] = Registry(
     "chain",
-    {c.name: c for c in (EM, EulerAncestral, EulerChurn, DDPM, DDIM, LCM, DPMPP2MSDE, DPMPP3MSDE, HeunChurn)},
+    {
+        c.name: c
+        for c in (
+            EM,
+            EulerAncestral,
+            EulerChurn,
+            DDPM,
+            DDIM,
+            LCM,
+            DPMPP2MSDE,
+            DPMPP3MSDE,
+            HeunChurn,
+            DPM2Churn,
+            DPM2Ancestral,
+            DPMPP2SAncestral,
+        )
+    },  # fmt: skip
     case_insensitive=True,
 )
 

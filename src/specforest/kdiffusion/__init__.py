@@ -2,7 +2,8 @@
 
 :func:`sample_speculative` (:mod:`~specforest.kdiffusion.speculative`) runs the library's chain
 behind k-diffusion's signature; the drop-ins (:mod:`~specforest.kdiffusion.dropins`:
-``sample_euler_ancestral``, ``sample_euler``, ``sample_heun``, ``sample_dpmpp_2m_sde``, ``sample_dpmpp_3m_sde``, ``sample_ddpm``,
+``sample_euler_ancestral``, ``sample_euler``, ``sample_heun``, ``sample_dpm_2``, ``sample_dpm_2_ancestral``,
+``sample_dpmpp_2s_ancestral``, ``sample_dpmpp_2m_sde``, ``sample_dpmpp_3m_sde``, ``sample_ddpm``,
 ``sample_lcm``) are the samplers people run, exactly (``docs/kdiffusion.md``). The schedules they take are
 k-diffusion's own VE sigmas, under k-diffusion's names (:mod:`specforest.schedules`): ``get_sigmas_karras``,
 ``get_sigmas_exponential``, ``get_sigmas_polyexponential``, ``get_sigmas_vp``. :func:`has_features` says
@@ -12,7 +13,10 @@ whether a denoiser keeps the deep features ``draft="cached"`` reuses.
 from ..schedules import get_sigmas_exponential, get_sigmas_karras, get_sigmas_polyexponential, get_sigmas_vp
 from .dropins import (
     sample_ddpm,
+    sample_dpm_2,
+    sample_dpm_2_ancestral,
     sample_dpmpp_2m_sde,
+    sample_dpmpp_2s_ancestral,
     sample_dpmpp_3m_sde,
     sample_dpmpp_sde,
     sample_euler,
@@ -33,7 +37,10 @@ __all__ = [
     "linear_grid",
     "sample",
     "sample_ddpm",
+    "sample_dpm_2",
+    "sample_dpm_2_ancestral",
     "sample_dpmpp_2m_sde",
+    "sample_dpmpp_2s_ancestral",
     "sample_dpmpp_3m_sde",
     "sample_dpmpp_sde",
     "sample_euler",

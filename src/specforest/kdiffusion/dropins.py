@@ -63,12 +63,17 @@ def _seed(seed: Any, extra_args: Optional[dict], tree: Any, generator: Any) -> O
 
 
 def _step_noise(
-    x: torch.Tensor, sigmas: torch.Tensor, noise_sampler: Optional[Callable], start: bool = False
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    noise_sampler: Optional[Callable],
+    start: bool = False,
+    draws: Optional[list] = None,
 ) -> Callable[[int], torch.Tensor]:
     """The standard chain's noise in k-diffusion's order of calls: step ``n``'s draw is
     ``noise_sampler(sigmas[n], sigmas[n + 1])`` (or ``torch.randn_like(x)`` without one), made only
     where ``sigmas[n + 1] > 0``; with ``start`` (EDM's churn) the draws are one step ahead (the start
-    takes the first, step ``n`` the churn of step ``n + 1``)."""
+    takes the first, step ``n`` the churn of step ``n + 1``). ``draws``: per step, whether the sampler's code
+    draws there (default: where ``sigmas[n + 1] > 0``)."""
     T = sigmas.numel() - 1
     started = [False]
 
@@ -83,7 +88,7 @@ def _step_noise(
                 if n == -1:
                     return z0
             return torch.randn_like(x) if n + 1 < T else torch.zeros_like(x)
-        if not bool(sigmas[n + 1] > 0):
+        if not (bool(sigmas[n + 1] > 0) if draws is None else draws[n]):
             return torch.zeros_like(x)
         return noise_sampler(sigmas[n], sigmas[n + 1]) if noise_sampler is not None else torch.randn_like(x)
 
@@ -115,6 +120,7 @@ def _drop_in(
     shared_args,
     options,
     start: bool = False,
+    draws: Optional[list] = None,
 ) -> torch.Tensor:
     for name in ("chain", "churn", "noise"):
         if name in options:
@@ -135,7 +141,7 @@ def _drop_in(
     seed = _seed(seed, extra_args, tree, generator)
     noise = None
     if tree is None and (noise_sampler is not None or (seed is None and generator is None)):
-        noise = _step_noise(x, sigmas, noise_sampler, start=start)
+        noise = _step_noise(x, sigmas, noise_sampler, start=start, draws=draws)
     return sample(
         model,
         x,
@@ -291,6 +297,117 @@ def sample_heun(
         chain, model, x, sigmas, extra_args, callback, disable, None,
         tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
         options={"coupling": coupling, "draft": draft, **options}, start=True,
+    )  # fmt: skip
+
+
+def sample_dpm_2(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    s_churn: float = 0.0,
+    s_tmin: float = 0.0,
+    s_tmax: float = float("inf"),
+    s_noise: float = 1.0,
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """k-diffusion's ``sample_dpm_2`` (DPM-Solver-2 with EDM's churn), exactly; with a ``tree`` and
+    ``s_churn > 0``, speculated in law on the churned states (:class:`~specforest.chains.DPM2Churn`).
+
+    Two model calls a step, one at the last (into 0), as k-diffusion's. Randomness, ``s_churn = 0`` and
+    the other arguments as :func:`sample_euler`.
+    """
+    from ..chains import DPM2Churn
+
+    _ve_only("sample_dpm_2", path)
+    chain = DPM2Churn(s_churn=s_churn, s_tmin=s_tmin, s_tmax=s_tmax, s_noise=s_noise)
+    return _drop_in(
+        chain, model, x, sigmas, extra_args, callback, disable, None,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options}, start=True,
+    )  # fmt: skip
+
+
+def sample_dpm_2_ancestral(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    eta: float = 1.0,
+    s_noise: float = 1.0,
+    noise_sampler: Optional[Callable] = None,
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """k-diffusion's ``sample_dpm_2_ancestral``, exactly; with a ``tree``, speculated in law
+    (:class:`~specforest.chains.DPM2Ancestral`). Two model calls a step, one where ``sigma_down = 0``.
+
+    The noise sampler is called where k-diffusion calls it (steps with ``sigma_down > 0``). Arguments and
+    randomness as :func:`sample_euler_ancestral` (VE levels only).
+    """
+    from ..chains import DPM2Ancestral
+
+    _ve_only("sample_dpm_2_ancestral", path)
+    chain = DPM2Ancestral(eta=eta, s_noise=s_noise)
+    return _drop_in(
+        chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options},
+        draws=chain.draws_noise(sigmas).tolist() if isinstance(sigmas, torch.Tensor) else None,
+    )  # fmt: skip
+
+
+def sample_dpmpp_2s_ancestral(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    eta: float = 1.0,
+    s_noise: float = 1.0,
+    noise_sampler: Optional[Callable] = None,
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """k-diffusion's ``sample_dpmpp_2s_ancestral`` (DPM-Solver++(2S) with ancestral noise), exactly; with a
+    ``tree``, speculated in law (:class:`~specforest.chains.DPMPP2SAncestral`). Two model calls a step,
+    one where ``sigma_down = 0``. Arguments and randomness as :func:`sample_euler_ancestral` (VE levels only).
+    """
+    from ..chains import DPMPP2SAncestral
+
+    _ve_only("sample_dpmpp_2s_ancestral", path)
+    chain = DPMPP2SAncestral(eta=eta, s_noise=s_noise)
+    return _drop_in(
+        chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options},
     )  # fmt: skip
 
 
