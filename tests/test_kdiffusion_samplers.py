@@ -273,6 +273,20 @@ def test_two_call_samplers_equal_k_diffusions(name, kw, dtype):
     assert ours_m.calls == real.calls == (N if kw.get("eta") == 1.5 else 2 * N - 1)
 
 
+@pytest.mark.parametrize("eta", [1.0, 1.5, 1.2])
+def test_dpm_2_ancestral_draws_noise_only_where_its_code_steps_down(eta):
+    """k-diffusion's ``sample_dpm_2_ancestral`` adds ``sigma_up`` noise in its two-call branch only (``sigma_down > 0``,
+    from its own ``get_ancestral_step``): where ``eta > 1`` clips ``sigma_up`` to ``sigma'`` the step is ``x' = D``,
+    a point mass. The chain's noise scale is positive exactly there, and its drop-in draws there."""
+    sig = karras(15)
+    down = torch.tensor([float(sampling().get_ancestral_step(sig[i], sig[i + 1], eta=eta)[0]) for i in range(15)])
+    ch = chains.DPM2Ancestral(eta=eta)
+    tr = ch.build(linear_grid(sig))
+    assert torch.equal(tr.scale > 0, down > 0) and torch.equal(ch.draws_noise(sig), down > 0)
+    if eta == 1.2:
+        assert bool((down > 0).any()) and bool((down[:-1] == 0).any())  # both kinds of step on this grid
+
+
 def test_heun_into_zero_is_one_euler_call_and_a_step_counts_two():
     """The stage tables: the second call at ``sigma'`` from the Euler point, weights ``1 - sigma-hat / (2 sigma')``
     and ``sigma-hat / (2 sigma')``; the last step a single call; NFE counts calls (``stats.nfe``, ``stats.calls``)."""
