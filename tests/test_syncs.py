@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specforest
-from specforest import engine, residuals, trees
+from specforest import chains, engine, residuals, trees
 from specforest.couplings import GRS
 from specforest.models import GaussianMixture
 
@@ -49,7 +49,8 @@ def _syncs_per_round(monkeypatch, **kw):
     monkeypatch.setattr(residuals, "_needed", lambda mask: True)
     monkeypatch.setattr(engine, "host_read", lambda t: reads.append(1) or real_read(t))
     monkeypatch.setattr(engine, "run_round", counted_round)
-    specforest.sample(GMM, X, steps=20, churn=0.4, seed=0, **kw)
+    run = kw.pop("run", {"steps": 20, "churn": 0.4})
+    specforest.sample(GMM, X, seed=0, **run, **kw)
     return (sum(spy.count.values()) + len(reads)) / len(rounds), spy.count
 
 
@@ -73,6 +74,15 @@ def test_list_couplings_stay_within_depth_plus_two_synchronizations(monkeypatch,
 def test_standard_sampler_synchronizes_never_inside_a_round(monkeypatch):
     per_round, seen = _syncs_per_round(monkeypatch, tree=None)
     assert per_round == 0, seen
+
+
+@pytest.mark.parametrize("tree", [None, trees.uniform(2, 3)], ids=["standard", "tree"])
+def test_a_chain_of_two_stages_adds_no_synchronization(monkeypatch, tree):
+    """Heun's second call per round (its stage points, its weights) reads nothing on the host: the
+    standard sampler still none inside a round (its steps' stage counts are the run's tables'), a tree at most two."""
+    run = {"sigmas": chains.karras_linear_grid(20, 0.03, 20.0), "chain": chains.HeunChurn(s_churn=5.0)}
+    per_round, seen = _syncs_per_round(monkeypatch, tree=tree, run=run)
+    assert per_round <= (0 if tree is None else 2), (per_round, seen)
 
 
 def test_the_counter_sees_an_extra_synchronization(monkeypatch):
