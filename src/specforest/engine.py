@@ -15,7 +15,8 @@ run's round function, chosen once when the context is made
   2. :func:`~specforest.drafting.draft` (:mod:`specforest.drafting`) -- the
      speculating trajectories' trees (all children at once in full mode; only
      the roots in lazy mode), keeping the draft means;
-  3. :func:`evaluate` -- **one** batched target call for every row of the round;
+  3. :func:`evaluate` -- **one** batched target call for every row of the round (``s`` sequential
+     ones for a chain of ``s`` stages, :mod:`specforest.stages`);
   4. :func:`~specforest.walk.walk` (:mod:`specforest.walk`) -- from each root
      down the tree with the coupling until the first rejection, the residual
      draw there, and the prefetch rule: one walk for both execution modes, which
