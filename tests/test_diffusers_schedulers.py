@@ -60,6 +60,39 @@ CASES = {
     "dpm_sde_1": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++", solver_order=1), 0.0, 20),
     "lcm": ("LCMScheduler", dict(), 0.0, 6),
     "tcd": ("TCDScheduler", dict(), 0.3, 6),
+    # third order reads two past predictions; below 15 steps lower_order_final makes the last but one second order
+    "dpm_sde_3": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++", solver_order=3), 0.0, 20),
+    "dpm_sde_3_short": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++", solver_order=3), 0.0, 9),
+    "dpm_sde_3_no_lower_final": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", solver_order=3, lower_order_final=False),
+        0.0,
+        9,
+    ),
+    "dpm_sde_3_heun_karras": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", solver_order=3, solver_type="heun", use_karras_sigmas=True),
+        0.0,
+        12,
+    ),
+    "dpm_sde_2_lu": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", use_lu_lambdas=True),
+        0.0,
+        12,
+    ),
+    "dpm_sde_2_euler_at_final": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", euler_at_final=True),
+        0.0,
+        12,
+    ),
+    "dpm_sde_3_exponential": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", solver_order=3, use_exponential_sigmas=True),
+        0.0,
+        12,
+    ),
 }
 
 
@@ -214,6 +247,14 @@ LAW = {
     "ddim": ("DDIMScheduler", dict(clip_sample=False, timestep_spacing="trailing"), 1.0, 30, trees.chain(5), "rmc"),
     "euler_a": ("EulerAncestralDiscreteScheduler", dict(), 0.0, 20, trees.uniform(2, 2), "grs"),
     "dpm_sde": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++"), 0.0, 20, trees.chain(4), "rmc"),
+    "dpm_sde_3": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", solver_order=3),
+        0.0,
+        20,
+        trees.uniform(2, 2),
+        "grs",
+    ),
     "lcm": ("LCMScheduler", dict(), 0.0, 6, trees.uniform(2, 2), "grs"),
     "tcd": ("TCDScheduler", dict(), 0.3, 8, trees.chain(3), "rmc"),
 }

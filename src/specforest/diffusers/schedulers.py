@@ -532,40 +532,118 @@ class _EulerAncestral(Followed):
         return Tables(grid, *EulerAncestral(eta=1.0).step(grid[:-1], grid[1:]), noise_scale=scale)
 
 
+def _dpm_sde_third(s: torch.Tensor, solver_type: str, lower_order_final: bool) -> tuple:
+    """``(P, Q, B (T, 2), R)`` on VE levels of diffusers' ``sde-dpmsolver++`` at ``solver_order=3`` on the VE
+    levels ``s (T,)`` then 0 (``x' = P x + Q D + B_0 D_1 + B_1 D_2 + R z``, ``D_j`` the prediction ``j`` steps before).
+
+    Its step picks its order as ``DPMSolverMultistepScheduler.step`` does: first at step 0 and at the last step
+    (into 0), second at step 1 and, with ``lower_order_final`` and fewer than 15 steps, at the last but one; third
+    elsewhere, ``h = log(s / s')``, ``r0 = h_1 / h``, ``r1 = h_2 / h`` (the two steps before)::
+
+        x' = (s' / s) e^(-h) x + (1 - e^(-2h)) D0 + c1 D1 + c2 D2 + s' sqrt(1 - e^(-2h)) z,
+        c1 = (1 - e^(-2h)) / (-2h) + 1,  c2 = (1 - e^(-2h) - 2h) / (2h)^2 - 1/2,
+
+    with ``D1 = D1_0 + r0 (D1_0 - D1_1) / (r0 + r1)``, ``D2 = (D1_0 - D1_1) / (r0 + r1)``, ``D1_0 = (D - D_1) / r0``,
+    ``D1_1 = (D_1 - D_2) / r1``. (diffusers' ``c2`` is not k-diffusion's DPM++ 3M SDE ``-phi_3``: the sign of its
+    ``1/2`` differs, so this is its own chain.)
+    """
+    grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
+    t, t_next = grid[:-1], grid[1:]
+    P, Q0, k, R, h = DPMPP2MSDE(eta=1.0, solver_type=solver_type)._terms(t, t_next)
+    T = s.numel()
+    n = torch.arange(T)
+    last = n == T - 1
+    second = (n == 1) | ((n == T - 2) & lower_order_final & (T < 15))
+    third = (n >= 2) & ~second & ~last
+    H = 2.0 * h
+    c1 = Q0 / (-H) + 1.0
+    c2 = (Q0 - H) / (H * H) - 0.5
+    r0 = torch.cat([h.new_ones(1), h[:-1] / h[1:]])
+    r1 = torch.cat([h.new_ones(2), h[:-2] / h[2:]])
+    u, w = r0 / (r0 + r1), 1.0 / (r0 + r1)
+    alpha, beta = c1 * (1.0 + u) + c2 * w, c1 * u + c2 * w
+    zero = torch.zeros_like(h)
+    e0 = torch.where(third, alpha / r0, torch.where(second & ~last, k / r0, zero))  # of D - D_1
+    e1 = torch.where(third, beta / r1, zero)  # of D_1 - D_2, with a minus
+    B = torch.stack([-e0 - e1, e1], 1)
+    return P, Q0 + e0, B, R
+
+
 @register_scheduler
 class _DPMSolverMultistep(Followed):
-    """DPM-Solver++ with ``algorithm_type="sde-dpmsolver++"``: k-diffusion's DPM++ 2M SDE at ``eta = 1`` for
-    ``solver_order`` 1 (without its multistep term) and 2; at order 3 diffusers' own third-order update, which
-    reads two past predictions (history 2)."""
+    """DPM-Solver++ with ``algorithm_type="sde-dpmsolver++"`` on VP latents: k-diffusion's DPM++ 2M SDE at
+    ``eta = 1`` for ``solver_order`` 1 (without its multistep term) and 2 (history 1); at order 3 diffusers'
+    own third-order update (:func:`_dpm_sde_third`), which reads two past predictions (history 2). Its sigmas
+    (Karras, exponential, beta, Lu's lambdas) are read off the scheduler; ``euler_at_final`` changes nothing with
+    ``final_sigmas_type="zero"`` (the last step is first order there anyway)."""
 
     name = "DPMSolverMultistepScheduler"
     noise_dtype = torch.float32
 
     @classmethod
     def refusal(cls, cfg):
-        if cfg.get("algorithm_type") != "sde-dpmsolver++" or cfg.get("solver_order", 2) not in (1, 2):
+        if cfg.get("algorithm_type") != "sde-dpmsolver++" or cfg.get("solver_order", 2) not in (1, 2, 3):
             return (
-                f"{cls.name} is followed with algorithm_type='sde-dpmsolver++' and solver_order 1 "
-                f"or 2 (got {cfg.get('algorithm_type')!r}, order {cfg.get('solver_order')}); the ODE algorithms are "
+                f"{cls.name} is followed with algorithm_type='sde-dpmsolver++' and solver_order 1, 2 "
+                f"or 3 (got {cfg.get('algorithm_type')!r}, order {cfg.get('solver_order')}); the ODE algorithms are "
                 "deterministic and sde-dpmsolver is deprecated in diffusers"
             )
-        if cfg.get("final_sigmas_type", "zero") != "zero" or cfg.get("euler_at_final", False):
-            return f"{cls.name} is followed with final_sigmas_type='zero' only"
+        if cfg.get("final_sigmas_type", "zero") != "zero":
+            return f"{cls.name} is followed with final_sigmas_type='zero' only (sigma_min ends the grid above the data)"
+        if cfg.get("use_flow_sigmas", False):
+            return f"{cls.name} with use_flow_sigmas=True (latents on the flow path) is not followed yet"
+        if cfg.get("variance_type") is not None:
+            return (
+                f"{cls.name} with variance_type={cfg.get('variance_type')!r} (the network's variance channels, "
+                "which the step drops) is not followed"
+            )
         return None
+
+    @classmethod
+    def noise_scale(cls, sch: Any, s0: float) -> float:
+        """The initial state's scale on the linear path (VP latents)."""
+        return _vp_noise_scale(sch, s0)
 
     @classmethod
     def tables(cls, sch, eta):
         s = _ve_levels(sch)
         grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
         t, t_next = grid[:-1], grid[1:]
-        chain = DPMPP2MSDE(eta=1.0, solver_type=sch.config.get("solver_type", "midpoint"))
-        scale = _vp_noise_scale(sch, float(s[0]))
+        solver_type = sch.config.get("solver_type", "midpoint")
+        chain = DPMPP2MSDE(eta=1.0, solver_type=solver_type)
+        scale = cls.noise_scale(sch, float(s[0]))
         # its step thresholds the predicted clean latents (the ones it keeps for the next step too); it has no clip
         threshold = _clip({k: v for k, v in sch.config.items() if k != "clip_sample"}, None)
-        if sch.config.get("solver_order", 2) == 1:
+        order = sch.config.get("solver_order", 2)
+        if order == 1:
             Pv, Q0, _, Rv, _ = chain._terms(t, t_next)
             return Tables(grid, *from_ve(t, t_next, Pv, Q0, Rv), prediction=threshold, noise_scale=scale)
-        return Tables(grid, *chain.step(t, t_next), B=chain.past(t, t_next), prediction=threshold, noise_scale=scale)
+        if order == 2:
+            return Tables(
+                grid, *chain.step(t, t_next), B=chain.past(t, t_next), prediction=threshold, noise_scale=scale
+            )
+        P, Q, B, R = _dpm_sde_third(s, solver_type, bool(sch.config.get("lower_order_final", True)))
+        return Tables(
+            grid,
+            *from_ve(t, t_next, P, Q, R),
+            B=(1.0 - t_next)[:, None] * B,
+            prediction=threshold,
+            noise_scale=scale,
+        )
+
+
+@register_scheduler
+class _EDMDPMSolverMultistep(_DPMSolverMultistep):
+    """``EDMDPMSolverMultistepScheduler`` with ``algorithm_type="sde-dpmsolver++"``: DPM-Solver++'s step on its
+    EDM (Karras or exponential) sigmas, on VE latents ``x = x_0 + s xi`` (its ``alpha_t = 1``); its draws take the
+    network output's dtype."""
+
+    name = "EDMDPMSolverMultistepScheduler"
+    noise_dtype = None
+
+    @classmethod
+    def noise_scale(cls, sch, s0):
+        return float(sch.init_noise_sigma) / (1.0 + s0)
 
 
 @register_scheduler
