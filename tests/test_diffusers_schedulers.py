@@ -482,3 +482,90 @@ def test_a_prediction_type_the_schedulers_step_does_not_implement_is_refused():
         sch.step(torch.zeros(1, D, 1), sch.timesteps[0], torch.zeros(1, D, 1))
     with pytest.raises(ValueError, match="prediction_type='sample'"):
         scheduler_chain(make("EulerAncestralDiscreteScheduler", prediction_type="sample"), 4)
+
+
+# -- EDM schedulers: VE latents, the network preconditioned by the scheduler -----------------------------
+
+
+def edm_denoiser(x_ve: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """A clean prediction at VE level ``s``: the exact one for data ``N(MU, S0^2 I)``, bent."""
+    s = s.reshape(-1, *[1] * (x_ve.ndim - 1)).double()
+    exact = (S0**2 * x_ve.double() + s * s * MU) / (S0**2 + s * s)
+    return (exact + 0.2 * torch.tanh(x_ve.double())).to(x_ve.dtype)
+
+
+def edm_loop(sch, steps, x, gen, **step_kw):
+    """An EDM pipeline's loop: the network's output is what the scheduler's ``precondition_outputs`` turns into
+    :func:`edm_denoiser`'s prediction at the step's sigma."""
+    sch.set_timesteps(steps)
+    sd = sch.config.sigma_data
+    for i, t in enumerate(sch.timesteps):
+        s = sch.sigmas[i].double()
+        d = edm_denoiser(x, s.expand(x.shape[0])).double()
+        c_skip, c_out = sd**2 / (s * s + sd**2), s * sd / (s * s + sd**2).sqrt()
+        out = ((d - c_skip * x.double()) / c_out).to(x.dtype)
+        # (a trailing axis: _threshold_sample wants channels and at least one more dimension)
+        x = sch.step(out[..., None], t, x[..., None], generator=gen, **step_kw).prev_sample[..., 0]
+    return x
+
+
+def edm_velocity_of(chain):
+    """The library's velocity for an EDM scheduler's chain: the denoiser at the VE latents, then the step's
+    threshold where its config has one."""
+    grid = chain.grid
+
+    def v(y, t, **_):
+        s = t.double() / (1 - t.double())
+        d = edm_denoiser(y.double() * (1 + s[:, None]), s).double()
+        if chain.prediction is not None:
+            d = chain.prediction(d, torch.searchsorted(-grid[:-1], -t.double()))
+        return ((y.double() - d) / t.double()[:, None]).to(y.dtype)
+
+    return v
+
+
+EDM_DPM = dict(algorithm_type="sde-dpmsolver++")
+EDM_CASES = {
+    "edm_dpm_1": dict(EDM_DPM, solver_order=1),
+    "edm_dpm_2": dict(EDM_DPM),
+    "edm_dpm_2_heun": dict(EDM_DPM, solver_type="heun"),
+    "edm_dpm_2_exponential": dict(EDM_DPM, sigma_schedule="exponential"),
+    "edm_dpm_2_thresholding": dict(EDM_DPM, thresholding=True, sample_max_value=1.5),
+}
+
+
+@pytest.mark.parametrize("case", list(EDM_CASES))
+@pytest.mark.parametrize("steps", [9, 16])
+def test_edm_dpm_solver_equals_the_schedulers_own_loop(case, steps):
+    """``EDMDPMSolverMultistepScheduler`` (sde-dpmsolver++) at every order, with and without ``lower_order_final``
+    (it binds below 15 steps), against its own loop with the same draws."""
+    mk = lambda: diffusers.EDMDPMSolverMultistepScheduler(**EDM_CASES[case])  # noqa: E731
+    sch = mk()
+    sch.set_timesteps(steps)
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * float(sch.init_noise_sigma)
+    ref = edm_loop(mk(), steps, x.clone(), torch.Generator().manual_seed(3))
+    chain = scheduler_chain(mk(), steps)
+    assert chain.history == EDM_CASES[case].get("solver_order", 2) - 1
+    s0 = chain.grid[0] / (1 - chain.grid[0])
+    out = specforest.sample(
+        edm_velocity_of(chain), x / (1 + s0), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    assert float((out - ref.double()).abs().max()) <= 1e-5 * float(ref.abs().max()), case
+
+
+def test_edm_dpm_solver_keeps_its_law_with_a_tree():
+    chain = scheduler_chain(diffusers.EDMDPMSolverMultistepScheduler(**EDM_DPM), 16)
+    run = law_run(chain, trees.chain(4), "rmc")
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+    assert float(run.stats.nfe.double().mean()) < 16
+
+
+def test_edm_dpm_solver_third_order_is_refused_as_its_step_raises():
+    """diffusers' EDM DPM-Solver has no third-order ``sde-dpmsolver++`` update: its step raises, so the chain is
+    refused by name rather than made up."""
+    sch = diffusers.EDMDPMSolverMultistepScheduler(**EDM_DPM, solver_order=3)
+    with pytest.raises(UnboundLocalError):
+        edm_loop(sch, 9, torch.randn(2, D, dtype=torch.float64), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="solver_order=3: its step raises"):
+        scheduler_chain(diffusers.EDMDPMSolverMultistepScheduler(**EDM_DPM, solver_order=3), 9)

@@ -634,12 +634,22 @@ class _DPMSolverMultistep(Followed):
 
 @register_scheduler
 class _EDMDPMSolverMultistep(_DPMSolverMultistep):
-    """``EDMDPMSolverMultistepScheduler`` with ``algorithm_type="sde-dpmsolver++"``: DPM-Solver++'s step on its
-    EDM (Karras or exponential) sigmas, on VE latents ``x = x_0 + s xi`` (its ``alpha_t = 1``); its draws take the
+    """``EDMDPMSolverMultistepScheduler`` with ``algorithm_type="sde-dpmsolver++"`` at ``solver_order`` 1 and 2 (the
+    orders its stochastic step offers): DPM-Solver++'s step on its EDM (Karras or exponential) sigmas, on VE latents ``x = x_0 + s xi`` (its ``alpha_t = 1``); its draws take the
     network output's dtype."""
 
     name = "EDMDPMSolverMultistepScheduler"
     noise_dtype = None
+
+    @classmethod
+    def refusal(cls, cfg):
+        if cfg.get("algorithm_type") == "sde-dpmsolver++" and cfg.get("solver_order", 2) == 3:
+            return (
+                f"{cls.name} with algorithm_type='sde-dpmsolver++' and solver_order=3: its step raises from the "
+                "third step on (diffusers has no third-order sde-dpmsolver++ update there); use solver_order 1 or 2, "
+                "or DPMSolverMultistepScheduler, which has one"
+            )
+        return super().refusal(cfg)
 
     @classmethod
     def noise_scale(cls, sch, s0):
