@@ -502,7 +502,8 @@ def edm_loop(sch, steps, x, gen, **step_kw):
     for i, t in enumerate(sch.timesteps):
         s = sch.sigmas[i].double()
         d = edm_denoiser(x, s.expand(x.shape[0])).double()
-        c_skip, c_out = sd**2 / (s * s + sd**2), s * sd / (s * s + sd**2).sqrt()
+        sign = -1.0 if sch.config.prediction_type == "v_prediction" else 1.0
+        c_skip, c_out = sd**2 / (s * s + sd**2), sign * s * sd / (s * s + sd**2).sqrt()
         out = ((d - c_skip * x.double()) / c_out).to(x.dtype)
         # (a trailing axis: _threshold_sample wants channels and at least one more dimension)
         x = sch.step(out[..., None], t, x[..., None], generator=gen, **step_kw).prev_sample[..., 0]
@@ -569,3 +570,54 @@ def test_edm_dpm_solver_third_order_is_refused_as_its_step_raises():
         edm_loop(sch, 9, torch.randn(2, D, dtype=torch.float64), torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="solver_order=3: its step raises"):
         scheduler_chain(diffusers.EDMDPMSolverMultistepScheduler(**EDM_DPM, solver_order=3), 9)
+
+
+CHURN = {
+    # gamma = s_churn / T = 5 / 12 is past sqrt(2) - 1: the min binds
+    "churn5": ({}, dict(s_churn=5.0), 12),
+    "churn2-window": ({}, dict(s_churn=2.0, s_tmin=0.5, s_tmax=20.0, s_noise=1.003), 12),
+    "churn1-exponential-v": (dict(sigma_schedule="exponential", prediction_type="v_prediction"), dict(s_churn=1.0), 10),
+}
+
+
+@pytest.mark.parametrize("case", list(CHURN))
+def test_edm_euler_with_churn_equals_the_schedulers_own_loop(case):
+    """``EDMEulerScheduler.step(..., s_churn, s_tmin, s_tmax, s_noise)`` against its own loop, the same draws (it
+    draws only where it churns)."""
+    cfg, opts, steps = CHURN[case]
+    mk = lambda: diffusers.EDMEulerScheduler(**cfg)  # noqa: E731
+    sch = mk()
+    sch.set_timesteps(steps)
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * float(sch.init_noise_sigma)
+    ref = edm_loop(mk(), steps, x.clone(), torch.Generator().manual_seed(3), **opts)
+    chain = scheduler_chain(mk(), steps, step_options=opts)
+    assert bool((chain.R > 0).any()) and chain.params["s_churn"] == opts["s_churn"]
+    s0 = chain.grid[0] / (1 - chain.grid[0])
+    out = specforest.sample(
+        edm_velocity_of(chain), x / (1 + s0), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    assert float((out - ref.double()).abs().max()) <= 1e-5 * float(ref.abs().max()), case
+    # the churn changes the samples (so the case tests it)
+    plain = edm_loop(mk(), steps, x.clone(), torch.Generator().manual_seed(3))
+    assert float((plain - ref).abs().max()) > 1e-2 * float(ref.abs().max())
+
+
+def test_edm_euler_with_churn_keeps_its_law_with_a_tree_and_the_test_rejects_another_churn():
+    chain = scheduler_chain(diffusers.EDMEulerScheduler(), 12, step_options=dict(s_churn=5.0))
+    run = law_run(chain, trees.uniform(2, 2), "grs")
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+    assert float(run.stats.nfe.double().mean()) < 12
+    wrong = scheduler_chain(diffusers.EDMEulerScheduler(), 12, step_options=dict(s_churn=1.0))
+    assert not testing.check_law(
+        law_run(wrong, trees.uniform(2, 2), "grs").samples, chain.grid, None, MU, S0, chain=chain
+    ).passed
+
+
+def test_step_options_a_schedulers_step_does_not_read_are_refused_by_name():
+    with pytest.raises(ValueError, match="s_churn: DDPMScheduler's step does not read them"):
+        scheduler_chain(diffusers.DDPMScheduler(), 4, step_options=dict(s_churn=1.0))
+    with pytest.raises(ValueError, match="s_noise must be a finite number >= 0"):
+        scheduler_chain(diffusers.EDMEulerScheduler(), 4, step_options=dict(s_noise=-1.0))
+    # s_churn 0 (what every pipeline passes) is deterministic Euler: no tree can speculate it
+    assert not bool((scheduler_chain(diffusers.EDMEulerScheduler(), 4).R > 0).any())

@@ -78,7 +78,8 @@ class SchedulerChain(Chain):
 
     Attributes:
         scheduler: the scheduler's class name; ``eta``: the ``eta`` its steps take (DDIM, TCD), ``None``
-            for a scheduler whose step takes none (:data:`ETA_SCHEDULERS`).
+            for a scheduler whose step takes none (:data:`ETA_SCHEDULERS`); ``options``: ``(name, value)`` pairs of
+            the further arguments its step reads (:attr:`Followed.options`), empty for most.
         grid: ``(T + 1,)`` float64 linear-path levels of the timesteps the model sees, then 0.
         timesteps: ``(T,)`` the scheduler's timesteps (the network's time input at each level).
         prediction: ``prediction(D, step) -> D`` the scheduler's clip or threshold of the predicted
@@ -95,6 +96,7 @@ class SchedulerChain(Chain):
 
     scheduler: str = ""
     eta: Optional[float] = 0.0
+    options: tuple = ()
     grid: torch.Tensor = field(default=None, repr=False, compare=False)
     timesteps: torch.Tensor = field(default=None, repr=False, compare=False)
     P: torch.Tensor = field(default=None, repr=False, compare=False)
@@ -112,7 +114,7 @@ class SchedulerChain(Chain):
 
     @property
     def params(self) -> dict:
-        return {"scheduler": self.scheduler, "eta": self.eta}
+        return {"scheduler": self.scheduler, "eta": self.eta, **dict(self.options)}
 
     def for_steps(self, steps: int) -> "SchedulerChain":
         """The same scheduler's chain at ``steps`` inference steps, on its own grid of that many steps
@@ -177,6 +179,8 @@ class Tables:
     B: Optional[torch.Tensor] = None
     prediction: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
     noise_scale: float = 1.0
+    draws: Optional[torch.Tensor] = None
+    """``(T,)`` bool where the draws depend on the step's arguments (else :meth:`Followed.draws`)."""
 
 
 class Followed:
@@ -193,6 +197,8 @@ class Followed:
     name: ClassVar[str] = ""
     eta_max: ClassVar[Optional[float]] = None
     noise_dtype: ClassVar[Optional[torch.dtype]] = None
+    options: ClassVar["dict[str, float]"] = {}
+    """The further arguments its ``step`` reads (besides ``eta``), with their defaults: EDM Euler's ``s_churn``..."""
     own_generator: ClassVar[bool] = True
     """Whether the pipelines pass their generator to its ``step`` (else its noise is torch's global generator)."""
     family_grid: ClassVar[bool] = False
@@ -208,8 +214,9 @@ class Followed:
         """Raise for an ``eta`` that the step at ``steps`` steps does not define (the default: none)."""
 
     @classmethod
-    def tables(cls, sch: Any, eta: float) -> Tables:
-        """The step's tables from ``sch``, a copy of the scheduler with its timesteps set."""
+    def tables(cls, sch: Any, eta: float, **options: float) -> Tables:
+        """The step's tables from ``sch``, a copy of the scheduler with its timesteps set, and the ``step``
+        arguments ``options`` (:attr:`options`, checked)."""
         raise NotImplementedError
 
     @classmethod
@@ -380,7 +387,7 @@ class _VP(Followed):
         raise NotImplementedError
 
     @classmethod
-    def tables(cls, sch: Any, eta: float) -> Tables:
+    def tables(cls, sch: Any, eta: float, **options: float) -> Tables:
         return _vp_linear(cls, sch, eta)
 
 
@@ -524,7 +531,7 @@ class _EulerAncestral(Followed):
         return None
 
     @classmethod
-    def tables(cls, sch, eta):
+    def tables(cls, sch, eta, **options):
         s = _ve_levels(sch)
         grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
         # its latents are VE (x_0 + s xi): the initial noise init_noise_sigma xi is y = x / (1 + s_0)
@@ -605,7 +612,7 @@ class _DPMSolverMultistep(Followed):
         return _vp_noise_scale(sch, s0)
 
     @classmethod
-    def tables(cls, sch, eta):
+    def tables(cls, sch, eta, **options):
         s = _ve_levels(sch)
         grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
         t, t_next = grid[:-1], grid[1:]
@@ -657,6 +664,62 @@ class _EDMDPMSolverMultistep(_DPMSolverMultistep):
 
 
 @register_scheduler
+class _EDMEuler(Followed):
+    """``EDMEulerScheduler`` with ``s_churn`` (and ``s_tmin``, ``s_tmax``, ``s_noise``), on VE latents.
+
+    Its ``step`` takes the network output ``F`` the pipeline computed at the state ``x`` and level ``s`` (before
+    any churn), churns ``x^ = x + s_noise sqrt(s^2_hat - s^2) z`` with ``s^ = s (1 + gamma)``,
+    ``gamma = min(s_churn / T, sqrt 2 - 1)`` where ``s_tmin <= s <= s_tmax``, then reads ``F`` as a prediction at
+    ``s^``: ``D^ = c_skip(s^) x^ + c_out(s^) F`` and ``x' = x^ + (D^ - x^) (s' - s^) / s^``. With the model's
+    own prediction at ``(x, s)``, ``D = c_skip(s) x + c_out(s) F``, that is Gaussian given ``x`` and ``D``::
+
+        x' = (A - C c_skip(s)) x + C D + A s_noise sqrt(s^2_hat - s^2) z,
+        A = s' / s^ + (1 - s' / s^) c_skip(s^),  C = (1 - s' / s^) c_out(s^) / c_out(s),
+
+    (not EDM's Algorithm 2, which evaluates the model at the churned state: diffusers' step does not). With
+    ``s_churn = 0`` (its default, and all a pipeline passes) it is deterministic Euler.
+    """
+
+    name = "EDMEulerScheduler"
+    options = {"s_churn": 0.0, "s_tmin": 0.0, "s_tmax": math.inf, "s_noise": 1.0}
+
+    @classmethod
+    def refusal(cls, cfg):
+        if cfg.get("prediction_type", "epsilon") not in EULER_A_PREDICTIONS:
+            return (
+                f"{cls.name} with prediction_type={cfg.get('prediction_type')!r}: its step does not implement it "
+                f"(diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
+            )
+        return None
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        s = _ve_levels(sch)
+        s_next = torch.cat([s[1:], s.new_zeros(1)])
+        T = s.numel()
+        sd = float(sch.config.get("sigma_data", 0.5))
+        # diffusers compares the float32 sigma with the bounds and takes gamma in Python floats
+        s32 = torch.as_tensor(sch.sigmas).detach().to("cpu")[:-1]
+        on = (s32 >= options["s_tmin"]) & (s32 <= options["s_tmax"]) & (options["s_churn"] > 0)
+        gamma = torch.where(on, min(options["s_churn"] / T, 2**0.5 - 1), 0.0).to(torch.float64)
+        hat = s * (gamma + 1.0)
+
+        def c_skip(v):
+            return sd**2 / (v * v + sd**2)
+
+        def c_out(v):  # (v_prediction's sign cancels in the ratio below)
+            return v * sd / (v * v + sd**2).sqrt()
+
+        ratio = s_next / hat
+        A = ratio + (1.0 - ratio) * c_skip(hat)
+        C = (1.0 - ratio) * c_out(hat) / c_out(s)
+        R = A * options["s_noise"] * (hat * hat - s * s).clamp_min(0.0).sqrt()
+        grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
+        P, Q, R = _to_linear(A - C * c_skip(s), C, R, 1.0 + s, 1.0 + s_next)
+        return Tables(grid, P, Q, R, noise_scale=float(sch.init_noise_sigma) / (1.0 + float(s[0])), draws=on)
+
+
+@register_scheduler
 class _FlowMatchEuler(Followed):
     """Stochastic flow matching: ``x' = (1 - s') D + s' z``, LCM's step on the flow path."""
 
@@ -676,7 +739,7 @@ class _FlowMatchEuler(Followed):
         return None
 
     @classmethod
-    def tables(cls, sch, eta):
+    def tables(cls, sch, eta, **options):
         return cls.on_grid(torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64))
 
     @classmethod
@@ -783,7 +846,9 @@ def directory_scheduler(path: str, name: Optional[str] = None) -> Optional[Any]:
     return cls.from_config(saved)
 
 
-def scheduler_chain(scheduler: Any, steps: int, *, eta: float = 0.0, **set_timesteps: Any) -> SchedulerChain:
+def scheduler_chain(
+    scheduler: Any, steps: int, *, eta: float = 0.0, step_options: Optional[dict] = None, **set_timesteps: Any
+) -> SchedulerChain:
     """The chain of ``scheduler`` at ``steps`` inference steps, on its own grid.
 
     Args:
@@ -791,6 +856,9 @@ def scheduler_chain(scheduler: Any, steps: int, *, eta: float = 0.0, **set_times
             ``set_timesteps``).
         steps: ``num_inference_steps``.
         eta: the ``eta`` the pipeline passes to ``step`` (DDIM, TCD; the others ignore it).
+        step_options: the further arguments given to each ``step`` where the scheduler's step reads some
+            (:attr:`Followed.options`: ``EDMEulerScheduler``'s ``s_churn``, ``s_tmin``, ``s_tmax``, ``s_noise``);
+            the ones left out take ``step``'s defaults.
         set_timesteps: further arguments of ``set_timesteps`` (Flux's and SD3's ``sigmas``, ``mu``).
 
     Returns:
@@ -801,9 +869,32 @@ def scheduler_chain(scheduler: Any, steps: int, *, eta: float = 0.0, **set_times
         ValueError: a scheduler or setting it does not follow, naming the reason.
     """
     check_scheduler(scheduler, eta)
+    options = _step_options(followed(scheduler), step_options)
     if "sigmas" in set_timesteps or "timesteps" in set_timesteps:
-        return _tabulated(scheduler, steps, eta, set_timesteps)  # (an explicit grid has its own length only)
-    return _remaking(lambda n: _tabulated(scheduler, n, eta, set_timesteps))(steps)
+        # (an explicit grid has its own length only)
+        return _tabulated(scheduler, steps, eta, set_timesteps, options)
+    return _remaking(lambda n: _tabulated(scheduler, n, eta, set_timesteps, options))(steps)
+
+
+def _step_options(cls: "type[Followed]", given: Optional[dict]) -> dict:
+    """``given`` checked against the step arguments ``cls`` reads, with their defaults filled in.
+
+    Raises:
+        ValueError: an argument its step does not read, or one that is not a number (``s_churn``, ``s_noise``
+            >= 0; ``s_tmin <= s_tmax``).
+    """
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(cls.options))
+    if unknown:
+        takes = ", ".join(cls.options) or "none"
+        raise ValueError(f"step_options {', '.join(unknown)}: {cls.name}'s step does not read them (it reads {takes})")
+    out = {**cls.options, **{k: float(v) for k, v in given.items()}}
+    for k, v in out.items():
+        if math.isnan(v) or (k in ("s_churn", "s_noise") and not (math.isfinite(v) and v >= 0)):
+            raise ValueError(f"step_options {k} must be a finite number >= 0, got {v}")
+    if out.get("s_tmin", 0.0) > out.get("s_tmax", math.inf):
+        raise ValueError(f"step_options s_tmin must be <= s_tmax, got {out['s_tmin']} > {out['s_tmax']}")
+    return out
 
 
 def _remaking(make: Callable[[int], SchedulerChain]) -> Callable[[int], SchedulerChain]:
@@ -817,11 +908,12 @@ def _remaking(make: Callable[[int], SchedulerChain]) -> Callable[[int], Schedule
     return remake
 
 
-def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict) -> SchedulerChain:
-    """:func:`scheduler_chain`'s tables, the scheduler checked already."""
+def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict, options: dict) -> SchedulerChain:
+    """:func:`scheduler_chain`'s tables, the scheduler and ``options`` checked already."""
     sch = _fresh(scheduler, steps, **set_timesteps)
     timesteps = torch.as_tensor(sch.timesteps).detach().to("cpu", torch.float64)
-    return _made(followed(scheduler), eta, timesteps, followed(scheduler).tables(sch, float(eta)))
+    cls = followed(scheduler)
+    return _made(cls, eta, timesteps, cls.tables(sch, float(eta), **options), options)
 
 
 def _vp_noise_scale(sch: Any, s0: float) -> float:
@@ -830,10 +922,13 @@ def _vp_noise_scale(sch: Any, s0: float) -> float:
     return float(sch.init_noise_sigma) * math.sqrt(1.0 + s0 * s0) / (1.0 + s0)
 
 
-def _made(cls: "type[Followed]", eta: float, timesteps: torch.Tensor, tables: Tables) -> SchedulerChain:
+def _made(
+    cls: "type[Followed]", eta: float, timesteps: torch.Tensor, tables: Tables, options: Optional[dict] = None
+) -> SchedulerChain:
     return SchedulerChain(
         scheduler=cls.name,
         eta=scheduler_eta(cls.name, eta),
+        options=tuple((options or {}).items()),
         grid=tables.grid,
         timesteps=timesteps,
         P=tables.P,
@@ -841,7 +936,7 @@ def _made(cls: "type[Followed]", eta: float, timesteps: torch.Tensor, tables: Ta
         R=tables.R,
         B=tables.B,
         prediction=tables.prediction,
-        draws=cls.draws(timesteps, float(eta)),
+        draws=cls.draws(timesteps, float(eta)) if tables.draws is None else tables.draws,
         noise_dtype=cls.noise_dtype,
         noise_scale=float(tables.noise_scale),
     )
