@@ -621,3 +621,38 @@ def test_step_options_a_schedulers_step_does_not_read_are_refused_by_name():
         scheduler_chain(diffusers.EDMEulerScheduler(), 4, step_options=dict(s_noise=-1.0))
     # s_churn 0 (what every pipeline passes) is deterministic Euler: no tree can speculate it
     assert not bool((scheduler_chain(diffusers.EDMEulerScheduler(), 4).R > 0).any())
+
+
+def cm_loop(sch, steps, x, gen):
+    """A consistency model pipeline's loop: the network's output is what the scheduler's boundary-condition
+    scalings turn into :func:`edm_denoiser`'s prediction at the step's sigma."""
+    sch.set_timesteps(steps)
+    for i, t in enumerate(sch.timesteps):
+        s = sch.sigmas[i].double()
+        c_skip, c_out = (float(c) for c in sch.get_scalings_for_boundary_condition(s))
+        out = (edm_denoiser(x, s.expand(x.shape[0])).double() - c_skip * x.double()) / c_out
+        x = sch.step(out.to(x.dtype), t, x, generator=gen).prev_sample
+    return x
+
+
+@pytest.mark.parametrize("cfg", [{}, dict(clip_denoised=False, s_noise=1.01)], ids=["clip", "no-clip"])
+@pytest.mark.parametrize("steps", [1, 3, 6])
+def test_consistency_model_sampling_equals_the_schedulers_own_loop(cfg, steps):
+    mk = lambda: diffusers.CMStochasticIterativeScheduler(**cfg)  # noqa: E731
+    sch = mk()
+    sch.set_timesteps(steps)
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * float(sch.init_noise_sigma)
+    ref = cm_loop(mk(), steps, x.clone(), torch.Generator().manual_seed(3))
+    chain = scheduler_chain(mk(), steps)
+    s0 = chain.grid[0] / (1 - chain.grid[0])
+    out = specforest.sample(
+        edm_velocity_of(chain), x / (1 + s0), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    assert float((out - ref.double()).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_consistency_model_sampling_keeps_its_law_with_a_tree():
+    chain = scheduler_chain(diffusers.CMStochasticIterativeScheduler(clip_denoised=False), 6)
+    run = law_run(chain, trees.chain(3), "rmc")
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()

@@ -720,6 +720,36 @@ class _EDMEuler(Followed):
 
 
 @register_scheduler
+class _CMStochasticIterative(Followed):
+    """``CMStochasticIterativeScheduler``, consistency models' multistep sampling, on VE latents.
+
+    Its step takes the denoised ``D = c_skip(s) x + c_out(s) F`` (clamped to ``[-1, 1]`` with ``clip_denoised``,
+    the prediction hook) and renoises to the next level: ``x' = D + s_noise sqrt(s'^2 - sigma_min^2) z`` with
+    ``s'`` clamped to ``[sigma_min, sigma_max]``. Its last level is ``sigma_min``, where it renoises by 0: the
+    output is the last ``D``, at level 0 here. It draws at every step of a run of more than one step.
+    """
+
+    name = "CMStochasticIterativeScheduler"
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        cfg = sch.config
+        sig = torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64)
+        s, s_next = sig[:-1], torch.cat([sig[1:-1], sig.new_zeros(1)])
+        lo, hi = float(cfg.sigma_min), float(cfg.sigma_max)
+        hat = sig[1:].clamp(lo, hi)
+        noise = float(cfg.s_noise) * (hat * hat - lo * lo).clamp_min(0.0).sqrt()
+        grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
+        P, Q, R = _to_linear(torch.zeros_like(s), torch.ones_like(s), noise, 1.0 + s, 1.0 + s_next)
+        clip = (lambda d, step: d.clamp(-1.0, 1.0)) if cfg.get("clip_denoised", True) else None
+        return Tables(grid, P, Q, R, prediction=clip, noise_scale=float(sch.init_noise_sigma) / (1.0 + float(s[0])))
+
+    @classmethod
+    def draws(cls, timesteps, eta):
+        return torch.full((timesteps.numel(),), timesteps.numel() > 1)
+
+
+@register_scheduler
 class _FlowMatchEuler(Followed):
     """Stochastic flow matching: ``x' = (1 - s') D + s' z``, LCM's step on the flow path."""
 
