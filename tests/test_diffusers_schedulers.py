@@ -656,3 +656,29 @@ def test_consistency_model_sampling_keeps_its_law_with_a_tree():
     chain = scheduler_chain(diffusers.CMStochasticIterativeScheduler(clip_denoised=False), 6)
     run = law_run(chain, trees.chain(3), "rmc")
     testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+
+
+# -- the registry: every scheduler of the installed diffusers followed or refused with its reason ---------
+
+
+def test_every_diffusers_scheduler_is_followed_or_refused_with_its_reason():
+    from specforest.diffusers.schedulers import FOLLOWED, REFUSED_SCHEDULERS
+
+    names = {n for n in dir(diffusers) if n.endswith("Scheduler") and not n.startswith("_")}
+    assert names <= set(FOLLOWED) | set(REFUSED_SCHEDULERS), sorted(names - set(FOLLOWED) - set(REFUSED_SCHEDULERS))
+    assert not set(FOLLOWED) & set(REFUSED_SCHEDULERS)
+    assert all(len(reason) > 20 for reason in REFUSED_SCHEDULERS.values())
+
+
+@pytest.mark.parametrize(
+    "name, reason",
+    [
+        ("DPMSolverSDEScheduler", "two model calls a step: needs stages"),
+        ("KDPM2AncestralDiscreteScheduler", "two model calls a step: needs stages"),
+        ("HeunDiscreteScheduler", "deterministic"),
+        ("DDIMInverseScheduler", "an inversion"),
+    ],
+)
+def test_a_refused_scheduler_is_refused_with_its_reason_and_the_swap(name, reason):
+    with pytest.raises(ValueError, match=rf"{name} is .*{reason}.*Swap it in one line"):
+        scheduler_chain(getattr(diffusers, name)(), 8)

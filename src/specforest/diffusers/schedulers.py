@@ -7,13 +7,23 @@ its ``step`` as the code computes it: its timesteps (spacing, ``steps_offset``),
 to (DDIM's ``t - num_train_timesteps // T``, which need not be the next timestep the model sees),
 its variance formula, and ``clip_sample`` / thresholding of the predicted clean latents.
 
+One class per scheduler. Each scheduler followed is a :class:`Followed` subclass registered under its
+diffusers class name (:data:`FOLLOWED`, :func:`register_scheduler`): it declares the ``eta`` its step takes,
+the further step arguments it reads (:attr:`Followed.options`: ``EDMEulerScheduler``'s ``s_churn``...), the
+configs it refuses with the reason, its tables read off the scheduler's own config and arrays, and where it
+draws; its history is its tables' (multistep DPM-Solver: its order less one). Every other scheduler of
+diffusers is refused with its reason in one table, :data:`REFUSED_SCHEDULERS` (deterministic ODE solvers,
+inversions, discrete samplers, and the ones with two model calls a step, which need stages). Nothing
+outside this module names a scheduler.
+
 Coordinates. The pipeline's latents ``x`` at the timestep ``k`` the model sees next are written on
 the library's linear path as ``y = x / n(s_k)``, where ``s_k = sqrt((1 - abar_k) / abar_k)`` and
 ``n(s) = (1 + s) / sqrt(1 + s^2)`` for the schedulers that keep variance-preserving latents (DDPM,
 DDIM, LCM, TCD, DPM-Solver), ``n(s) = 1 + s`` for the ones that keep ``x = x_0 + s xi``
-(Euler ancestral), and ``n = 1`` on the flow-matching path. The velocity adapters of
-:mod:`specforest.diffusers.unet` feed the network exactly these latents at exactly the scheduler's
-timestep, so a step ``x' = P x + Q D + R z`` of the scheduler (``D`` its predicted clean latents) is
+(Euler ancestral, the EDM schedulers, consistency models), and ``n = 1`` on the flow-matching path. The
+velocity adapters of :mod:`specforest.diffusers.unet` feed the network exactly these latents at exactly the
+scheduler's timestep (VP schedulers; the EDM ones are followed at the scheduler's level, ``scheduler_chain``),
+so a step ``x' = P x + Q D + R z`` of the scheduler (``D`` its predicted clean latents) is
 ``y' = (P n / n') y + (Q / n') D + (R / n') z``: tables, whatever the scheduler.
 
 Clipping is not affine in ``D``. The chain's mean stays ``a y + c v`` with the prediction replaced
@@ -22,13 +32,13 @@ the scheduler's exactly, and every draft, coupling and tree works unchanged.
 
 Refused, each naming the reason: deterministic schedulers with a tree (the caller's check, through
 :attr:`~specforest.sde.GaussianChain.stochastic`), learned variances (the covariance comes from the
-network), ``fixed_large_log`` (diffusers returns NaN there), ``DPMSolverSDEScheduler`` (two
-correlated noises per step), DPM-Solver's ``sde-dpmsolver`` and third order, and grids this module
-does not follow yet (Karras or other sigma families on a UNet scheduler, ``final_sigmas_type`` other
-than ``zero``). So are the options a step would not follow: an ``eta`` with a scheduler whose ``step``
-takes none (:data:`ETA_SCHEDULERS`), a DDIM ``eta`` that makes a step's variance negative (diffusers'
-step is NaN there), Euler ancestral's ``prediction_type="sample"`` (its step raises). A config flag is
-followed as the step follows it: TCD's step neither clips nor thresholds, DPM-Solver's thresholds.
+network), ``fixed_large_log`` (diffusers returns NaN there), ``DPMSolverSDEScheduler`` and
+``KDPM2AncestralDiscreteScheduler`` (two model calls a step), DPM-Solver's ``sde-dpmsolver``, EDM
+DPM-Solver's third order (its step raises), ``final_sigmas_type`` other than ``zero``. So are the options
+a step would not follow: an ``eta`` with a scheduler whose ``step`` takes none (:data:`ETA_SCHEDULERS`), a
+DDIM ``eta`` that makes a step's variance negative (diffusers' step is NaN there), Euler ancestral's
+``prediction_type="sample"`` (its step raises). A config flag is followed as the step follows it: TCD's
+step neither clips nor thresholds, DPM-Solver's thresholds, ``euler_at_final`` changes nothing into 0.
 """
 
 from __future__ import annotations
@@ -285,8 +295,10 @@ REFUSED_SCHEDULERS: "dict[str, str]" = {
     "DDIMParallelScheduler": "stochastic and Gaussian given the state, but not followed yet (DDIMScheduler is)",
     "DDPMParallelScheduler": "stochastic and Gaussian given the state, but not followed yet (DDPMScheduler is)",
     "DDPMWuerstchenScheduler": "stochastic and Gaussian given the state (Wuerstchen's cosine schedule), not followed yet",
-    "DPMSolverSinglestepScheduler": "its stochastic form (sde-dpmsolver++) is a singlestep solver of several calls a step: "
-    + _STAGES,
+    "DPMSolverSinglestepScheduler": (
+        "its sde-dpmsolver++ updates read the state at the start of their group of steps (a singlestep solver's "
+        "stages spread over several steps), not one state a step: not followed yet"
+    ),
     "SASolverScheduler": "stochastic and Gaussian given its past predictions (a predictor-corrector over up to 4), not followed yet",
     "SCMScheduler": "stochastic (sCM's TrigFlow consistency steps), not followed yet",
     "FlowMatchLCMScheduler": "stochastic (LCM on the flow path, with its own scale factors), not followed yet",
