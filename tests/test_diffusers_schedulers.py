@@ -429,6 +429,13 @@ FLAGS = {
     "dpm-leading-offset": (
         "DPMSolverMultistepScheduler", dict(DPM, timestep_spacing="leading", steps_offset=1), 0.0, 20, bent, True,
     ),
+    "dpm-3-thresholding": (
+        "DPMSolverMultistepScheduler", dict(DPM, solver_order=3, thresholding=True, sample_max_value=1.5), 0.0, 20, big, True,
+    ),
+    "dpm-3-beta-sigmas": ("DPMSolverMultistepScheduler", dict(DPM, solver_order=3, use_beta_sigmas=True), 0.0, 12, bent, True),
+    "dpm-lambda-min-clipped": (
+        "DPMSolverMultistepScheduler", dict(DPM, solver_order=3, lambda_min_clipped=-2.0), 0.0, 12, bent, True,
+    ),
     "dpm-trailing": ("DPMSolverMultistepScheduler", dict(DPM, timestep_spacing="trailing"), 0.0, 20, bent, True),
     "dpm-v": ("DPMSolverMultistepScheduler", dict(DPM, prediction_type="v_prediction"), 0.0, 20, bent, False),
     "dpm-sample": ("DPMSolverMultistepScheduler", dict(DPM, prediction_type="sample"), 0.0, 20, bent, False),
