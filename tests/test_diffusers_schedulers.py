@@ -60,6 +60,9 @@ CASES = {
     "dpm_sde_1": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++", solver_order=1), 0.0, 20),
     "lcm": ("LCMScheduler", dict(), 0.0, 6),
     "tcd": ("TCDScheduler", dict(), 0.3, 6),
+    # the Parallel schedulers' step is DDPM's and DDIM's
+    "ddpm_parallel_large": ("DDPMParallelScheduler", dict(variance_type="fixed_large", clip_sample=False), 0.0, 20),
+    "ddim_parallel_trailing": ("DDIMParallelScheduler", dict(timestep_spacing="trailing", clip_sample=False), 0.8, 20),
     # third order reads two past predictions; below 15 steps lower_order_final makes the last but one second order
     "dpm_sde_3": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++", solver_order=3), 0.0, 20),
     "dpm_sde_3_short": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++", solver_order=3), 0.0, 9),
@@ -100,7 +103,7 @@ def pipeline_loop(sch, steps, eta, x, gen, net):
     """What a pipeline does: ``set_timesteps``, then per timestep the network and ``step``."""
     sch.set_timesteps(steps)
     acp = sch.alphas_cumprod.to(torch.float64)
-    kw = {"eta": eta} if type(sch).__name__ in ("DDIMScheduler", "TCDScheduler") else {}
+    kw = {"eta": eta} if type(sch).__name__ in ("DDIMScheduler", "DDIMParallelScheduler", "TCDScheduler") else {}
     sigma_based = type(sch).__name__ in ("EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
     for i, t in enumerate(sch.timesteps):
         inp = sch.scale_model_input(x, t)
@@ -256,6 +259,7 @@ LAW = {
         "grs",
     ),
     "lcm": ("LCMScheduler", dict(), 0.0, 6, trees.uniform(2, 2), "grs"),
+    "ddim_parallel": ("DDIMParallelScheduler", dict(clip_sample=False), 1.0, 20, trees.chain(4), "rmc"),
     "tcd": ("TCDScheduler", dict(), 0.3, 8, trees.chain(3), "rmc"),
 }
 

@@ -292,8 +292,6 @@ REFUSED_SCHEDULERS: "dict[str, str]" = {
         "its noise comes from a Brownian tree seeded by the run, not the pipeline's generator: not followed yet"
     ),
     "CogVideoXDDIMScheduler": "deterministic: its step takes eta but draws no noise",
-    "DDIMParallelScheduler": "stochastic and Gaussian given the state, but not followed yet (DDIMScheduler is)",
-    "DDPMParallelScheduler": "stochastic and Gaussian given the state, but not followed yet (DDPMScheduler is)",
     "DDPMWuerstchenScheduler": "stochastic and Gaussian given the state (Wuerstchen's cosine schedule), not followed yet",
     "DPMSolverSinglestepScheduler": (
         "its sde-dpmsolver++ updates read the state at the start of their group of steps (a singlestep solver's "
@@ -473,6 +471,20 @@ class _DDIM(_VP):
     @classmethod
     def draws(cls, timesteps, eta):
         return torch.full((timesteps.numel(),), eta > 0)
+
+
+@register_scheduler
+class _DDPMParallel(_DDPM):
+    """``DDPMParallelScheduler``: DDPM's step (its ``batch_step_no_noise`` is for ParaDiGMS, not a pipeline's loop)."""
+
+    name = "DDPMParallelScheduler"
+
+
+@register_scheduler
+class _DDIMParallel(_DDIM):
+    """``DDIMParallelScheduler``: DDIM's step, its ``eta`` included."""
+
+    name = "DDIMParallelScheduler"
 
 
 @register_scheduler
