@@ -243,6 +243,41 @@ def test_stochastic_flow_matching_equals_the_schedulers_own_loop(dtype):
     assert float((out.double() - ref.double()).abs().max()) <= tol * float(ref.double().abs().max())
 
 
+@pytest.mark.parametrize("cfg", [{}, dict(eta=0.6, s_noise=1.02), dict(eta=0.0)], ids=["eta1", "eta0.6", "eta0"])
+def test_ltx_euler_ancestral_rf_equals_the_schedulers_own_loop(cfg):
+    """``LTXEulerAncestralRFScheduler`` (Euler ancestral on the flow path, LTX-Video's), its own loop, the same draws."""
+    mk = lambda: diffusers.LTXEulerAncestralRFScheduler(**cfg)  # noqa: E731
+    steps = 10
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sch, gen = mk(), torch.Generator().manual_seed(3)
+    sch.set_timesteps(steps)
+    ref = x.clone()
+    for i, t in enumerate(sch.timesteps):
+        ref = sch.step(flow_net(ref, sch.sigmas[i]), t, ref, generator=gen).prev_sample
+    chain = scheduler_chain(mk(), steps)
+
+    def v(y, t, **_):
+        return torch.stack([flow_net(y[j : j + 1], t[j])[0] for j in range(y.shape[0])])
+
+    out = specforest.sample(
+        v, x, sigmas=chain.grid, chain=chain, noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype)
+    ).samples
+    assert float((out.double() - ref.double()).abs().max()) <= 1e-5 * float(ref.double().abs().max())
+
+
+def test_ltx_euler_ancestral_rf_keeps_its_law_with_a_tree():
+    chain = scheduler_chain(diffusers.LTXEulerAncestralRFScheduler(), 10)
+
+    def v(y, t, **_):
+        ab = [testing._gaussian_velocity(float(tj), MU, S0) for tj in t]
+        return torch.stack([a * y[j] + b for j, (a, b) in enumerate(ab)])
+
+    y0 = torch.randn(4000, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    run = specforest.sample(v, y0, sigmas=chain.grid, chain=chain, tree=trees.uniform(2, 2), coupling="grs", seed=4)
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+    assert float(run.stats.nfe.double().mean()) < 10
+
+
 # -- the law with trees ---------------------------------------------------------------------------
 
 LAW = {

@@ -300,7 +300,6 @@ REFUSED_SCHEDULERS: "dict[str, str]" = {
     "SASolverScheduler": "stochastic and Gaussian given its past predictions (a predictor-corrector over up to 4), not followed yet",
     "SCMScheduler": "stochastic (sCM's TrigFlow consistency steps), not followed yet",
     "FlowMatchLCMScheduler": "stochastic (LCM on the flow path, with its own scale factors), not followed yet",
-    "LTXEulerAncestralRFScheduler": "stochastic (Euler ancestral on the flow path), not followed yet",
 }
 """The diffusers schedulers ``chain="scheduler"`` refuses, by class name, with the reason (a name in neither this
 table nor :data:`FOLLOWED` is refused as unknown)."""
@@ -771,6 +770,42 @@ class _CMStochasticIterative(Followed):
     @classmethod
     def draws(cls, timesteps, eta):
         return torch.full((timesteps.numel(),), timesteps.numel() > 1)
+
+
+@register_scheduler
+class _LTXEulerAncestralRF(Followed):
+    """``LTXEulerAncestralRFScheduler``: Euler ancestral on the flow path (ComfyUI's ``euler_ancestral_RF``), its
+    config's ``eta`` and ``s_noise``. With ``s_d = s' (1 + (s' / s - 1) eta)``, ``a' = 1 - s'``, ``a_d = 1 - s_d``::
+
+        x' = (a' / a_d) ((s_d / s) x + (1 - s_d / s) D) + s_noise sqrt(s'^2 - s_d^2 a'^2 / a_d^2) z,
+
+    its ``1e-12`` guards on ``a_d`` kept, ``x' = D`` into 0; it draws where it renoises. The network's output is
+    the flow velocity itself (``D = x - s v``), and the latents are on the flow path.
+    """
+
+    name = "LTXEulerAncestralRFScheduler"
+    noise_dtype = torch.float32
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        sig = torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64)
+        if sig.numel() != sch.timesteps.numel() + 1 or float(sig[-1]) != 0.0:
+            raise ValueError(
+                f"{cls.name} ends its grid at sigma = {float(sig[-1]):.4g}, not 0: it is followed to 0 only"
+            )
+        s, s_next = sig[:-1], sig[1:]
+        e, s_noise = float(sch.config.eta), float(sch.config.s_noise)
+        down = s_next * (1.0 + (s_next / s - 1.0) * e)
+        a_next, a_down = 1.0 - s_next, 1.0 - down
+        last = s_next.abs() < 1e-8
+        noisy = ~last & (e > 0.0) & (s_noise > 0.0)
+        g = torch.where(noisy, a_next / (a_down + 1e-12), torch.ones_like(s))
+        ratio = down / s
+        P = torch.where(last, torch.zeros_like(s), g * ratio)
+        Q = torch.where(last, torch.ones_like(s), g * (1.0 - ratio))
+        renoise = (s_next**2 - down**2 * a_next**2 / (a_down**2 + 1e-12)).clamp_min(0.0).sqrt() * s_noise
+        R = torch.where(noisy, renoise, torch.zeros_like(s))
+        return Tables(sig, P, Q, R, draws=noisy)
 
 
 @register_scheduler
