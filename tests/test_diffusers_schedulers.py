@@ -265,8 +265,30 @@ def test_ltx_euler_ancestral_rf_equals_the_schedulers_own_loop(cfg):
     assert float((out.double() - ref.double()).abs().max()) <= 1e-5 * float(ref.double().abs().max())
 
 
-def test_ltx_euler_ancestral_rf_keeps_its_law_with_a_tree():
-    chain = scheduler_chain(diffusers.LTXEulerAncestralRFScheduler(), 10)
+@pytest.mark.parametrize("cfg", [{}, dict(shift=3.0), dict(use_karras_sigmas=True)], ids=["plain", "shift3", "karras"])
+def test_flow_match_lcm_equals_the_schedulers_own_loop(cfg):
+    mk = lambda: diffusers.FlowMatchLCMScheduler(**cfg)  # noqa: E731
+    steps = 6
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sch, gen = mk(), torch.Generator().manual_seed(3)
+    sch.set_timesteps(steps)
+    ref = x.clone()
+    for i, t in enumerate(sch.timesteps):
+        ref = sch.step(flow_net(ref, sch.sigmas[i]), t, ref, generator=gen).prev_sample
+    chain = scheduler_chain(mk(), steps)
+
+    def v(y, t, **_):
+        return torch.stack([flow_net(y[j : j + 1], t[j])[0] for j in range(y.shape[0])])
+
+    out = specforest.sample(
+        v, x, sigmas=chain.grid, chain=chain, noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype)
+    ).samples
+    assert float((out.double() - ref.double()).abs().max()) <= 1e-5 * float(ref.double().abs().max())
+
+
+@pytest.mark.parametrize("name", ["LTXEulerAncestralRFScheduler", "FlowMatchLCMScheduler"])
+def test_flow_path_schedulers_keep_their_law_with_a_tree(name):
+    chain = scheduler_chain(getattr(diffusers, name)(), 10)
 
     def v(y, t, **_):
         ab = [testing._gaussian_velocity(float(tj), MU, S0) for tj in t]
@@ -728,3 +750,17 @@ def test_every_diffusers_scheduler_is_followed_or_refused_with_its_reason():
 def test_a_refused_scheduler_is_refused_with_its_reason_and_the_swap(name, reason):
     with pytest.raises(ValueError, match=rf"{name} is .*{reason}.*Swap it in one line"):
         scheduler_chain(getattr(diffusers, name)(), 8)
+
+
+def test_flow_match_lcm_draws_in_float32_promoted_with_the_outputs_dtype():
+    """Its step upcasts the state to float32 and draws like ``x - s F``: a bfloat16 network's run draws in
+    float32 (as the pipeline's step does), a float64 one's in float64."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from specforest.diffusers.schedulers import PipelinePlan
+
+    plan = PipelinePlan(chain=scheduler_chain(diffusers.FlowMatchLCMScheduler(), 4), velocity=None)
+    for dtype, drawn in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        noise = plan.noise_from(torch.Generator().manual_seed(1), (2, D), torch.device("cpu"), dtype)
+        ref = randn_tensor((2, D), generator=torch.Generator().manual_seed(1), dtype=drawn)
+        assert torch.equal(noise(0), ref.float()), dtype

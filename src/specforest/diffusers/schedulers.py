@@ -97,7 +97,7 @@ class SchedulerChain(Chain):
         draws: ``(T,)`` bool, the steps at which the scheduler draws noise from the generator (one
             ``randn_tensor`` each), so that a run with ``tree=None`` replays the pipeline's draws.
         noise_dtype: the dtype of those draws when the scheduler fixes it (DPM-Solver, flow matching: float32), else
-            ``None`` (the network output's dtype).
+            ``None`` (the network output's dtype, promoted with float32 where ``noise_promoted``).
         noise_scale: the pipeline's initial latents (``init_noise_sigma xi``) on the linear path are
             ``noise_scale xi``.
         remake: ``remake(n)`` the same scheduler's chain at ``n`` inference steps (:meth:`for_steps`), or
@@ -119,6 +119,7 @@ class SchedulerChain(Chain):
     draws: torch.Tensor = field(default=None, repr=False, compare=False)
     noise_dtype: Optional[torch.dtype] = field(default=None, repr=False, compare=False)
     noise_scale: float = field(default=1.0, repr=False, compare=False)
+    noise_promoted: bool = field(default=False, repr=False, compare=False)
     remake: Optional[Callable[[int], "SchedulerChain"]] = field(default=None, repr=False, compare=False)
     name: ClassVar[str] = "scheduler"
 
@@ -209,6 +210,9 @@ class Followed:
     noise_dtype: ClassVar[Optional[torch.dtype]] = None
     options: ClassVar["dict[str, float]"] = {}
     """The further arguments its ``step`` reads (besides ``eta``), with their defaults: EDM Euler's ``s_churn``..."""
+    noise_promoted: ClassVar[bool] = False
+    """Whether its draws take the dtype of float32 promoted with the network output's (its step upcasts the state
+    to float32 and draws like the prediction), rather than :attr:`noise_dtype` or the output's."""
     own_generator: ClassVar[bool] = True
     """Whether the pipelines pass their generator to its ``step`` (else its noise is torch's global generator)."""
     family_grid: ClassVar[bool] = False
@@ -299,7 +303,6 @@ REFUSED_SCHEDULERS: "dict[str, str]" = {
     ),
     "SASolverScheduler": "stochastic and Gaussian given its past predictions (a predictor-corrector over up to 4), not followed yet",
     "SCMScheduler": "stochastic (sCM's TrigFlow consistency steps), not followed yet",
-    "FlowMatchLCMScheduler": "stochastic (LCM on the flow path, with its own scale factors), not followed yet",
 }
 """The diffusers schedulers ``chain="scheduler"`` refuses, by class name, with the reason (a name in neither this
 table nor :data:`FOLLOWED` is refused as unknown)."""
@@ -809,6 +812,33 @@ class _LTXEulerAncestralRF(Followed):
 
 
 @register_scheduler
+class _FlowMatchLCM(Followed):
+    """``FlowMatchLCMScheduler``: LCM on the flow path, ``x' = (1 - s') D + s' z`` on its own sigmas (shift, Karras,
+    exponential or beta), drawing at every step in float32."""
+
+    name = "FlowMatchLCMScheduler"
+    # its step upcasts the state to float32 and draws in the dtype of x - s F: float32 with the output's
+    noise_promoted = True
+
+    @classmethod
+    def refusal(cls, cfg):
+        if cfg.get("scale_factors"):
+            return f"{cls.name} with scale_factors: its step resizes the predicted latents, not one chain of a state"
+        if cfg.get("invert_sigmas", False):
+            return f"{cls.name} with invert_sigmas=True runs from the data to the noise, not a sampler"
+        return None
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        sig = torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64)
+        if sig.numel() != sch.timesteps.numel() + 1 or float(sig[-1]) != 0.0:
+            raise ValueError(
+                f"{cls.name} ends its grid at sigma = {float(sig[-1]):.4g}, not 0: it is followed to 0 only"
+            )
+        return Tables(sig, *LCM().step(sig[:-1], sig[1:]))
+
+
+@register_scheduler
 class _FlowMatchEuler(Followed):
     """Stochastic flow matching: ``x' = (1 - s') D + s' z``, LCM's step on the flow path."""
 
@@ -1027,6 +1057,7 @@ def _made(
         prediction=tables.prediction,
         draws=cls.draws(timesteps, float(eta)) if tables.draws is None else tables.draws,
         noise_dtype=cls.noise_dtype,
+        noise_promoted=cls.noise_promoted,
         noise_scale=float(tables.noise_scale),
     )
 
@@ -1085,6 +1116,8 @@ class PipelinePlan:
         from diffusers.utils.torch_utils import randn_tensor
 
         draws, noise_dtype = self.chain.draws.tolist(), self.chain.noise_dtype or dtype
+        if self.chain.noise_promoted:
+            noise_dtype = torch.promote_types(dtype, torch.float32)
         if not FOLLOWED[self.chain.scheduler].own_generator:
             generator = None
 
