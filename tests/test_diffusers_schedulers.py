@@ -764,3 +764,25 @@ def test_flow_match_lcm_draws_in_float32_promoted_with_the_outputs_dtype():
         noise = plan.noise_from(torch.Generator().manual_seed(1), (2, D), torch.device("cpu"), dtype)
         ref = randn_tensor((2, D), generator=torch.Generator().manual_seed(1), dtype=drawn)
         assert torch.equal(noise(0), ref.float()), dtype
+
+
+def test_wuerstchen_ddpm_equals_the_schedulers_own_loop():
+    """``DDPMWuerstchenScheduler``: the posterior step on its cosine schedule at continuous timesteps."""
+    mk = lambda: diffusers.DDPMWuerstchenScheduler()  # noqa: E731
+    steps = 12
+    sch, gen = mk(), torch.Generator().manual_seed(3)
+    sch.set_timesteps(steps)
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ref = x.clone()
+    for t in sch.timesteps[:-1]:
+        tt = t.expand(x.shape[0])
+        e = bent(ref, sch._alpha_cumprod(tt, "cpu").double())
+        ref = sch.step(e, tt, ref, generator=gen).prev_sample
+    chain = scheduler_chain(mk(), steps)
+    out = specforest.sample(
+        velocity_of(chain, bent), to_y(chain, x, sch), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    assert float((out - ref.double()).abs().max()) <= 1e-5 * float(ref.abs().max())
+    run = law_run(chain, trees.chain(4), "rmc")
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()

@@ -234,6 +234,11 @@ class Followed:
         raise NotImplementedError
 
     @classmethod
+    def model_timesteps(cls, sch: Any) -> torch.Tensor:
+        """``(T,)`` the timesteps the model sees, one a step (the default: the scheduler's ``timesteps``)."""
+        return sch.timesteps
+
+    @classmethod
     def on_grid(cls, grid: torch.Tensor) -> Tables:
         """The tables on a family's grid ``grid (T + 1,)`` (for :attr:`family_grid` schedulers)."""
         raise NotImplementedError
@@ -296,7 +301,6 @@ REFUSED_SCHEDULERS: "dict[str, str]" = {
         "its noise comes from a Brownian tree seeded by the run, not the pipeline's generator: not followed yet"
     ),
     "CogVideoXDDIMScheduler": "deterministic: its step takes eta but draws no noise",
-    "DDPMWuerstchenScheduler": "stochastic and Gaussian given the state (Wuerstchen's cosine schedule), not followed yet",
     "DPMSolverSinglestepScheduler": (
         "its sde-dpmsolver++ updates read the state at the start of their group of steps (a singlestep solver's "
         "stages spread over several steps), not one state a step: not followed yet"
@@ -487,6 +491,31 @@ class _DDIMParallel(_DDIM):
     """``DDIMParallelScheduler``: DDIM's step, its ``eta`` included."""
 
     name = "DDIMParallelScheduler"
+
+
+@register_scheduler
+class _DDPMWuerstchen(_VP):
+    """``DDPMWuerstchenScheduler``: DDPM's posterior step on Wuerstchen's cosine ``abar(t)`` (clamped to
+    ``[1e-4, 0.9999]``) at its continuous timesteps ``1 .. 0``, the network predicting the noise. Its last step
+    lands at ``abar(0)`` without noise (the output latents); it draws at every step."""
+
+    name = "DDPMWuerstchenScheduler"
+
+    @classmethod
+    def model_timesteps(cls, sch):
+        return sch.timesteps[:-1]  # (its list ends with the 0 it steps to)
+
+    @classmethod
+    def vp_step(cls, sch, eta):
+        ts = sch.timesteps.detach().to("cpu")
+        acp = sch._alpha_cumprod(ts, "cpu").to(torch.float64)
+        ab, prev = acp[:-1], acp[1:]
+        alpha = ab / prev
+        P = (1.0 - (1.0 - alpha) / (1.0 - ab)) / alpha.sqrt()
+        Q = (1.0 - alpha) * ab.sqrt() / (alpha.sqrt() * (1.0 - ab))
+        R = ((1.0 - alpha) * (1.0 - prev) / (1.0 - ab)).sqrt()
+        R = torch.where(ts[1:] != 0, R, torch.zeros_like(R))
+        return ab, P, Q, R, None
 
 
 @register_scheduler
@@ -1030,8 +1059,8 @@ def _remaking(make: Callable[[int], SchedulerChain]) -> Callable[[int], Schedule
 def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict, options: dict) -> SchedulerChain:
     """:func:`scheduler_chain`'s tables, the scheduler and ``options`` checked already."""
     sch = _fresh(scheduler, steps, **set_timesteps)
-    timesteps = torch.as_tensor(sch.timesteps).detach().to("cpu", torch.float64)
     cls = followed(scheduler)
+    timesteps = torch.as_tensor(cls.model_timesteps(sch)).detach().to("cpu", torch.float64)
     return _made(cls, eta, timesteps, cls.tables(sch, float(eta), **options), options)
 
 
