@@ -786,3 +786,28 @@ def test_wuerstchen_ddpm_equals_the_schedulers_own_loop():
     assert float((out - ref.double()).abs().max()) <= 1e-5 * float(ref.abs().max())
     run = law_run(chain, trees.chain(4), "rmc")
     testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+
+
+def test_a_users_scheduler_is_followed_once_registered():
+    """``register_scheduler``: a user's scheduler (here a DDPM subclass) is refused by name until a class that
+    follows it is registered, then it is that class's chain."""
+    from specforest.diffusers import schedulers as S
+
+    class MyDDPMScheduler(diffusers.DDPMScheduler):
+        pass
+
+    with pytest.raises(ValueError, match="MyDDPMScheduler is not one chain='scheduler' follows"):
+        scheduler_chain(MyDDPMScheduler(clip_sample=False), 5)
+
+    class FollowsMine(S.FOLLOWED["DDPMScheduler"]):
+        name = "MyDDPMScheduler"
+
+    try:
+        S.register_scheduler(FollowsMine)
+        mine = scheduler_chain(MyDDPMScheduler(clip_sample=False), 5)
+        ref = scheduler_chain(diffusers.DDPMScheduler(clip_sample=False), 5)
+        assert mine.scheduler == "MyDDPMScheduler" and all(
+            torch.equal(getattr(mine, f), getattr(ref, f)) for f in ("grid", "P", "Q", "R", "draws")
+        )
+    finally:
+        S.FOLLOWED.pop("MyDDPMScheduler")
