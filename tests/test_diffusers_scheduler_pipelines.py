@@ -34,6 +34,8 @@ SCHEDULERS = {
     "ddim": ("DDIMScheduler", {"clip_sample": False}, 1.0),
     "euler_a": ("EulerAncestralDiscreteScheduler", {}, 0.0),
     "dpm_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}, 0.0),
+    # third order: two past predictions carried (history 2); at 8 steps lower_order_final binds at the 7th
+    "dpm_sde_3": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "solver_order": 3}, 0.0),
     "lcm": ("LCMScheduler", {}, 0.0),
     "tcd": ("TCDScheduler", {}, 0.3),
 }
@@ -142,6 +144,7 @@ def law(gaussian, case, N=1500, tree=None, coupling="grs", eta=None, chain="sche
         ("ddim", trees.chain(4), "rmc"),
         ("euler_a", trees.uniform(2, 2), "grs"),
         ("dpm_sde", trees.chain(4), "rmc"),
+        ("dpm_sde_3", trees.uniform(2, 2), "grs"),
         ("tcd", trees.chain(3), "rmc"),
     ],
 )

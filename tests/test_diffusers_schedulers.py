@@ -60,6 +60,42 @@ CASES = {
     "dpm_sde_1": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++", solver_order=1), 0.0, 20),
     "lcm": ("LCMScheduler", dict(), 0.0, 6),
     "tcd": ("TCDScheduler", dict(), 0.3, 6),
+    # the Parallel schedulers' step is DDPM's and DDIM's
+    "ddpm_parallel_large": ("DDPMParallelScheduler", dict(variance_type="fixed_large", clip_sample=False), 0.0, 20),
+    "ddim_parallel_trailing": ("DDIMParallelScheduler", dict(timestep_spacing="trailing", clip_sample=False), 0.8, 20),
+    # third order reads two past predictions; below 15 steps lower_order_final makes the last but one second order
+    "dpm_sde_3": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++", solver_order=3), 0.0, 20),
+    "dpm_sde_3_short": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++", solver_order=3), 0.0, 9),
+    "dpm_sde_3_no_lower_final": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", solver_order=3, lower_order_final=False),
+        0.0,
+        9,
+    ),
+    "dpm_sde_3_heun_karras": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", solver_order=3, solver_type="heun", use_karras_sigmas=True),
+        0.0,
+        12,
+    ),
+    "dpm_sde_2_lu": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", use_lu_lambdas=True),
+        0.0,
+        12,
+    ),
+    "dpm_sde_2_euler_at_final": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", euler_at_final=True),
+        0.0,
+        12,
+    ),
+    "dpm_sde_3_exponential": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", solver_order=3, use_exponential_sigmas=True),
+        0.0,
+        12,
+    ),
 }
 
 
@@ -67,7 +103,7 @@ def pipeline_loop(sch, steps, eta, x, gen, net):
     """What a pipeline does: ``set_timesteps``, then per timestep the network and ``step``."""
     sch.set_timesteps(steps)
     acp = sch.alphas_cumprod.to(torch.float64)
-    kw = {"eta": eta} if type(sch).__name__ in ("DDIMScheduler", "TCDScheduler") else {}
+    kw = {"eta": eta} if type(sch).__name__ in ("DDIMScheduler", "DDIMParallelScheduler", "TCDScheduler") else {}
     sigma_based = type(sch).__name__ in ("EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
     for i, t in enumerate(sch.timesteps):
         inp = sch.scale_model_input(x, t)
@@ -207,6 +243,63 @@ def test_stochastic_flow_matching_equals_the_schedulers_own_loop(dtype):
     assert float((out.double() - ref.double()).abs().max()) <= tol * float(ref.double().abs().max())
 
 
+@pytest.mark.parametrize("cfg", [{}, dict(eta=0.6, s_noise=1.02), dict(eta=0.0)], ids=["eta1", "eta0.6", "eta0"])
+def test_ltx_euler_ancestral_rf_equals_the_schedulers_own_loop(cfg):
+    """``LTXEulerAncestralRFScheduler`` (Euler ancestral on the flow path, LTX-Video's), its own loop, the same draws."""
+    mk = lambda: diffusers.LTXEulerAncestralRFScheduler(**cfg)  # noqa: E731
+    steps = 10
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sch, gen = mk(), torch.Generator().manual_seed(3)
+    sch.set_timesteps(steps)
+    ref = x.clone()
+    for i, t in enumerate(sch.timesteps):
+        ref = sch.step(flow_net(ref, sch.sigmas[i]), t, ref, generator=gen).prev_sample
+    chain = scheduler_chain(mk(), steps)
+
+    def v(y, t, **_):
+        return torch.stack([flow_net(y[j : j + 1], t[j])[0] for j in range(y.shape[0])])
+
+    out = specforest.sample(
+        v, x, sigmas=chain.grid, chain=chain, noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype)
+    ).samples
+    assert float((out.double() - ref.double()).abs().max()) <= 1e-5 * float(ref.double().abs().max())
+
+
+@pytest.mark.parametrize("cfg", [{}, dict(shift=3.0), dict(use_karras_sigmas=True)], ids=["plain", "shift3", "karras"])
+def test_flow_match_lcm_equals_the_schedulers_own_loop(cfg):
+    mk = lambda: diffusers.FlowMatchLCMScheduler(**cfg)  # noqa: E731
+    steps = 6
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sch, gen = mk(), torch.Generator().manual_seed(3)
+    sch.set_timesteps(steps)
+    ref = x.clone()
+    for i, t in enumerate(sch.timesteps):
+        ref = sch.step(flow_net(ref, sch.sigmas[i]), t, ref, generator=gen).prev_sample
+    chain = scheduler_chain(mk(), steps)
+
+    def v(y, t, **_):
+        return torch.stack([flow_net(y[j : j + 1], t[j])[0] for j in range(y.shape[0])])
+
+    out = specforest.sample(
+        v, x, sigmas=chain.grid, chain=chain, noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype)
+    ).samples
+    assert float((out.double() - ref.double()).abs().max()) <= 1e-5 * float(ref.double().abs().max())
+
+
+@pytest.mark.parametrize("name", ["LTXEulerAncestralRFScheduler", "FlowMatchLCMScheduler"])
+def test_flow_path_schedulers_keep_their_law_with_a_tree(name):
+    chain = scheduler_chain(getattr(diffusers, name)(), 10)
+
+    def v(y, t, **_):
+        ab = [testing._gaussian_velocity(float(tj), MU, S0) for tj in t]
+        return torch.stack([a * y[j] + b for j, (a, b) in enumerate(ab)])
+
+    y0 = torch.randn(4000, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    run = specforest.sample(v, y0, sigmas=chain.grid, chain=chain, tree=trees.uniform(2, 2), coupling="grs", seed=4)
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+    assert float(run.stats.nfe.double().mean()) < 10
+
+
 # -- the law with trees ---------------------------------------------------------------------------
 
 LAW = {
@@ -214,7 +307,16 @@ LAW = {
     "ddim": ("DDIMScheduler", dict(clip_sample=False, timestep_spacing="trailing"), 1.0, 30, trees.chain(5), "rmc"),
     "euler_a": ("EulerAncestralDiscreteScheduler", dict(), 0.0, 20, trees.uniform(2, 2), "grs"),
     "dpm_sde": ("DPMSolverMultistepScheduler", dict(algorithm_type="sde-dpmsolver++"), 0.0, 20, trees.chain(4), "rmc"),
+    "dpm_sde_3": (
+        "DPMSolverMultistepScheduler",
+        dict(algorithm_type="sde-dpmsolver++", solver_order=3),
+        0.0,
+        20,
+        trees.uniform(2, 2),
+        "grs",
+    ),
     "lcm": ("LCMScheduler", dict(), 0.0, 6, trees.uniform(2, 2), "grs"),
+    "ddim_parallel": ("DDIMParallelScheduler", dict(clip_sample=False), 1.0, 20, trees.chain(4), "rmc"),
     "tcd": ("TCDScheduler", dict(), 0.3, 8, trees.chain(3), "rmc"),
 }
 
@@ -388,6 +490,13 @@ FLAGS = {
     "dpm-leading-offset": (
         "DPMSolverMultistepScheduler", dict(DPM, timestep_spacing="leading", steps_offset=1), 0.0, 20, bent, True,
     ),
+    "dpm-3-thresholding": (
+        "DPMSolverMultistepScheduler", dict(DPM, solver_order=3, thresholding=True, sample_max_value=1.5), 0.0, 20, big, True,
+    ),
+    "dpm-3-beta-sigmas": ("DPMSolverMultistepScheduler", dict(DPM, solver_order=3, use_beta_sigmas=True), 0.0, 12, bent, True),
+    "dpm-lambda-min-clipped": (
+        "DPMSolverMultistepScheduler", dict(DPM, solver_order=3, lambda_min_clipped=-2.0), 0.0, 12, bent, True,
+    ),
     "dpm-trailing": ("DPMSolverMultistepScheduler", dict(DPM, timestep_spacing="trailing"), 0.0, 20, bent, True),
     "dpm-v": ("DPMSolverMultistepScheduler", dict(DPM, prediction_type="v_prediction"), 0.0, 20, bent, False),
     "dpm-sample": ("DPMSolverMultistepScheduler", dict(DPM, prediction_type="sample"), 0.0, 20, bent, False),
@@ -441,3 +550,264 @@ def test_a_prediction_type_the_schedulers_step_does_not_implement_is_refused():
         sch.step(torch.zeros(1, D, 1), sch.timesteps[0], torch.zeros(1, D, 1))
     with pytest.raises(ValueError, match="prediction_type='sample'"):
         scheduler_chain(make("EulerAncestralDiscreteScheduler", prediction_type="sample"), 4)
+
+
+# -- EDM schedulers: VE latents, the network preconditioned by the scheduler -----------------------------
+
+
+def edm_denoiser(x_ve: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """A clean prediction at VE level ``s``: the exact one for data ``N(MU, S0^2 I)``, bent."""
+    s = s.reshape(-1, *[1] * (x_ve.ndim - 1)).double()
+    exact = (S0**2 * x_ve.double() + s * s * MU) / (S0**2 + s * s)
+    return (exact + 0.2 * torch.tanh(x_ve.double())).to(x_ve.dtype)
+
+
+def edm_loop(sch, steps, x, gen, **step_kw):
+    """An EDM pipeline's loop: the network's output is what the scheduler's ``precondition_outputs`` turns into
+    :func:`edm_denoiser`'s prediction at the step's sigma."""
+    sch.set_timesteps(steps)
+    sd = sch.config.sigma_data
+    for i, t in enumerate(sch.timesteps):
+        s = sch.sigmas[i].double()
+        d = edm_denoiser(x, s.expand(x.shape[0])).double()
+        sign = -1.0 if sch.config.prediction_type == "v_prediction" else 1.0
+        c_skip, c_out = sd**2 / (s * s + sd**2), sign * s * sd / (s * s + sd**2).sqrt()
+        out = ((d - c_skip * x.double()) / c_out).to(x.dtype)
+        # (a trailing axis: _threshold_sample wants channels and at least one more dimension)
+        x = sch.step(out[..., None], t, x[..., None], generator=gen, **step_kw).prev_sample[..., 0]
+    return x
+
+
+def edm_velocity_of(chain):
+    """The library's velocity for an EDM scheduler's chain: the denoiser at the VE latents, then the step's
+    threshold where its config has one."""
+    grid = chain.grid
+
+    def v(y, t, **_):
+        s = t.double() / (1 - t.double())
+        d = edm_denoiser(y.double() * (1 + s[:, None]), s).double()
+        if chain.prediction is not None:
+            d = chain.prediction(d, torch.searchsorted(-grid[:-1], -t.double()))
+        return ((y.double() - d) / t.double()[:, None]).to(y.dtype)
+
+    return v
+
+
+EDM_DPM = dict(algorithm_type="sde-dpmsolver++")
+EDM_CASES = {
+    "edm_dpm_1": dict(EDM_DPM, solver_order=1),
+    "edm_dpm_2": dict(EDM_DPM),
+    "edm_dpm_2_heun": dict(EDM_DPM, solver_type="heun"),
+    "edm_dpm_2_exponential": dict(EDM_DPM, sigma_schedule="exponential"),
+    "edm_dpm_2_thresholding": dict(EDM_DPM, thresholding=True, sample_max_value=1.5),
+}
+
+
+@pytest.mark.parametrize("case", list(EDM_CASES))
+@pytest.mark.parametrize("steps", [9, 16])
+def test_edm_dpm_solver_equals_the_schedulers_own_loop(case, steps):
+    """``EDMDPMSolverMultistepScheduler`` (sde-dpmsolver++) at every order, with and without ``lower_order_final``
+    (it binds below 15 steps), against its own loop with the same draws."""
+    mk = lambda: diffusers.EDMDPMSolverMultistepScheduler(**EDM_CASES[case])  # noqa: E731
+    sch = mk()
+    sch.set_timesteps(steps)
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * float(sch.init_noise_sigma)
+    ref = edm_loop(mk(), steps, x.clone(), torch.Generator().manual_seed(3))
+    chain = scheduler_chain(mk(), steps)
+    assert chain.history == EDM_CASES[case].get("solver_order", 2) - 1
+    s0 = chain.grid[0] / (1 - chain.grid[0])
+    out = specforest.sample(
+        edm_velocity_of(chain), x / (1 + s0), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    assert float((out - ref.double()).abs().max()) <= 1e-5 * float(ref.abs().max()), case
+
+
+def test_edm_dpm_solver_keeps_its_law_with_a_tree():
+    chain = scheduler_chain(diffusers.EDMDPMSolverMultistepScheduler(**EDM_DPM), 16)
+    run = law_run(chain, trees.chain(4), "rmc")
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+    assert float(run.stats.nfe.double().mean()) < 16
+
+
+def test_edm_dpm_solver_third_order_is_refused_as_its_step_raises():
+    """diffusers' EDM DPM-Solver has no third-order ``sde-dpmsolver++`` update: its step raises, so the chain is
+    refused by name rather than made up."""
+    sch = diffusers.EDMDPMSolverMultistepScheduler(**EDM_DPM, solver_order=3)
+    with pytest.raises(UnboundLocalError):
+        edm_loop(sch, 9, torch.randn(2, D, dtype=torch.float64), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="solver_order=3: its step raises"):
+        scheduler_chain(diffusers.EDMDPMSolverMultistepScheduler(**EDM_DPM, solver_order=3), 9)
+
+
+CHURN = {
+    # gamma = s_churn / T = 5 / 12 is past sqrt(2) - 1: the min binds
+    "churn5": ({}, dict(s_churn=5.0), 12),
+    "churn2-window": ({}, dict(s_churn=2.0, s_tmin=0.5, s_tmax=20.0, s_noise=1.003), 12),
+    "churn1-exponential-v": (dict(sigma_schedule="exponential", prediction_type="v_prediction"), dict(s_churn=1.0), 10),
+}
+
+
+@pytest.mark.parametrize("case", list(CHURN))
+def test_edm_euler_with_churn_equals_the_schedulers_own_loop(case):
+    """``EDMEulerScheduler.step(..., s_churn, s_tmin, s_tmax, s_noise)`` against its own loop, the same draws (it
+    draws only where it churns)."""
+    cfg, opts, steps = CHURN[case]
+    mk = lambda: diffusers.EDMEulerScheduler(**cfg)  # noqa: E731
+    sch = mk()
+    sch.set_timesteps(steps)
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * float(sch.init_noise_sigma)
+    ref = edm_loop(mk(), steps, x.clone(), torch.Generator().manual_seed(3), **opts)
+    chain = scheduler_chain(mk(), steps, step_options=opts)
+    assert bool((chain.R > 0).any()) and chain.params["s_churn"] == opts["s_churn"]
+    s0 = chain.grid[0] / (1 - chain.grid[0])
+    out = specforest.sample(
+        edm_velocity_of(chain), x / (1 + s0), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    assert float((out - ref.double()).abs().max()) <= 1e-5 * float(ref.abs().max()), case
+    # the churn changes the samples (so the case tests it)
+    plain = edm_loop(mk(), steps, x.clone(), torch.Generator().manual_seed(3))
+    assert float((plain - ref).abs().max()) > 1e-2 * float(ref.abs().max())
+
+
+def test_edm_euler_with_churn_keeps_its_law_with_a_tree_and_the_test_rejects_another_churn():
+    chain = scheduler_chain(diffusers.EDMEulerScheduler(), 12, step_options=dict(s_churn=5.0))
+    run = law_run(chain, trees.uniform(2, 2), "grs")
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+    assert float(run.stats.nfe.double().mean()) < 12
+    wrong = scheduler_chain(diffusers.EDMEulerScheduler(), 12, step_options=dict(s_churn=1.0))
+    assert not testing.check_law(
+        law_run(wrong, trees.uniform(2, 2), "grs").samples, chain.grid, None, MU, S0, chain=chain
+    ).passed
+
+
+def test_step_options_a_schedulers_step_does_not_read_are_refused_by_name():
+    with pytest.raises(ValueError, match="s_churn: DDPMScheduler's step does not read them"):
+        scheduler_chain(diffusers.DDPMScheduler(), 4, step_options=dict(s_churn=1.0))
+    with pytest.raises(ValueError, match="s_noise must be a finite number >= 0"):
+        scheduler_chain(diffusers.EDMEulerScheduler(), 4, step_options=dict(s_noise=-1.0))
+    # s_churn 0 (what every pipeline passes) is deterministic Euler: no tree can speculate it
+    assert not bool((scheduler_chain(diffusers.EDMEulerScheduler(), 4).R > 0).any())
+
+
+def cm_loop(sch, steps, x, gen):
+    """A consistency model pipeline's loop: the network's output is what the scheduler's boundary-condition
+    scalings turn into :func:`edm_denoiser`'s prediction at the step's sigma."""
+    sch.set_timesteps(steps)
+    for i, t in enumerate(sch.timesteps):
+        s = sch.sigmas[i].double()
+        c_skip, c_out = (float(c) for c in sch.get_scalings_for_boundary_condition(s))
+        out = (edm_denoiser(x, s.expand(x.shape[0])).double() - c_skip * x.double()) / c_out
+        x = sch.step(out.to(x.dtype), t, x, generator=gen).prev_sample
+    return x
+
+
+@pytest.mark.parametrize("cfg", [{}, dict(clip_denoised=False, s_noise=1.01)], ids=["clip", "no-clip"])
+@pytest.mark.parametrize("steps", [1, 3, 6])
+def test_consistency_model_sampling_equals_the_schedulers_own_loop(cfg, steps):
+    mk = lambda: diffusers.CMStochasticIterativeScheduler(**cfg)  # noqa: E731
+    sch = mk()
+    sch.set_timesteps(steps)
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * float(sch.init_noise_sigma)
+    ref = cm_loop(mk(), steps, x.clone(), torch.Generator().manual_seed(3))
+    chain = scheduler_chain(mk(), steps)
+    s0 = chain.grid[0] / (1 - chain.grid[0])
+    out = specforest.sample(
+        edm_velocity_of(chain), x / (1 + s0), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    assert float((out - ref.double()).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_consistency_model_sampling_keeps_its_law_with_a_tree():
+    chain = scheduler_chain(diffusers.CMStochasticIterativeScheduler(clip_denoised=False), 6)
+    run = law_run(chain, trees.chain(3), "rmc")
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+
+
+# -- the registry: every scheduler of the installed diffusers followed or refused with its reason ---------
+
+
+def test_every_diffusers_scheduler_is_followed_or_refused_with_its_reason():
+    from specforest.diffusers.schedulers import FOLLOWED, REFUSED_SCHEDULERS
+
+    names = {n for n in dir(diffusers) if n.endswith("Scheduler") and not n.startswith("_")}
+    assert names <= set(FOLLOWED) | set(REFUSED_SCHEDULERS), sorted(names - set(FOLLOWED) - set(REFUSED_SCHEDULERS))
+    assert not set(FOLLOWED) & set(REFUSED_SCHEDULERS)
+    assert all(len(reason) > 20 for reason in REFUSED_SCHEDULERS.values())
+
+
+@pytest.mark.parametrize(
+    "name, reason",
+    [
+        ("DPMSolverSDEScheduler", "two model calls a step: needs stages"),
+        ("KDPM2AncestralDiscreteScheduler", "two model calls a step: needs stages"),
+        ("HeunDiscreteScheduler", "deterministic"),
+        ("DDIMInverseScheduler", "an inversion"),
+    ],
+)
+def test_a_refused_scheduler_is_refused_with_its_reason_and_the_swap(name, reason):
+    with pytest.raises(ValueError, match=rf"{name} is .*{reason}.*Swap it in one line"):
+        scheduler_chain(getattr(diffusers, name)(), 8)
+
+
+def test_flow_match_lcm_draws_in_float32_promoted_with_the_outputs_dtype():
+    """Its step upcasts the state to float32 and draws like ``x - s F``: a bfloat16 network's run draws in
+    float32 (as the pipeline's step does), a float64 one's in float64."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from specforest.diffusers.schedulers import PipelinePlan
+
+    plan = PipelinePlan(chain=scheduler_chain(diffusers.FlowMatchLCMScheduler(), 4), velocity=None)
+    for dtype, drawn in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        noise = plan.noise_from(torch.Generator().manual_seed(1), (2, D), torch.device("cpu"), dtype)
+        ref = randn_tensor((2, D), generator=torch.Generator().manual_seed(1), dtype=drawn)
+        assert torch.equal(noise(0), ref.float()), dtype
+
+
+def test_wuerstchen_ddpm_equals_the_schedulers_own_loop():
+    """``DDPMWuerstchenScheduler``: the posterior step on its cosine schedule at continuous timesteps."""
+    mk = lambda: diffusers.DDPMWuerstchenScheduler()  # noqa: E731
+    steps = 12
+    sch, gen = mk(), torch.Generator().manual_seed(3)
+    sch.set_timesteps(steps)
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ref = x.clone()
+    for t in sch.timesteps[:-1]:
+        tt = t.expand(x.shape[0])
+        e = bent(ref, sch._alpha_cumprod(tt, "cpu").double())
+        ref = sch.step(e, tt, ref, generator=gen).prev_sample
+    chain = scheduler_chain(mk(), steps)
+    out = specforest.sample(
+        velocity_of(chain, bent), to_y(chain, x, sch), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    assert float((out - ref.double()).abs().max()) <= 1e-5 * float(ref.abs().max())
+    run = law_run(chain, trees.chain(4), "rmc")
+    testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+
+
+def test_a_users_scheduler_is_followed_once_registered():
+    """``register_scheduler``: a user's scheduler (here a DDPM subclass) is refused by name until a class that
+    follows it is registered, then it is that class's chain."""
+    from specforest.diffusers import schedulers as S
+
+    class MyDDPMScheduler(diffusers.DDPMScheduler):
+        pass
+
+    with pytest.raises(ValueError, match="MyDDPMScheduler is not one chain='scheduler' follows"):
+        scheduler_chain(MyDDPMScheduler(clip_sample=False), 5)
+
+    class FollowsMine(S.FOLLOWED["DDPMScheduler"]):
+        name = "MyDDPMScheduler"
+
+    try:
+        S.register_scheduler(FollowsMine)
+        mine = scheduler_chain(MyDDPMScheduler(clip_sample=False), 5)
+        ref = scheduler_chain(diffusers.DDPMScheduler(clip_sample=False), 5)
+        assert mine.scheduler == "MyDDPMScheduler" and all(
+            torch.equal(getattr(mine, f), getattr(ref, f)) for f in ("grid", "P", "Q", "R", "draws")
+        )
+    finally:
+        S.FOLLOWED.pop("MyDDPMScheduler")

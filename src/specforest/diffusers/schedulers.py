@@ -7,13 +7,23 @@ its ``step`` as the code computes it: its timesteps (spacing, ``steps_offset``),
 to (DDIM's ``t - num_train_timesteps // T``, which need not be the next timestep the model sees),
 its variance formula, and ``clip_sample`` / thresholding of the predicted clean latents.
 
+One class per scheduler. Each scheduler followed is a :class:`Followed` subclass registered under its
+diffusers class name (:data:`FOLLOWED`, :func:`register_scheduler`): it declares the ``eta`` its step takes,
+the further step arguments it reads (:attr:`Followed.options`: ``EDMEulerScheduler``'s ``s_churn``...), the
+configs it refuses with the reason, its tables read off the scheduler's own config and arrays, and where it
+draws; its history is its tables' (multistep DPM-Solver: its order less one). Every other scheduler of
+diffusers is refused with its reason in one table, :data:`REFUSED_SCHEDULERS` (deterministic ODE solvers,
+inversions, discrete samplers, and the ones with two model calls a step, which need stages). Nothing
+outside this module names a scheduler.
+
 Coordinates. The pipeline's latents ``x`` at the timestep ``k`` the model sees next are written on
 the library's linear path as ``y = x / n(s_k)``, where ``s_k = sqrt((1 - abar_k) / abar_k)`` and
 ``n(s) = (1 + s) / sqrt(1 + s^2)`` for the schedulers that keep variance-preserving latents (DDPM,
 DDIM, LCM, TCD, DPM-Solver), ``n(s) = 1 + s`` for the ones that keep ``x = x_0 + s xi``
-(Euler ancestral), and ``n = 1`` on the flow-matching path. The velocity adapters of
-:mod:`specforest.diffusers.unet` feed the network exactly these latents at exactly the scheduler's
-timestep, so a step ``x' = P x + Q D + R z`` of the scheduler (``D`` its predicted clean latents) is
+(Euler ancestral, the EDM schedulers, consistency models), and ``n = 1`` on the flow-matching path. The
+velocity adapters of :mod:`specforest.diffusers.unet` feed the network exactly these latents at exactly the
+scheduler's timestep (VP schedulers; the EDM ones are followed at the scheduler's level, ``scheduler_chain``),
+so a step ``x' = P x + Q D + R z`` of the scheduler (``D`` its predicted clean latents) is
 ``y' = (P n / n') y + (Q / n') D + (R / n') z``: tables, whatever the scheduler.
 
 Clipping is not affine in ``D``. The chain's mean stays ``a y + c v`` with the prediction replaced
@@ -22,13 +32,13 @@ the scheduler's exactly, and every draft, coupling and tree works unchanged.
 
 Refused, each naming the reason: deterministic schedulers with a tree (the caller's check, through
 :attr:`~specforest.sde.GaussianChain.stochastic`), learned variances (the covariance comes from the
-network), ``fixed_large_log`` (diffusers returns NaN there), ``DPMSolverSDEScheduler`` (two
-correlated noises per step), DPM-Solver's ``sde-dpmsolver`` and third order, and grids this module
-does not follow yet (Karras or other sigma families on a UNet scheduler, ``final_sigmas_type`` other
-than ``zero``). So are the options a step would not follow: an ``eta`` with a scheduler whose ``step``
-takes none (:data:`ETA_SCHEDULERS`), a DDIM ``eta`` that makes a step's variance negative (diffusers'
-step is NaN there), Euler ancestral's ``prediction_type="sample"`` (its step raises). A config flag is
-followed as the step follows it: TCD's step neither clips nor thresholds, DPM-Solver's thresholds.
+network), ``fixed_large_log`` (diffusers returns NaN there), ``DPMSolverSDEScheduler`` and
+``KDPM2AncestralDiscreteScheduler`` (two model calls a step), DPM-Solver's ``sde-dpmsolver``, EDM
+DPM-Solver's third order (its step raises), ``final_sigmas_type`` other than ``zero``. So are the options
+a step would not follow: an ``eta`` with a scheduler whose ``step`` takes none (:data:`ETA_SCHEDULERS`), a
+DDIM ``eta`` that makes a step's variance negative (diffusers' step is NaN there), Euler ancestral's
+``prediction_type="sample"`` (its step raises). A config flag is followed as the step follows it: TCD's
+step neither clips nor thresholds, DPM-Solver's thresholds, ``euler_at_final`` changes nothing into 0.
 """
 
 from __future__ import annotations
@@ -45,46 +55,25 @@ from ..sde import _check_sigmas
 
 __all__ = [
     "ETA_SCHEDULERS",
+    "FOLLOWED",
+    "REFUSED_SCHEDULERS",
     "SCHEDULERS",
+    "Followed",
+    "Tables",
     "PipelinePlan",
     "SchedulerChain",
     "check_scheduler",
     "directory_scheduler",
+    "followed",
     "for_pipeline",
     "scheduler_chain",
     "scheduler_class",
+    "register_scheduler",
     "scheduler_eta",
     "swapped_scheduler",
 ]
-
-SCHEDULERS = (
-    "DDPMScheduler",
-    "DDIMScheduler",
-    "EulerAncestralDiscreteScheduler",
-    "DPMSolverMultistepScheduler",
-    "LCMScheduler",
-    "TCDScheduler",
-    "FlowMatchEulerDiscreteScheduler",
-)
-"""The stochastic schedulers ``chain="scheduler"`` follows (by class name)."""
-
 EULER_A_PREDICTIONS = ("epsilon", "v_prediction")
 """The ``prediction_type`` values ``EulerAncestralDiscreteScheduler.step`` implements."""
-
-ETA_SCHEDULERS = ("DDIMScheduler", "TCDScheduler")
-"""The schedulers whose ``step`` reads ``eta``; the others' noise is their config's alone, so an ``eta``
-given with them would be dropped (it is refused)."""
-
-DETERMINISTIC = (
-    "PNDMScheduler",
-    "EulerDiscreteScheduler",
-    "HeunDiscreteScheduler",
-    "DEISMultistepScheduler",
-    "UniPCMultistepScheduler",
-    "KDPM2DiscreteScheduler",
-    "LMSDiscreteScheduler",
-)
-"""Schedulers with no noise after the first draw: they run with ``tree=None`` only."""
 
 SWAP = (
     "pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config)  "
@@ -99,7 +88,8 @@ class SchedulerChain(Chain):
 
     Attributes:
         scheduler: the scheduler's class name; ``eta``: the ``eta`` its steps take (DDIM, TCD), ``None``
-            for a scheduler whose step takes none (:data:`ETA_SCHEDULERS`).
+            for a scheduler whose step takes none (:data:`ETA_SCHEDULERS`); ``options``: ``(name, value)`` pairs of
+            the further arguments its step reads (:attr:`Followed.options`), empty for most.
         grid: ``(T + 1,)`` float64 linear-path levels of the timesteps the model sees, then 0.
         timesteps: ``(T,)`` the scheduler's timesteps (the network's time input at each level).
         prediction: ``prediction(D, step) -> D`` the scheduler's clip or threshold of the predicted
@@ -107,7 +97,7 @@ class SchedulerChain(Chain):
         draws: ``(T,)`` bool, the steps at which the scheduler draws noise from the generator (one
             ``randn_tensor`` each), so that a run with ``tree=None`` replays the pipeline's draws.
         noise_dtype: the dtype of those draws when the scheduler fixes it (DPM-Solver, flow matching: float32), else
-            ``None`` (the network output's dtype).
+            ``None`` (the network output's dtype, promoted with float32 where ``noise_promoted``).
         noise_scale: the pipeline's initial latents (``init_noise_sigma xi``) on the linear path are
             ``noise_scale xi``.
         remake: ``remake(n)`` the same scheduler's chain at ``n`` inference steps (:meth:`for_steps`), or
@@ -116,6 +106,7 @@ class SchedulerChain(Chain):
 
     scheduler: str = ""
     eta: Optional[float] = 0.0
+    options: tuple = ()
     grid: torch.Tensor = field(default=None, repr=False, compare=False)
     timesteps: torch.Tensor = field(default=None, repr=False, compare=False)
     P: torch.Tensor = field(default=None, repr=False, compare=False)
@@ -128,12 +119,13 @@ class SchedulerChain(Chain):
     draws: torch.Tensor = field(default=None, repr=False, compare=False)
     noise_dtype: Optional[torch.dtype] = field(default=None, repr=False, compare=False)
     noise_scale: float = field(default=1.0, repr=False, compare=False)
+    noise_promoted: bool = field(default=False, repr=False, compare=False)
     remake: Optional[Callable[[int], "SchedulerChain"]] = field(default=None, repr=False, compare=False)
     name: ClassVar[str] = "scheduler"
 
     @property
     def params(self) -> dict:
-        return {"scheduler": self.scheduler, "eta": self.eta}
+        return {"scheduler": self.scheduler, "eta": self.eta, **dict(self.options)}
 
     def for_steps(self, steps: int) -> "SchedulerChain":
         """The same scheduler's chain at ``steps`` inference steps, on its own grid of that many steps
@@ -165,76 +157,159 @@ class SchedulerChain(Chain):
 
     @property
     def history(self) -> int:
-        """1 where the scheduler's mean reads the previous step's prediction (multistep DPM-Solver), else 0."""
-        return 0 if self.B is None else 1
+        """How many past predictions the scheduler's mean reads (multistep DPM-Solver: its order less one), else 0."""
+        return 0 if self.B is None else self.B.shape[1]
 
     def past(self, t: torch.Tensor, t_next: torch.Tensor) -> Optional[torch.Tensor]:
-        B = self.for_steps(t.numel()).B if t.numel() != self.grid.numel() - 1 and self.remake is not None else self.B
-        return None if B is None else B[:, None]
+        return self.for_steps(t.numel()).B if t.numel() != self.grid.numel() - 1 and self.remake is not None else self.B
 
 
 def _name(scheduler: Any) -> str:
     return type(scheduler).__name__
 
 
-def scheduler_eta(name: str, eta: float) -> Optional[float]:
-    """The ``eta`` a run of scheduler ``name`` records: its step's, or ``None`` where its step takes none."""
-    return float(eta) if name in ETA_SCHEDULERS else None
+# -- the registry: one class per scheduler followed, one table of the ones refused ---------------------
 
 
-def check_scheduler(scheduler: Any, eta: float = 0.0, steps: Optional[int] = None) -> None:
-    """Raise for a scheduler ``chain="scheduler"`` cannot follow (or an ``eta`` out of its range, or given to a
-    scheduler whose step takes none), naming the reason and the swap. With ``steps``, also an ``eta`` that
-    gives a step of ``steps`` a negative variance (DDIM's, :func:`check_ddim_eta`)."""
-    eta = float(eta)
-    name, cfg = _name(scheduler), scheduler.config
-    if name == "DPMSolverSDEScheduler":
-        raise ValueError(f"DPMSolverSDEScheduler is not a Gaussian chain: {REFUSED['dpmpp_sde']}")
-    if name not in SCHEDULERS:
-        kind = "deterministic (an ODE solver)" if name in DETERMINISTIC else "not one chain='scheduler' follows"
-        raise ValueError(
-            f"chain='scheduler' follows the stochastic schedulers {', '.join(SCHEDULERS)}; the pipeline's "
-            f"{name} is {kind}. Swap it in one line: {SWAP}"
-        )
-    variance = cfg.get("variance_type")
-    if name == "DDPMScheduler" and variance in ("learned", "learned_range"):
-        raise ValueError(
-            f"DDPMScheduler with variance_type={variance!r}: the variance comes from the network's output, so "
-            "the step's covariance depends on the model and no coupling can be exact to it; use fixed_small or "
-            "fixed_large"
-        )
-    if name == "DDPMScheduler" and variance == "fixed_large_log":
-        raise ValueError("DDPMScheduler with variance_type='fixed_large_log' returns NaN in diffusers; use fixed_large")
-    if name == "DPMSolverMultistepScheduler":
-        if cfg.get("algorithm_type") != "sde-dpmsolver++" or cfg.get("solver_order", 2) not in (1, 2):
-            raise ValueError(
-                "DPMSolverMultistepScheduler is followed with algorithm_type='sde-dpmsolver++' and solver_order 1 "
-                f"or 2 (got {cfg.get('algorithm_type')!r}, order {cfg.get('solver_order')}); the ODE algorithms are "
-                "deterministic and sde-dpmsolver is deprecated in diffusers"
-            )
-        if cfg.get("final_sigmas_type", "zero") != "zero" or cfg.get("euler_at_final", False):
-            raise ValueError("DPMSolverMultistepScheduler is followed with final_sigmas_type='zero' only")
-    if name == "EulerAncestralDiscreteScheduler" and cfg.get("prediction_type", "epsilon") not in EULER_A_PREDICTIONS:
-        raise ValueError(
-            f"EulerAncestralDiscreteScheduler with prediction_type={cfg.get('prediction_type')!r}: its step does not "
-            f"implement it (diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
-        )
-    if name == "FlowMatchEulerDiscreteScheduler" and not cfg.get("stochastic_sampling", False):
-        raise ValueError(
-            "FlowMatchEulerDiscreteScheduler with stochastic_sampling=False is deterministic (an ODE solver): "
-            "build it with stochastic_sampling=True to speculate it"
-        )
-    if not math.isfinite(eta) or eta < 0 or (name == "TCDScheduler" and eta > 1):
-        raise ValueError(f"eta must be in [0, {1 if name == 'TCDScheduler' else 'inf'}), got {eta}")
-    if eta != 0.0 and name not in ETA_SCHEDULERS:
-        raise ValueError(
-            f"eta={eta}: {name}'s step takes no eta (its noise is set by its config alone), so it would be "
-            f"dropped; eta applies to {' and '.join(ETA_SCHEDULERS)}: leave it out"
-        )
-    if steps is not None and name == "DDIMScheduler" and eta > 0:
-        sch = _fresh(scheduler, steps)
-        ts = sch.timesteps.to(torch.long)
-        check_ddim_eta(eta, *_ddim_levels(sch, ts), ts)
+@dataclass(frozen=True)
+class Tables:
+    """A scheduler's step on its own grid in the linear path's coordinates (what :class:`SchedulerChain` holds).
+
+    Attributes:
+        grid: ``(T + 1,)`` float64 levels of the timesteps the model sees, then 0.
+        P, Q, R: ``(T,)`` float64, ``y' = P y + Q D + R z``; ``B``: ``(T, history)`` the coefficients of the
+            predictions ``1 .. history`` steps before, or ``None``.
+        prediction: the clip or threshold of ``D`` the step applies (:attr:`SchedulerChain.prediction`), or ``None``.
+        noise_scale: the pipeline's initial latents on the linear path are ``noise_scale xi``.
+    """
+
+    grid: torch.Tensor
+    P: torch.Tensor
+    Q: torch.Tensor
+    R: torch.Tensor
+    B: Optional[torch.Tensor] = None
+    prediction: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    noise_scale: float = 1.0
+    draws: Optional[torch.Tensor] = None
+    """``(T,)`` bool where the draws depend on the step's arguments (else :meth:`Followed.draws`)."""
+
+
+class Followed:
+    """How ``chain="scheduler"`` follows one diffusers scheduler: what its ``step`` reads and how it moves.
+
+    A subclass is registered under the scheduler's class name (:func:`register_scheduler`) and declares:
+    :attr:`eta_max` (the ``eta`` its ``step`` takes, up to this bound; ``None``: its step takes none),
+    :attr:`noise_dtype` (the dtype of its draws where it fixes one), :meth:`refusal` (a config it does not
+    follow, with the reason), :meth:`tables` (its step read off the scheduler's own config and tables),
+    :meth:`draws` (the steps at which its ``step`` draws). Its history is the tables': the number of
+    columns of ``B``.
+    """
+
+    name: ClassVar[str] = ""
+    eta_max: ClassVar[Optional[float]] = None
+    noise_dtype: ClassVar[Optional[torch.dtype]] = None
+    options: ClassVar["dict[str, float]"] = {}
+    """The further arguments its ``step`` reads (besides ``eta``), with their defaults: EDM Euler's ``s_churn``..."""
+    noise_promoted: ClassVar[bool] = False
+    """Whether its draws take the dtype of float32 promoted with the network output's (its step upcasts the state
+    to float32 and draws like the prediction), rather than :attr:`noise_dtype` or the output's."""
+    own_generator: ClassVar[bool] = True
+    """Whether the pipelines pass their generator to its ``step`` (else its noise is torch's global generator)."""
+    family_grid: ClassVar[bool] = False
+    """Whether a pipeline's run takes the family's grid (:meth:`on_grid`) rather than the scheduler's own."""
+
+    @classmethod
+    def refusal(cls, cfg: Any) -> Optional[str]:
+        """The reason a scheduler of config ``cfg`` is not followed, or ``None`` (the default: every config is)."""
+        return None
+
+    @classmethod
+    def check_steps(cls, sch: Any, eta: float, steps: int) -> None:
+        """Raise for an ``eta`` that the step at ``steps`` steps does not define (the default: none)."""
+
+    @classmethod
+    def tables(cls, sch: Any, eta: float, **options: float) -> Tables:
+        """The step's tables from ``sch``, a copy of the scheduler with its timesteps set, and the ``step``
+        arguments ``options`` (:attr:`options`, checked)."""
+        raise NotImplementedError
+
+    @classmethod
+    def model_timesteps(cls, sch: Any) -> torch.Tensor:
+        """``(T,)`` the timesteps the model sees, one a step (the default: the scheduler's ``timesteps``)."""
+        return sch.timesteps
+
+    @classmethod
+    def on_grid(cls, grid: torch.Tensor) -> Tables:
+        """The tables on a family's grid ``grid (T + 1,)`` (for :attr:`family_grid` schedulers)."""
+        raise NotImplementedError
+
+    @classmethod
+    def draws(cls, timesteps: torch.Tensor, eta: float) -> torch.Tensor:
+        """``(T,)`` bool: where the scheduler's ``step`` draws its noise (whether or not it weighs it); the
+        default: at every step."""
+        return torch.ones(timesteps.numel(), dtype=torch.bool)
+
+
+FOLLOWED: "dict[str, type[Followed]]" = {}
+"""The schedulers ``chain="scheduler"`` follows, by diffusers class name (:func:`register_scheduler`)."""
+
+
+def register_scheduler(cls: "type[Followed]") -> "type[Followed]":
+    """Make ``chain="scheduler"`` follow the diffusers scheduler ``cls.name`` as ``cls`` declares (a decorator)."""
+    FOLLOWED[cls.name] = cls
+    REFUSED_SCHEDULERS.pop(cls.name, None)
+    return cls
+
+
+_ODE = "deterministic (an ODE solver)"
+_STAGES = "two model calls a step: needs stages"
+
+REFUSED_SCHEDULERS: "dict[str, str]" = {
+    "PNDMScheduler": _ODE,
+    "EulerDiscreteScheduler": _ODE + " (its step's s_churn is an argument no pipeline passes)",
+    "HeunDiscreteScheduler": _ODE,
+    "DEISMultistepScheduler": _ODE,
+    "UniPCMultistepScheduler": _ODE,
+    "KDPM2DiscreteScheduler": _ODE,
+    "LMSDiscreteScheduler": _ODE,
+    "IPNDMScheduler": _ODE,
+    "FlowMatchHeunDiscreteScheduler": _ODE + " with two model calls a step",
+    "FlowMapEulerDiscreteScheduler": _ODE,
+    "MiniMaxH3Scheduler": _ODE,
+    "PiflowScheduler": _ODE,
+    "HeliosScheduler": _ODE,
+    "DDIMInverseScheduler": "an inversion (image to noise), not a sampler",
+    "DPMSolverMultistepInverseScheduler": "an inversion (image to noise), not a sampler",
+    "DPMSolverSDEScheduler": (f"not a Gaussian chain of one call a step: {_STAGES}, and {REFUSED['dpmpp_sde']}"),
+    "KDPM2AncestralDiscreteScheduler": f"{_STAGES} (its step alternates a midpoint call and a noised one)",
+    "ScoreSdeVeScheduler": "a predictor-corrector (step_pred and step_correct, two model calls a step): needs stages",
+    "KarrasVeScheduler": f"{_STAGES} (its step and step_correct)",
+    "AmusedScheduler": "a masked-token sampler (discrete states), not a Gaussian chain",
+    "VQDiffusionScheduler": "a discrete (vector-quantized) sampler, not a Gaussian chain",
+    "BlockRefinementScheduler": "a masked-token sampler (discrete states), not a Gaussian chain",
+    "EntropyBoundScheduler": "a masked-token sampler (discrete states), not a Gaussian chain",
+    "DiscreteDDIMScheduler": "a discrete-state sampler, not a Gaussian chain",
+    "RePaintScheduler": "an inpainting sampler whose step reads the known image and mask and resamples (jumps back)",
+    "RFD4ProteinaScheduler": "a protein-structure sampler whose step reads an emission mask: not a latent image chain",
+    "HeliosDMDScheduler": "its step reads a noisy tensor the pipeline passes (dmd_noisy_tensor), not a state it carries",
+    "CogVideoXDPMScheduler": (
+        "its step reads the previous step's prediction and a second timestep the pipeline passes "
+        "(old_pred_original_sample, timestep_back): not followed yet"
+    ),
+    "UnCLIPScheduler": "its variance is learned (learned_range: the covariance comes from the network)",
+    "CosineDPMSolverMultistepScheduler": (
+        "its noise comes from a Brownian tree seeded by the run, not the pipeline's generator: not followed yet"
+    ),
+    "CogVideoXDDIMScheduler": "deterministic: its step takes eta but draws no noise",
+    "DPMSolverSinglestepScheduler": (
+        "its sde-dpmsolver++ updates read the state at the start of their group of steps (a singlestep solver's "
+        "stages spread over several steps), not one state a step: not followed yet"
+    ),
+    "SASolverScheduler": "stochastic and Gaussian given its past predictions (a predictor-corrector over up to 4), not followed yet",
+    "SCMScheduler": "stochastic (sCM's TrigFlow consistency steps), not followed yet",
+}
+"""The diffusers schedulers ``chain="scheduler"`` refuses, by class name, with the reason (a name in neither this
+table nor :data:`FOLLOWED` is refused as unknown)."""
 
 
 def _ddim_levels(sch: Any, ts: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
@@ -244,6 +319,629 @@ def _ddim_levels(sch: Any, ts: torch.Tensor) -> "tuple[torch.Tensor, torch.Tenso
     final = torch.tensor(float(getattr(sch, "final_alpha_cumprod", torch.tensor(1.0))), dtype=torch.float64)
     pt = ts - sch.config["num_train_timesteps"] // ts.numel()
     return acp[ts], torch.where(pt >= 0, acp[pt.clamp(min=0)], final)
+
+
+def _fresh(scheduler: Any, steps: int, **kw: Any) -> Any:
+    """A copy of ``scheduler`` with ``set_timesteps(steps)`` (the pipeline's scheduler is not touched)."""
+    fresh = type(scheduler).from_config(scheduler.config)
+    fresh.set_timesteps(steps, device="cpu", **kw)
+    return fresh
+
+
+def _vp_scale(ab: torch.Tensor) -> torch.Tensor:
+    """``n(s)`` of VP latents at ``abar`` (``x = n y``): ``(1 + s) / sqrt(1 + s^2) = sqrt(abar) + sqrt(1 - abar)``."""
+    return ab.sqrt() + (1.0 - ab).sqrt()
+
+
+def _to_linear(P, Q, R, n, n_next) -> tuple:
+    """A step ``x' = P x + Q D + R z`` on latents ``x = n y`` in the linear path's coordinates."""
+    return P * n / n_next, Q / n_next, R / n_next
+
+
+def _clip(cfg: Any, weight: Optional[torch.Tensor]) -> Optional[Callable]:
+    """The scheduler's clip or dynamic threshold of ``D`` as a prediction hook; with ``weight (T,)``
+    (DDIM without ``use_clipped_model_output``) the mean mixes the clipped and raw predictions:
+    ``D_eff = w clip(D) + (1 - w) D``."""
+    if cfg.get("thresholding", False):
+        ratio, top = float(cfg.get("dynamic_thresholding_ratio", 0.995)), float(cfg.get("sample_max_value", 1.0))
+
+        def change(d: torch.Tensor) -> torch.Tensor:
+            flat = d.reshape(d.shape[0], -1)
+            s = torch.quantile(flat.abs().float(), ratio, dim=1).clamp(1.0, top).to(d.dtype)[:, None]
+            return (flat.clamp(-s, s) / s).reshape(d.shape)
+
+    elif cfg.get("clip_sample", False):
+        r = float(cfg.get("clip_sample_range", 1.0))
+
+        def change(d: torch.Tensor) -> torch.Tensor:
+            return d.clamp(-r, r)
+
+    else:
+        return None
+    if weight is None:
+        return lambda d, step: change(d)
+
+    def mixed(d: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        w = weight.to(d.device, d.dtype)[step].reshape(-1, *[1] * (d.ndim - 1))
+        return torch.lerp(d, change(d), w)
+
+    return mixed
+
+
+def _ve_levels(sch: Any) -> torch.Tensor:
+    """``(T,)`` the VE levels ``sigma`` a sigma-based scheduler steps through (its ``sigmas``, the last 0 dropped)."""
+    sig = torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64)
+    if sig.numel() != sch.timesteps.numel() + 1 or float(sig[-1]) != 0.0:
+        raise ValueError(
+            f"{_name(sch)} ends its grid at sigma = {float(sig[-1]):.4g}, not 0: chain='scheduler' follows grids "
+            "that end at 0 only"
+        )
+    return sig[:-1]
+
+
+def _vp_linear(cls: "type[_VP]", sch: Any, eta: float) -> Tables:
+    """A VP scheduler's tables: its step on VP latents, on the linear path."""
+    ab, P, Q, R, weight = cls.vp_step(sch, eta)
+    s = ((1.0 - ab) / ab).sqrt()
+    grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
+    n = _vp_scale(ab)
+    n_next = torch.cat([n[1:], torch.ones(1, dtype=torch.float64)])  # the last state is the output latents
+    P, Q, R = _to_linear(P, Q, R, n, n_next)
+    clip = _clip(sch.config, weight) if cls.clips else None
+    return Tables(grid, P, Q, R, prediction=clip, noise_scale=_vp_noise_scale(sch, float(s[0])))
+
+
+class _VP(Followed):
+    """A scheduler of variance-preserving latents stepping on its ``alphas_cumprod`` at its integer timesteps."""
+
+    clips: ClassVar[bool] = True
+    """Whether the step clips or thresholds the predicted clean latents as its config says."""
+
+    @classmethod
+    def vp_step(cls, sch: Any, eta: float) -> tuple:
+        """``(ab (T,), P, Q, R (T,) on VP latents, weight)`` (``weight``: see :func:`_clip`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def tables(cls, sch: Any, eta: float, **options: float) -> Tables:
+        return _vp_linear(cls, sch, eta)
+
+
+@register_scheduler
+class _DDPM(_VP):
+    name = "DDPMScheduler"
+
+    @classmethod
+    def refusal(cls, cfg: Any) -> Optional[str]:
+        variance = cfg.get("variance_type")
+        if variance in ("learned", "learned_range"):
+            return (
+                f"DDPMScheduler with variance_type={variance!r}: the variance comes from the network's output, so "
+                "the step's covariance depends on the model and no coupling can be exact to it; use fixed_small or "
+                "fixed_large"
+            )
+        if variance == "fixed_large_log":
+            return "DDPMScheduler with variance_type='fixed_large_log' returns NaN in diffusers; use fixed_large"
+        return None
+
+    @classmethod
+    def vp_step(cls, sch, eta):
+        ts = sch.timesteps.to(torch.long)
+        acp = sch.alphas_cumprod.to(torch.float64)
+        ab = acp[ts]
+        prev = torch.cat([acp[ts[1:]], torch.ones(1, dtype=torch.float64)])  # previous_timestep, -1 -> one
+        alpha = ab / prev
+        beta = 1.0 - alpha
+        Q = prev.sqrt() * beta / (1.0 - ab)
+        P = alpha.sqrt() * (1.0 - prev) / (1.0 - ab)
+        small = ((1.0 - prev) / (1.0 - ab) * beta).clamp_min(1e-20)
+        var = beta if sch.config.get("variance_type", "fixed_small") == "fixed_large" else small
+        R = torch.where(ts > 0, var.sqrt(), torch.zeros_like(var))
+        # (the clamp leaves 1e-10 at a last step into abar' = 1: a point mass there, as near as float allows)
+        R = torch.where(prev >= 1.0, torch.zeros_like(R), R)
+        return ab, P, Q, R, None
+
+    @classmethod
+    def draws(cls, timesteps, eta):
+        return timesteps > 0
+
+
+@register_scheduler
+class _DDIM(_VP):
+    name = "DDIMScheduler"
+    eta_max = math.inf
+
+    @classmethod
+    def check_steps(cls, sch, eta, steps):
+        if eta > 0:
+            fresh = _fresh(sch, steps)
+            ts = fresh.timesteps.to(torch.long)
+            check_ddim_eta(eta, *_ddim_levels(fresh, ts), ts)
+
+    @classmethod
+    def vp_step(cls, sch, eta):
+        ts = sch.timesteps.to(torch.long)
+        ab, prev = _ddim_levels(sch, ts)
+        check_ddim_eta(eta, ab, prev, ts)
+        var = (1.0 - prev) / (1.0 - ab) * (1.0 - ab / prev)
+        std = eta * var.sqrt()
+        # (rounding only, eta checked: the variance is >= 0 up to 1e-12)
+        k = (1.0 - prev - std**2).clamp_min(0.0).sqrt()
+        P = k / (1.0 - ab).sqrt()
+        Q = prev.sqrt() - k * ab.sqrt() / (1.0 - ab).sqrt()
+        # pipelines never pass step(use_clipped_model_output=True): the mean reads the clipped D
+        # (through sqrt(abar')) and the raw one (through eps)
+        weight = prev.sqrt() / Q
+        return ab, P, Q, std, weight
+
+    @classmethod
+    def draws(cls, timesteps, eta):
+        return torch.full((timesteps.numel(),), eta > 0)
+
+
+@register_scheduler
+class _DDPMParallel(_DDPM):
+    """``DDPMParallelScheduler``: DDPM's step (its ``batch_step_no_noise`` is for ParaDiGMS, not a pipeline's loop)."""
+
+    name = "DDPMParallelScheduler"
+
+
+@register_scheduler
+class _DDIMParallel(_DDIM):
+    """``DDIMParallelScheduler``: DDIM's step, its ``eta`` included."""
+
+    name = "DDIMParallelScheduler"
+
+
+@register_scheduler
+class _DDPMWuerstchen(_VP):
+    """``DDPMWuerstchenScheduler``: DDPM's posterior step on Wuerstchen's cosine ``abar(t)`` (clamped to
+    ``[1e-4, 0.9999]``) at its continuous timesteps ``1 .. 0``, the network predicting the noise. Its last step
+    lands at ``abar(0)`` without noise (the output latents); it draws at every step."""
+
+    name = "DDPMWuerstchenScheduler"
+
+    @classmethod
+    def model_timesteps(cls, sch):
+        return sch.timesteps[:-1]  # (its list ends with the 0 it steps to)
+
+    @classmethod
+    def vp_step(cls, sch, eta):
+        ts = sch.timesteps.detach().to("cpu")
+        acp = sch._alpha_cumprod(ts, "cpu").to(torch.float64)
+        ab, prev = acp[:-1], acp[1:]
+        alpha = ab / prev
+        P = (1.0 - (1.0 - alpha) / (1.0 - ab)) / alpha.sqrt()
+        Q = (1.0 - alpha) * ab.sqrt() / (alpha.sqrt() * (1.0 - ab))
+        R = ((1.0 - alpha) * (1.0 - prev) / (1.0 - ab)).sqrt()
+        R = torch.where(ts[1:] != 0, R, torch.zeros_like(R))
+        return ab, P, Q, R, None
+
+
+@register_scheduler
+class _LCM(_VP):
+    name = "LCMScheduler"
+
+    @classmethod
+    def vp_step(cls, sch, eta):
+        ts = sch.timesteps.to(torch.long)
+        T = ts.numel()
+        acp = sch.alphas_cumprod.to(torch.float64)
+        ab = acp[ts]
+        prev = torch.cat([acp[ts[1:]], ab[-1:]])
+        scal = [sch.get_scalings_for_boundary_condition_discrete(t) for t in ts.tolist()]
+        c_skip = torch.tensor([float(c[0]) for c in scal], dtype=torch.float64)
+        c_out = torch.tensor([float(c[1]) for c in scal], dtype=torch.float64)
+        last = torch.arange(T) == T - 1
+        g = torch.where(last, torch.ones_like(prev), prev.sqrt())
+        R = torch.where(last, torch.zeros_like(prev), (1.0 - prev).sqrt())
+        return ab, g * c_skip, g * c_out, R, None
+
+    @classmethod
+    def draws(cls, timesteps, eta):
+        return torch.arange(timesteps.numel()) != timesteps.numel() - 1
+
+
+@register_scheduler
+class _TCD(_VP):
+    name = "TCDScheduler"
+    eta_max = 1.0
+    # TCD's step neither clips nor thresholds, whatever its config says (diffusers keeps the flags unused)
+    clips = False
+
+    @classmethod
+    def vp_step(cls, sch, eta):
+        ts = sch.timesteps.to(torch.long)
+        T = ts.numel()
+        acp = sch.alphas_cumprod.to(torch.float64)
+        ab = acp[ts]
+        prev_t = torch.cat([ts[1:], torch.zeros(1, dtype=torch.long)])
+        prev = acp[prev_t]
+        s_t = torch.floor((1.0 - eta) * prev_t.double()).long()
+        ab_s = acp[s_t]
+        A = (1.0 - ab_s).sqrt() / (1.0 - ab).sqrt()
+        Bq = ab_s.sqrt() - (1.0 - ab_s).sqrt() * ab.sqrt() / (1.0 - ab).sqrt()
+        last = torch.arange(T) == T - 1
+        renoise = (eta > 0) & ~last
+        g = torch.where(renoise, (prev / ab_s).sqrt(), torch.ones_like(prev))
+        R = torch.where(renoise, (1.0 - prev / ab_s).clamp_min(0.0).sqrt(), torch.zeros_like(prev))
+        return ab, g * A, g * Bq, R, None
+
+    @classmethod
+    def draws(cls, timesteps, eta):
+        return (torch.arange(timesteps.numel()) != timesteps.numel() - 1) & (eta > 0)
+
+
+@register_scheduler
+class _EulerAncestral(Followed):
+    name = "EulerAncestralDiscreteScheduler"
+
+    @classmethod
+    def refusal(cls, cfg):
+        if cfg.get("prediction_type", "epsilon") not in EULER_A_PREDICTIONS:
+            return (
+                f"EulerAncestralDiscreteScheduler with prediction_type={cfg.get('prediction_type')!r}: its step does "
+                f"not implement it (diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
+            )
+        return None
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        s = _ve_levels(sch)
+        grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
+        # its latents are VE (x_0 + s xi): the initial noise init_noise_sigma xi is y = x / (1 + s_0)
+        scale = float(sch.init_noise_sigma) / (1.0 + float(s[0]))
+        return Tables(grid, *EulerAncestral(eta=1.0).step(grid[:-1], grid[1:]), noise_scale=scale)
+
+
+def _dpm_sde_third(s: torch.Tensor, solver_type: str, lower_order_final: bool) -> tuple:
+    """``(P, Q, B (T, 2), R)`` on VE levels of diffusers' ``sde-dpmsolver++`` at ``solver_order=3`` on the VE
+    levels ``s (T,)`` then 0 (``x' = P x + Q D + B_0 D_1 + B_1 D_2 + R z``, ``D_j`` the prediction ``j`` steps before).
+
+    Its step picks its order as ``DPMSolverMultistepScheduler.step`` does: first at step 0 and at the last step
+    (into 0), second at step 1 and, with ``lower_order_final`` and fewer than 15 steps, at the last but one; third
+    elsewhere, ``h = log(s / s')``, ``r0 = h_1 / h``, ``r1 = h_2 / h`` (the two steps before)::
+
+        x' = (s' / s) e^(-h) x + (1 - e^(-2h)) D0 + c1 D1 + c2 D2 + s' sqrt(1 - e^(-2h)) z,
+        c1 = (1 - e^(-2h)) / (-2h) + 1,  c2 = (1 - e^(-2h) - 2h) / (2h)^2 - 1/2,
+
+    with ``D1 = D1_0 + r0 (D1_0 - D1_1) / (r0 + r1)``, ``D2 = (D1_0 - D1_1) / (r0 + r1)``, ``D1_0 = (D - D_1) / r0``,
+    ``D1_1 = (D_1 - D_2) / r1``. (diffusers' ``c2`` is not k-diffusion's DPM++ 3M SDE ``-phi_3``: the sign of its
+    ``1/2`` differs, so this is its own chain.)
+    """
+    grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
+    t, t_next = grid[:-1], grid[1:]
+    P, Q0, k, R, h = DPMPP2MSDE(eta=1.0, solver_type=solver_type)._terms(t, t_next)
+    T = s.numel()
+    n = torch.arange(T)
+    last = n == T - 1
+    second = (n == 1) | ((n == T - 2) & lower_order_final & (T < 15))
+    third = (n >= 2) & ~second & ~last
+    H = 2.0 * h
+    c1 = Q0 / (-H) + 1.0
+    c2 = (Q0 - H) / (H * H) - 0.5
+    r0 = torch.cat([h.new_ones(1), h[:-1] / h[1:]])
+    r1 = torch.cat([h.new_ones(2), h[:-2] / h[2:]])
+    u, w = r0 / (r0 + r1), 1.0 / (r0 + r1)
+    alpha, beta = c1 * (1.0 + u) + c2 * w, c1 * u + c2 * w
+    zero = torch.zeros_like(h)
+    e0 = torch.where(third, alpha / r0, torch.where(second & ~last, k / r0, zero))  # of D - D_1
+    e1 = torch.where(third, beta / r1, zero)  # of D_1 - D_2, with a minus
+    B = torch.stack([-e0 - e1, e1], 1)
+    return P, Q0 + e0, B, R
+
+
+@register_scheduler
+class _DPMSolverMultistep(Followed):
+    """DPM-Solver++ with ``algorithm_type="sde-dpmsolver++"`` on VP latents: k-diffusion's DPM++ 2M SDE at
+    ``eta = 1`` for ``solver_order`` 1 (without its multistep term) and 2 (history 1); at order 3 diffusers'
+    own third-order update (:func:`_dpm_sde_third`), which reads two past predictions (history 2). Its sigmas
+    (Karras, exponential, beta, Lu's lambdas) are read off the scheduler; ``euler_at_final`` changes nothing with
+    ``final_sigmas_type="zero"`` (the last step is first order there anyway)."""
+
+    name = "DPMSolverMultistepScheduler"
+    noise_dtype = torch.float32
+
+    @classmethod
+    def refusal(cls, cfg):
+        if cfg.get("algorithm_type") != "sde-dpmsolver++" or cfg.get("solver_order", 2) not in (1, 2, 3):
+            return (
+                f"{cls.name} is followed with algorithm_type='sde-dpmsolver++' and solver_order 1, 2 "
+                f"or 3 (got {cfg.get('algorithm_type')!r}, order {cfg.get('solver_order')}); the ODE algorithms are "
+                "deterministic and sde-dpmsolver is deprecated in diffusers"
+            )
+        if cfg.get("final_sigmas_type", "zero") != "zero":
+            return f"{cls.name} is followed with final_sigmas_type='zero' only (sigma_min ends the grid above the data)"
+        if cfg.get("use_flow_sigmas", False):
+            return f"{cls.name} with use_flow_sigmas=True (latents on the flow path) is not followed yet"
+        if cfg.get("variance_type") is not None:
+            return (
+                f"{cls.name} with variance_type={cfg.get('variance_type')!r} (the network's variance channels, "
+                "which the step drops) is not followed"
+            )
+        return None
+
+    @classmethod
+    def noise_scale(cls, sch: Any, s0: float) -> float:
+        """The initial state's scale on the linear path (VP latents)."""
+        return _vp_noise_scale(sch, s0)
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        s = _ve_levels(sch)
+        grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
+        t, t_next = grid[:-1], grid[1:]
+        solver_type = sch.config.get("solver_type", "midpoint")
+        chain = DPMPP2MSDE(eta=1.0, solver_type=solver_type)
+        scale = cls.noise_scale(sch, float(s[0]))
+        # its step thresholds the predicted clean latents (the ones it keeps for the next step too); it has no clip
+        threshold = _clip({k: v for k, v in sch.config.items() if k != "clip_sample"}, None)
+        order = sch.config.get("solver_order", 2)
+        if order == 1:
+            Pv, Q0, _, Rv, _ = chain._terms(t, t_next)
+            return Tables(grid, *from_ve(t, t_next, Pv, Q0, Rv), prediction=threshold, noise_scale=scale)
+        if order == 2:
+            return Tables(
+                grid, *chain.step(t, t_next), B=chain.past(t, t_next), prediction=threshold, noise_scale=scale
+            )
+        P, Q, B, R = _dpm_sde_third(s, solver_type, bool(sch.config.get("lower_order_final", True)))
+        return Tables(
+            grid,
+            *from_ve(t, t_next, P, Q, R),
+            B=(1.0 - t_next)[:, None] * B,
+            prediction=threshold,
+            noise_scale=scale,
+        )
+
+
+@register_scheduler
+class _EDMDPMSolverMultistep(_DPMSolverMultistep):
+    """``EDMDPMSolverMultistepScheduler`` with ``algorithm_type="sde-dpmsolver++"`` at ``solver_order`` 1 and 2 (the
+    orders its stochastic step offers): DPM-Solver++'s step on its EDM (Karras or exponential) sigmas, on VE latents ``x = x_0 + s xi`` (its ``alpha_t = 1``); its draws take the
+    network output's dtype."""
+
+    name = "EDMDPMSolverMultistepScheduler"
+    noise_dtype = None
+
+    @classmethod
+    def refusal(cls, cfg):
+        if cfg.get("algorithm_type") == "sde-dpmsolver++" and cfg.get("solver_order", 2) == 3:
+            return (
+                f"{cls.name} with algorithm_type='sde-dpmsolver++' and solver_order=3: its step raises from the "
+                "third step on (diffusers has no third-order sde-dpmsolver++ update there); use solver_order 1 or 2, "
+                "or DPMSolverMultistepScheduler, which has one"
+            )
+        return super().refusal(cfg)
+
+    @classmethod
+    def noise_scale(cls, sch, s0):
+        return float(sch.init_noise_sigma) / (1.0 + s0)
+
+
+@register_scheduler
+class _EDMEuler(Followed):
+    """``EDMEulerScheduler`` with ``s_churn`` (and ``s_tmin``, ``s_tmax``, ``s_noise``), on VE latents.
+
+    Its ``step`` takes the network output ``F`` the pipeline computed at the state ``x`` and level ``s`` (before
+    any churn), churns ``x^ = x + s_noise sqrt(s^2_hat - s^2) z`` with ``s^ = s (1 + gamma)``,
+    ``gamma = min(s_churn / T, sqrt 2 - 1)`` where ``s_tmin <= s <= s_tmax``, then reads ``F`` as a prediction at
+    ``s^``: ``D^ = c_skip(s^) x^ + c_out(s^) F`` and ``x' = x^ + (D^ - x^) (s' - s^) / s^``. With the model's
+    own prediction at ``(x, s)``, ``D = c_skip(s) x + c_out(s) F``, that is Gaussian given ``x`` and ``D``::
+
+        x' = (A - C c_skip(s)) x + C D + A s_noise sqrt(s^2_hat - s^2) z,
+        A = s' / s^ + (1 - s' / s^) c_skip(s^),  C = (1 - s' / s^) c_out(s^) / c_out(s),
+
+    (not EDM's Algorithm 2, which evaluates the model at the churned state: diffusers' step does not). With
+    ``s_churn = 0`` (its default, and all a pipeline passes) it is deterministic Euler.
+    """
+
+    name = "EDMEulerScheduler"
+    options = {"s_churn": 0.0, "s_tmin": 0.0, "s_tmax": math.inf, "s_noise": 1.0}
+
+    @classmethod
+    def refusal(cls, cfg):
+        if cfg.get("prediction_type", "epsilon") not in EULER_A_PREDICTIONS:
+            return (
+                f"{cls.name} with prediction_type={cfg.get('prediction_type')!r}: its step does not implement it "
+                f"(diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
+            )
+        return None
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        s = _ve_levels(sch)
+        s_next = torch.cat([s[1:], s.new_zeros(1)])
+        T = s.numel()
+        sd = float(sch.config.get("sigma_data", 0.5))
+        # diffusers compares the float32 sigma with the bounds and takes gamma in Python floats
+        s32 = torch.as_tensor(sch.sigmas).detach().to("cpu")[:-1]
+        on = (s32 >= options["s_tmin"]) & (s32 <= options["s_tmax"]) & (options["s_churn"] > 0)
+        gamma = torch.where(on, min(options["s_churn"] / T, 2**0.5 - 1), 0.0).to(torch.float64)
+        hat = s * (gamma + 1.0)
+
+        def c_skip(v):
+            return sd**2 / (v * v + sd**2)
+
+        def c_out(v):  # (v_prediction's sign cancels in the ratio below)
+            return v * sd / (v * v + sd**2).sqrt()
+
+        ratio = s_next / hat
+        A = ratio + (1.0 - ratio) * c_skip(hat)
+        C = (1.0 - ratio) * c_out(hat) / c_out(s)
+        R = A * options["s_noise"] * (hat * hat - s * s).clamp_min(0.0).sqrt()
+        grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
+        P, Q, R = _to_linear(A - C * c_skip(s), C, R, 1.0 + s, 1.0 + s_next)
+        return Tables(grid, P, Q, R, noise_scale=float(sch.init_noise_sigma) / (1.0 + float(s[0])), draws=on)
+
+
+@register_scheduler
+class _CMStochasticIterative(Followed):
+    """``CMStochasticIterativeScheduler``, consistency models' multistep sampling, on VE latents.
+
+    Its step takes the denoised ``D = c_skip(s) x + c_out(s) F`` (clamped to ``[-1, 1]`` with ``clip_denoised``,
+    the prediction hook) and renoises to the next level: ``x' = D + s_noise sqrt(s'^2 - sigma_min^2) z`` with
+    ``s'`` clamped to ``[sigma_min, sigma_max]``. Its last level is ``sigma_min``, where it renoises by 0: the
+    output is the last ``D``, at level 0 here. It draws at every step of a run of more than one step.
+    """
+
+    name = "CMStochasticIterativeScheduler"
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        cfg = sch.config
+        sig = torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64)
+        s, s_next = sig[:-1], torch.cat([sig[1:-1], sig.new_zeros(1)])
+        lo, hi = float(cfg.sigma_min), float(cfg.sigma_max)
+        hat = sig[1:].clamp(lo, hi)
+        noise = float(cfg.s_noise) * (hat * hat - lo * lo).clamp_min(0.0).sqrt()
+        grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
+        P, Q, R = _to_linear(torch.zeros_like(s), torch.ones_like(s), noise, 1.0 + s, 1.0 + s_next)
+        clip = (lambda d, step: d.clamp(-1.0, 1.0)) if cfg.get("clip_denoised", True) else None
+        return Tables(grid, P, Q, R, prediction=clip, noise_scale=float(sch.init_noise_sigma) / (1.0 + float(s[0])))
+
+    @classmethod
+    def draws(cls, timesteps, eta):
+        return torch.full((timesteps.numel(),), timesteps.numel() > 1)
+
+
+@register_scheduler
+class _LTXEulerAncestralRF(Followed):
+    """``LTXEulerAncestralRFScheduler``: Euler ancestral on the flow path (ComfyUI's ``euler_ancestral_RF``), its
+    config's ``eta`` and ``s_noise``. With ``s_d = s' (1 + (s' / s - 1) eta)``, ``a' = 1 - s'``, ``a_d = 1 - s_d``::
+
+        x' = (a' / a_d) ((s_d / s) x + (1 - s_d / s) D) + s_noise sqrt(s'^2 - s_d^2 a'^2 / a_d^2) z,
+
+    its ``1e-12`` guards on ``a_d`` kept, ``x' = D`` into 0; it draws where it renoises. The network's output is
+    the flow velocity itself (``D = x - s v``), and the latents are on the flow path.
+    """
+
+    name = "LTXEulerAncestralRFScheduler"
+    noise_dtype = torch.float32
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        sig = torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64)
+        if sig.numel() != sch.timesteps.numel() + 1 or float(sig[-1]) != 0.0:
+            raise ValueError(
+                f"{cls.name} ends its grid at sigma = {float(sig[-1]):.4g}, not 0: it is followed to 0 only"
+            )
+        s, s_next = sig[:-1], sig[1:]
+        e, s_noise = float(sch.config.eta), float(sch.config.s_noise)
+        down = s_next * (1.0 + (s_next / s - 1.0) * e)
+        a_next, a_down = 1.0 - s_next, 1.0 - down
+        last = s_next.abs() < 1e-8
+        noisy = ~last & (e > 0.0) & (s_noise > 0.0)
+        g = torch.where(noisy, a_next / (a_down + 1e-12), torch.ones_like(s))
+        ratio = down / s
+        P = torch.where(last, torch.zeros_like(s), g * ratio)
+        Q = torch.where(last, torch.ones_like(s), g * (1.0 - ratio))
+        renoise = (s_next**2 - down**2 * a_next**2 / (a_down**2 + 1e-12)).clamp_min(0.0).sqrt() * s_noise
+        R = torch.where(noisy, renoise, torch.zeros_like(s))
+        return Tables(sig, P, Q, R, draws=noisy)
+
+
+@register_scheduler
+class _FlowMatchLCM(Followed):
+    """``FlowMatchLCMScheduler``: LCM on the flow path, ``x' = (1 - s') D + s' z`` on its own sigmas (shift, Karras,
+    exponential or beta), drawing at every step in float32."""
+
+    name = "FlowMatchLCMScheduler"
+    # its step upcasts the state to float32 and draws in the dtype of x - s F: float32 with the output's
+    noise_promoted = True
+
+    @classmethod
+    def refusal(cls, cfg):
+        if cfg.get("scale_factors"):
+            return f"{cls.name} with scale_factors: its step resizes the predicted latents, not one chain of a state"
+        if cfg.get("invert_sigmas", False):
+            return f"{cls.name} with invert_sigmas=True runs from the data to the noise, not a sampler"
+        return None
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        sig = torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64)
+        if sig.numel() != sch.timesteps.numel() + 1 or float(sig[-1]) != 0.0:
+            raise ValueError(
+                f"{cls.name} ends its grid at sigma = {float(sig[-1]):.4g}, not 0: it is followed to 0 only"
+            )
+        return Tables(sig, *LCM().step(sig[:-1], sig[1:]))
+
+
+@register_scheduler
+class _FlowMatchEuler(Followed):
+    """Stochastic flow matching: ``x' = (1 - s') D + s' z``, LCM's step on the flow path."""
+
+    name = "FlowMatchEulerDiscreteScheduler"
+    noise_dtype = torch.float32
+    # SD3's and Flux's pipelines call its step without their generator, and their grid has the shift and mu in it
+    own_generator = False
+    family_grid = True
+
+    @classmethod
+    def refusal(cls, cfg):
+        if not cfg.get("stochastic_sampling", False):
+            return (
+                f"{cls.name} with stochastic_sampling=False is deterministic (an ODE solver): "
+                "build it with stochastic_sampling=True to speculate it"
+            )
+        return None
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        return cls.on_grid(torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64))
+
+    @classmethod
+    def on_grid(cls, grid: torch.Tensor) -> Tables:
+        """The tables on the flow-path levels ``grid (T + 1,)``."""
+        return Tables(grid, *LCM().step(grid[:-1], grid[1:]))
+
+
+SCHEDULERS = tuple(FOLLOWED)
+"""The stochastic schedulers ``chain="scheduler"`` follows (by class name; :data:`FOLLOWED` holds their classes)."""
+
+ETA_SCHEDULERS = tuple(n for n, c in FOLLOWED.items() if c.eta_max is not None)
+"""The schedulers whose ``step`` reads ``eta``; the others' noise is their config's alone, so an ``eta``
+given with them would be dropped (it is refused)."""
+
+
+def followed(scheduler: Any) -> "type[Followed]":
+    """The registered class that follows ``scheduler`` (checked with :func:`check_scheduler`)."""
+    return FOLLOWED[_name(scheduler)]
+
+
+def scheduler_eta(name: str, eta: float) -> Optional[float]:
+    """The ``eta`` a run of scheduler ``name`` records: its step's, or ``None`` where its step takes none."""
+    cls = FOLLOWED.get(name)
+    return float(eta) if cls is not None and cls.eta_max is not None else None
+
+
+def check_scheduler(scheduler: Any, eta: float = 0.0, steps: Optional[int] = None) -> None:
+    """Raise for a scheduler ``chain="scheduler"`` cannot follow (or an ``eta`` out of its range, or given to a
+    scheduler whose step takes none), naming the reason and the swap. With ``steps``, also an ``eta`` that
+    the step at ``steps`` steps does not define (DDIM's negative variances, :func:`check_ddim_eta`)."""
+    eta = float(eta)
+    name = _name(scheduler)
+    cls = FOLLOWED.get(name)
+    if cls is None:
+        reason = REFUSED_SCHEDULERS.get(name, "not one chain='scheduler' follows")
+        raise ValueError(
+            f"chain='scheduler' follows the stochastic schedulers {', '.join(FOLLOWED)}; the pipeline's "
+            f"{name} is {reason}. Swap it in one line: {SWAP}"
+        )
+    reason = cls.refusal(scheduler.config)
+    if reason is not None:
+        raise ValueError(reason)
+    top = math.inf if cls.eta_max is None else cls.eta_max
+    if not math.isfinite(eta) or eta < 0 or eta > top:
+        raise ValueError(f"eta must be in [0, {top:g}), got {eta}")
+    if eta != 0.0 and cls.eta_max is None:
+        raise ValueError(
+            f"eta={eta}: {name}'s step takes no eta (its noise is set by its config alone), so it would be "
+            f"dropped; eta applies to {' and '.join(n for n, c in FOLLOWED.items() if c.eta_max is not None)}: "
+            "leave it out"
+        )
+    if steps is not None:
+        cls.check_steps(scheduler, eta, steps)
 
 
 def scheduler_class(name: str) -> type:
@@ -296,122 +994,9 @@ def directory_scheduler(path: str, name: Optional[str] = None) -> Optional[Any]:
     return cls.from_config(saved)
 
 
-def _fresh(scheduler: Any, steps: int, **kw: Any) -> Any:
-    """A copy of ``scheduler`` with ``set_timesteps(steps)`` (the pipeline's scheduler is not touched)."""
-    fresh = type(scheduler).from_config(scheduler.config)
-    fresh.set_timesteps(steps, device="cpu", **kw)
-    return fresh
-
-
-def _vp_scale(ab: torch.Tensor) -> torch.Tensor:
-    """``n(s)`` of VP latents at ``abar`` (``x = n y``): ``(1 + s) / sqrt(1 + s^2) = sqrt(abar) + sqrt(1 - abar)``."""
-    return ab.sqrt() + (1.0 - ab).sqrt()
-
-
-def _to_linear(P, Q, R, n, n_next) -> tuple:
-    """A step ``x' = P x + Q D + R z`` on latents ``x = n y`` in the linear path's coordinates."""
-    return P * n / n_next, Q / n_next, R / n_next
-
-
-def _clip(cfg: Any, weight: Optional[torch.Tensor]) -> Optional[Callable]:
-    """The scheduler's clip or dynamic threshold of ``D`` as a prediction hook; with ``weight (T,)``
-    (DDIM without ``use_clipped_model_output``) the mean mixes the clipped and raw predictions:
-    ``D_eff = w clip(D) + (1 - w) D``."""
-    if cfg.get("thresholding", False):
-        ratio, top = float(cfg.get("dynamic_thresholding_ratio", 0.995)), float(cfg.get("sample_max_value", 1.0))
-
-        def change(d: torch.Tensor) -> torch.Tensor:
-            flat = d.reshape(d.shape[0], -1)
-            s = torch.quantile(flat.abs().float(), ratio, dim=1).clamp(1.0, top).to(d.dtype)[:, None]
-            return (flat.clamp(-s, s) / s).reshape(d.shape)
-
-    elif cfg.get("clip_sample", False):
-        r = float(cfg.get("clip_sample_range", 1.0))
-
-        def change(d: torch.Tensor) -> torch.Tensor:
-            return d.clamp(-r, r)
-
-    else:
-        return None
-    if weight is None:
-        return lambda d, step: change(d)
-
-    def mixed(d: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        w = weight.to(d.device, d.dtype)[step].reshape(-1, *[1] * (d.ndim - 1))
-        return torch.lerp(d, change(d), w)
-
-    return mixed
-
-
-def _vp_tables(name: str, sch: Any, eta: float) -> tuple:
-    """``(ab (T,), P, Q, R (T,) on VP latents, weight)`` of a VP scheduler's steps (``weight``: see :func:`_clip`)."""
-    ts = sch.timesteps.to(torch.long)
-    T = ts.numel()
-    acp = sch.alphas_cumprod.to(torch.float64)
-    ab = acp[ts]
-    cfg = sch.config
-    weight = None
-    if name == "DDPMScheduler":
-        prev = torch.cat([acp[ts[1:]], torch.ones(1, dtype=torch.float64)])  # previous_timestep, -1 -> one
-        alpha = ab / prev
-        beta = 1.0 - alpha
-        Q = prev.sqrt() * beta / (1.0 - ab)
-        P = alpha.sqrt() * (1.0 - prev) / (1.0 - ab)
-        small = ((1.0 - prev) / (1.0 - ab) * beta).clamp_min(1e-20)
-        var = beta if cfg.get("variance_type", "fixed_small") == "fixed_large" else small
-        R = torch.where(ts > 0, var.sqrt(), torch.zeros_like(var))
-        # (the clamp leaves 1e-10 at a last step into abar' = 1: a point mass there, as near as float allows)
-        R = torch.where(prev >= 1.0, torch.zeros_like(R), R)
-        return ab, P, Q, R, weight
-    if name == "DDIMScheduler":
-        _, prev = _ddim_levels(sch, ts)
-        check_ddim_eta(eta, ab, prev, ts)
-        var = (1.0 - prev) / (1.0 - ab) * (1.0 - ab / prev)
-        std = eta * var.sqrt()
-        # (rounding only, eta checked: the variance is >= 0 up to 1e-12)
-        k = (1.0 - prev - std**2).clamp_min(0.0).sqrt()
-        P = k / (1.0 - ab).sqrt()
-        Q = prev.sqrt() - k * ab.sqrt() / (1.0 - ab).sqrt()
-        # pipelines never pass step(use_clipped_model_output=True): the mean reads the clipped D
-        # (through sqrt(abar')) and the raw one (through eps)
-        weight = prev.sqrt() / Q
-        return ab, P, Q, std, weight
-    if name == "LCMScheduler":
-        prev = torch.cat([acp[ts[1:]], ab[-1:]])
-        scal = [sch.get_scalings_for_boundary_condition_discrete(t) for t in ts.tolist()]
-        c_skip = torch.tensor([float(c[0]) for c in scal], dtype=torch.float64)
-        c_out = torch.tensor([float(c[1]) for c in scal], dtype=torch.float64)
-        last = torch.arange(T) == T - 1
-        g = torch.where(last, torch.ones_like(prev), prev.sqrt())
-        R = torch.where(last, torch.zeros_like(prev), (1.0 - prev).sqrt())
-        return ab, g * c_skip, g * c_out, R, weight
-    if name == "TCDScheduler":
-        prev_t = torch.cat([ts[1:], torch.zeros(1, dtype=torch.long)])
-        prev = acp[prev_t]
-        s_t = torch.floor((1.0 - eta) * prev_t.double()).long()
-        ab_s = acp[s_t]
-        A = (1.0 - ab_s).sqrt() / (1.0 - ab).sqrt()
-        Bq = ab_s.sqrt() - (1.0 - ab_s).sqrt() * ab.sqrt() / (1.0 - ab).sqrt()
-        last = torch.arange(T) == T - 1
-        renoise = (eta > 0) & ~last
-        g = torch.where(renoise, (prev / ab_s).sqrt(), torch.ones_like(prev))
-        R = torch.where(renoise, (1.0 - prev / ab_s).clamp_min(0.0).sqrt(), torch.zeros_like(prev))
-        return ab, g * A, g * Bq, R, weight
-    raise AssertionError(name)
-
-
-def _ve_levels(sch: Any) -> torch.Tensor:
-    """``(T,)`` the VE levels ``sigma`` a sigma-based scheduler steps through (its ``sigmas``, the last 0 dropped)."""
-    sig = torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64)
-    if sig.numel() != sch.timesteps.numel() + 1 or float(sig[-1]) != 0.0:
-        raise ValueError(
-            f"{_name(sch)} ends its grid at sigma = {float(sig[-1]):.4g}, not 0: chain='scheduler' follows grids "
-            "that end at 0 only"
-        )
-    return sig[:-1]
-
-
-def scheduler_chain(scheduler: Any, steps: int, *, eta: float = 0.0, **set_timesteps: Any) -> SchedulerChain:
+def scheduler_chain(
+    scheduler: Any, steps: int, *, eta: float = 0.0, step_options: Optional[dict] = None, **set_timesteps: Any
+) -> SchedulerChain:
     """The chain of ``scheduler`` at ``steps`` inference steps, on its own grid.
 
     Args:
@@ -419,6 +1004,9 @@ def scheduler_chain(scheduler: Any, steps: int, *, eta: float = 0.0, **set_times
             ``set_timesteps``).
         steps: ``num_inference_steps``.
         eta: the ``eta`` the pipeline passes to ``step`` (DDIM, TCD; the others ignore it).
+        step_options: the further arguments given to each ``step`` where the scheduler's step reads some
+            (:attr:`Followed.options`: ``EDMEulerScheduler``'s ``s_churn``, ``s_tmin``, ``s_tmax``, ``s_noise``);
+            the ones left out take ``step``'s defaults.
         set_timesteps: further arguments of ``set_timesteps`` (Flux's and SD3's ``sigmas``, ``mu``).
 
     Returns:
@@ -429,9 +1017,32 @@ def scheduler_chain(scheduler: Any, steps: int, *, eta: float = 0.0, **set_times
         ValueError: a scheduler or setting it does not follow, naming the reason.
     """
     check_scheduler(scheduler, eta)
+    options = _step_options(followed(scheduler), step_options)
     if "sigmas" in set_timesteps or "timesteps" in set_timesteps:
-        return _tabulated(scheduler, steps, eta, set_timesteps)  # (an explicit grid has its own length only)
-    return _remaking(lambda n: _tabulated(scheduler, n, eta, set_timesteps))(steps)
+        # (an explicit grid has its own length only)
+        return _tabulated(scheduler, steps, eta, set_timesteps, options)
+    return _remaking(lambda n: _tabulated(scheduler, n, eta, set_timesteps, options))(steps)
+
+
+def _step_options(cls: "type[Followed]", given: Optional[dict]) -> dict:
+    """``given`` checked against the step arguments ``cls`` reads, with their defaults filled in.
+
+    Raises:
+        ValueError: an argument its step does not read, or one that is not a number (``s_churn``, ``s_noise``
+            >= 0; ``s_tmin <= s_tmax``).
+    """
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(cls.options))
+    if unknown:
+        takes = ", ".join(cls.options) or "none"
+        raise ValueError(f"step_options {', '.join(unknown)}: {cls.name}'s step does not read them (it reads {takes})")
+    out = {**cls.options, **{k: float(v) for k, v in given.items()}}
+    for k, v in out.items():
+        if math.isnan(v) or (k in ("s_churn", "s_noise") and not (math.isfinite(v) and v >= 0)):
+            raise ValueError(f"step_options {k} must be a finite number >= 0, got {v}")
+    if out.get("s_tmin", 0.0) > out.get("s_tmax", math.inf):
+        raise ValueError(f"step_options s_tmin must be <= s_tmax, got {out['s_tmin']} > {out['s_tmax']}")
+    return out
 
 
 def _remaking(make: Callable[[int], SchedulerChain]) -> Callable[[int], SchedulerChain]:
@@ -445,43 +1056,12 @@ def _remaking(make: Callable[[int], SchedulerChain]) -> Callable[[int], Schedule
     return remake
 
 
-def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict) -> SchedulerChain:
-    """:func:`scheduler_chain`'s tables, the scheduler checked already."""
-    name = _name(scheduler)
+def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict, options: dict) -> SchedulerChain:
+    """:func:`scheduler_chain`'s tables, the scheduler and ``options`` checked already."""
     sch = _fresh(scheduler, steps, **set_timesteps)
-    timesteps = torch.as_tensor(sch.timesteps).detach().to("cpu", torch.float64)
-    if name == "FlowMatchEulerDiscreteScheduler":
-        return _flow_chain(eta, torch.as_tensor(sch.sigmas).detach().to("cpu", torch.float64), timesteps)
-    if name in ("EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler"):
-        s = _ve_levels(sch)
-        grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
-        t, t_next = grid[:-1], grid[1:]
-        if name == "EulerAncestralDiscreteScheduler":
-            # its latents are VE (x_0 + s xi): the initial noise init_noise_sigma xi is y = x / (1 + s_0)
-            scale = float(sch.init_noise_sigma) / (1.0 + float(s[0]))
-            return _made(name, eta, grid, timesteps, *EulerAncestral(eta=1.0).step(t, t_next), noise_scale=scale)
-        # sde-dpmsolver++ is k-diffusion's DPM++ 2M SDE at eta = 1 (first order: without its multistep term)
-        chain = DPMPP2MSDE(eta=1.0, solver_type=sch.config.get("solver_type", "midpoint"))
-        scale = _vp_noise_scale(sch, float(s[0]))
-        # its step thresholds the predicted clean latents (the ones it keeps for the next step too); it has no clip
-        threshold = _clip({k: v for k, v in sch.config.items() if k != "clip_sample"}, None)
-        if sch.config.get("solver_order", 2) == 1:
-            Pv, Q0, _, Rv, _ = chain._terms(t, t_next)
-            return _made(
-                name, eta, grid, timesteps, *from_ve(t, t_next, Pv, Q0, Rv), prediction=threshold, noise_scale=scale
-            )
-        B = chain.past(t, t_next)[:, 0]
-        return _made(name, eta, grid, timesteps, *chain.step(t, t_next), B=B, prediction=threshold, noise_scale=scale)
-    ab, P, Q, R, weight = _vp_tables(name, sch, float(eta))
-    s = ((1.0 - ab) / ab).sqrt()
-    grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
-    n = _vp_scale(ab)
-    n_next = torch.cat([n[1:], torch.ones(1, dtype=torch.float64)])  # the last state is the output latents
-    P, Q, R = _to_linear(P, Q, R, n, n_next)
-    scale = _vp_noise_scale(sch, float(s[0]))
-    # TCD's step neither clips nor thresholds, whatever its config says (diffusers keeps the flags unused)
-    clip = None if name == "TCDScheduler" else _clip(sch.config, weight)
-    return _made(name, eta, grid, timesteps, P, Q, R, prediction=clip, noise_scale=scale)
+    cls = followed(scheduler)
+    timesteps = torch.as_tensor(cls.model_timesteps(sch)).detach().to("cpu", torch.float64)
+    return _made(cls, eta, timesteps, cls.tables(sch, float(eta), **options), options)
 
 
 def _vp_noise_scale(sch: Any, s0: float) -> float:
@@ -490,43 +1070,24 @@ def _vp_noise_scale(sch: Any, s0: float) -> float:
     return float(sch.init_noise_sigma) * math.sqrt(1.0 + s0 * s0) / (1.0 + s0)
 
 
-def _flow_chain(eta: float, grid: torch.Tensor, timesteps: torch.Tensor) -> SchedulerChain:
-    """Stochastic flow matching on ``grid``: ``x' = (1 - s') D + s' z``, LCM's step on the flow path."""
-    P, Q, R = LCM().step(grid[:-1], grid[1:])
-    return _made("FlowMatchEulerDiscreteScheduler", eta, grid, timesteps, P, Q, R)
-
-
-def _draws(name: str, timesteps: torch.Tensor, eta: float) -> torch.Tensor:
-    """``(T,)`` bool: where the scheduler's ``step`` draws its noise (whether or not it weighs it)."""
-    T = timesteps.numel()
-    last = torch.arange(T) == T - 1
-    if name == "DDPMScheduler":
-        return timesteps > 0
-    if name == "DDIMScheduler":
-        return torch.full((T,), eta > 0)
-    if name == "LCMScheduler":
-        return ~last
-    if name == "TCDScheduler":
-        return ~last & (eta > 0)
-    return torch.ones(T, dtype=torch.bool)
-
-
-def _made(name, eta, grid, timesteps, P, Q, R, B=None, prediction=None, noise_scale=1.0) -> SchedulerChain:
+def _made(
+    cls: "type[Followed]", eta: float, timesteps: torch.Tensor, tables: Tables, options: Optional[dict] = None
+) -> SchedulerChain:
     return SchedulerChain(
-        scheduler=name,
-        eta=scheduler_eta(name, eta),
-        grid=grid,
+        scheduler=cls.name,
+        eta=scheduler_eta(cls.name, eta),
+        options=tuple((options or {}).items()),
+        grid=tables.grid,
         timesteps=timesteps,
-        P=P,
-        Q=Q,
-        R=R,
-        B=B,
-        prediction=prediction,
-        draws=_draws(name, timesteps, float(eta)),
-        noise_dtype=torch.float32
-        if name in ("DPMSolverMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
-        else None,
-        noise_scale=float(noise_scale),
+        P=tables.P,
+        Q=tables.Q,
+        R=tables.R,
+        B=tables.B,
+        prediction=tables.prediction,
+        draws=cls.draws(timesteps, float(eta)) if tables.draws is None else tables.draws,
+        noise_dtype=cls.noise_dtype,
+        noise_promoted=cls.noise_promoted,
+        noise_scale=float(tables.noise_scale),
     )
 
 
@@ -584,8 +1145,9 @@ class PipelinePlan:
         from diffusers.utils.torch_utils import randn_tensor
 
         draws, noise_dtype = self.chain.draws.tolist(), self.chain.noise_dtype or dtype
-        if self.chain.scheduler == "FlowMatchEulerDiscreteScheduler":
-            # SD3's and Flux's pipelines call step without their generator: its noise is torch's global one
+        if self.chain.noise_promoted:
+            noise_dtype = torch.promote_types(dtype, torch.float32)
+        if not FOLLOWED[self.chain.scheduler].own_generator:
             generator = None
 
         def noise(step: int) -> torch.Tensor:
@@ -623,12 +1185,13 @@ def for_pipeline(
         ValueError: as :func:`scheduler_chain`.
     """
     scheduler = pipe.scheduler
-    if _name(scheduler) == "FlowMatchEulerDiscreteScheduler":
-        check_scheduler(scheduler, eta)
+    check_scheduler(scheduler, eta)
+    cls = followed(scheduler)
+    if cls.family_grid:
 
         def flow(n: int) -> SchedulerChain:
             g = torch.as_tensor(grid if n == steps or grid_for is None else grid_for(n), dtype=torch.float64)
-            return _flow_chain(eta, g, 1000.0 * g[:-1])
+            return _made(cls, eta, 1000.0 * g[:-1], cls.on_grid(g))
 
         chain = flow(steps) if grid_for is None else _remaking(flow)(steps)
         return PipelinePlan(chain=chain, velocity=velocity)
