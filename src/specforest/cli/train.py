@@ -193,7 +193,7 @@ def _natural_command(name: str, steps: int, batch: int):
         help="Samples in samples.png (0: no figure).",
     )
     @_max_minutes_seed_options(
-        45.0, "Stop this run's training after this many minutes (checkpointed: rerun to resume)."
+        50.0, "Stop this run's training after this many minutes (checkpointed: rerun to resume)."
     )
     @_threads_progress_options
     def command(
@@ -259,5 +259,5 @@ def _natural_command(name: str, steps: int, batch: int):
     return command
 
 
-train_natural32 = _natural_command("natural32", 2000, 32)
-train_natural64 = _natural_command("natural64", 2000, 16)
+train_natural32 = _natural_command("natural32", 1200, 32)
+train_natural64 = _natural_command("natural64", 1500, 16)

@@ -95,7 +95,7 @@ class NaturalTrainConfig:
     p_std: float = 1.2
     p_uniform: float = 0.2
     seed: int = 0
-    max_minutes: float = 45.0
+    max_minutes: float = 50.0
     checkpoint_every: int = 100
     eval_crops: int = 256
     figure_samples: int = 16
