@@ -152,8 +152,11 @@ def train_digits_draft(
     )
 
 
-def _natural_command(name: str, steps: int, batch: int):
-    """``specforest train NAME`` for one of the natural-image models (defaults: ``steps``, ``batch``)."""
+def _natural_command(name: str):
+    """``specforest train NAME`` for one of the natural-image models (its defaults: the shipped run's)."""
+    from ..models.natural import MODELS
+
+    steps, batch = MODELS[name].steps, MODELS[name].batch
 
     @train.command(name, context_settings=CONTEXT)
     @click.option(
@@ -173,7 +176,7 @@ def _natural_command(name: str, steps: int, batch: int):
         type=str,
         default=None,
         show_default="the shipped architecture's",
-        help="The U-Net's feature channels at its three resolutions, C0,C1,C2 (each a positive multiple of 4).",
+        help="The U-Net's feature channels at its three resolutions, C0,C1,C2 (multiples of 4 up to 32, of 8 above).",
     )
     @click.option(
         "--checkpoint-every", type=click.IntRange(1), default=100, show_default=True, help="Steps between checkpoints."
@@ -222,9 +225,11 @@ def _natural_command(name: str, steps: int, batch: int):
                 chans = tuple(int(c) for c in channels.split(","))
             except ValueError:
                 chans = ()
-            if len(chans) != 3 or any(c < 4 or c % 4 for c in chans):
+            # the blocks' GroupNorm takes min(8, C // 4) groups, which must divide C
+            if len(chans) != 3 or any(c < 4 or c % 4 or (c > 32 and c % 8) for c in chans):
                 raise click.BadParameter(
-                    f"must be three positive multiples of 4 separated by commas, got {channels!r}",
+                    f"must be three channel counts separated by commas, each a multiple of 4 from 4 to 32 or "
+                    f"of 8 above, got {channels!r}",
                     param_hint="--channels",
                 )
             unet = dataclasses.replace(unet, channels=chans)
@@ -259,5 +264,5 @@ def _natural_command(name: str, steps: int, batch: int):
     return command
 
 
-train_natural32 = _natural_command("natural32", 1200, 32)
-train_natural64 = _natural_command("natural64", 1500, 16)
+train_natural32 = _natural_command("natural32")
+train_natural64 = _natural_command("natural64")

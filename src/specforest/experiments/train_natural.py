@@ -42,6 +42,7 @@ import torch
 from ..models.digits import MANIFEST, WEIGHTS_DIR, manifest
 from ..models.natural import check_name, load_images, random_crops
 from ..models.unet import EDMPrecond, UNet, UNetConfig
+from ..plots import pyplot
 from .io import atomic_write, atomic_write_text
 from .train_digits import _loss_figure, _safetensors_bytes, _sample_sigma, lr_at, optimizer_step
 
@@ -238,11 +239,7 @@ def samples_figure(
     den: EDMPrecond, name: str, path: str | Path, *, n: int = 16, steps: int = 50, seed: int = 0
 ) -> Path:
     """Write a PNG of ``n`` samples (:func:`sample_images`) beside ``n`` real held-out crops."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     samples = sample_images(den, n, steps=steps, seed=seed)
     real = evaluation_crops(name, "held_out", n, seed)
     cols = int(math.ceil(math.sqrt(n)))
@@ -390,7 +387,7 @@ def main_train_natural(
     out_dir: str | Path | None = None,
     *,
     weights_dir: str | Path = WEIGHTS_DIR,
-    config: NaturalTrainConfig = NaturalTrainConfig(),
+    config: Optional[NaturalTrainConfig] = None,
     unet_config: Optional[UNetConfig] = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
@@ -403,8 +400,9 @@ def main_train_natural(
             (default ``results/train_NAME``).
         weights_dir: where the safetensors file goes and whose ``manifest.json`` gets its entry
             (the package's ``models/weights`` by default; the other entries stay).
-        config: hyper-parameters.
-        unet_config: the architecture (default: the model's, :data:`specforest.models.natural.MODELS`).
+        config: hyper-parameters (default: :class:`NaturalTrainConfig` with the model's ``steps`` and
+            ``batch``, :data:`specforest.models.natural.MODELS`).
+        unet_config: the architecture (default: the model's).
         progress: a progress bar on stderr.
         log: receives one-line status messages (the loss table among them).
 
@@ -416,6 +414,7 @@ def main_train_natural(
             a checkpoint in ``out_dir`` made by another configuration.
     """
     spec = check_name(name)
+    config = NaturalTrainConfig(steps=spec.steps, batch=spec.batch) if config is None else config
     unet_config = spec.unet if unet_config is None else unet_config
     if (unet_config.img_channels, unet_config.img_resolution, unet_config.num_classes) != (3, spec.resolution, 0):
         raise ValueError(

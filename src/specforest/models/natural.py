@@ -32,11 +32,12 @@ Their weights ship as safetensors files beside the digits model's, with their SH
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -95,11 +96,15 @@ class NaturalModel:
         name: ``"natural32"`` or ``"natural64"``.
         file: its weights file in the weights folder.
         unet: the network's architecture (what training builds; the shipped file records its own).
+        steps: optimizer steps of the shipped run (``specforest train NAME``'s default).
+        batch: crops per step of the shipped run.
     """
 
     name: str
     file: str
     unet: UNetConfig
+    steps: int
+    batch: int
 
     @property
     def resolution(self) -> int:
@@ -117,14 +122,19 @@ MODELS: dict[str, NaturalModel] = {
         "natural32",
         "natural32_unet.safetensors",
         UNetConfig(img_channels=3, img_resolution=32, channels=(32, 64, 96), emb_dim=128, num_classes=0),
+        steps=1200,
+        batch=32,
     ),
     "natural64": NaturalModel(
         "natural64",
         "natural64_unet.safetensors",
         UNetConfig(img_channels=3, img_resolution=64, channels=(16, 32, 64), emb_dim=128, num_classes=0),
+        steps=1500,
+        batch=16,
     ),
 }
-"""The models by name, with the architecture ``specforest train NAME`` builds."""
+"""The models by name, with the architecture and the run ``specforest train NAME`` makes by default
+(sized so that a run fits in under an hour on a loaded 2-core CPU: ``docs/natural.md``)."""
 
 _KIND = "a natural-image U-Net's weights (specforest.models.natural.load_denoiser)"
 _DIGITS_UNET = UNetConfig()
@@ -146,12 +156,19 @@ def check_name(name: str) -> NaturalModel:
     return MODELS[name]
 
 
-def _read_image(name: str) -> np.ndarray:
-    """``(H, W, 3)`` uint8 of one of :data:`COLOUR_IMAGES` or :data:`GREY_IMAGES` (grey replicated)."""
+def _skimage() -> tuple[Any, Any]:
+    """scikit-image's ``data`` module and its ``rescale``."""
     try:
         from skimage import data
+        from skimage.transform import rescale
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the natural-image data need scikit-image (pip install 'specforest[natural]')") from e
+        raise ImportError("the natural-image data need scikit-image: pip install 'specforest[natural]'") from e
+    return data, rescale
+
+
+def _read_image(name: str) -> np.ndarray:
+    """``(H, W, 3)`` uint8 of one of :data:`COLOUR_IMAGES` or :data:`GREY_IMAGES` (grey replicated)."""
+    data, _ = _skimage()
     img = data.stereo_motorcycle()[0] if name == "motorcycle" else getattr(data, name)()
     img = np.asarray(img)
     if img.ndim == 2:
@@ -179,10 +196,16 @@ def load_images(resolution: int, split: str = "train") -> list[list[torch.Tensor
     """
     if split not in ("train", "held_out"):
         raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
-    if not isinstance(resolution, int) or resolution < 4:
+    if not isinstance(resolution, int) or isinstance(resolution, bool) or resolution < 4:
         raise ValueError(f"resolution must be an integer >= 4, got {resolution!r}")
-    from skimage.transform import rescale
+    return _pyramids(resolution, split)
 
+
+@functools.lru_cache(maxsize=4)
+def _pyramids(resolution: int, split: str) -> list[list[torch.Tensor]]:
+    # cached: a training run, its evaluation and a test read the same pyramids (a few seconds of
+    # anti-aliased rescaling); callers only slice them
+    _, rescale = _skimage()
     names = [n for n in COLOUR_IMAGES + GREY_IMAGES if (n in HELD_OUT) == (split == "held_out")]
     out = []
     for name in names:
