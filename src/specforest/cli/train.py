@@ -1,9 +1,9 @@
-"""Command line: ``specforest train digits`` and ``specforest train digits-draft``, the models the
-experiments ship with.
+"""Command line: ``specforest train digits``, ``digits-draft``, ``natural32`` and ``natural64``, the
+models the experiments ship with.
 
-The natural-image models train with ``specforest train natural32`` and ``natural64``
-(:mod:`specforest.experiments.train_natural`). A thin shell over :mod:`specforest.experiments.train_digits` and
-:mod:`specforest.experiments.train_digits_draft`.
+A thin shell over :mod:`specforest.experiments.train_digits`,
+:mod:`specforest.experiments.train_digits_draft` and :mod:`specforest.experiments.train_natural`
+(the natural-image models' runs are checkpointed: the same command again resumes one).
 """
 
 from __future__ import annotations
