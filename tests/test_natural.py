@@ -134,6 +134,25 @@ def test_the_kdiffusion_drop_in_takes_the_denoiser_as_it_is(name, denoiser):
     assert out.shape == x.shape and torch.isfinite(out).all()
 
 
+# -- the data -----------------------------------------------------------------------------------
+
+
+def test_the_held_out_photographs_never_train_and_crops_are_seeded():
+    assert set(natural.HELD_OUT) <= set(natural.COLOUR_IMAGES + natural.GREY_IMAGES)
+    train, held = natural.load_images(32, "train"), natural.load_images(32, "held_out")
+    assert len(train) + len(held) == len(natural.COLOUR_IMAGES + natural.GREY_IMAGES) and len(held) == 2
+    for levels in train + held:
+        # a pyramid of several scales, each with room for crops at many positions
+        assert len(levels) >= 3 and all(min(lev.shape[1:]) >= 48 for lev in levels)
+        assert all(lev.shape[0] == 3 and -1 <= lev.min() and lev.max() <= 1 for lev in levels)
+    a = natural.random_crops(train, 64, 32, torch.Generator().manual_seed(0))
+    b = natural.random_crops(train, 64, 32, torch.Generator().manual_seed(0))
+    assert a.shape == (64, 3, 32, 32) and torch.equal(a, b)
+    assert not torch.equal(a, natural.random_crops(train, 64, 32, torch.Generator().manual_seed(1)))
+    with pytest.raises(ValueError, match="split must be 'train' or 'held_out'"):
+        natural.load_images(32, "test")
+
+
 # -- a real denoiser ----------------------------------------------------------------------------
 
 
