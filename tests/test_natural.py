@@ -93,6 +93,16 @@ def test_one_models_weights_are_refused_as_the_others(tmp_path):
         natural.load_denoiser("natural32", path=tmp_path / f32)
 
 
+def test_the_digits_weights_are_refused_by_what_they_are():
+    clf, unet = digits.WEIGHTS_DIR / digits.CLASSIFIER_FILE, digits.WEIGHTS_DIR / digits.UNET_FILE
+    with pytest.raises(
+        digits.WeightsFileError, match="is not a natural-image U-Net's weights .* no U-Net architecture"
+    ):
+        natural.load_denoiser("natural32", path=clf)
+    with pytest.raises(digits.WeightsFileError, match="1 x 8 x 8 images, natural64 serves 3 x 64 x 64"):
+        natural.load_velocity("natural64", path=unet)
+
+
 # -- the contract -------------------------------------------------------------------------------
 
 
