@@ -25,7 +25,7 @@ from specforest.experiments import train_natural
 from specforest.experiments.train_natural import NaturalTrainConfig, denoising_losses, evaluation_crops
 from specforest.kdiffusion import sample_euler_ancestral
 from specforest.models import digits, natural
-from specforest.models.unet import UNetConfig
+from specforest.models.unet import EDMPrecond, UNet, UNetConfig
 
 NAMES = tuple(natural.MODELS)
 
@@ -171,10 +171,12 @@ def held_out(name) -> torch.Tensor:
     return evaluation_crops(name, "held_out", 8, seed=5)
 
 
-SIGMAS = (0.02, 0.2, 1.0, 5.0, 40.0)
-# the held-out loss over the best trivial denoiser's (identity, zero, training mean) at most, per level of
-# SIGMAS: the shipped networks' measured ratios (docs/natural.md) with a margin for 8 crops
-RATIO_BOUND = {"natural32": (), "natural64": ()}
+SIGMAS = (0.02, 0.2, 1.0, 5.0)
+RATIO_BOUND = (0.6, 0.25, 0.45, 0.85)
+"""At each level of SIGMAS, the most the held-out loss may be over the best trivial denoiser's (identity, zero,
+training mean): the shipped networks measure 0.47-0.49, 0.15-0.16, 0.28 and 0.65-0.71 on these 8 crops, an
+untrained one 0.99, 0.79, 1.06-1.09 and 1.09 (docs/natural.md has the table on 256 crops; above sigma = 5 the
+posterior mean of a crop nears the mean colour and no denoiser is well below that baseline)."""
 
 
 def test_the_shipped_network_is_a_real_denoiser_on_held_out_crops(name, denoiser, held_out):
@@ -184,10 +186,10 @@ def test_the_shipped_network_is_a_real_denoiser_on_held_out_crops(name, denoiser
     mean = torch.tensor(digits.manifest()[natural.MODELS[name].file]["evaluation"]["mean"])
     res = denoising_losses(denoiser, held_out, SIGMAS, mean=mean, seed=3)
     ratios = [r["ratio"] for r in res]
-    assert all(r < b for r, b in zip(ratios, RATIO_BOUND[name], strict=True)), ratios
-    untrained = specforest.models.unet.EDMPrecond(specforest.models.unet.UNet(natural.MODELS[name].unet)).eval()
+    assert all(r < b for r, b in zip(ratios, RATIO_BOUND, strict=True)), ratios
+    untrained = EDMPrecond(UNet(natural.MODELS[name].unet)).eval()  # its output layer starts at zero: D = c_skip x
     base = denoising_losses(untrained, held_out, SIGMAS, mean=mean, seed=3)
-    assert any(r["ratio"] > b for r, b in zip(base, RATIO_BOUND[name], strict=True)), [r["ratio"] for r in base]
+    assert all(r["ratio"] > b for r, b in zip(base, RATIO_BOUND, strict=True)), [r["ratio"] for r in base]
 
 
 # -- the training command -----------------------------------------------------------------------
