@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,6 +191,13 @@ def test_the_shipped_network_is_a_real_denoiser_on_held_out_crops(name, denoiser
     untrained = EDMPrecond(UNet(natural.MODELS[name].unet)).eval()  # its output layer starts at zero: D = c_skip x
     base = denoising_losses(untrained, held_out, SIGMAS, mean=mean, seed=3)
     assert all(r["ratio"] > b for r, b in zip(base, RATIO_BOUND, strict=True)), [r["ratio"] for r in base]
+
+
+def test_the_docs_tables_are_the_shipped_networks_evaluation():
+    """docs/natural.md shows, per model, the loss table its training run recorded in the manifest."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "natural.md").read_text()
+    for spec in natural.MODELS.values():
+        assert train_natural.loss_table(digits.manifest()[spec.file]["evaluation"]) in text, spec.name
 
 
 # -- the training command -----------------------------------------------------------------------

@@ -209,16 +209,15 @@ def evaluate(den: EDMPrecond, name: str, n: int, *, seed: int = 0) -> dict:
 
 def loss_table(evaluation: dict) -> str:
     """A Markdown table of an :func:`evaluate` result: per level the held-out and training losses,
-    the baselines on the held-out crops and the held-out ratio to the best baseline."""
+    the baselines on the held-out crops, and each split's loss over its best baseline."""
     lines = [
-        "| sigma | held-out | train | identity | zero | mean | held-out / best baseline |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| sigma | held-out | train | identity | zero | mean | held-out / best baseline | train / best baseline |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for h, t in zip(evaluation["held_out"], evaluation["train"], strict=True):
         lines.append(
-            f"| {h['sigma']:g} | {h['model']:.4f} | {t['model']:.4f} | {h['identity']:.4f} | {h['zero']:.4f} "
-            f"| {h['mean']:.4f} "
-            f"| {h['ratio']:.3f} |"
+            f"| {h['sigma']:g} | {h['model']:.3f} | {t['model']:.3f} | {h['identity']:.3f} | {h['zero']:.3f} "
+            f"| {h['mean']:.3f} | {h['ratio']:.2f} | {t['ratio']:.2f} |"
         )
     return "\n".join(lines)
 
