@@ -125,7 +125,9 @@ def test_the_denoiser_contract(name, denoiser):
 
 
 def test_the_velocity_for_sample_and_its_declared_memory(name):
+    state = torch.random.get_rng_state()
     v = natural.load_velocity(name)
+    assert torch.equal(torch.random.get_rng_state(), state)  # loading draws nothing from the global stream
     shape = natural.MODELS[name].state_shape
     x = torch.randn((2, *shape), generator=torch.Generator().manual_seed(1))
     out = v(x, torch.tensor([0.3, 0.9]))

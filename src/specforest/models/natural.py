@@ -247,8 +247,10 @@ def random_crops(
 def activation_numel(config: UNetConfig) -> int:
     """Numbers one image's forward pass through a U-Net of ``config`` produces (every module's
     output tensors, counted with hooks on a freshly initialized network): the measure
-    :func:`load_velocity` scales the digits U-Net's measured bytes a row by."""
-    net = UNet(config)
+    :func:`load_velocity` scales the digits U-Net's measured bytes a row by. The caller's global
+    random state is left as it was (the initialization draws from a forked one)."""
+    with torch.random.fork_rng():
+        net = UNet(config)
     total = [0]
 
     def hook(mod: torch.nn.Module, inputs: tuple, out: torch.Tensor) -> None:
@@ -314,7 +316,8 @@ def load_denoiser(
                 f"it serves {cfg.img_channels} x {cfg.img_resolution} x {cfg.img_resolution} images, "
                 f"{name} serves {' x '.join(map(str, model.state_shape))}"
             )
-        net = UNet(cfg)
+        with torch.random.fork_rng():  # the initialization, overwritten at once, leaves the caller's stream alone
+            net = UNet(cfg)
         net.load_state_dict(tensors)
     except (ValueError, TypeError, KeyError, RuntimeError) as e:
         raise WeightsFileError(f"{path} is not valid as {_KIND} of {name}: {e}") from None
