@@ -177,7 +177,7 @@ def held_out(name) -> torch.Tensor:
 SIGMAS = (0.02, 0.2, 1.0, 5.0)
 RATIO_BOUND = (0.6, 0.25, 0.45, 0.85)
 """At each level of SIGMAS, the most the held-out loss may be over the best trivial denoiser's (identity, zero,
-training mean): the shipped networks measure 0.47-0.49, 0.15-0.16, 0.28 and 0.65-0.71 on these 8 crops, an
+training mean): the shipped networks measure 0.44-0.46, 0.14, 0.26-0.27 and 0.61-0.68 on these 8 crops, an
 untrained one 0.99, 0.79, 1.06-1.09 and 1.09 (docs/natural.md has the table on 256 crops; above sigma = 5 the
 posterior mean of a crop nears the mean colour and no denoiser is well below that baseline)."""
 

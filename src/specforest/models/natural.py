@@ -122,14 +122,14 @@ MODELS: dict[str, NaturalModel] = {
         "natural32",
         "natural32_unet.safetensors",
         UNetConfig(img_channels=3, img_resolution=32, channels=(32, 64, 96), emb_dim=128, num_classes=0),
-        steps=1200,
+        steps=2000,
         batch=32,
     ),
     "natural64": NaturalModel(
         "natural64",
         "natural64_unet.safetensors",
         UNetConfig(img_channels=3, img_resolution=64, channels=(16, 32, 64), emb_dim=128, num_classes=0),
-        steps=1500,
+        steps=2500,
         batch=16,
     ),
 }
