@@ -48,7 +48,7 @@ def no_work(monkeypatch):
     from helpers import never_called
 
     from specforest import landscape, latency
-    from specforest.experiments import drafts, pipelines, pixel, sd3, train_digits, train_digits_draft
+    from specforest.experiments import drafts, pipelines, pixel, sd3, train_digits, train_digits_draft, train_natural
     from specforest.experiments import generate as gen_exp
     from specforest.experiments import gmm as gmm_exp
 
@@ -63,6 +63,7 @@ def no_work(monkeypatch):
         (landscape, "plot_landscape"),
         (train_digits, "main_train"),
         (train_digits_draft, "main_train_draft"),
+        (train_natural, "main_train_natural"),
         (sd3, "load_pipeline"),
         (pipelines, "load_pipeline"),
     ):

@@ -221,6 +221,8 @@ def _output_cases(tmp_path: Path) -> list:
         (["train", "digits", "--out", "OUT"], "--out", True),
         (["train", "digits", "--weights-dir", "OUT"], "--weights-dir", True),
         (["train", "digits-draft", "--weights-dir", "OUT"], "--weights-dir", True),
+        (["train", "natural32", "--out", "OUT"], "--out", True),
+        (["train", "natural64", "--weights-dir", "OUT"], "--weights-dir", True),
     ]
 
 

@@ -64,6 +64,10 @@ COMMANDS = {
     "train digits": "--out --weights-dir --steps --max-minutes --seed --eval-samples --threads "
     "--progress/--no-progress",
     "train digits-draft": "--weights-dir --steps --batch --max-minutes --seed --threads --progress/--no-progress",
+    "train natural32": "--out --weights-dir --steps --batch --channels --checkpoint-every --eval-crops "
+    "--figure-samples --max-minutes --seed --threads --progress/--no-progress",
+    "train natural64": "--out --weights-dir --steps --batch --channels --checkpoint-every --eval-crops "
+    "--figure-samples --max-minutes --seed --threads --progress/--no-progress",
     "tune": "--model --steps --churn --chain --eta --s-noise --s-churn --solver-type --scheduler --batch --device --dim --components --mixture-seed --drafts --budget-max --out "
     "--pipeline --prompts --num-prompts --guidance --shift --height --width --max-sequence-length --dtype "
     "--true-cfg-scale --negative-prompt --max-memory-gb --threads --progress/--no-progress --schedule --sigma-min "

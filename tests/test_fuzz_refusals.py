@@ -555,6 +555,8 @@ OUTPUTS = {
     "pixel sweep --out": (["pixel", "sweep", "--out"], "", True),
     "train digits --out": (["train", "digits", "--out"], "", True),
     "train digits-draft --weights-dir": (["train", "digits-draft", "--weights-dir"], "", True),
+    "train natural32 --out": (["train", "natural32", "--out"], "", True),
+    "train natural64 --weights-dir": (["train", "natural64", "--weights-dir"], "", True),
 }
 UNWRITABLE = ("under-a-file", "a-folder-for-a-file") + (("proc",) if Path("/proc/self").is_dir() else ())
 

@@ -5,7 +5,8 @@
 * ``gmm`` (and ``gmm sweep``, ``gmm drafts``): :mod:`.gmm`, over :mod:`specforest.experiments.gmm`;
 * ``couplings table|plot``: :mod:`.couplings`, over :mod:`specforest.landscape`;
 * ``pixel`` (and ``pixel sweep``): :mod:`.pixel`, over :mod:`specforest.experiments.pixel`;
-* ``train digits``: :mod:`.train`, over :mod:`specforest.experiments.train_digits`;
+* ``train digits|digits-draft|natural32|natural64``: :mod:`.train`, over
+  :mod:`specforest.experiments.train_digits`, ``train_digits_draft`` and ``train_natural``;
 * ``sd3``: :mod:`.sd3`, over :mod:`specforest.experiments.sd3`;
 * ``diffusers``: :mod:`.diffusers`, over :mod:`specforest.experiments.pipelines`;
 * ``generate gmm|pixel|sd3|diffusers``: :mod:`.generate`, over :mod:`specforest.experiments.generate`;

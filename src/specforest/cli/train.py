@@ -1,12 +1,14 @@
-"""Command line: ``specforest train digits`` and ``specforest train digits-draft``, the models the
-experiments ship with.
+"""Command line: ``specforest train digits``, ``digits-draft``, ``natural32`` and ``natural64``, the
+models the experiments ship with.
 
-A thin shell over :mod:`specforest.experiments.train_digits` and
-:mod:`specforest.experiments.train_digits_draft`.
+A thin shell over :mod:`specforest.experiments.train_digits`,
+:mod:`specforest.experiments.train_digits_draft` and :mod:`specforest.experiments.train_natural`
+(the natural-image models' runs are checkpointed: the same command again resumes one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -148,3 +150,119 @@ def train_digits_draft(
             log=lambda line: click.echo(line, err=True),
         )
     )
+
+
+def _natural_command(name: str):
+    """``specforest train NAME`` for one of the natural-image models (its defaults: the shipped run's)."""
+    from ..models.natural import MODELS
+
+    steps, batch = MODELS[name].steps, MODELS[name].batch
+
+    @train.command(name, context_settings=CONTEXT)
+    @click.option(
+        "--out",
+        "out_dir",
+        type=click.Path(file_okay=False),
+        default=f"results/train_{name}",
+        show_default=True,
+        callback=output_path(what="the checkpoint, the training log and the figures", folder=True),
+        help="Folder of checkpoint.safetensors (a rerun resumes from it), train_log.json, loss.png, samples.png.",
+    )
+    @_weights_dir_option(f"Where {name}_unet.safetensors goes and whose manifest.json gets its entry (atomically).")
+    @click.option("--steps", type=click.IntRange(1), default=steps, show_default=True, help="Optimizer steps.")
+    @click.option("--batch", type=click.IntRange(1), default=batch, show_default=True, help="Crops per step.")
+    @click.option(
+        "--channels",
+        type=str,
+        default=None,
+        show_default="the shipped architecture's",
+        help="The U-Net's feature channels at its three resolutions, C0,C1,C2 (multiples of 4 up to 32, of 8 above).",
+    )
+    @click.option(
+        "--checkpoint-every", type=click.IntRange(1), default=100, show_default=True, help="Steps between checkpoints."
+    )
+    @click.option(
+        "--eval-crops",
+        type=click.IntRange(0),
+        default=256,
+        show_default=True,
+        help="Held-out and training crops the evaluation measures (0: no evaluation).",
+    )
+    @click.option(
+        "--figure-samples",
+        type=click.IntRange(0),
+        default=16,
+        show_default=True,
+        help="Samples in samples.png (0: no figure).",
+    )
+    @_max_minutes_seed_options(
+        50.0, "Stop this run's training after this many minutes (checkpointed: rerun to resume)."
+    )
+    @_threads_progress_options
+    def command(
+        out_dir: str,
+        weights_dir: "str | None",
+        steps: int,
+        batch: int,
+        channels: "str | None",
+        checkpoint_every: int,
+        eval_crops: int,
+        figure_samples: int,
+        max_minutes: float,
+        seed: int,
+        threads: int,
+        progress: bool,
+    ) -> None:
+        import torch
+
+        from ..experiments.train_natural import NaturalTrainConfig, main_train_natural
+        from ..models.digits import WEIGHTS_DIR
+        from ..models.natural import MODELS
+
+        unet = MODELS[name].unet
+        if channels is not None:
+            try:
+                chans = tuple(int(c) for c in channels.split(","))
+            except ValueError:
+                chans = ()
+            # the blocks' GroupNorm takes min(8, C // 4) groups, which must divide C
+            if len(chans) != 3 or any(c < 4 or c % 4 or (c > 32 and c % 8) for c in chans):
+                raise click.BadParameter(
+                    f"must be three channel counts separated by commas, each a multiple of 4 from 4 to 32 or "
+                    f"of 8 above, got {channels!r}",
+                    param_hint="--channels",
+                )
+            unet = dataclasses.replace(unet, channels=chans)
+        weights = _weights_dir(weights_dir, WEIGHTS_DIR)
+        torch.set_num_threads(threads)
+        cfg = NaturalTrainConfig(
+            steps=steps,
+            batch=batch,
+            seed=seed,
+            max_minutes=max_minutes,
+            checkpoint_every=checkpoint_every,
+            eval_crops=eval_crops,
+            figure_samples=figure_samples,
+        )
+        library_errors(
+            lambda: main_train_natural(
+                name,
+                out_dir,
+                weights_dir=weights,
+                config=cfg,
+                unet_config=unet,
+                progress=progress,
+                log=lambda line: click.echo(line, err=True),
+            )
+        )
+
+    command.__doc__ = (
+        f"Train the {name} denoiser (EDM U-Net on crops of scikit-image's photographs, EMA weights), "
+        "resumable from its checkpoint, then evaluate it on held-out crops."
+    )
+    command.help = command.__doc__
+    return command
+
+
+train_natural32 = _natural_command("natural32")
+train_natural64 = _natural_command("natural64")

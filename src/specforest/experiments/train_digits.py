@@ -261,7 +261,7 @@ def _safetensors_bytes(module: torch.nn.Module, metadata: dict[str, str]) -> byt
     return save(state, metadata=metadata)
 
 
-def _loss_figure(losses: list[float], path: Path) -> None:
+def _loss_figure(losses: list[float], path: Path, *, title: str = "digits denoiser training") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -281,7 +281,7 @@ def _loss_figure(losses: list[float], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("EDM loss")
-    ax.set_title("digits denoiser training")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
 
