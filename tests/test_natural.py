@@ -24,7 +24,7 @@ import specforest
 from specforest.cli.train import train
 from specforest.experiments import train_natural
 from specforest.experiments.train_natural import NaturalTrainConfig, denoising_losses, evaluation_crops
-from specforest.kdiffusion import sample_euler_ancestral
+from specforest.kdiffusion import get_sigmas_karras, sample_euler_ancestral
 from specforest.models import digits, natural
 from specforest.models.unet import EDMPrecond, UNet, UNetConfig
 
@@ -141,7 +141,7 @@ def test_the_velocity_for_sample_and_its_declared_memory(name):
 
 def test_the_kdiffusion_drop_in_takes_the_denoiser_as_it_is(name, denoiser):
     shape = natural.MODELS[name].state_shape
-    sigmas = train_natural.karras_sigmas(3).float()
+    sigmas = get_sigmas_karras(3, 0.002, 80.0)
     x = torch.randn((2, *shape), generator=torch.Generator().manual_seed(2)) * sigmas[0]
     out = sample_euler_ancestral(denoiser, x, sigmas, disable=True, seed=0)
     assert out.shape == x.shape and torch.isfinite(out).all()

@@ -53,7 +53,6 @@ __all__ = [
     "denoising_losses",
     "evaluate",
     "evaluation_crops",
-    "karras_sigmas",
     "loss_table",
     "main_train_natural",
     "sample_images",
@@ -108,14 +107,6 @@ class NaturalTrainConfig:
         for k in ("max_minutes", "checkpoint_every", "eval_crops", "figure_samples"):
             d.pop(k)
         return d
-
-
-def karras_sigmas(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
-    """``(steps + 1,)`` VE noise levels of Karras et al. (2022) eq. (5) with a final 0 (k-diffusion's
-    ``get_sigmas_karras``), float64."""
-    ramp = torch.linspace(0, 1, steps, dtype=torch.float64)
-    lo, hi = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
-    return torch.cat([(hi + ramp * (lo - hi)) ** rho, torch.zeros(1, dtype=torch.float64)])
 
 
 def evaluation_crops(name: str, split: str, n: int, seed: int = 0) -> torch.Tensor:
@@ -226,10 +217,10 @@ def loss_table(evaluation: dict) -> str:
 def sample_images(den: EDMPrecond, n: int, *, steps: int = 50, seed: int = 0) -> torch.Tensor:
     """``(n, 3, H, W)`` samples of ``den`` by :func:`specforest.kdiffusion.sample_euler_ancestral`,
     ``steps`` Karras steps on ``[0.002, 80]``, seeded (the drop-in's per-sample streams)."""
-    from ..kdiffusion import sample_euler_ancestral
+    from ..kdiffusion import get_sigmas_karras, sample_euler_ancestral
 
     shape = den.net.state_shape
-    sigmas = karras_sigmas(steps).float()
+    sigmas = get_sigmas_karras(steps, 0.002, 80.0)
     x = torch.randn((n, *shape), generator=torch.Generator().manual_seed(seed)) * sigmas[0]
     return sample_euler_ancestral(den, x, sigmas, disable=True, seed=seed)
 
