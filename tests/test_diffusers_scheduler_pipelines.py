@@ -90,6 +90,11 @@ def test_refusals_name_the_scheduler_and_the_swap(pipes):
         px.sample(
             swapped(pipe, "DPMSolverSDEScheduler", {}), PROMPTS, chain="scheduler", progress=False, **KW
         )  # fmt: skip
+    # KDPM2 ancestral is followed by scheduler_chain (two stages); the UNet adapters map one timestep a level
+    with pytest.raises(ValueError, match=r"KDPM2AncestralDiscreteScheduler.set_timesteps\(8\) gives the timesteps"):
+        px.sample(
+            swapped(pipe, "KDPM2AncestralDiscreteScheduler", {}), PROMPTS, chain="scheduler", progress=False, **KW
+        )  # fmt: skip
     with pytest.raises(ValueError, match="eta=0.5 is the scheduler's step argument"):
         px.sample(pipe, PROMPTS, eta=0.5, generator=gen(0), progress=False, **KW)
     # a deterministic scheduler with no tree is its own chain's standard sampler: not refused here,

@@ -11,6 +11,8 @@ rejects the EM chain and a wrong ``eta``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -742,7 +744,6 @@ def test_every_diffusers_scheduler_is_followed_or_refused_with_its_reason():
     "name, reason",
     [
         ("DPMSolverSDEScheduler", "two model calls a step: needs stages"),
-        ("KDPM2AncestralDiscreteScheduler", "two model calls a step: needs stages"),
         ("HeunDiscreteScheduler", "deterministic"),
         ("DDIMInverseScheduler", "an inversion"),
     ],
@@ -811,3 +812,93 @@ def test_a_users_scheduler_is_followed_once_registered():
         )
     finally:
         S.FOLLOWED.pop("MyDDPMScheduler")
+
+
+# -- KDPM2 ancestral: two model calls a step (a two-stage scheduler chain) -------------------------------
+
+
+def kdpm2a_loop(sch, steps, x, gen, net):
+    """The pipeline's loop over ``KDPM2AncestralDiscreteScheduler``'s interleaved timesteps (about two a step):
+    the network at the level ``scale_model_input`` reads (the step's sigma on a first-order call, its
+    interpolated sigma on a second-order one). Returns ``(latents, calls)``."""
+    sch.set_timesteps(steps)
+    calls = 0
+    for t in sch.timesteps:
+        first = sch.state_in_first_order
+        inp = sch.scale_model_input(x, t)
+        k = sch.step_index if first else sch.step_index - 1
+        s = float((sch.sigmas if first else sch.sigmas_interpol)[k])
+        e = net(inp, torch.full((x.shape[0],), 1 / (1 + s * s), dtype=torch.float64))
+        x = sch.step(e, t, x, generator=gen).prev_sample
+        calls += 1
+    return x, calls
+
+
+def as_v(net):
+    """``net``'s noise prediction as a v-prediction network's output, ``v = sqrt(abar) eps - sqrt(1 - abar) x_0``:
+    the same clean prediction for a scheduler with ``prediction_type="v_prediction"``."""
+
+    def v(x_vp, ab):
+        e = net(x_vp, ab).double()
+        a, b = ab.double().sqrt()[:, None], (1 - ab.double()).sqrt()[:, None]
+        return (a * e - b * (x_vp.double() - b * e) / a).to(x_vp.dtype)
+
+    return v
+
+
+KDPM2A = {
+    "default": (dict(), 12),
+    "v-prediction": (dict(prediction_type="v_prediction"), 9),
+    "karras": (dict(use_karras_sigmas=True), 10),
+    "trailing-scaled": (dict(timestep_spacing="trailing", beta_schedule="scaled_linear"), 9),
+    "leading-offset": (dict(timestep_spacing="leading", steps_offset=1), 8),
+    "exponential": (dict(use_exponential_sigmas=True), 7),
+    "beta-sigmas": (dict(use_beta_sigmas=True), 6),
+    "one-step": (dict(), 1),
+}
+
+
+@pytest.mark.parametrize("case", list(KDPM2A))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_kdpm2_ancestral_equals_the_schedulers_own_loop_call_for_call(case, dtype):
+    """Its own loop and the two-stage chain at ``tree=None``, the same draws (one after each second-order
+    call, none at the last step, which makes one call): the same latents and as many model calls."""
+    cfg, steps = KDPM2A[case]
+    mk = lambda: diffusers.KDPM2AncestralDiscreteScheduler(**cfg)  # noqa: E731
+    sch = mk()
+    x = initial(sch, steps, 8, dtype=dtype)
+    net = as_v(bent) if cfg.get("prediction_type") == "v_prediction" else bent
+    ref, calls = kdpm2a_loop(mk(), steps, x.clone(), torch.Generator().manual_seed(3), net)
+    chain = scheduler_chain(sch, steps)
+    assert chain.stages == 2 and chain.params == {"scheduler": "KDPM2AncestralDiscreteScheduler", "eta": None}
+    s0 = chain.grid[0] / (1 - chain.grid[0])
+    run = specforest.sample(
+        velocity_of(chain, bent), (x.double() / (1 + s0)).to(dtype), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, dtype),
+    )  # fmt: skip
+    # (its step takes dt = sigma_next - sigma between its float32 sigmas in float32, even on float64 latents)
+    tol = 1e-6 if dtype == torch.float64 else 1e-4
+    assert float((run.samples.double() - ref.double()).abs().max()) <= tol * float(ref.double().abs().max()), case
+    assert calls == 2 * steps - 1
+    assert int(run.stats.nfe.max()) == calls
+
+
+def test_kdpm2_ancestral_keeps_its_law_with_a_tree_and_the_test_rejects_half_its_noise():
+    mk = diffusers.KDPM2AncestralDiscreteScheduler
+    chain = scheduler_chain(mk(), 12)
+    for tree, coupling in ((trees.uniform(2, 2), "grs"), (trees.chain(4), "rmc")):
+        run = law_run(chain, tree, coupling)
+        testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain).assert_exact()
+        assert float(run.stats.nfe.double().mean()) < 2 * 12 - 1
+    # the same tables with half its noise (s_noise 0.5): rejected
+    quiet = replace(chain, R=0.5 * chain.R, remake=None)
+    assert not testing.check_law(
+        law_run(quiet, trees.uniform(2, 2), "grs").samples, chain.grid, None, MU, S0, chain=chain
+    ).passed
+
+
+def test_kdpm2_ancestral_configs_it_cannot_follow_are_refused_by_name():
+    with pytest.raises(ValueError, match="prediction_type='sample'"):
+        scheduler_chain(diffusers.KDPM2AncestralDiscreteScheduler(prediction_type="sample"), 8)
+    with pytest.raises(ValueError, match="eta=0.5: KDPM2AncestralDiscreteScheduler's step takes no eta"):
+        scheduler_chain(diffusers.KDPM2AncestralDiscreteScheduler(), 8, eta=0.5)

@@ -11,10 +11,11 @@ One class per scheduler. Each scheduler followed is a :class:`Followed` subclass
 diffusers class name (:data:`FOLLOWED`, :func:`register_scheduler`): it declares the ``eta`` its step takes,
 the further step arguments it reads (:attr:`Followed.options`: ``EDMEulerScheduler``'s ``s_churn``...), the
 configs it refuses with the reason, its tables read off the scheduler's own config and arrays, and where it
-draws; its history is its tables' (multistep DPM-Solver: its order less one). Every other scheduler of
-diffusers is refused with its reason in one table, :data:`REFUSED_SCHEDULERS` (deterministic ODE solvers,
-inversions, discrete samplers, and the ones with two model calls a step, which need stages). Nothing
-outside this module names a scheduler.
+draws; its history is its tables' (multistep DPM-Solver: its order less one), and so are its stages (KDPM2
+ancestral's two calls a step: a :class:`StagedSchedulerChain`). Every other scheduler of diffusers is refused
+with its reason in one table, :data:`REFUSED_SCHEDULERS` (deterministic ODE solvers, inversions, discrete
+samplers, and the ones whose two calls a step are not yet followed). Nothing outside this module names a
+scheduler.
 
 Coordinates. The pipeline's latents ``x`` at the timestep ``k`` the model sees next are written on
 the library's linear path as ``y = x / n(s_k)``, where ``s_k = sqrt((1 - abar_k) / abar_k)`` and
@@ -32,12 +33,12 @@ the scheduler's exactly, and every draft, coupling and tree works unchanged.
 
 Refused, each naming the reason: deterministic schedulers with a tree (the caller's check, through
 :attr:`~specforest.sde.GaussianChain.stochastic`), learned variances (the covariance comes from the
-network), ``fixed_large_log`` (diffusers returns NaN there), ``DPMSolverSDEScheduler`` and
-``KDPM2AncestralDiscreteScheduler`` (two model calls a step), DPM-Solver's ``sde-dpmsolver``, EDM
-DPM-Solver's third order (its step raises), ``final_sigmas_type`` other than ``zero``. So are the options
-a step would not follow: an ``eta`` with a scheduler whose ``step`` takes none (:data:`ETA_SCHEDULERS`), a
-DDIM ``eta`` that makes a step's variance negative (diffusers' step is NaN there), Euler ancestral's
-``prediction_type="sample"`` (its step raises). A config flag is followed as the step follows it: TCD's
+network), ``fixed_large_log`` (diffusers returns NaN there), ``DPMSolverSDEScheduler`` (two model calls a
+step with two correlated noises), DPM-Solver's ``sde-dpmsolver``, EDM DPM-Solver's third order (its step
+raises), ``final_sigmas_type`` other than ``zero``. So are the options a step would not follow: an ``eta``
+with a scheduler whose ``step`` takes none (:data:`ETA_SCHEDULERS`), a DDIM ``eta`` that makes a step's
+variance negative (diffusers' step is NaN there), Euler ancestral's and KDPM2 ancestral's
+``prediction_type="sample"`` (their step raises). A config flag is followed as the step follows it: TCD's
 step neither clips nor thresholds, DPM-Solver's thresholds, ``euler_at_final`` changes nothing into 0.
 """
 
@@ -50,7 +51,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from ..chains import DPMPP2MSDE, LCM, REFUSED, Chain, EulerAncestral, check_ddim_eta, from_ve
+from ..chains import DPMPP2MSDE, LCM, REFUSED, Chain, EulerAncestral, check_ddim_eta, from_ve, stage_from_ve
 from ..sde import _check_sigmas
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "Tables",
     "PipelinePlan",
     "SchedulerChain",
+    "StagedSchedulerChain",
     "check_scheduler",
     "directory_scheduler",
     "followed",
@@ -164,6 +166,26 @@ class SchedulerChain(Chain):
         return self.for_steps(t.numel()).B if t.numel() != self.grid.numel() - 1 and self.remake is not None else self.B
 
 
+@dataclass(frozen=True)
+class StagedSchedulerChain(SchedulerChain):
+    """The chain of a scheduler whose step makes two model calls (``KDPM2AncestralDiscreteScheduler``: its
+    timesteps alternate a call at the state and one at its own interpolated level), a chain of two stages.
+
+    Attributes:
+        tableau: ``(level, alpha, beta, weight)`` on :attr:`grid` (:meth:`~specforest.chains.Chain.stage_points`).
+    """
+
+    tableau: tuple = field(default=None, repr=False, compare=False)
+    stages: ClassVar[int] = 2
+
+    def stage_points(self, sigmas: torch.Tensor) -> tuple:
+        s = _check_sigmas(sigmas)
+        if s.shape != self.grid.shape and self.remake is not None:
+            return self.for_steps(s.numel() - 1).stage_points(s)
+        # the grid itself is checked by coefficients, which build reads first
+        return self.tableau
+
+
 def _name(scheduler: Any) -> str:
     return type(scheduler).__name__
 
@@ -192,6 +214,9 @@ class Tables:
     noise_scale: float = 1.0
     draws: Optional[torch.Tensor] = None
     """``(T,)`` bool where the draws depend on the step's arguments (else :meth:`Followed.draws`)."""
+    stages: Optional[tuple] = None
+    """A step of two model calls: its tableau ``(level, alpha, beta, weight)`` on ``grid``
+    (:meth:`specforest.chains.Chain.stage_points`; ``P, Q`` then read ``D_eff``), else ``None`` (one call)."""
 
 
 class Followed:
@@ -202,7 +227,7 @@ class Followed:
     :attr:`noise_dtype` (the dtype of its draws where it fixes one), :meth:`refusal` (a config it does not
     follow, with the reason), :meth:`tables` (its step read off the scheduler's own config and tables),
     :meth:`draws` (the steps at which its ``step`` draws). Its history is the tables': the number of
-    columns of ``B``.
+    columns of ``B``; so are its stages: two where the tables carry a tableau (:attr:`Tables.stages`).
     """
 
     name: ClassVar[str] = ""
@@ -281,7 +306,6 @@ REFUSED_SCHEDULERS: "dict[str, str]" = {
     "DDIMInverseScheduler": "an inversion (image to noise), not a sampler",
     "DPMSolverMultistepInverseScheduler": "an inversion (image to noise), not a sampler",
     "DPMSolverSDEScheduler": (f"not a Gaussian chain of one call a step: {_STAGES}, and {REFUSED['dpmpp_sde']}"),
-    "KDPM2AncestralDiscreteScheduler": f"{_STAGES} (its step alternates a midpoint call and a noised one)",
     "ScoreSdeVeScheduler": "a predictor-corrector (step_pred and step_correct, two model calls a step): needs stages",
     "KarrasVeScheduler": f"{_STAGES} (its step and step_correct)",
     "AmusedScheduler": "a masked-token sampler (discrete states), not a Gaussian chain",
@@ -805,6 +829,67 @@ class _CMStochasticIterative(Followed):
 
 
 @register_scheduler
+class _KDPM2Ancestral(Followed):
+    """``KDPM2AncestralDiscreteScheduler``, k-diffusion's DPM2 ancestral at ``eta = 1`` on VE latents: two calls a step.
+
+    Its timesteps interleave two calls a step ``n``: a first-order ``step`` at the state ``x`` (level ``s``, its
+    ``sigmas``) moves to ``x_2 = x + (s_mid - s) d_1`` at its own interpolated level ``s_mid`` (``sigmas_interpol``,
+    the log-midpoint of ``s`` and ``sigma_down``), and the second-order ``step`` at ``x_2`` ends at
+    ``x' = x + (sigma_down - s) d_2 + sigma_up z`` (its draw). That is ``x' = (sigma_down / s) x +
+    (1 - sigma_down / s) D_eff + sigma_up z`` with ``D_eff = (1 - s / s_mid) D_1 + (s / s_mid) D_2``. Its last step
+    (``s_mid = 0``) makes one call, ``x' = D_1``, and draws nothing: a run of ``T`` steps makes ``2 T - 1`` calls.
+    Read off its own (float32) ``sigmas``, ``sigmas_interpol``, ``sigmas_up``, ``sigmas_down``, whatever its
+    spacing and sigma family.
+    """
+
+    name = "KDPM2AncestralDiscreteScheduler"
+
+    @classmethod
+    def refusal(cls, cfg):
+        if cfg.get("prediction_type", "epsilon") not in EULER_A_PREDICTIONS:
+            return (
+                f"{cls.name} with prediction_type={cfg.get('prediction_type')!r}: its step does not implement it "
+                f"(diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
+            )
+        return None
+
+    @classmethod
+    def model_timesteps(cls, sch):
+        # a step's first call is every other timestep (the second ones are its interpolated levels')
+        return sch.timesteps[0::2]
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        T = int(sch.num_inference_steps)
+        # its arrays repeat each step's value twice after the first: step n's are at 0, 1, 3, ..., 2 T - 3
+        at = torch.tensor([0] + [2 * n - 1 for n in range(1, T)], dtype=torch.long)
+        read = lambda a: torch.as_tensor(a).detach().to("cpu", torch.float64)[at]  # noqa: E731
+        s, mid, up, down = read(sch.sigmas), read(sch.sigmas_interpol), read(sch.sigmas_up), read(sch.sigmas_down)
+        s_next = torch.cat([s[1:], s.new_zeros(1)])
+        one = mid == 0  # the last step: one call, x' = D_1, no draw
+        ratio = torch.where(one, torch.zeros_like(s), down / s)
+        noise = torch.where(one, torch.zeros_like(up), up)
+        t, t_next = s / (1.0 + s), s_next / (1.0 + s_next)
+        P, Q, R = from_ve(t, t_next, ratio, 1.0 - ratio, noise)
+        # the second call: at x_2 = (s_mid / s) x + (1 - s_mid / s) D_1, level s_mid (its own state where unused)
+        t2 = torch.where(one, t, mid / (1.0 + mid))
+        mid_ratio = torch.where(one, torch.ones_like(s), mid / s)
+        alpha, beta = stage_from_ve(t, t2, mid_ratio, (1.0 - mid_ratio)[:, None])
+        w2 = torch.where(one, torch.zeros_like(s), s / mid.clamp_min(torch.finfo(torch.float64).tiny))
+        be = torch.zeros(T, 2, 2, dtype=torch.float64)
+        be[:, 1, :1] = beta
+        stages = (
+            torch.stack([t, t2], 1),
+            torch.stack([torch.ones_like(t), alpha], 1),
+            be,
+            torch.stack([1.0 - w2, w2], 1),
+        )
+        grid = torch.cat([t, t.new_zeros(1)])
+        scale = float(sch.init_noise_sigma) / (1.0 + float(s[0]))
+        return Tables(grid, P, Q, R, noise_scale=scale, draws=~one, stages=stages)
+
+
+@register_scheduler
 class _LTXEulerAncestralRF(Followed):
     """``LTXEulerAncestralRFScheduler``: Euler ancestral on the flow path (ComfyUI's ``euler_ancestral_RF``), its
     config's ``eta`` and ``s_noise``. With ``s_d = s' (1 + (s' / s - 1) eta)``, ``a' = 1 - s'``, ``a_d = 1 - s_d``::
@@ -1073,7 +1158,9 @@ def _vp_noise_scale(sch: Any, s0: float) -> float:
 def _made(
     cls: "type[Followed]", eta: float, timesteps: torch.Tensor, tables: Tables, options: Optional[dict] = None
 ) -> SchedulerChain:
-    return SchedulerChain(
+    staged = {} if tables.stages is None else {"tableau": tables.stages}
+    return (SchedulerChain if tables.stages is None else StagedSchedulerChain)(
+        **staged,
         scheduler=cls.name,
         eta=scheduler_eta(cls.name, eta),
         options=tuple((options or {}).items()),
