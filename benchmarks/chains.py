@@ -6,7 +6,7 @@
 Every registered chain but ``em`` at its usual settings: ``euler_ancestral`` at 50 Karras steps,
 ``euler`` (EDM's churn: ``s_churn`` 40, ``s_tmin`` 0.05, ``s_tmax`` 50, ``s_noise`` 1.003) at 50,
 ``dpmpp_2m_sde`` (``eta`` 1, midpoint) at 25 and 50,
-``ddpm`` at DDPM's own 1000 steps (linear betas 1e-4 to 0.02, :func:`specforest.chains.ddpm_sigmas`),
+``ddpm`` at DDPM's own 1000 steps (linear betas 1e-4 to 0.02, :func:`specforest.chains.ddpm_linear_grid`),
 ``ddim`` (``eta`` 1) at 100 of those steps, ``lcm`` at 8 Karras steps. Karras grids span
 ``sigma`` 0.002 to 80. Three models: the digits model, and the paper's mixture at d = 500 and at
 d = 65,536.
@@ -42,8 +42,8 @@ DRAFTS = ("secant", "cached")
 
 def settings(dry: bool) -> list:
     """``(label, chain, grid)`` of every chain at its usual steps (a few steps in a dry run)."""
-    k = chains.karras_sigmas
-    ddpm = chains.ddpm_sigmas(1000 if not dry else 40)
+    k = chains.karras_linear_grid
+    ddpm = chains.ddpm_linear_grid(1000 if not dry else 40)
     every = 10 if not dry else 4
     ddim_grid = torch.cat([ddpm[:-1:every], ddpm.new_zeros(1)])
     churn = chains.EulerChurn(s_churn=40.0, s_tmin=0.05, s_tmax=50.0, s_noise=1.003)
@@ -103,7 +103,7 @@ def wall_clock(seeds: int) -> list:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model = load_velocity()
-    grid = chains.ddpm_sigmas(1000)
+    grid = chains.ddpm_linear_grid(1000)
     times: dict = {name: [] for name, _ in WALL_CONFIGS}
     nfe: dict = {name: [] for name, _ in WALL_CONFIGS}
     for seed in range(seeds + 1):
@@ -141,7 +141,7 @@ from specforest.latency.tuned import Tuned
 from specforest.models.digits import load_velocity
 tuned = Tuned.from_json(json.load(open(sys.argv[1])))
 model = load_velocity()
-grid = chains.ddpm_sigmas(1000)
+grid = chains.ddpm_linear_grid(1000)
 x, labels = pixel_exp.initial_states(1, int(sys.argv[2]))
 t1 = time.perf_counter()
 out = specforest.sample(model, x * float(grid[0]), sigmas=grid, seed=int(sys.argv[2]),
@@ -166,12 +166,12 @@ def tuned_one_image(seeds: int, dry: bool) -> list:
     torch.set_num_threads(1)
     model = load_velocity()
     steps = 40 if dry else 1000
-    grid = chains.ddpm_sigmas(steps)
+    grid = chains.ddpm_linear_grid(steps)
     x, labels = pixel_exp.initial_states(16, 100)
     t0 = time.perf_counter()
     tuned = tune(
         model, x * float(grid[0]), steps=steps, chain="ddpm", cond={"class_labels": labels}, batch=1,
-        sigmas_for=chains.ddpm_sigmas, budget_max=155, drafts=("secant", "x0"), seed=1,
+        sigmas_for=chains.ddpm_linear_grid, budget_max=155, drafts=("secant", "x0"), seed=1,
     )  # fmt: skip
     tune_s = time.perf_counter() - t0
     print(f"    tune chose {tuned.label} in {tune_s:.0f} s", file=sys.stderr, flush=True)

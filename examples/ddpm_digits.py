@@ -24,7 +24,7 @@ if args.images < 1 or args.steps < 2:
     ap.error("--images must be >= 1 and --steps >= 2")
 
 model = load_velocity()
-grid = chains.ddpm_sigmas(args.steps)
+grid = chains.ddpm_linear_grid(args.steps)
 labels = torch.arange(args.images) % 10
 x = float(grid[0]) * torch.randn(args.images, 1, 8, 8, generator=torch.Generator().manual_seed(0))
 run = dict(sigmas=grid, chain="ddpm", seed=1, cond={"class_labels": labels})

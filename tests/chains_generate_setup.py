@@ -8,7 +8,7 @@ from specforest import chains, trees
 from specforest.models.gmm import GaussianMixture
 
 COUNT = 10
-GRID = chains.karras_sigmas(12, 0.03, 20.0)
+GRID = chains.karras_linear_grid(12, 0.03, 20.0)
 
 
 def model() -> GaussianMixture:

@@ -67,3 +67,37 @@ def comfy_euler_ancestral_rf(denoiser, x, sig, z, eta=1.0, s_noise=1.0):
         x = (down / s) * x + (1 - down / s) * D
         x = (a1 / ad) * x + torch.sqrt(s1**2 - down**2 * a1**2 / ad**2) * s_noise * z[i]
     return x
+
+
+def comfy_dpmpp_3m_sde_const(denoiser, x, sig, z, eta=1.0, s_noise=1.0):
+    """ComfyUI's ``sample_dpmpp_3m_sde`` for CONST (linear-path) models, per its code: half-log-SNR
+    ``lambda = -logit(sigma)``, ``alpha_t = sigma' e^lambda' = 1 - sigma'`` on the prediction's terms, the
+    noise ``sigma' sqrt(1 - e^(-2 eta h))`` (``sig[0] < 1``: Comfy's offset of a first level 1 not needed)."""
+    d_1 = d_2 = h = h_1 = h_2 = None
+    for i in range(len(sig) - 1):
+        s, s1 = sig[i], sig[i + 1]
+        D = denoiser(x / (1 - s), s / (1 - s))  # the linear-path denoiser is the VE one at the mapped level
+        if s1 == 0:
+            x = D
+        else:
+            lam, lam1 = -torch.logit(torch.as_tensor(s)), -torch.logit(torch.as_tensor(s1))
+            h = lam1 - lam
+            he = h * (eta + 1)
+            alpha = s1 * lam1.exp()
+            x = s1 / s * (-h * eta).exp() * x + alpha * (-he).expm1().neg() * D
+            phi2 = he.neg().expm1() / he + 1
+            if h_2 is not None:
+                r0, r1 = h_1 / h, h_2 / h
+                a0, a1 = (D - d_1) / r0, (d_1 - d_2) / r1
+                x = (
+                    x
+                    + (alpha * phi2) * (a0 + (a0 - a1) * r0 / (r0 + r1))
+                    - (alpha * (phi2 / he - 0.5)) * (a0 - a1) / (r0 + r1)
+                )
+            elif h_1 is not None:
+                x = x + (alpha * phi2) * (D - d_1) / (h_1 / h)
+            if eta > 0 and s_noise > 0:
+                x = x + z[i] * s1 * (-2 * h * eta).expm1().neg().sqrt() * s_noise
+        d_1, d_2 = D, d_1
+        h_1, h_2 = h, h_1
+    return x

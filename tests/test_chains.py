@@ -109,7 +109,7 @@ def _noise(n: int, seed: int = 3) -> list:
 
 @pytest.mark.parametrize("variance", chains.VARIANCES)
 def test_ddpm_tables_equal_comfys_ddpm_step(variance):
-    t = chains.ddpm_sigmas(50)
+    t = chains.ddpm_linear_grid(50)
     sig = t / (1 - t)
     z = _noise(len(sig))
     x = z[-1] * sig[0]
@@ -118,8 +118,8 @@ def test_ddpm_tables_equal_comfys_ddpm_step(variance):
     assert torch.allclose(ours, ref, rtol=0, atol=1e-10 * ref.abs().max())
 
 
-def test_ddpm_sigmas_are_ddpm_schedulers_default_betas():
-    t = chains.ddpm_sigmas(1000)
+def test_ddpm_linear_grid_is_ddpm_schedulers_default_betas():
+    t = chains.ddpm_linear_grid(1000)
     betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
     ab = torch.cumprod(1 - betas, 0)
     sig = t[:-1] / (1 - t[:-1])
@@ -174,7 +174,7 @@ def test_em_chain_is_the_reverse_sde():
 def test_euler_ancestral_ddpm_and_ddim_at_eta_one_are_one_chain():
     """All three sample the exact Gaussian posterior q(x' | x, x_0 = D): three independent derivations
     (VE ancestral step, VP posterior, DDIM's interpolation) must agree to rounding."""
-    t = chains.ddpm_sigmas(40)
+    t = chains.ddpm_linear_grid(40)
     built = [chains.EulerAncestral().build(t), chains.DDPM().build(t), chains.DDIM(eta=1.0).build(t)]
     for other in built[1:]:
         for name in ("a", "c", "scale"):
@@ -182,16 +182,16 @@ def test_euler_ancestral_ddpm_and_ddim_at_eta_one_are_one_chain():
     assert not torch.allclose(chains.DDPM(variance="fixed_large").build(t).scale, built[0].scale)
 
 
-def test_karras_sigmas_are_k_diffusions_schedule_on_the_linear_path():
+def test_karras_linear_grid_is_k_diffusions_schedule_on_the_linear_path():
     ref = karras(12, 0.03, 80.0)
-    assert torch.allclose(chains.karras_sigmas(12, 0.03, 80.0), ref / (1 + ref), rtol=1e-6, atol=0)
+    assert torch.allclose(chains.karras_linear_grid(12, 0.03, 80.0), ref / (1 + ref), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="sigma_max"):
-        chains.karras_sigmas(12, 1.0, 0.5)
+        chains.karras_linear_grid(12, 1.0, 0.5)
 
 
 # -- the law of every registered chain, through the engine -------------------------------------------
 
-LAW_GRID = chains.karras_sigmas(12, 0.03, 20.0)
+LAW_GRID = chains.karras_linear_grid(12, 0.03, 20.0)
 LAW_CONFIGS = {
     "grs_tree_x0": dict(tree=trees.uniform(2, 3), coupling="grs", draft="x0"),
     "rmc_chain_secant": dict(tree=trees.chain(6), coupling="rmc", draft="secant"),
@@ -215,7 +215,7 @@ def test_the_law_check_rejects_a_wrong_coupling_on_every_chain(chain):
     assert not rep.passed
 
 
-MULTISTEP = [n for n in chains.available_chains() if chains.get_chain(n).example().build(LAW_GRID).carries]
+MULTISTEP = [n for n in chains.available_chains() if chains.get_chain(n).example().build(LAW_GRID).history]
 
 
 @pytest.mark.parametrize("chain", MULTISTEP)
@@ -257,3 +257,12 @@ def test_the_em_chains_closed_form_is_the_papers():
     m1, v1 = testing.chain_law(g, 0.7, mu, 0.3)
     m2, v2 = testing.chain_law(g, None, mu, 0.3, chain=chains.EM(churn=0.7))
     assert torch.allclose(m1, m2, rtol=1e-12) and abs(v1 - v2) < 1e-12 * v1
+
+
+@pytest.mark.parametrize("old, new", [("karras_sigmas", "karras_linear_grid"), ("ddpm_sigmas", "ddpm_linear_grid")])
+def test_the_old_schedule_names_are_refused_naming_the_linear_grid_and_the_ve_sigmas(old, new):
+    """``chains.karras_linear_grid`` returned linear-path levels that a k-diffusion drop-in ran silently at sigma < 1."""
+    with pytest.raises(AttributeError, match=rf"chains\.{new}.*specforest\.kdiffusion\.get_sigmas_karras"):
+        getattr(chains, old)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        chains.no_such_name  # noqa: B018

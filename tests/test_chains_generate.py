@@ -44,7 +44,9 @@ def test_generate_equals_sample_for_every_chain(name):
 def test_two_processes_equal_one_for_every_chain(tmp_path):
     out = tmp_path / "two.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    # (the package the test imports, where PYTHONPATH names it, not only an installed one)
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     res = subprocess.run(
         [*cmd, str(HERE / "chains_torchrun.py"), str(out)], capture_output=True, text=True, env=env, timeout=600
     )

@@ -116,6 +116,20 @@ def test_generate_runs_the_chain_and_records_it_in_the_job(job, tmp_path):
     assert res.exit_code == 1 and "chain: 'euler_ancestral' on disk, 'ddim' now" in res.output, res.output
 
 
+@pytest.mark.parametrize("job", [GMM, GEN_GMM], ids=["gmm", "generate gmm"])
+def test_a_chain_of_history_two_runs_from_the_command_line_and_is_recorded(job, tmp_path):
+    """``--chain dpmpp_3m_sde`` (two past predictions a step) with its options, from the registry's declaration."""
+    out = tmp_path / "a.npz"
+    args = [*job, "--chain", "dpmpp_3m_sde", "--eta", "0.8", "--s-noise", "1.05", "--schedule", "karras"]
+    if job is GMM:
+        rec = _record(*args, "--dump-samples", out)
+    else:
+        _ok(invoke(*args, "--out", out))
+        rec = json.loads(out.with_suffix(".json").read_text())["options"]["sampler"]
+    assert rec["chain"] == "dpmpp_3m_sde" and rec["chain_params"] == {"eta": 0.8, "s_noise": 1.05}
+    assert np.isfinite(_samples(out)).all()
+
+
 def test_a_job_started_before_chains_were_recorded_resumes_as_em(tmp_path, monkeypatch):
     # an interrupted job whose options.json has no chain keys (what a job written before chains holds)
     spec = gen_exp.JobSpec(

@@ -513,3 +513,68 @@ def test_generate_diffusers_follows_a_swapped_scheduler_and_resumes(saved, famil
     bad = _generate(saved, family, tmp_path / "bad", "--scheduler", "NoSuchScheduler", "--chain", "scheduler")
     assert bad.exit_code != 0 and "is not a diffusers scheduler" in bad.output
     assert not (tmp_path / "bad").exists()
+
+
+# -- every option checked before the pipeline loads; records that say what ran ---------------------------
+
+REFUSED_BEFORE_LOADING = [
+    (["--chain", "ddpm", "--eta", 0.3], ["--eta is not a parameter of chain 'ddpm'"]),
+    (["--chain", "euler_ancestral", "--eta", "nan"], ["--eta", "eta"]),
+    (["--chain", "euler", "--s-churn", -1], ["--s-churn", "s_churn"]),
+    (["--chain", "scheduler", "--s-noise", 0.5], ["--s-noise", "--chain scheduler"]),
+    (["--scheduler", "NoSuchScheduler"], ["--scheduler", "is not a diffusers scheduler"]),
+    (["--chain", "scheduler"], ["--chain scheduler", "PNDMScheduler", "from_config"]),  # SD 1.5's own: deterministic
+    # an eta the scheduler's step does not read (item 2), and one that makes a DDIM step's variance negative (item 3)
+    (
+        ["--scheduler", "EulerAncestralDiscreteScheduler", "--chain", "scheduler", "--eta", 0.5],
+        ["--eta", "EulerAncestralDiscreteScheduler's step takes no eta"],
+    ),
+    (["--scheduler", "DDIMScheduler", "--chain", "scheduler", "--eta", 3], ["--eta", "negative variance at step"]),
+    (["--scheduler", "DDIMScheduler", "--chain", "scheduler", "--eta", "nan"], ["--eta", "nan"]),
+]
+
+
+@pytest.mark.parametrize("command", ["diffusers", "generate"])
+@pytest.mark.parametrize("args, named", REFUSED_BEFORE_LOADING, ids=lambda v: " ".join(map(str, v))[:40])
+def test_every_chain_option_is_refused_before_the_pipeline_is_loaded(saved, tmp_path, no_work, command, args, named):
+    """A wrong chain option, scheduler or eta is a usage error naming the flag, and the pipeline is never
+    loaded (``no_work`` makes loading raise), nothing written."""
+    from helpers import refused
+
+    out = tmp_path / "out"
+    res = run_diffusers(saved, "sd", out, *args) if command == "diffusers" else _generate(saved, "sd", out, *args)
+    refused(res, *named)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_generate_diffusers_refuses_grid_it_would_not_run(saved, tmp_path, no_work):
+    from helpers import refused
+
+    refused(_generate(saved, "sd", tmp_path / "out", "--grid", "uniform"), "--grid", "scheduler grid")
+
+
+def test_diffusers_records_say_what_ran(saved, tmp_path):
+    """churn is null with a chain other than em (item 7), eta is the chain's (null where the scheduler's step
+    takes none), and a generate diffusers job records no named grid (its scheduler's grid ran)."""
+    out = tmp_path / "ddim"
+    assert run_diffusers(saved, "sd", out, "--chain", "ddim", "--method", "standard").exit_code == 0
+    opts = json.loads((out / "run.json").read_text())["options"]
+    # (the chain's own eta, 1, ran: not the --eta that was not given)
+    assert opts["chain"] == "ddim" and opts["churn"] is None and opts["eta"] == opts["chain_params"]["eta"] == 1.0
+    out = tmp_path / "ea"
+    extra = ("--scheduler", "EulerAncestralDiscreteScheduler", "--chain", "scheduler", "--method", "standard")
+    assert run_diffusers(saved, "sd", out, *extra).exit_code == 0
+    rec = json.loads((out / "run.json").read_text())
+    assert rec["options"]["churn"] is None and rec["options"]["eta"] is None
+    assert rec["options"]["chain_params"] == {"scheduler": "EulerAncestralDiscreteScheduler", "eta": None}
+    assert rec["config"]["eta"] is None and rec["config"]["scheduler"] == "EulerAncestralDiscreteScheduler"
+    res = _generate(saved, "sd", tmp_path / "job", *extra)
+    assert res.exit_code == 0, res.output
+    sampler = json.loads((tmp_path / "job.json").read_text())["options"]["sampler"]
+    assert sampler["grid"] is None and sampler["churn"] is None and sampler["chain_params"] == {"eta": None}
+    # a job written before (grid flow_match, eta 0.0 recorded for a step that takes none) resumes as the same job
+    meta = json.loads((tmp_path / "job.json").read_text())
+    meta["options"]["sampler"].update(grid="flow_match", chain_params={"eta": 0.0})
+    (tmp_path / "job.json").write_text(json.dumps(meta))
+    again = _generate(saved, "sd", tmp_path / "job", *extra, "--resume")
+    assert again.exit_code == 0 and "nothing to do" in again.output, again.output

@@ -259,10 +259,29 @@ def test_a_schedulers_chain_at_another_step_count_is_its_own_there():
         built, own = chain.build(ref.grid), ref.build(ref.grid)
         for field in ("a", "c", "scale"):
             assert torch.equal(getattr(built, field), getattr(own, field)), (name, field)
-        assert torch.equal(built.b, own.b), name
+        assert torch.equal(built.past, own.past), name
         assert short.for_steps(12) is chain
     fixed = scheduler_chain(
         diffusers.FlowMatchEulerDiscreteScheduler(stochastic_sampling=True), 4, sigmas=[1.0, 0.6, 0.3, 0.1]
     )
     with pytest.raises(ValueError, match="made for 4 steps only"):
         fixed.for_steps(6)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_an_eta_the_step_does_not_read_or_cannot_take_is_refused_before_any_work(pipes, monkeypatch):
+    """``sample(..., chain="scheduler", eta=...)``: with Euler ancestral (whose step takes no eta, so the images
+    would be those without it) and with DDIM above the largest eta its steps allow (diffusers' pipe gives
+    NaN there), refused naming eta before the text is encoded."""
+    from helpers import never_called
+
+    euler_a = swapped(pipes["sd"], "EulerAncestralDiscreteScheduler", {})
+    ddim = swapped(pipes["sd"], "DDIMScheduler", {"clip_sample": False})
+    nan = ddim(PROMPTS, generator=gen(0), eta=3.0, **KW).images
+    assert bool(torch.isnan(nan).any())
+    for pipe in (euler_a, ddim):
+        monkeypatch.setattr(pipe.text_encoder, "forward", never_called)
+    with pytest.raises(ValueError, match="eta=0.5: EulerAncestralDiscreteScheduler's step takes no eta"):
+        px.sample(euler_a, PROMPTS, chain="scheduler", eta=0.5, generator=gen(0), progress=False, **KW)
+    with pytest.raises(ValueError, match=r"eta=3 gives a negative variance at step \d+ \(timestep \d+"):
+        px.sample(ddim, PROMPTS, chain="scheduler", eta=3.0, generator=gen(0), progress=False, **KW)

@@ -248,3 +248,196 @@ def test_the_law_test_rejects_a_wrong_eta_and_the_em_chain():
         sigmas=chain.grid, churn=1.0, tree=tree, coupling=coupling, draft="x0", seed=4,
     )  # fmt: skip
     assert not testing.check_law(em.samples, chain.grid, None, MU, S0, chain=chain).passed
+
+
+# -- options a scheduler's step does not read, and eta where DDIM's step is undefined ------------------
+
+NO_ETA = {
+    "DDPMScheduler": dict(clip_sample=False),
+    "EulerAncestralDiscreteScheduler": dict(),
+    "DPMSolverMultistepScheduler": dict(algorithm_type="sde-dpmsolver++"),
+    "LCMScheduler": dict(),
+    "FlowMatchEulerDiscreteScheduler": dict(stochastic_sampling=True),
+}
+
+
+@pytest.mark.parametrize("name", list(NO_ETA))
+def test_an_eta_the_schedulers_step_does_not_read_is_refused_and_recorded_as_null(name):
+    """Only DDIM's and TCD's ``step`` take ``eta``: with any other scheduler it would be dropped (the same
+    samples as without it), so it is refused by name; run without it, the chain records ``eta`` as null."""
+    import inspect
+
+    sch = make(name, **NO_ETA[name])
+    assert "eta" not in inspect.signature(type(sch).step).parameters  # (what makes eta a dropped option)
+    with pytest.raises(ValueError, match=rf"eta=0\.5: {name}'s step takes no eta"):
+        scheduler_chain(sch, 6, eta=0.5)
+    assert scheduler_chain(sch, 6).params == {"scheduler": name, "eta": None}
+    assert scheduler_chain(make("DDIMScheduler", clip_sample=False), 6, eta=0.7).params["eta"] == 0.7
+
+
+def _ddim_eta_max(sch, steps):
+    """The largest eta at which every DDIM step's ``1 - abar' - s_t^2`` is >= 0, from diffusers' own variance."""
+    sch.set_timesteps(steps)
+    top = float("inf")
+    for t in sch.timesteps.tolist():
+        prev_t = t - sch.config.num_train_timesteps // steps
+        var = float(sch._get_variance(t, prev_t))
+        prev = float(sch.alphas_cumprod[prev_t]) if prev_t >= 0 else float(sch.final_alpha_cumprod)
+        if var > 0:
+            top = min(top, ((1 - prev) / var) ** 0.5)
+    return top
+
+
+@pytest.mark.parametrize("spacing", ["leading", "trailing"])
+def test_ddim_refuses_an_eta_whose_step_variance_is_negative_naming_the_step(spacing):
+    """Above ``eta_max`` DDIM's own step takes the square root of a negative number (diffusers returns NaN):
+    refused, naming the step; just below it the chain runs and its step is diffusers' (no clamp binds)."""
+    cfg = dict(clip_sample=False, timestep_spacing=spacing)
+    steps = 8
+    top = _ddim_eta_max(make("DDIMScheduler", **cfg), steps)
+    assert 1.0 < top < 3.0  # (eta 1 always runs; the bound is a property of the grid)
+    with pytest.raises(ValueError, match=r"eta=.* gives a negative variance at step \d+ \(timestep \d+.*at most"):
+        scheduler_chain(make("DDIMScheduler", **cfg), steps, eta=1.01 * top)
+    # diffusers' own pipeline loop at that eta gives NaN: the refusal is where its step is undefined
+    x = initial(make("DDIMScheduler", **cfg), steps, 4)
+    nan = pipeline_loop(make("DDIMScheduler", **cfg), steps, 1.01 * top, x.clone(), torch.Generator(), bent)
+    assert bool(torch.isnan(nan).any())
+    eta = 0.99 * top
+    chain = scheduler_chain(make("DDIMScheduler", **cfg), steps, eta=eta)
+    ref = pipeline_loop(make("DDIMScheduler", **cfg), steps, eta, x.clone(), torch.Generator().manual_seed(3), bent)
+    out = specforest.sample(
+        velocity_of(chain, bent), to_y(chain, x, make("DDIMScheduler", **cfg)), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_the_ddim_chain_refuses_an_eta_whose_step_variance_is_negative():
+    """The registered ``ddim`` chain: the same bound on its own grid, computed here from alpha-bar."""
+    from specforest import chains
+
+    grid = chains.ddpm_linear_grid(1000)[::100].contiguous()
+    grid = torch.cat([grid, grid.new_zeros(1)]) if float(grid[-1]) != 0 else grid
+    t, t_next = grid[:-1], grid[1:]
+    ab, ab_next = (1 - t) ** 2 / ((1 - t) ** 2 + t**2), (1 - t_next) ** 2 / ((1 - t_next) ** 2 + t_next**2)
+    var = (1 - ab_next) / (1 - ab) * (1 - ab / ab_next)
+    top = float(((1 - ab_next[var > 0]) / var[var > 0]).sqrt().min())
+    with pytest.raises(ValueError, match=r"eta=.* gives a negative variance at step \d+"):
+        chains.DDIM(eta=1.01 * top).build(grid)
+    tab = chains.DDIM(eta=0.99 * top).build(grid)
+    assert bool(torch.isfinite(tab.scale).all()) and bool((tab.scale > 0)[:-1].all())
+
+
+# -- every config flag of every scheduler, in parity with its own step --------------------------------
+
+
+def big(x_vp, ab):
+    """A network whose clean prediction leaves [-1, 1] by far: a clip or threshold binds at every step."""
+    return bent(x_vp, ab) - 0.8 * torch.sin(3 * x_vp)
+
+
+def as_prediction(kind, eps, x_vp, ab):
+    """The network's output in the scheduler's ``prediction_type``, for the same clean prediction as ``eps``."""
+    ab = ab.reshape(-1, *[1] * (x_vp.ndim - 1)).to(x_vp.dtype)
+    x0 = (x_vp - (1 - ab).sqrt() * eps) / ab.sqrt()
+    return {"epsilon": eps, "sample": x0, "v_prediction": ab.sqrt() * eps - (1 - ab).sqrt() * x0}[kind]
+
+
+def flagged_loop(sch, steps, eta, x, gen, net):
+    """:func:`pipeline_loop` with the network's output in the scheduler's ``prediction_type``, on latents with a
+    trailing axis (``_threshold_sample`` wants channels and at least one more dimension)."""
+    sch.set_timesteps(steps)
+    acp = sch.alphas_cumprod.to(torch.float64)
+    name = type(sch).__name__
+    kw = {"eta": eta} if name in ("DDIMScheduler", "TCDScheduler") else {}
+    sigma_based = name in ("EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
+    for i, t in enumerate(sch.timesteps):
+        inp = sch.scale_model_input(x, t)
+        ab = torch.full((x.shape[0],), 1 / (1 + float(sch.sigmas[i]) ** 2) if sigma_based else float(acp[int(t)]))
+        out = as_prediction(sch.config.prediction_type, net(inp, ab.double()), inp, ab.double())
+        x = sch.step(out[..., None], t, x[..., None], generator=gen, **kw).prev_sample[..., 0]
+    return x
+
+
+DPM = dict(algorithm_type="sde-dpmsolver++")
+# (scheduler, its config, eta, steps, network, whether the flag changes the scheduler's samples)
+FLAGS = {
+    "ddpm-thresholding": ("DDPMScheduler", dict(thresholding=True, sample_max_value=1.5), 0.0, 12, big, True),
+    "ddpm-clip-range": ("DDPMScheduler", dict(clip_sample=True, clip_sample_range=0.7), 0.0, 12, big, True),
+    "ddpm-trailing": ("DDPMScheduler", dict(clip_sample=False, timestep_spacing="trailing"), 0.0, 12, bent, True),
+    "ddpm-linspace": ("DDPMScheduler", dict(clip_sample=False, timestep_spacing="linspace"), 0.0, 12, bent, True),
+    "ddpm-offset": ("DDPMScheduler", dict(clip_sample=False, steps_offset=1), 0.0, 12, bent, True),
+    "ddpm-v": ("DDPMScheduler", dict(clip_sample=False, prediction_type="v_prediction"), 0.0, 12, bent, False),
+    "ddpm-sample": ("DDPMScheduler", dict(clip_sample=False, prediction_type="sample"), 0.0, 12, bent, False),
+    "ddim-thresholding": ("DDIMScheduler", dict(thresholding=True, sample_max_value=1.5), 0.8, 12, big, True),
+    "ddim-clip-range": ("DDIMScheduler", dict(clip_sample=True, clip_sample_range=0.7), 0.8, 12, big, True),
+    "ddim-alpha-not-one": ("DDIMScheduler", dict(clip_sample=False, set_alpha_to_one=False), 0.8, 12, bent, True),
+    "ddim-linspace": ("DDIMScheduler", dict(clip_sample=False, timestep_spacing="linspace"), 0.8, 12, bent, True),
+    "ddim-offset": ("DDIMScheduler", dict(clip_sample=False, steps_offset=1), 0.8, 12, bent, True),
+    "ddim-v": ("DDIMScheduler", dict(clip_sample=False, prediction_type="v_prediction"), 0.8, 12, bent, False),
+    "ddim-sample": ("DDIMScheduler", dict(clip_sample=False, prediction_type="sample"), 0.8, 12, bent, False),
+    "euler_a-leading-offset": (
+        "EulerAncestralDiscreteScheduler", dict(timestep_spacing="leading", steps_offset=1), 0.0, 12, bent, True,
+    ),
+    "euler_a-trailing": ("EulerAncestralDiscreteScheduler", dict(timestep_spacing="trailing"), 0.0, 12, bent, True),
+    "euler_a-v": ("EulerAncestralDiscreteScheduler", dict(prediction_type="v_prediction"), 0.0, 12, bent, False),
+    "dpm-thresholding": ("DPMSolverMultistepScheduler", dict(DPM, thresholding=True, sample_max_value=1.5), 0.0, 20, big, True),
+    "dpm-1-thresholding": (
+        "DPMSolverMultistepScheduler", dict(DPM, solver_order=1, thresholding=True, sample_max_value=1.5), 0.0, 20, big, True,
+    ),
+    "dpm-leading-offset": (
+        "DPMSolverMultistepScheduler", dict(DPM, timestep_spacing="leading", steps_offset=1), 0.0, 20, bent, True,
+    ),
+    "dpm-trailing": ("DPMSolverMultistepScheduler", dict(DPM, timestep_spacing="trailing"), 0.0, 20, bent, True),
+    "dpm-v": ("DPMSolverMultistepScheduler", dict(DPM, prediction_type="v_prediction"), 0.0, 20, bent, False),
+    "dpm-sample": ("DPMSolverMultistepScheduler", dict(DPM, prediction_type="sample"), 0.0, 20, bent, False),
+    "lcm-thresholding": ("LCMScheduler", dict(thresholding=True, sample_max_value=1.5), 0.0, 6, big, True),
+    "lcm-clip": ("LCMScheduler", dict(clip_sample=True, clip_sample_range=0.7), 0.0, 6, big, True),
+    "lcm-original-steps": ("LCMScheduler", dict(original_inference_steps=20), 0.0, 6, bent, True),
+    "lcm-v": ("LCMScheduler", dict(prediction_type="v_prediction"), 0.0, 6, bent, False),
+    "lcm-sample": ("LCMScheduler", dict(prediction_type="sample"), 0.0, 6, bent, False),
+    # TCD's step neither clips nor thresholds: the flags must change nothing
+    "tcd-clip": ("TCDScheduler", dict(clip_sample=True, clip_sample_range=0.7), 0.3, 6, big, False),
+    "tcd-thresholding": ("TCDScheduler", dict(thresholding=True, sample_max_value=1.5), 0.3, 6, big, False),
+    "tcd-trailing": ("TCDScheduler", dict(timestep_spacing="trailing"), 0.3, 6, bent, False),
+    "tcd-v": ("TCDScheduler", dict(prediction_type="v_prediction"), 0.3, 6, bent, False),
+    "tcd-sample": ("TCDScheduler", dict(prediction_type="sample"), 0.3, 6, bent, False),
+}  # fmt: skip
+DEFAULTS = {
+    "DDPMScheduler": dict(clip_sample=False),
+    "DDIMScheduler": dict(clip_sample=False),
+    "DPMSolverMultistepScheduler": DPM,
+}
+
+
+@pytest.mark.parametrize("case", list(FLAGS))
+def test_each_config_flag_follows_the_schedulers_own_step(case):
+    """Each flag of each scheduler's config, where it binds (a clip or threshold with a network that leaves
+    the range), against the scheduler's own loop with the same draws; and the flag changes the scheduler's
+    samples where it should (so the case tests it), or changes nothing where the step ignores it (TCD's clip)."""
+    name, cfg, eta, steps, net, changes = FLAGS[case]
+    sch = make(name, **cfg)
+    x = initial(sch, steps, 8)
+    ref = flagged_loop(make(name, **cfg), steps, eta, x.clone(), torch.Generator().manual_seed(3), net)
+    chain = scheduler_chain(sch, steps, eta=eta)
+    out = specforest.sample(
+        velocity_of(chain, net), to_y(chain, x, sch), sigmas=chain.grid, chain=chain,
+        noise=replay(chain, torch.Generator().manual_seed(3), x.shape, x.dtype),
+    ).samples  # fmt: skip
+    scale = float(ref.abs().max())
+    assert float((out - ref).abs().max()) <= 1e-5 * scale, case
+    plain = make(name, **DEFAULTS.get(name, {}))
+    x_plain = initial(plain, steps, 8)
+    other = flagged_loop(plain, steps, eta, x_plain, torch.Generator().manual_seed(3), net)
+    assert (float((other - ref).abs().max()) > 1e-3 * scale) == changes, case
+
+
+def test_a_prediction_type_the_schedulers_step_does_not_implement_is_refused():
+    """Euler ancestral's step raises on ``prediction_type="sample"``: the chain refuses it by name rather than
+    sampling a chain diffusers does not define."""
+    sch = make("EulerAncestralDiscreteScheduler", prediction_type="sample")
+    with pytest.raises(NotImplementedError):
+        sch.set_timesteps(4)
+        sch.step(torch.zeros(1, D, 1), sch.timesteps[0], torch.zeros(1, D, 1))
+    with pytest.raises(ValueError, match="prediction_type='sample'"):
+        scheduler_chain(make("EulerAncestralDiscreteScheduler", prediction_type="sample"), 4)

@@ -893,3 +893,26 @@ def test_a_familys_sample_takes_the_samplers_further_options_and_refuses_its_own
         px.sample(sd, PROMPTS, max_rows=2, **kw)
     with pytest.raises(TypeError, match="unexpected option.*boosted"):
         px.sample(sd, PROMPTS, boosted=1, **kw)
+
+
+def test_the_tiny_pipeline_recipe_of_the_docs_runs(tmp_path, monkeypatch):
+    """docs/diffusers.md's recipe (a tiny SD 1.5 pipeline with random weights, built in code) runs as written:
+    the standard run takes one call per step, the tree fewer, and the image is saved."""
+    import contextlib
+    import io
+    import pathlib
+    import re
+
+    from PIL import Image
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "diffusers.md").read_text()
+    section = text.split("## Try it without weights: a tiny SD 1.5 pipeline built in code", 1)[1]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(block, "docs/diffusers.md", "exec"), scope)
+    assert scope["standard"].stats.nfe.tolist() == [20, 20]
+    assert float(scope["fast"].stats.nfe.float().mean()) < 20
+    assert scope["fast"].config["chain"] == "scheduler" and scope["fast"].config["scheduler"] == "DDPMScheduler"
+    assert Image.open(tmp_path / "cat.png").size == (8, 8)

@@ -24,7 +24,7 @@ from specforest.models import GaussianMixture
 
 RECORD = Path(__file__).parent / "data" / "sample_digest.pt"
 CHAIN_RECORD = Path(__file__).parent / "data" / "chain_digest.pt"
-CHAIN_GRID = chains.karras_sigmas(12, 0.03, 20.0)
+CHAIN_GRID = chains.karras_linear_grid(12, 0.03, 20.0)
 GMM = GaussianMixture.paper(dim=6, components=3, seed=1)
 X = torch.randn(6, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
 BASE = dict(steps=16, churn=0.5, seed=2024)

@@ -339,7 +339,7 @@ def test_a_learned_draft_whose_network_gives_nan_stops_the_run_naming_step_and_d
 # -- Picard-refined chains ----------------------------------------------------------------------
 
 
-def _peeking_picard(ctx, group, Y, SZ, steps, sweeps, carry=None):
+def _peeking_picard(ctx, group, Y, SZ, steps, sweeps, carried=None):
     """The Picard sweep off by one: node ``l + 1`` drafted with the target's prediction at node
     ``l + 1`` of the last sweep, a state drawn with the very noise node ``l + 1`` has now."""
     G, Vr, D = Y.shape

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +71,53 @@ def test_continuous_batching_gives_each_index_its_own_sample(tree):
     samples, _ = _collect(specforest.generate(model, indices=order[:9], make_x=mk, seed=7, batch=3, **opts))
     for i in order[:9].tolist():
         assert torch.equal(samples[i], ref.samples[i])
+
+
+def _shifted_gmm64():
+    """A conditional model: the mixture's data moved by a per-sample ``offset (M, 6)``, whose exact
+    velocity at ``x`` is the mixture's at ``x - (1 - sigma) offset``, minus ``offset``."""
+    gmm = GaussianMixture.paper(dim=6, components=3, seed=0)
+
+    def velocity(x, s, offset):
+        x, s = x.double(), s.double()
+        return (gmm(x - (1 - s)[:, None] * offset, s) - offset).to(x.dtype)
+
+    return velocity
+
+
+@pytest.mark.parametrize(
+    "tree, draft", [(trees.uniform(2, 3), "velocity"), (trees.chain(4), "memory")], ids=["dgrs", "rmc-memory"]
+)
+def test_per_sample_conditioning_follows_each_index_through_refills(tree, draft, monkeypatch):
+    """generate's refills give a slot the new sample's conditioning: every sample equals
+    ``sample(..., cond=...)``'s bitwise, with trees that take each trajectory a different number of
+    rounds, so that slots are refilled (several at once) while the others run on."""
+    model = _shifted_gmm64()
+
+    def mk(i):
+        return streams.randn(5, i, (6,), dtype=torch.float64)
+
+    def offsets(i):
+        # far apart, one per index: a sample run with another index's offset lands elsewhere
+        return {"offset": 3.0 * streams.randn(11, i, (6,), dtype=torch.float64)}
+
+    refills: list = []
+    set_rows = specforest.target.Target.set_rows
+    monkeypatch.setattr(
+        specforest.target.Target, "set_rows", lambda t, traj, cond: refills.append(len(traj)) or set_rows(t, traj, cond)
+    )
+    coupling = "rmc" if tree.max_children == 1 else "grs"
+    opts = dict(steps=12, churn=0.4, tree=tree, coupling=coupling, draft=draft)
+    n = 23
+    ref = specforest.sample(model, mk(torch.arange(n)), seed=7, cond=offsets(torch.arange(n)), **opts)
+    assert len(set(ref.stats.nfe.tolist())) > 1  # the trajectories take different numbers of rounds
+    gen = specforest.generate(model, count=n, make_x=mk, make_cond=offsets, seed=7, batch=4, **opts)
+    samples, nfe = _collect(gen)
+    # slots were refilled while others ran, several of them at once at least once
+    assert sum(refills) == n - 4 and max(refills) >= 2, refills
+    got = torch.stack([samples[i] for i in range(n)])
+    assert torch.equal(got, ref.samples)
+    assert [nfe[i] for i in range(n)] == ref.stats.nfe.tolist()
 
 
 def test_continuous_batching_keeps_slots_fuller_than_fixed_batches():
@@ -216,7 +266,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(
-    "sig", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGKILL"]
+    "sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGKILL], ids=["SIGTERM", "SIGKILL"]
 )
 def test_a_killed_run_resumes_to_the_uninterrupted_output(sig, uninterrupted, tmp_path):
     args, ref = KILLED, uninterrupted
@@ -230,11 +280,20 @@ def test_a_killed_run_resumes_to_the_uninterrupted_output(sig, uninterrupted, tm
             break
         time.sleep(0.02)
     assert proc.poll() is None, "the run finished before it could be killed; make it longer"
-    proc.send_signal(sig)
+    # stopped, the holder keeps the job while the others try it (and cannot finish it meanwhile)
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        _a_held_job_is_refused(cmd, proc.pid, parts)
+    finally:
+        proc.send_signal(sig)
+        proc.send_signal(signal.SIGCONT)
     proc.wait(timeout=60)
     assert proc.returncode != 0 and not out.exists()
     if sig == signal.SIGTERM:
         assert not [p for p in parts.iterdir() if p.name.endswith(".tmp")]  # nothing half-written
+        assert "--resume" in proc.stderr.read().decode()
+    else:
+        assert (parts / "lock").exists()  # the holder's record stays behind, its lock went with it
     shards = list(parts.glob("shard-*.npz"))
     assert shards
     # without --resume the partial job is refused, and left as it is
@@ -249,6 +308,147 @@ def test_a_killed_run_resumes_to_the_uninterrupted_output(sig, uninterrupted, tm
     # resuming a complete job does nothing
     res = CliRunner().invoke(main, [*args, "--no-progress", "--out", str(out), "--resume"])
     assert res.exit_code == 0 and "complete" in res.output
+
+
+def _a_held_job_is_refused(cmd: list, holder: int, parts: Path) -> None:
+    """Another process on the job ``cmd`` runs, held by the process ``holder``, is refused at once
+    (before it loads the model), naming the holder, and leaves the job's files as they are."""
+    before = sorted(p.name for p in parts.iterdir())
+    t0 = time.perf_counter()
+    res = subprocess.run([*cmd, "--resume"], env=ENV, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - t0
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"held by pid {holder} on " in res.stderr and "--resume" in res.stderr, res.stderr
+    # (most of it starts Python and torch; the refusal itself comes before the model is loaded)
+    assert seconds < 60, seconds
+    # in this process (no start-up): the same refusal, with --resume or without
+    for extra in (["--resume"], []):
+        t0 = time.perf_counter()
+        res = CliRunner().invoke(main, [*cmd[3:], *extra])
+        seconds = time.perf_counter() - t0
+        assert res.exit_code == 1 and f"held by pid {holder} on " in res.output, res.output
+        assert seconds < 10, seconds
+    assert sorted(p.name for p in parts.iterdir()) == before
+
+
+def test_a_job_lock_is_held_once_and_leaves_nothing_where_nothing_was(tmp_path):
+    out = tmp_path / "new" / "job.npz"
+    first, second = gen_exp.JobLock(out), gen_exp.JobLock(out)
+    first.acquire()
+    # a lock is its open file's: a second one is refused even in the same process
+    with pytest.raises(gen_exp.JobHeldError, match=rf"job.npz is held by pid {os.getpid()} on .* since .*--resume"):
+        second.acquire()
+    first.release()
+    assert not any(tmp_path.iterdir())  # the folders it made, empty, went with it
+    second.acquire()
+    (second.path.parent / "options.json").write_text("{}")
+    second.release()
+    second.release()  # (a no-op)
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["job.npz.parts"]
+    assert [p.name for p in second.path.parent.iterdir()] == ["options.json"]
+
+
+@pytest.mark.slow
+def test_a_torchrun_launch_on_a_held_job_is_refused_on_every_rank(tmp_path):
+    out = tmp_path / "job.npz"
+    lock = gen_exp.JobLock(out)
+    lock.acquire()
+    try:
+        res = _torchrun(2, ["generate", "gmm", *GMM, "--count", "4", "--out", str(out)])
+    finally:
+        lock.release()
+    # (torchrun's own report of the failed launch follows the workers' one-line errors)
+    assert res.returncode != 0 and f"Error: {out} is held by pid {os.getpid()} on " in res.stderr, res.stderr[-3000:]
+    assert "process 1: checking the output failed on process 0 of 2: JobHeldError" in res.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def _interrupt_after(monkeypatch, batches: int) -> None:
+    """``run_job``'s generation stops with a KeyboardInterrupt (a Ctrl-C) after ``batches`` finished batches."""
+    real = gen_exp.generate
+
+    def interrupted(*args, **kwargs):
+        for k, f in enumerate(real(*args, **kwargs)):
+            if k == batches:
+                raise KeyboardInterrupt
+            yield f
+
+    monkeypatch.setattr(gen_exp, "generate", interrupted)
+
+
+def test_an_interrupt_or_a_full_disk_at_the_merge_names_the_path_and_resume(reference, tmp_path, monkeypatch):
+    out = tmp_path / "job.npz"
+    parts, meta = Path(str(out) + ".parts"), out.with_suffix(".json")
+    job = ["generate", "gmm", *GMM, "--count", "40", "--batch", "6", "--out", str(out)]
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 3)
+        res = CliRunner().invoke(main, job)
+    assert res.exit_code == 130 and isinstance(res.exception, SystemExit), res.output
+    assert f"interrupted: the finished samples are kept in {parts}" in res.output and "--resume" in res.output
+    # the disk fills at the final writes: the output, then its JSON
+    for failing, write in ((out, "atomic_write"), (meta, "atomic_write_text")):
+        real = getattr(gen_exp, write)
+
+        def full(path, *args, real=real, failing=failing, **kwargs):
+            if Path(path) == failing:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(path, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(gen_exp, write, full)
+            res = CliRunner().invoke(main, [*job, "--resume"])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        assert f"could not write {failing}: No space left on device" in res.output, res.output
+        assert f"the samples are kept in {parts}" in res.output and "rerun with --resume" in res.output
+        assert not out.exists() and not meta.exists() and len(gen_exp.done_indices(out)) == 40
+    res = CliRunner().invoke(main, [*job, "--resume"])
+    assert res.exit_code == 0, res.output
+    np.testing.assert_array_equal(_load(out)[0]["samples"], reference[0]["samples"])
+
+
+def _flip_last_byte(npz: Path, member: str) -> None:
+    """Damage ``member`` of the archive ``npz`` inside (its size and the archive's layout unchanged)."""
+    with zipfile.ZipFile(npz) as z:
+        info = z.getinfo(member)
+    raw = bytearray(npz.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26 : info.header_offset + 30])
+    raw[info.header_offset + 30 + name_len + extra_len + info.compress_size - 1] ^= 0xFF
+    npz.write_bytes(bytes(raw))
+
+
+def test_a_damaged_shard_or_options_file_is_named_with_what_to_do(reference, tmp_path, monkeypatch):
+    out = tmp_path / "job.npz"
+    parts = Path(str(out) + ".parts")
+    job = ["generate", "gmm", *GMM, "--count", "40", "--batch", "6", "--out", str(out)]
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 15)
+        CliRunner().invoke(main, job)
+    first, second = sorted(parts.glob("shard-*.npz"))[:2]  # (of the 40 samples, some 20 finished)
+    # cut short (what a full disk or a copy gone wrong leaves), and one byte of the samples flipped
+    first.write_bytes(first.read_bytes()[:100])
+    _flip_last_byte(second, "samples.npy")
+    for shard in (first, second):
+        res = CliRunner().invoke(main, [*job, "--resume"])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        assert f"the shard {shard} cannot be read" in res.output, res.output
+        assert "delete it and rerun with --resume" in res.output
+        shard.unlink()  # as told
+    options = parts / "options.json"
+    saved = options.read_text()
+    for broken in (saved[: len(saved) // 2], "[]"):
+        options.write_text(broken)
+        res = CliRunner().invoke(main, [*job, "--resume"])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        assert f"{options} cannot be read" in res.output and f"delete {parts}" in res.output, res.output
+    options.write_text(saved)
+    res = CliRunner().invoke(main, [*job, "--resume"])
+    assert res.exit_code == 0, res.output
+    np.testing.assert_array_equal(_load(out)[0]["samples"], reference[0]["samples"])
+    # the JSON that marks the output complete
+    meta = out.with_suffix(".json")
+    meta.write_text(meta.read_text()[:50])
+    res = CliRunner().invoke(main, [*job, "--resume"])
+    assert res.exit_code == 1 and f"{meta} cannot be read" in res.output, res.output
 
 
 def test_bad_input_is_refused_and_leaves_nothing(tmp_path):
@@ -456,7 +656,8 @@ def test_a_merge_failure_on_rank_0_stops_every_rank_and_resumes(extra, faulty_cl
     assert res.returncode != 0 and ends == {"rank0": "1", "rank1": "1"}, (ends, res.stderr[-3000:])
     assert "injected: no space left on device" in res.stderr
     # rank 1 reports the failure of rank 0, not a broken connection
-    assert "process 1: the merge failed on process 0 of 2: OSError: injected" in res.stderr
+    written = out.with_suffix(".json")
+    assert f"process 1: the merge failed on process 0 of 2: OSError: could not write {written}: injected" in res.stderr
     # no output without its JSON, nothing half-written; the shards are all there
     parts = Path(str(out) + ".parts")
     assert not out.exists() and not out.with_suffix(".json").exists() and _no_temporary_files(tmp_path)

@@ -395,7 +395,7 @@ def test_the_target_reuses_conditioning_rows_only_for_the_same_index_tensor():
 
 # -- every registered chain -----------------------------------------------------------------------
 
-CHAIN_GRID = chains.karras_sigmas(16, 0.03, 20.0)  # VE chains need a first level below t = 1
+CHAIN_GRID = chains.karras_linear_grid(16, 0.03, 20.0)  # VE chains need a first level below t = 1
 CHAIN_CONFIGS = {
     "standard": dict(tree=None),
     "rmc_chain_secant": dict(tree=trees.chain(5), coupling="rmc", draft="secant"),

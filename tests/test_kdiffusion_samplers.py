@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comfy_reference import comfy_ddpm, comfy_euler_ancestral_rf, comfy_lcm
+from comfy_reference import comfy_ddpm, comfy_dpmpp_3m_sde_const, comfy_euler_ancestral_rf, comfy_lcm
 from kdiff_reference import sampling
 from scipy import stats
 
@@ -140,7 +140,7 @@ def test_euler_ancestral_on_the_linear_path_is_comfys_rf_sampler():
 
 
 def test_ddpm_and_lcm_equal_comfys_samplers():
-    t = chains.ddpm_sigmas(100)
+    t = chains.ddpm_linear_grid(100)
     sig = t / (1 - t)
     x, z = start(32, sig), draws(32, len(sig))
     it = iter(z)
@@ -177,6 +177,53 @@ def ve_start(n: int, sig: torch.Tensor, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, D, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * (1 + sig[0])
 
 
+def bent(x: torch.Tensor, sigma, **_) -> torch.Tensor:
+    """A denoiser not affine along the path, so a multistep sampler's history terms show."""
+    return denoiser(x, sigma) + 0.3 * torch.tanh(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("eta, s_noise", [(1.0, 1.0), (0.5, 1.05), (1.7, 0.9), (0.0, 1.0)])
+def test_dpmpp_3m_sde_with_a_noise_sampler_equals_k_diffusions(dtype, eta, s_noise):
+    """k-diffusion 0.1.1.post1's own ``sample_dpmpp_3m_sde``: float64 to 1e-12 of the output's scale."""
+    sig = karras().to(dtype)
+    x, z = start(32, sig, dtype=dtype), draws(32, len(sig), dtype=dtype)
+    kw = dict(eta=eta, s_noise=s_noise, disable=True)
+    it = iter(z)
+    ref = sampling().sample_dpmpp_3m_sde(bent, x, sig, noise_sampler=lambda a, b: next(it), **kw)
+    it = iter(z)
+    ours = kdiffusion.sample_dpmpp_3m_sde(bent, x, sig, noise_sampler=lambda a, b: next(it), **kw)
+    tol = 1e-12 if dtype == torch.float64 else 1e-3
+    assert ours.dtype == dtype
+    assert float((ours.double() - ref.double()).abs().max()) <= tol * float(ref.double().abs().max())
+
+
+def test_dpmpp_3m_sde_declares_two_past_predictions_read_from_its_third_step():
+    """Its tables: ``history = 2``; the prediction two steps back is read from the third step on (k-diffusion's
+    ``h_2 is not None``), the one before from the second, neither by the step into 0 (``x' = D``)."""
+    tables = chains.DPMPP3MSDE().build(linear_grid(karras(12)))
+    assert chains.DPMPP3MSDE.history == tables.history == 2 and tables.past.shape == (12, 2)
+    assert bool((tables.past[2:-1] != 0).all()) and bool((tables.past[1, 0] != 0).all())
+    assert bool((tables.past[:2, 1] == 0).all()) and bool((tables.past[0] == 0).all())
+    assert bool((tables.past[-1] == 0).all())
+
+
+def test_dpmpp_3m_sde_on_the_linear_path_is_comfys_const_sampler():
+    t = torch.linspace(0.98, 0.0, 16, dtype=torch.float64)
+    x, z = draws(32, 1, seed=5)[0], draws(32, len(t))
+
+    def linear_bent(y, s, **_):  # a CONST model: D at the linear-path level s
+        s = s.reshape(-1, 1).to(torch.float64) if torch.is_tensor(s) else s
+        return bent(y / (1 - s), s / (1 - s))
+
+    ref = comfy_dpmpp_3m_sde_const(bent, x, t, z, eta=0.8, s_noise=1.02)
+    it = iter(z)
+    ours = kdiffusion.sample_dpmpp_3m_sde(
+        linear_bent, x, t, eta=0.8, s_noise=1.02, noise_sampler=lambda a, b: next(it), path="linear", disable=True
+    )
+    assert float((ours - ref).abs().max()) <= 1e-12 * float(ref.abs().max())
+
+
 @pytest.mark.parametrize(
     "fn, kw, chain, tree, coupling",
     [
@@ -199,6 +246,9 @@ def ve_start(n: int, sig: torch.Tensor, seed: int = 0) -> torch.Tensor:
             trees.chain(4),
             "rmc",
         ),
+        (kdiffusion.sample_dpmpp_3m_sde, {}, "dpmpp_3m_sde", trees.uniform(2, 3), "grs"),
+        (kdiffusion.sample_dpmpp_3m_sde, {"eta": 0.7, "lazy": True}, chains.DPMPP3MSDE(eta=0.7), trees.chain(4), "rmc"),
+        (kdiffusion.sample_dpmpp_3m_sde, {"lazy": True}, "dpmpp_3m_sde", trees.uniform(2, 3), "grs"),
     ],
 )
 def test_speculated_drop_ins_keep_the_chains_law(fn, kw, chain, tree, coupling):
@@ -250,6 +300,23 @@ def test_speculated_dpmpp_2m_sde_matches_the_real_functions_samples():
     assert _two_sample_p(ea, real)[1] < 1e-6
 
 
+@pytest.mark.filterwarnings("ignore:Should have ta>=t0")
+def test_speculated_dpmpp_3m_sde_matches_the_real_functions_samples():
+    """Against k-diffusion's own run with its default Brownian-tree noise (torchsde), with a GRS tree and
+    an RMC chain, full and lazy; the same comparison rejects eta 0.5 for 1 (10 steps, where their laws differ
+    most)."""
+    sig = karras(10)
+    x = ve_start(N_LAW, sig, seed=3)
+    torch.manual_seed(0)
+    real = sampling().sample_dpmpp_3m_sde(denoiser, x, sig, disable=True)
+    run = dict(seed=9, disable=True)
+    for tree, coupling, lazy in ((trees.uniform(2, 3), "grs", False), (trees.chain(4), "rmc", True)):
+        ours = kdiffusion.sample_dpmpp_3m_sde(denoiser, x, sig, tree=tree, coupling=coupling, lazy=lazy, **run)
+        assert min(_two_sample_p(ours, real)) > 1e-4
+    wrong = kdiffusion.sample_dpmpp_3m_sde(denoiser, x, sig, eta=0.5, tree=trees.uniform(2, 3), **run)
+    assert min(_two_sample_p(wrong, real)) < 1e-6
+
+
 # -- refusals -------------------------------------------------------------------------------------
 
 
@@ -272,6 +339,12 @@ def test_refusals_name_the_reason():
         kdiffusion.sample_dpmpp_2m_sde(denoiser, x, sig, eta=0.0, tree=trees.chain(2), seed=0, disable=True)
     with pytest.raises(ValueError, match="solver_type"):
         kdiffusion.sample_dpmpp_2m_sde(denoiser, x, sig, solver_type="euler", disable=True)
+    with pytest.raises(ValueError, match="no stochastic step"):
+        kdiffusion.sample_dpmpp_3m_sde(denoiser, x, sig, eta=0.0, tree=trees.chain(2), seed=0, disable=True)
+    with pytest.raises(ValueError, match="eta"):
+        kdiffusion.sample_dpmpp_3m_sde(denoiser, x, sig, eta=-0.5, disable=True)
+    with pytest.raises(ValueError, match="s_noise"):
+        kdiffusion.sample_dpmpp_3m_sde(denoiser, x, sig, s_noise=0.0, disable=True)
     with pytest.raises(NotImplementedError, match="two correlated noises per step"):
         kdiffusion.sample_dpmpp_sde(denoiser, x, sig, disable=True)
     with pytest.raises(ValueError, match="two correlated noises per step"):
@@ -290,8 +363,9 @@ DROP_INS = [
     (kdiffusion.sample_dpmpp_2m_sde, {}),
     (kdiffusion.sample_ddpm, {}),
     (kdiffusion.sample_lcm, {}),
+    (kdiffusion.sample_dpmpp_3m_sde, {}),
 ]
-DROP_IN_IDS = ["euler_ancestral", "euler", "dpmpp_2m_sde", "ddpm", "lcm"]
+DROP_IN_IDS = ["euler_ancestral", "euler", "dpmpp_2m_sde", "ddpm", "lcm", "dpmpp_3m_sde"]
 
 
 @pytest.mark.parametrize("tree", [None, trees.chain(2)], ids=["standard", "tree"])
@@ -373,7 +447,7 @@ def test_euler_callback_is_k_diffusions_with_churn(s_churn, s_tmin, s_tmax):
     _same_callbacks(_keys(ours), ref)
 
 
-@pytest.mark.parametrize("name", ["sample_euler_ancestral", "sample_dpmpp_2m_sde"])
+@pytest.mark.parametrize("name", ["sample_euler_ancestral", "sample_dpmpp_2m_sde", "sample_dpmpp_3m_sde"])
 def test_ancestral_callbacks_are_k_diffusions(name):
     sig = karras(10)
     x, z = start(8, sig), draws(8, len(sig))
@@ -433,8 +507,9 @@ def test_the_docs_stats_snippet_runs(capsys):
         (kdiffusion.sample_dpmpp_2m_sde, {"solver_type": "heun"}, chains.DPMPP2MSDE(solver_type="heun")),
         (kdiffusion.sample_ddpm, {}, chains.DDPM()),
         (kdiffusion.sample_lcm, {}, chains.LCM()),
+        (kdiffusion.sample_dpmpp_3m_sde, {"eta": 0.6, "s_noise": 1.1}, chains.DPMPP3MSDE(eta=0.6, s_noise=1.1)),
     ],
-    ids=DROP_IN_IDS[:1] + ["euler", "dpmpp_2m_sde", "ddpm", "lcm"],
+    ids=DROP_IN_IDS[:1] + ["euler", "dpmpp_2m_sde", "ddpm", "lcm", "dpmpp_3m_sde"],
 )
 def test_a_drop_in_is_kdiffusion_sample_with_its_chain(fn, kw, chain, tree):
     """What ``docs/kdiffusion.md`` says to call for a drop-in's statistics gives its samples, bitwise."""
@@ -444,3 +519,51 @@ def test_a_drop_in_is_kdiffusion_sample_with_its_chain(fn, kw, chain, tree):
     out = kdiffusion.sample(denoiser, x, sig, chain=chain, **run)
     assert torch.equal(out.samples, fn(denoiser, x, sig, **kw, **run))
     assert out.stats.calls >= 1 and out.stats.speedup.shape == (4,)
+
+
+# -- k-diffusion's schedule functions -------------------------------------------------------------
+
+SCHEDULE_CALLS = [
+    ("get_sigmas_karras", (12, 0.03, 80.0), {}),
+    ("get_sigmas_karras", (7, 0.002, 14.6), {"rho": 5.0}),
+    ("get_sigmas_karras", (1, 0.1, 10.0), {}),
+    ("get_sigmas_exponential", (12, 0.03, 80.0), {}),
+    ("get_sigmas_polyexponential", (12, 0.03, 80.0), {}),
+    ("get_sigmas_polyexponential", (9, 0.1, 20.0), {"rho": 2.5}),
+    ("get_sigmas_vp", (12,), {}),
+    ("get_sigmas_vp", (10,), {"beta_d": 15.0, "beta_min": 0.2, "eps_s": 1e-2}),
+]
+
+
+@pytest.mark.parametrize("name, args, kw", SCHEDULE_CALLS)
+def test_schedule_functions_equal_k_diffusions(name, args, kw):
+    """Under k-diffusion's names, signatures and meaning: VE sigmas, a 0 appended, k-diffusion's dtype."""
+    ours, ref = getattr(kdiffusion, name)(*args, **kw), getattr(sampling(), name)(*args, **kw)
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref) and ours[-1] == 0
+    assert torch.equal(getattr(kdiffusion, name)(*args, **kw, device="cpu"), ref)
+
+
+def test_schedule_functions_refuse_bad_values_naming_them():
+    with pytest.raises(ValueError, match="sigma_max"):
+        kdiffusion.get_sigmas_karras(10, 1.0, 0.5)
+    with pytest.raises(ValueError, match="sigma_min"):
+        kdiffusion.get_sigmas_exponential(10, 0.0, 10.0)
+    with pytest.raises(ValueError, match="rho"):
+        kdiffusion.get_sigmas_polyexponential(10, 0.1, 10.0, rho=0.0)
+    with pytest.raises(ValueError, match="eps_s"):
+        kdiffusion.get_sigmas_vp(10, eps_s=0.0)
+    with pytest.raises(ValueError, match="n "):
+        kdiffusion.get_sigmas_karras(0, 0.1, 10.0)
+
+
+def test_a_drop_in_on_get_sigmas_karras_is_k_diffusions_run_on_its_own():
+    """The obvious call (k-diffusion's schedule under its name) runs k-diffusion's sampler at its levels."""
+    ours_sig = kdiffusion.get_sigmas_karras(16, 0.03, 80.0).to(torch.float64)
+    ref_sig = sampling().get_sigmas_karras(16, 0.03, 80.0).to(torch.float64)
+    x, z = start(32, ref_sig), draws(32, len(ref_sig))
+    it = iter(z)
+    ref = sampling().sample_euler_ancestral(denoiser, x, ref_sig, noise_sampler=lambda a, b: next(it), disable=True)
+    it = iter(z)
+    ours = kdiffusion.sample_euler_ancestral(denoiser, x, ours_sig, noise_sampler=lambda a, b: next(it), disable=True)
+    assert close(ours, ref, torch.float64)
+    assert float(ours_sig[0]) == pytest.approx(80.0)  # VE levels, not the linear path's t < 1

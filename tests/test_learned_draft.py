@@ -138,7 +138,7 @@ def test_the_learned_draft_cuts_target_calls_below_secant_on_digits(velocity):
 def test_the_learned_draft_is_refused_on_the_mixture_and_left_out_of_its_tuning():
     res = CliRunner().invoke(main, ["gmm", "--draft", "learned", "--steps", "6", "--no-progress", "--json"])
     assert res.exit_code != 0
-    assert "draft='learned' is the digits model's distilled U-Net" in res.output and "(500,)" in res.output
+    assert "--draft learned is the digits model's distilled U-Net" in res.output and "(500,)" in res.output
     assert "learned" not in drafts_serving(["x0", "learned", "secant"], (500,))
     assert drafts_serving(["x0", "learned"], (1, 8, 8)) == ["x0", "learned"]
     assert drafts_serving(["x0", "learned"], None) == ["x0"]

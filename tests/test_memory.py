@@ -267,7 +267,7 @@ def test_the_issues_run_fits_its_default_limit_or_is_refused():
     refused = _cli([*GMM, "--K", "6", "--L", "6", "--trajectories", "2", "--memory-gb", "0.5"])
     assert refused["rc"] != 0 and refused["peak"] < 0.5e9
     msg = " ".join(refused["stderr"].split())
-    for part in ("does not fit the memory limit of 0.5 GB (memory_gb=0.5)", "needs about", "already holds", "--lazy"):
+    for part in ("does not fit the memory limit of 0.5 GB (--memory-gb 0.5)", "needs about", "already holds", "--lazy"):
         assert part in msg, msg
 
 
@@ -321,14 +321,18 @@ def test_keep_freed_memory_keeps_freed_heap_blocks_resident():
     assert default["released"] >= 0.9 * freed, default  # the behaviour it replaces: every block goes back
 
 
-def test_a_multistep_chain_counts_the_predictions_it_carries():
-    """DPM++ 2M SDE keeps each state's parent prediction, and a full round its inner nodes' two."""
+@pytest.mark.parametrize("history", [1, 2])
+def test_a_multistep_chain_counts_the_predictions_it_carries(history):
+    """A chain of history h (DPM++ 2M SDE: 1, 3M SDE: 2) keeps h predictions per state, and a full
+    round each inner node's prediction and its h carried ones."""
     kw = dict(trajectories=4, state_numel=1000, tree=trees.uniform(2, 3), steps=20, limit_bytes=10**12)
-    plain, carried = memory.estimate(**kw), memory.estimate(**kw, carries=True)
+    plain, carried = memory.estimate(**kw), memory.estimate(**kw, history=history)
     inner = trees.uniform(2, 3).size_at_depth(2)
-    assert carried.trajectory_bytes - plain.trajectory_bytes == 1000 * 4 * (1 + 2 * inner)
-    lazy = memory.estimate(**kw, lazy=True, carries=True).trajectory_bytes
-    assert lazy - memory.estimate(**kw, lazy=True).trajectory_bytes == 1000 * 4
+    assert carried.trajectory_bytes - plain.trajectory_bytes == 1000 * 4 * (history + (1 + history) * inner)
+    lazy = memory.estimate(**kw, lazy=True, history=history).trajectory_bytes
+    assert lazy - memory.estimate(**kw, lazy=True).trajectory_bytes == 1000 * 4 * history
+    with pytest.raises(ValueError, match="history"):
+        memory.estimate(**kw, history=-1)
 
 
 def test_run_shape_reads_what_the_options_decide():
@@ -340,11 +344,11 @@ def test_run_shape_reads_what_the_options_decide():
     grid = torch.linspace(0.9, 0.0, 13)  # (a VE chain needs a first level below t = 1)
     opts = SamplerOptions(sigmas=grid, chain="dpmpp_2m_sde", tree=tree, verify="drafted", lazy=True)
     shape = memory.run_shape(opts)
-    assert shape == dict(tree=tree, verify="drafted", lazy=True, draft="velocity", steps=12, carries=True)
+    assert shape == dict(tree=tree, verify="drafted", lazy=True, draft="velocity", steps=12, history=1)
     em = memory.run_shape(SamplerOptions(sigmas=torch.linspace(1, 0, 6), churn=0.5))
-    assert em["steps"] == 5 and em["carries"] is False and em["tree"] is None
+    assert em["steps"] == 5 and em["history"] == 0 and em["tree"] is None
     kw = dict(trajectories=4, state_numel=64, limit_bytes=10**9, fixed_bytes=0)
-    by_hand = memory.estimate(**kw, tree=tree, verify="drafted", lazy=True, steps=12, carries=True)
+    by_hand = memory.estimate(**kw, tree=tree, verify="drafted", lazy=True, steps=12, history=1)
     assert memory.estimate(**kw, **shape) == by_hand
     # the carried prediction is counted: the same run of the em chain holds less
-    assert memory.estimate(**kw, **{**shape, "carries": False}).total_bytes < by_hand.total_bytes
+    assert memory.estimate(**kw, **{**shape, "history": 0}).total_bytes < by_hand.total_bytes

@@ -64,8 +64,9 @@ def _param(cmd: click.Command, flag: str) -> click.Parameter:
 def test_every_field_is_declared_with_its_flag_key_and_exposure():
     declared = declared_options()
     assert tuple(declared) == SamplerOptions.names()
-    assert {n for n, d in declared.items() if d.cli} == set(PLACED)  # each placed by the commands, no extra today
-    assert extra_names() == ()
+    # each placed by the commands but the named schedule's, which every command that runs the sampler takes
+    assert {n for n, d in declared.items() if d.cli} == {*PLACED, "schedule", "sigma_min", "sigma_max"}
+    assert extra_names() == ("schedule", "sigma_min", "sigma_max")
     for name, d in declared.items():
         assert d.name == name and d.key == name  # run records and tuned files key the options by their names
         assert d.tune in ("tuner", "constraint", "passed", "refused")

@@ -51,7 +51,7 @@ def test_a_tuned_configuration_is_refused_on_another_chain_or_chain_setting(gmm)
     """tuned_for records the chain: an em configuration run on ddpm, or one tuned at eta 0.7 run at
     0.5, is refused naming the chain; the chain it was tuned for runs."""
     x = streams.randn(0, torch.arange(2), (4,))
-    sigmas = specforest.chains.karras_sigmas(10, 0.03, 20.0)
+    sigmas = specforest.chains.karras_linear_grid(10, 0.03, 20.0)
     em = _tuned(trees.chain(3), "rmc")
     with pytest.raises(ValueError, match="chain ddpm \\(tuned for em\\)"):
         specforest.sample(gmm, x, sigmas=sigmas, chain="ddpm", seed=0, **em)
@@ -144,6 +144,10 @@ OPTION_CASES = {
     ),
     "grid": ("uniform", _every_call("grid", "uniform")),
     "shift": (2.0, _every_call("shift", 2.0)),
+    "schedule": ("karras", _every_call("schedule", "karras")),
+    # (a range without a schedule is refused before any run: the case with one is the schedule's)
+    "sigma_min": (0.01, "sigma_min sets the range of a schedule"),
+    "sigma_max": (20.0, "sigma_max sets the range of a schedule"),
     "prefetch": (
         "parent",
         lambda t, calls, seen: (

@@ -9,7 +9,7 @@ Quick start::
     out.samples, out.stats.nfe
 """
 
-from . import chains, couplings, drafts, proposals, sde, streams, trees
+from . import chains, couplings, drafts, proposals, schedules, sde, streams, trees
 from .couplings import GRS, RMC, Coupling, register_coupling
 from .drafts import DraftModel, FrozenPrediction, MemoryDraft, SecantDraft, register_draft
 from .generation import Finished, Generation, generate
@@ -42,6 +42,7 @@ __all__ = [
     "register_coupling",
     "register_draft",
     "sample",
+    "schedules",
     "sde",
     "standard_sample",
     "streams",

@@ -28,7 +28,9 @@ Registered (:func:`available_chains`; :func:`register_chain` adds one):
 * ``ddim``: DDIM with ``eta > 0``;
 * ``lcm``: LCM's re-noising step (ComfyUI's ``sample_lcm``);
 * ``dpmpp_2m_sde``: k-diffusion's ``sample_dpmpp_2m_sde`` (``eta``, ``s_noise``, ``solver_type``), a
-  multistep chain whose mean also reads the previous step's prediction.
+  multistep chain whose mean also reads the previous step's prediction (``history = 1``);
+* ``dpmpp_3m_sde``: k-diffusion's ``sample_dpmpp_3m_sde`` (``eta``, ``s_noise``), whose mean reads the
+  two previous steps' predictions (``history = 2``).
 
 ``../shared/research/samplers.md`` (in the project's notes) and ``docs/chains.md`` give
 each update as its code does it.
@@ -43,6 +45,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .registry import Registry
+from .schedules import _karras
 from .sde import GaussianChain, ReverseSDE, _check_sigmas
 from .validation import check_choice, check_number
 
@@ -50,6 +53,7 @@ __all__ = [
     "DDIM",
     "DDPM",
     "DPMPP2MSDE",
+    "DPMPP3MSDE",
     "EM",
     "REFUSED",
     "LCM",
@@ -58,12 +62,13 @@ __all__ = [
     "EulerChurn",
     "Transitions",
     "available_chains",
+    "check_ddim_eta",
     "get_chain",
     "register_chain",
     "unregister_chain",
-    "ddpm_sigmas",
+    "ddpm_linear_grid",
     "from_ve",
-    "karras_sigmas",
+    "karras_linear_grid",
 ]
 
 
@@ -74,7 +79,8 @@ class Transitions(GaussianChain):
         chain: the chain that made them (its name and parameters are the record's).
         sigmas: ``(T + 1,)`` linear-path levels of the states.
         a, c, scale: ``(T,)`` float64 per-step coefficients (``mean = a y + c v``).
-        b: ``(T,)`` float64 coefficient of the parent's clean-image prediction (a multistep chain), or ``None``.
+        past: ``(T, h)`` float64 coefficients of the past predictions (a multistep chain's, ``h`` its
+            :attr:`Chain.history`), or ``None``.
         init_a, init_scale: the start ``init_a x + init_scale z`` (see :class:`~specforest.sde.GaussianChain`).
     """
 
@@ -87,12 +93,12 @@ class Transitions(GaussianChain):
         scale: torch.Tensor,
         init_a: float = 1.0,
         init_scale: float = 0.0,
-        b: "torch.Tensor | None" = None,
+        past: "torch.Tensor | None" = None,
     ) -> None:
         self.chain = chain
         self.name = chain.name
         # EDM's churn raises the level where its window begins: only a grid must decrease
-        self._set_tables(sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False, b=b)
+        self._set_tables(sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False, past=past)
 
     @property
     def params(self) -> dict:
@@ -106,11 +112,17 @@ class Chain:
     A subclass is a frozen dataclass of its parameters (validated in ``__post_init__``)
     with a :attr:`name` and :meth:`step`: the sampler's step ``x' = P x + Q D + R z``
     from level ``t`` to ``t'`` in the linear path's coordinates (``P, Q, R`` per step).
-    A multistep sampler also returns ``B`` from :meth:`previous`: ``x' = P x + Q D + B D_prev + R z``
-    with ``D_prev`` the prediction one step before.
+
+    Its shape is declared, and the engine reads only the declaration: :attr:`history`, how many
+    past predictions its mean reads. A multistep sampler declares ``history = h`` and returns their
+    coefficients from :meth:`past`: ``x' = P x + Q D + B_0 D_1 + ... + B_{h-1} D_h + R z`` with
+    ``D_j`` the prediction ``j`` steps before; the engine carries them
+    (:class:`~specforest.carried.Carried`), whatever ``h``.
     """
 
     name: ClassVar[str] = "chain"
+    history: ClassVar[int] = 0
+    """How many past clean-image predictions the mean reads (0: a one-step sampler)."""
 
     @property
     def params(self) -> dict:
@@ -121,9 +133,10 @@ class Chain:
         """``(P, Q, R)``, each ``(T,)`` float64: ``y' = P y + Q D + R z`` from ``t (T,)`` to ``t_next (T,)``."""
         raise NotImplementedError
 
-    def previous(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
-        """``B (T,)`` float64, the previous step's prediction's coefficient (linear coordinates), or
-        ``None`` for a one-step sampler (the default)."""
+    def past(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
+        """``B (T, history)`` float64, the coefficients of the predictions ``1 .. history`` steps before
+        (linear coordinates), or ``None`` for a one-step sampler (the default). Where a step has no
+        such prediction (step ``n <= j`` for ``B[:, j]``) :meth:`build` sets the coefficient to 0."""
         return None
 
     def coefficients(self, sigmas: torch.Tensor) -> tuple:
@@ -148,19 +161,23 @@ class Chain:
         t, t_next = states[:-1], states[1:]
         a, c, scale = P + Q, -Q * t, R
         with torch.no_grad():
-            B = self.previous(t, t_next)
+            B = self.past(t, t_next) if self.history else None
         if B is not None:
-            B = torch.cat([B.new_zeros(1), B[1:]])  # the first step has no previous prediction
+            B = B.reshape(t.numel(), self.history)
+            # step n has n predictions before it: the coefficients of the ones it lacks are 0
+            n = torch.arange(t.numel())[:, None]
+            B = torch.where(n > torch.arange(self.history)[None], B, torch.zeros_like(B))
         bad = ~(torch.isfinite(a) & torch.isfinite(c) & torch.isfinite(scale))
         if B is not None:
-            bad |= ~torch.isfinite(B)
+            bad |= ~torch.isfinite(B).all(1)
         if bool(bad.any()) or not (math.isfinite(init_a) and math.isfinite(init_scale)):
             n = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
             raise ValueError(
                 f"chain {self.name!r} is not defined on this grid at step {n} (levels {float(t[n]):.6g} -> "
                 f"{float(t_next[n]):.6g} on the linear path): a sampler on VE noise levels sigma = t / (1 - t) "
                 "needs a finite first level, t < 1; pass sigmas that start below 1 "
-                "(specforest.kdiffusion.linear_grid of a k-diffusion schedule, or chains.ddpm_sigmas)"
+                "(specforest.kdiffusion.linear_grid of a k-diffusion schedule such as "
+                "specforest.kdiffusion.get_sigmas_karras, or chains.karras_linear_grid / chains.ddpm_linear_grid)"
             )
         return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, B)
 
@@ -242,8 +259,10 @@ class EulerAncestral(Chain):
         if self.path == "linear":
             down = t_next * (1.0 + self.eta * (t_next / t - 1.0))
             renoise = (1.0 - t_next) / (1.0 - down)
-            up2 = (t_next**2 - (down * renoise) ** 2).clamp_min(0.0)
             last = t_next == 0
+            up2 = t_next**2 - (down * renoise) ** 2
+            _check_renoise(self.eta, t, t_next, up2, last)
+            up2 = up2.clamp_min(0.0)  # (rounding at eta = 0, where it is t'^2 - t'^2)
             P = torch.where(last, torch.zeros_like(t), renoise * down / t)
             Q = torch.where(last, torch.ones_like(t), renoise * (1.0 - down / t))
             R = torch.where(last | (self.eta == 0), torch.zeros_like(t), self.s_noise * up2.sqrt())
@@ -263,11 +282,40 @@ class EulerAncestral(Chain):
         return P, Q, R
 
 
-def _churn_gamma(s: torch.Tensor, steps: int, s_churn: float, s_tmin: float, s_tmax: float) -> torch.Tensor:
-    """EDM's ``gamma_i = min(s_churn / N, sqrt 2 - 1)`` inside ``[s_tmin, s_tmax]``, else 0."""
+def _check_renoise(eta: float, t: torch.Tensor, t_next: torch.Tensor, up2: torch.Tensor, last: torch.Tensor) -> None:
+    """Refuse an ``eta`` whose linear-path ancestral step re-noises with a negative variance ``up2 (T,)``.
+
+    ``sigma_down = t' (1 - eta (1 - t' / t))`` falls below ``-t' / (1 - 2 t')`` for ``eta`` above
+    ``2 (1 - t') / ((1 - 2 t') (1 - t' / t))``: ComfyUI's ``sample_euler_ancestral_RF`` takes the square root
+    of a negative number there (NaN), and clamping it to 0 would sample another chain.
+
+    Raises:
+        ValueError: naming ``eta``, the first such step, and the largest ``eta`` the grid allows.
+    """
+    bad = (up2 < -1e-12 * t_next**2) & ~last
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0, 0])
+    small = (t_next > 0) & (t_next < 0.5)
+    top = float((2.0 * (1.0 - t_next) / ((1.0 - 2.0 * t_next) * (1.0 - t_next / t)))[small].min())
+    raise ValueError(
+        f"eta={eta:g} gives a negative variance at step {i} (levels {float(t[i]):.6g} -> {float(t_next[i]):.6g} on the "
+        f"linear path: the re-noising step's variance is {float(up2[i]):.3g} < 0, NaN in ComfyUI's "
+        f"sample_euler_ancestral_RF); on this grid eta must be at most {top:.6g}"
+    )
+
+
+def _churn_gamma(t: torch.Tensor, steps: int, s_churn: float, s_tmin: float, s_tmax: float) -> torch.Tensor:
+    """EDM's ``gamma_i = min(s_churn / N, sqrt 2 - 1)`` where ``s_tmin <= sigma_i <= s_tmax``, else 0, at the
+    levels ``t (T,)`` on the linear path (``sigma = t / (1 - t)``)."""
     g = min(s_churn / steps, math.sqrt(2.0) - 1.0)
-    inside = (s >= s_tmin) & (s <= s_tmax)
-    return torch.where(inside, torch.full_like(s, g), torch.zeros_like(s))
+    # the window's edges are mapped as a k-diffusion schedule's levels are (t = sigma / (1 + sigma)), and
+    # compared there: an edge at one of the schedule's own sigmas then includes that level, as k-diffusion's
+    # s_tmin <= sigma_i does, where t / (1 - t) can be an ulp off sigma_i
+    edges = torch.tensor([s_tmin, s_tmax], dtype=torch.float64)
+    lo, hi = torch.where(torch.isinf(edges), 1.0, edges / (1.0 + edges)).tolist()
+    inside = (t >= lo) & (t <= hi)
+    return torch.where(inside, torch.full_like(t, g), torch.zeros_like(t))
 
 
 @dataclass(frozen=True)
@@ -305,7 +353,7 @@ class EulerChurn(Chain):
     def coefficients(self, sigmas):
         s = _ve(sigmas)  # (N + 1,) k-diffusion's levels, the last 0
         N = s.numel() - 1
-        g = _churn_gamma(s[:-1], N, self.s_churn, self.s_tmin, self.s_tmax)
+        g = _churn_gamma(sigmas[:-1], N, self.s_churn, self.s_tmin, self.s_tmax)
         hat = torch.cat([s[:-1] * (1.0 + g), s.new_zeros(1)])  # the states' levels sigma-hat
         t_hat = torch.where(torch.isinf(hat), torch.ones_like(hat), hat / (1.0 + hat))
         # step i: x-hat_{i+1} = (s_{i+1} / hat_i) x-hat_i + (1 - s_{i+1} / hat_i) D + noise_{i+1} z
@@ -359,13 +407,48 @@ class DDPM(Chain):
         return from_ve(t, t_next, P, Q, R)
 
 
+def check_ddim_eta(eta: float, ab: torch.Tensor, prev: torch.Tensor, timesteps: "torch.Tensor | None" = None) -> None:
+    """Refuse an ``eta`` that makes a DDIM step's variance negative.
+
+    DDIM's step (Song et al. 2021, eq. 12) draws ``s_t z`` beside ``sqrt(1 - abar' - s_t^2) eps`` with
+    ``s_t^2 = eta^2 (1 - abar') / (1 - abar) (1 - abar / abar')``: above ``eta_max = min_t sqrt((1 - abar') /
+    var_t)`` the square root is of a negative number (diffusers' step returns NaN there), and clamping it
+    to 0 would sample another chain.
+
+    Args:
+        eta: the step's ``eta``.
+        ab, prev: ``(T,)`` float64 ``abar`` and ``abar'`` of each step.
+        timesteps: ``(T,)`` the scheduler's timesteps, named in the message (``None``: a chain's grid).
+
+    Raises:
+        ValueError: naming ``eta``, the first step whose variance is negative, and ``eta_max``.
+    """
+    var = (1.0 - prev) / (1.0 - ab) * (1.0 - ab / prev)
+    left = 1.0 - prev - eta * eta * var  # the variance of eps's term; its square root is taken
+    # (a relative margin: at eta = 1 it is (1 - abar')(abar / abar' - abar) / (1 - abar) >= 0 up to rounding)
+    bad = left < -1e-12 * (1.0 - prev)
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0, 0])
+    positive = var > 0
+    top = float(((1.0 - prev[positive]) / var[positive]).sqrt().min())
+    where = f"timestep {int(timesteps[i])}, " if timesteps is not None else ""
+    raise ValueError(
+        f"eta={eta:g} gives a negative variance at step {i} ({where}alpha-bar {float(ab[i]):.6g} -> "
+        f"{float(prev[i]):.6g}: 1 - alpha-bar' - s_t^2 = {float(left[i]):.3g} < 0); on these steps eta must be at "
+        f"most {top:.6g}"
+    )
+
+
 @dataclass(frozen=True)
 class DDIM(Chain):
     """DDIM with ``eta > 0`` on variance-preserving levels ``alpha-bar = 1 / (1 + sigma^2)``.
 
     ``x' = sqrt(alpha-bar') D + sqrt(1 - alpha-bar' - s_t^2) eps + s_t z`` with
     ``s_t = eta sqrt((1 - alpha-bar') / (1 - alpha-bar)) sqrt(1 - alpha-bar / alpha-bar')``
-    (no clipping). ``eta = 0`` is the deterministic DDIM: no tree can speculate it.
+    (no clipping). ``eta = 0`` is the deterministic DDIM: no tree can speculate it. An ``eta`` above 1
+    can make ``1 - alpha-bar' - s_t^2`` negative on a grid: it is refused there, naming the step
+    (:func:`check_ddim_eta`).
     """
 
     eta: float = 1.0
@@ -381,6 +464,7 @@ class DDIM(Chain):
         sa, sb = (1.0 - t) / r, t / r  # sqrt(ab), sqrt(1 - ab)
         sa_n, sb_n = (1.0 - t_next) / r_next, t_next / r_next
         ab, ab_next = sa**2, sa_n**2
+        check_ddim_eta(self.eta, ab, ab_next)
         st = self.eta * (sb_n / sb) * (1.0 - ab / ab_next).clamp_min(0.0).sqrt()
         c2 = (sb_n**2 - st**2).clamp_min(0.0).sqrt()
         n, n_next = sa + sb, sa_n + sb_n  # x_vp = n y
@@ -418,8 +502,9 @@ class DPMPP2MSDE(Chain):
 
     with ``k = (1 - e^(-H)) / 2`` (``midpoint``) or ``1 - (1 - e^(-H)) / H`` (``heun``), no ``D_prev``
     term at the first step, and ``x' = D`` into 0. The state is ``(x, D_prev)``: given the
-    previous prediction the step is Gaussian with a covariance free of the network, so the engine
-    carries each node's parent prediction (:attr:`~specforest.sde.GaussianChain.carries`).
+    previous prediction the step is Gaussian with a covariance free of the network, so the chain
+    declares ``history = 1`` and the engine carries each node's parent prediction
+    (:class:`~specforest.carried.Carried`).
     ``eta = 0`` is the deterministic DPM++ 2M: no tree can speculate it.
     """
 
@@ -427,6 +512,7 @@ class DPMPP2MSDE(Chain):
     s_noise: float = 1.0
     solver_type: str = "midpoint"
     name: ClassVar[str] = "dpmpp_2m_sde"
+    history: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
@@ -461,16 +547,85 @@ class DPMPP2MSDE(Chain):
         E = self._multistep(t, t_next)
         return from_ve(t, t_next, P, Q0 + E, R)
 
-    def previous(self, t, t_next):
-        return -(1.0 - t_next) * self._multistep(t, t_next)
+    def past(self, t, t_next):
+        return (-(1.0 - t_next) * self._multistep(t, t_next))[:, None]
 
 
-def ddpm_sigmas(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
+@dataclass(frozen=True)
+class DPMPP3MSDE(Chain):
+    """k-diffusion's ``sample_dpmpp_3m_sde`` (``eta``, ``s_noise``) on VE levels: a chain of history 2.
+
+    With ``h = log(sigma / sigma')``, ``H = (1 + eta) h``, ``phi_2 = 1 - (1 - e^(-H)) / H`` and
+    ``phi_3 = phi_2 / H - 1/2``::
+
+        x' = (sigma' / sigma) e^(-eta h) x + (1 - e^(-H)) D + phi_2 d_1 - phi_3 d_2 + s_noise sigma' sqrt(1 - e^(-2 eta h)) z
+
+    where, with the two previous steps' ``h_1, h_2``, ``r0 = h_1 / h``, ``r1 = h_2 / h``,
+    ``d1_0 = (D - D_1) / r0`` and ``d1_1 = (D_1 - D_2) / r1``: ``d_1 = d1_0 + (d1_0 - d1_1) r0 / (r0 + r1)``,
+    ``d_2 = (d1_0 - d1_1) / (r0 + r1)``; at the second step (one previous prediction) ``d_1 = (D - D_1) / r0``,
+    ``d_2 = 0``; at the first neither; ``x' = D`` into 0. ``D_1, D_2`` are the predictions one and two
+    steps before: given them the step is Gaussian with a covariance free of the network, so the chain
+    declares ``history = 2`` and the engine carries both (:class:`~specforest.carried.Carried`). On the
+    linear path (ComfyUI's ``CONST`` models, ``lambda = log((1 - sigma) / sigma)``, its ``alpha_t`` factors)
+    the same step is this chain on the same linear grid. ``eta = 0`` is the deterministic DPM++ 3M.
+    """
+
+    eta: float = 1.0
+    s_noise: float = 1.0
+    name: ClassVar[str] = "dpmpp_3m_sde"
+    history: ClassVar[int] = 2
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
+        object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+
+    def _ve(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
+        """``(P, Q, B (T, 2), R)`` of each step on VE levels (``x' = P x + Q D + B_0 D_1 + B_1 D_2 + R z``)."""
+        s, s_next = _ve(t), _ve(t_next)
+        last = s_next == 0
+        safe_next = torch.where(last, s, s_next)  # the step into 0 is x' = D: any finite h
+        h = torch.log(s / safe_next)
+        H = (1.0 + self.eta) * h
+        Q = -torch.expm1(-H)
+        phi2 = torch.expm1(-H) / H + 1.0
+        phi3 = phi2 / H - 0.5
+        # the step ratios to the one and two steps before (1 where there is none: its coefficient is 0)
+        r0 = torch.cat([h.new_ones(1), h[:-1] / h[1:]])
+        r1 = torch.cat([h.new_ones(2), h[:-2] / h[2:]])
+        # second step: phi_2 (D - D_1) / r0
+        second = phi2 / r0
+        # from the third: phi_2 d_1 - phi_3 d_2 = alpha d1_0 - beta d1_1
+        u, w = r0 / (r0 + r1), 1.0 / (r0 + r1)
+        alpha = phi2 * (1.0 + u) - phi3 * w
+        beta = phi2 * u - phi3 * w
+        n = torch.arange(t.numel())
+        e = torch.where(n >= 2, alpha / r0, torch.where(n == 1, second, torch.zeros_like(h)))
+        b1 = torch.where(n >= 2, beta / r1, torch.zeros_like(h))
+        keep = ~last
+        zero = torch.zeros_like(h)
+        P = torch.where(last, zero, torch.exp(-H))  # (s' / s) e^(-eta h) = e^(-H)
+        Q = torch.where(last, torch.ones_like(h), Q + e)
+        B = torch.stack([torch.where(keep, -e - b1, zero), torch.where(keep, b1, zero)], 1)
+        R = self.s_noise * s_next * (-torch.expm1(-2.0 * self.eta * h)).clamp_min(0.0).sqrt()
+        R = torch.where(last | (self.eta == 0), zero, R)
+        return P, Q, B, R
+
+    def step(self, t, t_next):
+        P, Q, _, R = self._ve(t, t_next)
+        return from_ve(t, t_next, P, Q, R)
+
+    def past(self, t, t_next):
+        return (1.0 - t_next)[:, None] * self._ve(t, t_next)[2]
+
+
+def ddpm_linear_grid(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
     """DDPM's own schedule as a linear-path grid: linear betas over ``steps`` training steps
     (``DDPMScheduler``'s defaults), every one a sampling step, VE ``sigma = sqrt((1 - ab) / ab)``.
 
+    A k-diffusion drop-in takes VE sigmas: ``t / (1 - t)`` of this grid (the last level 0 stays 0).
+
     Returns:
-        ``(steps + 1,)`` float64, decreasing to 0 (``t = sigma / (1 + sigma)``).
+        ``(steps + 1,)`` float64 linear-path levels, decreasing to 0 (``t = sigma / (1 + sigma)``).
     """
     from .validation import check_int
 
@@ -482,21 +637,43 @@ def ddpm_sigmas(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float 
     return torch.cat([t, t.new_zeros(1)])
 
 
-def karras_sigmas(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
-    """Karras et al.'s schedule (k-diffusion's ``get_sigmas_karras``) as a linear-path grid.
+def karras_linear_grid(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
+    """Karras et al.'s schedule (k-diffusion's ``get_sigmas_karras``) as a linear-path grid, for
+    :func:`specforest.sample`'s ``sigmas=`` and :meth:`Chain.build`.
+
+    A k-diffusion drop-in takes the VE sigmas themselves: :func:`specforest.kdiffusion.get_sigmas_karras`.
 
     Returns:
         ``(steps + 1,)`` float64 ``t = sigma / (1 + sigma)``, decreasing from ``t_0 < 1`` to 0.
+
+    Raises:
+        TypeError / ValueError: naming ``steps``, ``sigma_min``, ``sigma_max`` or ``rho``.
     """
     from .validation import check_int
 
     check_int("steps", steps, 1)
-    lo = check_number("sigma_min", sigma_min, 0.0, lo_open=True)
-    hi = check_number("sigma_max", sigma_max, lo, lo_open=True)
-    rho = check_number("rho", rho, 0.0, lo_open=True)
-    ramp = torch.linspace(0, 1, steps, dtype=torch.float64)
-    s = (hi ** (1 / rho) + ramp * (lo ** (1 / rho) - hi ** (1 / rho))) ** rho
-    return torch.cat([s / (1.0 + s), s.new_zeros(1)])
+    s = _karras(steps, sigma_min, sigma_max, rho, torch.float64)
+    return s / (1.0 + s)
+
+
+_RENAMED = {
+    "karras_sigmas": "karras_linear_grid",
+    "ddpm_sigmas": "ddpm_linear_grid",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # the old names returned linear-path levels that a k-diffusion drop-in (which takes VE sigmas, as
+    # k-diffusion's get_sigmas_karras returns them) ran without complaint at sigma <= 1: refused, naming both
+    if name in _RENAMED:
+        raise AttributeError(
+            f"specforest.chains.{name} is gone: it returned linear-path levels t = sigma / (1 + sigma), not the "
+            f"VE sigmas its name suggested. For a grid of specforest.sample(sigmas=...) or Chain.build use "
+            f"specforest.chains.{_RENAMED[name]}; for VE sigmas (the k-diffusion drop-ins, k-diffusion's own "
+            "samplers) use specforest.kdiffusion.get_sigmas_karras (and get_sigmas_exponential, "
+            "get_sigmas_polyexponential, get_sigmas_vp)"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 REFUSED = {
@@ -510,7 +687,9 @@ REFUSED = {
 """Samplers refused by name, with the reason (``get_chain`` and the drop-ins say it)."""
 
 _CHAINS: Registry[Chain] = Registry(
-    "chain", {c.name: c for c in (EM, EulerAncestral, EulerChurn, DDPM, DDIM, LCM, DPMPP2MSDE)}, case_insensitive=True
+    "chain",
+    {c.name: c for c in (EM, EulerAncestral, EulerChurn, DDPM, DDIM, LCM, DPMPP2MSDE, DPMPP3MSDE)},
+    case_insensitive=True,
 )
 
 

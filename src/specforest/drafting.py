@@ -16,11 +16,12 @@ from typing import Optional
 import torch
 
 from . import streams
+from .carried import NOTHING, Carried
 from .records import Draft, Group, RunContext, RunState
 from .target import ALL_ROWS
 
 __all__ = [
-    "carry_term",
+    "carried_term",
     "chain_draft",
     "draft",
     "is_chain",
@@ -31,16 +32,14 @@ __all__ = [
 ]
 
 
-def carry_term(ctx: RunContext, steps: torch.Tensor, carry: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``(G, n, D)`` the multistep term ``b[step] p`` of the draft means at parent steps ``steps (G, n)``,
-    ``p = carry (G, D)`` the roots' parent prediction; ``None`` for a chain that carries none.
+def carried_term(ctx: RunContext, steps: torch.Tensor, carried: Carried) -> Optional[torch.Tensor]:
+    """``(G, n, D)`` the multistep term of the draft means at parent steps ``steps (G, n)``, from the
+    roots' carried predictions ``carried`` (``(G, h, D)``); ``None`` for a chain that carries none.
 
-    Exact for a root's children; deeper, the parent's own prediction is not known while drafting,
+    Exact for a root's children; deeper, the parent's own predictions are not known while drafting,
     so every level reuses the root's (a draft is any mean: the coupling keeps the law).
     """
-    if carry is None:
-        return None
-    return ctx.tab.b[steps][..., None] * carry[:, None]
+    return ctx.tab.past_term(steps, carried[:, None])
 
 
 def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
@@ -105,7 +104,7 @@ def _picard(
     SZ: torch.Tensor,
     steps: torch.Tensor,
     sweeps: int,
-    carry: Optional[torch.Tensor] = None,
+    carried: Carried = NOTHING,
 ):
     """Picard sweeps over a drafted chain: ``(Y, Mp)`` after ``sweeps`` sweeps.
 
@@ -115,7 +114,7 @@ def _picard(
     target gave at node ``l`` of the last sweep (the ``x0`` kind's formula, frozen per node), plus
     its noise. Node ``l``'s state depends on the noise of nodes ``1 .. l`` only, so the draft of
     node ``l + 1`` never reads its own draw and the coupling stays exact. A multistep chain's term
-    reads the last sweep's prediction at node ``l - 1`` (``carry (G, D)``, the root's parent's, at the root).
+    reads the last sweep's predictions at the nodes before ``l`` (the root's ``carried`` ones above it).
     """
     G, _, D = Y.shape
     Lr = steps.shape[1]
@@ -129,10 +128,9 @@ def _picard(
     for _ in range(sweeps):
         V = ctx.target(Y[:, :Lr].reshape(-1, D), flat_sig, traj).view(G, Lr, D).to(Y.dtype)
         C = torch.addcmul(-k * Y[:, :Lr], k * sig[..., None], V)  # -k x0, x0 = y - sig v at the last sweep
-        if carry is not None:
-            x0 = torch.addcmul(Y[:, :Lr], sig[..., None], V, value=-1.0)
-            prev = torch.cat([carry[:, None], x0[:, : Lr - 1]], 1)
-            C = torch.addcmul(C, tab.b[steps][..., None], prev)
+        if carried.history:
+            up = (torch.arange(Lr, device=Y.device) - 1).clamp(min=0)  # a chain: node l's parent is l - 1
+            C = tab.add_past(C, steps, carried.at_nodes(tab.prediction(Y[:, :Lr], V, steps), up))
         W = torch.add(C, SZ[:, :Lr])
         Ynew = torch.empty_like(Y)  # a chain: nodes 0 .. Lr
         Ynew[:, 0] = Y[:, 0]
@@ -189,7 +187,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
     ids, Ls, Lr, ts = group.ids, group.Ls, group.Lr, group.steps
     tt = ts.tt
     tab = ctx.tab
-    carry = state.carry
+    carried = state.carried
     memory = state.memory
     if group.everyone:
         s0, pre, x0 = state.step, state.pre, state.x
@@ -197,7 +195,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
     else:
         s0, pre, x0 = state.step[ids], state.pre.take(ids, history=ctx.proposal.uses_history), state.x[ids]
         keys = state.keys[ids, s0][:, None]
-        carry = None if carry is None else carry[ids]
+        carried = carried.take(ids)
         memory = None if memory is None else memory.take(ids)
     # the proposal's memory, for a proposal that keeps one (one that keeps none need not take it)
     mem = {} if memory is None else {"memory": memory}
@@ -219,7 +217,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             everyone=group.everyone,
             keys=keys,
             pre=pre,
-            carry=carry,
+            carried=carried,
             memory=memory,
         )
     G, D = ids.numel(), state.x.shape[1]
@@ -241,7 +239,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             A, C = prop.coefficients(tab, steps, pre, state.draft_state, **mem)
         else:
             A, C = prop.coefficients(tab, steps, pre, state.draft_state, terms, **mem)
-        extra = carry_term(ctx, steps, carry)
+        extra = carried_term(ctx, steps, carried)
         if extra is not None:
             C = C + extra
     if chain_draft(prop, tt, Lr):
@@ -257,7 +255,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             torch.addcmul(Wl[level], Al[level], Yl[level], out=Yl[level + 1])
         torch.addcmul(C, A, Y[:, :Lr], out=Mp)
         if prop.picard_sweeps:
-            Y, Mp = _picard(ctx, group, Y, SZ, steps, prop.picard_sweeps, carry)
+            Y, Mp = _picard(ctx, group, Y, SZ, steps, prop.picard_sweeps, carried)
             sweeps = prop.picard_sweeps
     else:
         sizes = tt.sizes(Lr)
@@ -271,7 +269,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             Al, Cl = A.split_with_sizes((1,) * Lr, 1), C.split_with_sizes((1,) * Lr, 1)
         else:
             cond = ctx.target.cond_rows(ids, ALL_ROWS if group.everyone else None)
-            extra = carry_term(ctx, steps, carry)
+            extra = carried_term(ctx, steps, carried)
         for level in range(1, Lr + 1):
             p0, p1, k = tt.layers[level - 1]
             c0, c1, _ = tt.layers[level]
@@ -303,7 +301,16 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
                 rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
                 torch.add(rep, SZl[level - 1], out=Yl[level])
     full = dict(
-        steps=ts, ids=ids, s0=s0, Ls=Ls, Lr=Lr, everyone=group.everyone, keys=keys, pre=pre, carry=carry, memory=memory
+        steps=ts,
+        ids=ids,
+        s0=s0,
+        Ls=Ls,
+        Lr=Lr,
+        everyone=group.everyone,
+        keys=keys,
+        pre=pre,
+        carried=carried,
+        memory=memory,
     )
     drawn = dict(Y=Y, Z=Z, Mp=Mp, U=U, terms=terms, draft_calls=calls, sweeps=sweeps)
     if group.even and tt.eval_prefix[Lr] >= Vi:

@@ -67,6 +67,7 @@ from typing import Callable, Optional
 import torch
 
 from . import lockstep, streams
+from .carried import Carried
 from .couplings import Coupling
 from .drafting import draft, is_chain, remembers_chain, runs_full
 from .drafts import DraftMemory, EvaluatedChain, Prefetch, Proposal
@@ -269,7 +270,7 @@ def init_state(ctx: RunContext, x: torch.Tensor, keys: torch.Tensor) -> RunState
         counters=Counters.zeros(batch, ctx.depth, ctx.device),
         draft_state=ctx.proposal.init_state(ctx.device),
         draft_bad=torch.full((), -1, dtype=torch.long, device=ctx.device),
-        carry=torch.zeros_like(x) if ctx.tab.carries else None,
+        carried=Carried.start(ctx.tab.history, x),
     )
 
 
@@ -434,19 +435,19 @@ def commit(
     ctx: RunContext, state: RunState, sched: Schedule, ev: Evaluations, drafts: list, walks: list[WalkResult]
 ) -> RunState:
     """The run state after the round (phase 5)."""
-    x, step, pre, carry, memory = state.x, state.step, state.pre, state.carry, state.memory
+    x, step, pre, carried, memory = state.x, state.step, state.pre, state.carried, state.memory
     ids1 = sched.single
     committed = torch.zeros_like(step)
     single = None
     if ids1.numel():
         s1 = step[ids1]
         x1 = x[ids1]
-        mean = ctx.tab.mean(x1, ev.single, s1, None if carry is None else carry[ids1])
+        c1 = carried.take(ids1)
+        mean = ctx.tab.mean(x1, ev.single, s1, c1)
         move = ~sched.fetch
         x = x.index_put((ids1,), torch.where(move[:, None], mean, x1))
-        if carry is not None:
-            moved = torch.where(move[:, None], ctx.tab.carry(x1, ev.single, s1), carry[ids1])
-            carry = carry.index_put((ids1,), moved)
+        if c1.history:
+            carried = carried.put(ids1, c1.where(move, c1.pushed(ctx.tab.prediction(x1, ev.single, s1))))
         committed = committed.index_put((ids1,), move.long())
         single = ids1
         if sched.n_fetch:
@@ -464,12 +465,11 @@ def commit(
         ids = d.ids
         if d.everyone:
             x, committed = w.x, w.committed
-            carry = w.carry
+            carried = w.carried
             pre = pre.replaced(w.pre_y, w.pre_v, w.pre_step, history=hist)
         else:
             x = x.index_put((ids,), w.x)
-            if carry is not None:
-                carry = carry.index_put((ids,), w.carry)
+            carried = carried.put(ids, w.carried)
             committed = committed.index_put((ids,), w.committed)
             pre = pre.with_rows(ids, w.pre_y, w.pre_v, w.pre_step, keep_prev=True, history=hist)
         if memory is not None and is_chain(d.tt, d.Lr):
@@ -511,7 +511,7 @@ def commit(
         sweep_calls=state.sweep_calls + sum(d.sweeps for d in drafts),
         seconds=state.seconds,
         draft_bad=draft_bad,
-        carry=carry,
+        carried=carried,
         memory=memory,
     )
 

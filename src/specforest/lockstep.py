@@ -42,8 +42,8 @@ def lockstep_steps(tab: StepTables, batch: int) -> tuple:
     so a step gathers nothing."""
     sig = tab.sig[:, None].expand(-1, batch).contiguous().unbind(0)
     c, a, scale = tab.c.unbind(0), tab.a.unbind(0), tab.scale.unbind(0)
-    b = tab.b.unbind(0) if tab.carries else (None,) * len(c)
-    return tuple(LockstepStep(sig=sig[s], c=c[s], a=a[s], scale=scale[s], b=b[s]) for s in range(len(c)))
+    past = tab.past.unbind(0) if tab.history else (None,) * len(c)
+    return tuple(LockstepStep(sig=sig[s], c=c[s], a=a[s], scale=scale[s], past=past[s]) for s in range(len(c)))
 
 
 def _exact_noise(ctx: RunContext, state: RunState) -> tuple[torch.Tensor, NoiseBlock]:
@@ -82,11 +82,11 @@ def lockstep_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
     inside = ctx.target.seconds - inside
     noise, block = _exact_noise(ctx, state)
     mean = torch.addcmul(at.c * v, at.a, state.x)
-    carry = state.carry
-    if at.b is not None:
-        # a multistep chain: the mean reads the prediction one step back, and this one is carried on
-        mean = torch.addcmul(mean, at.b, carry)
-        carry = torch.addcmul(state.x, at.sig[:, None], v, value=-1.0)
+    carried = state.carried
+    if at.past is not None:
+        # a multistep chain: the mean reads the carried predictions, and this step's is carried on
+        mean = carried.added_to(mean, at.past)
+        carried = carried.pushed(ctx.tab.prediction(state.x, v, state.step))
     x = torch.addcmul(mean, at.scale, noise)
     step = state.step + 1
     counters = state.counters.with_lockstep_round()
@@ -105,7 +105,7 @@ def lockstep_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
         sweep_calls=state.sweep_calls,
         noise=block,
         draft_bad=state.draft_bad,
-        carry=carry,
+        carried=carried,
         memory=state.memory,
         seconds=(sched, drafted, evaluated + (t1 - t0 - inside), walked, committed + (t2 - t1)),
     )

@@ -70,6 +70,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .carried import Carried
 from .drafting import remembers_chain, runs_full
 from .drafts import get_proposal
 from .held import Held, check_held
@@ -397,22 +398,22 @@ class MemoryEstimate:
 
 def run_shape(options: Any) -> dict:
     """What a run's options decide of its memory, as :func:`estimate`'s keywords: ``tree``, ``verify``,
-    ``lazy``, ``draft``, ``steps`` (its grid's) and ``carries`` (its chain's, on that grid).
+    ``lazy``, ``draft``, ``steps`` (its grid's) and ``history`` (its chain's declaration).
 
     ``options``: the run's :class:`~specforest.options.SamplerOptions` (an option that changes what a
     run holds is read here, so every caller sizes its runs with it).
     """
-    from .options import make_sde
+    from .options import options_sde
 
     o = options
-    chain = make_sde(o.steps, o.sigmas, o.grid, o.shift, o.churn, o.chain)
+    chain = options_sde(o)
     return {
         "tree": o.tree,
         "verify": o.verify,
         "lazy": o.lazy,
         "draft": o.draft,
         "steps": len(chain.sigmas) - 1,
-        "carries": chain.carries,
+        "history": chain.history,
     }
 
 
@@ -438,7 +439,7 @@ def estimate(
     world: int = 1,
     draft: Any = None,
     held: Sequence[Held] = (),
-    carries: bool = False,
+    history: int = 0,
 ) -> MemoryEstimate:
     """Estimate a run's memory and choose ``chunk`` and ``max_rows`` so it fits.
 
@@ -475,9 +476,10 @@ def estimate(
             chain node and trajectory (two where it :attr:`~specforest.drafts.Proposal.uses_states`),
             and the deep features of those nodes and of every evaluated row where it
             :attr:`~specforest.drafts.Proposal.uses_features` (``model.feature_numel`` of them).
-        carries: the chain's mean reads each state's parent prediction (a multistep chain:
-            :attr:`~specforest.sde.GaussianChain.carries`, DPM++ 2M SDE): the run keeps one more state
-            per trajectory, and a full round the predictions and parent predictions of its inner nodes.
+        history: how many past predictions the chain's mean reads (its declaration,
+            :attr:`~specforest.sde.GaussianChain.history`): the run
+            keeps that many more states per trajectory, and a full round the predictions and carried
+            predictions of its inner nodes (:meth:`~specforest.carried.Carried.held_states`).
         held: what the run holds whole whatever its chunking (:class:`Held`), counted with
             ``fixed_bytes`` and checked first (:func:`check_held`, where the process alone is within
             the limit), before the model's declaration is read.
@@ -526,8 +528,7 @@ def estimate(
     else:
         states = _NODE_STATES * nodes + _INNER_STATES * inner + _ROW_STATES * rows + _SCRATCH_STATES
     states += remembered
-    if carries:
-        states += 1 + (0 if lazy else 2 * inner)
+    states += Carried.held_states(check_int("history", history, 0), inner, lazy)
     if world > 1:
         states += _SPLIT_ROW_STATES * rows
     per = D * w * states + _KEY_BYTES * size + int(cond_bytes) + gains

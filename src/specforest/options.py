@@ -27,21 +27,25 @@ from .chains import EM, Chain, available_chains, get_chain
 from .couplings import Coupling, available_couplings, get_coupling
 from .drafts import Proposal, available_drafts, get_proposal
 from .engine import PREFETCH_POLICIES
-from .sde import GaussianChain, flow_match_grid, uniform_grid
+from .schedules import SCHEDULE_SIGMA_RANGE, SCHEDULES, schedule_grid
+from .sde import MAX_STEPS, GaussianChain, flow_match_grid, uniform_grid
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 from .validation import check_choice, check_int
 
 __all__ = [
     "GRIDS",
     "RUN_INPUTS",
+    "NoStochasticStep",
     "Option",
     "SamplerOptions",
     "TunedFor",
     "check_option",
+    "check_stochastic",
     "check_tuned_for",
     "declared_options",
     "make_sde",
     "option",
+    "options_sde",
     "pad_sizes",
     "resolve",
 ]
@@ -85,6 +89,8 @@ class Option:
         low, high, low_open: the flag's range (``low_open``: ``low`` excluded).
         tune: how :func:`specforest.latency.tune` treats it (:data:`TUNE_ROLES`).
         refused: why ``tune`` refuses it (``tune="refused"``).
+        grid: whether it makes the run's grid (``--schedule`` and its range): a pipeline's run, whose grid
+            is its scheduler's, sets it itself, so the pipelines' commands do not offer it.
         name: the field's name (filled in by :func:`declared_options`).
     """
 
@@ -99,6 +105,7 @@ class Option:
     low_open: bool = False
     tune: str = "passed"
     refused: str = ""
+    grid: bool = False
     name: str = ""
 
     def allowed(self) -> "Optional[tuple[str, ...]]":
@@ -106,6 +113,42 @@ class Option:
         if self.choices is None:
             return None
         return tuple(self.choices() if callable(self.choices) else self.choices)
+
+
+class NoStochasticStep(ValueError):
+    """A tree asked of a chain whose every step on the run's grid is a point mass: no draft can be accepted.
+
+    Attributes:
+        chain: the chain's name.
+        params: its parameters (``{"eta": 0.0}``), for a caller that words the refusal in its own terms
+            (the command line names its flags).
+    """
+
+    def __init__(self, message: str, chain: str, params: dict) -> None:
+        super().__init__(message)
+        self.chain, self.params = chain, dict(params)
+
+
+def check_stochastic(sde: GaussianChain, remedy: str) -> None:
+    """Refuse speculation on a chain with no stochastic step on its grid (the em chain's first and last
+    steps are deterministic by construction: a grid of one or two steps has none, and has always run as
+    the standard sampler whatever the tree).
+
+    Args:
+        sde: the chain's tables on the run's grid.
+        remedy: what to do instead, in the caller's words.
+
+    Raises:
+        NoStochasticStep: naming the chain, its parameters and the stochastic settings.
+    """
+    if sde.name != "em" and not bool(sde.stochastic.any()):
+        raise NoStochasticStep(
+            f"chain {sde.name!r} with {sde.params} has no stochastic step on this grid: every transition is a "
+            f"point mass, so no draft can be accepted and a tree only costs calls. {remedy}, or pick a stochastic "
+            "setting (euler_ancestral, dpmpp_2m_sde, dpmpp_3m_sde or ddim with eta > 0, euler with s_churn > 0, em, ddpm, lcm)",
+            sde.name,
+            sde.params,
+        )
 
 
 def option(default: Any, **declared: Any) -> Any:
@@ -157,12 +200,21 @@ class SamplerOptions:
         churn: ``eps`` in (0, 1] (ERRATA 8: 0 makes speculation vacuous): the ``em`` chain's
             parameter, required with it; another chain takes none.
         chain: the sampler whose law the run has: a registered name (``em`` (the paper's
-            Euler-Maruyama step with ``churn``), ``euler_ancestral``, ``euler``, ``dpmpp_2m_sde``, ``ddpm``,
+            Euler-Maruyama step with ``churn``), ``euler_ancestral``, ``euler``, ``dpmpp_2m_sde``, ``dpmpp_3m_sde``, ``ddpm``,
             ``ddim``, ``lcm``; :func:`~specforest.chains.available_chains`) with its default parameters, or a
             :class:`~specforest.chains.Chain` (``chains.get_chain("euler_ancestral", eta=0.5)``).
         sigmas: an explicit ``(T + 1,)`` grid, decreasing from <= 1 to 0.
-        grid: ``flow_match`` (diffusers' default grid) or ``uniform`` (the paper's text).
+        grid: ``flow_match`` (diffusers' default grid) or ``uniform`` (the paper's text). Both start at
+            ``t = 1`` (``sigma = inf``), where a sampler on VE levels is not defined: give ``schedule``.
         shift: timestep shift ``kappa`` of eq. (38).
+        schedule: ``None`` (the grid is ``grid``'s) or a named noise schedule whose ``steps`` VE levels,
+            then 0, make the grid (:func:`specforest.schedules.schedule_grid`): ``karras`` (``rho = 7``) or
+            ``exponential`` between ``sigma_min`` and ``sigma_max``, ``ddpm`` (DDPM's 1000-step training
+            schedule) or ``vp`` (k-diffusion's ``get_sigmas_vp``). It starts below ``t = 1``, so every
+            chain runs on it; ``grid`` (other than its default), ``shift`` (other than 1) and ``sigmas``
+            are refused beside it.
+        sigma_min, sigma_max: the VE range of the ``karras`` and ``exponential`` schedules (``None``:
+            0.002 and 80); refused with another schedule or none.
         tree: draft topology (a :class:`~specforest.trees.DraftTree`), a
             :class:`~specforest.trees.TreePolicy` re-planned every round
             (``planning.AdaptiveTree``), or ``None`` for the standard sampler.
@@ -197,9 +249,10 @@ class SamplerOptions:
 
     steps: Optional[int] = option(
         None,
-        help="Grid steps T (>= 3; the first and last are deterministic Euler steps).",
+        help=f"Grid steps T (3 to {MAX_STEPS}; the first and last are deterministic Euler steps).",
         kind=int,
         low=3,
+        high=MAX_STEPS,
         tune="tuner",
     )
     churn: Optional[float] = option(
@@ -231,6 +284,33 @@ class SamplerOptions:
         choices=GRIDS,
     )
     shift: float = option(1.0, cli=False, kind=float, low=0.0, low_open=True)
+    schedule: Optional[str] = option(
+        None,
+        grid=True,
+        help="Noise schedule whose --steps VE levels, then 0, make the grid instead of --grid's: karras "
+        "(Karras et al., rho 7) or exponential between --sigma-min and --sigma-max, ddpm (DDPM's 1000-step "
+        "training schedule, linear betas) or vp (k-diffusion's get_sigmas_vp). It starts below t = 1, so "
+        "every --chain runs on it (the named grids start at t = 1, where the VE samplers are not defined).",
+        choices=SCHEDULES,
+    )
+    sigma_min: Optional[float] = option(
+        None,
+        grid=True,
+        help=f"Smallest VE noise level of --schedule karras or exponential, > 0 "
+        f"(default {SCHEDULE_SIGMA_RANGE['karras'][0]}).",
+        kind=float,
+        low=0.0,
+        low_open=True,
+    )
+    sigma_max: Optional[float] = option(
+        None,
+        grid=True,
+        help=f"Largest VE noise level of --schedule karras or exponential, > --sigma-min "
+        f"(default {SCHEDULE_SIGMA_RANGE['karras'][1]}).",
+        kind=float,
+        low=0.0,
+        low_open=True,
+    )
     tree: "Optional[DraftTree | TreePolicy]" = option(
         None,
         cli=False,
@@ -246,7 +326,8 @@ class SamplerOptions:
         "each drafted step (memory; the run goes full), that one moved to the drafted state by a fitted "
         "gain (secant), auto (chosen online among those per draft offset and half of the grid), picard / "
         "picard2 (the x0 chain refined by 1 / 2 Picard sweeps, each one more target call a round), learned "
-        "(the digits model's distilled draft network anchored at those evaluations; digits only), or cached "
+        "(the draft network the model declares, the digits model's distilled U-Net, anchored at those "
+        "evaluations), or cached "
         "(the target's own outer blocks with its deep features from the previous round's node at that step, "
         "DeepCache-style; a model that keeps them: digits, the mixture); the exactly known rest is "
         "recomputed at each drafted state.",
@@ -306,16 +387,11 @@ class SamplerOptions:
         for name in ("lazy", "record_deltas"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        sde = make_sde(self.steps, self.sigmas, self.grid, self.shift, self.churn, self.chain)
-        # (the em chain's first and last steps are deterministic by construction: a grid of one or two
-        # steps has none, and has always run as the standard sampler whatever the tree)
-        if tree is not None and sde.name != "em" and not bool(sde.stochastic.any()):
-            raise ValueError(
-                f"chain {sde.name!r} with {sde.params} has no stochastic step on this grid: every transition is a "
-                "point mass, so no draft can be accepted and a tree only costs calls. Run it with tree=None, or pick "
-                "a stochastic setting (euler_ancestral, dpmpp_2m_sde or ddim with eta > 0, euler with s_churn > 0, em, "
-                "ddpm, lcm)"
-            )
+        if self.schedule is not None:
+            check_option("schedule", self.schedule)
+        sde = options_sde(self)
+        if tree is not None:
+            check_stochastic(sde, "Run it with tree=None")
         cp = get_coupling(self.coupling)
         if isinstance(tree, TreePolicy) and cp.structured_siblings:
             raise ValueError(f"coupling {cp.name!r} draws structured siblings; an adaptive tree needs i.i.d. children")
@@ -429,13 +505,58 @@ def _chain_diffs(tuned_for: TunedFor, chain: "str | Chain", churn: Any) -> list:
     return out
 
 
-def make_sde(steps, sigmas, grid, shift, churn, chain: "str | Chain" = "em") -> GaussianChain:
-    """The chain's tables for the options ``steps`` (on ``grid`` with ``shift``) or ``sigmas``.
+def options_sde(o: "SamplerOptions") -> GaussianChain:
+    """The chain's tables of the options ``o`` (:func:`make_sde` of its grid and chain options)."""
+    grid = dict(schedule=o.schedule, sigma_min=o.sigma_min, sigma_max=o.sigma_max)
+    return make_sde(o.steps, o.sigmas, o.grid, o.shift, o.churn, o.chain, **grid)
+
+
+def _check_schedule(schedule, sigma_min, sigma_max, sigmas, grid, shift) -> None:
+    """Refuse what a schedule leaves no room for (another grid given beside it), and a range without one."""
+    if schedule is None:
+        given = [n for n, v in (("sigma_min", sigma_min), ("sigma_max", sigma_max)) if v is not None]
+        if given:
+            verb = "sets" if len(given) == 1 else "set"
+            takers = " or ".join(map(repr, SCHEDULE_SIGMA_RANGE))
+            raise ValueError(
+                f"{' and '.join(given)} {verb} the range of a schedule (schedule={takers}); give one, or leave "
+                f"{'it' if len(given) == 1 else 'them'} unset"
+            )
+        return
+    if sigmas is not None:
+        raise ValueError(f"schedule={schedule!r} makes the grid from steps, and sigmas is a grid: give one of them")
+    if grid != option_default("grid"):
+        raise ValueError(f"schedule={schedule!r} and grid={grid!r} both choose the grid: give one of them")
+    if shift != option_default("shift"):
+        raise ValueError(f"shift={shift!r} shifts a named grid (grid=...); schedule={schedule!r} takes none")
+
+
+def make_sde(
+    steps,
+    sigmas,
+    grid,
+    shift,
+    churn,
+    chain: "str | Chain" = "em",
+    *,
+    schedule: Optional[str] = None,
+    sigma_min: Optional[float] = None,
+    sigma_max: Optional[float] = None,
+) -> GaussianChain:
+    """The chain's tables for the options ``steps`` (on ``grid`` with ``shift``, or on ``schedule`` with its
+    ``sigma_min`` and ``sigma_max``) or ``sigmas``.
 
     Raises:
         ValueError / TypeError: naming the option (the chain checks the grid and its parameters).
     """
     ch = _chain_of(churn, chain)
+    _check_schedule(schedule, sigma_min, sigma_max, sigmas, grid, shift)
+    if schedule is not None:
+        if steps is None:
+            raise ValueError(f"schedule={schedule!r} needs steps (an int >= 1)")
+        if type(steps) is int and all(v is None or type(v) in (int, float) for v in (sigma_min, sigma_max)):
+            return _schedule_sde(steps, schedule, sigma_min, sigma_max, ch)
+        return ch.build(schedule_grid(schedule, steps, sigma_min, sigma_max))  # (it names the bad value)
     if sigmas is None:
         if steps is None:
             raise ValueError("give steps (an int >= 1) or sigmas (a (T + 1,) tensor)")
@@ -455,6 +576,12 @@ def _grid_sde(steps: int, grid: str, shift: float, chain: Chain) -> GaussianChai
     """The tables of a named grid, made once per (steps, grid, shift, chain): they are cached on it,
     so repeated runs (one image at a time, say) do not rebuild them."""
     return chain.build(_grid_sigmas(steps, grid, shift).to(torch.float64))
+
+
+@functools.lru_cache(maxsize=32)
+def _schedule_sde(steps: int, schedule: str, sigma_min, sigma_max, chain: Chain) -> GaussianChain:
+    """The tables of a named schedule, made once per (steps, schedule, range, chain), as :func:`_grid_sde`'s."""
+    return chain.build(schedule_grid(schedule, steps, sigma_min, sigma_max))
 
 
 def _grid_sigmas(steps, grid: str, shift) -> torch.Tensor:

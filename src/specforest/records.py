@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import streams
+from .carried import NOTHING, Carried
 from .counters import FLUSH_ROUNDS as FLUSH_ROUNDS
 from .counters import Counters, Outcome, RoundEntry
 from .couplings import Coupling
@@ -94,13 +95,13 @@ class TreeSteps:
 class LockstepStep:
     """What the lockstep round reads at one step, where every trajectory is: the noise level
     ``sig (batch,)`` and the transition's 0-d ``c``, ``a`` and ``scale`` (views made once per run),
-    and ``b``, the parent prediction's (``None`` unless the chain carries it)."""
+    and ``past (h,)``, the past predictions' (``None`` for a chain of history 0)."""
 
     sig: torch.Tensor
     c: torch.Tensor
     a: torch.Tensor
     scale: torch.Tensor
-    b: Optional[torch.Tensor] = None
+    past: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -240,9 +241,9 @@ class RunState:
         sweep_calls: batched target calls of Picard sweeps, made before the rounds' verification calls.
         noise: the lockstep round's :class:`NoiseBlock`, or ``None``.
         seconds: host seconds spent in each of the :data:`PHASES` so far.
-        carry: ``(batch, D)`` the clean-image prediction the model gave at each state's parent, for a
-            chain whose mean reads it (:attr:`~specforest.sde.StepTables.carries`: DPM++ 2M SDE);
-            ``None`` otherwise. Zero at step 0, where the chain reads none.
+        carried: the past clean-image predictions each state's mean reads, as many as the chain's
+            :attr:`~specforest.sde.StepTables.history` (:class:`~specforest.carried.Carried`,
+            ``(batch, h, D)``; nothing for a one-step chain). Zero at step 0, where the chain reads none.
     """
 
     x: torch.Tensor
@@ -258,7 +259,7 @@ class RunState:
     sweep_calls: int = 0
     noise: Optional[NoiseBlock] = None
     seconds: tuple = (0.0,) * len(PHASES)
-    carry: Optional[torch.Tensor] = None
+    carried: Carried = NOTHING
     memory: Optional[DraftMemory] = None
 
     @property
@@ -290,7 +291,7 @@ class RunState:
             noise=None,
             seconds=self.seconds,
             draft_bad=self.draft_bad,
-            carry=None if self.carry is None else self.carry.index_fill(0, rows, 0),
+            carried=self.carried.restart(rows),
             memory=None if self.memory is None else self.memory.restart(rows),
         )
 
@@ -368,7 +369,7 @@ class Draft:
         draft_calls: calls of a draft model made drafting it.
         sweeps: Picard sweeps made drafting it (:class:`~specforest.drafts.PicardDraft`):
             sequential target calls before the verification's, each of ``Lr`` rows a trajectory.
-        carry: ``(G, D)`` the roots' parent predictions (:attr:`RunState.carry`), or ``None``.
+        carried: the roots' carried predictions (:attr:`RunState.carried`).
     """
 
     steps: TreeSteps
@@ -387,7 +388,7 @@ class Draft:
     U: Optional[torch.Tensor] = None
     terms: Any = None
     draft_calls: int = 0
-    carry: Optional[torch.Tensor] = None
+    carried: Carried = NOTHING
     sweeps: int = 0
     memory: Optional[DraftMemory] = None
 
@@ -440,7 +441,7 @@ class WalkResult:
         delta: ``(G, Lw)`` float64 mismatch of the problem met (junk where not ``act``).
         observed: the verified parents, when the proposal observes.
         draft_calls: calls of a draft model the walk made (the lazy walk's).
-        carry: ``(G, D)`` the new states' parent predictions (:attr:`RunState.carry`), or ``None``.
+        carried: the new states' carried predictions (:attr:`RunState.carried`).
     """
 
     x: torch.Tensor
@@ -453,4 +454,4 @@ class WalkResult:
     delta: torch.Tensor
     observed: Optional[Observed] = None
     draft_calls: int = 0
-    carry: Optional[torch.Tensor] = None
+    carried: Carried = NOTHING

@@ -24,7 +24,7 @@ from . import engine, streams
 from .couplings import Coupling, get_coupling
 from .drafts import Proposal, get_proposal
 from .engine import PREFETCH_POLICIES
-from .options import GRIDS, SamplerOptions, TunedFor, check_tuned_for, declared_options, make_sde, pad_sizes, resolve
+from .options import GRIDS, SamplerOptions, TunedFor, check_tuned_for, declared_options, options_sde, pad_sizes, resolve
 from .records import RunContext
 from .results import SampleResult, SampleStats, returned, stats_of
 from .sde import GaussianChain
@@ -188,7 +188,7 @@ def prepare(options: SamplerOptions) -> RunSpec:
     The one builder of a :class:`RunSpec` (:func:`sample`, :func:`specforest.generate`, the warm-up).
     """
     o = options
-    sde = make_sde(o.steps, o.sigmas, o.grid, o.shift, o.churn, o.chain)
+    sde = options_sde(o)
     cp = get_coupling(o.coupling)
     proposal = get_proposal(o.draft)
     policy = o.tree if isinstance(o.tree, TreePolicy) else None
@@ -200,7 +200,7 @@ def prepare(options: SamplerOptions) -> RunSpec:
         steps=sde.steps,
         chain=sde.name,
         **sde.params,
-        grid=o.grid if o.sigmas is None else "custom",
+        grid="custom" if o.sigmas is not None else (o.schedule or o.grid),  # (a schedule makes the grid)
         shift=o.shift,
         tree=None if o.tree is None else repr(o.tree),
         budget=0 if o.tree is None else o.tree.budget,

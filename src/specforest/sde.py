@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from .carried import NOTHING, Carried
 from .validation import check_churn, check_int, check_number
 
 __all__ = [
@@ -180,13 +181,14 @@ class GaussianChain:
         sigmas: ``(T + 1,)`` float64 noise levels of the states, decreasing to 0.
         name: the chain's name; ``params``: its parameters (what a run's record says).
 
-    A multistep sampler (DPM++ 2M SDE) also reads the clean-image prediction ``p`` the model gave at
-    the state's parent, one step before: its mean is ``a[n] y + c[n] v + b[n] p`` (``b = 0`` for every
-    one-step sampler, and at step 0, where no parent exists). The covariance still depends on the
-    schedule alone, so the chain on the pair ``(y, p)`` is Gaussian in ``y`` given ``p``: the engine
-    carries ``p`` beside each state (:attr:`carries`).
+    A multistep sampler also reads the clean-image predictions ``p_0, ..., p_{h - 1}`` the model gave
+    ``1 .. h`` steps before (its :attr:`history` ``h``: 1 for DPM++ 2M SDE, 2 for DPM++ 3M SDE): its mean
+    is ``a[n] y + c[n] v + sum_j past[n, j] p_j`` (``past[n, j] = 0`` where step ``n`` has no such
+    prediction, ``n <= j``). The covariance still depends on the schedule alone, so the chain on
+    ``(y, p_0, ..., p_{h - 1})`` is Gaussian in ``y`` given the ``p``: the engine carries them beside
+    each state (:class:`~specforest.carried.Carried`).
 
-    Derived ``(T,)`` float64 tensors: ``a``, ``c``, ``b``, ``scale``, ``gamma`` (``sigmas[n] - sigmas[n + 1]``),
+    Derived ``(T,)`` float64 tensors: ``a``, ``c``, ``scale``, ``gamma`` (``sigmas[n] - sigmas[n + 1]``),
     ``stochastic`` (``scale > 0``), ``drift_f`` and ``drift_k`` (the reverse drift
     ``b = -drift_f v - drift_k y`` with ``mean = y + gamma b``, what the ``drift`` draft freezes).
     """
@@ -204,17 +206,19 @@ class GaussianChain:
         init_a: float = 1.0,
         init_scale: float = 0.0,
         monotone: bool = True,
-        b: Optional[torch.Tensor] = None,
+        past: Optional[torch.Tensor] = None,
     ) -> None:
         s = _check_sigmas(sigmas, monotone)
         T = s.numel() - 1
         tabs = {}
-        b = torch.zeros(T, dtype=torch.float64) if b is None else b
-        for key, t in (("a", a), ("c", c), ("scale", scale), ("b", b)):
+        for key, t in (("a", a), ("c", c), ("scale", scale)):
             t = torch.as_tensor(t, dtype=torch.float64).reshape(-1)
             if t.numel() != T or not bool(torch.isfinite(t).all()):
                 raise ValueError(f"the chain's {key} must be {T} finite numbers, one per step")
             tabs[key] = t
+        past = torch.zeros(T, 0, dtype=torch.float64) if past is None else torch.as_tensor(past, dtype=torch.float64)
+        if past.dim() != 2 or past.shape[0] != T or not bool(torch.isfinite(past).all()):
+            raise ValueError(f"the chain's past coefficients must be (T, history) = ({T}, h) finite numbers")
         if bool((tabs["scale"] < 0).any()):
             raise ValueError("the chain's scale must be >= 0 at every step")
         gamma = s[:-1] - s[1:]
@@ -228,7 +232,7 @@ class GaussianChain:
             ("_a", tabs["a"]),
             ("_c", tabs["c"]),
             ("_scale", tabs["scale"]),
-            ("_b", tabs["b"]),
+            ("_past", past),
             ("_gamma", gamma),
             ("_drift_f", drift_f),
             ("_drift_k", drift_k),
@@ -260,14 +264,14 @@ class GaussianChain:
         return self._c
 
     @property
-    def b(self) -> torch.Tensor:
-        """``(T,)`` coefficient of the parent's clean-image prediction in the mean (0 for a one-step sampler)."""
-        return self._b
+    def past(self) -> torch.Tensor:
+        """``(T, h)`` coefficients of the past predictions in the mean (``h = 0``: a one-step sampler)."""
+        return self._past
 
     @property
-    def carries(self) -> bool:
-        """Whether the mean reads the parent's prediction (some ``b != 0``): the engine then carries it."""
-        return bool((self.b != 0).any())
+    def history(self) -> int:
+        """``h``, the past predictions the mean reads: the engine carries them (:class:`~specforest.carried.Carried`)."""
+        return self._past.shape[1]
 
     @property
     def gamma(self) -> torch.Tensor:
@@ -390,7 +394,7 @@ class StepTables:
     stochastic: torch.Tensor
     run_end: torch.Tensor
     ac: Optional[torch.Tensor] = None  # (T, 2): a and c side by side, one gather for both
-    b: Optional[torch.Tensor] = None  # (T,): the parent prediction's coefficient, or None (one-step sampler)
+    past: Optional[torch.Tensor] = None  # (T, h): the past predictions' coefficients, or None (history 0)
     init_a: float = 1.0  # the chain starts from init_a x + init_scale z (see GaussianChain)
     init_scale: float = 0.0
 
@@ -414,23 +418,21 @@ class StepTables:
             to(chain.drift_k),
             chain.stochastic.to(device),
             chain.run_end.to(device),
-            b=to(chain.b) if chain.carries else None,
+            past=to(chain.past) if chain.history else None,
             init_a=chain.init_a,
             init_scale=chain.init_scale,
         )
 
     @property
-    def carries(self) -> bool:
-        """Whether the mean reads the parent's clean-image prediction (a multistep chain)."""
-        return self.b is not None
+    def history(self) -> int:
+        """``h``, the past predictions the mean reads (:attr:`GaussianChain.history`)."""
+        return 0 if self.past is None else self.past.shape[1]
 
-    def mean(
-        self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, prev: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        """``a[step] * y + c[step] * v (+ b[step] * prev)``: ``y, v (M, ..., D)``, ``step (M, ...)``,
-        ``prev`` the parent's clean-image prediction (broadcastable to ``y``; read only where the
-        chain :attr:`carries` it). Without ``prev`` the term is left out: a draft's mean, to which the
-        engine adds it (:func:`~specforest.drafting.carry_term`).
+    def mean(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, carried: Carried = NOTHING) -> torch.Tensor:
+        """``a[step] * y + c[step] * v (+ sum_j past[step, j] p_j)``: ``y, v (M, ..., D)``, ``step (M, ...)``,
+        ``carried`` the states' past predictions (:class:`~specforest.carried.Carried`, ``(M, ..., h, D)``).
+        Without them the term is left out: a draft's mean, to which the engine adds it
+        (:func:`~specforest.drafting.carried_term`).
 
         Written as ``addcmul(c v, a, y)``, the same ops as an affine draft
         ``addcmul(C, A, y)`` with the velocity frozen: a draft frozen at the
@@ -438,11 +440,19 @@ class StepTables:
         """
         ac = self.ac[step]  # (..., 2): slices of it are views, cheaper than a second gather
         m = torch.addcmul(ac[..., 1:] * v, ac[..., :1], y)
-        if self.b is not None and prev is not None:
-            m = torch.addcmul(m, self.b[step][..., None], prev)
-        return m
+        return self.add_past(m, step, carried)
 
-    def carry(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    def add_past(self, m: torch.Tensor, step: torch.Tensor, carried: Carried) -> torch.Tensor:
+        """``m + sum_j past[step, j] p_j``: ``m (M, ..., D)`` with the carried term of states at steps
+        ``step (M, ...)`` carrying ``carried`` (``(M, ..., h, D)``); ``m`` itself for history 0."""
+        return m if carried.p is None else carried.added_to(m, self.past[step])
+
+    def past_term(self, step: torch.Tensor, carried: Carried) -> Optional[torch.Tensor]:
+        """``(M, ..., D)`` the mean's carried term ``sum_j past[step, j] p_j`` at steps ``step (M, ...)`` of
+        states carrying ``carried`` (``(M, ..., h, D)``), or ``None`` for a chain of history 0."""
+        return None if carried.p is None else carried.term(self.past[step])
+
+    def prediction(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """The clean-image prediction ``y - sig[step] v`` at states ``y (M, ..., D)`` with velocities ``v``
-        at steps ``step (M, ...)``: what a multistep chain's children read as ``prev``."""
+        at steps ``step (M, ...)``: what the states' children carry (:meth:`Carried.pushed`)."""
         return torch.addcmul(y, self.sig[step][..., None], v, value=-1.0)

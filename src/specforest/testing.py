@@ -286,21 +286,32 @@ def chain_law(
 
         tr = get_chain(chain).build(sigmas)
         mean, var = tr.init_a * mean, tr.init_a**2 * var + tr.init_scale**2
-        # a multistep chain's mean also reads p, the prediction at the parent: track (y, p) jointly
-        # (per coordinate, isotropic); p = 0 before the first step, whose b is 0
-        mean_p, cov_yp, var_p = torch.zeros_like(mean), 0.0, 0.0
+        # a multistep chain's mean also reads p_0 .. p_{h-1}, the predictions 1 .. h steps before: track
+        # (y, p_0, .., p_{h-1}) jointly (per coordinate, isotropic); the p are 0 before the first steps,
+        # whose coefficients of them are 0
+        h = tr.history
+        means = torch.zeros(h + 1, mean.numel(), dtype=torch.float64)
+        means[0] = mean
+        cov = torch.zeros(h + 1, h + 1, dtype=torch.float64)
+        cov[0, 0] = var
         for n in range(tr.steps):
             t = float(tr.sigmas[n])
             alpha, beta = _gaussian_velocity(t, mu0, s0)
-            a, c, b = float(tr.a[n]), float(tr.c[n]), float(tr.b[n])
-            A = a + c * alpha
-            G, h = 1.0 - t * alpha, -t * beta  # the prediction y - t v at this state: G y + h
-            mean, mean_p = A * mean + c * beta + b * mean_p, G * mean + h
-            var, cov_yp, var_p = (
-                A * A * var + 2.0 * A * b * cov_yp + b * b * var_p + float(tr.scale[n]) ** 2,
-                G * (A * var + b * cov_yp),
-                G * G * var,
-            )
+            a, c = float(tr.a[n]), float(tr.c[n])
+            M = torch.zeros(h + 1, h + 1, dtype=torch.float64)  # (y, p) -> (y', p') without the offsets
+            M[0, 0] = a + c * alpha
+            M[0, 1:] = tr.past[n]
+            off = torch.zeros_like(means)
+            off[0] = c * beta
+            if h:
+                # the prediction y - t v at this state, G y + h0, becomes p_0; the others move down
+                M[1, 0] = 1.0 - t * alpha
+                off[1] = -t * beta
+                M[2:, 1:-1] = torch.eye(h - 1, dtype=torch.float64)
+            means = M @ means + off
+            cov = M @ cov @ M.T
+            cov[0, 0] += float(tr.scale[n]) ** 2
+        mean, var = means[0], float(cov[0, 0])
         return mean, float(var)
     eps2 = churn**2
     for n in range(len(sigmas) - 1):

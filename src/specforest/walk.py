@@ -49,8 +49,9 @@ from typing import Optional, Protocol
 import torch
 
 from . import streams
+from .carried import Carried
 from .couplings import project
-from .drafting import carry_term, chain_draft, sibling_noise
+from .drafting import carried_term, chain_draft, sibling_noise
 from .records import Draft, Observed, RunContext, RunState, WalkResult
 
 __all__ = ["Descent", "FullTree", "Level", "OnDemand", "Problem", "Realizer", "coupling_stream", "walk"]
@@ -150,6 +151,11 @@ class Realizer(Protocol):
         """``(P, K, D)`` the states of the children of ``nodes (P,)`` of walks ``rows (P,)``."""
         ...
 
+    def carried(self, nodes: torch.Tensor) -> Carried:
+        """The carried predictions of each walk's node ``nodes (G,)`` (a node on its path whose
+        children it met, or its parent), ``(G, h, D)``."""
+        ...
+
 
 def _problem_inputs(ctx, zk, mu_p, mu_q, scale, valid, keys, U=None):
     """Projections, mismatches, directions and decisions of a batch of problems (any leading shape)."""
@@ -182,13 +188,11 @@ class FullTree:
         steps = d.steps.step[d.s0, :Vi]
         # nodes a walk never verifies (leaves, beyond a trajectory's lookahead) get junk but finite
         # problems: their velocity is 0 and their scale at least positive (``scale_safe``)
-        prev = None
-        if d.carry is not None:
-            # a multistep chain: each node's mean reads its parent's prediction (the root's, carried)
-            x0 = ctx.tab.carry(d.Y[:, :Vi], V[:, :Vi], steps)
-            prev = x0[:, tt.up[:Vi]]
-            prev[:, 0] = d.carry
-        self.mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps, prev)
+        # a multistep chain: each node's mean reads its ancestors' predictions (the root's carried ones above it)
+        self.nodes_carried = d.carried
+        if d.carried.history:
+            self.nodes_carried = d.carried.at_nodes(ctx.tab.prediction(d.Y[:, :Vi], V[:, :Vi], steps), tt.up[:Vi])
+        self.mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps, self.nodes_carried)
         ch = tt.children[:Vi]  # (Vi, K)
         K = ch.shape[1]
         Vr = d.Y.shape[1]
@@ -277,6 +281,9 @@ class FullTree:
     def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
         return self.d.Y[rows[:, None], self.d.tt.kids[nodes]]
 
+    def carried(self, nodes: torch.Tensor) -> Carried:
+        return self.nodes_carried[self.rows, nodes]
+
 
 class OnDemand:
     """Realizer of the lazy cost simulation: drafts and evaluates only the nodes the walk visits.
@@ -298,8 +305,8 @@ class OnDemand:
         self.cur_evaluated = torch.zeros_like(self.cur, dtype=torch.bool)  # cur_v holds cur's velocity
         self.par = torch.full_like(self.cur, -1)
         self.par_y, self.par_v = self.cur_y.clone(), torch.zeros_like(self.cur_y)
-        # a multistep chain: the prediction at each walk's current node's parent (the root's, carried)
-        self.prev = None if d.carry is None else d.carry.clone()
+        # a multistep chain: the carried predictions of each walk's current node and of its parent
+        self.cur_carried = self.par_carried = d.carried
         K = d.tt.children.shape[1]
         self.kids = torch.zeros(G, K, D, dtype=ctx.work, device=ctx.device)
         self.kid_nodes = torch.full((G, K), -1, dtype=torch.long, device=ctx.device)
@@ -318,13 +325,13 @@ class OnDemand:
         vu = ctx.target(yu, ctx.tab.sig[sa], d.ids[a])
         self.cur_v[a] = vu
         self.cur_evaluated[a] = True
-        prev = None if self.prev is None else self.prev[a]
-        mu_q = ctx.tab.mean(yu[:, None], vu[:, None], sa[:, None], None if prev is None else prev[:, None])[:, 0]
+        carried = self.cur_carried.take(a)
+        mu_q = ctx.tab.mean(yu[:, None], vu[:, None], sa[:, None], carried[:, None])[:, 0]
         pre = d.pre.take(a)
         mem = {} if d.memory is None else {"memory": d.memory.take(a)}
         prop = ctx.proposal
-        # the draft's multistep term, as the full draft makes it (the root's carried prediction)
-        extra = carry_term(ctx, sa[:, None], None if d.carry is None else d.carry[a])
+        # the draft's multistep term, as the full draft makes it (the root's carried predictions)
+        extra = carried_term(ctx, sa[:, None], d.carried.take(a))
         if prop.affine:
             A, C = prop.coefficients(ctx.tab, sa[:, None], pre, self.draft_state, **mem)
             if extra is not None:
@@ -359,8 +366,10 @@ class OnDemand:
         # advance the accepted rows to their child
         take = a[acc]
         self.par[take], self.par_y[take], self.par_v[take] = u[acc], yu[acc], vu[acc]
-        if self.prev is not None:
-            self.prev[take] = ctx.tab.carry(yu[acc], vu[acc], sa[acc])
+        if carried.history:
+            moved = carried.take(acc)
+            self.par_carried = self.par_carried.put(take, moved)
+            self.cur_carried = self.cur_carried.put(take, moved.pushed(ctx.tab.prediction(yu[acc], vu[acc], sa[acc])))
         self.cur_y[take] = kids[acc, idx[acc]]
         self.cur[take] = ch[acc, idx[acc]]
         self.cur_evaluated[take] = False
@@ -437,6 +446,10 @@ class OnDemand:
     def children_states(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
         return self.kids[rows]
 
+    def carried(self, nodes: torch.Tensor) -> Carried:
+        # as ``state``: the walk's parent's, else its current node's
+        return self.cur_carried.where(nodes == self.par, self.par_carried)
+
 
 def walk(ctx: RunContext, d: Draft, R: Realizer) -> WalkResult:
     """From each root down to the first rejection, the residual there, and the prefetch rule (phase 4)."""
@@ -470,11 +483,12 @@ def walk(ctx: RunContext, d: Draft, R: Realizer) -> WalkResult:
         src = src.index_put((r,), pick_node)
     pre_y, pre_v = R.state(src), R.velocity(src)
     pre_step = d.s0 + tt.depth[src]
-    carry = None
-    if d.carry is not None:
+    carried = d.carried
+    if carried.history:
         # the new state's parent: the node whose children were rejected, or the last accepted one's parent
         par = torch.where(rejected, cur, tt.up[cur])
-        carry = ctx.tab.carry(R.state(par), R.velocity(par), (d.s0 + tt.depth[par]).clamp(max=ctx.T - 1))
+        x0 = ctx.tab.prediction(R.state(par), R.velocity(par), (d.s0 + tt.depth[par]).clamp(max=ctx.T - 1))
+        carried = R.carried(par).pushed(x0)
     return WalkResult(
         x=new_x,
         committed=ncom,
@@ -486,5 +500,5 @@ def walk(ctx: RunContext, d: Draft, R: Realizer) -> WalkResult:
         delta=desc.delta,
         observed=desc.observed,
         draft_calls=R.draft_calls,
-        carry=carry,
+        carried=carried,
     )

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable, TypeVar
 
 import click
 
+from ..chains import Chain
 from ..devices import set_threads
+from ..options import NoStochasticStep, check_stochastic, make_sde
 from ..planning import TREE_MODES
 from .sampler_options import (
     CHAIN_FLAGS,
@@ -33,14 +36,17 @@ from .sampler_options import (
     NAMED_GRID_SHIFT,
     chain_options,
     chain_settings,
+    check_grid,
     check_named_grid,
     churn_option,
     draft_option,
     extra_options,
     extra_values,
+    grid_flags,
     grid_option,
     is_given,
     lazy_option,
+    pipeline_extra_options,
     prefetch_option,
     run_chain,
     steps_option,
@@ -62,8 +68,10 @@ __all__ = [
     "UNUSED_BY_STANDARD",
     "apply_tuned",
     "as_ran",
+    "chain_given",
     "chain_options",
     "chain_settings",
+    "check_grid",
     "check_named_grid",
     "check_output",
     "choice_list",
@@ -71,19 +79,24 @@ __all__ = [
     "compile_option",
     "draft_option",
     "extra_options",
+    "grid_flags",
+    "pipeline_extra_options",
     "extra_values",
     "float_list",
     "grid_option",
+    "in_flags",
     "int_list",
     "is_given",
     "json_option",
     "lazy_option",
     "library_errors",
     "method_option",
+    "no_stochastic_step",
     "output_path",
     "prefetch_option",
     "progress_option",
     "read_tuned",
+    "refuse_deterministic_chain",
     "refuse_group_options",
     "refuse_unused",
     "run_chain",
@@ -95,6 +108,7 @@ __all__ = [
     "tree_size_options",
     "tune_option",
     "verify_option",
+    "write_result",
 ]
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -112,13 +126,64 @@ covers missing files); anything else is a bug and keeps its traceback."""
 
 T = TypeVar("T")
 
+_PYTHON_SPELLINGS = (
+    (re.compile(r"\blazy=True \(--lazy\)|\blazy=True\b"), "--lazy"),
+    (re.compile(r"\btree=None\b"), "--method standard"),
+    (re.compile(r"\btree='(\w+)'"), r"--tree \1"),
+)
+"""The library's advice in Python keywords whose flag has another name (``tree=None`` is the standard
+sampler, ``--method standard``), for :func:`in_flags`."""
+
+
+def in_flags(message: str) -> str:
+    """A library error's ``message`` in the current command's flags: the keywords of
+    :data:`_PYTHON_SPELLINGS`, and ``name=value`` of each option of the command (``draft='learned'``,
+    ``memory_gb=1e-06``) as its flag and value (``--draft learned``, ``--memory-gb 1e-06``). A user of a
+    command cannot type the library's keywords; the command's options are named as they are (``--steps``
+    is ``steps``), so only the spelling changes."""
+    for pattern, flags in _PYTHON_SPELLINGS:
+        message = pattern.sub(flags, message)
+    ctx = click.get_current_context(silent=True)
+    for param in ctx.command.params if ctx is not None else ():
+        if isinstance(param, click.Option) and param.name and param.opts[0].startswith("--"):
+            flag = param.opts[0]
+            message = re.sub(rf"\b{re.escape(param.name)}='([\w.-]*)'", rf"{flag} \1", message)
+            message = re.sub(rf"\b{re.escape(param.name)}=", f"{flag} ", message)
+    return message
+
 
 def library_errors(fn: Callable[[], T]) -> T:
-    """Run ``fn()`` and turn the library's errors (:data:`LIBRARY_ERRORS`) into clean CLI errors."""
+    """Run ``fn()`` and turn the library's errors (:data:`LIBRARY_ERRORS`) into clean CLI errors, in flags
+    (:func:`in_flags`; a chain with no stochastic step: :func:`no_stochastic_step`)."""
     try:
         return fn()
+    except NoStochasticStep as e:
+        raise click.ClickException(no_stochastic_step(e)) from e
     except LIBRARY_ERRORS as e:
-        raise click.ClickException(str(e)) from e
+        raise click.ClickException(in_flags(str(e))) from e
+
+
+def write_result(path: str, write: Callable[[], object], *, option: str) -> None:
+    """Write a command's result file at its end, after the result was printed: ``write()`` writes ``path``
+    atomically (:mod:`specforest.atomic`), so a failure leaves no half-written file there.
+
+    The path was checked before the work (:func:`output_path`), but a disk can fill while the run works.
+
+    Args:
+        path: the file, as the user gave it.
+        write: writes it (raises :class:`OSError` when it cannot).
+        option: the flag that named it.
+
+    Raises:
+        click.ClickException: naming ``option``, ``path`` and why, never a traceback after the work.
+    """
+    try:
+        write()
+    except OSError as e:
+        raise click.ClickException(
+            f"{option} {path}: cannot write it ({e.strerror or e}); nothing was written there. The result is "
+            "printed above: free some space or give another path, and run again"
+        ) from e
 
 
 def refuse_group_options(ctx: click.Context) -> None:
@@ -396,3 +461,81 @@ def refuse_unused(o: dict) -> None:
         raise click.UsageError(
             "--budget applies only to --tree optimal or adaptive (the uniform tree's budget is set by --K and --L)"
         )
+    # the library's own refusals of these name its keywords (tree='optimal'); a user gave flags
+    mode, method = o.get("tree_mode"), o.get("method")
+    if method == "standard":
+        return
+    if mode in ("optimal", "adaptive") and method == "antithetic":
+        raise click.UsageError(
+            f"--tree {mode} plans irregular trees of i.i.d. children; --method antithetic drafts K/2 mirrored pairs "
+            "per node of a uniform tree: use --method dgrs, rank or rmc with it, or --tree uniform"
+        )
+    if mode in ("optimal", "adaptive") and o.get("budget") is None:
+        raise click.UsageError(f"--tree {mode} needs --budget (drafted states per round, >= 1)")
+    if mode == "uniform" and method == "antithetic" and o.get("K") is not None and o["K"] % 2:
+        raise click.UsageError(f"--K must be even with --method antithetic (K/2 mirrored pairs per node), got {o['K']}")
+
+
+def chain_given(name: str, params: dict) -> str:
+    """A chain as the command line gives it: ``--chain ddim --eta 0.0``, with its parameters no flag sets
+    in parentheses (``(s_tmin 0.0, s_tmax None)``)."""
+    flags = [f"--chain {name}"]
+    flags += [f"{CHAIN_FLAGS[p]} {v}" for p, v in params.items() if p in CHAIN_FLAGS and v is not None]
+    other = [f"{p} {v}" for p, v in params.items() if p not in CHAIN_FLAGS and p != "churn"]
+    return " ".join(flags) + (f" ({', '.join(other)})" if other else "")
+
+
+def no_stochastic_step(err: NoStochasticStep, where: str = "this grid", *, tune: "bool | None" = None) -> str:
+    """The command line's words for the library's :class:`~specforest.options.NoStochasticStep` (whose own
+    advice is Python's ``tree=None``), on ``where``; ``tune``: worded for ``specforest tune`` (``None``: when
+    the current command is ``tune``)."""
+    if tune is None:
+        ctx = click.get_current_context(silent=True)
+        tune = ctx is not None and ctx.command.name == "tune"
+    head = (
+        f"{chain_given(err.chain, err.params)} has no stochastic step on {where}: every transition is a point "
+        "mass, so no draft can be accepted and a tree only costs calls"
+    )
+    settings = (
+        "(--eta > 0 with --chain euler_ancestral, dpmpp_2m_sde, dpmpp_3m_sde or ddim; --s-churn > 0 with --chain euler; "
+        "--chain em, ddpm or lcm)"
+    )
+    if tune:
+        return (
+            f"{head}; there is nothing to tune: run it with --method standard (no --tune file), or tune a "
+            f"stochastic setting {settings}"
+        )
+    return f"{head}. Run it with --method standard, or give a stochastic setting {settings}"
+
+
+def refuse_deterministic_chain(
+    chain: Chain,
+    steps: int,
+    grid: str,
+    *,
+    speculative: bool = True,
+    where: "str | None" = None,
+    schedule: "dict | None" = None,
+) -> None:
+    """Refuse, before any work, a tree on a chain with no stochastic step on the run's grid: the named grid
+    ``--grid`` of ``steps`` steps, or the ``--schedule`` (with ``--sigma-min``/``--sigma-max``) that the
+    command's options ``schedule`` give (``speculative=False``: the standard sampler, which runs any
+    chain). ``where`` names the grid in the message (default ``--grid GRID of --steps N``, or
+    ``--schedule NAME of --steps N``).
+
+    Raises:
+        click.UsageError: naming ``--chain`` with its options, the grid and ``--method standard``.
+    """
+    if not speculative:
+        return
+    ranged = {k: (schedule or {}).get(k) for k in ("schedule", "sigma_min", "sigma_max")}
+    if ranged["schedule"] is not None:
+        grid_words = f"--schedule {ranged['schedule']} of --steps {steps}"
+        sde = make_sde(steps, None, "flow_match", 1.0, None, chain, **ranged)
+    else:
+        grid_words = f"--grid {grid} of --steps {steps}"
+        sde = make_sde(steps, None, grid, NAMED_GRID_SHIFT, None, chain)
+    try:
+        check_stochastic(sde, "")
+    except NoStochasticStep as e:
+        raise click.UsageError(no_stochastic_step(e, where or grid_words)) from None

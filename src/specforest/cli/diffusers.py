@@ -30,13 +30,13 @@ from .common import (
     chain_options,
     churn_option,
     draft_option,
-    extra_options,
     extra_values,
     json_option,
     lazy_option,
     library_errors,
     method_option,
     output_path,
+    pipeline_extra_options,
     prefetch_option,
     progress_option,
     refuse_unused,
@@ -51,6 +51,7 @@ from .common import (
 
 __all__ = [
     "FAMILY_FLAGS",
+    "checked_chain",
     "diffusers_command",
     "family_given",
     "family_pipeline_options",
@@ -271,6 +272,42 @@ def pipeline_chain(o: dict, ctx: "click.Context | None" = None) -> dict:
     return {"chain": run_chain({k: v for k, v in o.items() if k != "churn" or is_given(ctx, k)}, ctx)}
 
 
+def checked_chain(o: dict, steps: int, ctx: "click.Context | None" = None) -> "tuple[dict, float | None]":
+    """:func:`pipeline_chain` of the options ``o``, with everything about the chain checked before the
+    pipeline is loaded: the chain's options, ``--scheduler``'s name, and with ``--chain scheduler`` the
+    scheduler the run will step with (the pipeline's own or ``--scheduler``'s, made from the directory's
+    scheduler config alone) and ``--eta`` against its step at ``steps`` steps.
+
+    Returns:
+        ``(chain, eta)``: the family ``sample``'s ``chain`` (and ``eta``), and the ``eta`` the run's record
+        holds: the scheduler's step's with ``--chain scheduler`` (``None`` where its step takes none), a
+        registered chain's own, ``None`` with the em chain.
+
+    Raises:
+        click.UsageError / click.BadParameter: naming the flag (``--chain``, ``--scheduler``, ``--eta``, ...).
+    """
+    from ..diffusers.schedulers import check_scheduler, directory_scheduler, scheduler_eta
+
+    chain = pipeline_chain(o, ctx)
+    try:
+        sch = directory_scheduler(o["pipeline_path"], o.get("scheduler_name"))
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--scheduler") from None
+    if chain.get("chain") != "scheduler":
+        return chain, (chain["chain"].params.get("eta") if chain else None)
+    if sch is None:  # (no scheduler config saved: the loaded pipeline's scheduler is checked by the library)
+        return chain, chain["eta"]
+    try:
+        check_scheduler(sch)
+    except ValueError as err:
+        raise click.UsageError(f"--chain scheduler: {err}") from None
+    try:
+        check_scheduler(sch, chain["eta"], steps)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--eta") from None
+    return chain, scheduler_eta(type(sch).__name__, chain["eta"])
+
+
 def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
     """The draft tree and coupling of the command's method, or of its ``--tune`` file."""
     from ..experiments.common import COUPLING_OF, method_tree
@@ -324,7 +361,7 @@ def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
 @json_option()
 @progress_option("Progress bar of the sampler on stderr.")
 @threads_option()
-@extra_options
+@pipeline_extra_options
 @tune_option(
     "A JSON written by 'specforest tune --model diffusers' for a pipeline of the same family: its tree, "
     "coupling, verify, draft and prefetch replace --method/--K/--L/--draft/--verify/--prefetch (giving any "
@@ -363,15 +400,24 @@ def diffusers_command(**o) -> None:
     dtype = o["dtype"] or default_dtype(device)
     captions = library_errors(lambda: load_prompts(o["prompts_file"], o["num_prompts"]))
     tree, coupling = library_errors(lambda: _tree_and_coupling(o, options["num_inference_steps"]))
+    # every option is checked before the pipeline is loaded
+    chain, eta = checked_chain(o, options["num_inference_steps"], ctx)
+    if chain:
+        options["churn"] = None  # (the em chain's; the run's record says it did not apply)
     click.echo(f"loading {o['pipeline_path']} ({family.name}, {dtype} on {device})", err=True)
     pipe, _ = library_errors(lambda: load_pipeline(o["pipeline_path"], device=device, dtype=dtype))
     swap_scheduler(pipe, o["scheduler_name"])
-    chain = pipeline_chain(o, ctx)
-    keys = ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size", "eta")
-    sampler = as_ran({k: o[k] for k in keys})
+    keys = ("method", "K", "L", "draft", "verify", "prefetch", "lazy", "seed", "batch_size")
+    sampler = as_ran({**{k: o[k] for k in keys}, "eta": eta})
     sampler.update(options_record(extra_values(o)))
     if tuned is not None:
         sampler.update(tuned=tuned.label, tune_file=str(Path(o["tune_file"]).resolve()), coupling=tuned.coupling)
+    if not chain:
+        chain_record = {}  # (the em chain: its churn is the record's)
+    elif isinstance(chain["chain"], str):
+        chain_record = {"chain_params": {"scheduler": type(pipe.scheduler).__name__, "eta": eta}}
+    else:
+        chain_record = {"chain_params": json_params(chain["chain"].params)}
     record = {
         "family": family.name,
         "pipeline_class": pipeline_class_name(o["pipeline_path"]),
@@ -382,11 +428,7 @@ def diffusers_command(**o) -> None:
             **options,
             **sampler,
             "chain": o["chain"] or "em",
-            **(
-                {"chain_params": json_params(chain["chain"].params)}
-                if not isinstance(chain.get("chain", ""), str)
-                else {}
-            ),
+            **chain_record,
             "scheduler": type(pipe.scheduler).__name__,
             "num_images_per_prompt": o["num_images_per_prompt"],
             "max_memory_gb": o["max_memory_gb"],

@@ -10,8 +10,8 @@ samples every N-th index with continuous batching, or, with
 from __future__ import annotations
 
 import signal
-import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
@@ -29,16 +29,18 @@ from .common import (
     as_ran,
     chain_options,
     chain_settings,
-    check_named_grid,
+    check_grid,
     churn_option,
     compile_option,
     draft_option,
     extra_options,
     extra_values,
     grid_option,
+    is_given,
     library_errors,
     method_option,
     output_path,
+    pipeline_extra_options,
     prefetch_option,
     progress_option,
     refuse_unused,
@@ -52,6 +54,7 @@ from .common import (
 )
 from .diffusers import (
     FAMILY_FLAGS,
+    checked_chain,
     family_given,
     family_pipeline_options,
     family_shown,
@@ -65,9 +68,11 @@ __all__ = ["generate"]
 
 
 def _scheduler_settings(o: dict) -> dict:
-    """What a job records of ``--chain scheduler``: its step's ``eta``; the other chain options and ``--churn``
-    are refused (:func:`~specforest.cli.diffusers.pipeline_chain`)."""
-    return {"churn": None, "chain": "scheduler", "chain_params": {"eta": pipeline_chain(o)["eta"]}}
+    """What a job records of ``--chain scheduler``: its step's ``eta`` (``o["eta"]``, as
+    :func:`~specforest.cli.diffusers.checked_chain` gives it: null with a scheduler whose step takes none);
+    the other chain options and ``--churn`` are refused (:func:`~specforest.cli.diffusers.pipeline_chain`)."""
+    pipeline_chain(o)
+    return {"churn": None, "chain": "scheduler", "chain_params": {"eta": o["eta"]}}
 
 
 def _job_options(model: str, K: int, L: int, device: bool = True):
@@ -141,7 +146,7 @@ def _job_options(model: str, K: int, L: int, device: bool = True):
             threads_option(),
             compile_option(),
             tune_option(),
-            extra_options,
+            pipeline_extra_options if model in ("sd3", "diffusers") else extra_options,
         ]
         if device:
             opts.append(
@@ -180,7 +185,7 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
     scheduled = o.get("chain") == "scheduler"  # (generate diffusers: the pipeline's own scheduler)
     chain = None if scheduled else run_chain(o)
     if model not in gen_exp.IMAGE_MODELS:  # (an image job runs its pipeline's grid)
-        check_named_grid(chain, o["steps"], o["grid"])
+        check_grid(chain, o)
     set_threads(o["threads"])
     sampler = {k: o[k] for k in ("method", "K", "L", "steps", "grid", "prefetch", "verify", "draft")}
     # the chain as the job records it: churn (null with another chain than em), chain, chain_params
@@ -199,8 +204,14 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
     spec = library_errors(lambda: gen_exp.JobSpec(model, o["count"], o["seed"], sampler, model_options))
     library_errors(lambda: distributed.init_from_env(o["device"]))
     rank = distributed.rank()
+    stopped_by = [signal.SIGINT]
+
+    def terminated(*_) -> None:
+        stopped_by[0] = signal.SIGTERM
+        raise KeyboardInterrupt
+
     # a SIGTERM unwinds like an interrupt: temporary files are removed, written shards stay
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         res = library_errors(
             lambda: gen_exp.run_job(
@@ -220,6 +231,8 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
     except distributed.PeerError as e:
         # another process failed: its own error is on its stderr; this one says which and exits non-zero too
         raise click.ClickException(f"process {rank}: {e}") from e
+    except KeyboardInterrupt:
+        _interrupted(o["out"], rank, stopped_by[0])
     finally:
         signal.signal(signal.SIGTERM, previous)
         if distributed.is_distributed():
@@ -232,6 +245,20 @@ def _run(model: str, o: dict, model_options: "dict | Callable[[], dict]") -> Non
             f"{res.rounds} rounds, occupancy {res.occupancy:.3f}",
             err=True,
         )
+
+
+def _interrupted(out: str, rank: int, signum: int) -> None:
+    """Stop the command after a SIGINT or SIGTERM, saying where the finished samples are and that ``--resume``
+    finishes the job, with exit status ``128 + signum`` (the shell's for a signal)."""
+    parts = gen_exp.parts_dir(Path(out))
+    who = f"process {rank}: " if distributed.is_distributed() else ""
+    if parts.exists():
+        msg = f"interrupted: the finished samples are kept in {parts}; rerun with --resume to finish the job"
+    else:
+        msg = f"interrupted before any sample was written to {parts}; rerun to start the job"
+    err = click.ClickException(who + msg)
+    err.exit_code = 128 + signum
+    raise err
 
 
 @click.group(context_settings=CONTEXT)
@@ -325,6 +352,13 @@ def generate_diffusers(**o):
         o["churn"] = library_errors(lambda: family_options(family, "sample", {"churn": churn}))["churn"]
     options = library_errors(lambda: family_options(family, "prepare", given, names=names))
     o["steps"] = options.pop("num_inference_steps")
+    # the chain, --scheduler and --eta checked against the scheduler that will run, before anything is loaded
+    _, eta = checked_chain(o, o["steps"], ctx)
+    if o["chain"] == "scheduler":
+        o["eta"] = eta
+    if is_given(ctx, "grid"):
+        raise click.UsageError("--grid: a diffusers job runs its pipeline's scheduler grid; leave it out")
+    o["grid"] = None  # (recorded null: the scheduler's grid ran)
     for k in FAMILY_FLAGS:
         if k not in ("steps", "churn"):
             o.pop(k)

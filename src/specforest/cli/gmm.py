@@ -21,7 +21,7 @@ from .common import (
     apply_tuned,
     as_ran,
     chain_options,
-    check_named_grid,
+    check_grid,
     choice_list,
     churn_option,
     compile_option,
@@ -37,6 +37,7 @@ from .common import (
     output_path,
     prefetch_option,
     progress_option,
+    refuse_deterministic_chain,
     refuse_group_options,
     refuse_unused,
     run_chain,
@@ -48,6 +49,7 @@ from .common import (
     tree_size_options,
     tune_option,
     verify_option,
+    write_result,
 )
 
 __all__ = ["gmm"]
@@ -152,7 +154,8 @@ def gmm(ctx: click.Context, **o) -> None:
     )
     refuse_unused(o)
     chain = run_chain(o)
-    check_named_grid(chain, o["steps"], o["grid"])
+    check_grid(chain, o)
+    refuse_deterministic_chain(chain, o["steps"], o["grid"], speculative=o["method"] != "standard", schedule=o)
     set_threads(o["threads"])
     setting = library_errors(lambda: _setting(o, chain))
     run = library_errors(
@@ -176,16 +179,19 @@ def gmm(ctx: click.Context, **o) -> None:
         )
     )
     rec = as_ran(run.record)
+    # the result first: a disk that fills at the write loses the file, not what the run found
+    click.echo(json.dumps(rec, allow_nan=False) if o["as_json"] else gmm_exp.format_result(rec))
     if o["dump_samples"]:
         meta = json.dumps(rec)
         samples = run.samples.numpy().astype(np.float32)
-        atomic_write(o["dump_samples"], lambda f: np.savez(f, samples=samples, result=np.array(meta)), binary=True)
-    if o["as_json"]:
-        click.echo(json.dumps(rec, allow_nan=False))
-    else:
-        click.echo(gmm_exp.format_result(rec))
-        if o["dump_samples"]:
-            click.echo(f"  samples written to {o['dump_samples']}")
+        path = o["dump_samples"]
+        write_result(
+            path,
+            lambda: atomic_write(path, lambda f: np.savez(f, samples=samples, result=np.array(meta)), binary=True),
+            option="--dump-samples",
+        )
+        if not o["as_json"]:
+            click.echo(f"  samples written to {path}")
 
 
 @gmm.command()

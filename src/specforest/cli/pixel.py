@@ -20,7 +20,7 @@ from .common import (
     apply_tuned,
     as_ran,
     chain_options,
-    check_named_grid,
+    check_grid,
     choice_list,
     churn_option,
     compile_option,
@@ -36,6 +36,7 @@ from .common import (
     output_path,
     prefetch_option,
     progress_option,
+    refuse_deterministic_chain,
     refuse_group_options,
     refuse_unused,
     run_chain,
@@ -47,6 +48,7 @@ from .common import (
     tree_size_options,
     tune_option,
     verify_option,
+    write_result,
 )
 
 __all__ = ["pixel"]
@@ -132,7 +134,8 @@ def pixel(ctx: click.Context, **o) -> None:
     o, _ = apply_tuned(o, "digits", run={"batch": "samples"}, fixed={"device": "cpu", "shift": NAMED_GRID_SHIFT})
     refuse_unused(o)
     chain = run_chain(o)
-    check_named_grid(chain, o["steps"], o["grid"])
+    check_grid(chain, o)
+    refuse_deterministic_chain(chain, o["steps"], o["grid"], speculative=o["method"] != "standard", schedule=o)
     set_threads(o["threads"])
     run = library_errors(
         lambda: pixel_exp.simulate(
@@ -158,17 +161,20 @@ def pixel(ctx: click.Context, **o) -> None:
         )
     )
     rec = as_ran(run.record)
+    # the result first: a disk that fills at the write loses the file, not what the run found
+    click.echo(json.dumps(rec, allow_nan=False) if o["as_json"] else pixel_exp.format_result(rec))
     if o["dump_samples"]:
         samples = run.samples.clamp(-1, 1).numpy().astype(np.float32)
         labels = run.labels.numpy().astype(np.int64)
         meta = np.array(json.dumps(rec))
-        atomic_write(o["dump_samples"], lambda f: np.savez(f, samples=samples, labels=labels, result=meta), binary=True)
-    if o["as_json"]:
-        click.echo(json.dumps(rec, allow_nan=False))
-    else:
-        click.echo(pixel_exp.format_result(rec))
-        if o["dump_samples"]:
-            click.echo(f"  samples written to {o['dump_samples']}")
+        path = o["dump_samples"]
+        write_result(
+            path,
+            lambda: atomic_write(path, lambda f: np.savez(f, samples=samples, labels=labels, result=meta), binary=True),
+            option="--dump-samples",
+        )
+        if not o["as_json"]:
+            click.echo(f"  samples written to {path}")
 
 
 @pixel.command("sweep", context_settings=CONTEXT)

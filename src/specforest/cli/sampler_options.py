@@ -21,6 +21,7 @@ import torch
 
 from ..chains import EM, Chain, available_chains, get_chain
 from ..options import Option, declared_options, option_default
+from ..schedules import SCHEDULE_SIGMA_RANGE, SCHEDULES, schedule_grid
 
 __all__ = [
     "CHAIN_FLAGS",
@@ -30,10 +31,13 @@ __all__ = [
     "RegistryChoice",
     "chain_options",
     "chain_settings",
+    "check_grid",
     "check_named_grid",
     "churn_option",
     "draft_option",
     "extra_options",
+    "grid_flags",
+    "pipeline_extra_options",
     "extra_values",
     "grid_option",
     "is_given",
@@ -112,16 +116,29 @@ def sampler_option(name: str, *, default: Any = _UNSET, show_default: Any = True
 
 def extra_options(f):
     """The options the command line exposes (``cli=True``) that no command places itself (:data:`PLACED`),
-    each as :func:`sampler_option` makes it: none today; a new field declared for the command line
-    appears here, on every command that runs the sampler."""
+    each as :func:`sampler_option` makes it: a new field declared for the command line appears here, on
+    every command that runs the sampler."""
     for name in reversed(extra_names()):
         f = sampler_option(name)(f)
     return f
 
 
-def extra_names() -> "tuple[str, ...]":
-    """The names :func:`extra_options` adds."""
-    return tuple(n for n, d in declared_options().items() if d.cli and n not in PLACED)
+def pipeline_extra_options(f):
+    """:func:`extra_options` less those that make the grid (``Option.grid``: ``--schedule`` and its range),
+    for the pipelines' commands, whose grid is their scheduler's."""
+    for name in reversed(extra_names(pipeline=True)):
+        f = sampler_option(name)(f)
+    return f
+
+
+def extra_names(pipeline: bool = False) -> "tuple[str, ...]":
+    """The names :func:`extra_options` adds (``pipeline``: :func:`pipeline_extra_options`)."""
+    return tuple(n for n, d in declared_options().items() if d.cli and n not in PLACED and not (pipeline and d.grid))
+
+
+def grid_flags() -> "dict[str, str]":
+    """The flags of the options that make the grid (``Option.grid``), by option name."""
+    return {n: d.flag for n, d in declared_options().items() if d.cli and d.grid}
 
 
 def extra_values(o: dict) -> dict:
@@ -274,18 +291,76 @@ def check_named_grid(chain: Chain, steps: int, grid: str, where: "str | None" = 
     ``where`` names the grid in the message (default ``--grid GRID``).
 
     Raises:
-        click.UsageError: naming ``--chain`` and the grid, with the library's reason.
+        click.UsageError: naming ``--chain`` and the grid, and ``--schedule``, which gives such a chain a grid.
     """
     from ..sde import flow_match_grid, uniform_grid
 
     make = flow_match_grid if grid == "flow_match" else uniform_grid
     try:
-        chain.build(make(steps, shift=NAMED_GRID_SHIFT).to(torch.float64))
+        sigmas = make(steps, shift=NAMED_GRID_SHIFT).to(torch.float64)
     except ValueError as e:
         raise click.UsageError(
             f"--chain {chain.name} does not run on {where or f'--grid {grid}'}, which starts at t = 1 "
             f"(sigma = inf): {e}"
         ) from None
+    try:
+        chain.build(sigmas)
+    except ValueError:
+        raise click.UsageError(
+            f"--chain {chain.name} does not run on {where or f'--grid {grid}'}, which starts at t = 1 "
+            f"(sigma = inf), where a sampler on VE noise levels is not defined: give a noise schedule, "
+            f"--schedule {'|'.join(SCHEDULES)} (with --sigma-min/--sigma-max for karras and exponential)"
+        ) from None
+
+
+def _set(flags: list) -> str:
+    return "sets" if len(flags) == 1 else "set"
+
+
+def _range_flags(o: dict) -> list:
+    return [
+        flag for name, flag in (("sigma_min", "--sigma-min"), ("sigma_max", "--sigma-max")) if o.get(name) is not None
+    ]
+
+
+def check_grid(chain: Chain, o: dict, grid: "str | None" = None, where: "str | None" = None) -> None:
+    """Refuse the grid of a command's options ``o`` where its run could not have it, in flags: ``--schedule``
+    beside ``--grid``, ``--sigma-min``/``--sigma-max`` without a schedule that takes them or out of order,
+    a chain that is not defined on the named grid (:func:`check_named_grid`). ``grid``: the named grid the
+    command runs when it has no ``--grid`` (``specforest tune``), named by ``where``.
+
+    Raises:
+        click.UsageError / click.BadParameter: naming the flags, before anything is loaded or written.
+    """
+    schedule = o.get("schedule")
+    ranged = _range_flags(o)
+    if schedule is None:
+        if ranged:
+            raise click.UsageError(
+                f"{' and '.join(ranged)} {_set(ranged)} the range of --schedule {' or '.join(SCHEDULE_SIGMA_RANGE)}; "
+                "give --schedule, or leave them out"
+            )
+        check_named_grid(chain, o["steps"], o["grid"] if grid is None else grid, where)
+        return
+    if grid is None and is_given(click.get_current_context(), "grid"):
+        raise click.UsageError(f"--grid {o['grid']} and --schedule {schedule} both choose the grid: give one of them")
+    if schedule not in SCHEDULE_SIGMA_RANGE:
+        if ranged:
+            raise click.UsageError(
+                f"{' and '.join(ranged)} {_set(ranged)} the range of --schedule {' or '.join(SCHEDULE_SIGMA_RANGE)}; "
+                f"--schedule {schedule} has its own levels: leave {'them' if len(ranged) > 1 else 'it'} out"
+            )
+    else:
+        lo_default, hi_default = SCHEDULE_SIGMA_RANGE[schedule]
+        lo = lo_default if o.get("sigma_min") is None else o["sigma_min"]
+        hi = hi_default if o.get("sigma_max") is None else o["sigma_max"]
+        if not hi > lo:
+            lo_said = f"{lo:g}" if o.get("sigma_min") is not None else f"{lo:g}, its default"
+            raise click.BadParameter(f"must be > --sigma-min ({lo_said}), got {hi:g}", param_hint="--sigma-max")
+    try:
+        chain.build(schedule_grid(schedule, o["steps"], o.get("sigma_min"), o.get("sigma_max")))
+    except ValueError as e:
+        raise click.UsageError(f"--chain {chain.name} does not run on --schedule {schedule}: {e}") from None
 
 
 def chain_settings(chain: Chain) -> dict:

@@ -17,12 +17,12 @@ from .common import (
     apply_tuned,
     churn_option,
     draft_option,
-    extra_options,
     extra_values,
     int_list,
     lazy_option,
     library_errors,
     output_path,
+    pipeline_extra_options,
     prefetch_option,
     progress_option,
     seed_option,
@@ -45,19 +45,25 @@ def pipeline_options(f):
 
 def tune_pipeline_options(f):
     """The same options for ``specforest tune --model sd3``: the pipeline is ``--pipeline``, nothing required."""
-    for opt in reversed(_pipeline_option_list("--pipeline", required=False, device=False)):
+    pipeline = (
+        "Local diffusers pipeline directory, loaded with local_files_only=True: --model sd3 a "
+        "StableDiffusion3Pipeline (e.g. a download of stabilityai/stable-diffusion-3.5-medium), --model diffusers "
+        "a pipeline of any family (sd3, flux, sdxl, sd), read from its model_index.json."
+    )
+    for opt in reversed(_pipeline_option_list("--pipeline", required=False, device=False, path_help=pipeline)):
         f = opt(f)
     return f
 
 
-def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> list:
+def _pipeline_option_list(path_flag: str, *, required: bool, device: bool, path_help: "str | None" = None) -> list:
     opts = [
         click.option(
             path_flag,
             "pipeline_path" if path_flag != "--model" else "model",
             type=click.Path(exists=True, file_okay=False),
             required=required,
-            help="Local StableDiffusion3Pipeline directory (e.g. a download of "
+            help=path_help
+            or "Local StableDiffusion3Pipeline directory (e.g. a download of "
             "stabilityai/stable-diffusion-3.5-medium); loaded with local_files_only=True.",
         ),
         click.option(
@@ -186,7 +192,7 @@ def _pipeline_option_list(path_flag: str, *, required: bool, device: bool) -> li
     "--steps, --churn, --batch-size, --guidance, --shift, --height, --width, --device and --threads default "
     "to the file's; given, they must match it (an error lists every difference)."
 )
-@extra_options
+@pipeline_extra_options
 def sd3(**o) -> None:
     """Stable Diffusion 3 experiment of the paper (Section 5.3, Figure 5, Table 1).
 

@@ -16,6 +16,7 @@ from ..atomic import atomic_write_text
 from ..devices import default_dtype
 from ..experiments.common import chain_kwargs
 from ..experiments.further_options import options_record
+from ..sde import MAX_STEPS
 from .common import (
     CHAIN_FLAGS,
     CONTEXT,
@@ -24,18 +25,21 @@ from .common import (
     NAMED_GRID_SHIFT,
     chain_options,
     chain_settings,
-    check_named_grid,
+    check_grid,
     churn_option,
     extra_options,
     extra_values,
+    grid_flags,
     is_given,
     library_errors,
     output_path,
     progress_option,
+    refuse_deterministic_chain,
     run_chain,
     set_threads,
     steps_option,
     threads_option,
+    write_result,
 )
 from .diffusers import FAMILY_FLAGS, family_given, pipeline_chain, scheduler_option, swap_scheduler
 from .sd3 import tune_pipeline_options
@@ -197,7 +201,9 @@ def _tune_diffusers(o: dict, drafts: list):
     required=True,
     help="The target to tune for (diffusers: a pipeline of any family, read from --pipeline).",
 )
-@steps_option(None, f"the model's command default: {_STEPS_SHOWN}", "Grid steps T (>= 3) of the run to tune for.")
+@steps_option(
+    None, f"the model's command default: {_STEPS_SHOWN}", f"Grid steps T (3 to {MAX_STEPS}) of the run to tune for."
+)
 @churn_option(None, f"the model's command default: {_CHURNS_SHOWN}", "Churn eps in (0, 1] of the run to tune for.")
 @chain_options(extra=("scheduler",))
 @scheduler_option(" diffusers only.")
@@ -218,7 +224,7 @@ def _tune_diffusers(o: dict, drafts: list):
     default="all",
     show_default=True,
     help="Comma list of registered drafts to consider, or 'all': every registered draft that serves the model "
-    "(learned: the digits model only; a draft that remembers the last chain round, memory, secant, auto or "
+    "(learned: a model that declares its draft network, the digits model; a draft that remembers the last chain round, memory, secant, auto or "
     "learned, is considered on chains only; a draft network's calls are timed inside the sampler's rounds).",
 )
 @click.option("--budget-max", type=click.IntRange(1), default=62, show_default=True, help="Largest budget tried.")
@@ -293,6 +299,13 @@ def tune(**o) -> None:
                 f"diffusers: the SD3 study's tuner runs the em chain (--churn); leave {'it' if len(given) == 1 else 'them'} "
                 "out, or tune the pipeline with --model diffusers"
             )
+    if o["model"] in ("diffusers", "sd3"):
+        gridded = [flag for n, flag in grid_flags().items() if is_given(ctx, n)]
+        if gridded:
+            raise click.UsageError(
+                f"{', '.join(gridded)} {'applies' if len(gridded) == 1 else 'apply'} only to --model gmm or digits: "
+                f"a pipeline's grid is its scheduler's (--steps); leave {'it' if len(gridded) == 1 else 'them'} out"
+            )
     if o["chain"] == "scheduler" and o["model"] != "diffusers":
         raise click.UsageError(
             f"--chain scheduler (a pipeline's own scheduler) applies only to --model diffusers, not {o['model']}"
@@ -304,7 +317,10 @@ def tune(**o) -> None:
     chain = None
     if o["model"] in ("gmm", "digits"):
         chain = run_chain(o)
-        check_named_grid(chain, o["steps"], NAMED_GRID, where=f"the {NAMED_GRID} grid tune runs")
+        check_grid(chain, o, grid=NAMED_GRID, where=f"the {NAMED_GRID} grid tune runs")
+        refuse_deterministic_chain(
+            chain, o["steps"], NAMED_GRID, where=f"the {NAMED_GRID} grid of --steps {o['steps']}", schedule=o
+        )
     threads = set_threads(o["threads"])
     drafts = parse_drafts(o["drafts"])
     every = o["drafts"].strip() == "all"
@@ -333,14 +349,14 @@ def tune(**o) -> None:
     data["tuned_for"]["threads"] = threads
     # the further options it was tuned with (not at their defaults), under their keys: a run takes them
     data["tuned_for"].update(options_record(extra_values(o)))
-    atomic_write_text(o["out"], json.dumps(data, indent=1) + "\n")
+    # the choice first: minutes of measuring are not lost to a disk that fills at the write
     ms = 1e3
     per_s = lambda sec: 1.0 / sec if sec > 0 else float("inf")  # noqa: E731
     click.echo(
         f"chosen: {res.label}: {ms * res.predicted_seconds_per_image:.2f} ms per image predicted "
         f"({per_s(res.predicted_seconds_per_image):.1f} images/s), {res.predicted_speedup:.2f}x the standard "
         f"sampler's {ms * res.standard_seconds_per_image:.2f} ms ({per_s(res.standard_seconds_per_image):.1f} "
-        f"images/s; {o['batch']} per run, {threads} thread(s)); wrote {o['out']}"
+        f"images/s; {o['batch']} per run, {threads} thread(s))"
     )
     if res.measured_speedup is not None:
         click.echo(f"  measured {res.measured_speedup:.2f}x the standard sampler in the final race (full runs)")
@@ -349,6 +365,9 @@ def tune(**o) -> None:
         click.echo(f"  {c['label']}: {ms * c['seconds_per_image']:.2f} ms per image, {c['calls']:.1f} calls")
     if len(timed) < len(res.candidates):
         click.echo(f"  ({len(res.candidates) - len(timed)} more not timed: their network calls alone are slower)")
+    text = json.dumps(data, indent=1) + "\n"
+    write_result(o["out"], lambda: atomic_write_text(o["out"], text), option="--out")
+    click.echo(f"wrote {o['out']}")
 
 
 def _tune_small(o: dict, drafts: list, tune_fn, every: bool, chain):

@@ -141,11 +141,53 @@ def read_tuned(path: str) -> "tuple[Any, dict]":
                 _TUNED_FOR[key](f"tuned_for.{key}", value)  # (a further option's: checked as its option when taken)
     except (ValueError, TypeError) as e:
         raise click.ClickException(f"--tune {path}: {e}") from e
+    # a hand edit of one copy of a field (tuned_for's chain, say) ran the other's silently
+    disagree = _contradictions(tuned, made_for)
+    if disagree:
+        raise click.ClickException(
+            f"--tune {path}: the configuration and its tuned_for disagree: {'; '.join(disagree)}. A file "
+            "'specforest tune' writes holds one value in both: edit both alike, or tune again"
+        )
     made_for = dict(made_for)
     made_for.update(steps=tuned.steps, batch=tuned.batch, chain=tuned.chain, chain_params=tuned.chain_params)
     if tuned.churn is not None or tuned.chain != "em":
         made_for["churn"] = tuned.churn  # (None with another chain than em: it has no churn)
     return tuned, made_for
+
+
+def _contradictions(tuned: Any, made_for: dict) -> "list[str]":
+    """Where a tuned file's ``tuned_for`` contradicts the configuration beside it: the fields it holds twice
+    (``steps``, ``batch``, ``churn``, ``chain``, each of ``chain_params``, a pipeline scheduler's class),
+    each where both copies are recorded (a ``null``, or a key a file written before it was kept lacks, is
+    not a value; a ``null`` chain parameter is the chain's default)."""
+    out = []
+    for key in ("steps", "batch", "churn"):
+        here, there = getattr(tuned, key), made_for.get(key)
+        if here is not None and there is not None and _differs(key, here, there):
+            out.append(f"{key} {here}, tuned_for.{key} {there}")
+    chain = made_for.get("chain")
+    if chain is not None and chain != tuned.chain:
+        return [*out, f"chain {tuned.chain!r}, tuned_for.chain {chain!r}"]
+    params = made_for.get("chain_params") or {}
+    if tuned.chain == SCHEDULER:
+        swapped = made_for.get("scheduler")  # (--scheduler NAME, the class whose chain was tuned)
+        if swapped is not None and swapped != tuned.chain_params["scheduler"]:
+            out.append(f"chain_params.scheduler {tuned.chain_params['scheduler']}, tuned_for.scheduler {swapped}")
+        defaults = {}
+    else:
+        from ..experiments.common import json_params
+
+        defaults = json_params(get_chain(tuned.chain).params)
+    for p, there in params.items():
+        if p not in tuned.chain_params:
+            if not (p == "churn" and tuned.chain == "em"):  # (the em chain's churn, unknown to an old file's top level)
+                out.append(f"chain {tuned.chain!r}, which has no parameter {p}, tuned_for.chain_params.{p} {there}")
+            continue
+        here = tuned.chain_params[p]
+        there = defaults.get(p) if there is None else there
+        if (here is None) != (there is None) or (here is not None and _differs(p, here, there)):
+            out.append(f"chain_params.{p} {here}, tuned_for.chain_params.{p} {there}")
+    return out
 
 
 def _shown(value: Any) -> str:

@@ -31,13 +31,13 @@ from .. import memory as _memory
 from .. import streams
 from ..drafts import get_proposal
 from ..latency import tune as latency_tune
-from ..options import check_names, check_tuned_for, make_sde
+from ..options import check_names, check_tuned_for, declared_options, make_sde
 from ..planning import make_tree
 from ..trees import chain as chain_tree
 from ..validation import check_int, check_number
 from .checks import check_run_options
 from .run import run_sampler, sampler_options
-from .schedulers import SchedulerChain, check_scheduler, for_pipeline
+from .schedulers import SchedulerChain, check_scheduler, for_pipeline, scheduler_eta
 
 __all__ = [
     "DEFAULT_CHURN",
@@ -158,8 +158,10 @@ _SET_BY_FAMILY = {
     "shift": "the scheduler's grid (SD3's and Flux's shift parameter)",
     "max_rows": "from max_memory_gb",
     "model_kwargs": "the captions' conditioning",
+    **{name: "the scheduler's grid" for name, decl in declared_options().items() if decl.grid},
 }
-"""The sampler's options a family's run sets itself, with what sets them."""
+"""The sampler's options a family's run sets itself, with what sets them (an option declared as making the
+grid, ``Option.grid``, among them)."""
 
 
 def further_options(options: dict) -> dict:
@@ -180,13 +182,14 @@ def further_options(options: dict) -> dict:
     return dict(options)
 
 
-def follows_scheduler(pipe: Any, chain: Any, eta: Any) -> "tuple[bool, float]":
+def follows_scheduler(pipe: Any, chain: Any, eta: Any, steps: Optional[int] = None) -> "tuple[bool, float]":
     """``(scheduled, eta)``: whether ``chain`` is ``"scheduler"`` (the pipeline's own scheduler's chain),
-    its scheduler checked, and ``eta`` checked (>= 0; the scheduler's step argument, so 0 with another chain).
+    its scheduler checked, and ``eta`` checked (>= 0; the scheduler's step argument, so 0 with another chain
+    and with a scheduler whose step takes none; with ``steps``, no step's variance negative).
 
     Raises:
         ValueError: a scheduler ``chain="scheduler"`` does not follow, or ``eta`` out of range or given
-            with another chain, naming it.
+            with another chain or a scheduler that does not read it, naming it.
     """
     eta = check_number("eta", eta, 0.0)
     scheduled = isinstance(chain, str) and chain.lower() == "scheduler"
@@ -196,7 +199,7 @@ def follows_scheduler(pipe: Any, chain: Any, eta: Any) -> "tuple[bool, float]":
             "another chain takes its own (specforest.chains.get_chain(name, eta=...))"
         )
     if scheduled:
-        check_scheduler(pipe.scheduler, eta)
+        check_scheduler(pipe.scheduler, eta, steps)
     return scheduled, eta
 
 
@@ -275,7 +278,7 @@ def sample_family(
     parts.check_pipeline(pipe)
     sampler = {k: inputs.pop(k) for k in SAMPLER_INPUTS}
     sampler.update(further_options(inputs.pop("options", None) or {}))
-    scheduled, eta = follows_scheduler(pipe, chain, inputs.pop("eta", 0.0))
+    eta = inputs.pop("eta", 0.0)
     churn = run_churn(churn, chain)
     steps, churn, n_img, max_memory_gb = check_run_options(
         num_inference_steps=num_inference_steps,
@@ -287,11 +290,13 @@ def sample_family(
         generator=generator,
         max_memory_gb=max_memory_gb,
     )
+    scheduled, eta = follows_scheduler(pipe, chain, eta, steps)
     text = {"prompt": prompt, **{k: inputs.pop(k, None) for k in parts.text_inputs}}
     text, n, options = parts.check_inputs(pipe, text, inputs)
     images = n * n_img
     # (the scheduler's chain by what a tuned configuration records of it: its class and eta)
-    ran = SchedulerChain(scheduler=type(pipe.scheduler).__name__, eta=eta) if scheduled else chain
+    name = type(pipe.scheduler).__name__
+    ran = SchedulerChain(scheduler=name, eta=scheduler_eta(name, eta)) if scheduled else chain
     check_tuned_for(tuned_for, steps=steps, sigmas=None, churn=churn, batch=images, batch_name="images", chain=ran)
     tree = make_tree(K, L, coupling=sampler["coupling"], tree=tree, steps=steps)
     prepared = parts.take_apart(pipe, text, steps, options)
@@ -421,7 +426,8 @@ def tune_family(
     captions(prompt, name="prompt")  # a bad prompt is named before any work
     batch = check_int("batch", batch, 1)
     calibration_images = check_int("calibration_images", calibration_images, 1)
-    scheduled, eta = follows_scheduler(pipe, options.get("chain", "em"), eta)
+    steps = check_int("num_inference_steps", num_inference_steps, 1)
+    scheduled, eta = follows_scheduler(pipe, options.get("chain", "em"), eta, steps)
     churn = run_churn(churn, options.get("chain", "em"))
     if churn is not None:
         churn = check_number("churn", churn, 0.0, 1.0, lo_open=True)
@@ -466,7 +472,7 @@ def tune_family(
         limit_source=source,
         device=x.device,
         chunked=False,
-        carries=make_sde(None, sigmas, "flow_match", 1.0, churn, options.get("chain", "em")).carries,
+        history=make_sde(None, sigmas, "flow_match", 1.0, churn, options.get("chain", "em")).history,
     )
     return latency_tune(
         velocity,

@@ -25,7 +25,10 @@ Refused, each naming the reason: deterministic schedulers with a tree (the calle
 network), ``fixed_large_log`` (diffusers returns NaN there), ``DPMSolverSDEScheduler`` (two
 correlated noises per step), DPM-Solver's ``sde-dpmsolver`` and third order, and grids this module
 does not follow yet (Karras or other sigma families on a UNet scheduler, ``final_sigmas_type`` other
-than ``zero``).
+than ``zero``). So are the options a step would not follow: an ``eta`` with a scheduler whose ``step``
+takes none (:data:`ETA_SCHEDULERS`), a DDIM ``eta`` that makes a step's variance negative (diffusers'
+step is NaN there), Euler ancestral's ``prediction_type="sample"`` (its step raises). A config flag is
+followed as the step follows it: TCD's step neither clips nor thresholds, DPM-Solver's thresholds.
 """
 
 from __future__ import annotations
@@ -37,17 +40,20 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from ..chains import DPMPP2MSDE, LCM, REFUSED, Chain, EulerAncestral, from_ve
+from ..chains import DPMPP2MSDE, LCM, REFUSED, Chain, EulerAncestral, check_ddim_eta, from_ve
 from ..sde import _check_sigmas
 
 __all__ = [
+    "ETA_SCHEDULERS",
     "SCHEDULERS",
     "PipelinePlan",
     "SchedulerChain",
     "check_scheduler",
+    "directory_scheduler",
     "for_pipeline",
     "scheduler_chain",
     "scheduler_class",
+    "scheduler_eta",
     "swapped_scheduler",
 ]
 
@@ -61,6 +67,13 @@ SCHEDULERS = (
     "FlowMatchEulerDiscreteScheduler",
 )
 """The stochastic schedulers ``chain="scheduler"`` follows (by class name)."""
+
+EULER_A_PREDICTIONS = ("epsilon", "v_prediction")
+"""The ``prediction_type`` values ``EulerAncestralDiscreteScheduler.step`` implements."""
+
+ETA_SCHEDULERS = ("DDIMScheduler", "TCDScheduler")
+"""The schedulers whose ``step`` reads ``eta``; the others' noise is their config's alone, so an ``eta``
+given with them would be dropped (it is refused)."""
 
 DETERMINISTIC = (
     "PNDMScheduler",
@@ -85,7 +98,8 @@ class SchedulerChain(Chain):
     """The chain of one scheduler on its own grid (made by :func:`scheduler_chain`).
 
     Attributes:
-        scheduler: the scheduler's class name; ``eta``: the ``eta`` its steps take (DDIM, TCD).
+        scheduler: the scheduler's class name; ``eta``: the ``eta`` its steps take (DDIM, TCD), ``None``
+            for a scheduler whose step takes none (:data:`ETA_SCHEDULERS`).
         grid: ``(T + 1,)`` float64 linear-path levels of the timesteps the model sees, then 0.
         timesteps: ``(T,)`` the scheduler's timesteps (the network's time input at each level).
         prediction: ``prediction(D, step) -> D`` the scheduler's clip or threshold of the predicted
@@ -101,7 +115,7 @@ class SchedulerChain(Chain):
     """
 
     scheduler: str = ""
-    eta: float = 0.0
+    eta: Optional[float] = 0.0
     grid: torch.Tensor = field(default=None, repr=False, compare=False)
     timesteps: torch.Tensor = field(default=None, repr=False, compare=False)
     P: torch.Tensor = field(default=None, repr=False, compare=False)
@@ -149,19 +163,29 @@ class SchedulerChain(Chain):
             )
         return self.grid, self.P, self.Q, self.R, 1.0, 0.0
 
-    def previous(self, t: torch.Tensor, t_next: torch.Tensor) -> Optional[torch.Tensor]:
-        if t.numel() != self.grid.numel() - 1 and self.remake is not None:
-            return self.for_steps(t.numel()).B
-        return self.B
+    @property
+    def history(self) -> int:
+        """1 where the scheduler's mean reads the previous step's prediction (multistep DPM-Solver), else 0."""
+        return 0 if self.B is None else 1
+
+    def past(self, t: torch.Tensor, t_next: torch.Tensor) -> Optional[torch.Tensor]:
+        B = self.for_steps(t.numel()).B if t.numel() != self.grid.numel() - 1 and self.remake is not None else self.B
+        return None if B is None else B[:, None]
 
 
 def _name(scheduler: Any) -> str:
     return type(scheduler).__name__
 
 
-def check_scheduler(scheduler: Any, eta: float = 0.0) -> None:
-    """Raise for a scheduler ``chain="scheduler"`` cannot follow (or an ``eta`` out of its range),
-    naming the reason and the swap."""
+def scheduler_eta(name: str, eta: float) -> Optional[float]:
+    """The ``eta`` a run of scheduler ``name`` records: its step's, or ``None`` where its step takes none."""
+    return float(eta) if name in ETA_SCHEDULERS else None
+
+
+def check_scheduler(scheduler: Any, eta: float = 0.0, steps: Optional[int] = None) -> None:
+    """Raise for a scheduler ``chain="scheduler"`` cannot follow (or an ``eta`` out of its range, or given to a
+    scheduler whose step takes none), naming the reason and the swap. With ``steps``, also an ``eta`` that
+    gives a step of ``steps`` a negative variance (DDIM's, :func:`check_ddim_eta`)."""
     eta = float(eta)
     name, cfg = _name(scheduler), scheduler.config
     if name == "DPMSolverSDEScheduler":
@@ -190,6 +214,11 @@ def check_scheduler(scheduler: Any, eta: float = 0.0) -> None:
             )
         if cfg.get("final_sigmas_type", "zero") != "zero" or cfg.get("euler_at_final", False):
             raise ValueError("DPMSolverMultistepScheduler is followed with final_sigmas_type='zero' only")
+    if name == "EulerAncestralDiscreteScheduler" and cfg.get("prediction_type", "epsilon") not in EULER_A_PREDICTIONS:
+        raise ValueError(
+            f"EulerAncestralDiscreteScheduler with prediction_type={cfg.get('prediction_type')!r}: its step does not "
+            f"implement it (diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
+        )
     if name == "FlowMatchEulerDiscreteScheduler" and not cfg.get("stochastic_sampling", False):
         raise ValueError(
             "FlowMatchEulerDiscreteScheduler with stochastic_sampling=False is deterministic (an ODE solver): "
@@ -197,6 +226,24 @@ def check_scheduler(scheduler: Any, eta: float = 0.0) -> None:
         )
     if not math.isfinite(eta) or eta < 0 or (name == "TCDScheduler" and eta > 1):
         raise ValueError(f"eta must be in [0, {1 if name == 'TCDScheduler' else 'inf'}), got {eta}")
+    if eta != 0.0 and name not in ETA_SCHEDULERS:
+        raise ValueError(
+            f"eta={eta}: {name}'s step takes no eta (its noise is set by its config alone), so it would be "
+            f"dropped; eta applies to {' and '.join(ETA_SCHEDULERS)}: leave it out"
+        )
+    if steps is not None and name == "DDIMScheduler" and eta > 0:
+        sch = _fresh(scheduler, steps)
+        ts = sch.timesteps.to(torch.long)
+        check_ddim_eta(eta, *_ddim_levels(sch, ts), ts)
+
+
+def _ddim_levels(sch: Any, ts: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    """``(abar, abar')`` ``(T,)`` float64 of DDIM's steps: ``abar'`` at ``t - num_train_timesteps // T``
+    (``final_alpha_cumprod`` below 0), which need not be the next timestep the model sees."""
+    acp = sch.alphas_cumprod.to(torch.float64)
+    final = torch.tensor(float(getattr(sch, "final_alpha_cumprod", torch.tensor(1.0))), dtype=torch.float64)
+    pt = ts - sch.config["num_train_timesteps"] // ts.numel()
+    return acp[ts], torch.where(pt >= 0, acp[pt.clamp(min=0)], final)
 
 
 def scheduler_class(name: str) -> type:
@@ -221,6 +268,32 @@ def swapped_scheduler(pipe: Any, name: str) -> Any:
         ValueError: as :func:`scheduler_class`.
     """
     return scheduler_class(name).from_config(pipe.scheduler.config)
+
+
+def directory_scheduler(path: str, name: Optional[str] = None) -> Optional[Any]:
+    """The scheduler a run of the pipeline saved in ``path`` steps with, made from its
+    ``scheduler/scheduler_config.json`` alone (no model is loaded): the pipeline's own class, or diffusers'
+    class ``name`` swapped in from that config (as :func:`swapped_scheduler` does). ``None`` when the
+    directory holds no scheduler config (the loaded pipeline's is checked then).
+
+    Raises:
+        ValueError: as :func:`scheduler_class`.
+    """
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "scheduler" / "scheduler_config.json"
+    cls = scheduler_class(name) if name is not None else None  # (a wrong name is refused first)
+    if not config.is_file():
+        return None
+    saved = json.loads(config.read_text())
+    if cls is None:
+        import diffusers
+
+        cls = getattr(diffusers, str(saved.get("_class_name")), None)
+        if not (isinstance(cls, type) and hasattr(cls, "from_config")):
+            return None
+    return cls.from_config(saved)
 
 
 def _fresh(scheduler: Any, steps: int, **kw: Any) -> Any:
@@ -277,7 +350,6 @@ def _vp_tables(name: str, sch: Any, eta: float) -> tuple:
     acp = sch.alphas_cumprod.to(torch.float64)
     ab = acp[ts]
     cfg = sch.config
-    final = torch.tensor(float(getattr(sch, "final_alpha_cumprod", torch.tensor(1.0))), dtype=torch.float64)
     weight = None
     if name == "DDPMScheduler":
         prev = torch.cat([acp[ts[1:]], torch.ones(1, dtype=torch.float64)])  # previous_timestep, -1 -> one
@@ -292,10 +364,11 @@ def _vp_tables(name: str, sch: Any, eta: float) -> tuple:
         R = torch.where(prev >= 1.0, torch.zeros_like(R), R)
         return ab, P, Q, R, weight
     if name == "DDIMScheduler":
-        pt = ts - cfg["num_train_timesteps"] // T
-        prev = torch.where(pt >= 0, acp[pt.clamp(min=0)], final)
+        _, prev = _ddim_levels(sch, ts)
+        check_ddim_eta(eta, ab, prev, ts)
         var = (1.0 - prev) / (1.0 - ab) * (1.0 - ab / prev)
         std = eta * var.sqrt()
+        # (rounding only, eta checked: the variance is >= 0 up to 1e-12)
         k = (1.0 - prev - std**2).clamp_min(0.0).sqrt()
         P = k / (1.0 - ab).sqrt()
         Q = prev.sqrt() - k * ab.sqrt() / (1.0 - ab).sqrt()
@@ -390,11 +463,15 @@ def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict) -> S
         # sde-dpmsolver++ is k-diffusion's DPM++ 2M SDE at eta = 1 (first order: without its multistep term)
         chain = DPMPP2MSDE(eta=1.0, solver_type=sch.config.get("solver_type", "midpoint"))
         scale = _vp_noise_scale(sch, float(s[0]))
+        # its step thresholds the predicted clean latents (the ones it keeps for the next step too); it has no clip
+        threshold = _clip({k: v for k, v in sch.config.items() if k != "clip_sample"}, None)
         if sch.config.get("solver_order", 2) == 1:
             Pv, Q0, _, Rv, _ = chain._terms(t, t_next)
-            return _made(name, eta, grid, timesteps, *from_ve(t, t_next, Pv, Q0, Rv), noise_scale=scale)
-        B = chain.previous(t, t_next)
-        return _made(name, eta, grid, timesteps, *chain.step(t, t_next), B=B, noise_scale=scale)
+            return _made(
+                name, eta, grid, timesteps, *from_ve(t, t_next, Pv, Q0, Rv), prediction=threshold, noise_scale=scale
+            )
+        B = chain.past(t, t_next)[:, 0]
+        return _made(name, eta, grid, timesteps, *chain.step(t, t_next), B=B, prediction=threshold, noise_scale=scale)
     ab, P, Q, R, weight = _vp_tables(name, sch, float(eta))
     s = ((1.0 - ab) / ab).sqrt()
     grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
@@ -402,7 +479,9 @@ def _tabulated(scheduler: Any, steps: int, eta: float, set_timesteps: dict) -> S
     n_next = torch.cat([n[1:], torch.ones(1, dtype=torch.float64)])  # the last state is the output latents
     P, Q, R = _to_linear(P, Q, R, n, n_next)
     scale = _vp_noise_scale(sch, float(s[0]))
-    return _made(name, eta, grid, timesteps, P, Q, R, prediction=_clip(sch.config, weight), noise_scale=scale)
+    # TCD's step neither clips nor thresholds, whatever its config says (diffusers keeps the flags unused)
+    clip = None if name == "TCDScheduler" else _clip(sch.config, weight)
+    return _made(name, eta, grid, timesteps, P, Q, R, prediction=clip, noise_scale=scale)
 
 
 def _vp_noise_scale(sch: Any, s0: float) -> float:
@@ -435,7 +514,7 @@ def _draws(name: str, timesteps: torch.Tensor, eta: float) -> torch.Tensor:
 def _made(name, eta, grid, timesteps, P, Q, R, B=None, prediction=None, noise_scale=1.0) -> SchedulerChain:
     return SchedulerChain(
         scheduler=name,
-        eta=float(eta),
+        eta=scheduler_eta(name, eta),
         grid=grid,
         timesteps=timesteps,
         P=P,

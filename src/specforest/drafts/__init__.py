@@ -28,8 +28,8 @@ One module a draft family, and the registry:
   :class:`SecantDraft` (``secant``);
 * :mod:`~specforest.drafts.auto` -- :class:`AutoDraft` (``auto``);
 * :mod:`~specforest.drafts.picard` -- :class:`PicardDraft` (``picard``, ``picard2``);
-* :mod:`~specforest.drafts.model` -- :class:`DraftModel`, :class:`LearnedDraft` (``learned``)
-  and :class:`CachedDraft` (``cached``);
+* :mod:`~specforest.drafts.model` -- :class:`DraftModel`, :class:`LearnedDraft` (``learned``,
+  the network a model declares, :func:`declared_draft`) and :class:`CachedDraft` (``cached``);
 * :mod:`~specforest.drafts.registry` -- :func:`get_proposal`, :func:`register_draft`,
   :func:`unregister_draft`, :func:`available_drafts`, :func:`drafts_serving`.
 
@@ -50,7 +50,7 @@ from .base import (
 from .chain_memory import ChainMemory, RemembersChain
 from .frozen import FrozenPrediction
 from .memory import MemoryDraft, SecantDraft
-from .model import CachedDraft, DraftModel, LearnedDraft
+from .model import CachedDraft, DraftModel, LearnedDraft, declared_draft
 from .picard import PicardDraft
 from .prefetch import Prefetch
 from .registry import available_drafts, drafts_serving, get_proposal, register_draft, unregister_draft
@@ -76,6 +76,7 @@ __all__ = [
     "RemembersChain",
     "SecantDraft",
     "available_drafts",
+    "declared_draft",
     "drafts_serving",
     "get_proposal",
     "register_draft",

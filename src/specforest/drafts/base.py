@@ -36,8 +36,8 @@ drafts each step from the previous round's evaluation at that step (:class:`Memo
 FROZEN_KINDS = DRAFT_KINDS[:5]
 MODEL_DRAFTS = ("learned", "cached")
 """Registered drafts that make network calls of their own while drafting (counted in
-``draft_calls``) and serve only the models that have what they need: ``learned``, the digits
-model's distilled U-Net (:class:`LearnedDraft`), and ``cached``, the target's own outer blocks
+``draft_calls``) and serve only the models that have what they need: ``learned``, the draft
+network the model declares, else the digits model's distilled U-Net (:class:`LearnedDraft`), and ``cached``, the target's own outer blocks
 with its deep features reused (:class:`CachedDraft`, for a model that keeps them)."""
 
 PICARD_DRAFTS = ("picard", "picard2")

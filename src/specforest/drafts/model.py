@@ -4,6 +4,7 @@ cached self-draft that reuses the target's deep features (``cached``)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Optional
 
 import torch
@@ -13,15 +14,16 @@ from .base import Proposal, VelocityFn
 from .chain_memory import RemembersChain
 from .memory import _memory_node, _same_step
 
-__all__ = ["CachedDraft", "DraftModel", "LearnedDraft"]
+__all__ = ["CachedDraft", "DraftModel", "LearnedDraft", "declared_draft"]
 
 
 class DraftModel(Proposal):
     """An independent draft model ``v_draft(x, sigma, **cond)`` with the target's signature.
 
     It is evaluated once per drafted parent (its calls are counted apart from
-    the target's NFE) and receives the same per-trajectory conditioning as the
-    target, indexed per row; no prefetching is needed.
+    the target's NFE) and receives the same arguments as the target: the run's
+    ``model_kwargs`` and its per-trajectory conditioning, indexed per row; no
+    prefetching is needed.
 
     Args:
         fn: callable ``(x: (M, *shape), sigma: (M,), **cond) -> (M, *shape)`` velocity.
@@ -29,11 +31,29 @@ class DraftModel(Proposal):
 
     needs_prefetch = False
     name = "model"
+    _load: Optional[Callable[[], VelocityFn]] = None  # a network loaded at the first call (LearnedDraft)
 
     def __init__(self, fn: VelocityFn) -> None:
         if not callable(fn):
             raise TypeError("draft model must be callable as fn(x, sigma)")
         self.fn = fn
+        self.model_kwargs: dict = {}
+
+    def mapped(self, wrap: Callable[[VelocityFn], VelocityFn]) -> "DraftModel":
+        """A copy of this draft whose network is ``wrap(network)`` (a network loaded at the first
+        call is wrapped when it is loaded); this draft is left as it is."""
+        out = copy.copy(self)
+        if self._load is not None:
+            load = self._load
+            out._load = lambda: wrap(load())
+        else:
+            out.fn = wrap(self.fn)
+        return out
+
+    def bind(self, model: Any, shape: tuple[int, ...], model_kwargs: Optional[dict] = None) -> int:
+        # the network is called as the target is, with the run's model_kwargs too
+        self.model_kwargs = dict(model_kwargs or {})
+        return 0
 
     def mean(self, tab, y, steps, pre, cond, shape, state):
         G, n, D = y.shape
@@ -41,7 +61,7 @@ class DraftModel(Proposal):
         # trajectory-major rows: row b * n + i belongs to trajectory b
         kw = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
         with outside_inference():
-            v = self.fn(y.reshape(G * n, *shape), sig, **kw)
+            v = self.fn(y.reshape(G * n, *shape), sig, **self.model_kwargs, **kw)
         if not isinstance(v, torch.Tensor) or v.numel() != y.numel():
             raise ValueError(f"the draft model must return a tensor of shape {(G * n, *shape)}")
         v = v.reshape(G, n, D).to(y.dtype)
@@ -59,7 +79,7 @@ class DraftModel(Proposal):
 
 class LearnedDraft(RemembersChain, DraftModel):
     """A draft network anchored at the run's own evaluations (``draft="learned"`` with the digits
-    model's distilled U-Net, :func:`specforest.models.digits.load_draft_velocity`).
+    model's distilled U-Net, :func:`specforest.models.digits.load_draft_denoiser`).
 
     What it reads, all made before the round's verification call:
 
@@ -85,12 +105,29 @@ class LearnedDraft(RemembersChain, DraftModel):
     is NaN or inf makes a non-finite mismatch, which stops the run with the step and the draft
     named (the sampler's check, no extra synchronization).
 
+    The network is a velocity in the library's convention, or, made by :meth:`from_denoiser`, an
+    EDM denoiser (:attr:`denoiser`): :func:`specforest.sample` turns it into a velocity with
+    :class:`~specforest.models.edm.EDMDenoiserVelocity`, and the k-diffusion drop-ins call it as
+    they call the model (its ``extra_args``, its path; :meth:`adapted`).
+
     Args:
         fn: the draft velocity ``(x: (M, *shape), sigma: (M,), **cond) -> (M, *shape)``, or a
             callable of no arguments returning it (loaded at the first call).
         shape: the per-sample state shape the network serves (``None``: any); a run of another
             shape is refused before sampling (:meth:`check`).
         label: how errors name the network.
+        lazy_load: ``fn`` is the callable of no arguments.
+
+    ``draft="learned"`` (:meth:`of_model`) is the target model's own draft network where the model
+    declares one (a ``learned_draft`` attribute, :func:`declared_draft`: the digits denoiser of
+    :func:`specforest.models.digits.load_denoiser` declares its distilled U-Net), else the digits
+    model's; a model of another family gets the name by declaring its network the same way.
+
+    Attributes:
+        denoiser: for a draft made by :meth:`from_denoiser`, a callable of no arguments returning its
+            denoiser network (loaded once, at the first call); ``None`` for a velocity network.
+        follows_model: whether :meth:`check` replaces the network by the one the run's model declares
+            (``draft="learned"``, :meth:`of_model`).
     """
 
     needs_prefetch = True
@@ -109,21 +146,109 @@ class LearnedDraft(RemembersChain, DraftModel):
         self._load = fn if lazy_load else None
         self.serves = None if shape is None else tuple(int(n) for n in shape)
         self.label = label
+        self.denoiser: Optional[Callable[[], Callable[..., torch.Tensor]]] = None
+        self.follows_model = False
+
+    @classmethod
+    def from_denoiser(
+        cls,
+        denoiser: Callable[..., torch.Tensor],
+        *,
+        shape: Optional[tuple[int, ...]] = None,
+        label: str = "the draft network",
+        lazy_load: bool = False,
+        sigma_min: float = 1e-3,
+        sigma_max: float = 80.0,
+    ) -> "LearnedDraft":
+        """The learned draft of an EDM denoiser network ``denoiser(x: (M, *shape), sigma: (M,), **cond)
+        -> (M, *shape)`` (an estimate of ``E[x_0 | x = x_0 + sigma xi]``, as the target's in the
+        k-diffusion drop-ins), the form every entry point takes.
+
+        :func:`specforest.sample` (and ``generate``, the tuner) evaluate it through
+        :class:`~specforest.models.edm.EDMDenoiserVelocity` with the EDM noise level clipped to
+        ``[sigma_min, sigma_max]``; the k-diffusion drop-ins call it as they call the model, with the
+        same ``extra_args`` and the same mapping of ``sigmas`` (:meth:`adapted`).
+
+        Args:
+            denoiser: the draft denoiser, or with ``lazy_load`` a callable of no arguments returning it.
+            shape, label: as the constructor's.
+            lazy_load: load the network at the first call.
+            sigma_min, sigma_max: the clipping range of :class:`~specforest.models.edm.EDMDenoiserVelocity`.
+
+        Raises:
+            TypeError: if ``denoiser`` is not callable.
+            ValueError: on an invalid clipping range.
+        """
+        from ..models.edm import EDMDenoiserVelocity, _check_range
+
+        if not callable(denoiser):
+            raise TypeError(f"denoiser must be callable as denoiser(x, sigma, **cond), got {type(denoiser).__name__}")
+        lo, hi = _check_range(sigma_min, sigma_max)
+        net = _Net(denoiser, lazy_load)
+        draft = cls(lambda: EDMDenoiserVelocity(net(), lo, hi), shape=shape, label=label, lazy_load=True)
+        draft.denoiser = net
+        return draft
+
+    def adapted(self, velocity_of: Callable[[Callable[..., torch.Tensor]], VelocityFn]) -> "LearnedDraft":
+        """This draft with its denoiser network turned into a velocity by ``velocity_of`` rather than
+        :class:`~specforest.models.edm.EDMDenoiserVelocity` (the k-diffusion drop-ins pass their own
+        mapping, which gives the network the model's ``extra_args``); the network is loaded once, at
+        the first call of either.
+
+        Raises:
+            ValueError: if the draft's network is a velocity (not made by :meth:`from_denoiser`).
+        """
+        if self.denoiser is None:
+            raise ValueError(f"draft={self.name!r}: {self.label} is a velocity, not a denoiser")
+        net = self.denoiser
+        draft = type(self)(lambda: velocity_of(net()), shape=self.serves, label=self.label, lazy_load=True)
+        draft.denoiser = self.denoiser
+        return draft
+
+    @classmethod
+    def of_model(cls) -> "LearnedDraft":
+        """``draft="learned"``: the target model's own draft network where the model declares one
+        (:func:`declared_draft`), else the digits model's (:meth:`digits`); resolved by
+        :meth:`check`, before sampling."""
+        draft = cls.digits()
+        draft.follows_model = True
+        return draft
+
+    def for_model(self, model: Any) -> "LearnedDraft":
+        """The draft a run of the target ``model`` uses: for a draft that follows the model
+        (:meth:`of_model`) and a model that declares its draft network (:func:`declared_draft`),
+        that network's draft (its EDM adapter clipped as the model's own, where the model is an
+        :class:`~specforest.models.edm.EDMDenoiserVelocity`); else this draft itself."""
+        from ..models.edm import EDMDenoiserVelocity
+
+        load = declared_draft(model) if self.follows_model else None
+        if load is None:
+            return self
+        lo, hi = (model.sigma_min, model.sigma_max) if isinstance(model, EDMDenoiserVelocity) else (1e-3, 80.0)
+        label = f"the learned draft {model_name(model)} declares"
+        return type(self).from_denoiser(load, label=label, lazy_load=True, sigma_min=lo, sigma_max=hi)
 
     @classmethod
     def digits(cls) -> "LearnedDraft":
-        """The digits model's learned draft (the shipped weights, loaded at the first call)."""
+        """The digits model's learned draft: its distilled U-Net's denoiser (the shipped weights,
+        :func:`specforest.models.digits.load_draft_denoiser`, loaded at the first call)."""
 
-        def load() -> VelocityFn:
-            from ..models.digits import load_draft_velocity
+        def load() -> Callable[..., torch.Tensor]:
+            from ..models.digits import load_draft_denoiser
 
-            return load_draft_velocity()
+            return load_draft_denoiser()
 
         from ..models.digits import IMAGE_SHAPE
 
-        return cls(load, shape=IMAGE_SHAPE, label="the digits model's distilled U-Net", lazy_load=True)
+        return cls.from_denoiser(load, shape=IMAGE_SHAPE, label="the digits model's distilled U-Net", lazy_load=True)
 
     def check(self, shape: tuple[int, ...], dtype: torch.dtype, model: Any = None) -> None:
+        if model is not None and self.follows_model:
+            # the run's draft is the model's declared network, where it declares one: this instance
+            # (a fresh one per name, get_proposal) becomes that draft for the run
+            own = self.for_model(model)
+            self.fn, self._load, self.serves, self.label = own.fn, own._load, own.serves, own.label
+            self.denoiser, self.follows_model = own.denoiser, False
         if self.serves is not None and tuple(shape) != self.serves:
             raise ValueError(
                 f"draft={self.name!r} is {self.label}: it serves states of shape {self.serves}, got {tuple(shape)}"
@@ -150,7 +275,7 @@ class LearnedDraft(RemembersChain, DraftModel):
         X = torch.cat([y.reshape(G * n, D), ya.reshape(G * n, D)])
         S = torch.cat([sig.reshape(-1), sa.reshape(-1)])
         with outside_inference():
-            f = self.fn(X.reshape(2 * G * n, *shape), S, **kw)
+            f = self.fn(X.reshape(2 * G * n, *shape), S, **self.model_kwargs, **kw)
         if not isinstance(f, torch.Tensor) or f.numel() != X.numel():
             raise ValueError(f"draft={self.name!r}: {self.label} must return a tensor of shape {(2 * G * n, *shape)}")
         f = f.reshape(2, G, n, D).to(y.dtype)
@@ -160,6 +285,31 @@ class LearnedDraft(RemembersChain, DraftModel):
 
     def __repr__(self) -> str:
         return f"LearnedDraft({self.label})"
+
+
+def declared_draft(model: Any) -> Optional[Callable[[], Callable[..., torch.Tensor]]]:
+    """The draft network a target model declares for ``draft="learned"``: its ``learned_draft``
+    attribute, a callable of no arguments returning the draft's EDM denoiser (an estimate of
+    ``E[x_0 | x = x_0 + sigma xi]`` with the target denoiser's signature), read on the model or on
+    the denoiser it adapts (:class:`~specforest.models.edm.EDMDenoiserVelocity`'s ``denoiser``);
+    ``None`` where neither declares one."""
+    for obj in (model, getattr(model, "denoiser", None)):
+        load = getattr(obj, "learned_draft", None)
+        if callable(load):
+            return load
+    return None
+
+
+class _Net:
+    """A draft network, or the callable of no arguments that loads it at the first call (once)."""
+
+    def __init__(self, net: Callable[..., Any], lazy_load: bool) -> None:
+        self._net, self._lazy = net, lazy_load
+
+    def __call__(self) -> Callable[..., Any]:
+        if self._lazy:
+            self._net, self._lazy = self._net(), False
+        return self._net
 
 
 class CachedDraft(RemembersChain):

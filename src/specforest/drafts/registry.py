@@ -22,7 +22,7 @@ _SHIPPED: dict[str, Callable[[], Proposal]] = {
     "auto": AutoDraft,
     "memory": MemoryDraft,
     "secant": SecantDraft,
-    "learned": LearnedDraft.digits,
+    "learned": LearnedDraft.of_model,
     "cached": CachedDraft,
     "picard": lambda: PicardDraft(1),
     "picard2": lambda: PicardDraft(2),

@@ -7,6 +7,9 @@ depend on the number of processes, ``--batch`` or the order of work.
 
 On disk, next to the final output ``PATH``:
 
+* ``PATH.parts/lock``: locked by the process that holds the job (:class:`JobLock`;
+  rank 0 of a ``torchrun`` launch, for all of them): another process is refused at
+  once, naming it; the lock goes with its process, however it ends;
 * ``PATH.parts/options.json``: the job's options, written first; ``--resume``
   refuses options that differ;
 * ``PATH.parts/shard-*.npz``: finished samples (``index``, ``samples``,
@@ -40,7 +43,8 @@ import os
 import platform
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -54,12 +58,23 @@ from ..warmup import pad_rows_for, warm_up
 from .common import check_int, compiled
 from .generate_job import IMAGE_MODELS, MODELS, JobSpec, count_limit, diffusers_options, sd3_options
 from .generate_model import JobModel, gmm_model, image_model, pixel_model, size_slots
-from .generate_shards import check_start, done_indices, meta_path, parts_dir, remove_parts
+from .generate_shards import (
+    JobHeldError,
+    JobLock,
+    check_start,
+    done_indices,
+    meta_path,
+    parts_dir,
+    read_shard,
+    remove_parts,
+)
 
 __all__ = [
     "IMAGE_MODELS",
     "MODELS",
     "GenerateResult",
+    "JobHeldError",
+    "JobLock",
     "JobSpec",
     "count_limit",
     "diffusers_options",
@@ -164,9 +179,13 @@ def run_job(
     that fit the memory limit, the sampler's options): a refused job leaves no ``PATH.parts``.
 
     Raises:
+        JobHeldError: if another process holds the job (:class:`JobLock`), at once, naming it.
         FileExistsError: if ``out`` (or its parts) exists without ``resume``.
-        ValueError: if ``resume`` finds a job with other options, on bad options, or on a count
-            the merge could not hold (:func:`count_limit`).
+        ValueError: if ``resume`` finds a job with other options, on bad options, on a count
+            the merge could not hold (:func:`count_limit`), or on a file of the job that cannot be
+            read (naming it and what to do).
+        OSError: if a shard or the output cannot be written (a full disk), naming it and saying
+            that ``--resume`` finishes the job.
         MemoryError: if one slot does not fit the memory limit (:func:`size_slots`).
         specforest.distributed.PeerError: on the other processes, when one failed at a step
             they take together (checking the output, loading the model, the merge) or left the job.
@@ -174,11 +193,13 @@ def run_job(
     out = Path(out)
     batch = check_int("batch", batch, 1)
     control = _control_group()
+    lock = JobLock(out)
     try:
         return _run_job(
             spec,
             out,
             control,
+            lock,
             batch=batch,
             resume=resume,
             tree_parallel=tree_parallel,
@@ -190,6 +211,7 @@ def run_job(
             memory_gb=memory_gb,
         )
     finally:
+        lock.release()
         if control is not None:
             import torch.distributed as dist
 
@@ -200,6 +222,7 @@ def _run_job(
     spec: JobSpec,
     out: Path,
     control: Any,
+    lock: JobLock,
     *,
     batch: int,
     resume: bool,
@@ -230,6 +253,9 @@ def _run_job(
                 f"count must be an int in [1, {limit}] here, got {spec.count}: {why}; give a larger "
                 "memory_gb or split the job into several outputs"
             )
+        if rank == 0:
+            # before anything of the job is read: the job as a whole is held by rank 0's process
+            lock.acquire()
         complete = check_start(out, spec, resume)
     if complete:
         with distributed.together("removing the parts", control):
@@ -324,7 +350,8 @@ def _run_job(
         arrays = {"index": index.numpy(), "nfe": torch.cat([f.stats.nfe for f in pending]).cpu().numpy()}
         if model.save_images is not None:
             # images first, then the shard that records them: a kill in between redoes them
-            model.save_images(index, samples)
+            with _writing(out, out):
+                model.save_images(index, samples)
         else:
             arrays["samples"] = samples.cpu().to(torch.float32).numpy()
         if model.labels_of is not None:
@@ -332,7 +359,8 @@ def _run_job(
         # a fresh token per run: a resumed run (even with the same pid, as after a restart) never
         # overwrites a shard of an earlier one
         name = f"shard-r{rank:04d}-{token}-{seq:06d}.npz"
-        atomic_write(parts_dir(out) / name, lambda f: np.savez(f, **arrays), binary=True)
+        with _writing(parts_dir(out) / name, out):
+            atomic_write(parts_dir(out) / name, lambda f: np.savez(f, **arrays), binary=True)
         seq += 1
         pending = []
 
@@ -374,12 +402,14 @@ def merge(
 
     Raises:
         RuntimeError: if an index is missing.
+        ValueError: if a shard cannot be read, naming it (:func:`read_shard`).
+        OSError: if the output or its JSON cannot be written, naming it and saying that ``--resume``
+            finishes the job.
     """
     parts = parts_dir(out)
     chunks: dict = {}
     for p in sorted(parts.glob("shard-*.npz")):
-        with np.load(p) as z:
-            data = {k: z[k] for k in z.files}
+        data = read_shard(p)
         for j, i in enumerate(data["index"].tolist()):
             chunks.setdefault(i, {k: v[j] for k, v in data.items()})
     missing = [i for i in range(spec.count) if i not in chunks]
@@ -395,7 +425,8 @@ def merge(
         arrays = {"samples": np.stack([r["samples"] for r in rows]), "index": np.arange(spec.count, dtype=np.int64)}
         if "labels" in rows[0]:
             arrays["labels"] = np.array([int(r["labels"]) for r in rows], dtype=np.int64)
-        atomic_write(out, lambda f: np.savez(f, **arrays), binary=True)
+        with _writing(out, out):
+            atomic_write(out, lambda f: np.savez(f, **arrays), binary=True)
     busy = sum(s[2] for s in stats)
     capacity = sum(s[1] * s[4] for s in stats)
     meta = {
@@ -418,10 +449,26 @@ def merge(
         ],
     }
     try:
-        atomic_write_text(meta_path(out), json.dumps(meta, indent=1) + "\n")
+        with _writing(meta_path(out), out):
+            atomic_write_text(meta_path(out), json.dumps(meta, indent=1) + "\n")
     except BaseException:
         # the JSON is what marks the output complete: without it, no output either (the shards stay)
         if spec.model not in IMAGE_MODELS:
             out.unlink(missing_ok=True)
         raise
     remove_parts(out)
+
+
+@contextmanager
+def _writing(path: Path, out: Path) -> Iterator[None]:
+    """Writing ``path`` of the job at ``out``: an OSError (a full disk, say) names the path and says that the
+    finished samples are kept and ``--resume`` finishes the job (with the same ``errno``)."""
+    try:
+        yield
+    except OSError as e:
+        err = OSError(
+            f"could not write {path}: {e.strerror or e}; the samples are kept in {parts_dir(out)}: free some space "
+            "(or fix the cause) and rerun with --resume to finish the job"
+        )
+        err.errno = e.errno
+        raise err from e

@@ -132,7 +132,12 @@ def sampler_chain(sampler: dict) -> dict:
         return {"churn": sampler.get("churn"), "chain": "em"}
     if name == "scheduler":
         # the pipeline's own scheduler: its chain is made when the pipeline is loaded (generate_model)
-        return {"churn": None, "chain": "scheduler", "eta": float((sampler.get("chain_params") or {}).get("eta", 0.0))}
+        # (eta null: a scheduler whose step takes none, run at 0)
+        return {
+            "churn": None,
+            "chain": "scheduler",
+            "eta": float((sampler.get("chain_params") or {}).get("eta") or 0.0),
+        }
     chain = chain_of_record(name, sampler.get("chain_params"))
     if sampler.get("churn") is not None:
         raise ValueError(

@@ -1,6 +1,6 @@
 """Drop-in samplers with the signatures of the functions they replace (k-diffusion's and ComfyUI's).
 
-``sample_euler_ancestral``, ``sample_euler`` and ``sample_dpmpp_2m_sde`` take k-diffusion's exact
+``sample_euler_ancestral``, ``sample_euler``, ``sample_dpmpp_2m_sde`` and ``sample_dpmpp_3m_sde`` take k-diffusion's exact
 signatures; ``sample_ddpm`` and ``sample_lcm`` take ComfyUI's. Each runs its sampler's chain
 (:mod:`specforest.chains`) through :func:`specforest.kdiffusion.sample`: with ``tree=None`` and the same
 noise the output is the real function's, with a tree the law is the same. ``sample_dpmpp_sde`` is
@@ -19,6 +19,7 @@ from .speculative import linear_grid, sample
 __all__ = [
     "sample_ddpm",
     "sample_dpmpp_2m_sde",
+    "sample_dpmpp_3m_sde",
     "sample_dpmpp_sde",
     "sample_euler",
     "sample_euler_ancestral",
@@ -274,7 +275,8 @@ def sample_ddpm(
 ) -> torch.Tensor:
     """ComfyUI's ``sample_ddpm`` (ancestral DDPM, ``fixed_small`` variance, on VE sigmas), exactly;
     with a ``tree``, speculated in law. Arguments and randomness as :func:`sample_euler_ancestral`
-    (:func:`specforest.chains.ddpm_sigmas` is DDPM's own 1000-step schedule)."""
+    (DDPM's own 1000-step schedule as VE sigmas: ``t / (1 - t)`` of :func:`specforest.chains.ddpm_linear_grid`,
+    or :func:`specforest.schedules.ddpm_discrete_sigmas` at fewer steps)."""
     from ..chains import DDPM
 
     _ve_only("sample_ddpm", path)
@@ -350,6 +352,46 @@ def sample_dpmpp_2m_sde(
 
     _ve_only("sample_dpmpp_2m_sde", path)
     chain = DPMPP2MSDE(eta=eta, s_noise=s_noise, solver_type=solver_type)
+    return _drop_in(
+        chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options},
+    )  # fmt: skip
+
+
+def sample_dpmpp_3m_sde(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    extra_args: Optional[dict] = None,
+    callback: Optional[Callable[[dict], None]] = None,
+    disable: Optional[bool] = None,
+    eta: float = 1.0,
+    s_noise: float = 1.0,
+    noise_sampler: Optional[Callable] = None,
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
+    **options: Any,
+) -> torch.Tensor:
+    """k-diffusion's ``sample_dpmpp_3m_sde`` (DPM-Solver++(3M) SDE), exactly; with a ``tree`` and ``eta > 0``,
+    speculated in law (:class:`~specforest.chains.DPMPP3MSDE`, a chain of history 2: the engine carries each
+    node's two previous predictions). ``path="linear"`` for ComfyUI's ``CONST`` models (its
+    ``sample_dpmpp_3m_sde`` in half-log-SNR ``lambda = log((1 - sigma) / sigma)``: the same chain on the
+    linear path), with a first level below 1 (ComfyUI moves a first level of 1 to its model's
+    ``percent_to_sigma(1e-4)``: pass that level).
+
+    Randomness as :func:`sample_dpmpp_2m_sde` (k-diffusion's default Brownian-tree noise is i.i.d. over its
+    disjoint steps). ``eta = 0`` (DPM++ 3M) runs with ``tree=None`` and is refused with a tree.
+    """
+    from ..chains import DPMPP3MSDE
+
+    chain = DPMPP3MSDE(eta=eta, s_noise=s_noise)
     return _drop_in(
         chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
         tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,

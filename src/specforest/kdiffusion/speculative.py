@@ -55,25 +55,32 @@ An undeclared tensor with one row per sample (a batch of more than one) is refus
 unless ``shared_args`` names it: it could be either. At batch 1 an undeclared ``(1, ...)``
 tensor is the sample's own (what k-diffusion's calls of one row saw): every row of a call
 gets it, as if named in ``row_args``.
+
+Drafts that run a network. A draft network is a denoiser called as ``model`` is, with the same
+``extra_args`` and the same mapping: a callable ``draft``, and the network of a
+:class:`~specforest.drafts.LearnedDraft` made by its ``from_denoiser`` (``draft="learned"`` is
+the digits model's). ``draft="cached"`` reuses the target's deep features: a ``model`` with
+``deep`` and ``shallow`` methods (:func:`has_features`, the digits model's ``EDMPrecond``) keeps
+them through the adapter; any other is refused before the first call, naming the two methods.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
 
 from .. import sampler
 from ..chains import PATHS
-from ..drafts import Proposal, get_proposal
+from ..drafts import DraftModel, LearnedDraft, Proposal, get_proposal
 from ..models.edm import EDMDenoiserVelocity
 from ..options import RUN_INPUTS, SamplerOptions, make_sde
 from ..target import model_name
 from ..validation import check_states, working_dtype
 
-__all__ = ["KEYS", "PATHS", "linear_grid", "sample", "sample_speculative"]
+__all__ = ["KEYS", "PATHS", "has_features", "linear_grid", "sample", "sample_speculative"]
 
 KEYS = ("x", "i", "sigma", "sigma_hat", "denoised")
 """k-diffusion's callback keys, first in every callback dict, in this order."""
@@ -182,7 +189,11 @@ class _Denoiser:
 
     def __call__(self, y: torch.Tensor, s: torch.Tensor, **rows: Any) -> torch.Tensor:
         traj = rows.pop(_ROW, None)
-        d = self.fn(y, s, **rows, **self.shared)
+        return self._checked(self.fn(y, s, **rows, **self.shared), y, s, traj)
+
+    def _checked(self, d: Any, y: torch.Tensor, s: torch.Tensor, traj: Optional[torch.Tensor]) -> torch.Tensor:
+        """The denoiser's output ``d`` at ``y``, ``s``, refused unless a tensor on ``y``'s device; a root
+        of a callback's report where ``traj`` names the rows' trajectories."""
         if not isinstance(d, torch.Tensor):
             raise TypeError(f"the denoiser must return a tensor (the denoised x0), got {type(d).__name__}")
         if d.device != y.device:
@@ -196,14 +207,87 @@ class _Denoiser:
         return d
 
 
+class _FeatureDenoiser(_Denoiser):
+    """A denoiser with the deep-feature protocol (:func:`has_features`) passed through: the cached
+    self-draft's target calls (``deep``, roots recorded as a plain call's) and its outer-block calls
+    (``shallow``, a draft's: never a root), both with the shared arguments and the rows' own."""
+
+    def deep(self, y: torch.Tensor, s: torch.Tensor, **rows: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        traj = rows.pop(_ROW, None)
+        out = self.fn.deep(y, s, **rows, **self.shared)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"the denoiser {model_name(self.fn)}'s deep method must return (denoised, features), got "
+                f"{type(out).__name__}"
+            )
+        return self._checked(out[0], y, s, traj), out[1]
+
+    def shallow(self, y: torch.Tensor, s: torch.Tensor, feat: torch.Tensor, **rows: Any) -> torch.Tensor:
+        rows.pop(_ROW, None)
+        return self._checked(self.fn.shallow(y, s, feat, **rows, **self.shared), y, s, None)
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The denoiser's parameters, if it has any (where the features are counted: its device)."""
+        params = getattr(self.fn, "parameters", None)
+        return iter(params()) if callable(params) else iter(())
+
+
+class _RowBlind:
+    """A draft velocity network called without the callback's record of each row's trajectory."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        self.fn = fn
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **cond: Any) -> torch.Tensor:
+        cond.pop(_ROW, None)
+        return self.fn(x, sigma, **cond)
+
+
+def has_features(denoiser: Any) -> bool:
+    """Whether a k-diffusion denoiser keeps the deep features ``draft="cached"`` reuses: it has
+    ``deep(x, sigma, **extra_args) -> (denoised, features (M, ...))`` and ``shallow(x, sigma, features,
+    **extra_args) -> denoised`` methods, the second evaluating only the outer blocks with the deep
+    features of an earlier ``deep`` call (:class:`~specforest.models.unet.EDMPrecond`, the digits
+    model's denoiser, has them)."""
+    return callable(getattr(denoiser, "deep", None)) and callable(getattr(denoiser, "shallow", None))
+
+
+def _wrap(fn: Callable[..., torch.Tensor], shared: dict, roots: Optional[_Roots]) -> _Denoiser:
+    """The user's denoiser bound for the run, its deep-feature protocol kept where it has one."""
+    return (_FeatureDenoiser if has_features(fn) else _Denoiser)(fn, shared, roots)
+
+
 class _LinearDenoiserVelocity:
-    """``v = (x - D(x, t)) / t`` for a denoiser on the linear path itself (``path="linear"``)."""
+    """``v = (x - D(x, t)) / t`` for a denoiser on the linear path itself (``path="linear"``), with the
+    deep-feature protocol of ``draft="cached"`` where the denoiser has it (:func:`has_features`)."""
 
     def __init__(self, denoiser: _Denoiser) -> None:
         self.denoiser = denoiser
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, **cond: Any) -> torch.Tensor:
-        d = self.denoiser(x, t, **cond)
+        return self._velocity(x, t, self.denoiser(x, t, **cond))
+
+    def feature_numel(self, shape: tuple[int, ...]) -> int:
+        """Numbers per row of the denoiser's deep features (0 without the protocol), made by one call
+        on a zero row at ``t = 0.5``, as :meth:`EDMDenoiserVelocity.feature_numel` counts them."""
+        if not isinstance(self.denoiser, _FeatureDenoiser):
+            return 0
+        param = next(self.denoiser.parameters(), None)
+        x = torch.zeros(1, *shape, device=None if param is None else param.device)
+        with torch.no_grad():
+            return int(self.with_features(x, torch.full((1,), 0.5, device=x.device))[1].shape[1])
+
+    def with_features(self, x: torch.Tensor, t: torch.Tensor, **cond: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(v, feat (M, F))``: the velocity of a call and the denoiser's deep features, flattened per row."""
+        d, feat = self.denoiser.deep(x, t, **cond)
+        return self._velocity(x, t, d), feat.reshape(x.shape[0], -1)
+
+    def from_features(self, x: torch.Tensor, t: torch.Tensor, feat: torch.Tensor, **cond: Any) -> torch.Tensor:
+        """The velocity with the deep features ``feat (M, F)`` of an earlier call in place of the denoiser's own."""
+        return self._velocity(x, t, self.denoiser.shallow(x, t, feat, **cond))
+
+    @staticmethod
+    def _velocity(x: torch.Tensor, t: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         if d.shape != x.shape:
             raise ValueError(f"the denoiser must return shape {tuple(x.shape)}, got {tuple(d.shape)}")
         return (x - d.to(x.dtype)) / t.to(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
@@ -215,6 +299,37 @@ def _velocity(denoiser: _Denoiser, s: torch.Tensor, path: str) -> Callable[..., 
     # a clipping range wider than the schedule: the denoiser is called at the schedule's levels
     # (up to rounding), never clipped, like k-diffusion's samplers
     return EDMDenoiserVelocity(denoiser, sigma_min=0.5 * float(s[-2]), sigma_max=2.0 * float(s[0]))
+
+
+def _draft(draft: Any, model: Any, shared: dict, s: torch.Tensor, path: str) -> Any:
+    """The run's ``draft`` in this signature's convention: a draft network is a denoiser called as
+    ``model`` is (a callable, or a :class:`~specforest.drafts.LearnedDraft` made by
+    :meth:`~specforest.drafts.LearnedDraft.from_denoiser`, ``"learned"`` among them), given the shared
+    ``extra_args`` and mapped onto ``path`` as ``model``; a draft that reuses the target's deep
+    features needs a ``model`` that keeps them (:func:`has_features`). Anything else is passed on."""
+    if callable(draft) and not isinstance(draft, (str, Proposal)):
+        return _velocity(_Denoiser(draft, shared, None), s, path)
+    if not isinstance(draft, (str, Proposal)):
+        return draft  # (refused by the run, naming draft)
+    prop = get_proposal(draft)
+    if prop.uses_features and not has_features(model):
+        raise ValueError(
+            f"draft={prop.name!r} reuses the target network's deep features: the denoiser must have deep and "
+            "shallow methods (deep(x, sigma, **extra_args) -> (denoised, features), shallow(x, sigma, features, "
+            "**extra_args) -> denoised, as the digits model's EDMPrecond); the model given here, "
+            f"{model_name(model)}, is called as model(x, sigma, **extra_args) only. Pick another draft (velocity, "
+            "x0, secant, ...)"
+        )
+    if isinstance(prop, LearnedDraft):
+        # the user's denoiser itself may declare its draft network (the adapter around it does not)
+        prop = prop.for_model(model)
+    if isinstance(prop, LearnedDraft) and prop.denoiser is not None:
+        return prop.adapted(lambda net: _velocity(_Denoiser(net, shared, None), s, path))
+    if isinstance(prop, DraftModel):
+        # a velocity network in the library's convention, given as a Proposal: it gets the rows'
+        # conditioning as in specforest.sample, never the callback's record of each row's trajectory
+        return prop.mapped(_RowBlind)
+    return draft
 
 
 def _names(name: str, value: Any) -> tuple:
@@ -311,19 +426,9 @@ def sample(
     roots = _Roots(batch) if callback is not None else None
     if roots is not None:
         cond = {**cond, _ROW: torch.arange(batch, device=x.device)}
-    velocity = _velocity(_Denoiser(model, shared, roots), s, path)
-    draft = options.get("draft", "velocity")
-    if isinstance(draft, (str, Proposal)) and get_proposal(draft).uses_features:
-        raise ValueError(
-            f"draft={getattr(draft, 'name', draft)!r} reuses the target network's deep features, read through "
-            "specforest's model protocol (feature_numel, with_features, from_features: an EDMDenoiserVelocity around "
-            "a denoiser with deep and shallow methods, as the digits model's); the model given here, "
-            f"{model_name(model)}, is a k-diffusion denoiser, called as model(x, sigma, **extra_args) only. Pick "
-            "another draft (velocity, x0, secant, ...), or run specforest.sample with such a model"
-        )
-    if callable(draft) and not isinstance(draft, (str, Proposal)):
-        # a draft model in k-diffusion's convention: a denoiser, called with the same extra_args
-        options["draft"] = _velocity(_Denoiser(draft, shared, None), s, path)
+    velocity = _velocity(_wrap(model, shared, roots), s, path)
+    if "draft" in options:
+        options["draft"] = _draft(options["draft"], model, shared, s, path)
     work = working_dtype(x.dtype)
     x_lin = x.to(work) / float(_ve_scale(s[0])) if path == "ve" else x
     hook = None
@@ -445,7 +550,10 @@ def sample_speculative(
             (ComfyUI's CONST models: ``x = (1 - sigma) x_0 + sigma xi``).
         **options: :func:`specforest.sample`'s options: ``churn`` (required, in (0, 1]), ``tree``,
             ``coupling``, ``draft`` (a name, a Proposal, or a draft *denoiser* with ``model``'s
-            signature, given the same ``extra_args``), ``prefetch``, ``verify``, ``seed`` or
+            signature, given the same ``extra_args``, as is the network of a
+            :meth:`~specforest.drafts.LearnedDraft.from_denoiser` draft and of ``"learned"``;
+            ``"cached"`` needs a ``model`` with ``deep`` and ``shallow`` methods,
+            :func:`has_features`), ``prefetch``, ``verify``, ``seed`` or
             ``generator`` (none: fresh entropy; nothing is drawn from torch's global RNG),
             ``sample_index``, ``max_rows``, ``lazy``, ``record_deltas``, ``pad_rows``,
             ``process_group`` (not with ``callback``).

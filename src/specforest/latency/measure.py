@@ -73,6 +73,7 @@ def _stochastic_steps(grid: dict, options: dict, churn: Any, chain: Any) -> dict
         options.get("shift", option_default("shift")),
         churn,
         chain,
+        **{k: options[k] for k in ("schedule", "sigma_min", "sigma_max") if k in options},
     )
     noisy = sde.stochastic.nonzero().flatten()
     return {

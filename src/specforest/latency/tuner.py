@@ -12,7 +12,7 @@ import torch
 
 from .. import trees
 from ..chains import Chain
-from ..options import resolve
+from ..options import check_stochastic, make_sde, resolve
 from ..proposals import get_proposal
 from ..trees import optimal, uniform
 from ..validation import check_int
@@ -224,6 +224,8 @@ def tune(
         TypeError: a keyword that is not an option of :func:`specforest.sample`.
         ValueError: a refused option, a constraint outside the search (``coupling``
             not ``grs`` or ``rmc``, ``draft`` not in ``drafts``), or a bad value, naming it.
+        NoStochasticStep: a chain with no stochastic step on the run's grid (a ``ValueError``; no tree
+            can pay there), before anything is measured.
     """
     race, race_repeats = check_int("race", race, 0), check_int("race_repeats", race_repeats, 1)
     constraints, sample_kwargs = split_options(sample_kwargs)
@@ -231,7 +233,10 @@ def tune(
     churn, chain = tuned_chain(churn, chain)
     # (on the run's own grid where it has one: a VE chain refuses the named grids, which start at t = 1)
     grid = {"sigmas": sigmas_for(steps)} if callable(sigmas_for) else {"steps": steps}
-    resolve(None, dict(churn=churn, chain=chain, **grid, **constraints, **sample_kwargs))
+    run = resolve(None, dict(churn=churn, chain=chain, **grid, **constraints, **sample_kwargs))
+    # before the cost curve is measured (minutes): on a chain without noise no tree can pay
+    sde = make_sde(run.steps, run.sigmas, run.grid, run.shift, run.churn, run.chain)
+    check_stochastic(sde, "There is nothing to tune: run the standard sampler (tree=None)")
     verify = constraints.get("verify")
     draft = constraints.get("draft")
     if draft is not None:

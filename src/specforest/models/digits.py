@@ -19,14 +19,16 @@ safetensors file of the kind the loader reads (a U-Net's or the classifier's), r
 * :func:`load_classifier` -- a small CNN used to evaluate samples (accuracy
   against the conditioning label, and its penultimate features for a Frechet
   distance);
-* :func:`load_draft_velocity` -- the learned draft: a narrower U-Net
+* :func:`load_draft_denoiser` -- the learned draft: a narrower U-Net
   (:data:`DRAFT_CONFIG`) distilled from the target by ``specforest train
   digits-draft`` (:mod:`specforest.experiments.train_digits_draft`), for
-  ``draft="learned"`` (:class:`specforest.drafts.LearnedDraft`).
+  ``draft="learned"`` (:class:`specforest.drafts.LearnedDraft`);
+  :func:`load_draft_velocity` is it as a linear-path velocity.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -268,7 +270,10 @@ def load_denoiser(
             network; its preconditioning and the sampler stay in float32).
 
     Returns:
-        An :class:`~specforest.models.unet.EDMPrecond` in eval mode, gradients off.
+        An :class:`~specforest.models.unet.EDMPrecond` in eval mode, gradients off. The shipped
+        weights' denoiser declares the draft distilled from it, ``learned_draft``: a callable of no
+        arguments giving :func:`load_draft_denoiser` on the same device and dtype, which
+        ``draft="learned"`` reads (:func:`specforest.drafts.declared_draft`).
 
     Raises:
         FileNotFoundError: if the file does not exist.
@@ -276,6 +281,7 @@ def load_denoiser(
             (the classifier's file, say).
         ChecksumError: if the file's digest differs from the recorded one, or none is recorded.
     """
+    shipped = path is None
     path, sha256 = _resolve(UNET_FILE, path, sha256)
     tensors, meta = read_safetensors(path, sha256)
     _check_kind(path, meta, _UNET_KIND)
@@ -287,6 +293,9 @@ def load_denoiser(
         raise WeightsFileError(f"{path} is not valid as {_UNET_KIND}: {e}") from None
     den = EDMPrecond(net.to(dtype), sigma_data=cfg.sigma_data).to(device).eval()
     den.requires_grad_(False)
+    if shipped:
+        # the shipped target declares the draft distilled from it (draft="learned"), on its device
+        den.learned_draft = functools.partial(load_draft_denoiser, device=device, dtype=dtype)
     return den
 
 
@@ -312,6 +321,29 @@ def multiply_adds(config: Optional[UNetConfig] = None) -> int:
     for h in handles:
         h.remove()
     return total[0]
+
+
+def load_draft_denoiser(
+    path: Optional[PathLike] = None,
+    *,
+    sha256: Optional[str] = None,
+    device: "str | torch.device" = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> EDMPrecond:
+    """The learned draft's EDM denoiser ``D(x: (M, 1, 8, 8), s: (M,), class_labels) -> (M, 1, 8, 8)``:
+    what ``draft="learned"`` evaluates (:meth:`specforest.drafts.LearnedDraft.from_denoiser`), through
+    the EDM adapter in :func:`specforest.sample` and as the model is called in the k-diffusion drop-ins.
+
+    The weights default to the shipped ``digits_draft_unet.safetensors`` (checked against the
+    manifest); see :func:`load_denoiser` for the arguments.
+
+    Raises:
+        FileNotFoundError: if the file or its manifest entry is missing (``specforest train digits-draft``).
+        WeightsFileError: if ``path`` is not a digits U-Net's safetensors file.
+        ChecksumError: if the file's digest differs from the recorded one.
+    """
+    path, sha256 = _resolve(DRAFT_FILE, path, sha256)
+    return load_denoiser(path, sha256=sha256, device=device, dtype=dtype)
 
 
 def load_draft_velocity(

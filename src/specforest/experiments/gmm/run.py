@@ -19,7 +19,7 @@ import torch
 from ... import __version__, memory, sample
 from ...drafting import runs_full
 from ...models.gmm import MixtureSize
-from ...options import SamplerOptions, check_option
+from ...options import SamplerOptions, check_option, options_sde
 from ...planning import AdaptiveTree, plan_tree
 from ...proposals import get_proposal
 from ...trees import DraftTree, TreePolicy, chain
@@ -225,7 +225,8 @@ def simulate(
     wall = time.perf_counter() - t0
     cat = {k: torch.cat(v) for k, v in parts.items()}
 
-    t_det = setting.deterministic_steps
+    # on the run's own grid: a schedule (a further option) starts below t = 1, where the em chain's first step is noisy
+    t_det = T - int(options_sde(opts).stochastic.sum())
     summary = summarize(**{k: cat[k] for k in names}, steps=T, deterministic_steps=t_det)
     record = {
         "method": method,
@@ -240,7 +241,7 @@ def simulate(
         "wall_seconds": wall,
         "warmup_seconds": warmup_seconds,
         "target_seconds": target_seconds,
-        "grid": setting.grid,
+        "grid": further.get("schedule") or setting.grid,  # (a schedule makes the grid)
         "churn": setting.churn,
         **chain_record(setting.run_chain),
         "steps": T,

@@ -286,7 +286,7 @@ def simulate(
         "target_seconds": float(s.target_seconds),
         "classifier_accuracy": accuracy,
         "calls": int(s.calls),
-        "grid": grid,
+        "grid": further.get("schedule") or grid,  # (a schedule makes the grid)
         "seed": seed,
         "prefetch": prefetch,
         "verify": verify,

@@ -1,0 +1,99 @@
+"""The carried state (``specforest.carried.Carried``): the past predictions a chain's mean reads, one
+concept for any history, and a chain of a history no shipped chain has run through the engine unchanged.
+(``generate``'s refills with a chain of history 2: ``tests/test_chains_generate.py``, every registered chain.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+
+from specforest import chains, kdiffusion, testing, trees
+from specforest.carried import NOTHING, Carried
+from specforest.kdiffusion import linear_grid
+
+
+def test_pushed_puts_the_newest_prediction_first_and_drops_the_oldest():
+    p = torch.arange(2 * 3 * 4, dtype=torch.float64).view(2, 3, 4)
+    x0 = torch.full((2, 4), -1.0, dtype=torch.float64)
+    out = Carried(p).pushed(x0).p
+    assert torch.equal(out[:, 0], x0) and torch.equal(out[:, 1:], p[:, :2])
+    assert NOTHING.pushed(x0) is NOTHING and NOTHING.history == 0
+
+
+@pytest.mark.parametrize("history", [1, 2, 3])
+def test_at_nodes_gives_each_node_its_own_ancestors_predictions(history):
+    """Node ``i``'s ``p_j`` is its ``j + 1``-th ancestor's prediction, the root's carried ones above it."""
+    tree = trees.uniform(2, 3)
+    up, depth = tree.parent.clamp(min=0), tree.depth  # (the engine's tables give the root itself as its parent)
+    V, G, D = up.numel(), 2, 3
+    x0 = torch.randn(G, V, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    root = torch.randn(G, history, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    got = Carried(root).at_nodes(x0, up).p
+    assert got.shape == (G, V, history, D)
+    for i in range(V):
+        node = i
+        for j in range(history):
+            if int(depth[i]) > j:
+                node = int(up[node])
+                want = x0[:, node]
+            else:
+                want = root[:, j - int(depth[i])]
+            assert torch.equal(got[:, i, j], want), (i, j)
+
+
+def test_the_memory_estimate_counts_what_a_run_carries():
+    assert Carried.held_states(0, 10, False) == 0
+    assert Carried.held_states(2, 10, True) == 2 and Carried.held_states(2, 10, False) == 2 + 3 * 10
+
+
+@dataclass(frozen=True)
+class AveragedLCM(chains.Chain):
+    """LCM's step on the mean of the last four predictions: ``x' = mean(D, D_1, D_2, D_3) + sigma' z`` (VE)."""
+
+    name: ClassVar[str] = "averaged-lcm"
+    history: ClassVar[int] = 3
+
+    def _weight(self, t):
+        return 1.0 / (torch.arange(t.numel(), dtype=torch.float64) + 1.0).clamp(max=4.0)
+
+    def step(self, t, t_next):
+        return chains.from_ve(t, t_next, torch.zeros_like(t), self._weight(t), t_next / (1 - t_next))
+
+    def past(self, t, t_next):
+        return ((1 - t_next) * self._weight(t))[:, None].expand(-1, 3)
+
+
+def _bent(x, sigma, **_):
+    s = sigma.reshape(-1, 1).to(torch.float64)
+    return (x.to(torch.float64) / (1 + s**2) + 0.3 * torch.tanh(x)).to(x.dtype)
+
+
+def _averaged_lcm_by_hand(x, sig, z):
+    """The sampler written as a loop over k-diffusion's VE levels, independently of the tables."""
+    seen = []
+    for i in range(len(sig) - 1):
+        seen.insert(0, _bent(x, sig[i] * torch.ones(x.shape[0], dtype=x.dtype)))
+        x = torch.stack(seen[:4]).mean(0) + sig[i + 1] * z[i]
+    return x
+
+
+def test_a_chain_of_a_new_history_runs_through_the_engine_as_written():
+    """A history of 3 (no shipped chain has one): with no tree, the sampler's own loop; with trees, full and
+    lazy, its law. Nothing but the chain's class declares it."""
+    sig = kdiffusion.get_sigmas_karras(10, 0.05, 20.0).double()
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * sig[0]
+    gen = torch.Generator().manual_seed(1)
+    z = [torch.randn(8, 4, dtype=torch.float64, generator=gen) for _ in range(len(sig))]
+    want = _averaged_lcm_by_hand(x, sig, z)
+    got = kdiffusion.sample(_bent, x, sig, chain=AveragedLCM(), noise=lambda n: z[n], disable=True).samples
+    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+    tables = AveragedLCM().build(linear_grid(sig))
+    assert tables.history == 3 and bool((tables.past[2, 2] == 0) & (tables.past[3, 2] != 0))
+    grid = chains.karras_linear_grid(12, 0.03, 20.0)
+    for tree, coupling, lazy in ((trees.uniform(2, 2), "grs", True), (trees.chain(4), "rmc", False)):
+        testing.check_chain_law(
+            tree, coupling, "x0", chain=AveragedLCM(), sigmas=grid, churn=None, trajectories=3000, lazy=lazy
+        ).assert_exact()
