@@ -19,6 +19,10 @@ Karras steps, ``ddpm`` 1000, ``dpmpp_2m_sde`` 25 and 50, ``ddim`` eta 1 at 100, 
 * one image's wall time, ``natural32`` ``euler_ancestral`` 50, the best configuration against the
   standard sampler (warm, one thread, in turns, median).
 
+Then deeper chains for the goals' samplers (the ``real_dims_deep`` section; ``--deep-only``), and
+:func:`specforest.latency.tune`'s choice for that image, timed the same way (the
+``real_dims_tune`` section; ``--tune-only`` regenerates that alone).
+
 Regenerates the ``real_dims`` section of ``benchmarks/RESULTS.md``. Cells are measured cheapest
 first; a cell that would start after ``--budget-minutes`` is listed as not measured. One thread.
 """
@@ -55,6 +59,8 @@ SAMPLERS: dict[str, tuple[Callable[[], Any], Callable[[], torch.Tensor]]] = {
 }
 """name -> (chain factory, VE sigmas factory ending in 0)."""
 DEPTHS = (4, 8)
+DEEP = {"euler_ancestral 50": (16,), "ddpm 1000": (16, 32, 64)}
+"""The deep section's chains: depth 8 caps T/NFE near T / ceil(T / 8) (the oracle's 7.9 at T = 1000)."""
 ORACLE = "oracle"
 
 
@@ -123,12 +129,12 @@ def summarize(res, d: int) -> dict:
     }
 
 
-def measure_cell(target: Target, sampler: str, n: int) -> dict:
+def measure_cell(target: Target, sampler: str, n: int, depths: tuple = DEPTHS, drafts: Optional[list] = None) -> dict:
     """The search over (depth, draft), then the oracle at the best tree."""
     best = None
     tried = []
-    for L in DEPTHS:
-        for draft in drafts_for(target):
+    for L in depths:
+        for draft in drafts or drafts_for(target):
             s = summarize(run(target, sampler, n, tree=trees.chain(L), draft=draft), target.d)
             s.update(L=L, draft=draft)
             tried.append(s)
@@ -150,6 +156,94 @@ def time_one_image(target: Target, sampler: str, L: int, draft: str, repeats: in
     return statistics.median(std), statistics.median(spec)
 
 
+def deep_section(tgts: list, n: int) -> list[str]:
+    """The ``real_dims_deep`` section: deeper RMC chains for the goals' samplers (:data:`DEEP`), each
+    model's best draft of the main grid (cached for the networks, x0 for the mixture), natural64 at one
+    trajectory, and the oracle at the best depth."""
+    t0 = time.perf_counter()
+    lines = [
+        f"Measured with `benchmarks/real_dims.py --deep-only --samples {n}` (also run by the full command) on "
+        f"{machine_line()}, one thread.",
+        "",
+        "Depth 8 caps T/NFE near T / ceil(T / 8): the goals' long grids need deeper chains. RMC chains of the "
+        "depths shown, the draft that won the main grid (cached for the networks, x0 for the mixture), "
+        f"{n} trajectories per run (natural64: 1); the oracle at the best depth.",
+        "",
+        "| model | d | sampler | best T/NFE (depth) | T/NFE per depth tried | oracle T/NFE | best / oracle | "
+        "acceptance at depth 1 / 2 / 4 / 8 / 16 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for sampler, depths in DEEP.items():
+        for tgt in tgts:
+            drafts = ["x0"] if tgt.kind == "velocity" else ["cached" if has_features(tgt.fn) else "velocity"]
+            cell = measure_cell(tgt, sampler, 1 if tgt.name == "natural64" else n, depths, drafts)
+            b, o = cell["best"], cell["oracle"]
+            tried = ", ".join(f"{s['L']}: {s['speedup']:.2f}" for s in cell["tried"])
+            acc = [b["acc"][i] for i in (0, 1, 3, 7, 15) if i < len(b["acc"])]
+            lines.append(
+                f"| {tgt.name} | {tgt.d} | {sampler} | {b['speedup']:.2f} ({b['L']}, {b['draft']}) | {tried} | "
+                f"{o['speedup']:.2f} | {b['speedup'] / o['speedup']:.0%} | {fmt_list(acc, '.2f')} |"
+            )
+            print(f"[real_dims] deep {lines[-1]} ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
+    lines += ["", f"Total wall time {(time.perf_counter() - t0) / 60:.1f} min."]
+    return lines
+
+
+def tune_timing(repeats: int) -> list[str]:
+    """The ``real_dims_tune`` section: :func:`specforest.latency.tune`'s choice for one image of
+    ``natural32``, ``euler_ancestral`` 50 Karras steps (drafts velocity and x0, budgets up to 16),
+    timed against the standard sampler (warm, one thread, in turns, median of ``repeats``)."""
+    from specforest.latency import tune
+    from specforest.models.natural import load_velocity
+
+    model = load_velocity("natural32")
+    sigmas = get_sigmas_karras(50, 0.002, 80.0)
+
+    def sigmas_for(steps: int) -> torch.Tensor:
+        return linear_grid(get_sigmas_karras(steps, 0.002, 80.0))
+
+    def x_at(n: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(n, 3, 32, 32, generator=g) * float(sigmas[0]) / (1.0 + float(sigmas[0]))
+
+    t0 = time.perf_counter()
+    tuned = tune(
+        model,
+        x_at(2, 7),
+        steps=50,
+        chain=EulerAncestral(eta=1.0),
+        sigmas_for=sigmas_for,
+        batch=1,
+        budget_max=16,
+        drafts=("velocity", "x0"),
+        calibration_trajectories=2,
+        race=2,
+        race_repeats=2,
+    )
+    tune_s = time.perf_counter() - t0
+    grid = sigmas_for(50)
+    std, spec = [], []
+    for i in range(repeats + 1):
+        for opts, acc in (({}, std), (tuned.options(), spec)):
+            t1 = time.perf_counter()
+            out = lib_sample(model, x_at(1, 100 + i), sigmas=grid, chain=EulerAncestral(eta=1.0), seed=i, **opts)
+            if i > 0:  # the first turn warms both up
+                acc.append((time.perf_counter() - t1, float(out.stats.speedup.mean())))
+    t_std = statistics.median(t for t, _ in std)
+    t_spec = statistics.median(t for t, _ in spec)
+    nfe = statistics.mean(v for _, v in spec)
+    return [
+        f"Measured with `benchmarks/real_dims.py --tune-only --repeats {repeats}` (also run by the full "
+        f"command) on {machine_line()}, one thread.",
+        "",
+        "One image of natural32, euler_ancestral 50 Karras steps: `specforest.latency.tune` (drafts velocity and "
+        f"x0, budgets up to 16, 2 calibration trajectories, a race of 2) chose **{tuned.label}** "
+        f"(draft {tuned.draft}; predicted {tuned.predicted_speedup:.2f}x; tuning took {tune_s:.0f} s). Warm, "
+        f"one thread, run in turns with the standard sampler, median of {repeats}: standard {t_std:.2f} s, "
+        f"tune's choice {t_spec:.2f} s (T/NFE {nfe:.2f}): **{t_std / t_spec:.2f}x**.",
+    ]
+
+
 def fmt_list(values: list, spec: str) -> str:
     return " / ".join("-" if math.isnan(v) else format(v, spec) for v in values)
 
@@ -161,6 +255,8 @@ def main() -> None:
     ap.add_argument("--budget-minutes", type=float, default=25.0, help="no cell starts after this (> 0)")
     ap.add_argument("--repeats", type=int, default=3, help="timed turns of the one-image wall time (>= 1)")
     ap.add_argument("--samplers", default=",".join(SAMPLERS), help="comma list among: " + ", ".join(SAMPLERS))
+    ap.add_argument("--deep-only", action="store_true", help="only the deep-chains section")
+    ap.add_argument("--tune-only", action="store_true", help="only the tune section (natural32, one image)")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = ap.parse_args()
     n = args.samples if args.samples is not None else (2 if args.quick else 4)
@@ -175,6 +271,18 @@ def main() -> None:
     if bad or not samplers:
         ap.error(f"--samplers must name samplers among {', '.join(SAMPLERS)}, got {args.samplers!r}")
     torch.set_num_threads(1)
+    tune_heading = "### Real dimensions: `tune`'s choice for one natural32 image"
+    if args.tune_only:
+        lines = tune_timing(args.repeats)
+        replace_section(args.out, "real_dims_tune", tune_heading, "\n".join(lines))
+        print("\n".join(lines))
+        return
+    deep_heading = "### Real dimensions: deeper chains for the goals' samplers"
+    if args.deep_only:
+        lines = deep_section(targets(args.quick), n)
+        replace_section(args.out, "real_dims_deep", deep_heading, "\n".join(lines))
+        print("\n".join(lines))
+        return
     t_start = time.perf_counter()
     deadline = t_start + 60.0 * args.budget_minutes
     tgts = targets(args.quick)
@@ -247,6 +355,12 @@ def main() -> None:
     lines += ["", f"Total wall time {(time.perf_counter() - t_start) / 60:.1f} min."]
     replace_section(args.out, "real_dims", "## Real dimensions: trained networks against the mixture", "\n".join(lines))
     print("\n".join(lines))
+    deep = deep_section(tgts, n)
+    replace_section(args.out, "real_dims_deep", deep_heading, "\n".join(deep))
+    print("\n".join(deep))
+    tuned = tune_timing(args.repeats)
+    replace_section(args.out, "real_dims_tune", tune_heading, "\n".join(tuned))
+    print("\n".join(tuned))
 
 
 if __name__ == "__main__":
