@@ -39,7 +39,12 @@ stops where it is, keeps what it measured and says what it did not reach:
    (T = 30) and DPM++ 2M SDE (T = 25): the standard sampler against RMC chains, one image per
    run (NFE, T/NFE, wall speedup, sampler time per round beside the UNet call);
    :mod:`gpu_schedulers`.
-6. ``digits-throughput``: the digits protocol at 64 images per run, with the time left.
+6. ``natural64`` (run after ``digits-latency``, before the transformers): the shipped trained natural-image network (d = 12,288) and one of its architecture
+   at ``Plan.natural_width`` times its channels with RANDOM weights (no wider trained network ships:
+   its cost per call is real, its acceptance is not a trained network's): euler_ancestral 50 Karras
+   steps, the standard sampler against an RMC chain of 8 with the velocity and cached drafts and the
+   oracle (the target as its own draft), acceptance and delta per depth, T/NFE, seconds, time per call.
+7. ``digits-throughput``: the digits protocol at 64 images per run, with the time left.
 
 Each stage's transformer model is built once per family (both sizes share it) and freed
 before the next family's; the SDXL pipeline once for both schedulers, after the transformers.
@@ -208,6 +213,10 @@ class Plan:
     race: int
     runs: int  # timed runs per transformer row
     throughput_batch: int
+    natural_images: int  # the natural64 stage's trajectories per run
+    natural_steps: int  # its euler_ancestral Karras steps
+    natural_depth: int  # its RMC chain's depth
+    natural_width: int  # the scaled network's channels, a multiple of the shipped ones
     sdxl: gpu_schedulers.SDXLPlan  # the scheduler stages'
     shares: dict = field(default_factory=dict)
 
@@ -235,6 +244,10 @@ class Plan:
             race=1,
             runs=2,
             throughput_batch=64,
+            natural_images=8,
+            natural_steps=50,
+            natural_depth=8,
+            natural_width=4,
             sdxl=gpu_schedulers.SDXLPlan.full(),
             shares=SHARES,
         )
@@ -263,6 +276,10 @@ class Plan:
             race=1,
             runs=1,
             throughput_batch=4,
+            natural_images=1,
+            natural_steps=4,
+            natural_depth=2,
+            natural_width=2,
             sdxl=gpu_schedulers.SDXLPlan.dry_run(),
             shares=SHARES,
         )
@@ -271,11 +288,12 @@ class Plan:
 SHARES = {
     "digits-law": 20,
     "digits-syncs": 15,
-    "digits-latency": 80,
+    "digits-latency": 70,
+    "natural64": 60,
     "sd3-512": 30,
-    "sd3-1024": 45,
-    "flux-512": 50,
-    "flux-1024": 100,
+    "sd3-1024": 40,
+    "flux-512": 45,
+    "flux-1024": 60,
     "sdxl-euler-ancestral-1024": 40,
     "sdxl-dpmpp-2m-sde-1024": 40,
     "digits-throughput": 20,
@@ -587,6 +605,89 @@ def stage_digits(plan: Plan, st: Stage, batch: int) -> None:
         timing_seconds=plan.digits_timing_seconds,
     )
     st.result.update(curve=res["curve"], rows=res["rows"], steps=plan.digits_steps or 100)
+
+
+# -- natural64: a trained network at d = 12,288 ---------------------------------------------------
+
+
+def natural_networks(plan: Plan) -> list:
+    """``[(label, denoiser)]``: the shipped natural64 network, and one of ``plan.natural_width`` times its
+    channels with random weights (seed 0): no trained network of that width ships, so its acceptance is
+    a random network's; its cost per call is the wider network's."""
+    import dataclasses
+
+    import torch
+
+    from specforest.models.natural import load_denoiser
+    from specforest.models.unet import EDMPrecond, UNet
+
+    den = load_denoiser("natural64", device=plan.device)
+    cfg = den.net.config
+    wide = dataclasses.replace(cfg, channels=tuple(plan.natural_width * c for c in cfg.channels))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = UNet(wide)
+    scaled = EDMPrecond(net, sigma_data=cfg.sigma_data).to(plan.device).eval().requires_grad_(False)
+    return [
+        (f"natural64 (trained, channels {cfg.channels})", den),
+        (f"natural64 width x{plan.natural_width} (RANDOM weights, channels {wide.channels})", scaled),
+    ]
+
+
+def stage_natural(plan: Plan, st: Stage) -> None:
+    """Acceptance and T/NFE of a trained network at d = 12,288 (``natural64``) and of a wider one:
+    ``euler_ancestral`` on Karras steps, the standard sampler against an RMC chain with the frozen
+    ``velocity`` draft, the ``cached`` draft (the target's outer blocks on its deep features) and the
+    oracle (the target itself as the draft: acceptance 1, the chain's ceiling), and the network's
+    time per call at 1 and 16 rows."""
+    import torch
+
+    from specforest import trees
+    from specforest.chains import EulerAncestral
+    from specforest.kdiffusion import get_sigmas_karras
+    from specforest.kdiffusion import sample as kd_sample
+
+    n, L = plan.natural_images, plan.natural_depth
+    sigmas = get_sigmas_karras(plan.natural_steps, 0.002, 80.0)
+    st.result.update(images=n, steps=plan.natural_steps, depth=L, rows=[])
+    for label, den in natural_networks(plan):
+        per_call = {}
+        for rows in (1, 16):
+            x = torch.randn(rows, 3, 64, 64, device=plan.device)
+            s = torch.ones(rows, device=plan.device)
+            den(x, s)  # warm
+            _sync(plan.device)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                den(x, s)
+            _sync(plan.device)
+            per_call[rows] = (time.perf_counter() - t0) / 3
+        g = torch.Generator().manual_seed(1)
+        x = (torch.randn(n, 3, 64, 64, generator=g) * float(sigmas[0])).to(plan.device)
+        for draft in (None, "velocity", "cached", "oracle"):
+            opts: dict = dict(chain=EulerAncestral(eta=1.0), seed=0)
+            if draft is not None:
+                opts.update(tree=trees.chain(L), coupling="rmc", draft=den if draft == "oracle" else draft)
+            _sync(plan.device)
+            t0 = time.perf_counter()
+            res = kd_sample(den, x, sigmas, disable=True, **opts)
+            _sync(plan.device)
+            seconds = time.perf_counter() - t0
+            acc = [float(a) for a in res.stats.accept_rate_per_depth] if draft is not None else []
+            st.result["rows"].append(
+                dict(
+                    network=label,
+                    draft=draft or "standard",
+                    t_per_nfe=float(res.stats.speedup.mean()),
+                    acceptance=acc,
+                    delta=[float(v) for v in res.stats.delta_per_depth] if draft is not None else [],
+                    seconds=seconds,
+                    call_1_ms=1e3 * per_call[1],
+                    call_16_ms=1e3 * per_call[16],
+                )
+            )
+        del den
+        gc.collect()
 
 
 # -- transformers ----------------------------------------------------------------------------------
@@ -912,6 +1013,27 @@ def report(plan: Plan, stages: dict, budget: float, total: float, command: str) 
                 f"{r['model_counted']:.2f} |"
             )
 
+    nat = stages["natural64"].result
+    if nat.get("rows"):
+        gpu += [
+            "",
+            f"**A trained network at d = 12,288** (`natural64`, and a network of its architecture at a "
+            f"larger width with RANDOM weights: its cost per call is real, its acceptance is not a trained "
+            f"network's): euler_ancestral, {nat['steps']} Karras steps, {nat['images']} images per run, RMC chain "
+            f"of depth {nat['depth']}; the oracle is the target itself as the draft (the chain's ceiling).",
+            "",
+            "| network | draft | T/NFE | acceptance per depth 1 / 2 / 3 | delta per depth 1 / 2 / 3 | seconds | "
+            "call of 1 row | call of 16 rows |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in nat["rows"]:
+            acc = " / ".join(f"{a:.2f}" for a in r["acceptance"][:3]) or "-"
+            dl = " / ".join(f"{v:.3g}" for v in r["delta"][:3]) or "-"
+            gpu.append(
+                f"| {r['network']} | {r['draft']} | {r['t_per_nfe']:.2f} | {acc} | {dl} | {r['seconds']:.2f} | "
+                f"{r['call_1_ms']:.1f} ms | {r['call_16_ms']:.1f} ms |"
+            )
+
     tf = [s.result for k, s in stages.items() if k.startswith(("sd3", "flux")) and s.result.get("label")]
     if tf:
         gpu += [
@@ -1056,6 +1178,7 @@ def main(argv: Optional[list] = None) -> int:
         "digits-syncs": lambda st: stage_syncs(plan, st),
         "digits-latency": lambda st: stage_digits(plan, st, 1),
         "digits-throughput": lambda st: stage_digits(plan, st, plan.throughput_batch),
+        "natural64": lambda st: stage_natural(plan, st),
     }
     for key, spec in specs.items():
         fns[key] = lambda st, spec=spec: stage_transformer(plan, spec, st)

@@ -245,6 +245,9 @@ def test_the_dry_run_runs_every_stage_and_writes_only_its_blocks(tmp_path, gpu):
     assert not law["D-GRS (2,3)"]["rejected"] and not law["RMC chain B=14"]["rejected"]
     assert [r["label"] for r in stages["digits-syncs"]["rows"]][0] == "standard"
     assert stages["digits-syncs"]["rows"][0]["counted"] == 0  # the standard sampler reads nothing in a round
+    nat = stages["natural64"]["rows"]
+    assert [r["draft"] for r in nat] == ["standard", "velocity", "cached", "oracle"] * 2
+    assert "| natural64 (trained" in run.stdout  # the trained network's rows in the printed section
     for key in ("sd3-512", "sd3-1024", "flux-512", "flux-1024"):
         assert [r["label"].split(",")[0] for r in stages[key]["latency"]["rows"]][:2] == ["standard", "RMC chain B=4"]
     for key, label in (("sdxl-euler-ancestral-1024", "Euler ancestral"), ("sdxl-dpmpp-2m-sde-1024", "DPM++ 2M SDE")):
@@ -261,3 +264,19 @@ def test_the_dry_run_runs_every_stage_and_writes_only_its_blocks(tmp_path, gpu):
     kept = original.split("\nGPU rows (")[0] if "\nGPU rows (" in original else original.split(begin)[0]
     assert outside.startswith(kept.rstrip())
     assert gpu.GPU_HEADING in text and "DRY RUN" in text
+
+
+def test_the_natural_stage_measures_the_trained_network_and_a_wider_one_at_dry_sizes(gpu):
+    plan = gpu.Plan.dry_run()
+    st = gpu.Stage("natural64")
+    gpu.stage_natural(plan, st)
+    rows = st.result["rows"]
+    nets = sorted({r["network"] for r in rows})
+    assert len(nets) == 2 and any("trained" in n for n in nets) and any("RANDOM" in n for n in nets)
+    for net in nets:
+        mine = [r for r in rows if r["network"] == net]
+        assert [r["draft"] for r in mine] == ["standard", "velocity", "cached", "oracle"]
+        assert mine[0]["t_per_nfe"] == 1.0 and mine[0]["acceptance"] == []
+        assert all(a == 1.0 for a in mine[-1]["acceptance"])  # the target as its own draft
+        assert mine[-1]["t_per_nfe"] > 1.0
+    assert "natural64" in gpu.SHARES and sum(gpu.SHARES.values()) + gpu.REPORT_SECONDS <= 450
