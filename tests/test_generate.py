@@ -732,3 +732,36 @@ def test_the_memory_draft_gives_the_same_samples_on_two_processes(tmp_path, para
     (a, ma), (b, mb) = _load(one), _load(two)
     np.testing.assert_allclose(b["samples"], a["samples"], atol=1e-6, rtol=0)
     assert mb["nfe"] == ma["nfe"] and mb["processes"] == 2
+
+
+def test_a_merge_that_finds_samples_missing_names_the_folder_and_resume(tmp_path, monkeypatch):
+    """Samples gone from the parts by the merge (a shard removed while the job ran) are named with what to do,
+    as a command-line error, not a traceback; ``--resume`` then samples them again."""
+    out = tmp_path / "job.npz"
+    job = ["generate", "gmm", *GMM, "--count", "8", "--batch", "4", "--out", str(out)]
+    real = gen_exp.generate
+
+    class Lost:
+        """A run whose finished samples never reach the parts (as if their shards were removed)."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            self.run = real(*args, **kwargs)
+
+        def __iter__(self):
+            for _ in self.run:
+                pass
+            return iter(())
+
+        def __getattr__(self, name):
+            return getattr(self.run, name)
+
+    with monkeypatch.context() as m:
+        m.setattr(gen_exp, "generate", Lost)
+        res = CliRunner().invoke(main, job)
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+    parts = Path(str(out) + ".parts")
+    assert f"8 indices missing from {parts}" in res.output and "rerun with --resume" in res.output, res.output
+    assert not out.exists()
+    res = CliRunner().invoke(main, [*job, "--resume"])
+    assert res.exit_code == 0, res.output
+    assert out.exists() and not parts.exists()

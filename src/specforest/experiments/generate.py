@@ -59,6 +59,7 @@ from .common import check_int, compiled
 from .generate_job import IMAGE_MODELS, MODELS, JobSpec, count_limit, diffusers_options, sd3_options
 from .generate_model import JobModel, gmm_model, image_model, pixel_model, size_slots
 from .generate_shards import (
+    IncompleteJobError,
     JobHeldError,
     JobLock,
     check_start,
@@ -73,6 +74,7 @@ __all__ = [
     "IMAGE_MODELS",
     "MODELS",
     "GenerateResult",
+    "IncompleteJobError",
     "JobHeldError",
     "JobLock",
     "JobSpec",
@@ -401,7 +403,8 @@ def merge(
     An error leaves the shards in place and no output (``--resume`` merges again).
 
     Raises:
-        RuntimeError: if an index is missing.
+        IncompleteJobError: if an index (or an image) is missing, naming the folder (an ``OSError``: the
+            command line says it without a traceback).
         ValueError: if a shard cannot be read, naming it (:func:`read_shard`).
         OSError: if the output or its JSON cannot be written, naming it and saying that ``--resume``
             finishes the job.
@@ -414,13 +417,19 @@ def merge(
             chunks.setdefault(i, {k: v[j] for k, v in data.items()})
     missing = [i for i in range(spec.count) if i not in chunks]
     if missing:
-        raise RuntimeError(f"{len(missing)} indices missing from {parts} (first: {missing[:5]}); rerun with --resume")
+        raise IncompleteJobError(
+            f"{len(missing)} indices missing from {parts} (first: {missing[:5]}): rerun with --resume, which samples "
+            "them again"
+        )
     rows = [chunks[i] for i in range(spec.count)]
     nfe = [int(r["nfe"]) for r in rows]
     if spec.model in IMAGE_MODELS:
         absent = [i for i in range(spec.count) if not (out / f"{i:06d}.png").exists()]
         if absent:
-            raise RuntimeError(f"{len(absent)} images missing from {out} (first: {absent[:5]}); rerun with --resume")
+            raise IncompleteJobError(
+                f"{len(absent)} images missing from {out} (first: {absent[:5]}): rerun with --resume, which makes "
+                "them again"
+            )
     else:
         arrays = {"samples": np.stack([r["samples"] for r in rows]), "index": np.arange(spec.count, dtype=np.int64)}
         if "labels" in rows[0]:

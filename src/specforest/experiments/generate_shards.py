@@ -51,6 +51,11 @@ def meta_path(out: Path) -> Path:
     return out.with_suffix(".json")
 
 
+class IncompleteJobError(OSError):
+    """The job's parts lack samples the merge needs (a shard or a PNG removed while the job ran):
+    ``--resume`` samples them again."""
+
+
 class JobHeldError(OSError):
     """Another process holds the job (its :class:`JobLock`): one job runs in one process, or one
     ``torchrun`` launch, at a time."""
