@@ -75,7 +75,20 @@ __all__ = [
     "swapped_scheduler",
 ]
 EULER_A_PREDICTIONS = ("epsilon", "v_prediction")
-"""The ``prediction_type`` values ``EulerAncestralDiscreteScheduler.step`` implements."""
+"""The ``prediction_type`` values ``EulerAncestralDiscreteScheduler.step`` implements (and the EDM Euler and
+KDPM2 ancestral steps)."""
+
+
+def _unimplemented_prediction(name: str, cfg: dict) -> Optional[str]:
+    """Why scheduler ``name`` with config ``cfg`` is refused when its ``prediction_type`` is one its step does
+    not implement (diffusers raises there), or ``None``."""
+    if cfg.get("prediction_type", "epsilon") in EULER_A_PREDICTIONS:
+        return None
+    return (
+        f"{name} with prediction_type={cfg.get('prediction_type')!r}: its step does not implement it "
+        f"(diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
+    )
+
 
 SWAP = (
     "pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config)  "
@@ -602,12 +615,7 @@ class _EulerAncestral(Followed):
 
     @classmethod
     def refusal(cls, cfg):
-        if cfg.get("prediction_type", "epsilon") not in EULER_A_PREDICTIONS:
-            return (
-                f"EulerAncestralDiscreteScheduler with prediction_type={cfg.get('prediction_type')!r}: its step does "
-                f"not implement it (diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
-            )
-        return None
+        return _unimplemented_prediction(cls.name, cfg)
 
     @classmethod
     def tables(cls, sch, eta, **options):
@@ -764,12 +772,7 @@ class _EDMEuler(Followed):
 
     @classmethod
     def refusal(cls, cfg):
-        if cfg.get("prediction_type", "epsilon") not in EULER_A_PREDICTIONS:
-            return (
-                f"{cls.name} with prediction_type={cfg.get('prediction_type')!r}: its step does not implement it "
-                f"(diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
-            )
-        return None
+        return _unimplemented_prediction(cls.name, cfg)
 
     @classmethod
     def tables(cls, sch, eta, **options):
@@ -846,12 +849,7 @@ class _KDPM2Ancestral(Followed):
 
     @classmethod
     def refusal(cls, cfg):
-        if cfg.get("prediction_type", "epsilon") not in EULER_A_PREDICTIONS:
-            return (
-                f"{cls.name} with prediction_type={cfg.get('prediction_type')!r}: its step does not implement it "
-                f"(diffusers raises); it takes {' or '.join(EULER_A_PREDICTIONS)}"
-            )
-        return None
+        return _unimplemented_prediction(cls.name, cfg)
 
     @classmethod
     def model_timesteps(cls, sch):
