@@ -208,19 +208,21 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
         # a node's key is the step key XOR the node's mixed id: every draw at the node then mixes
         # that key with its own mixed counter (streams.uniform), so no second mixing pass is needed
         keys = keys ^ tt.code[None, :Vr]
+    # what the lazy walk and the full draft both hand on
+    known = dict(
+        steps=ts,
+        ids=ids,
+        s0=s0,
+        Ls=Ls,
+        Lr=Lr,
+        everyone=group.everyone,
+        keys=keys,
+        pre=pre,
+        carried=carried,
+        memory=memory,
+    )
     if ctx.lazy:
-        return Draft(
-            steps=ts,
-            ids=ids,
-            s0=s0,
-            Ls=Ls,
-            Lr=Lr,
-            everyone=group.everyone,
-            keys=keys,
-            pre=pre,
-            carried=carried,
-            memory=memory,
-        )
+        return Draft(**known)
     G, D = ids.numel(), state.x.shape[1]
     Vi = tt.size_at(Lr - 1)
     # (G, Vr - 1, D): noise of nodes 1..Vr-1, drawn with the coupling's uniforms at nodes 0..Vi-1
@@ -301,22 +303,10 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             else:
                 rep = torch.repeat_interleave(m, tt.tree.num_children[p0:p1].to(ctx.device), dim=1, output_size=c1 - c0)
                 torch.add(rep, SZl[level - 1], out=Yl[level])
-    full = dict(
-        steps=ts,
-        ids=ids,
-        s0=s0,
-        Ls=Ls,
-        Lr=Lr,
-        everyone=group.everyone,
-        keys=keys,
-        pre=pre,
-        carried=carried,
-        memory=memory,
-    )
     drawn = dict(Y=Y, Z=Z, Mp=Mp, U=U, terms=terms, draft_calls=calls, sweeps=sweeps)
     if group.even and tt.eval_prefix[Lr] >= Vi:
         # every tree evaluates the same first nodes, the verified ones among them: a view of Y, no scatter
-        return Draft(**full, **drawn, n_first=tt.eval_prefix[Lr])
+        return Draft(**known, **drawn, n_first=tt.eval_prefix[Lr])
     # the (trajectory, node) pairs the target evaluates, without a synchronization: their number is known
     emask = torch.nonzero_static(tt.eval_at[Ls][:, :Vr], size=group.rows).T
-    return Draft(**full, **drawn, emask=emask)
+    return Draft(**known, **drawn, emask=emask)
