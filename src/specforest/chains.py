@@ -35,7 +35,9 @@ Registered (:func:`available_chains`; :func:`register_chain` adds one):
   (``stages = 2``), as a chain on the churned state like ``euler``;
 * ``dpm_2``: k-diffusion's ``sample_dpm_2`` (DPM-Solver-2 with churn), two calls a step, on the churned state;
 * ``dpm_2_ancestral``, ``dpmpp_2s_ancestral``: k-diffusion's ``sample_dpm_2_ancestral`` and
-  ``sample_dpmpp_2s_ancestral`` (``eta``, ``s_noise``), two calls a step.
+  ``sample_dpmpp_2s_ancestral`` (``eta``, ``s_noise``), two calls a step;
+* ``dpmpp_sde``: k-diffusion's ``sample_dpmpp_sde`` (``eta``, ``s_noise``, ``r``), whose two noises a step are
+  correlated: a chain of half-steps, the end's mean reading what the step's start carries (``history = 1``).
 
 ``../shared/research/samplers.md`` (in the project's notes) and ``docs/chains.md`` give
 each update as its code does it.
@@ -60,6 +62,7 @@ __all__ = [
     "DDPM",
     "DPMPP2MSDE",
     "DPMPP3MSDE",
+    "DPMPPSDE",
     "DPM2Ancestral",
     "DPM2Churn",
     "DPMPP2SAncestral",
@@ -93,6 +96,8 @@ class Transitions(GaussianChain):
         past: ``(T, h)`` float64 coefficients of the past predictions (a multistep chain's, ``h`` its
             :attr:`Chain.history`), or ``None``.
         stages: the stage tableau of a chain of :attr:`Chain.stages` ``> 1`` (:class:`~specforest.stages.Stages`), or ``None``.
+        carry: ``(T, 2)`` float64 ``(k_y, k_v)``, what a state hands its children to carry, ``k_y y + k_v v``
+            (:attr:`~specforest.sde.GaussianChain.carries`), or ``None``: its prediction.
         init_a, init_scale: the start ``init_a x + init_scale z`` (see :class:`~specforest.sde.GaussianChain`).
     """
 
@@ -107,12 +112,22 @@ class Transitions(GaussianChain):
         init_scale: float = 0.0,
         past: "torch.Tensor | None" = None,
         stages: "Stages | None" = None,
+        carry: "torch.Tensor | None" = None,
     ) -> None:
         self.chain = chain
         self.name = chain.name
         # EDM's churn raises the level where its window begins: only a grid must decrease
         self._set_tables(
-            sigmas, a, c, scale, init_a=init_a, init_scale=init_scale, monotone=False, past=past, stages=stages
+            sigmas,
+            a,
+            c,
+            scale,
+            init_a=init_a,
+            init_scale=init_scale,
+            monotone=False,
+            past=past,
+            stages=stages,
+            carry=carry,
         )
 
     @property
@@ -132,7 +147,9 @@ class Chain:
     past predictions its mean reads. A multistep sampler declares ``history = h`` and returns their
     coefficients from :meth:`past`: ``x' = P x + Q D + B_0 D_1 + ... + B_{h-1} D_h + R z`` with
     ``D_j`` the prediction ``j`` steps before; the engine carries them
-    (:class:`~specforest.carried.Carried`), whatever ``h``.
+    (:class:`~specforest.carried.Carried`), whatever ``h``. What a state hands on need not be its
+    prediction: :meth:`carries` declares another fixed combination of the state and its prediction
+    (``dpmpp_sde`` hands its half-step's end the start's part of its mean).
 
     And :attr:`stages`, how many model calls a step makes: a chain of ``s > 1`` stages returns its
     tableau from :meth:`stage_points` (each stage's level and point, linear in the state and the
@@ -160,6 +177,13 @@ class Chain:
         """``B (T, history)`` float64, the coefficients of the predictions ``1 .. history`` steps before
         (linear coordinates), or ``None`` for a one-step sampler (the default). Where a step has no
         such prediction (step ``n <= j`` for ``B[:, j]``) :meth:`build` sets the coefficient to 0."""
+        return None
+
+    def carries(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
+        """What a chain of :attr:`history` ``> 0`` carries from each state: ``(u, w) (T, 2)`` float64, the quantity
+        ``u y + w D`` of a state ``y`` at step ``n`` (level ``t[n]``, linear coordinates) with prediction ``D``,
+        which :meth:`past`'s coefficients of the next steps multiply in place of ``D``. ``None`` (the default):
+        the prediction itself (``u = 0``, ``w = 1``), what a multistep sampler reads."""
         return None
 
     def stage_points(self, sigmas: torch.Tensor) -> "tuple | None":
@@ -198,6 +222,14 @@ class Chain:
             # step n has n predictions before it: the coefficients of the ones it lacks are 0
             n = torch.arange(t.numel())[:, None]
             B = torch.where(n > torch.arange(self.history)[None], B, torch.zeros_like(B))
+        carry = None
+        if self.history:
+            with torch.no_grad():
+                uw = self.carries(t, t_next)
+            if uw is not None:
+                u, w = uw.to(torch.float64).reshape(t.numel(), 2).unbind(1)
+                # u y + w D with D = y - t v, as the coefficients of the state and its velocity
+                carry = torch.stack([u + w, -w * t], 1)
         stages = None
         if self.stages > 1:
             if self.history:
@@ -212,6 +244,8 @@ class Chain:
         bad = ~(torch.isfinite(a) & torch.isfinite(c) & torch.isfinite(scale))
         if B is not None:
             bad |= ~torch.isfinite(B).all(1)
+        if carry is not None:
+            bad |= ~torch.isfinite(carry).all(1)
         if bool(bad.any()) or not (math.isfinite(init_a) and math.isfinite(init_scale)):
             n = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
             raise ValueError(
@@ -221,7 +255,13 @@ class Chain:
                 "(specforest.kdiffusion.linear_grid of a k-diffusion schedule such as "
                 "specforest.kdiffusion.get_sigmas_karras, or chains.karras_linear_grid / chains.ddpm_linear_grid)"
             )
-        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, B, stages)
+        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, B, stages, carry)
+
+    def grid_step(self, steps: int) -> torch.Tensor:
+        """``(T,)`` long: the step of a grid of ``steps`` steps each of the chain's ``T`` steps belongs to (a
+        callback reports a grid step where its first chain step begins): ``arange(steps)`` for a chain
+        whose steps are the grid's; a chain of half-steps (``dpmpp_sde``) overrides it."""
+        return torch.arange(steps)
 
     def example(self) -> "Chain":
         """This chain, or a setting of it with stochastic steps (what the test batteries run): a chain
@@ -829,6 +869,114 @@ class DPMPP3MSDE(Chain):
         return (1.0 - t_next)[:, None] * self._ve(t, t_next)[2]
 
 
+@dataclass(frozen=True)
+class DPMPPSDE(Chain):
+    """k-diffusion's ``sample_dpmpp_sde`` (DPM-Solver++ SDE: ``eta``, ``s_noise``, ``r``) on VE levels, a chain of
+    half-steps.
+
+    A step from ``sigma`` to ``sigma'`` calls the model at ``sigma`` and at ``sigma_s = sigma^(1 - r) sigma'^r`` and
+    draws two noises from one Brownian motion (k-diffusion's ``BrownianTreeNoiseSampler``, identity transform):
+    ``n_1`` normalizes its increment over ``[sigma_s, sigma]``, ``n_2`` over ``[sigma', sigma]``, so their
+    correlation is ``rho = sqrt((sigma - sigma_s) / (sigma - sigma'))``. With ``(d_1, u_1)`` and ``(d_2, u_2)``
+    ``get_ancestral_step(sigma, sigma_s, eta)`` and ``get_ancestral_step(sigma, sigma', eta)``::
+
+        x_2 = (d_1 / sigma) x + (1 - d_1 / sigma) D + s_noise u_1 n_1                                  (D_2 at sigma_s)
+        x'  = (d_2 / sigma) x + (1 - d_2 / sigma) ((1 - 1 / (2 r)) D + D_2 / (2 r)) + s_noise u_2 n_2
+
+    Given ``(x, D)`` the midpoint ``x_2`` is Gaussian. Given ``x_2`` and the step's start, ``n_1 = (x_2 - mean_1) /
+    (s_noise u_1)`` is known and ``n_2 = rho n_1 + sqrt(1 - rho^2) z``, so the end is Gaussian too: its mean is
+    ``k x_2 + (1 - d_2 / sigma) D_2 / (2 r) + K`` with ``k = rho u_2 / u_1`` and ``K = (d_2 / sigma - k d_1 / sigma) x
+    + ((1 - d_2 / sigma)(1 - 1 / (2 r)) - k (1 - d_1 / sigma)) D``, its std ``s_noise u_2 sqrt(1 - rho^2)``. So the
+    chain's states are each step's start and its midpoint (:meth:`coefficients`), one call each: ``history = 1``,
+    the start hands its midpoint ``K`` to carry (:meth:`carries`) and the end's mean reads it (:meth:`past`). A
+    run of ``N`` steps is ``2 N - 1`` half-steps and calls, as k-diffusion's: the step into 0 is Euler's,
+    ``x' = D``. ``r`` must lie in ``(0, 1)``: at 1 the two noises are one draw, above it ``sigma_s`` falls below
+    ``sigma'`` (outside the Brownian tree's interval at the last step). ``eta = 0`` is deterministic.
+    """
+
+    eta: float = 1.0
+    s_noise: float = 1.0
+    r: float = 0.5
+    name: ClassVar[str] = "dpmpp_sde"
+    history: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
+        object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+        r = check_number("r", self.r, 0.0, 1.0, lo_open=True)
+        if r == 1.0:
+            raise ValueError(
+                "r must be in (0, 1), got 1: the midpoint would sit at sigma', where both noises are one draw"
+            )
+        object.__setattr__(self, "r", r)
+
+    def midpoints(self, s: torch.Tensor, s_next: torch.Tensor) -> torch.Tensor:
+        """``sigma_s = exp(-(t + r h))`` with ``t = -log sigma``, ``h = log(sigma / sigma')`` (k-diffusion's
+        ``sigma_fn(s)``), each ``(N,)`` VE."""
+        return torch.lerp(s.log(), s_next.log(), self.r).exp()
+
+    def noise_correlation(self, s: torch.Tensor, s_mid: torch.Tensor, s_next: torch.Tensor) -> torch.Tensor:
+        """``rho (N,)``: the correlation of a step's two noises, the Brownian increments over ``[sigma_s, sigma]``
+        and ``[sigma', sigma]`` normalized (VE levels, each ``(N,)``)."""
+        return ((s - s_mid) / (s - s_next)).sqrt()
+
+    def _halves(self, t: torch.Tensor, t_next: torch.Tensor) -> dict:
+        """Each two-call step's VE terms from the chain's half-step levels ``t, t_next (2 N - 1,)``: the starts at
+        the even steps, the midpoints at the odd ones, and the last step into 0."""
+        ta, tb, tb_next = t[0:-1:2], t[1::2], t_next[1::2]
+        s, s_mid, s_next = _ve(ta), _ve(tb), _ve(tb_next)
+        d1, u1 = _ancestral_ve(s, s_mid, self.eta)
+        d2, u2 = _ancestral_ve(s, s_next, self.eta)
+        rho = self.noise_correlation(s, s_mid, s_next)
+        k = torch.where(u1 > 0, rho * u2 / torch.where(u1 > 0, u1, torch.ones_like(u1)), torch.zeros_like(u1))
+        fac = 1.0 / (2.0 * self.r)
+        return dict(ta=ta, tb=tb, tb_next=tb_next, s=s, d1=d1, u1=u1, d2=d2, u2=u2, rho=rho, k=k, fac=fac)
+
+    def coefficients(self, sigmas):
+        s = _ve(sigmas)
+        mid = self.midpoints(s[:-2], s[1:-1])
+        states = torch.empty(2 * (sigmas.numel() - 1), dtype=torch.float64)
+        states[0::2] = sigmas[:-1]
+        states[1:-1:2] = mid / (1.0 + mid)
+        states[-1] = 0.0
+        P, Q, R = self.step(states[:-1], states[1:])
+        return states, P, Q, R, 1.0, 0.0
+
+    def step(self, t, t_next):
+        """The half-steps ``(P, Q, R)`` on the chain's own levels ``t, t_next (2 N - 1,)`` (:meth:`coefficients`)."""
+        h = self._halves(t, t_next)
+        s = h["s"]
+        P, Q, R = torch.zeros_like(t), torch.ones_like(t), torch.zeros_like(t)  # the last: x' = D
+        # to the midpoint: x_2 = (d_1 / sigma) x + (1 - d_1 / sigma) D + s_noise u_1 n_1
+        a = from_ve(h["ta"], h["tb"], h["d1"] / s, 1.0 - h["d1"] / s, self.s_noise * h["u1"])
+        # to the end: k x_2 + (1 - d_2 / sigma) D_2 / (2 r) + K + s_noise u_2 sqrt(1 - rho^2) z
+        sd = self.s_noise * h["u2"] * (1.0 - h["rho"] ** 2).clamp_min(0.0).sqrt()
+        b = from_ve(h["tb"], h["tb_next"], h["k"], (1.0 - h["d2"] / s) * h["fac"], sd)
+        for out, first, second in zip((P, Q, R), a, b, strict=True):
+            out[0:-1:2], out[1::2] = first, second
+        return P, Q, R
+
+    def carries(self, t, t_next):
+        # a step's start hands on K (VE, in x = y / (1 - t) and D); the midpoint hands on nothing read
+        h = self._halves(t, t_next)
+        s, k = h["s"], h["k"]
+        uw = torch.zeros(t.numel(), 2, dtype=torch.float64)
+        alpha = h["d2"] / s - k * h["d1"] / s
+        beta = (1.0 - h["d2"] / s) * (1.0 - h["fac"]) - k * (1.0 - h["d1"] / s)
+        uw[0:-1:2, 0], uw[0:-1:2, 1] = alpha / (1.0 - h["ta"]), beta
+        return uw
+
+    def past(self, t, t_next):
+        # the end's mean reads K in its own coordinates, y' = (1 - t') x'
+        B = torch.zeros(t.numel(), 1, dtype=torch.float64)
+        B[1::2, 0] = 1.0 - t_next[1::2]
+        return B
+
+    def grid_step(self, steps: int) -> torch.Tensor:
+        # half-steps 2 i and 2 i + 1 make grid step i; the last, into 0, is one
+        return torch.arange(2 * steps - 1) // 2
+
+
 def ddpm_linear_grid(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
     """DDPM's own schedule as a linear-path grid: linear betas over ``steps`` training steps
     (``DDPMScheduler``'s defaults), every one a sampling step, VE ``sigma = sqrt((1 - ab) / ab)``.
@@ -887,15 +1035,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-REFUSED = {
-    "dpmpp_sde": (
-        "DPM++ SDE draws two correlated noises per step (a Brownian tree queried over nested intervals, "
-        "correlation about 0.73) and evaluates the model between them, so one of its steps is not a "
-        "Gaussian transition of the state and no coupling can be exact to it; use dpmpp_2m_sde "
-        "(one noise per step) or euler_ancestral"
-    ),
-}
-"""Samplers refused by name, with the reason (``get_chain`` and the drop-ins say it)."""
+REFUSED: dict = {}
+"""Samplers refused by name, with the reason (``get_chain`` says it): none today (``dpmpp_sde``, once refused,
+is the chain of half-steps :class:`DPMPPSDE`)."""
 
 _CHAINS: Registry[Chain] = Registry(
     "chain",
@@ -914,6 +1056,7 @@ _CHAINS: Registry[Chain] = Registry(
             DPM2Churn,
             DPM2Ancestral,
             DPMPP2SAncestral,
+            DPMPPSDE,
         )
     },  # fmt: skip
     case_insensitive=True,

@@ -131,7 +131,7 @@ def _picard(
         C = torch.addcmul(-k * Y[:, :Lr], k * sig[..., None], V)  # -k x0, x0 = y - sig v at the last sweep
         if carried.history:
             up = (torch.arange(Lr, device=Y.device) - 1).clamp(min=0)  # a chain: node l's parent is l - 1
-            C = tab.add_past(C, steps, carried.at_nodes(tab.prediction(Y[:, :Lr], V, steps), up))
+            C = tab.add_past(C, steps, carried.at_nodes(tab.carry(Y[:, :Lr], V, steps), up))
         W = torch.add(C, SZ[:, :Lr])
         Ynew = torch.empty_like(Y)  # a chain: nodes 0 .. Lr
         Ynew[:, 0] = Y[:, 0]

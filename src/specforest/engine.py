@@ -453,7 +453,7 @@ def commit(
         move = ~sched.fetch
         x = x.index_put((ids1,), torch.where(move[:, None], mean, x1))
         if c1.history:
-            carried = carried.put(ids1, c1.where(move, c1.pushed(ctx.tab.prediction(x1, ev.single, s1))))
+            carried = carried.put(ids1, c1.where(move, c1.pushed(ctx.tab.carry(x1, ev.single, s1))))
         committed = committed.index_put((ids1,), move.long())
         single = ids1
         if sched.n_fetch:

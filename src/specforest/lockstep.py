@@ -88,7 +88,7 @@ def lockstep_round(ctx: RunContext, state: RunState) -> Optional[RunState]:
     if at.past is not None:
         # a multistep chain: the mean reads the carried predictions, and this step's is carried on
         mean = carried.added_to(mean, at.past)
-        carried = carried.pushed(ctx.tab.prediction(state.x, v, state.step))
+        carried = carried.pushed(ctx.tab.carry(state.x, v, state.step))
     x = torch.addcmul(mean, at.scale, noise)
     step = state.step + 1
     counters = state.counters.with_lockstep_round(calls)

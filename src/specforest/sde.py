@@ -186,7 +186,8 @@ class GaussianChain:
     A multistep sampler also reads the clean-image predictions ``p_0, ..., p_{h - 1}`` the model gave
     ``1 .. h`` steps before (its :attr:`history` ``h``: 1 for DPM++ 2M SDE, 2 for DPM++ 3M SDE): its mean
     is ``a[n] y + c[n] v + sum_j past[n, j] p_j`` (``past[n, j] = 0`` where step ``n`` has no such
-    prediction, ``n <= j``). The covariance still depends on the schedule alone, so the chain on
+    prediction, ``n <= j``). What a state hands on is :attr:`carries`' fixed linear combination of it and
+    its velocity: its prediction by default, the start of a DPM++ SDE step's half-steps for ``dpmpp_sde``. The covariance still depends on the schedule alone, so the chain on
     ``(y, p_0, ..., p_{h - 1})`` is Gaussian in ``y`` given the ``p``: the engine carries them beside
     each state (:class:`~specforest.carried.Carried`).
 
@@ -210,6 +211,7 @@ class GaussianChain:
         monotone: bool = True,
         past: Optional[torch.Tensor] = None,
         stages: Optional[Stages] = None,
+        carry: Optional[torch.Tensor] = None,
     ) -> None:
         s = _check_sigmas(sigmas, monotone)
         T = s.numel() - 1
@@ -222,6 +224,10 @@ class GaussianChain:
         past = torch.zeros(T, 0, dtype=torch.float64) if past is None else torch.as_tensor(past, dtype=torch.float64)
         if past.dim() != 2 or past.shape[0] != T or not bool(torch.isfinite(past).all()):
             raise ValueError(f"the chain's past coefficients must be (T, history) = ({T}, h) finite numbers")
+        if carry is not None:
+            carry = torch.as_tensor(carry, dtype=torch.float64)
+            if carry.shape != (T, 2) or not bool(torch.isfinite(carry).all()):
+                raise ValueError(f"the chain's carry coefficients must be (T, 2) = ({T}, 2) finite numbers")
         if bool((tabs["scale"] < 0).any()):
             raise ValueError("the chain's scale must be >= 0 at every step")
         gamma = s[:-1] - s[1:]
@@ -236,6 +242,7 @@ class GaussianChain:
             ("_c", tabs["c"]),
             ("_scale", tabs["scale"]),
             ("_past", past),
+            ("_carry", carry),
             ("_stages", stages),
             ("_gamma", gamma),
             ("_drift_f", drift_f),
@@ -276,6 +283,15 @@ class GaussianChain:
     def history(self) -> int:
         """``h``, the past predictions the mean reads: the engine carries them (:class:`~specforest.carried.Carried`)."""
         return self._past.shape[1]
+
+    @property
+    def carries(self) -> torch.Tensor:
+        """``(T, 2)`` float64 ``(k_y, k_v)``: a state ``y`` at step ``n`` with velocity ``v`` hands its children
+        ``k_y[n] y + k_v[n] v`` to carry (:meth:`StepTables.carry`). By default its prediction ``y - sigmas[n] v``
+        (``(1, -sigmas[n])``); a chain that carries another quantity declares it (:meth:`specforest.chains.Chain.carries`)."""
+        if self._carry is not None:
+            return self._carry
+        return torch.stack([torch.ones_like(self.sigmas[:-1]), -self.sigmas[:-1]], 1)
 
     @property
     def stages(self) -> int:
@@ -418,6 +434,7 @@ class StepTables:
     init_a: float = 1.0  # the chain starts from init_a x + init_scale z (see GaussianChain)
     init_scale: float = 0.0
     tableau: Optional[Stages] = None  # the stage tableau (specforest.stages), or None (one call a step)
+    keep: Optional[torch.Tensor] = None  # (T, 2): what a state hands on, k_y y + k_v v; None: its prediction
 
     def __post_init__(self) -> None:
         if self.ac is None:
@@ -443,6 +460,7 @@ class StepTables:
             tableau=None if chain.stage_tables is None else chain.stage_tables.to(device, dtype),
             init_a=chain.init_a,
             init_scale=chain.init_scale,
+            keep=None if chain._carry is None else to(chain._carry),
         )
 
     @property
@@ -502,7 +520,11 @@ class StepTables:
         states carrying ``carried`` (``(M, ..., h, D)``), or ``None`` for a chain of history 0."""
         return None if carried.p is None else carried.term(self.past[step])
 
-    def prediction(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """The clean-image prediction ``y - sig[step] v`` at states ``y (M, ..., D)`` with velocities ``v``
-        at steps ``step (M, ...)``: what the states' children carry (:meth:`Carried.pushed`)."""
-        return torch.addcmul(y, self.sig[step][..., None], v, value=-1.0)
+    def carry(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """What the states' children carry (:meth:`Carried.pushed`), ``(M, ..., D)``, from states ``y (M, ..., D)``
+        with velocities ``v`` at steps ``step (M, ...)``: the chain's declared ``keep[step, 0] y + keep[step, 1] v``
+        (:attr:`GaussianChain.carries`), by default the clean-image prediction ``y - sig[step] v``."""
+        if self.keep is None:
+            return torch.addcmul(y, self.sig[step][..., None], v, value=-1.0)
+        k = self.keep[step]
+        return torch.addcmul(k[..., 1:] * v, k[..., :1], y)

@@ -309,7 +309,7 @@ def chain_law(
 
         tr = get_chain(chain).build(sigmas)
         mean, var = tr.init_a * mean, tr.init_a**2 * var + tr.init_scale**2
-        # a multistep chain's mean also reads p_0 .. p_{h-1}, the predictions 1 .. h steps before: track
+        # a multistep chain's mean also reads p_0 .. p_{h-1}, what the states 1 .. h steps before handed on: track
         # (y, p_0, .., p_{h-1}) jointly (per coordinate, isotropic); the p are 0 before the first steps,
         # whose coefficients of them are 0
         h = tr.history
@@ -327,9 +327,11 @@ def chain_law(
             off = torch.zeros_like(means)
             off[0] = c * beta
             if h:
-                # the prediction y - t v at this state, G y + h0, becomes p_0; the others move down
-                M[1, 0] = 1.0 - t * alpha
-                off[1] = -t * beta
+                # what this state hands on, k_y y + k_v v (its prediction y - t v unless the chain declares
+                # another), affine in y, becomes p_0; the others move down
+                k_y, k_v = (float(k) for k in tr.carries[n])
+                M[1, 0] = k_y + k_v * alpha
+                off[1] = k_v * beta
                 M[2:, 1:-1] = torch.eye(h - 1, dtype=torch.float64)
             means = M @ means + off
             cov = M @ cov @ M.T

@@ -191,7 +191,7 @@ class FullTree:
         # a multistep chain: each node's mean reads its ancestors' predictions (the root's carried ones above it)
         self.nodes_carried = d.carried
         if d.carried.history:
-            self.nodes_carried = d.carried.at_nodes(ctx.tab.prediction(d.Y[:, :Vi], V[:, :Vi], steps), tt.up[:Vi])
+            self.nodes_carried = d.carried.at_nodes(ctx.tab.carry(d.Y[:, :Vi], V[:, :Vi], steps), tt.up[:Vi])
         self.mu_q = ctx.tab.mean(d.Y[:, :Vi], V[:, :Vi], steps, self.nodes_carried)
         ch = tt.children[:Vi]  # (Vi, K)
         K = ch.shape[1]
@@ -369,7 +369,7 @@ class OnDemand:
         if carried.history:
             moved = carried.take(acc)
             self.par_carried = self.par_carried.put(take, moved)
-            self.cur_carried = self.cur_carried.put(take, moved.pushed(ctx.tab.prediction(yu[acc], vu[acc], sa[acc])))
+            self.cur_carried = self.cur_carried.put(take, moved.pushed(ctx.tab.carry(yu[acc], vu[acc], sa[acc])))
         self.cur_y[take] = kids[acc, idx[acc]]
         self.cur[take] = ch[acc, idx[acc]]
         self.cur_evaluated[take] = False
@@ -487,7 +487,7 @@ def walk(ctx: RunContext, d: Draft, R: Realizer) -> WalkResult:
     if carried.history:
         # the new state's parent: the node whose children were rejected, or the last accepted one's parent
         par = torch.where(rejected, cur, tt.up[cur])
-        x0 = ctx.tab.prediction(R.state(par), R.velocity(par), (d.s0 + tt.depth[par]).clamp(max=ctx.T - 1))
+        x0 = ctx.tab.carry(R.state(par), R.velocity(par), (d.s0 + tt.depth[par]).clamp(max=ctx.T - 1))
         carried = R.carried(par).pushed(x0)
     return WalkResult(
         x=new_x,

@@ -51,7 +51,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from ..chains import DPMPP2MSDE, LCM, REFUSED, Chain, EulerAncestral, check_ddim_eta, from_ve, stage_from_ve
+from ..chains import DPMPP2MSDE, LCM, Chain, EulerAncestral, check_ddim_eta, from_ve, stage_from_ve
 from ..sde import _check_sigmas
 
 __all__ = [
@@ -318,7 +318,11 @@ REFUSED_SCHEDULERS: "dict[str, str]" = {
     "HeliosScheduler": _ODE,
     "DDIMInverseScheduler": "an inversion (image to noise), not a sampler",
     "DPMSolverMultistepInverseScheduler": "an inversion (image to noise), not a sampler",
-    "DPMSolverSDEScheduler": (f"not a Gaussian chain of one call a step: {_STAGES}, and {REFUSED['dpmpp_sde']}"),
+    "DPMSolverSDEScheduler": (
+        "not followed yet: its two calls a step alternate in its own state (state_in_first_order), with two "
+        "correlated Brownian-tree noises; the dpmpp_sde chain (specforest.chains.DPMPPSDE) samples the same "
+        "sampler on k-diffusion's levels"
+    ),
     "ScoreSdeVeScheduler": "a predictor-corrector (step_pred and step_correct, two model calls a step): needs stages",
     "KarrasVeScheduler": f"{_STAGES} (its step and step_correct)",
     "AmusedScheduler": "a masked-token sampler (discrete states), not a Gaussian chain",

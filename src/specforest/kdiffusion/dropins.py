@@ -1,14 +1,16 @@
 """Drop-in samplers with the signatures of the functions they replace (k-diffusion's and ComfyUI's).
 
-``sample_euler_ancestral``, ``sample_euler``, ``sample_dpmpp_2m_sde`` and ``sample_dpmpp_3m_sde`` take k-diffusion's exact
-signatures; ``sample_ddpm`` and ``sample_lcm`` take ComfyUI's. Each runs its sampler's chain
+``sample_euler_ancestral``, ``sample_euler``, ``sample_heun``, ``sample_dpm_2``, ``sample_dpm_2_ancestral``,
+``sample_dpmpp_2s_ancestral``, ``sample_dpmpp_sde``, ``sample_dpmpp_2m_sde`` and ``sample_dpmpp_3m_sde`` take
+k-diffusion's exact signatures; ``sample_ddpm`` and ``sample_lcm`` take ComfyUI's. Each runs its sampler's chain
 (:mod:`specforest.chains`) through :func:`specforest.kdiffusion.sample`: with ``tree=None`` and the same
-noise the output is the real function's, with a tree the law is the same. ``sample_dpmpp_sde`` is
-refused with the reason. ``docs/kdiffusion.md`` shows them registered as ComfyUI ``KSAMPLER`` s.
+noise the output is the real function's, with a tree the law is the same. ``docs/kdiffusion.md`` shows them
+registered as ComfyUI ``KSAMPLER`` s.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -121,7 +123,10 @@ def _drop_in(
     options,
     start: bool = False,
     draws: Optional[list] = None,
+    noise: Optional[Callable[[int], torch.Tensor]] = None,
 ) -> torch.Tensor:
+    """Run ``chain``'s drop-in; ``noise``: the standard run's noise by chain step where the chain's steps are not
+    the grid's (``dpmpp_sde``'s half-steps), in place of :func:`_step_noise`'s."""
     for name in ("chain", "churn", "noise"):
         if name in options:
             raise TypeError(f"{name} is set by this sampler's own arguments; call specforest.kdiffusion.sample for it")
@@ -139,9 +144,9 @@ def _drop_in(
         )
     linear_grid(sigmas, path)  # refuse a bad schedule by name before the noise reads it
     seed = _seed(seed, extra_args, tree, generator)
-    noise = None
+    own, noise = noise, None
     if tree is None and (noise_sampler is not None or (seed is None and generator is None)):
-        noise = _step_noise(x, sigmas, noise_sampler, start=start, draws=draws)
+        noise = own if own is not None else _step_noise(x, sigmas, noise_sampler, start=start, draws=draws)
     return sample(
         model,
         x,
@@ -555,6 +560,38 @@ def sample_dpmpp_3m_sde(
     )  # fmt: skip
 
 
+def _dpmpp_sde_noise(
+    chain: Any, x: torch.Tensor, sigmas: torch.Tensor, noise_sampler: Optional[Callable]
+) -> Callable[[int], torch.Tensor]:
+    """The half-step chain's noise (:class:`~specforest.chains.DPMPPSDE`) from k-diffusion's two draws a step,
+    made in its order: half-step ``2 i`` takes ``n_1 = noise_sampler(sigma_fn(t), sigma_fn(s))``, half-step
+    ``2 i + 1`` the part of ``n_2 = noise_sampler(sigma_fn(t), sigma_fn(t_next))`` that ``n_1`` does not give,
+    ``z = (n_2 - rho n_1) / sqrt(1 - rho^2)``, so the chain's end draws exactly ``n_2`` whatever the sampler's pair;
+    the step into 0 draws nothing. The levels passed are k-diffusion's own (``sigma_fn(t_fn(sigma))``, in
+    ``sigmas``' dtype). Without a noise sampler each half-step draws ``torch.randn_like(x)`` (the pair then has
+    the Brownian tree's law)."""
+    s = sigmas.detach().to("cpu", torch.float64)
+    N = s.numel() - 1
+    rho = chain.noise_correlation(s[:-2], chain.midpoints(s[:-2], s[1:-1]), s[1:-1]).tolist()
+    first: list = [None]
+
+    def noise(n: int) -> torch.Tensor:
+        i = n // 2
+        if n == 2 * N - 2:
+            return torch.zeros_like(x)
+        if noise_sampler is None:
+            return torch.randn_like(x)
+        # k-diffusion's t = -log sigma, s = t + r h: the levels its noise sampler is given
+        t, t_next = sigmas[i].log().neg(), sigmas[i + 1].log().neg()
+        if n % 2 == 0:
+            first[0] = noise_sampler(t.neg().exp(), (t + (t_next - t) * chain.r).neg().exp())
+            return first[0]
+        n2 = noise_sampler(t.neg().exp(), t_next.neg().exp())
+        return (n2 - rho[i] * first[0]) / math.sqrt(1.0 - rho[i] ** 2)
+
+    return noise
+
+
 def sample_dpmpp_sde(
     model: Callable[..., torch.Tensor],
     x: torch.Tensor,
@@ -565,14 +602,38 @@ def sample_dpmpp_sde(
     eta: float = 1.0,
     s_noise: float = 1.0,
     noise_sampler: Optional[Callable] = None,
-    r: float = 0.5,
+    r: float = 1 / 2,
+    *,
+    tree: Any = None,
+    coupling: Any = "grs",
+    draft: Any = "velocity",
+    seed: Optional[int] = None,
+    row_args: Sequence[str] = (),
+    shared_args: Sequence[str] = (),
+    path: str = "ve",
     **options: Any,
 ) -> torch.Tensor:
-    """Refused: k-diffusion's ``sample_dpmpp_sde`` is not a Gaussian chain of its state.
+    """k-diffusion's ``sample_dpmpp_sde`` (DPM-Solver++ SDE, A1111's "DPM++ SDE"), exactly; with a ``tree`` and
+    ``eta > 0``, speculated in law (:class:`~specforest.chains.DPMPPSDE`, a chain of half-steps: a step's two
+    correlated noises become the midpoint's draw and the end's draw given it). Two model calls a step, one
+    into 0 (``2 N - 1``, as the real function).
 
-    Raises:
-        NotImplementedError: always, with the reason (:data:`specforest.chains.REFUSED`).
+    Randomness as :func:`sample_euler_ancestral`, with the pair of draws a step: a ``noise_sampler`` (``tree=None``)
+    is called as k-diffusion calls it, twice a step (over ``[sigma_s, sigma]``, then ``[sigma', sigma]``), and the
+    output is the real function's for any pair it returns. k-diffusion's default noise is a Brownian tree over
+    ``[sigma_min, sigma_max]``, whose two draws a step have correlation ``rho = sqrt((sigma - sigma_s) / (sigma -
+    sigma'))``; without a ``noise_sampler`` (or with a tree) the run draws pairs of that law (``docs/chains.md``).
+    ``r`` in ``(0, 1)`` (k-diffusion's default 1/2). ``eta = 0`` runs with ``tree=None`` and is refused with a tree.
+    VE levels only.
     """
-    from ..chains import REFUSED
+    from ..chains import DPMPPSDE
 
-    raise NotImplementedError(f"sample_dpmpp_sde: {REFUSED['dpmpp_sde']}")
+    _ve_only("sample_dpmpp_sde", path)
+    chain = DPMPPSDE(eta=eta, s_noise=s_noise, r=r)
+    linear_grid(sigmas, path)  # refuse a bad schedule by name before the noise reads it
+    noise = _dpmpp_sde_noise(chain, x, sigmas, noise_sampler) if tree is None else None
+    return _drop_in(
+        chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
+        tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
+        options={"coupling": coupling, "draft": draft, **options}, noise=noise,
+    )  # fmt: skip
