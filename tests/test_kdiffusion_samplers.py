@@ -11,6 +11,8 @@ Euler ancestral and eta 0.8 against eta 1.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from comfy_reference import comfy_ddpm, comfy_dpmpp_3m_sde_const, comfy_euler_ancestral_rf, comfy_lcm
@@ -311,6 +313,91 @@ def test_dpmpp_3m_sde_declares_two_past_predictions_read_from_its_third_step():
     assert bool((tables.past[-1] == 0).all())
 
 
+DPMPP_SDE = [(1.0, 1.0, 0.5), (0.5, 1.05, 0.5), (1.7, 0.9, 0.3), (1.0, 1.0, 0.8), (0.0, 1.0, 0.5)]
+"""``(eta, s_noise, r)``: the default, a smaller eta, one that clips ``sigma_up`` to ``sigma'`` (``sigma_down = 0``),
+other midpoints, and the deterministic DPM++ SDE."""
+
+
+class BrownianPair:
+    """k-diffusion's noise sampler for ``sample_dpmpp_sde`` built from the chain's own draws ``z`` (one a half-step):
+    a step's first call ``(sigma, sigma_s)`` returns ``n_1 = z[2 i]``, its second ``(sigma, sigma')`` returns
+    ``n_2 = rho z[2 i] + sqrt(1 - rho^2) z[2 i + 1]`` with ``rho = sqrt((sigma - sigma_s) / (sigma - sigma'))``, the
+    correlation of k-diffusion's Brownian tree over the two intervals, computed here from the levels the real
+    function passes (so the chain's ``rho`` is checked, not assumed)."""
+
+    def __init__(self, z: list) -> None:
+        self.z, self.calls, self.mid = z, 0, None
+
+    def __call__(self, sigma, sigma_to):
+        i, second = divmod(self.calls, 2)
+        self.calls += 1
+        if not second:
+            self.mid = float(sigma_to)
+            return self.z[2 * i]
+        s, nxt = float(sigma), float(sigma_to)
+        rho = math.sqrt((s - self.mid) / (s - nxt))
+        return rho * self.z[2 * i] + math.sqrt(1.0 - rho * rho) * self.z[2 * i + 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("eta, s_noise, r", DPMPP_SDE)
+def test_dpmpp_sde_chain_fed_its_draws_equals_k_diffusions_fed_their_brownian_pair(dtype, eta, s_noise, r):
+    """k-diffusion 0.1.1.post1's own ``sample_dpmpp_sde`` fed the correlated pair the chain's own draws make
+    (:class:`BrownianPair`) and the ``dpmpp_sde`` chain at ``tree=None`` fed those draws by half-step
+    (``noise=``): float64 to 1e-12 of the output's scale, with the real function's ``2 N - 1`` calls counted
+    at the model."""
+    sig = karras(15).to(dtype)
+    x, z = start(32, sig, dtype=dtype), draws(32, 2 * 15, dtype=dtype)
+    real, ours_m = Counted(bent), Counted(bent)
+    kw = dict(eta=eta, s_noise=s_noise, r=r)
+    ref = sampling().sample_dpmpp_sde(real, x, sig, noise_sampler=BrownianPair(z), disable=True, **kw)
+    out = kdiffusion.sample(ours_m, x, sig, chain=chains.DPMPPSDE(**kw), noise=lambda n: z[n], disable=True)
+    tol = 1e-12 if dtype == torch.float64 else 1e-3
+    assert out.samples.dtype == dtype
+    assert float((out.samples.double() - ref.double()).abs().max()) <= tol * float(ref.double().abs().max())
+    assert ours_m.calls == real.calls == out.stats.calls == 2 * 15 - 1
+
+
+@pytest.mark.parametrize("eta, s_noise, r", DPMPP_SDE[:3])
+def test_dpmpp_sde_drop_in_with_any_noise_sampler_equals_k_diffusions(eta, s_noise, r):
+    """The drop-in called as k-diffusion's, with a noise sampler whose two draws a step are independent (not the
+    Brownian tree's pair): the output is still the real function's (float64, 1e-12 of the scale), and so are its
+    callbacks (one a step, at the step's start) and its calls."""
+    sig = karras(12)
+    x, z = start(16, sig), draws(16, 2 * 12)
+    outs, seen, models = [], [], []
+    for fn in (sampling().sample_dpmpp_sde, kdiffusion.sample_dpmpp_sde):
+        it, got, m = iter(z), [], Counted(bent)
+        outs.append(fn(m, x, sig, callback=got.append, noise_sampler=lambda a, b, it=it: next(it), eta=eta,
+                       s_noise=s_noise, r=r, disable=True))  # fmt: skip
+        seen.append(got)
+        models.append(m)
+    ref, ours = outs
+    assert float((ours - ref).abs().max()) <= 1e-12 * float(ref.abs().max())
+    _same_callbacks(_keys(seen[1]), seen[0])
+    assert models[0].calls == models[1].calls == 2 * 12 - 1
+
+
+def test_dpmpp_sde_is_a_chain_of_half_steps_carrying_its_steps_start():
+    """Its tables: ``history = 1``; the states are each step's start and its midpoint ``sigma^(1 - r) sigma'^r``
+    (k-diffusion's ``sigma_fn(t + r h)``), then 0; the start hands on a combination of the state and its
+    prediction that only the end's half-step reads (the step into 0 is ``x' = D``); ``2 N - 1`` calls."""
+    sig = karras(8)
+    ch = chains.DPMPPSDE(r=0.3)
+    tr = ch.build(linear_grid(sig))
+    assert chains.DPMPPSDE.history == tr.history == 1 and tr.steps == 15 and tr.standard_calls == 15
+    ve = tr.sigmas / (1 - tr.sigmas)
+    torch.testing.assert_close(ve[0:-1:2], sig[:-1], rtol=1e-12, atol=0)
+    torch.testing.assert_close(ve[1:-1:2], sig[:-2] ** 0.7 * sig[1:-1] ** 0.3, rtol=1e-12, atol=0)
+    assert bool((tr.past[1::2, 0] > 0).all()) and bool((tr.past[0::2] == 0).all())
+    assert bool((tr.carries[1::2] == 0).all()) and bool((tr.carries[0:-1:2] != 0).all())
+    assert bool((tr.scale[:-1] > 0).all()) and float(tr.scale[-1]) == 0.0
+    assert ch.grid_step(8).tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7]
+    for bad in (0.0, 1.0, 1.5, -0.5):
+        with pytest.raises(ValueError, match="r must"):
+            chains.DPMPPSDE(r=bad)
+
+
 def test_dpmpp_3m_sde_on_the_linear_path_is_comfys_const_sampler():
     t = torch.linspace(0.98, 0.0, 16, dtype=torch.float64)
     x, z = draws(32, 1, seed=5)[0], draws(32, len(t))
@@ -433,6 +520,46 @@ def test_speculated_dpmpp_3m_sde_matches_the_real_functions_samples():
     assert min(_two_sample_p(wrong, real)) < 1e-6
 
 
+class IndependentHalves(chains.DPMPPSDE):
+    """A wrong DPM++ SDE: the two noises of a step independent (``rho = 0``), as a noise sampler that draws afresh
+    at each call would make them."""
+
+    def noise_correlation(self, s, s_mid, s_next):
+        return torch.zeros_like(s)
+
+
+@pytest.mark.filterwarnings("ignore:Should have ta>=t0")
+def test_speculated_dpmpp_sde_matches_the_real_functions_samples_and_rejects_independent_noises():
+    """Against k-diffusion's own ``sample_dpmpp_sde`` with its default Brownian-tree noise (torchsde: its two draws a
+    step correlated), 10 Karras steps: a GRS tree and an RMC chain, full and lazy, with the x0 and velocity drafts,
+    agree with it; the same comparison rejects the chain with independent noises for the two halves, and the real
+    function fed independent draws. The tree's run makes fewer sequential calls than the real function's ``2 N - 1``."""
+    pytest.importorskip("torchsde")
+    sig = karras(10)
+    x = ve_start(N_LAW, sig, seed=3)
+    torch.manual_seed(0)
+    real = sampling().sample_dpmpp_sde(denoiser, x, sig, disable=True)
+    run = dict(seed=9, disable=True)
+    for tree, coupling, lazy, draft in (
+        (trees.uniform(2, 3), "grs", False, "x0"),
+        (trees.chain(4), "rmc", True, "x0"),
+        (trees.chain(4), "rmc", False, "velocity"),
+    ):
+        ours = kdiffusion.sample_dpmpp_sde(
+            denoiser, x, sig, tree=tree, coupling=coupling, lazy=lazy, draft=draft, **run
+        )
+        assert min(_two_sample_p(ours, real)) > 1e-4, (tree, coupling, lazy, draft)
+    counted = Counted(denoiser)
+    kdiffusion.sample_dpmpp_sde(counted, x, sig, tree=trees.uniform(2, 3), draft="x0", **run)
+    assert counted.calls < 2 * 10 - 1
+    wrong = kdiffusion.sample(denoiser, x, sig, chain=IndependentHalves(), tree=trees.uniform(2, 3), draft="x0", **run)
+    assert min(_two_sample_p(wrong.samples, real)) < 1e-6
+    assert not law(wrong.samples, sig, "dpmpp_sde").passed
+    torch.manual_seed(0)
+    fresh = sampling().sample_dpmpp_sde(denoiser, x, sig, noise_sampler=lambda a, b: torch.randn_like(x), disable=True)
+    assert min(_two_sample_p(fresh, real)) < 1e-6
+
+
 def test_speculated_heun_matches_the_real_functions_samples_and_rejects_a_wrong_churn():
     """Against k-diffusion's own ``sample_heun`` (``s_churn`` 5, its global generator), with a GRS tree and an
     RMC chain, full and lazy; the same comparison and the chain's closed form reject ``s_churn`` 1 for 5.
@@ -510,10 +637,13 @@ def test_refusals_name_the_reason():
         kdiffusion.sample_dpmpp_3m_sde(denoiser, x, sig, eta=-0.5, disable=True)
     with pytest.raises(ValueError, match="s_noise"):
         kdiffusion.sample_dpmpp_3m_sde(denoiser, x, sig, s_noise=0.0, disable=True)
-    with pytest.raises(NotImplementedError, match="two correlated noises per step"):
-        kdiffusion.sample_dpmpp_sde(denoiser, x, sig, disable=True)
-    with pytest.raises(ValueError, match="two correlated noises per step"):
-        chains.get_chain("dpmpp_sde")
+    with pytest.raises(ValueError, match="no stochastic step"):
+        kdiffusion.sample_dpmpp_sde(denoiser, x, sig, eta=0.0, tree=trees.chain(2), seed=0, disable=True)
+    with pytest.raises(ValueError, match="r must be in"):
+        kdiffusion.sample_dpmpp_sde(denoiser, x, sig, r=1.0, disable=True)
+    with pytest.raises(ValueError, match="sample_dpmpp_sde is defined on VE noise levels"):
+        kdiffusion.sample_dpmpp_sde(denoiser, x, sig / (1 + sig), path="linear", disable=True)
+    assert chains.get_chain("dpmpp_sde") == chains.DPMPPSDE()  # no longer refused
     with pytest.raises(ValueError, match="sample_ddpm is defined on VE noise levels"):
         kdiffusion.sample_ddpm(denoiser, x, sig / (1 + sig), path="linear", disable=True)
     # with no tree, the deterministic settings run
@@ -533,10 +663,11 @@ DROP_INS = [
     (kdiffusion.sample_dpm_2, {"s_churn": 20.0}),
     (kdiffusion.sample_dpm_2_ancestral, {}),
     (kdiffusion.sample_dpmpp_2s_ancestral, {}),
+    (kdiffusion.sample_dpmpp_sde, {}),
 ]
 DROP_IN_IDS = [
     "euler_ancestral", "euler", "dpmpp_2m_sde", "ddpm", "lcm", "dpmpp_3m_sde", "heun", "dpm_2", "dpm_2_ancestral",
-    "dpmpp_2s_ancestral",
+    "dpmpp_2s_ancestral", "dpmpp_sde",
 ]  # fmt: skip
 CHURNED = (kdiffusion.sample_euler, kdiffusion.sample_heun, kdiffusion.sample_dpm_2)
 
@@ -652,8 +783,9 @@ def test_speculated_callbacks_report_the_level_the_model_saw(fn, kw):
     seen = []
     fn(denoiser, start(6, sig), sig, **kw, callback=seen.append, tree=trees.chain(3), draft="x0", seed=2, disable=True)
     assert seen
+    half = fn is kdiffusion.sample_dpmpp_sde  # a chain of half-steps: grid step i begins at its step 2 i
     for d in seen:
-        slowest = d["step"] == d["i"]
+        slowest = d["step"] == (2 * d["i"] if half else d["i"])
         torch.testing.assert_close(
             d["row_sigma"][slowest], d["sigma_hat"].expand(int(slowest.sum())), rtol=1e-12, atol=0
         )
@@ -696,6 +828,7 @@ def test_the_docs_stats_snippet_runs(capsys):
         (kdiffusion.sample_dpm_2, {"s_churn": 20.0, "s_tmin": 0.5}, chains.DPM2Churn(s_churn=20.0, s_tmin=0.5)),
         (kdiffusion.sample_dpm_2_ancestral, {"eta": 0.7}, chains.DPM2Ancestral(eta=0.7)),
         (kdiffusion.sample_dpmpp_2s_ancestral, {"s_noise": 1.05}, chains.DPMPP2SAncestral(s_noise=1.05)),
+        (kdiffusion.sample_dpmpp_sde, {"eta": 0.8, "r": 0.4}, chains.DPMPPSDE(eta=0.8, r=0.4)),
     ],
     ids=DROP_IN_IDS,
 )

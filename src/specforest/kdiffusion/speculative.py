@@ -435,7 +435,7 @@ def sample(
     if callback is not None:
         chain, churn = options.get("chain", "em"), options.get("churn")
         # the run checks the options before its first round: the hook builds the tables after it
-        hook = _callback(callback, roots, sigmas, t, path, lambda: make_sde(None, t, None, None, churn, chain).sigmas)
+        hook = _callback(callback, roots, sigmas, t, path, lambda: make_sde(None, t, None, None, churn, chain))
     out = sampler.sample(velocity, x_lin, sigmas=t, cond=cond, callback=hook, progress=_progress(disable), **options)
     # at sigma = 0 the VE and linear-path states coincide (both scales are 1)
     out.samples = out.samples.to(x.dtype)
@@ -449,25 +449,32 @@ def _callback(
     sigmas: torch.Tensor,
     t: torch.Tensor,
     path: str,
-    state_levels: Callable[[], torch.Tensor],
+    tables: Callable[[], Any],
 ) -> Callable[[dict], None]:
     """The library's per-round callback turned into k-diffusion's dict (see :func:`sample_speculative`).
 
-    ``t`` is the run's grid ``(T + 1,)`` on ``path`` and ``state_levels()`` the levels its chain's states sit at
-    (the grid, or EDM's churned levels for ``euler``), both linear-path float64: ``sigma_hat`` is
-    step ``i``'s state level on ``sigmas``' scale, ``sigmas[i]`` itself where the chain does not move it.
+    ``t`` is the run's grid ``(T + 1,)`` on ``path`` and ``tables()`` its chain's tables, whose states sit at
+    the grid's levels, EDM's churned ones (``euler``) or also between them (``dpmpp_sde``'s midpoints), linear-path
+    float64. A round is reported where its slowest trajectory's chain step begins grid step ``i``
+    (:meth:`specforest.chains.Chain.grid_step`); ``sigma_hat`` is that state's level on ``sigmas``' scale,
+    ``sigmas[i]`` itself where the chain does not move it.
     """
-    T = t.numel() - 1
-    hats: list = []  # k-diffusion's sigma_hat per step, made at the first report
+    hats: list = []  # per chain step: (grid step i, k-diffusion's sigma_hat), or None between grid levels
 
-    def sigma_hat(i: int) -> torch.Tensor:
+    def at(n: int) -> Optional[tuple]:
         if not hats:
-            lvl = state_levels()
+            tab = tables()
+            lvl = tab.sigmas
             own = lvl / (1.0 - lvl) if path == "ve" else lvl  # on sigmas' scale
-            hats.extend(
-                sigmas[n] if bool(lvl[n] == t[n]) else own[n].to(sigmas.dtype).to(sigmas.device) for n in range(T)
-            )
-        return hats[i]
+            chain = getattr(tab, "chain", None)
+            grid = chain.grid_step(t.numel() - 1).tolist() if chain is not None else list(range(t.numel() - 1))
+            for m, i in enumerate(grid):
+                if m and grid[m - 1] == i:
+                    hats.append(None)
+                    continue
+                hat = sigmas[i] if bool(lvl[m] == t[i]) else own[m].to(sigmas.dtype).to(sigmas.device)
+                hats.append((i, hat))
+        return hats[n]
 
     before: list = [None]  # each trajectory's step at the start of the next round
 
@@ -479,8 +486,14 @@ def _callback(
             # the first speculative round only evaluates its roots; the next round evaluates them again
             roots.reset()
             return
-        active = step0 < T
-        i = int(step0[active].min())
+        at(0)  # the tables, made once: len(hats) is the chain's steps
+        active = step0 < len(hats)
+        report = at(int(step0[active].min()))
+        if report is None:
+            # the slowest trajectory is between grid levels (a half-step chain's midpoint): k-diffusion reports none
+            roots.reset()
+            return
+        i, hat = report
         a = active.reshape((-1,) + (1,) * (xs.ndim - 1)).to(xs.device)
         x = torch.where(a, roots.x.to(xs.device), xs.to(roots.x.dtype))
         denoised = torch.where(a, roots.denoised.to(xs.device), xs.to(roots.x.dtype))
@@ -491,7 +504,7 @@ def _callback(
                 "x": x,
                 "i": i,
                 "sigma": sigmas[i],
-                "sigma_hat": sigma_hat(i),
+                "sigma_hat": hat,
                 "denoised": denoised,
                 "step": step0,
                 "row_sigma": row_sigma,
