@@ -144,6 +144,21 @@ def test_a_chain_of_two_stages_runs_from_the_command_line_and_is_recorded(job, t
     assert np.isfinite(_samples(out)).all()
 
 
+@pytest.mark.parametrize("job", [GMM, GEN_GMM, GEN_PIXEL], ids=["gmm", "generate gmm", "generate pixel"])
+def test_dpmpp_sde_runs_from_the_command_line_and_is_recorded(job, tmp_path):
+    """``--chain dpmpp_sde`` (a chain of half-steps carrying each step's start) with its options, its ``r`` at
+    the default, recorded as every chain's parameters are."""
+    out = tmp_path / "a.npz"
+    args = [*job, "--chain", "dpmpp_sde", "--eta", "0.8", "--s-noise", "1.05", "--schedule", "karras"]
+    if job is GMM:
+        rec = _record(*args, "--dump-samples", out)
+    else:
+        _ok(invoke(*args, "--out", out))
+        rec = json.loads(out.with_suffix(".json").read_text())["options"]["sampler"]
+    assert rec["chain"] == "dpmpp_sde" and rec["chain_params"] == {"eta": 0.8, "s_noise": 1.05, "r": 0.5}
+    assert np.isfinite(_samples(out)).all()
+
+
 def test_a_job_started_before_chains_were_recorded_resumes_as_em(tmp_path, monkeypatch):
     # an interrupted job whose options.json has no chain keys (what a job written before chains holds)
     spec = gen_exp.JobSpec(

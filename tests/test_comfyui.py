@@ -152,7 +152,7 @@ def test_the_package_adds_a_sampler_per_chain_comfyui_has_and_its_node(package):
     offered = C.nodes.NODE_CLASS_MAPPINGS["SamplerSpecforest"].INPUT_TYPES()["required"]
     assert set(added) <= set(offered["sampler_name"][0])
     assert "specforest_em" not in C.samplers.SAMPLER_NAMES  # ComfyUI has no em sampler
-    assert "specforest_dpmpp_sde" not in C.samplers.SAMPLER_NAMES  # refused: not a Gaussian chain
+    assert "specforest_dpmpp_sde" in C.samplers.SAMPLER_NAMES  # a chain of half-steps, no longer refused
 
 
 def test_a_chain_registered_later_appears_without_an_edit(package):

@@ -937,7 +937,7 @@ class DPMPPSDE(Chain):
         mid = self.midpoints(s[:-2], s[1:-1])
         states = torch.empty(2 * (sigmas.numel() - 1), dtype=torch.float64)
         states[0::2] = sigmas[:-1]
-        states[1:-1:2] = mid / (1.0 + mid)
+        states[1:-1:2] = torch.where(torch.isinf(mid), torch.ones_like(mid), mid / (1.0 + mid))  # (refused at t = 1)
         states[-1] = 0.0
         P, Q, R = self.step(states[:-1], states[1:])
         return states, P, Q, R, 1.0, 0.0
