@@ -6,8 +6,10 @@ past predictions moves a state ``y`` to
 
     ``y' ~ N(a[n] y + c[n] v + past[n, 0] p_0 + ... + past[n, h - 1] p_{h - 1}, scale[n]^2 I)``
 
-with ``p_j`` the prediction ``y - sigma v`` the model gave ``j + 1`` steps before (``p_0`` at
-the state's parent, ``p_1`` at its grandparent: DPM++ 2M SDE reads one, DPM++ 3M SDE two).
+with ``p_j`` what the state ``j + 1`` steps before handed on (``p_0`` from the state's parent, ``p_1``
+from its grandparent): its prediction ``y - sigma v`` (DPM++ 2M SDE reads one, DPM++ 3M SDE two), or
+another fixed combination of that state and its velocity the chain declares
+(:meth:`specforest.sde.StepTables.carry`: DPM++ SDE's step start hands its midpoint part of the end's mean).
 Given them the step is Gaussian with a covariance free of the network, so the chain on
 ``(y, p_0, ..., p_{h - 1})`` can be speculated exactly: the engine keeps them beside each state.
 
@@ -28,7 +30,8 @@ __all__ = ["NOTHING", "Carried"]
 
 @dataclass(frozen=True)
 class Carried:
-    """The last ``h`` clean-image predictions before each state: ``p (..., h, D)``, the most recent first.
+    """What the last ``h`` states before each state handed on (their clean-image predictions unless the chain
+    declares otherwise): ``p (..., h, D)``, the most recent first.
 
     ``p`` is ``None`` for a chain of history 0: every operation is then the identity (or adds
     nothing), so a one-step chain runs the same ops as if the concept did not exist. The leading
@@ -81,8 +84,8 @@ class Carried:
         return self if self.p is None else Carried(self.p.index_fill(0, rows, 0))
 
     def pushed(self, x0: torch.Tensor) -> "Carried":
-        """The carried state of these states' children: ``x0 (..., D)``, the prediction at these
-        states, first, then the ``h - 1`` most recent of theirs."""
+        """The carried state of these states' children: ``x0 (..., D)``, what these states hand on
+        (:meth:`specforest.sde.StepTables.carry`), first, then the ``h - 1`` most recent of theirs."""
         if self.p is None:
             return self
         return Carried(torch.cat([x0.unsqueeze(-2), self.p[..., :-1, :]], -2))
