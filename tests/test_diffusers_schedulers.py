@@ -19,7 +19,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import specforest  # noqa: E402
-from specforest import testing, trees  # noqa: E402,F401
+from specforest import chains, testing, trees  # noqa: E402,F401
 from specforest.diffusers.schedulers import scheduler_chain  # noqa: E402
 
 D = 16
@@ -902,3 +902,136 @@ def test_kdpm2_ancestral_configs_it_cannot_follow_are_refused_by_name():
         scheduler_chain(diffusers.KDPM2AncestralDiscreteScheduler(prediction_type="sample"), 8)
     with pytest.raises(ValueError, match="eta=0.5: KDPM2AncestralDiscreteScheduler's step takes no eta"):
         scheduler_chain(diffusers.KDPM2AncestralDiscreteScheduler(), 8, eta=0.5)
+
+
+# -- DPMSolverSDEScheduler: two calls a step with correlated noises (a chain of half-steps) ---------------
+
+
+def dpm_sde_loop(sch, steps, x, net, noise_sampler=None):
+    """The pipeline's loop over ``DPMSolverSDEScheduler``'s interleaved timesteps (two a step, one into 0): the
+    network at the level ``scale_model_input`` reads (the step's sigma, then its ``mid_point_sigma``), and its
+    noise from ``noise_sampler`` where given (else its own Brownian tree). Returns ``(latents, calls)``."""
+    sch.set_timesteps(steps)
+    if noise_sampler is not None:
+        sch.noise_sampler = noise_sampler
+    calls = 0
+    for t in sch.timesteps:
+        first = sch.state_in_first_order
+        inp = sch.scale_model_input(x, t)
+        s = float(sch.sigmas[sch.step_index]) if first else float(sch.mid_point_sigma)
+        e = net(inp, torch.full((x.shape[0],), 1 / (1 + s * s), dtype=torch.float64))
+        x = sch.step(e, t, x).prev_sample
+        calls += 1
+    return x, calls
+
+
+class BrownianPair:
+    """The scheduler's noise sampler built from the chain's own draws ``z`` (one a half-step): a step's first call
+    ``(sigma, sigma_mid)`` returns ``z[2 i]``, its second ``(sigma, sigma')`` ``rho z[2 i] + sqrt(1 - rho^2) z[2 i + 1]``
+    with ``rho = sqrt((sigma - sigma_mid) / (sigma - sigma'))``, its Brownian tree's correlation, computed here from
+    the levels the scheduler passes."""
+
+    def __init__(self, z: list) -> None:
+        self.z, self.calls, self.mid = z, 0, None
+
+    def __call__(self, sigma, sigma_to):
+        i, second = divmod(self.calls, 2)
+        self.calls += 1
+        if not second:
+            self.mid = float(sigma_to)
+            return self.z[2 * i]
+        s, nxt = float(sigma), float(sigma_to)
+        rho = (s - self.mid) ** 0.5 / (s - nxt) ** 0.5
+        return rho * self.z[2 * i] + (1.0 - rho * rho) ** 0.5 * self.z[2 * i + 1]
+
+
+DPM_SDE = {
+    "default": (dict(), 12),
+    "karras": (dict(use_karras_sigmas=True), 10),
+    "v-prediction": (dict(prediction_type="v_prediction"), 9),
+    "trailing-scaled": (dict(timestep_spacing="trailing", beta_schedule="scaled_linear"), 9),
+    "exponential": (dict(use_exponential_sigmas=True), 7),
+    "one-step": (dict(), 1),
+}
+
+
+@pytest.mark.parametrize("case", list(DPM_SDE))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_dpm_solver_sde_equals_the_schedulers_own_loop_call_for_call(case, dtype):
+    """Its own loop fed the Brownian pair the chain's draws make (:class:`BrownianPair`) and the chain of half-steps
+    at ``tree=None`` fed those draws: the same latents (to its float32 levels' rounding) and as many model calls,
+    ``2 T - 1``."""
+    cfg, steps = DPM_SDE[case]
+    mk = lambda: diffusers.DPMSolverSDEScheduler(**cfg)  # noqa: E731
+    sch = mk()
+    x = initial(sch, steps, 8, dtype=dtype)
+    z = [torch.randn(8, D, generator=torch.Generator().manual_seed(100 + k), dtype=dtype) for k in range(2 * steps)]
+    net = as_v(bent) if cfg.get("prediction_type") == "v_prediction" else bent
+    ref, calls = dpm_sde_loop(mk(), steps, x.clone(), net, BrownianPair(z))
+    chain = scheduler_chain(sch, steps)
+    assert chain.history == 1 and chain.params == {"scheduler": "DPMSolverSDEScheduler", "eta": None, "s_noise": 1.0}
+    s0 = chain.grid[0] / (1 - chain.grid[0])
+    run = specforest.sample(
+        velocity_of(chain, bent), (x.double() / (1 + s0)).to(dtype), sigmas=chain.grid, chain=chain,
+        noise=lambda n: z[n],
+    )  # fmt: skip
+    tol = 1e-6 if dtype == torch.float64 else 1e-4
+    assert float((run.samples.double() - ref.double()).abs().max()) <= tol * float(ref.double().abs().max()), case
+    assert calls == 2 * steps - 1 == int(run.stats.nfe.max()) == chain.timesteps.numel()
+
+
+class _Independent(chains.DPMPPSDE):
+    """The wrong DPM++ SDE: a step's two noises independent (``rho = 0``)."""
+
+    def noise_correlation(self, s, s_mid, s_next):
+        return torch.zeros_like(s)
+
+
+@pytest.mark.filterwarnings("ignore:Should have")
+def test_dpm_solver_sde_keeps_its_law_with_a_tree_and_the_test_rejects_independent_noises():
+    """With a GRS tree and an RMC chain (lazy): the chain's closed form, and a two-sample comparison with the
+    scheduler's own loop and its own Brownian-tree noise (torchsde); the same tables with independent noises for the
+    two halves fail both."""
+    pytest.importorskip("torchsde")
+    from scipy import stats
+
+    steps, n = 10, 4000
+    chain = scheduler_chain(diffusers.DPMSolverSDEScheduler(noise_sampler_seed=5), steps)
+    sch = diffusers.DPMSolverSDEScheduler(noise_sampler_seed=5)
+    x = initial(sch, steps, n, seed=6)
+    own, _ = dpm_sde_loop(sch, steps, x.clone(), eps_gauss)
+    s0 = chain.grid[0] / (1 - chain.grid[0])
+
+    def two_sample(ours):  # KS p of a projection and of the squared norm about MU, ours in VE latents at 0
+        u = torch.ones(D, dtype=torch.float64) / D**0.5
+        proj = stats.ks_2samp((ours @ u).numpy(), (own.double() @ u).numpy()).pvalue
+        sq = lambda a: ((a.double() - MU) ** 2).sum(1).numpy()  # noqa: E731
+        return min(float(proj), float(stats.ks_2samp(sq(ours), sq(own)).pvalue))
+
+    y0 = x.double() / (1 + s0)
+    for tree, coupling, lazy in ((trees.uniform(2, 2), "grs", False), (trees.chain(4), "rmc", True)):
+        run = specforest.sample(
+            velocity_of(chain, eps_gauss), y0, sigmas=chain.grid, chain=chain, tree=tree, coupling=coupling,
+            draft="x0", seed=4, lazy=lazy,
+        )  # fmt: skip
+        law = testing.check_law(run.samples, chain.grid, None, MU, S0, chain=chain, init_scale=chain.noise_scale)
+        law.assert_exact()
+        assert two_sample(run.samples) > 1e-4
+        assert float(run.stats.nfe.double().mean()) < 2 * steps - 1
+    wrong_ch = _Independent(eta=1.0, r=0.5)
+    a, b = chain.grid[:-1], chain.grid[1:]
+    P, Q, R = wrong_ch.step(a, b)
+    wrong = replace(chain, P=P, Q=Q, R=R, B=wrong_ch.past(a, b), K=wrong_ch.carries(a, b), remake=None)
+    run = specforest.sample(
+        velocity_of(wrong, eps_gauss), y0, sigmas=chain.grid, chain=wrong, tree=trees.uniform(2, 2), draft="x0", seed=4
+    )
+    assert two_sample(run.samples) < 1e-6
+
+
+def test_dpm_solver_sde_configs_it_cannot_follow_are_refused_by_name():
+    with pytest.raises(ValueError, match="prediction_type='sample'"):
+        scheduler_chain(diffusers.DPMSolverSDEScheduler(prediction_type="sample"), 8)
+    with pytest.raises(ValueError, match="eta=0.5: DPMSolverSDEScheduler's step takes no eta"):
+        scheduler_chain(diffusers.DPMSolverSDEScheduler(), 8, eta=0.5)
+    with pytest.raises(ValueError, match="s_noise"):
+        scheduler_chain(diffusers.DPMSolverSDEScheduler(), 8, step_options={"s_noise": -1.0})

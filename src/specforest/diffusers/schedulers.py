@@ -12,7 +12,8 @@ diffusers class name (:data:`FOLLOWED`, :func:`register_scheduler`): it declares
 the further step arguments it reads (:attr:`Followed.options`: ``EDMEulerScheduler``'s ``s_churn``...), the
 configs it refuses with the reason, its tables read off the scheduler's own config and arrays, and where it
 draws; its history is its tables' (multistep DPM-Solver: its order less one), and so are its stages (KDPM2
-ancestral's two calls a step: a :class:`StagedSchedulerChain`). Every other scheduler of diffusers is refused
+ancestral's two calls a step: a :class:`StagedSchedulerChain`) and its half-steps (``DPMSolverSDEScheduler``'s
+two calls a step with correlated noises: a chain of half-steps, :attr:`SchedulerChain.halves`). Every other scheduler of diffusers is refused
 with its reason in one table, :data:`REFUSED_SCHEDULERS` (deterministic ODE solvers, inversions, discrete
 samplers, and the ones whose two calls a step are not yet followed). Nothing outside this module names a
 scheduler.
@@ -33,8 +34,7 @@ the scheduler's exactly, and every draft, coupling and tree works unchanged.
 
 Refused, each naming the reason: deterministic schedulers with a tree (the caller's check, through
 :attr:`~specforest.sde.GaussianChain.stochastic`), learned variances (the covariance comes from the
-network), ``fixed_large_log`` (diffusers returns NaN there), ``DPMSolverSDEScheduler`` (two model calls a
-step with two correlated noises), DPM-Solver's ``sde-dpmsolver``, EDM DPM-Solver's third order (its step
+network), ``fixed_large_log`` (diffusers returns NaN there), DPM-Solver's ``sde-dpmsolver``, EDM DPM-Solver's third order (its step
 raises), ``final_sigmas_type`` other than ``zero``. So are the options a step would not follow: an ``eta``
 with a scheduler whose ``step`` takes none (:data:`ETA_SCHEDULERS`), a DDIM ``eta`` that makes a step's
 variance negative (diffusers' step is NaN there), Euler ancestral's and KDPM2 ancestral's
@@ -117,6 +117,10 @@ class SchedulerChain(Chain):
             ``noise_scale xi``.
         remake: ``remake(n)`` the same scheduler's chain at ``n`` inference steps (:meth:`for_steps`), or
             ``None``: the chain runs on its own grid only.
+        K: ``(T, 2)`` what each state hands on to carry (:meth:`~specforest.chains.Chain.carries`), or ``None``:
+            its prediction.
+        halves: the grid holds each step's start and midpoint (``DPMSolverSDEScheduler``): ``N`` inference steps
+            are ``2 N - 1`` chain steps, each one model call.
     """
 
     scheduler: str = ""
@@ -128,6 +132,7 @@ class SchedulerChain(Chain):
     Q: torch.Tensor = field(default=None, repr=False, compare=False)
     R: torch.Tensor = field(default=None, repr=False, compare=False)
     B: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    K: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     prediction: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = field(
         default=None, repr=False, compare=False
     )
@@ -136,6 +141,7 @@ class SchedulerChain(Chain):
     noise_scale: float = field(default=1.0, repr=False, compare=False)
     noise_promoted: bool = field(default=False, repr=False, compare=False)
     remake: Optional[Callable[[int], "SchedulerChain"]] = field(default=None, repr=False, compare=False)
+    halves: bool = field(default=False, repr=False, compare=False)
     name: ClassVar[str] = "scheduler"
 
     @property
@@ -150,7 +156,7 @@ class SchedulerChain(Chain):
         Raises:
             ValueError: if the chain was made without ``remake`` and ``steps`` is not its own.
         """
-        if steps == self.grid.numel() - 1:
+        if steps == (self.grid.numel() // 2 if self.halves else self.grid.numel() - 1):
             return self
         if self.remake is None:
             raise ValueError(
@@ -162,7 +168,7 @@ class SchedulerChain(Chain):
     def coefficients(self, sigmas: torch.Tensor) -> tuple:
         s = _check_sigmas(sigmas)
         if s.shape != self.grid.shape and self.remake is not None:
-            return self.for_steps(s.numel() - 1).coefficients(s)
+            return self._on(s[:-1]).coefficients(s)
         if s.shape != self.grid.shape or not torch.allclose(s, self.grid, rtol=1e-12, atol=0.0):
             raise ValueError(
                 f"the {self.scheduler} chain is tabulated on its own {self.grid.numel() - 1}-step grid; "
@@ -176,7 +182,17 @@ class SchedulerChain(Chain):
         return 0 if self.B is None else self.B.shape[1]
 
     def past(self, t: torch.Tensor, t_next: torch.Tensor) -> Optional[torch.Tensor]:
-        return self.for_steps(t.numel()).B if t.numel() != self.grid.numel() - 1 and self.remake is not None else self.B
+        return self._on(t).B
+
+    def carries(self, t: torch.Tensor, t_next: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._on(t).K
+
+    def _on(self, t: torch.Tensor) -> "SchedulerChain":
+        """This chain, or the same scheduler's on the grid of the states ``t (T,)`` (a tuner's shorter runs)."""
+        if t.numel() == self.grid.numel() - 1 or self.remake is None:
+            return self
+        # a chain of half-steps has 2 N - 1 steps for N inference steps
+        return self.for_steps((t.numel() + 1) // 2 if self.halves else t.numel())
 
 
 @dataclass(frozen=True)
@@ -194,7 +210,7 @@ class StagedSchedulerChain(SchedulerChain):
     def stage_points(self, sigmas: torch.Tensor) -> tuple:
         s = _check_sigmas(sigmas)
         if s.shape != self.grid.shape and self.remake is not None:
-            return self.for_steps(s.numel() - 1).stage_points(s)
+            return self._on(s[:-1]).stage_points(s)
         # the grid itself is checked by coefficients, which build reads first
         return self.tableau
 
@@ -230,6 +246,10 @@ class Tables:
     stages: Optional[tuple] = None
     """A step of two model calls: its tableau ``(level, alpha, beta, weight)`` on ``grid``
     (:meth:`specforest.chains.Chain.stage_points`; ``P, Q`` then read ``D_eff``), else ``None`` (one call)."""
+    K: Optional[torch.Tensor] = None
+    """``(T, 2)`` what a state hands on to carry (:meth:`specforest.chains.Chain.carries`), else ``None``."""
+    halves: bool = False
+    """Whether ``grid`` holds each step's start and midpoint (:attr:`SchedulerChain.halves`)."""
 
 
 class Followed:
@@ -318,11 +338,6 @@ REFUSED_SCHEDULERS: "dict[str, str]" = {
     "HeliosScheduler": _ODE,
     "DDIMInverseScheduler": "an inversion (image to noise), not a sampler",
     "DPMSolverMultistepInverseScheduler": "an inversion (image to noise), not a sampler",
-    "DPMSolverSDEScheduler": (
-        "not followed yet: its two calls a step alternate in its own state (state_in_first_order), with two "
-        "correlated Brownian-tree noises; the dpmpp_sde chain (specforest.chains.DPMPPSDE) samples the same "
-        "sampler on k-diffusion's levels"
-    ),
     "ScoreSdeVeScheduler": "a predictor-corrector (step_pred and step_correct, two model calls a step): needs stages",
     "KarrasVeScheduler": f"{_STAGES} (its step and step_correct)",
     "AmusedScheduler": "a masked-token sampler (discrete states), not a Gaussian chain",
@@ -892,6 +907,55 @@ class _KDPM2Ancestral(Followed):
 
 
 @register_scheduler
+class _DPMSolverSDE(Followed):
+    """``DPMSolverSDEScheduler``, k-diffusion's DPM++ SDE at ``eta = 1`` and ``r = 1/2`` (its ``midpoint_ratio``) on
+    VE latents: two calls a step, with two correlated noises from one Brownian tree (torchsde, identity transform).
+
+    Its timesteps interleave each step's first-order call, at the state (level ``s``, its ``sigmas``), and its
+    second-order call, at the midpoint ``x_2`` (level ``sigma_fn(t + h / 2)``, its ``mid_point_sigma``; the
+    scheduler keeps the step's start in ``sample`` meanwhile, ``state_in_first_order``). Its second-order ``step``
+    reads only the midpoint's prediction (``fac = 1``) and draws the whole step's noise, correlated with the first's:
+    the chain of half-steps :class:`~specforest.chains.DPMPPSDE` on its own (float32) levels, the midpoints computed
+    as its step computes them. Its last step (into 0) makes one call: a run of ``T`` steps makes ``2 T - 1`` calls,
+    one a chain step. Its ``step``'s ``s_noise`` is followed (:attr:`Followed.options`). Its noise is its
+    Brownian tree's (seeded by ``noise_sampler_seed``, else torch's global generator), never a pipeline's
+    generator: a run draws pairs of that law.
+    """
+
+    name = "DPMSolverSDEScheduler"
+    options = {"s_noise": 1.0}
+    own_generator = False
+
+    @classmethod
+    def refusal(cls, cfg):
+        return _unimplemented_prediction(cls.name, cfg)
+
+    @classmethod
+    def tables(cls, sch, eta, **options):
+        from ..chains import DPMPPSDE
+
+        sig = torch.as_tensor(sch.sigmas).detach().to("cpu")  # (2 T,): s_0, s_1, s_1, ..., s_{T-1}, s_{T-1}, 0
+        start, end = sig[0::2], sig[1::2]  # each step's sigma and sigma_next, as its first-order step reads them
+        # the midpoint as its step computes it, in the sigmas' dtype: sigma_fn(t + (t_next - t) / 2)
+        t, t_next = start[:-1].log().neg(), end[:-1].log().neg()
+        mid = (t + (t_next - t) * 0.5).neg().exp().to(torch.float64)
+        s = start.to(torch.float64)
+        levels = torch.empty(sig.numel(), dtype=torch.float64)
+        levels[0::2] = s / (1.0 + s)
+        levels[1:-1:2] = mid / (1.0 + mid)
+        levels[-1] = 0.0
+        chain = DPMPPSDE(eta=1.0, s_noise=options.get("s_noise", 1.0), r=0.5)
+        a, b = levels[:-1], levels[1:]
+        P, Q, R = chain.step(a, b)
+        scale = float(sch.init_noise_sigma) / (1.0 + float(s[0]))
+        draws = torch.ones(a.numel(), dtype=torch.bool)
+        draws[-1] = False  # into 0: its Euler step draws nothing
+        return Tables(
+            levels, P, Q, R, B=chain.past(a, b), K=chain.carries(a, b), noise_scale=scale, draws=draws, halves=True
+        )
+
+
+@register_scheduler
 class _LTXEulerAncestralRF(Followed):
     """``LTXEulerAncestralRFScheduler``: Euler ancestral on the flow path (ComfyUI's ``euler_ancestral_RF``), its
     config's ``eta`` and ``s_noise``. With ``s_d = s' (1 + (s' / s - 1) eta)``, ``a' = 1 - s'``, ``a_d = 1 - s_d``::
@@ -1172,6 +1236,8 @@ def _made(
         Q=tables.Q,
         R=tables.R,
         B=tables.B,
+        K=tables.K,
+        halves=tables.halves,
         prediction=tables.prediction,
         draws=cls.draws(timesteps, float(eta)) if tables.draws is None else tables.draws,
         noise_dtype=cls.noise_dtype,
