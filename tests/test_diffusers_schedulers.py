@@ -743,7 +743,7 @@ def test_every_diffusers_scheduler_is_followed_or_refused_with_its_reason():
 @pytest.mark.parametrize(
     "name, reason",
     [
-        ("DPMSolverSDEScheduler", "two model calls a step: needs stages"),
+        ("KarrasVeScheduler", "two model calls a step: needs stages"),
         ("HeunDiscreteScheduler", "deterministic"),
         ("DDIMInverseScheduler", "an inversion"),
     ],
