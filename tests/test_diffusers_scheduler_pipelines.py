@@ -38,7 +38,13 @@ SCHEDULERS = {
     "dpm_sde_3": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "solver_order": 3}, 0.0),
     "lcm": ("LCMScheduler", {}, 0.0),
     "tcd": ("TCDScheduler", {}, 0.3),
+    # two UNet calls a step, the second at the scheduler's interpolated timestep (2 T - 1 calls); its default
+    # linspace spacing gives fractional first-call timesteps, whose sigmas it interpolates linearly
+    "kdpm2_a": ("KDPM2AncestralDiscreteScheduler", {}, 0.0),
+    "kdpm2_a_leading": ("KDPM2AncestralDiscreteScheduler", {"timestep_spacing": "leading"}, 0.0),
 }
+CALLS = {"kdpm2_a": 15, "kdpm2_a_leading": 15}
+"""The UNet calls of a standard run of 8 steps where a step makes more than one (else 8)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,7 +76,7 @@ def test_no_tree_gives_the_pipelines_own_latents(pipes, family, case):
     before = (pipe.scheduler.timesteps.clone(), getattr(pipe.scheduler, "_step_index", None))
     ours = px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **extra, **KW)
     torch.testing.assert_close(ours.latents, ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
-    assert ours.stats.nfe.tolist() == [8, 8]
+    assert ours.stats.nfe.tolist() == [CALLS.get(case, 8)] * 2
     # the pipeline is left as it was: its scheduler did not move, and pipe(...) gives its own latents again
     assert (
         torch.equal(pipe.scheduler.timesteps, before[0]) and getattr(pipe.scheduler, "_step_index", None) == before[1]
@@ -89,11 +95,6 @@ def test_refusals_name_the_scheduler_and_the_swap(pipes):
     with pytest.raises(ValueError, match="two correlated noises"):
         px.sample(
             swapped(pipe, "DPMSolverSDEScheduler", {}), PROMPTS, chain="scheduler", progress=False, **KW
-        )  # fmt: skip
-    # KDPM2 ancestral is followed by scheduler_chain (two stages); the UNet adapters map one timestep a level
-    with pytest.raises(ValueError, match=r"KDPM2AncestralDiscreteScheduler.set_timesteps\(8\) gives the timesteps"):
-        px.sample(
-            swapped(pipe, "KDPM2AncestralDiscreteScheduler", {}), PROMPTS, chain="scheduler", progress=False, **KW
         )  # fmt: skip
     with pytest.raises(ValueError, match="eta=0.5 is the scheduler's step argument"):
         px.sample(pipe, PROMPTS, eta=0.5, generator=gen(0), progress=False, **KW)
@@ -151,12 +152,54 @@ def law(gaussian, case, N=1500, tree=None, coupling="grs", eta=None, chain="sche
         ("dpm_sde", trees.chain(4), "rmc"),
         ("dpm_sde_3", trees.uniform(2, 2), "grs"),
         ("tcd", trees.chain(3), "rmc"),
+        ("kdpm2_a", trees.uniform(2, 2), "grs"),
+        ("kdpm2_a_leading", trees.chain(4), "rmc"),
     ],
 )
 def test_speculated_pipelines_have_the_schedulers_law(gaussian, case, tree, coupling):
     rep, stats = law(gaussian, case, tree=tree, coupling=coupling)
     rep.assert_exact()
-    assert float(stats.nfe.double().mean()) < 8
+    assert float(stats.nfe.double().mean()) < CALLS.get(case, 8)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", ["kdpm2_a", "kdpm2_a_leading"])
+def test_the_unet_sees_the_two_call_schedulers_own_timesteps(pipes, case):
+    """KDPM2 ancestral through ``pipe(...)``: with no tree the UNet is called ``2 T - 1`` times, at the timesteps
+    the pipeline's own loop passes it (each step's first call and its interpolated one, in that order), to
+    1e-3 of a timestep. (Its second call's level is the next step's first, ``sigma_interpol = sigma'`` at its
+    ``eta = 1``, where it passes ``sigma_to_t`` of the level and the spacing's own timestep: a map of the level
+    gives the first to float32 rounding and the second to the difference of its linear and log-linear
+    interpolations of the sigmas.)"""
+    from test_diffusers_sdxl import _Calls
+
+    pipe = swapped(pipes["sd"], *SCHEDULERS[case][:2])
+    with _Calls(pipe.unet) as calls:
+        pipe(PROMPTS, generator=gen(1), **KW)
+    own = torch.stack([c["timestep"].reshape(-1)[0] for c in calls]).double()
+    with _Calls(pipe.unet) as calls:
+        px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW)
+    ours = [c["timestep"].reshape(-1).double() for c in calls]
+    assert own.numel() == len(ours) == 15
+    gap = max(float((k - t).abs().max()) for k, t in zip(ours, own, strict=True))
+    assert gap <= 1e-3, (gap, own.tolist(), [float(k[0]) for k in ours])
+
+
+def test_the_vp_grid_of_kdpm2_ancestral_is_its_first_calls():
+    """The UNet families' grid (``vp_schedule``) of KDPM2 ancestral: its first calls' timesteps (every other
+    one of its interleaved list); the deterministic KDPM2, which ``chain="scheduler"`` does not follow, is
+    still refused."""
+    from test_diffusers_sdxl import BETAS as betas
+
+    from specforest.diffusers.unet import vp_schedule
+
+    for spacing in ("linspace", "leading", "trailing"):
+        sch = diffusers.KDPM2AncestralDiscreteScheduler(**betas, timestep_spacing=spacing, steps_offset=1)
+        grid = vp_schedule(sch, 8)
+        sch.set_timesteps(8)
+        assert grid.timesteps.tolist() == sch.timesteps[0::2].double().tolist() and grid.steps == 8
+    with pytest.raises(ValueError, match="distinct decreasing levels"):
+        vp_schedule(diffusers.KDPM2DiscreteScheduler(**betas), 8)
 
 
 def test_the_pipeline_law_test_rejects_a_wrong_eta_and_the_em_chain(gaussian):

@@ -107,7 +107,9 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
     ``set_timesteps(steps)`` gives the timesteps (spacing ``leading`` /
     ``trailing`` / ``linspace``, ``steps_offset``, Karras sigmas and the like
     all as the pipeline would use them); consecutive repeats (PNDM's PLMS
-    warm-up, Heun's second evaluations) are dropped. The Karras level of a
+    warm-up, Heun's second evaluations) are dropped, and so are the interpolated
+    second calls of a scheduler that ``chain="scheduler"`` follows with two calls
+    a step (KDPM2 ancestral: its first calls' timesteps are the grid's). The Karras level of a
     timestep ``k`` is ``s_k = sqrt((1 - abar_k) / abar_k)`` from
     ``alphas_cumprod`` (the scheduler's ``.sigmas`` are not needed, and PNDM or
     DDIM have none), with ``log s`` interpolated linearly at fractional
@@ -126,8 +128,9 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
     Raises:
         TypeError: if the scheduler has no VP ``alphas_cumprod`` (a flow-matching scheduler).
         ValueError: on a scheduler whose timesteps are not ``T`` distinct
-            decreasing levels (second-order schedulers interleaving midpoints,
-            such as KDPM2), continuous timesteps, or an infinite noise level
+            decreasing levels (second-order schedulers interleaving midpoints
+            that ``chain="scheduler"`` does not follow, such as the deterministic
+            KDPM2), continuous timesteps, or an infinite noise level
             (zero terminal SNR without the Euler scheduler's clamp).
     """
     steps = check_int("num_inference_steps", steps, 1)
@@ -146,6 +149,17 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
     fresh.set_timesteps(steps, device="cpu")
     raw = torch.as_tensor(fresh.timesteps).detach().to("cpu", torch.float64).reshape(-1)
     ts = torch.unique_consecutive(raw)
+    if ts.numel() != steps:
+        # a scheduler chain="scheduler" follows with two calls a step (KDPM2 ancestral) interleaves each step's
+        # call at the state with one at its interpolated level: the grid is the first calls' levels (the
+        # scheduler's chain makes the second calls at its own levels)
+        from .schedulers import FOLLOWED
+
+        follows = FOLLOWED.get(name)
+        if follows is not None:
+            ts = torch.unique_consecutive(
+                torch.as_tensor(follows.model_timesteps(fresh)).detach().to("cpu", torch.float64).reshape(-1)
+            )
     if ts.numel() != steps or (ts[1:] >= ts[:-1]).any():
         raise ValueError(
             f"{name}.set_timesteps({steps}) gives the timesteps {[round(v, 3) for v in raw.tolist()]}, not {steps} "
