@@ -42,6 +42,9 @@ SCHEDULERS = {
     # linspace spacing gives fractional first-call timesteps, whose sigmas it interpolates linearly
     "kdpm2_a": ("KDPM2AncestralDiscreteScheduler", {}, 0.0),
     "kdpm2_a_leading": ("KDPM2AncestralDiscreteScheduler", {"timestep_spacing": "leading"}, 0.0),
+    # EDM's preconditioning (Playground v2.5's SDXL pipeline): the UNet takes c_in x at c_noise = log(sigma) / 4
+    "edm_dpm_sde": ("EDMDPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}, 0.0),
+    "edm_euler": ("EDMEulerScheduler", {}, 0.0),
 }
 CALLS = {"kdpm2_a": 15, "kdpm2_a_leading": 15}
 """The UNet calls of a standard run of 8 steps where a step makes more than one (else 8)."""
@@ -107,14 +110,38 @@ def test_refusals_name_the_scheduler_and_the_swap(pipes):
 # -- the law with trees ---------------------------------------------------------------------------
 
 
+class GaussianEDMUNet(torch.nn.Module):
+    """The exact "UNet" of data ``N(MU + text_shift, TAU^2 I)`` behind EDM's preconditioning (an EDM scheduler's):
+    from ``c_in x`` at ``c_noise = log(s) / 4`` it returns the epsilon output ``F`` with ``D = c_skip x + c_out F``."""
+
+    def __init__(self, config, sigma_data=0.5):
+        super().__init__()
+        self.config, self.sigma_data = config, sigma_data
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # gives the module a dtype and a device
+
+    def forward(self, sample, timestep, encoder_hidden_states=None, return_dict=True, **_):
+        s = (4 * timestep.double()).exp().reshape(-1, 1, 1, 1)
+        sd2 = self.sigma_data**2
+        x = sample.double() * (s * s + sd2).sqrt()
+        mu = MU + text_shift(encoder_hidden_states).reshape(-1, 1, 1, 1)
+        d = mu + TAU**2 / (TAU**2 + s * s) * (x - mu)
+        out = (d - sd2 / (s * s + sd2) * x) / (s * self.sigma_data / (s * s + sd2).sqrt())
+        return (out.to(sample.dtype),)
+
+
 @pytest.fixture(scope="module")
 def gaussian(pipes):
-    """The SD pipeline with the exact Gaussian "UNet" of data ``N(MU + shift(caption), TAU^2 I)``."""
+    """The SD pipeline with the exact Gaussian "UNet" of data ``N(MU + shift(caption), TAU^2 I)`` (EDM's
+    preconditioned one for an EDM scheduler)."""
     sd = pipes["sd"]
 
     def make(name, cfg):
         pipe = swapped(sd, name, {**BETAS, **cfg})
-        object.__setattr__(pipe, "unet", GaussianUNet(sd.unet.config, pipe.scheduler.alphas_cumprod))
+        if name.startswith("EDM"):
+            unet = GaussianEDMUNet(sd.unet.config, pipe.scheduler.config.sigma_data)
+        else:
+            unet = GaussianUNet(sd.unet.config, pipe.scheduler.alphas_cumprod)
+        object.__setattr__(pipe, "unet", unet)
         return pipe
 
     return make
@@ -154,6 +181,7 @@ def law(gaussian, case, N=1500, tree=None, coupling="grs", eta=None, chain="sche
         ("tcd", trees.chain(3), "rmc"),
         ("kdpm2_a", trees.uniform(2, 2), "grs"),
         ("kdpm2_a_leading", trees.chain(4), "rmc"),
+        ("edm_dpm_sde", trees.uniform(2, 2), "grs"),
     ],
 )
 def test_speculated_pipelines_have_the_schedulers_law(gaussian, case, tree, coupling):
@@ -207,6 +235,29 @@ def test_the_pipeline_law_test_rejects_a_wrong_eta_and_the_em_chain(gaussian):
     assert not rep.passed
     rep, _ = law(gaussian, "ddim", tree=trees.chain(4), coupling="rmc", chain="em")
     assert not rep.passed
+    rep, _ = law(gaussian, "edm_dpm_sde", tree=trees.uniform(2, 2), coupling="grs", chain="em")
+    assert not rep.passed
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_an_edm_scheduler_drives_the_unet_with_its_own_preconditioning(pipes):
+    """An EDM scheduler swapped into the SD pipeline: the UNet gets the pipeline's own time input
+    ``c_noise = log(sigma) / 4`` (float32 rounding) at each of its 8 calls; ``prediction_type="sample"``, which
+    EDM's preconditioning has not, is refused naming it."""
+    from test_diffusers_sdxl import _Calls
+
+    pipe = swapped(pipes["sd"], "EDMDPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"})
+    with _Calls(pipe.unet) as calls:
+        pipe(PROMPTS, generator=gen(1), **KW)
+    own = torch.stack([c["timestep"].reshape(-1)[0] for c in calls]).double()
+    with _Calls(pipe.unet) as calls:
+        px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW)
+    ours = torch.stack([c["timestep"].reshape(-1)[0] for c in calls]).double()
+    assert own.numel() == ours.numel() == 8
+    torch.testing.assert_close(ours, own, rtol=0, atol=1e-5)
+    bad = swapped(pipes["sd"], "EDMEulerScheduler", {"prediction_type": "sample"})
+    with pytest.raises(ValueError, match="prediction_type"):
+        px.sample(bad, PROMPTS, progress=False, **KW)
 
 
 # -- flow matching: SD3 and Flux with stochastic_sampling=True --------------------------------------
@@ -302,7 +353,8 @@ def test_a_schedulers_chain_at_another_step_count_is_its_own_there():
     from specforest.diffusers.schedulers import scheduler_chain
 
     for name, cfg, eta in SCHEDULERS.values():
-        sch = getattr(diffusers, name)(**BETAS, **cfg)
+        # (from_config: an EDM scheduler takes no betas)
+        sch = getattr(diffusers, name).from_config({**BETAS, **cfg})
         chain = scheduler_chain(sch, 12, eta=eta)
         short = chain.for_steps(5)
         ref = scheduler_chain(sch, 5, eta=eta)
