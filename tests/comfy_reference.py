@@ -2,7 +2,8 @@
 
 ComfyUI is not on the package registries, so these are transcriptions of its
 ``comfy/k_diffusion/sampling.py`` (``sample_ddpm`` / ``DDPMSampler_step``, ``sample_lcm``,
-``sample_euler_ancestral_RF``) at the commit ``../shared/research/samplers.md`` names, step for step:
+``sample_euler_ancestral_RF``, ``sample_dpm_2_ancestral_RF``, ``sample_dpmpp_2s_ancestral_RF``) at the commit
+``../shared/research/samplers.md`` names (02159d8), step for step:
 the chains' linear-path tables are checked against them, not derived from them. Each takes a
 k-diffusion-style ``denoiser(x, sigma)`` and a list ``z`` of per-step standard normal draws.
 """
@@ -100,4 +101,53 @@ def comfy_dpmpp_3m_sde_const(denoiser, x, sig, z, eta=1.0, s_noise=1.0):
                 x = x + z[i] * s1 * (-2 * h * eta).expm1().neg().sqrt() * s_noise
         d_1, d_2 = D, d_1
         h_1, h_2 = h, h_1
+    return x
+
+
+def _rf_down(s, s1, eta):
+    """ComfyUI's ``_RF`` samplers' ``sigma_down``, ``alpha_ip1 / alpha_down`` and ``renoise_coeff``, per its code."""
+    down = s1 * (1 + (s1 / s - 1) * eta)
+    a1, ad = 1 - s1, 1 - down
+    return down, a1 / ad, (s1**2 - down**2 * a1**2 / ad**2) ** 0.5
+
+
+def comfy_dpm_2_ancestral_rf(model, x, sig, z, eta=1.0, s_noise=1.0):
+    """ComfyUI's ``sample_dpm_2_ancestral_RF`` for CONST models, per its code: ``model(x, sigma)`` is the CONST
+    denoiser at the linear-path level; ``z[i]`` the draw of step ``i`` (taken in its two-call branch only)."""
+    for i in range(len(sig) - 1):
+        s, s1 = sig[i], sig[i + 1]
+        D = model(x, s)
+        down, ratio, renoise = _rf_down(s, s1, eta)
+        d = (x - D) / s
+        if down == 0:
+            x = x + d * (down - s)
+        else:
+            mid = s.log().lerp(down.log(), 0.5).exp()
+            x_2 = x + d * (mid - s)
+            d_2 = (x_2 - model(x_2, mid)) / mid
+            x = x + d_2 * (down - s)
+            x = ratio * x + z[i] * s_noise * renoise
+    return x
+
+
+def comfy_dpmpp_2s_ancestral_rf(model, x, sig, z, eta=1.0, s_noise=1.0):
+    """ComfyUI's ``sample_dpmpp_2s_ancestral_RF`` for CONST models, per its code (the second call at the
+    half-log-SNR midpoint ``lambda = log((1 - sigma) / sigma)``, at 0.9999 from a level of 1)."""
+    for i in range(len(sig) - 1):
+        s, s1 = sig[i], sig[i + 1]
+        D = model(x, s)
+        down, ratio, renoise = _rf_down(s, s1, eta)
+        if s1 == 0:
+            x = x + (x - D) / s * (down - s)
+        else:
+            if s == 1.0:
+                sigma_s = torch.as_tensor(0.9999, dtype=sig.dtype)
+            else:
+                lam, lam_down = ((1 - s) / s).log(), ((1 - down) / down).log()
+                sigma_s = ((lam + 0.5 * (lam_down - lam)).exp() + 1) ** -1
+            u = (sigma_s / s) * x + (1 - sigma_s / s) * D
+            D_i = model(u, sigma_s)
+            x = (down / s) * x + (1 - down / s) * D_i
+        if s1 > 0 and eta > 0:
+            x = ratio * x + z[i] * s_noise * renoise
     return x

@@ -19,6 +19,7 @@ from pathlib import Path
 import comfy_vendored
 import pytest
 import torch
+from comfy_reference import comfy_dpm_2_ancestral_rf, comfy_dpmpp_2s_ancestral_rf
 
 from specforest import chains
 from specforest.testing import Z_TOL
@@ -279,6 +280,70 @@ def test_tree_none_is_comfyuis_own_sampler(package, name):
             assert "noise_sampler" in inspect.signature(getattr(C.k_sampling, f"sample_{name}")).parameters
             options["noise_sampler"] = noise_sampler(latent.shape, 5)
         outs.append(run(patcher, C.samplers.ksampler(sampler_name, options), latent, pos, neg, seed=seed))
+    ref, out = outs
+    assert torch.isfinite(ref).all()
+    scale = float(ref.abs().max())
+    assert float((out - ref).abs().max()) <= 1e-3 * max(scale, 1.0), (name, float((out - ref).abs().max()), scale)
+
+
+class _Draws:
+    """The noise of a transcribed ComfyUI sampler (``comfy_reference``: ``z[i]``, read once a step where it draws),
+    taken from a noise sampler in the order of the reads."""
+
+    def __init__(self, noise_sampler) -> None:
+        self.noise_sampler = noise_sampler
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.noise_sampler(None, None)
+
+
+RF = {"dpm_2_ancestral": comfy_dpm_2_ancestral_rf, "dpmpp_2s_ancestral": comfy_dpmpp_2s_ancestral_rf}
+"""The two-call samplers ComfyUI runs as their ``_RF`` forms for a ``CONST`` model (their transcriptions, which
+call the CONST model itself; ``euler_ancestral``'s takes a VE denoiser)."""
+
+
+@pytest.mark.parametrize("name", sorted(RF))
+def test_a_const_model_gets_comfyuis_rf_sampler(package, name):
+    """A ``CONST`` model (its ``model_sampling`` of a class named ``CONST``, which the vendored ComfyUI predates)
+    on linear-path levels from 1: ``specforest_<name>`` with ``tree=None`` is ComfyUI's ``sample_<name>_RF``
+    (``comfy_reference``, driven by the same guided model and noise sampler), to float32 rounding."""
+    patcher, _ = tiny_model()
+
+    class CONST:  # later ComfyUI's class of that name
+        pass
+
+    sampling = patcher.model.model_sampling
+    sampling.__class__ = type("ModelSampling", (type(sampling), CONST), {})
+    latent = torch.zeros(2, 4, 8, 8)
+    levels = torch.linspace(1.0, 0.0, 9)
+    options = {"eta": 0.8, "s_noise": 1.02}
+
+    def reference(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, **kw):
+        s_in = x.new_ones([x.shape[0]])
+        with torch.no_grad():
+            return RF[name](lambda y, s: model(y, s * s_in, **extra_args), x, sigmas, _Draws(noise_sampler), **kw)
+
+    outs = []
+    for sampler in (
+        C.samplers.KSAMPLER(reference, dict(options)),
+        C.samplers.ksampler(f"specforest_{name}", dict(options, tree=None)),
+    ):
+        sampler.extra_options["noise_sampler"] = noise_sampler(latent.shape, 5)
+        noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(1))
+        outs.append(
+            C.sample.sample_custom(
+                patcher,
+                noise,
+                4.0,
+                sampler,
+                levels,
+                conditioning(MU_POS),
+                conditioning(MU_NEG),
+                latent,
+                disable_pbar=True,
+                seed=3,
+            )  # fmt: skip
+        )
     ref, out = outs
     assert torch.isfinite(ref).all()
     scale = float(ref.abs().max())

@@ -38,7 +38,16 @@ SCHEDULERS = {
     "dpm_sde_3": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "solver_order": 3}, 0.0),
     "lcm": ("LCMScheduler", {}, 0.0),
     "tcd": ("TCDScheduler", {}, 0.3),
+    # two UNet calls a step, the second at the scheduler's interpolated timestep (2 T - 1 calls); its default
+    # linspace spacing gives fractional first-call timesteps, whose sigmas it interpolates linearly
+    "kdpm2_a": ("KDPM2AncestralDiscreteScheduler", {}, 0.0),
+    "kdpm2_a_leading": ("KDPM2AncestralDiscreteScheduler", {"timestep_spacing": "leading"}, 0.0),
+    # EDM's preconditioning (Playground v2.5's SDXL pipeline): the UNet takes c_in x at c_noise = log(sigma) / 4
+    "edm_dpm_sde": ("EDMDPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}, 0.0),
+    "edm_euler": ("EDMEulerScheduler", {}, 0.0),
 }
+CALLS = {"kdpm2_a": 15, "kdpm2_a_leading": 15}
+"""The UNet calls of a standard run of 8 steps where a step makes more than one (else 8)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,7 +79,7 @@ def test_no_tree_gives_the_pipelines_own_latents(pipes, family, case):
     before = (pipe.scheduler.timesteps.clone(), getattr(pipe.scheduler, "_step_index", None))
     ours = px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **extra, **KW)
     torch.testing.assert_close(ours.latents, ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
-    assert ours.stats.nfe.tolist() == [8, 8]
+    assert ours.stats.nfe.tolist() == [CALLS.get(case, 8)] * 2
     # the pipeline is left as it was: its scheduler did not move, and pipe(...) gives its own latents again
     assert (
         torch.equal(pipe.scheduler.timesteps, before[0]) and getattr(pipe.scheduler, "_step_index", None) == before[1]
@@ -92,10 +101,6 @@ def test_refusals_name_the_scheduler_and_the_swap(pipes):
         px.sample(
             swapped(pipe, "DPMSolverSDEScheduler", {}), PROMPTS, chain="scheduler", progress=False, **KW
         )  # fmt: skip
-    with pytest.raises(ValueError, match=r"KDPM2AncestralDiscreteScheduler.set_timesteps\(8\) gives the timesteps"):
-        px.sample(
-            swapped(pipe, "KDPM2AncestralDiscreteScheduler", {}), PROMPTS, chain="scheduler", progress=False, **KW
-        )  # fmt: skip
     with pytest.raises(ValueError, match="eta=0.5 is the scheduler's step argument"):
         px.sample(pipe, PROMPTS, eta=0.5, generator=gen(0), progress=False, **KW)
     # a deterministic scheduler with no tree is its own chain's standard sampler: not refused here,
@@ -107,14 +112,38 @@ def test_refusals_name_the_scheduler_and_the_swap(pipes):
 # -- the law with trees ---------------------------------------------------------------------------
 
 
+class GaussianEDMUNet(torch.nn.Module):
+    """The exact "UNet" of data ``N(MU + text_shift, TAU^2 I)`` behind EDM's preconditioning (an EDM scheduler's):
+    from ``c_in x`` at ``c_noise = log(s) / 4`` it returns the epsilon output ``F`` with ``D = c_skip x + c_out F``."""
+
+    def __init__(self, config, sigma_data=0.5):
+        super().__init__()
+        self.config, self.sigma_data = config, sigma_data
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # gives the module a dtype and a device
+
+    def forward(self, sample, timestep, encoder_hidden_states=None, return_dict=True, **_):
+        s = (4 * timestep.double()).exp().reshape(-1, 1, 1, 1)
+        sd2 = self.sigma_data**2
+        x = sample.double() * (s * s + sd2).sqrt()
+        mu = MU + text_shift(encoder_hidden_states).reshape(-1, 1, 1, 1)
+        d = mu + TAU**2 / (TAU**2 + s * s) * (x - mu)
+        out = (d - sd2 / (s * s + sd2) * x) / (s * self.sigma_data / (s * s + sd2).sqrt())
+        return (out.to(sample.dtype),)
+
+
 @pytest.fixture(scope="module")
 def gaussian(pipes):
-    """The SD pipeline with the exact Gaussian "UNet" of data ``N(MU + shift(caption), TAU^2 I)``."""
+    """The SD pipeline with the exact Gaussian "UNet" of data ``N(MU + shift(caption), TAU^2 I)`` (EDM's
+    preconditioned one for an EDM scheduler)."""
     sd = pipes["sd"]
 
     def make(name, cfg):
         pipe = swapped(sd, name, {**BETAS, **cfg})
-        object.__setattr__(pipe, "unet", GaussianUNet(sd.unet.config, pipe.scheduler.alphas_cumprod))
+        if name.startswith("EDM"):
+            unet = GaussianEDMUNet(sd.unet.config, pipe.scheduler.config.sigma_data)
+        else:
+            unet = GaussianUNet(sd.unet.config, pipe.scheduler.alphas_cumprod)
+        object.__setattr__(pipe, "unet", unet)
         return pipe
 
     return make
@@ -152,12 +181,55 @@ def law(gaussian, case, N=1500, tree=None, coupling="grs", eta=None, chain="sche
         ("dpm_sde", trees.chain(4), "rmc"),
         ("dpm_sde_3", trees.uniform(2, 2), "grs"),
         ("tcd", trees.chain(3), "rmc"),
+        ("kdpm2_a", trees.uniform(2, 2), "grs"),
+        ("kdpm2_a_leading", trees.chain(4), "rmc"),
+        ("edm_dpm_sde", trees.uniform(2, 2), "grs"),
     ],
 )
 def test_speculated_pipelines_have_the_schedulers_law(gaussian, case, tree, coupling):
     rep, stats = law(gaussian, case, tree=tree, coupling=coupling)
     rep.assert_exact()
-    assert float(stats.nfe.double().mean()) < 8
+    assert float(stats.nfe.double().mean()) < CALLS.get(case, 8)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", ["kdpm2_a", "kdpm2_a_leading"])
+def test_the_unet_sees_the_two_call_schedulers_own_timesteps(pipes, case):
+    """KDPM2 ancestral through ``pipe(...)``: with no tree the UNet is called ``2 T - 1`` times, at the timesteps
+    the pipeline's own loop passes it (each step's first call and its interpolated one, in that order), to
+    1e-3 of a timestep. (Its second call's level is the next step's first, ``sigma_interpol = sigma'`` at its
+    ``eta = 1``, where it passes ``sigma_to_t`` of the level and the spacing's own timestep: a map of the level
+    gives the first to float32 rounding and the second to the difference of its linear and log-linear
+    interpolations of the sigmas.)"""
+    from test_diffusers_sdxl import _Calls
+
+    pipe = swapped(pipes["sd"], *SCHEDULERS[case][:2])
+    with _Calls(pipe.unet) as calls:
+        pipe(PROMPTS, generator=gen(1), **KW)
+    own = torch.stack([c["timestep"].reshape(-1)[0] for c in calls]).double()
+    with _Calls(pipe.unet) as calls:
+        px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW)
+    ours = [c["timestep"].reshape(-1).double() for c in calls]
+    assert own.numel() == len(ours) == 15
+    gap = max(float((k - t).abs().max()) for k, t in zip(ours, own, strict=True))
+    assert gap <= 1e-3, (gap, own.tolist(), [float(k[0]) for k in ours])
+
+
+def test_the_vp_grid_of_kdpm2_ancestral_is_its_first_calls():
+    """The UNet families' grid (``vp_schedule``) of KDPM2 ancestral: its first calls' timesteps (every other
+    one of its interleaved list); the deterministic KDPM2, which ``chain="scheduler"`` does not follow, is
+    still refused."""
+    from test_diffusers_sdxl import BETAS as betas
+
+    from specforest.diffusers.unet import vp_schedule
+
+    for spacing in ("linspace", "leading", "trailing"):
+        sch = diffusers.KDPM2AncestralDiscreteScheduler(**betas, timestep_spacing=spacing, steps_offset=1)
+        grid = vp_schedule(sch, 8)
+        sch.set_timesteps(8)
+        assert grid.timesteps.tolist() == sch.timesteps[0::2].double().tolist() and grid.steps == 8
+    with pytest.raises(ValueError, match="distinct decreasing levels"):
+        vp_schedule(diffusers.KDPM2DiscreteScheduler(**betas), 8)
 
 
 def test_the_pipeline_law_test_rejects_a_wrong_eta_and_the_em_chain(gaussian):
@@ -165,6 +237,29 @@ def test_the_pipeline_law_test_rejects_a_wrong_eta_and_the_em_chain(gaussian):
     assert not rep.passed
     rep, _ = law(gaussian, "ddim", tree=trees.chain(4), coupling="rmc", chain="em")
     assert not rep.passed
+    rep, _ = law(gaussian, "edm_dpm_sde", tree=trees.uniform(2, 2), coupling="grs", chain="em")
+    assert not rep.passed
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_an_edm_scheduler_drives_the_unet_with_its_own_preconditioning(pipes):
+    """An EDM scheduler swapped into the SD pipeline: the UNet gets the pipeline's own time input
+    ``c_noise = log(sigma) / 4`` (float32 rounding) at each of its 8 calls; ``prediction_type="sample"``, which
+    EDM's preconditioning has not, is refused naming it."""
+    from test_diffusers_sdxl import _Calls
+
+    pipe = swapped(pipes["sd"], "EDMDPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"})
+    with _Calls(pipe.unet) as calls:
+        pipe(PROMPTS, generator=gen(1), **KW)
+    own = torch.stack([c["timestep"].reshape(-1)[0] for c in calls]).double()
+    with _Calls(pipe.unet) as calls:
+        px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW)
+    ours = torch.stack([c["timestep"].reshape(-1)[0] for c in calls]).double()
+    assert own.numel() == ours.numel() == 8
+    torch.testing.assert_close(ours, own, rtol=0, atol=1e-5)
+    bad = swapped(pipes["sd"], "EDMEulerScheduler", {"prediction_type": "sample"})
+    with pytest.raises(ValueError, match="prediction_type"):
+        px.sample(bad, PROMPTS, progress=False, **KW)
 
 
 # -- flow matching: SD3 and Flux with stochastic_sampling=True --------------------------------------
@@ -260,7 +355,8 @@ def test_a_schedulers_chain_at_another_step_count_is_its_own_there():
     from specforest.diffusers.schedulers import scheduler_chain
 
     for name, cfg, eta in SCHEDULERS.values():
-        sch = getattr(diffusers, name)(**BETAS, **cfg)
+        # (from_config: an EDM scheduler takes no betas)
+        sch = getattr(diffusers, name).from_config({**BETAS, **cfg})
         chain = scheduler_chain(sch, 12, eta=eta)
         short = chain.for_steps(5)
         ref = scheduler_chain(sch, 5, eta=eta)

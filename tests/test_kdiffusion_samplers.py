@@ -15,7 +15,14 @@ import math
 
 import pytest
 import torch
-from comfy_reference import comfy_ddpm, comfy_dpmpp_3m_sde_const, comfy_euler_ancestral_rf, comfy_lcm
+from comfy_reference import (
+    comfy_ddpm,
+    comfy_dpm_2_ancestral_rf,
+    comfy_dpmpp_2s_ancestral_rf,
+    comfy_dpmpp_3m_sde_const,
+    comfy_euler_ancestral_rf,
+    comfy_lcm,
+)
 from kdiff_reference import sampling
 from scipy import stats
 
@@ -412,6 +419,104 @@ def test_dpmpp_3m_sde_on_the_linear_path_is_comfys_const_sampler():
         linear_bent, x, t, eta=0.8, s_noise=1.02, noise_sampler=lambda a, b: next(it), path="linear", disable=True
     )
     assert float((ours - ref).abs().max()) <= 1e-12 * float(ref.abs().max())
+
+
+def const_denoiser(y: torch.Tensor, s, **_) -> torch.Tensor:
+    """A CONST model's denoiser for data ``N(MU, S0^2 I)``: ``E[x_0 | y = (1 - s) x_0 + s xi]`` at the linear-path
+    level ``s``, finite at ``s = 1`` (where it is ``MU``)."""
+    s = s.reshape(-1, *[1] * (y.ndim - 1)).to(torch.float64) if torch.is_tensor(s) else s
+    a = 1 - s
+    return (MU + S0**2 * a / (a**2 * S0**2 + s**2) * (y.to(torch.float64) - a * MU)).to(y.dtype)
+
+
+def const_bent(y: torch.Tensor, s, **_) -> torch.Tensor:
+    """:func:`const_denoiser` made not affine along the path, so a second stage's point shows."""
+    return const_denoiser(y, s) + 0.3 * torch.tanh(y)
+
+
+RF_TWO_STAGE = [
+    ("sample_dpm_2_ancestral", comfy_dpm_2_ancestral_rf, {}, 0.98),
+    ("sample_dpm_2_ancestral", comfy_dpm_2_ancestral_rf, {"eta": 0.5, "s_noise": 1.05}, 1.0),
+    ("sample_dpm_2_ancestral", comfy_dpm_2_ancestral_rf, {"eta": 1.5, "s_noise": 0.9}, 0.98),
+    ("sample_dpm_2_ancestral", comfy_dpm_2_ancestral_rf, {"eta": 0.0}, 0.98),
+    ("sample_dpmpp_2s_ancestral", comfy_dpmpp_2s_ancestral_rf, {}, 1.0),
+    ("sample_dpmpp_2s_ancestral", comfy_dpmpp_2s_ancestral_rf, {"eta": 0.5, "s_noise": 1.05}, 0.98),
+    ("sample_dpmpp_2s_ancestral", comfy_dpmpp_2s_ancestral_rf, {"eta": 1.5, "s_noise": 0.9}, 1.0),
+    ("sample_dpmpp_2s_ancestral", comfy_dpmpp_2s_ancestral_rf, {"eta": 0.0}, 0.98),
+]
+
+
+@pytest.mark.parametrize(
+    "name, ref_fn, kw, t0", RF_TWO_STAGE, ids=[f"{n[7:]}-{i}" for i, (n, *_) in enumerate(RF_TWO_STAGE)]
+)
+def test_two_call_ancestral_samplers_on_the_linear_path_are_comfys_rf_samplers(name, ref_fn, kw, t0):
+    """``path="linear"`` (ComfyUI's ``CONST`` models) against ComfyUI's ``sample_dpm_2_ancestral_RF`` and
+    ``sample_dpmpp_2s_ancestral_RF`` (``comfy_reference``), fed the same noise: float64 to 1e-12 of the
+    output's scale, with the same calls at the model (two a step, one into 0), from ``t = 1`` too (where
+    DPM++ 2S's second call is at ComfyUI's 0.9999)."""
+    t = torch.linspace(t0, 0.0, 16, dtype=torch.float64)
+    x, z = draws(32, 1, seed=5)[0], draws(32, len(t))
+    real, ours_m = Counted(const_bent), Counted(const_bent)
+    ref = ref_fn(real, x, t, z, **kw)
+    it = iter(z)
+    ours = getattr(kdiffusion, name)(
+        ours_m, x, t, **kw, noise_sampler=lambda a, b: next(it), path="linear", disable=True
+    )
+    assert torch.isfinite(ref).all()
+    assert float((ours - ref).abs().max()) <= 1e-12 * float(ref.abs().max())
+    assert ours_m.calls == real.calls == 2 * (len(t) - 1) - 1
+
+
+@pytest.mark.parametrize("chain", [chains.DPM2Ancestral, chains.DPMPP2SAncestral])
+def test_an_eta_that_steps_below_zero_on_the_linear_path_is_refused(chain):
+    """ComfyUI's ``_RF`` two-call samplers take the logarithm of ``sigma_down = t' (1 + eta (t' / t - 1))``: an
+    ``eta`` that puts it below 0 before the last step (NaN there) is refused, naming the largest the grid allows;
+    that one (DPM-Solver-2's: where ``sigma_down`` is 0, its Euler step) or one just below it builds."""
+    t = torch.linspace(0.98, 0.0, 16, dtype=torch.float64)
+    top = float((t[:-2] / (t[:-2] - t[1:-1])).min())
+    chain(eta=top * (1 - 1e-9), path="linear").build(t)
+    with pytest.raises(ValueError, match=r"eta=\S+ puts sigma_down below 0 at step \d+ .*eta must be"):
+        chain(eta=1.01 * top, path="linear").build(t)
+    with pytest.raises(ValueError, match="path must be one of"):
+        chain(path="const")
+
+
+N_RF = 3000
+
+
+@pytest.mark.parametrize(
+    "name, chain, kw, tree, coupling",
+    [
+        ("sample_dpm_2_ancestral", chains.DPM2Ancestral(path="linear"), {}, trees.uniform(2, 3), "grs"),
+        (
+            "sample_dpm_2_ancestral",
+            chains.DPM2Ancestral(eta=0.7, path="linear"),
+            {"eta": 0.7, "lazy": True},
+            trees.chain(4),
+            "rmc",
+        ),
+        ("sample_dpmpp_2s_ancestral", chains.DPMPP2SAncestral(path="linear"), {}, trees.uniform(2, 3), "grs"),
+        (
+            "sample_dpmpp_2s_ancestral",
+            chains.DPMPP2SAncestral(s_noise=1.05, path="linear"),
+            {"s_noise": 1.05, "lazy": True},
+            trees.chain(4),
+            "rmc",
+        ),
+    ],
+)
+def test_speculated_rf_samplers_keep_the_chains_law(name, chain, kw, tree, coupling):
+    """With a tree, on a CONST model (``path="linear"``), from ``N(0, I)`` at ``t = 1``: the closed form of the
+    linear path's chain (which the parity test above ties to ComfyUI's ``_RF`` code); the chain with 10% more
+    noise is rejected by the same test."""
+    t = torch.linspace(1.0, 0.0, 21, dtype=torch.float64)
+    x = torch.randn(N_RF, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = getattr(kdiffusion, name)(
+        const_denoiser, x, t, **kw, path="linear", tree=tree, coupling=coupling, draft="x0", seed=4, disable=True
+    )
+    testing.check_law(out, t, None, MU, S0, chain=chain).assert_exact()
+    rep = testing.check_law(out, t, None, MU, S0, chain=chain.replace(s_noise=1.1 * chain.s_noise))
+    assert not rep.passed
 
 
 @pytest.mark.parametrize(

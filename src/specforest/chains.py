@@ -346,10 +346,8 @@ class EulerAncestral(Chain):
 
     def step(self, t, t_next):
         if self.path == "linear":
-            down = t_next * (1.0 + self.eta * (t_next / t - 1.0))
-            renoise = (1.0 - t_next) / (1.0 - down)
+            down, renoise, up2 = _ancestral_linear(t, t_next, self.eta)
             last = t_next == 0
-            up2 = t_next**2 - (down * renoise) ** 2
             _check_renoise(self.eta, t, t_next, up2, last)
             up2 = up2.clamp_min(0.0)  # (rounding at eta = 0, where it is t'^2 - t'^2)
             P = torch.where(last, torch.zeros_like(t), renoise * down / t)
@@ -369,6 +367,16 @@ class EulerAncestral(Chain):
         Q = (1.0 - t_next) * (1.0 - frac)
         R = (1.0 - t_next) * self.s_noise * up
         return P, Q, R
+
+
+def _ancestral_linear(t: torch.Tensor, t_next: torch.Tensor, eta: float) -> tuple:
+    """ComfyUI's ancestral step on the linear path (its ``_RF`` samplers): ``(sigma_down, renoise, up2)``, each
+    ``(T,)``, with ``sigma_down = t' (1 + eta (t' / t - 1))``, the re-noising factor ``renoise = (1 - t') /
+    (1 - sigma_down)`` of the state and the variance ``up2 = t'^2 - (sigma_down renoise)^2`` of the noise it adds
+    (``x' = renoise x_down + s_noise sqrt(up2) z``, ``x_down`` the deterministic step's state at ``sigma_down``)."""
+    down = t_next * (1.0 + eta * (t_next / t - 1.0))
+    renoise = (1.0 - t_next) / (1.0 - down)
+    return down, renoise, t_next**2 - (down * renoise) ** 2
 
 
 def _check_renoise(eta: float, t: torch.Tensor, t_next: torch.Tensor, up2: torch.Tensor, last: torch.Tensor) -> None:
@@ -488,23 +496,34 @@ class HeunChurn(EulerChurn):
 
 
 def _euler_point_stages(
-    t: torch.Tensor, sigma: torch.Tensor, mid: torch.Tensor, t_mid: torch.Tensor, w2: torch.Tensor, one: torch.Tensor
+    t: torch.Tensor,
+    sigma: torch.Tensor,
+    mid: torch.Tensor,
+    t_mid: torch.Tensor,
+    w2: torch.Tensor,
+    one: torch.Tensor,
+    ve: bool = True,
 ) -> tuple:
-    """The tableau of a two-stage VE step whose second call is at the Euler point toward ``mid``:
+    """The tableau of a two-stage step whose second call is at the Euler point toward ``mid``:
     ``x_2 = (mid / sigma) x + (1 - mid / sigma) D_1`` at ``mid`` (Heun, DPM-Solver-2, DPM++ 2S: the same
     point), ``D_eff = (1 - w2) D_1 + w2 D_2`` (:meth:`Chain.stage_points`).
 
     Args:
-        t, sigma: ``(T,)`` the states' levels, linear and VE.
-        mid, t_mid: ``(T,)`` the second call's level, VE and linear.
+        t, sigma: ``(T,)`` the states' levels, linear and the sampler's (VE, or ``t`` itself where not ``ve``).
+        mid, t_mid: ``(T,)`` the second call's level, the sampler's and linear.
         w2: ``(T,)`` the second prediction's weight.
         one: ``(T,)`` bool, the steps that make one call (an Euler step into 0): their second stage is a
             finite point at the state itself, of weight 0.
+        ve: the point is a VE sampler's (converted to the linear path's coordinates), else a linear-path
+            sampler's (ComfyUI's ``_RF`` samplers: already in them).
     """
     ratio = torch.where(one, sigma, mid) / sigma
     # the steps of one call evaluate no second stage: a finite point at their own state, weight 0
     t2 = torch.where(one, t, t_mid)
-    alpha, beta = stage_from_ve(t, t2, ratio, (1.0 - ratio)[:, None])
+    if ve:
+        alpha, beta = stage_from_ve(t, t2, ratio, (1.0 - ratio)[:, None])
+    else:
+        alpha, beta = ratio, (1.0 - ratio)[:, None]
     w2 = torch.where(one, torch.zeros_like(w2), w2)
     be = torch.zeros(t.numel(), 2, 2, dtype=torch.float64)
     be[:, 1, :1] = beta
@@ -545,17 +564,32 @@ class DPM2Churn(EulerChurn):
 
 @dataclass(frozen=True)
 class _AncestralTwoStage(Chain):
-    """An ancestral step of two calls on VE levels (``eta``, ``s_noise``): ``(sigma_down, sigma_up) =
-    get_ancestral_step(sigma, sigma', eta)``, the deterministic step to ``sigma_down`` at the log-midpoint's
-    Euler point (two calls; one, the Euler step ``x' = D``, where ``sigma_down = 0``), then ``s_noise sigma_up z``."""
+    """An ancestral step of two calls (``eta``, ``s_noise``, ``path``).
+
+    VE (``path="ve"``, k-diffusion): ``(sigma_down, sigma_up) = get_ancestral_step(sigma, sigma', eta)``, the
+    deterministic step to ``sigma_down`` at the log-midpoint's Euler point (two calls; one, the Euler step
+    ``x' = D``, where ``sigma_down = 0``), then ``s_noise sigma_up z``.
+
+    Linear (``path="linear"``, ComfyUI's ``_RF`` samplers, which it runs for ``CONST`` models): ``sigma_down =
+    t' (1 + eta (t' / t - 1))`` on the linear path, the same deterministic step to it in the linear path's own
+    coordinates (its second call at a midpoint of ``t`` and ``sigma_down``), then re-noised to ``t'``:
+    ``x' = ((1 - t') / (1 - sigma_down)) x_down + s_noise sqrt(t'^2 - sigma_down^2 (1 - t')^2 / (1 - sigma_down)^2) z``.
+    An ``eta`` whose ``sigma_down`` falls below 0 before the last step is refused (ComfyUI takes its logarithm: NaN).
+    """
 
     eta: float = 1.0
     s_noise: float = 1.0
+    path: str = "ve"
     stages: ClassVar[int] = 2
+    _steps_to_zero: ClassVar[bool] = False
+    """Whether the linear path's code takes a ``sigma_down = 0`` before the last step as its Euler step
+    ``x' = D`` (``sample_dpm_2_ancestral_RF`` branches on it; ``sample_dpmpp_2s_ancestral_RF`` would call
+    the model at level 0 there: refused)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
         object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+        check_choice("path", self.path, PATHS)
 
     def _noise(self, s_next: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``(T,)`` the VE noise scale of each step: ``s_noise sigma_up`` where ``sigma' > 0``."""
@@ -565,7 +599,41 @@ class _AncestralTwoStage(Chain):
         """``(T,)`` the second prediction's weight in ``D_eff``."""
         raise NotImplementedError
 
+    def _linear_mid(self, t: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """``(T,)`` the second call's level on the linear path between ``t`` and ``sigma_down > 0`` (``path="linear"``)."""
+        raise NotImplementedError
+
+    def _down_linear(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
+        """``(sigma_down, renoise, up2, one)`` of the linear path's steps (:func:`_ancestral_linear`; ``one``: the
+        steps of one call, ``sigma_down = 0``), refusing an ``eta`` that puts ``sigma_down`` below 0 before the
+        last step.
+
+        Raises:
+            ValueError: naming ``eta``, the first such step and the largest ``eta`` the grid allows.
+        """
+        down, renoise, up2 = _ancestral_linear(t, t_next, self.eta)
+        bad = ((down <= 0) if not self._steps_to_zero else (down < 0)) & (t_next > 0)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            inner = t_next > 0
+            top = float((t / (t - t_next))[inner].min())
+            raise ValueError(
+                f"eta={self.eta:g} puts sigma_down below 0 at step {i} (levels {float(t[i]):.6g} -> "
+                f"{float(t_next[i]):.6g} on the linear path: sigma_down = {float(down[i]):.3g}), whose logarithm "
+                f"ComfyUI's sample_{self.name}_RF takes (NaN); on this grid eta must be "
+                f"{'at most' if self._steps_to_zero else 'below'} {top:.6g}"
+            )
+        return down, renoise, up2, down == 0
+
     def step(self, t, t_next):
+        if self.path == "linear":
+            down, renoise, up2, one = self._down_linear(t, t_next)
+            zero = torch.zeros_like(t)
+            P = torch.where(one, zero, renoise * down / t)
+            Q = torch.where(one, torch.ones_like(t), renoise * (1.0 - down / t))
+            # (at eta = 0 sigma_down = t' and up2 = 0; rounding can leave it a hair below)
+            R = torch.where(one, zero, self.s_noise * up2.clamp_min(0.0).sqrt())
+            return P, Q, R
         s, s_next = _ve(t), _ve(t_next)
         down, up = _ancestral_ve(s, s_next, self.eta)
         ratio = down / s
@@ -573,6 +641,10 @@ class _AncestralTwoStage(Chain):
 
     def stage_points(self, sigmas):
         t = sigmas[:-1]
+        if self.path == "linear":
+            down, _, _, one = self._down_linear(t, sigmas[1:])
+            mid = self._linear_mid(t, torch.where(one, t, down))
+            return _euler_point_stages(t, t, mid, mid, self._weight(t, mid), one, ve=False)
         s, s_next = _ve(t), _ve(sigmas[1:])
         down, _ = _ancestral_ve(s, s_next, self.eta)
         one = down == 0
@@ -585,14 +657,23 @@ class DPM2Ancestral(_AncestralTwoStage):
     """k-diffusion's ``sample_dpm_2_ancestral`` (``eta``, ``s_noise``): DPM-Solver-2 to ``sigma_down`` (the
     second call at ``sigma_mid = sqrt(sigma sigma_down)``, ``x' = x + (sigma_down - sigma) d_2``, so
     ``D_eff = (1 - sigma / sigma_mid) D_1 + (sigma / sigma_mid) D_2``), then ``s_noise sigma_up z``; where
-    ``sigma_down = 0`` the Euler step ``x' = D`` with no noise (its code adds the noise in the two-call branch only)."""
+    ``sigma_down = 0`` the Euler step ``x' = D`` with no noise (its code adds the noise in the two-call branch only).
+
+    ``path="linear"``: ComfyUI's ``sample_dpm_2_ancestral_RF``, the same DPM-Solver-2 step on the linear path's
+    levels to its ``sigma_down`` (``sigma_mid = sqrt(t sigma_down)``), then re-noised (:class:`_AncestralTwoStage`);
+    where ``sigma_down = 0`` (into 0) ``x' = D``, one call.
+    """
 
     name: ClassVar[str] = "dpm_2_ancestral"
+    _steps_to_zero: ClassVar[bool] = True
 
     def draws_noise(self, sigmas: torch.Tensor) -> torch.Tensor:
-        """``(T,)`` bool: the steps whose code draws a noise on the VE levels ``sigmas (T + 1,)`` (those with
-        ``sigma_down > 0``; with ``eta > 1`` ``sigma_up`` can clip to ``sigma'`` before the last step)."""
+        """``(T,)`` bool: the steps whose code draws a noise on the sampler's levels ``sigmas (T + 1,)`` (VE, or the
+        linear path's with ``path="linear"``): those with ``sigma_down > 0`` (with ``eta > 1`` k-diffusion's
+        ``sigma_up`` can clip to ``sigma'`` before the last step)."""
         s = sigmas.detach().to("cpu", torch.float64)
+        if self.path == "linear":
+            return _ancestral_linear(s[:-1], s[1:], self.eta)[0] > 0
         return _ancestral_ve(s[:-1], s[1:], self.eta)[0] > 0
 
     def _noise(self, s_next, down, up):
@@ -601,6 +682,9 @@ class DPM2Ancestral(_AncestralTwoStage):
     def _weight(self, s, mid):
         return s / mid
 
+    def _linear_mid(self, t, down):
+        return _log_midpoint(t, down)
+
 
 @dataclass(frozen=True)
 class DPMPP2SAncestral(_AncestralTwoStage):
@@ -608,12 +692,23 @@ class DPMPP2SAncestral(_AncestralTwoStage):
     ``x_2 = (sigma_mid / sigma) x - expm1(-h / 2) D_1`` at ``sigma_mid = sqrt(sigma sigma_down)``
     (``h = log(sigma / sigma_down)``), ``x' = (sigma_down / sigma) x - expm1(-h) D_2``: the mean reads the second
     prediction only (``D_eff = D_2``); then ``s_noise sigma_up z`` where ``sigma' > 0``. Where
-    ``sigma_down = 0`` the Euler step ``x' = D``."""
+    ``sigma_down = 0`` the Euler step ``x' = D``.
+
+    ``path="linear"``: ComfyUI's ``sample_dpmpp_2s_ancestral_RF``: the second call at the Euler point toward
+    ``sigma_s``, the midpoint of ``t`` and ``sigma_down`` in ``lambda = log((1 - sigma) / sigma)`` (``0.9999`` from
+    ``t = 1``), ``x_down = (sigma_down / t) x + (1 - sigma_down / t) D_2``, then re-noised (:class:`_AncestralTwoStage`);
+    into 0 ``x' = D``, one call.
+    """
 
     name: ClassVar[str] = "dpmpp_2s_ancestral"
 
     def _weight(self, s, mid):
         return torch.ones_like(s)
+
+    def _linear_mid(self, t, down):
+        lam = torch.lerp(torch.logit(t).neg(), torch.logit(down).neg(), 0.5)
+        # ComfyUI's sample_dpmpp_2s_ancestral_RF takes this level from t = 1, where lambda is -inf
+        return torch.where(t == 1.0, torch.full_like(t, 0.9999), torch.sigmoid(-lam))
 
 
 VARIANCES = ("fixed_small", "fixed_large")

@@ -4,7 +4,9 @@
 (epsilon or v prediction): :class:`~specforest.diffusers.unet.UNetVelocity`
 turns it into a velocity on the linear path and
 :func:`~specforest.diffusers.unet.vp_schedule` reads the grid off the
-pipeline's scheduler. :func:`sample` then runs the churned SDE of eqs.
+pipeline's scheduler (with an EDM scheduler, Playground v2.5's, the UNet is
+preconditioned as EDM's: :class:`~specforest.diffusers.unet.EDMUNetVelocity` on
+:func:`~specforest.diffusers.unet.edm_schedule`'s grid). :func:`sample` then runs the churned SDE of eqs.
 (35)-(37) on that grid with :func:`specforest.sample`; text encoding (the
 pipeline's own ``encode_prompt``), latents and VAE decoding are as the
 pipelines do them.
@@ -51,7 +53,16 @@ from .detection import is_sd, is_sdxl, unet_family
 from .flow import DEFAULT_CHURN, FamilyParts, Prepared, sample_family
 from .run import SD3Result, execution_device
 from .text import UNET_TEXT, check_unet_text
-from .unet import PREDICTION_TYPES, UNetVelocity, VPSchedule, unet_row_bytes, vp_schedule
+from .unet import (
+    PREDICTION_TYPES,
+    EDMUNetVelocity,
+    UNetVelocity,
+    VPSchedule,
+    edm_schedule,
+    is_edm_scheduler,
+    unet_row_bytes,
+    vp_schedule,
+)
 
 __all__ = [
     "PARTS",
@@ -173,18 +184,30 @@ def velocity_and_grid(
     sample_size = sample_size[0] if isinstance(sample_size, (list, tuple)) else int(sample_size)
     height, width = image_size(height, width, default=sample_size * vsf, multiple=vsf, what=f"vae_scale_factor = {vsf}")
     latent_shape = (int(ucfg.get("in_channels", 4)), height // vsf, width // vsf)
-    schedule = vp_schedule(pipe.scheduler, steps)
+    schedule = _schedule(pipe.scheduler, steps)
     device = execution_device(pipe, pipe.unet)
-    velocity = UNetVelocity(
-        pipe.unet,
-        schedule.alphas_cumprod,
+    common = dict(
         prediction_type=pipe.scheduler.config.get("prediction_type", "epsilon"),
         guidance_scale=guidance,
         device=device,
         cross_attention_kwargs=cross_attention_kwargs,
     )
+    if schedule.alphas_cumprod is None:
+        # an EDM scheduler (Playground v2.5): the UNet is preconditioned as EDM's, its time input log(sigma) / 4
+        cfg = pipe.scheduler.config
+        velocity = EDMUNetVelocity(
+            pipe.unet, sigma_data=cfg["sigma_data"], sigma_min=cfg["sigma_min"], sigma_max=cfg["sigma_max"], **common
+        )
+    else:
+        velocity = UNetVelocity(pipe.unet, schedule.alphas_cumprod, **common)
     velocity.image_size = (height, width)
     return velocity, schedule, latent_shape, device
+
+
+def _schedule(scheduler: Any, steps: int) -> VPSchedule:
+    """The grid of the pipeline's scheduler: an EDM scheduler's own (:func:`edm_schedule`), else the VP one
+    (:func:`vp_schedule`)."""
+    return edm_schedule(scheduler, steps) if is_edm_scheduler(scheduler) else vp_schedule(scheduler, steps)
 
 
 def micro_conditioning(
@@ -370,7 +393,7 @@ PARTS = FamilyParts(
     check_inputs=_check_inputs,
     take_apart=take_apart,
     # the tuner's timing runs: the scheduler's grid of their own number of steps
-    sigmas=lambda pipe, steps, prepared: vp_schedule(pipe.scheduler, steps).sigmas,
+    sigmas=lambda pipe, steps, prepared: _schedule(pipe.scheduler, steps).sigmas,
     row_bytes=row_bytes_of,
     decode=unet_images,
 )

@@ -24,7 +24,9 @@ the library's linear path as ``y = x / n(s_k)``, where ``s_k = sqrt((1 - abar_k)
 DDIM, LCM, TCD, DPM-Solver), ``n(s) = 1 + s`` for the ones that keep ``x = x_0 + s xi``
 (Euler ancestral, the EDM schedulers, consistency models), and ``n = 1`` on the flow-matching path. The
 velocity adapters of :mod:`specforest.diffusers.unet` feed the network exactly these latents at exactly the
-scheduler's timestep (VP schedulers; the EDM ones are followed at the scheduler's level, ``scheduler_chain``),
+scheduler's timestep (VP schedulers; KDPM2 ancestral's to 1e-3 of a timestep, whose second call is at the next
+step's first call's level with another timestep; the EDM ones are followed at the scheduler's level,
+``scheduler_chain``),
 so a step ``x' = P x + Q D + R z`` of the scheduler (``D`` its predicted clean latents) is
 ``y' = (P n / n') y + (Q / n') D + (R / n') z``: tables, whatever the scheduler.
 

@@ -33,6 +33,10 @@ and guiding the velocity are the same.
 
 :func:`vp_schedule` reads the grid off the pipeline's scheduler (a fresh copy
 built from its config; the pipeline's own is never touched).
+
+An EDM scheduler (``EDMEulerScheduler``, ``EDMDPMSolverMultistepScheduler``: Playground
+v2.5's SDXL pipeline) preconditions the UNet as EDM does instead: :class:`EDMUNetVelocity`
+follows it, on :func:`edm_schedule`'s grid (:func:`is_edm_scheduler` tells them apart).
 """
 
 from __future__ import annotations
@@ -48,7 +52,18 @@ from ..models.edm import EDMDenoiserVelocity, VPDenoiser
 from ..validation import check_int, check_number
 from .flow_matching import guide, module_dtype_device
 
-__all__ = ["PREDICTION_TYPES", "UNetPrediction", "UNetVelocity", "VPSchedule", "unet_row_bytes", "vp_schedule"]
+__all__ = [
+    "PREDICTION_TYPES",
+    "EDMPreconditioned",
+    "EDMUNetVelocity",
+    "UNetPrediction",
+    "UNetVelocity",
+    "VPSchedule",
+    "edm_schedule",
+    "is_edm_scheduler",
+    "unet_row_bytes",
+    "vp_schedule",
+]
 
 PREDICTION_TYPES = VPDenoiser.PREDICTIONS
 """The UNet parameterizations :class:`UNetVelocity` converts (diffusers' ``prediction_type`` names)."""
@@ -69,7 +84,7 @@ class VPSchedule:
             spacing, ``sqrt(s_0^2 + 1)`` for ``leading`` spacing and for the
             schedulers that work on the VP state (PNDM, DDIM, DPM-Solver, ...:
             ``x_k = xi`` there, ``x_VE = x_k sqrt(1 + s_0^2)``).
-        alphas_cumprod: ``(N,)`` float64 the scheduler's ``abar_k``.
+        alphas_cumprod: ``(N,)`` float64 the scheduler's ``abar_k`` (``None`` for an EDM scheduler: :func:`edm_schedule`).
         scheduler: the scheduler's class name.
     """
 
@@ -77,7 +92,7 @@ class VPSchedule:
     edm_sigmas: torch.Tensor
     timesteps: torch.Tensor
     init_noise_sigma: float
-    alphas_cumprod: torch.Tensor
+    alphas_cumprod: Optional[torch.Tensor]
     scheduler: str
 
     @property
@@ -107,7 +122,9 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
     ``set_timesteps(steps)`` gives the timesteps (spacing ``leading`` /
     ``trailing`` / ``linspace``, ``steps_offset``, Karras sigmas and the like
     all as the pipeline would use them); consecutive repeats (PNDM's PLMS
-    warm-up, Heun's second evaluations) are dropped. The Karras level of a
+    warm-up, Heun's second evaluations) are dropped, and so are the interpolated
+    second calls of a scheduler that ``chain="scheduler"`` follows with two calls
+    a step (KDPM2 ancestral: its first calls' timesteps are the grid's). The Karras level of a
     timestep ``k`` is ``s_k = sqrt((1 - abar_k) / abar_k)`` from
     ``alphas_cumprod`` (the scheduler's ``.sigmas`` are not needed, and PNDM or
     DDIM have none), with ``log s`` interpolated linearly at fractional
@@ -126,8 +143,9 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
     Raises:
         TypeError: if the scheduler has no VP ``alphas_cumprod`` (a flow-matching scheduler).
         ValueError: on a scheduler whose timesteps are not ``T`` distinct
-            decreasing levels (second-order schedulers interleaving midpoints,
-            such as KDPM2), continuous timesteps, or an infinite noise level
+            decreasing levels (second-order schedulers interleaving midpoints
+            that ``chain="scheduler"`` does not follow, such as the deterministic
+            KDPM2), continuous timesteps, or an infinite noise level
             (zero terminal SNR without the Euler scheduler's clamp).
     """
     steps = check_int("num_inference_steps", steps, 1)
@@ -146,6 +164,17 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
     fresh.set_timesteps(steps, device="cpu")
     raw = torch.as_tensor(fresh.timesteps).detach().to("cpu", torch.float64).reshape(-1)
     ts = torch.unique_consecutive(raw)
+    if ts.numel() != steps:
+        # a scheduler chain="scheduler" follows with two calls a step (KDPM2 ancestral) interleaves each step's
+        # call at the state with one at its interpolated level: the grid is the first calls' levels (the
+        # scheduler's chain makes the second calls at its own levels)
+        from .schedulers import FOLLOWED
+
+        follows = FOLLOWED.get(name)
+        if follows is not None:
+            ts = torch.unique_consecutive(
+                torch.as_tensor(follows.model_timesteps(fresh)).detach().to("cpu", torch.float64).reshape(-1)
+            )
     if ts.numel() != steps or (ts[1:] >= ts[:-1]).any():
         raise ValueError(
             f"{name}.set_timesteps({steps}) gives the timesteps {[round(v, 3) for v in raw.tolist()]}, not {steps} "
@@ -177,6 +206,53 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
         alphas_cumprod=ac,
         scheduler=name,
     )
+
+
+def edm_schedule(scheduler: Any, steps: int) -> VPSchedule:
+    """The grid of an EDM scheduler (``EDMEulerScheduler``, ``EDMDPMSolverMultistepScheduler``: Playground v2.5's
+    SDXL pipeline), whose UNet is preconditioned as EDM's (:class:`EDMUNetVelocity`).
+
+    A fresh scheduler from ``scheduler.config`` takes ``set_timesteps(steps)``; its own ``sigmas`` (the Karras
+    or exponential levels ``s_n``, then 0) are the levels, ``t_n = s_n / (1 + s_n)``, its ``timesteps`` the
+    UNet's time input there (``c_noise = log(s_n) / 4``), its latents ``x = x_0 + s xi`` (its
+    ``init_noise_sigma`` the initial state's scale).
+
+    Returns:
+        :class:`VPSchedule` with ``alphas_cumprod`` ``None`` (an EDM scheduler has none).
+
+    Raises:
+        ValueError: on ``steps`` below 1 or a scheduler whose levels do not decrease to 0.
+    """
+    steps = check_int("num_inference_steps", steps, 1)
+    name = type(scheduler).__name__
+    fresh = type(scheduler).from_config(scheduler.config)
+    fresh.set_timesteps(steps, device="cpu")
+    sig = torch.as_tensor(fresh.sigmas).detach().to("cpu", torch.float64).reshape(-1)
+    s = sig[:-1]
+    if s.numel() != steps or float(sig[-1]) != 0.0 or bool((s[1:] >= s[:-1]).any()) or not bool((s > 0).all()):
+        raise ValueError(
+            f"{name}.set_timesteps({steps}) gives the levels {[round(v, 4) for v in sig.tolist()]}, not {steps} "
+            "decreasing levels then 0 (final_sigmas_type='zero')"
+        )
+    init = float(torch.as_tensor(fresh.init_noise_sigma, dtype=torch.float64))
+    t = s / (1.0 + s)
+    return VPSchedule(
+        sigmas=torch.cat([t, t.new_zeros(1)]),
+        edm_sigmas=s,
+        timesteps=torch.as_tensor(fresh.timesteps).detach().to("cpu", torch.float64).reshape(-1),
+        init_noise_sigma=init,
+        alphas_cumprod=None,
+        scheduler=name,
+    )
+
+
+def is_edm_scheduler(scheduler: Any) -> bool:
+    """Whether ``scheduler`` preconditions the UNet as EDM does (its ``precondition_inputs``, ``precondition_noise``,
+    ``precondition_outputs``: diffusers' ``EDMEulerScheduler``, ``EDMDPMSolverMultistepScheduler``)."""
+    return all(callable(getattr(scheduler, m, None)) for m in _EDM_METHODS)
+
+
+_EDM_METHODS = ("precondition_inputs", "precondition_noise", "precondition_outputs")
 
 
 class UNetPrediction:
@@ -379,6 +455,75 @@ class UNetVelocity(EDMDenoiserVelocity):
             f"UNetVelocity({type(self.prediction.unet).__name__}, prediction_type={self.prediction_type!r}, "
             f"guidance_scale={self.guidance_scale}, dtype={self.dtype}, device={self.device})"
         )
+
+
+class EDMPreconditioned:
+    """A UNet preconditioned as EDM's (Karras et al. 2022, Table 1, as diffusers' EDM schedulers apply it), as a
+    denoiser ``D(y; s)`` of VE states ``y = x_0 + s xi``: the UNet takes ``c_in y`` with ``c_in = 1 / sqrt(s^2 +
+    sigma_data^2)`` at the time input ``c_noise = log(s) / 4``, and ``D = c_skip y + c_out F`` of its output ``F``,
+    ``c_skip = sigma_data^2 / (s^2 + sigma_data^2)``, ``c_out = s sigma_data / sqrt(s^2 + sigma_data^2)``
+    (``epsilon``; its negative for ``v_prediction``).
+
+    Args:
+        net: the guided prediction (:class:`UNetPrediction`).
+        sigma_data: the data's standard deviation (the scheduler config's).
+        prediction: ``"epsilon"`` or ``"v_prediction"``.
+    """
+
+    PREDICTIONS = ("epsilon", "v_prediction")
+
+    def __init__(self, net: Any, sigma_data: float, prediction: str) -> None:
+        if prediction not in self.PREDICTIONS:
+            raise ValueError(
+                f"prediction_type must be one of {self.PREDICTIONS} for an EDM scheduler (its preconditioning "
+                f"has no other), got {prediction!r}"
+            )
+        self.net, self.prediction = net, prediction
+        self.sigma_data = check_number("sigma_data", sigma_data, 0.0, lo_open=True)
+
+    def __call__(self, y: torch.Tensor, s: torch.Tensor, **cond: Any) -> torch.Tensor:
+        work = torch.float64 if y.dtype == torch.float64 else torch.float32
+        sd2 = self.sigma_data**2
+        s = s.to(work)
+        s_b = s.reshape((-1,) + (1,) * (y.ndim - 1))
+        yw = y.to(work)
+        out = self.net(yw / (s_b * s_b + sd2).sqrt(), 0.25 * s.log(), **cond).to(work)
+        c_out = s_b * self.sigma_data / (s_b * s_b + sd2).sqrt()
+        if self.prediction == "v_prediction":
+            c_out = -c_out
+        return sd2 / (s_b * s_b + sd2) * yw + c_out * out
+
+
+class EDMUNetVelocity(UNetVelocity):
+    """A diffusers UNet preconditioned as EDM's (an EDM scheduler's pipeline: Playground v2.5) as a velocity
+    ``v(x, t, **cond)`` on the linear path: :class:`UNetPrediction` under :class:`EDMPreconditioned` under
+    :class:`~specforest.models.edm.EDMDenoiserVelocity`, clipped to the scheduler's ``[sigma_min, sigma_max]``.
+
+    Args:
+        unet: a ``UNet2DConditionModel``.
+        sigma_data, sigma_min, sigma_max: the EDM scheduler config's.
+        prediction_type: ``epsilon`` or ``v_prediction`` (the scheduler config's).
+        guidance_scale, device, cross_attention_kwargs: as :class:`UNetVelocity`.
+    """
+
+    def __init__(
+        self,
+        unet: torch.nn.Module,
+        *,
+        sigma_data: float,
+        sigma_min: float,
+        sigma_max: float,
+        prediction_type: str = "epsilon",
+        guidance_scale: float = 1.0,
+        device: str | torch.device | None = None,
+        cross_attention_kwargs: Optional[dict] = None,
+    ) -> None:
+        self.prediction = UNetPrediction(
+            unet, guidance_scale=guidance_scale, device=device, cross_attention_kwargs=cross_attention_kwargs
+        )
+        precond = EDMPreconditioned(self.prediction, sigma_data, prediction_type)
+        EDMDenoiserVelocity.__init__(self, precond, sigma_min=sigma_min, sigma_max=sigma_max)
+        self.prediction_type = prediction_type
 
 
 # Heuristic peak activation of one UNet row at each resolution level, in units of

@@ -101,7 +101,8 @@ def _ve_only(name: str, path: str) -> None:
     if path != "ve":
         raise ValueError(
             f"{name} is defined on VE noise levels (x = x_0 + sigma xi) only, path='ve'; got path={path!r} "
-            "(for a CONST model use sample_euler_ancestral or sample_lcm with path='linear')"
+            "(for a CONST model use sample_euler_ancestral, sample_dpm_2_ancestral, sample_dpmpp_2s_ancestral, "
+            "sample_dpmpp_3m_sde or sample_lcm with path='linear')"
         )
 
 
@@ -365,14 +366,15 @@ def sample_dpm_2_ancestral(
 ) -> torch.Tensor:
     """k-diffusion's ``sample_dpm_2_ancestral``, exactly; with a ``tree``, speculated in law
     (:class:`~specforest.chains.DPM2Ancestral`). Two model calls a step, one where ``sigma_down = 0``.
+    With ``path="linear"`` (ComfyUI's ``CONST`` models: SD3, Flux) it is ComfyUI's
+    ``sample_dpm_2_ancestral_RF``, which ComfyUI runs for them.
 
-    The noise sampler is called where k-diffusion calls it (steps with ``sigma_down > 0``). Arguments and
-    randomness as :func:`sample_euler_ancestral` (VE levels only).
+    The noise sampler is called where the real function calls it (steps with ``sigma_down > 0``). Arguments
+    and randomness as :func:`sample_euler_ancestral`.
     """
     from ..chains import DPM2Ancestral
 
-    _ve_only("sample_dpm_2_ancestral", path)
-    chain = DPM2Ancestral(eta=eta, s_noise=s_noise)
+    chain = DPM2Ancestral(eta=eta, s_noise=s_noise, path=path)
     return _drop_in(
         chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
         tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
@@ -403,12 +405,13 @@ def sample_dpmpp_2s_ancestral(
 ) -> torch.Tensor:
     """k-diffusion's ``sample_dpmpp_2s_ancestral`` (DPM-Solver++(2S) with ancestral noise), exactly; with a
     ``tree``, speculated in law (:class:`~specforest.chains.DPMPP2SAncestral`). Two model calls a step,
-    one where ``sigma_down = 0``. Arguments and randomness as :func:`sample_euler_ancestral` (VE levels only).
+    one where ``sigma_down = 0``. With ``path="linear"`` (ComfyUI's ``CONST`` models) it is ComfyUI's
+    ``sample_dpmpp_2s_ancestral_RF``, which ComfyUI runs for them. Arguments and randomness as
+    :func:`sample_euler_ancestral`.
     """
     from ..chains import DPMPP2SAncestral
 
-    _ve_only("sample_dpmpp_2s_ancestral", path)
-    chain = DPMPP2SAncestral(eta=eta, s_noise=s_noise)
+    chain = DPMPP2SAncestral(eta=eta, s_noise=s_noise, path=path)
     return _drop_in(
         chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
         tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
