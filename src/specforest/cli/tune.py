@@ -285,8 +285,7 @@ def tune(**o) -> None:
     Without --steps and --churn it tunes at the model's own command defaults
     (digits, natural32, natural64: those of 'specforest pixel'; see --steps and
     --churn). --chain tunes the run of another sampler's chain (gmm, the pixel
-    models and diffusers; the SD3
-    study's tuner runs the em chain); --model diffusers --chain scheduler tunes
+    models and diffusers; the SD3 study's tuner runs the em chain); --model diffusers --chain scheduler tunes
     the pipeline's own scheduler (swapped in with --scheduler NAME, with --eta
     its step's), and the file records both. A command run with --tune FILE takes the file's
     steps, churn, chain, batch, device and threads where they are not given, and
@@ -303,8 +302,9 @@ def tune(**o) -> None:
         ]
         if given:
             raise click.UsageError(
-                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --model {_CHAINED}: the SD3 study's tuner runs the em chain (--churn); leave {'it' if len(given) == 1 else 'them'} "
-                "out, or tune the pipeline with --model diffusers"
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --model {_CHAINED}: the SD3 "
+                f"study's tuner runs the em chain (--churn); leave {'it' if len(given) == 1 else 'them'} out, or tune "
+                "the pipeline with --model diffusers"
             )
     if o["model"] in _PIPELINES:
         gridded = [flag for n, flag in grid_flags().items() if is_given(ctx, n)]

@@ -193,17 +193,18 @@ def count_limit(
     return min(MAX_COUNT, limit // per_sample), reason
 
 
-def pixel_options(model: str = "digits") -> dict:
+def pixel_options(model: Optional[str] = None) -> dict:
     """The ``model_options`` of a ``pixel`` job sampling ``model``
-    (:data:`~specforest.experiments.pixel.models.PIXEL_MODELS`): ``{"model": model}``, and none for the
-    digits model, so that a digits job records what one made before ``--model`` existed, and resumes it.
+    (:data:`~specforest.experiments.pixel.models.PIXEL_MODELS`; ``None``: the digits model):
+    ``{"model": model}``, and none for the digits model, so that a digits job records what one made
+    before ``--model`` existed, and resumes it.
 
     Raises:
         ValueError / TypeError: naming ``model`` and the accepted names.
     """
     from .pixel.models import DEFAULT_MODEL, pixel_model
 
-    name = pixel_model(model).name
+    name = pixel_model(DEFAULT_MODEL if model is None else model).name
     return {} if name == DEFAULT_MODEL else {"model": name}
 
 

@@ -16,14 +16,15 @@ model's draft (which serves ``1 x 8 x 8`` only).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from ...models import digits, natural
 from ...models.digits import IMAGE_SHAPE, NUM_CLASSES
-from ...models.natural import MODELS as NATURAL_MODELS
 from ..common import check_choice
 
 __all__ = [
@@ -45,11 +46,13 @@ class PixelModel:
         description: what a run's record says under ``model`` (``"digits 1x8x8 (EDM U-Net)"``).
         shape: one state's shape ``(C, H, W)``.
         num_classes: the class labels it is conditioned on (``0``: unconditional).
+        loader: ``device -> velocity``, the shipped network's loader (:meth:`load`).
     """
 
     name: str
     description: str
     shape: tuple[int, ...]
+    loader: Callable[..., Callable[..., torch.Tensor]] = field(repr=False, compare=False)
     num_classes: int = 0
 
     @property
@@ -61,13 +64,7 @@ class PixelModel:
         """The shipped network as a velocity ``v(x: (M, *shape), sigma: (M,), **cond) -> (M, *shape)``
         (an :class:`~specforest.models.edm.EDMDenoiserVelocity` declaring its memory per row and keeping
         its deep features for ``draft="cached"``)."""
-        if self.name == "digits":
-            from ...models.digits import load_velocity
-
-            return load_velocity(device=device)
-        from ...models.natural import load_velocity as load_natural
-
-        return load_natural(self.name, device=device)
+        return self.loader(device=device)
 
     def classifier(self) -> Optional[Any]:
         """The classifier a run scores its samples with against their labels (the digits classifier),
@@ -84,10 +81,17 @@ class PixelModel:
 
 
 PIXEL_MODELS: dict[str, PixelModel] = {
-    "digits": PixelModel("digits", "digits 1x8x8 (EDM U-Net)", IMAGE_SHAPE, num_classes=NUM_CLASSES),
+    "digits": PixelModel(
+        "digits", "digits 1x8x8 (EDM U-Net)", IMAGE_SHAPE, digits.load_velocity, num_classes=NUM_CLASSES
+    ),
     **{
-        name: PixelModel(name, f"{name} {'x'.join(map(str, m.state_shape))} (EDM U-Net)", m.state_shape)
-        for name, m in NATURAL_MODELS.items()
+        name: PixelModel(
+            name,
+            f"{name} {'x'.join(map(str, m.state_shape))} (EDM U-Net)",
+            m.state_shape,
+            functools.partial(natural.load_velocity, name),
+        )
+        for name, m in natural.MODELS.items()
     },
 }
 """The models by the name ``--model`` gives them, the default first."""
