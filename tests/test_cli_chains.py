@@ -219,7 +219,7 @@ def test_a_chain_option_the_chain_does_not_take_is_refused_before_the_work(tmp_p
 
 def test_tune_for_a_pipeline_refuses_the_chain_options(tmp_path, no_work):
     res = invoke("tune", "--model", "sd3", "--chain", "ddim", "--eta", "0.5", "--out", tmp_path / "t.json")
-    refused(res, "--chain, --eta apply only to --model gmm, digits or diffusers", "em chain")
+    refused(res, "--chain, --eta apply only to --model gmm, digits, natural32, natural64 or diffusers", "em chain")
 
 
 # -- tune: the file holds the chain, a run on another chain is refused ----------------------------------

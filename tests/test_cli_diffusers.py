@@ -468,7 +468,10 @@ def test_tune_diffusers_tunes_the_pipelines_own_scheduler_and_its_file_runs_it(s
         (["--model", "diffusers", "--chain", "scheduler", "--churn", 0.5], "--churn: --chain scheduler takes"),
         (["--model", "diffusers", "--chain", "scheduler", "--s-noise", 2], "--s-noise: --chain scheduler takes"),
         (["--model", "gmm", "--scheduler", "DDPMScheduler"], "--scheduler applies only to --model diffusers"),
-        (["--model", "sd3", "--chain", "ddpm"], "--chain applies only to --model gmm, digits or diffusers"),
+        (
+            ["--model", "sd3", "--chain", "ddpm"],
+            "--chain applies only to --model gmm, digits, natural32, natural64 or diffusers",
+        ),
     ],
 )
 def test_tune_refuses_a_scheduler_chain_where_it_cannot_run(saved, tmp_path, args, named):

@@ -42,7 +42,7 @@ COMMANDS = {
     "generate diffusers": f"{_PIPELINE_JOB} --pipeline --prompts --num-prompts --negative-prompt --guidance --true-cfg-scale "
     "--shift --height --width --max-sequence-length --dtype --device --scheduler",
     "generate gmm": f"{_JOB} --device --dim --components --mixture-seed",
-    "generate pixel": f"{_JOB} --device",
+    "generate pixel": f"{_JOB} --device --model",
     "generate sd3": f"{_PIPELINE_JOB} --model --prompts --num-prompts --guidance --shift --height --width "
     "--max-sequence-length --dtype --device",
     "gmm": "--method --K --L --components --dim --steps --churn --trajectories --seed --mixture-seed --grid "
@@ -52,7 +52,7 @@ COMMANDS = {
     "gmm sweep": "--out --K-values --L-values --methods --components --dim --steps --churn --trajectories --seed "
     "--mixture-seed --grid --prefetch --verify --tree --budget --draft --memory-gb --lazy --progress/--no-progress "
     "--threads",
-    "pixel": "--method --draft --tree --budget --K --L --churn --chain --eta --s-noise --s-churn --solver-type --steps --samples --seed --grid --prefetch --verify "
+    "pixel": "--model --method --draft --tree --budget --K --L --churn --chain --eta --s-noise --s-churn --solver-type --steps --samples --seed --grid --prefetch --verify "
     "--lazy --memory-gb --json --dump-samples --progress/--no-progress --threads --compile --tune --schedule "
     "--sigma-min --sigma-max",
     "pixel sweep": "--out --trees --churns --methods --steps --samples --seed --grid --prefetch --verify "

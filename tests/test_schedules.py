@@ -263,5 +263,5 @@ def test_a_pipelines_sample_and_tune_refuse_the_grid_options_before_any_work(no_
             "tune", "--model", model, "--pipeline", tmp_path, "--prompts", prompts, "--out", out, "--schedule", "karras"
         )
         assert res.exit_code == 2, res.output
-        assert "--schedule applies only to --model gmm or digits" in res.output, res.output
+        assert "--schedule applies only to --model gmm, digits, natural32 or natural64" in res.output, res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]

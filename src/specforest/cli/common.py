@@ -28,6 +28,7 @@ import click
 
 from ..chains import Chain
 from ..devices import set_threads
+from ..experiments.pixel.models import DEFAULT_MODEL, PIXEL_MODELS
 from ..options import NoStochasticStep, check_stochastic, make_sde
 from ..planning import TREE_MODES
 from .sampler_options import (
@@ -93,6 +94,7 @@ __all__ = [
     "method_option",
     "no_stochastic_step",
     "output_path",
+    "pixel_model_option",
     "prefetch_option",
     "progress_option",
     "read_tuned",
@@ -351,13 +353,30 @@ def compile_option():
     )
 
 
+_PIXEL_DEFAULTS = {"steps": 100, "churn": 0.3}
+
 MODEL_DEFAULTS = {
     "gmm": {"steps": 30, "churn": 0.1},
-    "digits": {"steps": 100, "churn": 0.3},
+    **{name: dict(_PIXEL_DEFAULTS) for name in PIXEL_MODELS},
     "sd3": {"steps": 50, "churn": 0.8},
 }
-"""Grid steps and churn of each model's commands (``gmm``; ``pixel`` for ``digits``; ``sd3``; their
-``generate`` forms), which ``specforest tune --model M`` tunes at by default."""
+"""Grid steps and churn of each model's commands (``gmm``; ``pixel`` for ``digits``, ``natural32`` and
+``natural64``, :data:`~specforest.experiments.pixel.models.PIXEL_MODELS`; ``sd3``; their ``generate``
+forms), which ``specforest tune --model M`` tunes at by default."""
+
+
+def pixel_model_option():
+    """``--model``: which shipped model ``pixel`` and ``generate pixel`` sample
+    (:data:`~specforest.experiments.pixel.models.PIXEL_MODELS`, the digits model by default)."""
+    return click.option(
+        "--model",
+        "model",
+        type=click.Choice(list(PIXEL_MODELS)),
+        default=DEFAULT_MODEL,
+        show_default=True,
+        help="The shipped model: digits (class-conditional 1x8x8, scored by its classifier), natural32 or "
+        "natural64 (unconditional 3x32x32 / 3x64x64 natural-image denoisers, docs/natural.md).",
+    )
 
 
 def check_output(value: str, *, option: str, folder: bool = False, fresh: bool = False) -> None:

@@ -41,6 +41,7 @@ from .common import (
     method_option,
     output_path,
     pipeline_extra_options,
+    pixel_model_option,
     prefetch_option,
     progress_option,
     refuse_unused,
@@ -283,10 +284,12 @@ def generate_gmm(**o) -> None:
 
 @generate.command("pixel", context_settings=CONTEXT)
 @_job_options("digits", K=2, L=3)
+@pixel_model_option()
 def generate_pixel(**o) -> None:
-    """Class-conditional 8x8 digits from the shipped model: an .npz with samples (M, 1, 8, 8), index and labels."""
-    o, _ = apply_tuned(o, "digits", fixed={"shift": NAMED_GRID_SHIFT})
-    _run("pixel", o, {})
+    """Images of a shipped model: an .npz with samples (M, C, H, W) and index; class-conditional 8x8 digits
+    by default, with their labels; --model natural32 / natural64: unconditional 3x32x32 / 3x64x64."""
+    o, _ = apply_tuned(o, o["model"], fixed={"shift": NAMED_GRID_SHIFT}, model_option=True)
+    _run("pixel", o, library_errors(lambda: gen_exp.pixel_options(o.pop("model"))))
 
 
 @generate.command("sd3", context_settings=CONTEXT)

@@ -1,4 +1,5 @@
-"""Command line: ``specforest tune --model gmm|digits|sd3|diffusers --out tuned.json``: the fastest configuration here.
+"""Command line: ``specforest tune --model gmm|digits|natural32|natural64|sd3|diffusers --out tuned.json``: the
+fastest configuration here.
 
 A thin shell over :func:`specforest.latency.tune`: measures the target's
 batch-cost curve on the device, calibrates acceptance on a short run, times the
@@ -16,6 +17,7 @@ from ..atomic import atomic_write_text
 from ..devices import default_dtype
 from ..experiments.common import chain_kwargs
 from ..experiments.further_options import options_record
+from ..experiments.pixel.models import PIXEL_MODELS, pixel_model, refuse_undeclared_learned, tune_target
 from ..sde import MAX_STEPS
 from .common import (
     CHAIN_FLAGS,
@@ -62,6 +64,12 @@ _PIPELINE_PARAMS = (
     "dtype",
     "max_memory_gb",
 )
+_PIPELINES = ("sd3", "diffusers")
+_SMALL = ("gmm", *PIXEL_MODELS)
+"""The models tuned on a named grid in this process: the mixture and the pixel experiment's models."""
+_CHAINED = ", ".join((*_SMALL, "diffusers")[:-1]) + " or diffusers"
+"""The models whose tuned run takes --chain, in a message."""
+
 _MODELS_OF = {
     **{name: ("gmm",) for name in ("dim", "components", "mixture_seed")},
     **{name: ("sd3", "diffusers") for name in _PIPELINE_PARAMS},
@@ -87,20 +95,17 @@ def _refuse_other_models(model: str) -> None:
 
 
 def _target(model: str, o: dict, n: int):
-    import torch
-
-    from .. import streams
-
-    idx = torch.arange(n)
+    """The model of ``--model`` (the mixture, or a pixel model: :func:`~specforest.experiments.pixel.models.tune_target`),
+    ``n`` initial states and their conditioning."""
     if model == "gmm":
+        import torch
+
+        from .. import streams
         from ..models import GaussianMixture
 
         gmm = GaussianMixture.paper(dim=o["dim"], components=o["components"], seed=o["mixture_seed"])
-        return gmm, streams.randn(0, idx, (o["dim"],), device=o["device"]), None
-    from ..models.digits import IMAGE_SHAPE, load_velocity
-
-    cond = {"class_labels": (idx % 10).to(o["device"])}
-    return load_velocity(device=o["device"]), streams.randn(0, idx, IMAGE_SHAPE, device=o["device"]), cond
+        return gmm, streams.randn(0, torch.arange(n), (o["dim"],), device=o["device"]), None
+    return tune_target(model, n, o["device"])
 
 
 def parse_drafts(text: str) -> list:
@@ -197,9 +202,10 @@ def _tune_diffusers(o: dict, drafts: list):
 @click.command("tune", context_settings=CONTEXT)
 @click.option(
     "--model",
-    type=click.Choice(["gmm", "digits", "sd3", "diffusers"]),
+    type=click.Choice([*_SMALL, *_PIPELINES]),
     required=True,
-    help="The target to tune for (diffusers: a pipeline of any family, read from --pipeline).",
+    help="The target to tune for (digits, natural32, natural64: the shipped models of 'specforest pixel --model'; "
+    "diffusers: a pipeline of any family, read from --pipeline).",
 )
 @steps_option(
     None, f"the model's command default: {_STEPS_SHOWN}", f"Grid steps T (3 to {MAX_STEPS}) of the run to tune for."
@@ -224,7 +230,8 @@ def _tune_diffusers(o: dict, drafts: list):
     default="all",
     show_default=True,
     help="Comma list of registered drafts to consider, or 'all': every registered draft that serves the model "
-    "(learned: a model that declares its draft network, the digits model; a draft that remembers the last chain round, memory, secant, auto or "
+    "(cached: a model that keeps its deep features, the mixture and the pixel models; learned: a model that "
+    "declares its draft network, the digits model; a draft that remembers the last chain round, memory, secant, auto or "
     "learned, is considered on chains only; a draft network's calls are timed inside the sampler's rounds).",
 )
 @click.option("--budget-max", type=click.IntRange(1), default=62, show_default=True, help="Largest budget tried.")
@@ -276,9 +283,9 @@ def tune(**o) -> None:
     with the thread count it sets (--threads).
 
     Without --steps and --churn it tunes at the model's own command defaults
-    (digits: those of 'specforest pixel'; see --steps and --churn). --chain
-    tunes the run of another sampler's chain (gmm, digits and diffusers; the SD3
-    study's tuner runs the em chain); --model diffusers --chain scheduler tunes
+    (digits, natural32, natural64: those of 'specforest pixel'; see --steps and
+    --churn). --chain tunes the run of another sampler's chain (gmm, the pixel
+    models and diffusers; the SD3 study's tuner runs the em chain); --model diffusers --chain scheduler tunes
     the pipeline's own scheduler (swapped in with --scheduler NAME, with --eta
     its step's), and the file records both. A command run with --tune FILE takes the file's
     steps, churn, chain, batch, device and threads where they are not given, and
@@ -295,15 +302,16 @@ def tune(**o) -> None:
         ]
         if given:
             raise click.UsageError(
-                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --model gmm, digits or "
-                f"diffusers: the SD3 study's tuner runs the em chain (--churn); leave {'it' if len(given) == 1 else 'them'} "
-                "out, or tune the pipeline with --model diffusers"
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to --model {_CHAINED}: the SD3 "
+                f"study's tuner runs the em chain (--churn); leave {'it' if len(given) == 1 else 'them'} out, or tune "
+                "the pipeline with --model diffusers"
             )
-    if o["model"] in ("diffusers", "sd3"):
+    if o["model"] in _PIPELINES:
         gridded = [flag for n, flag in grid_flags().items() if is_given(ctx, n)]
         if gridded:
             raise click.UsageError(
-                f"{', '.join(gridded)} {'applies' if len(gridded) == 1 else 'apply'} only to --model gmm or digits: "
+                f"{', '.join(gridded)} {'applies' if len(gridded) == 1 else 'apply'} only to --model "
+                f"{', '.join(_SMALL[:-1])} or {_SMALL[-1]}: "
                 f"a pipeline's grid is its scheduler's (--steps); leave {'it' if len(gridded) == 1 else 'them'} out"
             )
     if o["chain"] == "scheduler" and o["model"] != "diffusers":
@@ -315,7 +323,7 @@ def tune(**o) -> None:
             if o[key] is None and (key == "steps" or em):
                 o[key] = MODEL_DEFAULTS[o["model"]][key]
     chain = None
-    if o["model"] in ("gmm", "digits"):
+    if o["model"] in _SMALL:
         chain = run_chain(o)
         check_grid(chain, o, grid=NAMED_GRID, where=f"the {NAMED_GRID} grid tune runs")
         refuse_deterministic_chain(
@@ -324,7 +332,7 @@ def tune(**o) -> None:
     threads = set_threads(o["threads"])
     drafts = parse_drafts(o["drafts"])
     every = o["drafts"].strip() == "all"
-    if every and o["model"] in ("diffusers", "sd3"):
+    if every and o["model"] in _PIPELINES:
         from ..proposals import drafts_serving
 
         # a pipeline's latents are not known here: the drafts that serve any shape and any model
@@ -371,8 +379,10 @@ def tune(**o) -> None:
 
 
 def _tune_small(o: dict, drafts: list, tune_fn, every: bool, chain):
-    """The mixture or the digits model on ``chain``; with ``every`` (``--drafts all``), the drafts that serve it."""
+    """The mixture or a pixel model on ``chain``; with ``every`` (``--drafts all``), the drafts that serve it."""
     model, x, cond = library_errors(lambda: _target(o["model"], o, max(o["batch"], 16)))
+    if o["model"] in PIXEL_MODELS and not every:
+        library_errors(lambda: refuse_undeclared_learned(model, pixel_model(o["model"]), drafts, param="drafts"))
     if every:
         from ..proposals import drafts_serving
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import click
 
 from ..chains import get_chain
+from ..experiments.pixel.models import PIXEL_MODELS
 from ..latency.tuned import SCHEDULER
 from ..options import declared_options
 from ..validation import check_choice, check_int, check_number, is_int
@@ -66,7 +67,7 @@ def _params(name: str, value: Any) -> dict:
 
 
 _TUNED_FOR: "dict[str, Callable[[str, Any], Any]]" = {
-    "model": lambda k, v: check_choice(k, v, ("gmm", "digits", "sd3", "diffusers")),
+    "model": lambda k, v: check_choice(k, v, ("gmm", *PIXEL_MODELS, "sd3", "diffusers")),
     "family": _text,
     "steps": lambda k, v: check_int(k, v, 1),
     "churn": lambda k, v: check_number(k, v, 0.0, 1.0, lo_open=True),
@@ -280,6 +281,7 @@ def apply_tuned(
     run: "dict[str, str] | None" = None,
     fixed: "dict[str, Any] | None" = None,
     sampler: bool = True,
+    model_option: bool = False,
 ) -> "tuple[dict, Any]":
     """Reconcile a command's options ``o`` with its ``--tune`` file (``o["tune_file"]``), tuned for ``model``.
 
@@ -303,6 +305,9 @@ def apply_tuned(
         fixed: file key -> this command's value, for keys without an option.
         sampler: replace the command's sampler options (``False``: the command runs the file's
             configuration beside its own, as ``specforest sd3`` does, and keeps its options).
+        model_option: the command chooses ``model`` with its ``--model`` (``o["model"]``, as ``pixel``
+            does): not given, it takes the file's model where that is one of its choices; given, it
+            must match it.
 
     Returns:
         ``(o, tuned)``: the options with the file's in place and the
@@ -325,9 +330,12 @@ def apply_tuned(
     tuned, made_for = read_tuned(path)
     o = dict(o)
     diffs = []
-    if made_for.get("model") not in (None, model):
-        diffs.append(f"--model {model} here, {made_for['model']} in the file")
     params = {p.name: p for p in ctx.command.params}
+    there = made_for.get("model")
+    if model_option and not given("model") and there in getattr(params["model"].type, "choices", ()):
+        o["model"] = model = there
+    if there not in (None, model):
+        diffs.append(f"--model {model} here, {there} in the file")
     names = {k: k for k in _RUN_KEYS if k in flags}
     names.update({key: n for key, n in _further_keys().items() if n in flags})
     names.update(run or {})

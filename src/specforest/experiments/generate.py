@@ -56,7 +56,7 @@ from .. import __version__, distributed, generate, streams
 from ..atomic import atomic_write, atomic_write_text
 from ..warmup import pad_rows_for, warm_up
 from .common import check_int, compiled
-from .generate_job import IMAGE_MODELS, MODELS, JobSpec, count_limit, diffusers_options, sd3_options
+from .generate_job import IMAGE_MODELS, MODELS, JobSpec, count_limit, diffusers_options, pixel_options, sd3_options
 from .generate_model import JobModel, gmm_model, image_model, pixel_model, size_slots
 from .generate_shards import (
     IncompleteJobError,
@@ -84,6 +84,7 @@ __all__ = [
     "merge",
     "meta_path",
     "parts_dir",
+    "pixel_options",
     "run_job",
     "sd3_options",
     "size_slots",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -18,6 +18,9 @@ from .. import memory
 from ..generation import MAX_COUNT
 from .common import METHODS, chain_of_record, check_choice, check_int
 from .further_options import further_options, options_of_record
+
+if TYPE_CHECKING:
+    from .pixel.models import PixelModel
 
 __all__ = [
     "IMAGE_MODELS",
@@ -27,6 +30,9 @@ __all__ = [
     "JobSpec",
     "count_limit",
     "diffusers_options",
+    "job_model_name",
+    "pixel_model_of",
+    "pixel_options",
     "prompts_digest",
     "sampler_chain",
     "sampler_further",
@@ -78,8 +84,8 @@ class JobSpec:
             under their record keys (``declared_options()[name].key``; :func:`sampler_further`), passed
             to every run: a job without one ran at the option's default, and one given at its default is
             best left out, so that such a job resumes as it was.
-        model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``; ``sd3``:
-            :func:`sd3_options`; ``diffusers``: :func:`diffusers_options`).
+        model_options: the model's options (``gmm``: ``dim``, ``components``, ``mixture_seed``; ``pixel``:
+            :func:`pixel_options`; ``sd3``: :func:`sd3_options`; ``diffusers``: :func:`diffusers_options`).
     """
 
     model: str
@@ -93,6 +99,8 @@ class JobSpec:
         check_int("count", self.count, 1, MAX_COUNT)
         check_int("seed", self.seed, 0)
         check_choice("method", self.sampler.get("method"), METHODS)
+        if self.model == "pixel":
+            pixel_model_of(self.model_options)
         sampler_chain(self.sampler)  # the chain and its parameters, checked before anything is loaded
         sampler_further(self.sampler)
 
@@ -174,9 +182,7 @@ def count_limit(
     if model == "gmm":
         numel = check_int("dim", model_options.get("dim"), 1)
     elif model == "pixel":
-        from ..models.digits import IMAGE_SHAPE
-
-        numel = math.prod(IMAGE_SHAPE)
+        numel = math.prod(pixel_model_of(model_options).shape)
     per_sample = MERGE_ROW_BYTES + 2 * 4 * numel
     on_host = memory_gb if torch.device(device).type == "cpu" else None
     limit, source, _ = memory.resolve_limit(on_host, "cpu", "memory_gb")
@@ -185,6 +191,48 @@ def count_limit(
         f"{limit / 1e9:.3g} GB ({source})"
     )
     return min(MAX_COUNT, limit // per_sample), reason
+
+
+def pixel_options(model: Optional[str] = None) -> dict:
+    """The ``model_options`` of a ``pixel`` job sampling ``model``
+    (:data:`~specforest.experiments.pixel.models.PIXEL_MODELS`; ``None``: the digits model):
+    ``{"model": model}``, and none for the digits model, so that a digits job records what one made
+    before ``--model`` existed, and resumes it.
+
+    Raises:
+        ValueError / TypeError: naming ``model`` and the accepted names.
+    """
+    from .pixel.models import DEFAULT_MODEL, pixel_model
+
+    name = pixel_model(DEFAULT_MODEL if model is None else model).name
+    return {} if name == DEFAULT_MODEL else {"model": name}
+
+
+def pixel_model_of(model_options: dict) -> "PixelModel":
+    """The :class:`~specforest.experiments.pixel.models.PixelModel` a ``pixel`` job's ``model_options`` name
+    (the digits model where they name none).
+
+    Raises:
+        ValueError / TypeError: an unknown model, or another key, naming it.
+    """
+    from .pixel.models import DEFAULT_MODEL, pixel_model
+
+    other = sorted(str(k) for k in model_options if k != "model")
+    if other:
+        raise ValueError(f"a pixel job's model_options hold only 'model', got {', '.join(other)}")
+    return pixel_model(model_options.get("model", DEFAULT_MODEL))
+
+
+def job_model_name(options: dict) -> str:
+    """What a job's options (:meth:`JobSpec.options`, or those on disk) sample, as the command line names
+    it: ``gmm``, a pixel job's model (``digits``, ``natural32``, ...), ``sd3`` or ``diffusers``; what a
+    ``--resume`` with another model is refused naming."""
+    model = options.get("model")
+    if model == "pixel":
+        from .pixel.models import DEFAULT_MODEL
+
+        return str((options.get("model_options") or {}).get("model", DEFAULT_MODEL))
+    return str(model)
 
 
 def prompts_digest(prompts: list) -> str:

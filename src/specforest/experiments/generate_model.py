@@ -20,7 +20,7 @@ from ..atomic import atomic_write
 from ..options import SamplerOptions
 from ..trees import from_parents
 from .common import COUPLING_OF, method_tree
-from .generate_job import JobSpec, prompts_digest, sampler_chain, sampler_further
+from .generate_job import JobSpec, pixel_model_of, prompts_digest, sampler_chain, sampler_further
 
 __all__ = ["JobModel", "gmm_model", "image_model", "pixel_model", "size_slots"]
 
@@ -74,19 +74,32 @@ def gmm_model(spec: JobSpec) -> JobModel:
 
 
 def pixel_model(spec: JobSpec, device: str) -> JobModel:
-    """The shipped digits model of a ``pixel`` job; sample ``i``'s class label comes from ``(S, i)``."""
-    from ..models.digits import IMAGE_SHAPE, NUM_CLASSES, load_velocity
+    """The shipped model of a ``pixel`` job (the digits model, or the one its ``model_options`` name,
+    :func:`~.generate_job.pixel_options`); a conditional model's class label of sample ``i`` comes from
+    ``(S, i)``.
 
-    o = spec.sampler
+    Raises:
+        ValueError: ``draft='learned'`` with a model that declares no draft network
+            (:func:`~specforest.experiments.pixel.models.refuse_undeclared_learned`).
+    """
+    from .pixel.models import refuse_undeclared_learned
+
+    o, pm = spec.sampler, pixel_model_of(spec.model_options)
+    velocity = pm.load(device=device)
+    if o.get("draft") is not None:
+        refuse_undeclared_learned(velocity, pm, o["draft"])
+    sampler = SamplerOptions(steps=o["steps"], grid=o["grid"], **_tree_kwargs(o))
+    if not pm.conditional:
+        return JobModel(velocity, pm.shape, sampler)
 
     def labels_of(idx: torch.Tensor) -> torch.Tensor:
         keys = streams.fold(streams.sample_keys(spec.seed, idx.cpu()), _LABEL_TAG)
-        return (streams.uniform(keys, 1)[:, 0] * NUM_CLASSES).long().clamp(max=NUM_CLASSES - 1)
+        return (streams.uniform(keys, 1)[:, 0] * pm.num_classes).long().clamp(max=pm.num_classes - 1)
 
     return JobModel(
-        load_velocity(device=device),
-        tuple(IMAGE_SHAPE),
-        SamplerOptions(steps=o["steps"], grid=o["grid"], **_tree_kwargs(o)),
+        velocity,
+        pm.shape,
+        sampler,
         make_cond=lambda idx: {"class_labels": labels_of(idx).to(device)},
         labels_of=labels_of,
     )

@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from .generate_job import JobSpec
+from .generate_job import JobSpec, job_model_name
 
 __all__ = [
     "LOCK_NAME",
@@ -226,6 +226,7 @@ def check_start(out: Path, spec: JobSpec, resume: bool) -> bool:
     """
     parts, meta = parts_dir(out), meta_path(out)
     opts = _as_ran(spec.options())
+    now = job_model_name(opts)
     if not resume:
         for p in (out, meta):
             if p.exists():
@@ -237,17 +238,34 @@ def check_start(out: Path, spec: JobSpec, resume: bool) -> bool:
         # the output and its JSON are written last: the job is complete (a kill may have left parts behind)
         what = f"it records the options of the complete {out}; restore it, or delete {out} and {meta} to make it again"
         old = _as_ran(_read_options(meta, what, "options"))
+        _refuse_other_model(old, now, out)
         if old != opts:
             raise ValueError(f"--resume with options that differ from those of {out}: {_diff(old, opts)}")
         return True
     if (parts / "options.json").exists():
         what = f"it records the options of the samples in {parts}; restore it, or delete {parts} to start the job anew"
         old = _as_ran(_read_options(parts / "options.json", what))
+        _refuse_other_model(old, now, parts)
         if old != opts:
             raise ValueError(f"--resume with options that differ from those on disk in {parts}: {_diff(old, opts)}")
     elif out.exists():
         raise FileExistsError(f"{out} exists but is not a specforest generate output; choose another --out")
     return False
+
+
+def _refuse_other_model(old: dict, now: str, where: Path) -> None:
+    """Refuse a resume whose model is not the job's on disk, naming both (before the other options'
+    differences, which follow from it).
+
+    Raises:
+        ValueError: naming both models and ``where``.
+    """
+    was = job_model_name(old) if isinstance(old, dict) else None
+    if was is not None and was != now:
+        raise ValueError(
+            f"--resume of the job in {where}, which samples the {was} model, for the {now} model: a job keeps its "
+            f"model; resume it with {was}, or choose another --out for {now}"
+        )
 
 
 def _as_ran(opts: dict) -> dict:

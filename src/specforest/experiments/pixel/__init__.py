@@ -1,4 +1,5 @@
-"""The pixel-space experiment of paper Sec. 5.2 (Figures 4 and 8), on digits.
+"""The pixel-space experiment of paper Sec. 5.2 (Figures 4 and 8), on digits (and one configuration on
+the natural-image models).
 
 The paper runs EDM's CIFAR-10 and FFHQ denoisers; this experiment runs the same
 protocol on the package's small class-conditional digits model
@@ -34,12 +35,18 @@ conditioning label. ``lazy=True`` realizes only the visited tree nodes: the same
 law of samples and NFE at a fraction of the compute, but its wall-clock is not
 that of a batched run; use full mode to measure wall-clock.
 
-Modules: :mod:`.setting` (the protocol's constants, initial states, the sweep's
+One configuration (:func:`simulate`) also runs the unconditional natural-image models
+(``model_name="natural32"`` or ``"natural64"``, ``3 x 32 x 32`` / ``3 x 64 x 64``): no labels, no
+classifier accuracy (null in the record). :mod:`.models` declares the models (:data:`PIXEL_MODELS`),
+which ``specforest pixel``, ``generate pixel`` and ``tune`` take as ``--model``.
+
+Modules: :mod:`.models` (the models), :mod:`.setting` (the protocol's constants, initial states, the sweep's
 file layout), :mod:`.run` (one configuration), :mod:`.sweep` (the resumable
 sweep of Figure 4) and :mod:`.report` (figures and text).
 """
 
 from ..common import COUPLING_OF, METHOD_LABELS, METHODS, SWEEP_METHODS, SweepResult, budget_of
+from .models import PIXEL_MODELS, PixelModel, pixel_model
 from .report import format_result, format_summary, image_grid, write_figures
 from .run import ROW_BYTES, PixelRun, simulate
 from .setting import KEY_FIELDS, PAPER_SPEEDUPS, SWEEP_CHURNS, SWEEP_TREES, initial_states, samples_path
@@ -51,10 +58,12 @@ __all__ = [
     "METHODS",
     "METHOD_LABELS",
     "PAPER_SPEEDUPS",
+    "PIXEL_MODELS",
     "ROW_BYTES",
     "SWEEP_CHURNS",
     "SWEEP_METHODS",
     "SWEEP_TREES",
+    "PixelModel",
     "PixelRun",
     "SweepResult",
     "budget_of",
@@ -62,6 +71,7 @@ __all__ = [
     "format_summary",
     "image_grid",
     "initial_states",
+    "pixel_model",
     "run_sweep",
     "samples_path",
     "simulate",

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..common import METHOD_LABELS, SWEEP_METHODS, describe_chain, pm, pyplot, save_figure
 from ..results import describe_method
-from .setting import samples_path
+from .setting import MODEL_NAME, samples_path
 
 __all__ = ["format_result", "format_summary", "image_grid", "write_figures"]
 
@@ -21,8 +21,9 @@ _MARKERS = {"rmc": "s", "dgrs": "o", "rank": "^", "antithetic": "v"}
 def format_result(r: dict) -> str:
     """A few human-readable lines describing one record."""
     sd = "" if r["speedup_std"] is None else f" (std {r['speedup_std']:.3f})"
+    what = "digits" if r.get("model", MODEL_NAME) == MODEL_NAME else f"images of {r['model']}"
     lines = [
-        f"{describe_method(r)}: {r['samples']} digits, T={r['steps']} ({r['grid']}), {describe_chain(r, ' ')}, "
+        f"{describe_method(r)}: {r['samples']} {what}, T={r['steps']} ({r['grid']}), {describe_chain(r, ' ')}, "
         f"{r['mode']} mode",
         f"  NFE {r['nfe_mean']:.2f}   speedup T/NFE {r['speedup_mean']:.3f}{sd}"
         f"   paper accounting {r['speedup_paper_mean']:.3f}",
@@ -31,9 +32,9 @@ def format_result(r: dict) -> str:
         per = ", ".join("-" if a is None else f"{a:.2f}" for a in r["accept_rate_per_depth"])
         lines.append(f"  acceptance per depth [{per}]")
     warm = f" (after a {r['warmup_seconds']:.2f} s warm-up)" if r.get("warmup_seconds") else ""
-    lines.append(
-        f"  classifier accuracy vs label {r['classifier_accuracy']:.3f}   wall {r['wall_seconds']:.1f} s{warm}"
-    )
+    # (an unconditional model has no labels to score against)
+    acc = "" if r["classifier_accuracy"] is None else f"classifier accuracy vs label {r['classifier_accuracy']:.3f}   "
+    lines.append(f"  {acc}wall {r['wall_seconds']:.1f} s{warm}")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
-"""One configuration of the pixel experiment: sample class-conditional digits, summarize.
+"""One configuration of the pixel experiment: sample a shipped model (class-conditional digits by
+default, or an unconditional natural-image model, :mod:`.models`), summarize.
 
-Randomness: the labels and ``x_T`` come from one stream of ``seed``
+Randomness: the labels (a conditional model's) and ``x_T`` come from one stream of ``seed``
 (:func:`~.setting.initial_states`), the sampling noise from one generator seeded
 from another, so every method sees the same labels and initial states at a
 seed. All trajectories run in one :func:`specforest.sample` call: with one
@@ -20,7 +21,7 @@ import torch
 from ... import __version__, memory, sample
 from ...chains import Chain
 from ...drafting import runs_full
-from ...models.digits import IMAGE_SHAPE, DigitsClassifier, load_classifier, load_velocity
+from ...models.digits import DigitsClassifier
 from ...options import SamplerOptions, check_option
 from ...planning import plan_tree
 from ...proposals import get_proposal
@@ -44,9 +45,9 @@ from ..common import (
     summarize,
 )
 from ..further_options import further_options, with_options
+from .models import DEFAULT_MODEL, pixel_model, refuse_undeclared_learned
 from .setting import (
     DETERMINISTIC_STEPS,
-    MODEL_NAME,
     STREAM_CALIBRATION_NOISE,
     STREAM_CALIBRATION_X,
     STREAM_NOISE,
@@ -72,13 +73,13 @@ class PixelRun:
 
     Attributes:
         record: flat JSON-serializable summary (see :func:`simulate`).
-        samples: ``(n, 1, 8, 8)`` float32 samples (not clipped).
-        labels: ``(n,)`` long conditioning labels.
+        samples: ``(n, *shape)`` float32 samples (not clipped): ``(n, 1, 8, 8)`` for digits.
+        labels: ``(n,)`` long conditioning labels; ``None`` for an unconditional model.
     """
 
     record: dict
     samples: torch.Tensor
-    labels: torch.Tensor
+    labels: Optional[torch.Tensor]
 
 
 def simulate(
@@ -105,8 +106,9 @@ def simulate(
     memory_gb: Optional[float] = None,
     chain: "str | Chain" = "em",
     options: Optional[dict] = None,
+    model_name: str = DEFAULT_MODEL,
 ) -> PixelRun:
-    """Sample ``samples`` class-conditional digits with one method and summarize.
+    """Sample ``samples`` images of a shipped model with one method and summarize.
 
     Args:
         method: ``standard``, ``rmc``, ``dgrs``, ``rank`` or ``antithetic`` (K even).
@@ -128,8 +130,9 @@ def simulate(
             :func:`specforest.experiments.common.choose_tree`.
         budget: drafted states per round for ``optimal`` / ``adaptive``.
         progress: the sampler's progress bar on stderr.
-        model: the velocity (default: the shipped digits model).
-        classifier: the evaluation classifier (default: the shipped one).
+        model: the velocity (default: the shipped network of ``model_name``).
+        classifier: the evaluation classifier of a conditional model (default: the shipped digits
+            classifier; an unconditional model has none).
         compile: ``torch.compile(mode="reduce-overhead")`` the model, rows padded to
             powers of two (same samples).
         warmup: call the model at every row count of the run before it
@@ -145,6 +148,10 @@ def simulate(
             calibration of a planned tree too) and recorded under their keys
             (:mod:`specforest.experiments.further_options`); one the run sets itself (``steps``, ``churn``,
             ``tree``, ... :data:`~specforest.experiments.further_options.SET_BY_RUNS`) is refused.
+        model_name: which model (:data:`~specforest.experiments.pixel.models.PIXEL_MODELS`):
+            ``digits`` (class-conditional ``1 x 8 x 8``, labels uniform over the ten classes),
+            ``natural32`` or ``natural64`` (unconditional ``3 x 32 x 32`` / ``3 x 64 x 64``). With
+            ``draft="learned"`` the model must declare its draft network (``learned_draft``).
 
     Returns:
         A :class:`PixelRun`; its record holds the options and ``budget``, the
@@ -155,15 +162,18 @@ def simulate(
         ``delta_per_depth`` (``None`` where a depth was never reached), ...),
         ``speedup_std``, ``wall_seconds``, ``warmup_seconds`` (0 without ``warmup``; not in
         ``wall_seconds``), ``max_rows``, ``memory_peak_gb`` (the estimated peak of the process),
-        ``memory_gb`` (the limit), ``classifier_accuracy``, and the chain as ``chain`` (its name) and
-        ``chain_params`` (``churn`` null with a chain other than em).
+        ``memory_gb`` (the limit), ``classifier_accuracy`` (null for an unconditional model), the chain
+        as ``chain`` (its name) and ``chain_params`` (``churn`` null with a chain other than em), and
+        ``model``, the model's description (``"natural32 3x32x32 (EDM U-Net)"``).
 
     Raises:
-        ValueError / TypeError: on invalid options, naming the option.
+        ValueError / TypeError: on invalid options, naming the option (``draft='learned'`` with a model
+            that declares no draft network among them).
         MemoryError: if the run does not fit the memory limit
             (:func:`specforest.memory.estimate`).
     """
     check_choice("method", method, METHODS)
+    pm = pixel_model(model_name)
     lo = 0 if method == "standard" else 1  # standard ignores K and L
     K, L = check_int("K", K, lo), check_int("L", L, lo)
     n, T, seed = check_int("samples", samples, 1), check_int("steps", steps, 3), check_int("seed", seed, 0)
@@ -178,12 +188,13 @@ def simulate(
         memory_gb = check_number("memory_gb", memory_gb, 0.0, lo_open=True)
     K, L = normalize(method, K, L)
     tree_mode = tree
-    model = load_velocity() if model is None else model
-    classifier = load_classifier() if classifier is None else classifier
-    x_T, labels = initial_states(n, seed)
+    model = pm.load() if model is None else model
+    refuse_undeclared_learned(model, pm, draft)
+    classifier = pm.classifier() if classifier is None and pm.conditional else classifier
+    x_T, labels = initial_states(n, seed, pm.name)
 
     def plan(b: int) -> DraftTree:
-        cx, cl = initial_states(16, derive_seed(seed, STREAM_CALIBRATION_X))
+        cx, cl = initial_states(16, derive_seed(seed, STREAM_CALIBRATION_X), pm.name)
         return plan_tree(
             model,
             cx,
@@ -195,7 +206,7 @@ def simulate(
             draft=draft,
             prefetch=prefetch,
             verify=verify,
-            cond={"class_labels": cl},
+            cond=pm.cond(cl),
             generator=torch.Generator().manual_seed(derive_seed(seed, STREAM_CALIBRATION_NOISE)),
             **further,
         )
@@ -212,11 +223,11 @@ def simulate(
     lazy = bool(lazy) and tree is not None and not runs_full(get_proposal(draft), tree)
     # the limit bounds the whole process: what it holds now (the networks) counts as fixed
     limit, source, fixed = memory.resolve_limit(memory_gb, x_T.device, "memory_gb")
-    cond_row = {"class_labels": labels[:1]}
+    cond_row = pm.cond(None if labels is None else labels[:1])
     declared = memory.row_bytes_of(model, x_T[:1], cond_row)
     mem = memory.estimate(
         trajectories=n,
-        state_numel=math.prod(IMAGE_SHAPE),
+        state_numel=math.prod(pm.shape),
         tree=tree,
         verify=verify,
         lazy=lazy,
@@ -247,7 +258,7 @@ def simulate(
         max_rows=mem.max_rows,
         **further,
     )
-    cond = {"class_labels": labels}
+    cond = pm.cond(labels)
     warmup_seconds = 0.0
     if warmup:
         pad_rows = pad_rows or pad_rows_for(n, **opts.as_dict())
@@ -257,8 +268,10 @@ def simulate(
     out = sample(target, x_T, opts, generator=g, progress=progress, cond=cond)
     s = out.stats
     speedup = T / s.nfe.double()
-    with torch.no_grad():
-        accuracy = float((classifier.predict(out.samples) == labels).float().mean())
+    accuracy = None
+    if labels is not None and classifier is not None:
+        with torch.no_grad():
+            accuracy = float((classifier.predict(out.samples) == labels).float().mean())
     record = {
         "method": method,
         "K": K,
@@ -299,7 +312,7 @@ def simulate(
         "max_rows": mem.max_rows,
         "memory_peak_gb": mem.total_bytes / 1e9,
         "memory_gb": mem.limit_bytes / 1e9,
-        "model": MODEL_NAME,
+        "model": pm.description,
         "specforest_version": __version__,
         "torch_version": torch.__version__,
     }

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ...models.digits import IMAGE_SHAPE, NUM_CLASSES
 from ..common import derive_seed
+from .models import DEFAULT_MODEL, pixel_model
 
 __all__ = [
     "DETERMINISTIC_STEPS",
@@ -37,22 +37,31 @@ a configuration whose key is already present)."""
 DETERMINISTIC_STEPS = 2
 """Deterministic Euler steps of both grids: the step from 1 and the step into 0."""
 
-MODEL_NAME = "digits 1x8x8 (EDM U-Net)"
+MODEL_NAME = pixel_model(DEFAULT_MODEL).description
+"""The record's ``model`` of a digits run (:data:`~.models.PIXEL_MODELS` declares every model's)."""
 
 # labels and x_T, the sampling noise, and the calibration run of tree="optimal"
 # come from separate streams of one seed
 STREAM_INIT, STREAM_NOISE, STREAM_CALIBRATION_X, STREAM_CALIBRATION_NOISE = 0, 1, 7, 8
 
 
-def initial_states(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels ``(n,)`` uniform over the ten classes and ``x_T (n, 1, 8, 8) ~ N(0, I)``, from ``seed``.
+def initial_states(n: int, seed: int, model: str = DEFAULT_MODEL) -> "tuple[torch.Tensor, torch.Tensor | None]":
+    """Labels ``(n,)`` uniform over the model's classes and ``x_T (n, *shape) ~ N(0, I)``, from ``seed``.
+
+    Args:
+        n: states.
+        seed: the run's seed.
+        model: a name of :data:`~.models.PIXEL_MODELS` (``digits``: ``shape = (1, 8, 8)``, ten classes;
+            ``natural32`` / ``natural64``: ``(3, 32, 32)`` / ``(3, 64, 64)``, unconditional).
 
     Returns:
-        ``(x_T, labels)``: float32 ``(n, 1, 8, 8)`` and long ``(n,)``.
+        ``(x_T, labels)``: float32 ``(n, *shape)`` and long ``(n,)``, ``None`` for an unconditional model
+        (whose ``x_T`` is the first draw of the same stream).
     """
+    m = pixel_model(model)
     g = torch.Generator().manual_seed(derive_seed(seed, STREAM_INIT))
-    labels = torch.randint(0, NUM_CLASSES, (n,), generator=g)
-    return torch.randn((n,) + IMAGE_SHAPE, generator=g), labels
+    labels = torch.randint(0, m.num_classes, (n,), generator=g) if m.conditional else None
+    return torch.randn((n, *m.shape), generator=g), labels
 
 
 def samples_path(out_dir: str | os.PathLike[str], record: dict) -> Path:
