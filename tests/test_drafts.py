@@ -544,3 +544,25 @@ def test_a_run_counts_the_models_features_once():
 
     specforest.sample(Counting(GAUSS), torch.zeros(4, 3), steps=10, churn=0.3, tree=trees.chain(3), draft="cached")
     assert asked == [(3,)]
+
+
+def test_the_eps_draft_on_a_grid_from_pure_noise_drafts_the_velocity_there_and_keeps_the_law():
+    # at sigma = 1 the state is the noise itself, so v = (xi - y) / (1 - sigma) is 0 / 0: the frozen
+    # velocity drafts that step (the run used to stop with a NaN mean at step 0 on any chain from t = 1)
+    tab = (
+        specforest.chains.get_chain("euler_ancestral")
+        .build(flow_match_grid(8))
+        .tables(torch.device("cpu"), torch.float64)
+    )
+    pre, _ = _pre()
+    pre = pre.replaced(pre.y, pre.v, torch.tensor([0, 2, 4]))
+    steps = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    Ae, Ce = FrozenPrediction("eps").coefficients(tab, steps, pre, None)
+    Av, Cv = FrozenPrediction("velocity").coefficients(tab, steps, pre, None)
+    assert float(tab.sig[0]) == 1.0 and torch.isfinite(Ae).all() and torch.isfinite(Ce).all()
+    torch.testing.assert_close((Ae[0, 0], Ce[0, 0]), (Av[0, 0], Cv[0, 0]), rtol=0, atol=0)
+    assert not torch.allclose(Ce[1:], Cv[1:])  # elsewhere the noise prediction is what is frozen
+    report = testing.check_chain_law(
+        trees.chain(4), "rmc", "eps", sigmas=flow_match_grid(8), chain="euler_ancestral", trajectories=4000
+    )
+    assert not report.failures, report.failures

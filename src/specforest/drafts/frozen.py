@@ -37,10 +37,13 @@ def _frozen_coefficients(kind: str, tab: StepTables, steps: torch.Tensor, pre: P
         # v = (y - x0) / sig
         k = c / sig
         return a + k, -k * x0
-    # eps: v = (xi - y) / (1 - sig), xi = y* + (1 - sig*) v*
+    # eps: v = (xi - y) / (1 - sig), xi = y* + (1 - sig*) v*; at sig = 1 (a grid that starts at pure
+    # noise, where y is xi itself) the noise prediction says nothing of v, so the frozen velocity drafts there
     xi = ys + (1.0 - sig_src) * vs
-    k = c / (1.0 - sig)
-    return a - k, k * xi
+    room = (1.0 - sig).expand_as(c)
+    defined = room > 0
+    k = torch.where(defined, c / torch.where(defined, room, torch.ones_like(room)), torch.zeros_like(c))
+    return a - k, torch.where(defined, k * xi, c * vs)
 
 
 class FrozenPrediction(Proposal):
@@ -55,7 +58,7 @@ class FrozenPrediction(Proposal):
     * ``x0``: the clean-data prediction ``x0* = y* - sigma* v*``, so
       ``v = (y - x0*) / sigma``;
     * ``eps``: the noise prediction ``xi* = y* + (1 - sigma*) v*``, so
-      ``v = (xi* - y) / (1 - sigma)``;
+      ``v = (xi* - y) / (1 - sigma)`` (``v*`` itself at ``sigma = 1``, where ``y`` is the noise);
     * ``x0_extrap``: the clean-data prediction extrapolated linearly in the noise
       level from the last two prefetched evaluations,
       ``x0(sigma) = x0* + (sigma - sigma*) (x0* - x0_prev) / (sigma* - sigma_prev)``
