@@ -50,8 +50,8 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .registry import Registry
-from .schedules import _karras
-from .sde import GaussianChain, ReverseSDE, _check_sigmas
+from .schedules import ddpm_linear_grid, karras_linear_grid
+from .sde import GaussianChain, ReverseSDE, check_sigmas
 from .stages import Stages
 from .validation import check_choice, check_number
 
@@ -186,7 +186,7 @@ class Chain:
             ValueError: if the grid is not one, or the sampler is not defined on it (a VE sampler's
                 first level at ``t = 1``, ``sigma = inf``), naming the chain.
         """
-        sig = _check_sigmas(sigmas)
+        sig = check_sigmas(sigmas)
         with torch.no_grad():
             states, P, Q, R, init_a, init_scale = self.coefficients(sig)
         t, t_next = states[:-1], states[1:]
@@ -730,7 +730,7 @@ class DPMPP2MSDE(Chain):
         object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
         check_choice("solver_type", self.solver_type, SOLVER_TYPES)
 
-    def _terms(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
+    def ve_terms(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
         """``(P, Q0, k, R, h, last)`` of each step on VE levels (``Q0`` without the multistep term)."""
         s, s_next = _ve(t), _ve(t_next)
         last = s_next == 0
@@ -749,12 +749,12 @@ class DPMPP2MSDE(Chain):
 
     def _multistep(self, t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
         """``(T,)`` the VE coefficient ``k / r`` of ``D - D_prev`` (0 at the first step)."""
-        _, _, k, _, h = self._terms(t, t_next)
+        _, _, k, _, h = self.ve_terms(t, t_next)
         r = torch.cat([h.new_ones(1), h[:-1] / h[1:]])
         return torch.cat([h.new_zeros(1), (k / r)[1:]])
 
     def step(self, t, t_next):
-        P, Q0, _, R, _ = self._terms(t, t_next)
+        P, Q0, _, R, _ = self.ve_terms(t, t_next)
         E = self._multistep(t, t_next)
         return from_ve(t, t_next, P, Q0 + E, R)
 
@@ -827,44 +827,6 @@ class DPMPP3MSDE(Chain):
 
     def past(self, t, t_next):
         return (1.0 - t_next)[:, None] * self._ve(t, t_next)[2]
-
-
-def ddpm_linear_grid(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
-    """DDPM's own schedule as a linear-path grid: linear betas over ``steps`` training steps
-    (``DDPMScheduler``'s defaults), every one a sampling step, VE ``sigma = sqrt((1 - ab) / ab)``.
-
-    A k-diffusion drop-in takes VE sigmas: ``t / (1 - t)`` of this grid (the last level 0 stays 0).
-
-    Returns:
-        ``(steps + 1,)`` float64 linear-path levels, decreasing to 0 (``t = sigma / (1 + sigma)``).
-    """
-    from .validation import check_int
-
-    check_int("steps", steps, 2)
-    betas = torch.linspace(beta_start, beta_end, steps, dtype=torch.float64)
-    ab = torch.cumprod(1.0 - betas, 0)
-    s = ((1.0 - ab) / ab).sqrt().flip(0)
-    t = s / (1.0 + s)
-    return torch.cat([t, t.new_zeros(1)])
-
-
-def karras_linear_grid(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
-    """Karras et al.'s schedule (k-diffusion's ``get_sigmas_karras``) as a linear-path grid, for
-    :func:`specforest.sample`'s ``sigmas=`` and :meth:`Chain.build`.
-
-    A k-diffusion drop-in takes the VE sigmas themselves: :func:`specforest.kdiffusion.get_sigmas_karras`.
-
-    Returns:
-        ``(steps + 1,)`` float64 ``t = sigma / (1 + sigma)``, decreasing from ``t_0 < 1`` to 0.
-
-    Raises:
-        TypeError / ValueError: naming ``steps``, ``sigma_min``, ``sigma_max`` or ``rho``.
-    """
-    from .validation import check_int
-
-    check_int("steps", steps, 1)
-    s = _karras(steps, sigma_min, sigma_max, rho, torch.float64)
-    return s / (1.0 + s)
 
 
 _RENAMED = {

@@ -28,10 +28,12 @@ __all__ = [
     "SCHEDULES",
     "SCHEDULE_SIGMA_RANGE",
     "ddpm_discrete_sigmas",
+    "ddpm_linear_grid",
     "get_sigmas_exponential",
     "get_sigmas_karras",
     "get_sigmas_polyexponential",
     "get_sigmas_vp",
+    "karras_linear_grid",
     "schedule_grid",
 ]
 
@@ -212,4 +214,38 @@ def schedule_grid(
             )
         check_int("steps", steps, 1)
         s = ddpm_discrete_sigmas(steps) if schedule == "ddpm" else _vp(steps, 19.9, 0.1, 1e-3, torch.float64)
+    return s / (1.0 + s)
+
+
+def ddpm_linear_grid(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
+    """DDPM's own schedule as a linear-path grid: linear betas over ``steps`` training steps
+    (``DDPMScheduler``'s defaults), every one a sampling step, VE ``sigma = sqrt((1 - ab) / ab)``.
+
+    A k-diffusion drop-in takes VE sigmas: ``t / (1 - t)`` of this grid (the last level 0 stays 0).
+
+    Returns:
+        ``(steps + 1,)`` float64 linear-path levels, decreasing to 0 (``t = sigma / (1 + sigma)``).
+    """
+    check_int("steps", steps, 2)
+    betas = torch.linspace(beta_start, beta_end, steps, dtype=torch.float64)
+    ab = torch.cumprod(1.0 - betas, 0)
+    s = ((1.0 - ab) / ab).sqrt().flip(0)
+    t = s / (1.0 + s)
+    return torch.cat([t, t.new_zeros(1)])
+
+
+def karras_linear_grid(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
+    """Karras et al.'s schedule (k-diffusion's ``get_sigmas_karras``) as a linear-path grid, for
+    :func:`specforest.sample`'s ``sigmas=`` and :meth:`specforest.chains.Chain.build`.
+
+    A k-diffusion drop-in takes the VE sigmas themselves: :func:`specforest.kdiffusion.get_sigmas_karras`.
+
+    Returns:
+        ``(steps + 1,)`` float64 ``t = sigma / (1 + sigma)``, decreasing from ``t_0 < 1`` to 0.
+
+    Raises:
+        TypeError / ValueError: naming ``steps``, ``sigma_min``, ``sigma_max`` or ``rho``.
+    """
+    check_int("steps", steps, 1)
+    s = _karras(steps, sigma_min, sigma_max, rho, torch.float64)
     return s / (1.0 + s)

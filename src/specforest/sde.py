@@ -136,7 +136,7 @@ def uniform_grid(steps: int, *, shift: float = 1.0) -> torch.Tensor:
     return _check_grid(shift_sigmas(s, shift), steps, shift)
 
 
-def _check_sigmas(s: object, monotone: bool = True) -> torch.Tensor:
+def check_sigmas(s: object, monotone: bool = True) -> torch.Tensor:
     """``sigmas`` as a float64 CPU tensor if it is a strictly decreasing grid from at most 1 to exactly 0
     (with ``monotone=False``: levels in ``[0, 1]`` ending in 0, as a churned chain's states are)."""
     if not isinstance(s, torch.Tensor) or s.ndim != 1 or s.numel() < 2:
@@ -211,7 +211,7 @@ class GaussianChain:
         past: Optional[torch.Tensor] = None,
         stages: Optional[Stages] = None,
     ) -> None:
-        s = _check_sigmas(sigmas, monotone)
+        s = check_sigmas(sigmas, monotone)
         T = s.numel() - 1
         tabs = {}
         for key, t in (("a", a), ("c", c), ("scale", scale)):
@@ -373,7 +373,7 @@ class ReverseSDE(GaussianChain):
     name = "em"
 
     def __post_init__(self) -> None:
-        s = _check_sigmas(self.sigmas)
+        s = check_sigmas(self.sigmas)
         churn = check_churn(self.churn)
         object.__setattr__(self, "churn", churn)
         eps2 = churn**2
