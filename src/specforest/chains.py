@@ -66,6 +66,7 @@ __all__ = [
     "EM",
     "REFUSED",
     "LCM",
+    "PARAMETERS",
     "Chain",
     "EulerAncestral",
     "EulerChurn",
@@ -919,3 +920,20 @@ def get_chain(chain: "str | Chain", **params: Any) -> Chain:
         raise ValueError(f"chain must be a Chain or one of {', '.join(available_chains())}; got {chain!r}")
     made = _CHAINS.make(chain)
     return made.replace(**params) if params else made
+
+
+PARAMETERS: dict[str, str] = {
+    "churn": "The em chain's churn eps in (0, 1] (the paper's eq. 35).",
+    "eta": "The chain's eta: the share of the ancestral noise, >= 0 (0: no noise, no speculation).",
+    "s_noise": "The chain's s_noise: the scale of the noise it adds, > 0.",
+    "s_churn": "The chain's s_churn: EDM's churn, >= 0 (0: no noise, no speculation).",
+    "s_tmin": "The chain's s_tmin: EDM's churn applies at VE levels >= s_tmin, >= 0.",
+    "s_tmax": "The chain's s_tmax: EDM's churn applies at VE levels <= s_tmax, >= s_tmin (inf: no bound).",
+    "path": "The chain's path: ve (k-diffusion's samplers) or linear (ComfyUI's CONST models: SD3, Flux).",
+    "variance": "The chain's variance: DDPM's fixed_small or fixed_large (a learned one is refused).",
+    "solver_type": "The chain's solver_type (DPM++ 2M SDE's second-order step: midpoint or heun).",
+}
+"""What each chain parameter is, by its name (the chains share names: ``eta`` is every ancestral
+chain's): a chain declares its parameters as its dataclass fields (name, type, default), and this one
+line each. The command line makes a flag of each, ``--`` and the name with dashes (the em chain's
+``churn`` is ``--churn``), with this help; a new parameter needs its line here."""
