@@ -18,6 +18,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 import specforest
 
 ROOT = Path(specforest.__file__).parent
@@ -148,3 +150,91 @@ def test_the_checker_finds_every_spelling_of_a_private_use(tmp_path):
         "pkg.d:5: aa._h of pkg.a",
         "pkg.sub.e:1: from pkg.a import _h",
     ]
+
+
+# -- grids and schedules live in one module ---------------------------------------------------------------
+
+GRID_BUILDERS = (
+    "GRIDS",
+    "MAX_STEPS",
+    "PATHS",
+    "SCHEDULES",
+    "check_sigmas",
+    "ddpm_discrete_sigmas",
+    "ddpm_linear_grid",
+    "flow_match_grid",
+    "get_sigmas_exponential",
+    "get_sigmas_karras",
+    "get_sigmas_polyexponential",
+    "get_sigmas_vp",
+    "karras_linear_grid",
+    "linear_grid",
+    "named_grid",
+    "schedule_grid",
+    "shift_sigmas",
+    "uniform_grid",
+    "vp_sigmas",
+)
+# the places users import them from (README, docs): the same objects, re-exported
+RE_EXPORTS = {
+    "specforest": ("flow_match_grid", "uniform_grid"),
+    "specforest.sde": ("MAX_STEPS", "check_sigmas", "flow_match_grid", "shift_sigmas", "uniform_grid"),
+    "specforest.chains": ("PATHS", "ddpm_linear_grid", "karras_linear_grid"),
+    "specforest.options": ("GRIDS",),
+    "specforest.kdiffusion": (
+        "PATHS",
+        "get_sigmas_exponential",
+        "get_sigmas_karras",
+        "get_sigmas_polyexponential",
+        "get_sigmas_vp",
+        "linear_grid",
+    ),
+}
+
+
+def test_every_grid_and_schedule_is_made_in_the_schedules_module():
+    import importlib
+
+    from specforest import schedules
+
+    for name in GRID_BUILDERS:
+        obj = getattr(schedules, name)
+        assert name in schedules.__all__
+        if callable(obj):
+            assert obj.__module__ == "specforest.schedules", f"{name} is made in {obj.__module__}"
+    for module, names in RE_EXPORTS.items():
+        there = importlib.import_module(module)
+        for name in names:
+            assert getattr(there, name) is getattr(schedules, name), f"{module}.{name} is not schedules.{name}"
+
+
+def grid_dispatches(root: Path) -> list:
+    """``["module:line"]`` where a module other than ``schedules`` compares a value with a named grid's
+    name (``grid == "flow_match"``): choosing among the named grids is :func:`specforest.schedules.named_grid`'s."""
+    found = []
+    for name, (path, _) in _modules(root).items():
+        if name.endswith(".schedules"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(isinstance(o, ast.Constant) and o.value == "flow_match" for o in operands):
+                    found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_the_named_grids_are_chosen_in_one_place():
+    import torch
+
+    from specforest.schedules import flow_match_grid, named_grid, uniform_grid
+
+    assert not grid_dispatches(ROOT), grid_dispatches(ROOT)
+    assert torch.equal(named_grid("flow_match", 7, shift=3.0), flow_match_grid(7, shift=3.0))
+    assert torch.equal(named_grid("uniform", 7, shift=0.5), uniform_grid(7, shift=0.5))
+    with pytest.raises(ValueError, match="grid"):
+        named_grid("karras", 7)
+
+
+def test_the_grid_dispatch_checker_finds_a_comparison(tmp_path):
+    root = _package(tmp_path, {"__init__.py": "", "a.py": "def f(g):\n    return 1 if g == 'flow_match' else 2\n"})
+    assert grid_dispatches(root) == ["pkg.a:2"]

@@ -50,8 +50,8 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .registry import Registry
-from .schedules import ddpm_linear_grid, karras_linear_grid
-from .sde import GaussianChain, ReverseSDE, check_sigmas
+from .schedules import PATHS, check_sigmas, ddpm_linear_grid, karras_linear_grid
+from .sde import GaussianChain, ReverseSDE
 from .stages import Stages
 from .validation import check_choice, check_number
 
@@ -278,11 +278,6 @@ class EM(Chain):
 
     def build(self, sigmas: torch.Tensor) -> ReverseSDE:
         return ReverseSDE(torch.as_tensor(sigmas, dtype=torch.float64), self.churn)
-
-
-PATHS = ("ve", "linear")
-"""A sampler's noise levels: ``ve`` (``x = x_0 + sigma xi``, k-diffusion and EDM) or ``linear``
-(``x = (1 - sigma) x_0 + sigma xi``, ComfyUI's ``CONST``: SD3, Flux)."""
 
 
 @dataclass(frozen=True)

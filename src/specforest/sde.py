@@ -35,10 +35,14 @@ from typing import Any, Optional
 import torch
 
 from .carried import NOTHING, Carried
+
+# the grids lived here; they are the schedules module's now, and stay importable from here
+from .schedules import MAX_STEPS, check_sigmas, flow_match_grid, shift_sigmas, uniform_grid
 from .stages import Stages, evaluate
-from .validation import check_churn, check_int, check_number
+from .validation import check_churn
 
 __all__ = [
+    "MAX_STEPS",
     "GaussianChain",
     "ReverseSDE",
     "StepTables",
@@ -46,114 +50,6 @@ __all__ = [
     "shift_sigmas",
     "uniform_grid",
 ]
-
-
-MAX_STEPS = 1_000_000
-"""Most grid steps a named grid takes (a million Euler steps is far past any use; the grid and the
-run's per-step tables would otherwise be allocated before anything says the run cannot fit)."""
-
-
-def _check_steps(steps: int) -> None:
-    check_int("steps", steps, 1)
-    if steps > MAX_STEPS:
-        raise ValueError(f"steps must be in [1, {MAX_STEPS}], got {steps}")
-
-
-def _check_grid(sigmas: torch.Tensor, steps: int, shift: float) -> torch.Tensor:
-    """``sigmas`` if the shifted grid still decreases strictly; a shift so extreme that float64 rounds
-    its noise levels together would otherwise be reported as a bad ``sigmas`` the caller never gave."""
-    if bool((sigmas[:-1] <= sigmas[1:]).any()):
-        raise ValueError(
-            f"shift={shift} collapses the {steps}-step grid: its noise levels round to the same "
-            f"float64 value (got {sigmas[:3].tolist()} ... {sigmas[-3:].tolist()}); use a shift closer to 1"
-        )
-    return sigmas
-
-
-def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
-    """Apply the timestep shift of paper eq. (38), ``kappa s / (1 + (kappa - 1) s)``.
-
-    Args:
-        sigmas: noise levels in [0, 1], any shape.
-        shift: ``kappa > 0``; 1 leaves the grid unchanged.
-
-    Returns:
-        The shifted noise levels, same shape; 0 and 1 are fixed points (exactly: the formula
-        rounds at 1 for a shift far from 1, which would make the first step stochastic).
-
-    Raises:
-        TypeError: if ``shift`` is not a real number (``bool`` is refused).
-        ValueError: if ``shift`` is not a finite positive number.
-    """
-    shift = check_number("shift", shift, 0.0, lo_open=True)
-    out = shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
-    return torch.where((sigmas == 0) | (sigmas == 1), sigmas, out)
-
-
-def flow_match_grid(steps: int, *, shift: float = 1.0, num_train_timesteps: int = 1000) -> torch.Tensor:
-    """The grid of diffusers' ``FlowMatchEulerDiscreteScheduler`` at its defaults.
-
-    Noise levels ``linspace(1, 1/num_train_timesteps, steps)`` (optionally
-    shifted), then 0. The authors' public code runs the Gaussian-mixture
-    experiment on this grid. Its first step (from 1) and last step (into 0) are
-    deterministic.
-
-    Args:
-        steps: number of steps ``1 <= T <=`` :data:`MAX_STEPS`.
-        shift: timestep shift ``kappa`` of eq. (38).
-        num_train_timesteps: the scheduler's training horizon (1000 in diffusers).
-
-    Returns:
-        ``sigmas`` of shape ``(T + 1,)``, float64, decreasing from 1 to 0.
-
-    Raises:
-        ValueError / TypeError: naming ``steps`` or ``shift`` (also a shift so far from 1 that
-        the grid's levels round together).
-    """
-    _check_steps(steps)
-    check_int("num_train_timesteps", num_train_timesteps, 2)
-    s = torch.linspace(1.0, 1.0 / num_train_timesteps, steps, dtype=torch.float64)
-    s = shift_sigmas(s, shift)
-    return _check_grid(torch.cat([s, s.new_zeros(1)]), steps, shift)
-
-
-def uniform_grid(steps: int, *, shift: float = 1.0) -> torch.Tensor:
-    """The paper's uniform grid ``t_n = n / T``, i.e. ``sigma_n = 1 - n / T``.
-
-    Args:
-        steps: number of steps ``1 <= T <=`` :data:`MAX_STEPS`.
-        shift: timestep shift ``kappa`` of eq. (38), applied to the noise levels.
-
-    Returns:
-        ``sigmas`` of shape ``(T + 1,)``, float64, from 1 to 0. The first and
-        last steps are deterministic.
-
-    Raises:
-        ValueError / TypeError: as :func:`flow_match_grid`.
-    """
-    _check_steps(steps)
-    s = 1.0 - torch.arange(steps + 1, dtype=torch.float64) / steps
-    return _check_grid(shift_sigmas(s, shift), steps, shift)
-
-
-def check_sigmas(s: object, monotone: bool = True) -> torch.Tensor:
-    """``sigmas`` as a float64 CPU tensor if it is a strictly decreasing grid from at most 1 to exactly 0
-    (with ``monotone=False``: levels in ``[0, 1]`` ending in 0, as a churned chain's states are)."""
-    if not isinstance(s, torch.Tensor) or s.ndim != 1 or s.numel() < 2:
-        raise ValueError("sigmas must be a 1-D tensor of T + 1 >= 2 noise levels")
-    s = s.detach().to("cpu", torch.float64)
-    if not torch.isfinite(s).all():
-        raise ValueError("sigmas must be finite")
-    if not monotone:
-        if (s > 1.0).any() or (s[:-1] <= 0.0).any() or s[-1] != 0.0:
-            raise ValueError("a chain's state levels must lie in (0, 1] and end in exactly 0")
-        return s
-    if s[0] > 1.0 or s[-1] != 0.0 or (s[:-1] <= s[1:]).any():
-        raise ValueError(
-            "sigmas must decrease strictly from at most 1 to exactly 0, "
-            f"got first {s[0].item():.6g} and last {s[-1].item():.6g}"
-        )
-    return s
 
 
 def _run_ends(stochastic: torch.Tensor) -> torch.Tensor:

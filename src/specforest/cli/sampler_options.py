@@ -22,7 +22,7 @@ import torch
 
 from ..chains import EM, PARAMETERS, Chain, available_chains, get_chain
 from ..options import Option, declared_options, option_default
-from ..schedules import SCHEDULE_SIGMA_RANGE, SCHEDULES, schedule_grid
+from ..schedules import SCHEDULE_SIGMA_RANGE, SCHEDULES, named_grid, schedule_grid
 
 __all__ = [
     "CHAIN_FLAGS",
@@ -299,11 +299,8 @@ def check_named_grid(chain: Chain, steps: int, grid: str, where: "str | None" = 
     Raises:
         click.UsageError: naming ``--chain`` and the grid, and ``--schedule``, which gives such a chain a grid.
     """
-    from ..sde import flow_match_grid, uniform_grid
-
-    make = flow_match_grid if grid == "flow_match" else uniform_grid
     try:
-        sigmas = make(steps, shift=NAMED_GRID_SHIFT).to(torch.float64)
+        sigmas = named_grid(grid, steps, shift=NAMED_GRID_SHIFT).to(torch.float64)
     except ValueError as e:
         raise click.UsageError(
             f"--chain {chain.name} does not run on {where or f'--grid {grid}'}, which starts at t = 1 "

@@ -16,7 +16,7 @@ from ..atomic import atomic_write_text
 from ..devices import default_dtype
 from ..experiments.common import chain_kwargs
 from ..experiments.further_options import options_record
-from ..sde import MAX_STEPS
+from ..schedules import MAX_STEPS
 from .common import (
     CHAIN_FLAGS,
     CONTEXT,

@@ -52,7 +52,7 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 
 from ..chains import DPMPP2MSDE, LCM, REFUSED, Chain, EulerAncestral, check_ddim_eta, from_ve, stage_from_ve
-from ..sde import check_sigmas
+from ..schedules import check_sigmas
 
 __all__ = [
     "ETA_SCHEDULERS",
