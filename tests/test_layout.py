@@ -238,3 +238,38 @@ def test_the_named_grids_are_chosen_in_one_place():
 def test_the_grid_dispatch_checker_finds_a_comparison(tmp_path):
     root = _package(tmp_path, {"__init__.py": "", "a.py": "def f(g):\n    return 1 if g == 'flow_match' else 2\n"})
     assert grid_dispatches(root) == ["pkg.a:2"]
+
+
+# -- one word for the noise level, one name per coefficient ------------------------------------------------
+
+
+def _code_names(tree: ast.AST) -> set:
+    """The names a module's code binds or reads (variables, arguments, attributes), not its text."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out.add(node.name)
+    return out
+
+
+def test_the_chain_layer_has_one_word_for_the_level_and_one_name_per_coefficient():
+    """In ``sde.py`` and ``chains.py`` the linear-path level is ``t`` (``sigma`` is a VE level; ``sigmas``
+    the grid's name in every signature), the reverse drift is ``b`` and a multistep chain's coefficients
+    of its past predictions are ``past``: no ``B`` or ``b1`` beside ``b``, no ``_ve`` that is both a
+    level's map and a chain's coefficients, and no ``sigma`` meaning a linear-path level in ``sde.py``."""
+    sde = (ROOT / "sde.py").read_text(encoding="utf-8")
+    chains = (ROOT / "chains.py").read_text(encoding="utf-8")
+    for text, where in ((sde, "sde.py"), (chains, "chains.py")):
+        names = _code_names(ast.parse(text))
+        assert not names & {"B", "b1"}, f"{where}: {sorted(names & {'B', 'b1'})}"
+    assert not re.findall(r"\bsigma(?:_n)?\b", sde), "sde.py calls the linear-path level sigma"
+    from specforest.chains import DPMPP2MSDE, DPMPP3MSDE
+
+    assert callable(DPMPP2MSDE.ve_terms) and callable(DPMPP3MSDE.ve_terms)
+    assert not hasattr(DPMPP3MSDE, "_ve")

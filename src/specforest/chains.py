@@ -131,7 +131,7 @@ class Chain:
 
     Its shape is declared, and the engine reads only the declaration: :attr:`history`, how many
     past predictions its mean reads. A multistep sampler declares ``history = h`` and returns their
-    coefficients from :meth:`past`: ``x' = P x + Q D + B_0 D_1 + ... + B_{h-1} D_h + R z`` with
+    coefficients from :meth:`past`: ``x' = P x + Q D + past_0 D_1 + ... + past_{h-1} D_h + R z`` with
     ``D_j`` the prediction ``j`` steps before; the engine carries them
     (:class:`~specforest.carried.Carried`), whatever ``h``.
 
@@ -158,9 +158,9 @@ class Chain:
         raise NotImplementedError
 
     def past(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
-        """``B (T, history)`` float64, the coefficients of the predictions ``1 .. history`` steps before
+        """``past (T, history)`` float64, the coefficients of the predictions ``1 .. history`` steps before
         (linear coordinates), or ``None`` for a one-step sampler (the default). Where a step has no
-        such prediction (step ``n <= j`` for ``B[:, j]``) :meth:`build` sets the coefficient to 0."""
+        such prediction (step ``n <= j`` for ``past[:, j]``) :meth:`build` sets the coefficient to 0."""
         return None
 
     def stage_points(self, sigmas: torch.Tensor) -> "tuple | None":
@@ -193,12 +193,12 @@ class Chain:
         t, t_next = states[:-1], states[1:]
         a, c, scale = P + Q, -Q * t, R
         with torch.no_grad():
-            B = self.past(t, t_next) if self.history else None
-        if B is not None:
-            B = B.reshape(t.numel(), self.history)
+            past = self.past(t, t_next) if self.history else None
+        if past is not None:
+            past = past.reshape(t.numel(), self.history)
             # step n has n predictions before it: the coefficients of the ones it lacks are 0
             n = torch.arange(t.numel())[:, None]
-            B = torch.where(n > torch.arange(self.history)[None], B, torch.zeros_like(B))
+            past = torch.where(n > torch.arange(self.history)[None], past, torch.zeros_like(past))
         stages = None
         if self.stages > 1:
             if self.history:
@@ -211,8 +211,8 @@ class Chain:
                 )
             stages = Stages.build(*(x.to(torch.float64) for x in tab), self.name)
         bad = ~(torch.isfinite(a) & torch.isfinite(c) & torch.isfinite(scale))
-        if B is not None:
-            bad |= ~torch.isfinite(B).all(1)
+        if past is not None:
+            bad |= ~torch.isfinite(past).all(1)
         if bool(bad.any()) or not (math.isfinite(init_a) and math.isfinite(init_scale)):
             n = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
             raise ValueError(
@@ -222,7 +222,7 @@ class Chain:
                 "(specforest.kdiffusion.linear_grid of a k-diffusion schedule such as "
                 "specforest.kdiffusion.get_sigmas_karras, or chains.karras_linear_grid / chains.ddpm_linear_grid)"
             )
-        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, B, stages)
+        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, past, stages)
 
     def example(self) -> "Chain":
         """This chain, or a setting of it with stochastic steps (what the test batteries run): a chain
@@ -786,8 +786,8 @@ class DPMPP3MSDE(Chain):
         object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
         object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
 
-    def _ve(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
-        """``(P, Q, B (T, 2), R)`` of each step on VE levels (``x' = P x + Q D + B_0 D_1 + B_1 D_2 + R z``)."""
+    def ve_terms(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
+        """``(P, Q, past (T, 2), R)`` of each step on VE levels (``x' = P x + Q D + past_0 D_1 + past_1 D_2 + R z``)."""
         s, s_next = _ve(t), _ve(t_next)
         last = s_next == 0
         safe_next = torch.where(last, s, s_next)  # the step into 0 is x' = D: any finite h
@@ -807,22 +807,22 @@ class DPMPP3MSDE(Chain):
         beta = phi2 * u - phi3 * w
         n = torch.arange(t.numel())
         e = torch.where(n >= 2, alpha / r0, torch.where(n == 1, second, torch.zeros_like(h)))
-        b1 = torch.where(n >= 2, beta / r1, torch.zeros_like(h))
+        e2 = torch.where(n >= 2, beta / r1, torch.zeros_like(h))
         keep = ~last
         zero = torch.zeros_like(h)
         P = torch.where(last, zero, torch.exp(-H))  # (s' / s) e^(-eta h) = e^(-H)
         Q = torch.where(last, torch.ones_like(h), Q + e)
-        B = torch.stack([torch.where(keep, -e - b1, zero), torch.where(keep, b1, zero)], 1)
+        past = torch.stack([torch.where(keep, -e - e2, zero), torch.where(keep, e2, zero)], 1)
         R = self.s_noise * s_next * (-torch.expm1(-2.0 * self.eta * h)).clamp_min(0.0).sqrt()
         R = torch.where(last | (self.eta == 0), zero, R)
-        return P, Q, B, R
+        return P, Q, past, R
 
     def step(self, t, t_next):
-        P, Q, _, R = self._ve(t, t_next)
+        P, Q, _, R = self.ve_terms(t, t_next)
         return from_ve(t, t_next, P, Q, R)
 
     def past(self, t, t_next):
-        return (1.0 - t_next)[:, None] * self._ve(t, t_next)[2]
+        return (1.0 - t_next)[:, None] * self.ve_terms(t, t_next)[2]
 
 
 _RENAMED = {
