@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # each command's path -> its options in --help order, as typed (``--a/--b``: an on/off pair)
 _PIPELINE_JOB = (
-    "--method --K --L --steps --churn --chain --eta --s-noise --s-churn --solver-type --grid --prefetch --verify --draft --count --seed --out --batch --memory-gb "
+    "--method --K --L --steps --churn --chain --eta --s-noise --path --s-churn --s-tmin --s-tmax --variance --solver-type --r --grid --prefetch --verify --draft --count --seed --out --batch --memory-gb "
     "--resume --tree-parallel --progress/--no-progress --threads --compile --tune"
 )
 # (the pipelines' commands do not offer the options that make the grid: their grid is the scheduler's)
@@ -35,7 +35,7 @@ COMMANDS = {
     "couplings table": "--json --K-values --deltas",
     "diffusers": "--pipeline --prompts --num-prompts --negative-prompt --guidance --true-cfg-scale --shift --height "
     "--width --max-sequence-length --dtype --device --num-images-per-prompt --method --K --L --steps --churn --chain "
-    "--eta --s-noise --s-churn --solver-type --scheduler --draft "
+    "--eta --s-noise --path --s-churn --s-tmin --s-tmax --variance --solver-type --r --scheduler --draft "
     "--verify --prefetch --lazy --seed --batch-size --max-memory-gb --out --json --progress/--no-progress --threads "
     "--tune",
     "generate": "",
@@ -46,13 +46,13 @@ COMMANDS = {
     "generate sd3": f"{_PIPELINE_JOB} --model --prompts --num-prompts --guidance --shift --height --width "
     "--max-sequence-length --dtype --device",
     "gmm": "--method --K --L --components --dim --steps --churn --trajectories --seed --mixture-seed --grid "
-    "--prefetch --verify --tree --budget --draft --memory-gb --chain --eta --s-noise --s-churn --solver-type --lazy --json --dump-samples "
+    "--prefetch --verify --tree --budget --draft --memory-gb --chain --eta --s-noise --path --s-churn --s-tmin --s-tmax --variance --solver-type --r --lazy --json --dump-samples "
     "--progress/--no-progress --threads --compile --tune --schedule --sigma-min --sigma-max",
     "gmm drafts": "--out --model --trajectories --depth --seed",
     "gmm sweep": "--out --K-values --L-values --methods --components --dim --steps --churn --trajectories --seed "
     "--mixture-seed --grid --prefetch --verify --tree --budget --draft --memory-gb --lazy --progress/--no-progress "
     "--threads",
-    "pixel": "--model --method --draft --tree --budget --K --L --churn --chain --eta --s-noise --s-churn --solver-type --steps --samples --seed --grid --prefetch --verify "
+    "pixel": "--model --method --draft --tree --budget --K --L --churn --chain --eta --s-noise --path --s-churn --s-tmin --s-tmax --variance --solver-type --r --steps --samples --seed --grid --prefetch --verify "
     "--lazy --memory-gb --json --dump-samples --progress/--no-progress --threads --compile --tune --schedule "
     "--sigma-min --sigma-max",
     "pixel sweep": "--out --trees --churns --methods --steps --samples --seed --grid --prefetch --verify "
@@ -68,7 +68,7 @@ COMMANDS = {
     "--figure-samples --max-minutes --seed --threads --progress/--no-progress",
     "train natural64": "--out --weights-dir --steps --batch --channels --checkpoint-every --eval-crops "
     "--figure-samples --max-minutes --seed --threads --progress/--no-progress",
-    "tune": "--model --steps --churn --chain --eta --s-noise --s-churn --solver-type --scheduler --batch --device --dim --components --mixture-seed --drafts --budget-max --out "
+    "tune": "--model --steps --churn --chain --eta --s-noise --path --s-churn --s-tmin --s-tmax --variance --solver-type --r --scheduler --batch --device --dim --components --mixture-seed --drafts --budget-max --out "
     "--pipeline --prompts --num-prompts --guidance --shift --height --width --max-sequence-length --dtype "
     "--true-cfg-scale --negative-prompt --max-memory-gb --threads --progress/--no-progress --schedule --sigma-min "
     "--sigma-max",

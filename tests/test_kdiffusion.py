@@ -245,7 +245,7 @@ def test_speculative_chain_keeps_the_law(tree, coupling):
 def test_a_wrong_mapping_fails_the_law_test(monkeypatch):
     """The VP scale sqrt(1 + sigma^2) in place of 1 + sigma (t = sigma / sqrt(1 + sigma^2), x / sqrt(1 + sigma^2)):
     a plausible mix-up of two changes of variables, rejected by the same test."""
-    monkeypatch.setattr(kd.speculative, "_ve_scale", lambda s: (1.0 + s * s) ** 0.5)
+    monkeypatch.setattr(specforest.schedules, "ve_scale", lambda s: (1.0 + s * s) ** 0.5)
     tree, coupling = specforest.trees.uniform(2, 2), "grs"
     out = kd.sample_speculative(
         KarrasDenoiser(), noise(2000), SIGMAS, churn=CHURN, seed=11, tree=tree, coupling=coupling

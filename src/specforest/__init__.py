@@ -15,7 +15,8 @@ from .drafts import DraftModel, FrozenPrediction, MemoryDraft, SecantDraft, regi
 from .generation import Finished, Generation, generate
 from .options import SamplerOptions
 from .sampler import SampleResult, SampleStats, sample, standard_sample
-from .sde import ReverseSDE, flow_match_grid, uniform_grid
+from .schedules import flow_match_grid, uniform_grid
+from .sde import ReverseSDE
 
 __version__ = "0.1.0"
 

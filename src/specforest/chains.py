@@ -52,8 +52,8 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .registry import Registry
-from .schedules import _karras
-from .sde import GaussianChain, ReverseSDE, _check_sigmas
+from .schedules import PATHS, check_sigmas, ddpm_linear_grid, karras_linear_grid
+from .sde import GaussianChain, ReverseSDE
 from .stages import Stages
 from .validation import check_choice, check_number
 
@@ -69,6 +69,7 @@ __all__ = [
     "EM",
     "REFUSED",
     "LCM",
+    "PARAMETERS",
     "Chain",
     "EulerAncestral",
     "EulerChurn",
@@ -145,7 +146,7 @@ class Chain:
 
     Its shape is declared, and the engine reads only the declaration: :attr:`history`, how many
     past predictions its mean reads. A multistep sampler declares ``history = h`` and returns their
-    coefficients from :meth:`past`: ``x' = P x + Q D + B_0 D_1 + ... + B_{h-1} D_h + R z`` with
+    coefficients from :meth:`past`: ``x' = P x + Q D + past_0 D_1 + ... + past_{h-1} D_h + R z`` with
     ``D_j`` the prediction ``j`` steps before; the engine carries them
     (:class:`~specforest.carried.Carried`), whatever ``h``. What a state hands on need not be its
     prediction: :meth:`carries` declares another fixed combination of the state and its prediction
@@ -174,9 +175,9 @@ class Chain:
         raise NotImplementedError
 
     def past(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
-        """``B (T, history)`` float64, the coefficients of the predictions ``1 .. history`` steps before
+        """``past (T, history)`` float64, the coefficients of the predictions ``1 .. history`` steps before
         (linear coordinates), or ``None`` for a one-step sampler (the default). Where a step has no
-        such prediction (step ``n <= j`` for ``B[:, j]``) :meth:`build` sets the coefficient to 0."""
+        such prediction (step ``n <= j`` for ``past[:, j]``) :meth:`build` sets the coefficient to 0."""
         return None
 
     def carries(self, t: torch.Tensor, t_next: torch.Tensor) -> "torch.Tensor | None":
@@ -210,18 +211,18 @@ class Chain:
             ValueError: if the grid is not one, or the sampler is not defined on it (a VE sampler's
                 first level at ``t = 1``, ``sigma = inf``), naming the chain.
         """
-        sig = _check_sigmas(sigmas)
+        sig = check_sigmas(sigmas)
         with torch.no_grad():
             states, P, Q, R, init_a, init_scale = self.coefficients(sig)
         t, t_next = states[:-1], states[1:]
         a, c, scale = P + Q, -Q * t, R
         with torch.no_grad():
-            B = self.past(t, t_next) if self.history else None
-        if B is not None:
-            B = B.reshape(t.numel(), self.history)
+            past = self.past(t, t_next) if self.history else None
+        if past is not None:
+            past = past.reshape(t.numel(), self.history)
             # step n has n predictions before it: the coefficients of the ones it lacks are 0
             n = torch.arange(t.numel())[:, None]
-            B = torch.where(n > torch.arange(self.history)[None], B, torch.zeros_like(B))
+            past = torch.where(n > torch.arange(self.history)[None], past, torch.zeros_like(past))
         carry = None
         if self.history:
             with torch.no_grad():
@@ -242,8 +243,8 @@ class Chain:
                 )
             stages = Stages.build(*(x.to(torch.float64) for x in tab), self.name)
         bad = ~(torch.isfinite(a) & torch.isfinite(c) & torch.isfinite(scale))
-        if B is not None:
-            bad |= ~torch.isfinite(B).all(1)
+        if past is not None:
+            bad |= ~torch.isfinite(past).all(1)
         if carry is not None:
             bad |= ~torch.isfinite(carry).all(1)
         if bool(bad.any()) or not (math.isfinite(init_a) and math.isfinite(init_scale)):
@@ -255,7 +256,7 @@ class Chain:
                 "(specforest.kdiffusion.linear_grid of a k-diffusion schedule such as "
                 "specforest.kdiffusion.get_sigmas_karras, or chains.karras_linear_grid / chains.ddpm_linear_grid)"
             )
-        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, B, stages, carry)
+        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, past, stages, carry)
 
     def grid_step(self, steps: int) -> torch.Tensor:
         """``(T,)`` long: the step of a grid of ``steps`` steps each of the chain's ``T`` steps belongs to (a
@@ -317,11 +318,6 @@ class EM(Chain):
 
     def build(self, sigmas: torch.Tensor) -> ReverseSDE:
         return ReverseSDE(torch.as_tensor(sigmas, dtype=torch.float64), self.churn)
-
-
-PATHS = ("ve", "linear")
-"""A sampler's noise levels: ``ve`` (``x = x_0 + sigma xi``, k-diffusion and EDM) or ``linear``
-(``x = (1 - sigma) x_0 + sigma xi``, ComfyUI's ``CONST``: SD3, Flux)."""
 
 
 @dataclass(frozen=True)
@@ -865,7 +861,7 @@ class DPMPP2MSDE(Chain):
         object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
         check_choice("solver_type", self.solver_type, SOLVER_TYPES)
 
-    def _terms(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
+    def ve_terms(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
         """``(P, Q0, k, R, h, last)`` of each step on VE levels (``Q0`` without the multistep term)."""
         s, s_next = _ve(t), _ve(t_next)
         last = s_next == 0
@@ -884,12 +880,12 @@ class DPMPP2MSDE(Chain):
 
     def _multistep(self, t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
         """``(T,)`` the VE coefficient ``k / r`` of ``D - D_prev`` (0 at the first step)."""
-        _, _, k, _, h = self._terms(t, t_next)
+        _, _, k, _, h = self.ve_terms(t, t_next)
         r = torch.cat([h.new_ones(1), h[:-1] / h[1:]])
         return torch.cat([h.new_zeros(1), (k / r)[1:]])
 
     def step(self, t, t_next):
-        P, Q0, _, R, _ = self._terms(t, t_next)
+        P, Q0, _, R, _ = self.ve_terms(t, t_next)
         E = self._multistep(t, t_next)
         return from_ve(t, t_next, P, Q0 + E, R)
 
@@ -925,8 +921,8 @@ class DPMPP3MSDE(Chain):
         object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
         object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
 
-    def _ve(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
-        """``(P, Q, B (T, 2), R)`` of each step on VE levels (``x' = P x + Q D + B_0 D_1 + B_1 D_2 + R z``)."""
+    def ve_terms(self, t: torch.Tensor, t_next: torch.Tensor) -> tuple:
+        """``(P, Q, past (T, 2), R)`` of each step on VE levels (``x' = P x + Q D + past_0 D_1 + past_1 D_2 + R z``)."""
         s, s_next = _ve(t), _ve(t_next)
         last = s_next == 0
         safe_next = torch.where(last, s, s_next)  # the step into 0 is x' = D: any finite h
@@ -946,22 +942,22 @@ class DPMPP3MSDE(Chain):
         beta = phi2 * u - phi3 * w
         n = torch.arange(t.numel())
         e = torch.where(n >= 2, alpha / r0, torch.where(n == 1, second, torch.zeros_like(h)))
-        b1 = torch.where(n >= 2, beta / r1, torch.zeros_like(h))
+        e2 = torch.where(n >= 2, beta / r1, torch.zeros_like(h))
         keep = ~last
         zero = torch.zeros_like(h)
         P = torch.where(last, zero, torch.exp(-H))  # (s' / s) e^(-eta h) = e^(-H)
         Q = torch.where(last, torch.ones_like(h), Q + e)
-        B = torch.stack([torch.where(keep, -e - b1, zero), torch.where(keep, b1, zero)], 1)
+        past = torch.stack([torch.where(keep, -e - e2, zero), torch.where(keep, e2, zero)], 1)
         R = self.s_noise * s_next * (-torch.expm1(-2.0 * self.eta * h)).clamp_min(0.0).sqrt()
         R = torch.where(last | (self.eta == 0), zero, R)
-        return P, Q, B, R
+        return P, Q, past, R
 
     def step(self, t, t_next):
-        P, Q, _, R = self._ve(t, t_next)
+        P, Q, _, R = self.ve_terms(t, t_next)
         return from_ve(t, t_next, P, Q, R)
 
     def past(self, t, t_next):
-        return (1.0 - t_next)[:, None] * self._ve(t, t_next)[2]
+        return (1.0 - t_next)[:, None] * self.ve_terms(t, t_next)[2]
 
 
 @dataclass(frozen=True)
@@ -1063,51 +1059,13 @@ class DPMPPSDE(Chain):
 
     def past(self, t, t_next):
         # the end's mean reads K in its own coordinates, y' = (1 - t') x'
-        B = torch.zeros(t.numel(), 1, dtype=torch.float64)
-        B[1::2, 0] = 1.0 - t_next[1::2]
-        return B
+        past = torch.zeros(t.numel(), 1, dtype=torch.float64)
+        past[1::2, 0] = 1.0 - t_next[1::2]
+        return past
 
     def grid_step(self, steps: int) -> torch.Tensor:
         # half-steps 2 i and 2 i + 1 make grid step i; the last, into 0, is one
         return torch.arange(2 * steps - 1) // 2
-
-
-def ddpm_linear_grid(steps: int = 1000, *, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
-    """DDPM's own schedule as a linear-path grid: linear betas over ``steps`` training steps
-    (``DDPMScheduler``'s defaults), every one a sampling step, VE ``sigma = sqrt((1 - ab) / ab)``.
-
-    A k-diffusion drop-in takes VE sigmas: ``t / (1 - t)`` of this grid (the last level 0 stays 0).
-
-    Returns:
-        ``(steps + 1,)`` float64 linear-path levels, decreasing to 0 (``t = sigma / (1 + sigma)``).
-    """
-    from .validation import check_int
-
-    check_int("steps", steps, 2)
-    betas = torch.linspace(beta_start, beta_end, steps, dtype=torch.float64)
-    ab = torch.cumprod(1.0 - betas, 0)
-    s = ((1.0 - ab) / ab).sqrt().flip(0)
-    t = s / (1.0 + s)
-    return torch.cat([t, t.new_zeros(1)])
-
-
-def karras_linear_grid(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
-    """Karras et al.'s schedule (k-diffusion's ``get_sigmas_karras``) as a linear-path grid, for
-    :func:`specforest.sample`'s ``sigmas=`` and :meth:`Chain.build`.
-
-    A k-diffusion drop-in takes the VE sigmas themselves: :func:`specforest.kdiffusion.get_sigmas_karras`.
-
-    Returns:
-        ``(steps + 1,)`` float64 ``t = sigma / (1 + sigma)``, decreasing from ``t_0 < 1`` to 0.
-
-    Raises:
-        TypeError / ValueError: naming ``steps``, ``sigma_min``, ``sigma_max`` or ``rho``.
-    """
-    from .validation import check_int
-
-    check_int("steps", steps, 1)
-    s = _karras(steps, sigma_min, sigma_max, rho, torch.float64)
-    return s / (1.0 + s)
 
 
 _RENAMED = {
@@ -1195,3 +1153,21 @@ def get_chain(chain: "str | Chain", **params: Any) -> Chain:
         raise ValueError(f"chain must be a Chain or one of {', '.join(available_chains())}; got {chain!r}")
     made = _CHAINS.make(chain)
     return made.replace(**params) if params else made
+
+
+PARAMETERS: dict[str, str] = {
+    "churn": "The em chain's churn eps in (0, 1] (the paper's eq. 35).",
+    "eta": "The chain's eta: the share of the ancestral noise, >= 0 (0: no noise, no speculation).",
+    "s_noise": "The chain's s_noise: the scale of the noise it adds, > 0.",
+    "s_churn": "The chain's s_churn: EDM's churn, >= 0 (0: no noise, no speculation).",
+    "s_tmin": "The chain's s_tmin: EDM's churn applies at VE levels >= s_tmin, >= 0.",
+    "s_tmax": "The chain's s_tmax: EDM's churn applies at VE levels <= s_tmax, >= s_tmin (inf: no bound).",
+    "path": "The chain's path: ve (k-diffusion's samplers) or linear (ComfyUI's CONST models: SD3, Flux).",
+    "variance": "The chain's variance: DDPM's fixed_small or fixed_large (a learned one is refused).",
+    "solver_type": "The chain's solver_type (DPM++ 2M SDE's second-order step: midpoint or heun).",
+    "r": "The chain's r: where DPM++ SDE's midpoint sits in log sigma between a step's levels, in (0, 1).",
+}
+"""What each chain parameter is, by its name (the chains share names: ``eta`` is every ancestral
+chain's): a chain declares its parameters as its dataclass fields (name, type, default), and this one
+line each. The command line makes a flag of each, ``--`` and the name with dashes (the em chain's
+``churn`` is ``--churn``), with this help; a new parameter needs its line here."""

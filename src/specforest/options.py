@@ -27,8 +27,8 @@ from .chains import EM, Chain, available_chains, get_chain
 from .couplings import Coupling, available_couplings, get_coupling
 from .drafts import Proposal, available_drafts, get_proposal
 from .engine import PREFETCH_POLICIES
-from .schedules import SCHEDULE_SIGMA_RANGE, SCHEDULES, schedule_grid
-from .sde import MAX_STEPS, GaussianChain, flow_match_grid, uniform_grid
+from .schedules import GRIDS, MAX_STEPS, SCHEDULE_SIGMA_RANGE, SCHEDULES, named_grid, schedule_grid
+from .sde import GaussianChain
 from .trees import VERIFY_MODES, DraftTree, TreePolicy
 from .validation import check_choice, check_int
 
@@ -50,8 +50,6 @@ __all__ = [
     "resolve",
 ]
 
-GRIDS = ("flow_match", "uniform")
-"""The named grids of the ``grid`` option."""
 
 RUN_INPUTS = (
     "generator",
@@ -563,7 +561,7 @@ def make_sde(
         check_choice("grid", grid, GRIDS)
         if type(steps) is int and type(shift) in (int, float):
             return _grid_sde(steps, grid, shift, ch)  # (anything else: the constructors name the bad value)
-        sigmas = _grid_sigmas(steps, grid, shift)
+        sigmas = named_grid(grid, steps, shift=shift)
     else:
         sigmas = _as_sigmas(sigmas)
         if steps is not None and int(steps) != len(sigmas) - 1:
@@ -575,17 +573,13 @@ def make_sde(
 def _grid_sde(steps: int, grid: str, shift: float, chain: Chain) -> GaussianChain:
     """The tables of a named grid, made once per (steps, grid, shift, chain): they are cached on it,
     so repeated runs (one image at a time, say) do not rebuild them."""
-    return chain.build(_grid_sigmas(steps, grid, shift).to(torch.float64))
+    return chain.build(named_grid(grid, steps, shift=shift).to(torch.float64))
 
 
 @functools.lru_cache(maxsize=32)
 def _schedule_sde(steps: int, schedule: str, sigma_min, sigma_max, chain: Chain) -> GaussianChain:
     """The tables of a named schedule, made once per (steps, schedule, range, chain), as :func:`_grid_sde`'s."""
     return chain.build(schedule_grid(schedule, steps, sigma_min, sigma_max))
-
-
-def _grid_sigmas(steps, grid: str, shift) -> torch.Tensor:
-    return flow_match_grid(steps, shift=shift) if grid == "flow_match" else uniform_grid(steps, shift=shift)
 
 
 def pad_sizes(pad_rows: "Optional[str | Sequence[int]]") -> Optional[tuple]:

@@ -77,7 +77,7 @@ def _sample_keys(generator, seed, sample_index, batch: int, device) -> torch.Ten
     return streams.sample_keys(seed, index)
 
 
-def _check_cond(cond, batch: int, model_kwargs: Optional[dict] = None) -> dict:
+def check_cond(cond, batch: int, model_kwargs: Optional[dict] = None) -> dict:
     """``cond`` as a dict of ``(batch, ...)`` tensors keyed by str, none of them also in ``model_kwargs``."""
     if cond is None:
         return {}
@@ -334,7 +334,7 @@ def sample(
     dev = x.device
     work = working_dtype(x.dtype)
     keys = _sample_keys(generator, seed, sample_index, batch, dev)
-    cond = _check_cond(cond, batch, spec.model_kwargs)
+    cond = check_cond(cond, batch, spec.model_kwargs)
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be None or callable as callback(dict), got {type(callback).__name__}")
     if not isinstance(progress, bool):

@@ -1,29 +1,28 @@
-"""The reverse SDE on the linear (rectified-flow) path and its time grid.
-
-This module is the one place that defines time conventions; everything else
-uses it.
+"""Gaussian chains tabulated per step: what the engine samples (:class:`GaussianChain`, with its tables
+on a device, :class:`StepTables`), and the paper's own chain, the discretized reverse SDE on the
+linear (rectified-flow) path (:class:`ReverseSDE`). The grids are :mod:`specforest.schedules`'.
 
 Conventions
 -----------
-* The *noise level* ``sigma`` is the forward time of the linear path
-  ``x_sigma = (1 - sigma) x_0 + sigma xi``: data at ``sigma = 0``, pure noise at
-  ``sigma = 1``. A model is a velocity ``v(x, sigma) = E[xi - x_0 | x_sigma = x]``.
-* A *time grid* is a decreasing tensor ``sigmas`` of shape ``(T + 1,)`` with
-  ``sigmas[0] <= 1`` and ``sigmas[T] = 0``. Step ``n`` moves the state from
-  ``sigmas[n]`` to ``sigmas[n + 1]``.
-* The paper's reverse time is ``t = 1 - sigma`` and its step size is
-  ``gamma_n = sigmas[n] - sigmas[n + 1]``. With churn ``eps`` the reverse drift
-  (paper eq. 35) and the Euler-Maruyama transition (eqs. 36-37) are::
+* The *noise level* ``t`` is the forward time of the linear path
+  ``x_t = (1 - t) x_0 + t xi``: data at ``t = 0``, pure noise at ``t = 1``. A model is a velocity
+  ``v(x, t) = E[xi - x_0 | x_t = x]``.
+* A *time grid* is a decreasing tensor of levels ``t_0 > ... > t_T`` of shape ``(T + 1,)`` with
+  ``t_0 <= 1`` and ``t_T = 0``, passed as ``sigmas`` (the name every signature gives it, as
+  k-diffusion's do). Step ``n`` moves the state from ``t_n`` to ``t_{n + 1}``.
+* The paper's reverse time is ``1 - t`` and its step size is ``gamma_n = t_n - t_{n + 1}``. With churn
+  ``eps`` the reverse drift (paper eq. 35) and the Euler-Maruyama transition (eqs. 36-37) are::
 
-      b(y)    = -(1 + eps^2) v(y, sigma_n) - eps^2 y / (1 - sigma_n)
+      b(y)    = -(1 + eps^2) v(y, t_n) - eps^2 y / (1 - t_n)
       m(y)    = y + gamma_n b(y)
-      scale_n = eps * sqrt(2 gamma_n sigma_n / (1 - sigma_n))
+      scale_n = eps * sqrt(2 gamma_n t_n / (1 - t_n))
 
-* A step whose transition would carry no noise is *deterministic*: the step
-  from ``sigma = 1`` (where ``g`` diverges and ``b`` contains ``y / 0``) and the
-  step into ``sigma = 0``. It is a plain Euler step of the probability-flow
-  ODE, ``y + (sigmas[n + 1] - sigmas[n]) v(y, sigmas[n])``, which every sampler
-  takes, counts as one target call, and never speculates on (ERRATA 6, 8).
+  ``b`` is the reverse drift only; a multistep chain's coefficients of its past predictions are its
+  ``past`` table.
+* A step whose transition would carry no noise is *deterministic*: the step from ``t = 1`` (where
+  ``g`` diverges and ``b`` contains ``y / 0``) and the step into ``t = 0``. It is a plain Euler step of
+  the probability-flow ODE, ``y + (t_{n + 1} - t_n) v(y, t_n)``, which every sampler takes, counts as
+  one target call, and never speculates on (ERRATA 6, 8).
 """
 
 from __future__ import annotations
@@ -35,10 +34,14 @@ from typing import Any, Optional
 import torch
 
 from .carried import NOTHING, Carried
+
+# the grids lived here; they are the schedules module's now, and stay importable from here
+from .schedules import MAX_STEPS, check_sigmas, flow_match_grid, shift_sigmas, uniform_grid
 from .stages import Stages, evaluate
-from .validation import check_churn, check_int, check_number
+from .validation import check_churn
 
 __all__ = [
+    "MAX_STEPS",
     "GaussianChain",
     "ReverseSDE",
     "StepTables",
@@ -46,114 +49,6 @@ __all__ = [
     "shift_sigmas",
     "uniform_grid",
 ]
-
-
-MAX_STEPS = 1_000_000
-"""Most grid steps a named grid takes (a million Euler steps is far past any use; the grid and the
-run's per-step tables would otherwise be allocated before anything says the run cannot fit)."""
-
-
-def _check_steps(steps: int) -> None:
-    check_int("steps", steps, 1)
-    if steps > MAX_STEPS:
-        raise ValueError(f"steps must be in [1, {MAX_STEPS}], got {steps}")
-
-
-def _check_grid(sigmas: torch.Tensor, steps: int, shift: float) -> torch.Tensor:
-    """``sigmas`` if the shifted grid still decreases strictly; a shift so extreme that float64 rounds
-    its noise levels together would otherwise be reported as a bad ``sigmas`` the caller never gave."""
-    if bool((sigmas[:-1] <= sigmas[1:]).any()):
-        raise ValueError(
-            f"shift={shift} collapses the {steps}-step grid: its noise levels round to the same "
-            f"float64 value (got {sigmas[:3].tolist()} ... {sigmas[-3:].tolist()}); use a shift closer to 1"
-        )
-    return sigmas
-
-
-def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
-    """Apply the timestep shift of paper eq. (38), ``kappa s / (1 + (kappa - 1) s)``.
-
-    Args:
-        sigmas: noise levels in [0, 1], any shape.
-        shift: ``kappa > 0``; 1 leaves the grid unchanged.
-
-    Returns:
-        The shifted noise levels, same shape; 0 and 1 are fixed points (exactly: the formula
-        rounds at 1 for a shift far from 1, which would make the first step stochastic).
-
-    Raises:
-        TypeError: if ``shift`` is not a real number (``bool`` is refused).
-        ValueError: if ``shift`` is not a finite positive number.
-    """
-    shift = check_number("shift", shift, 0.0, lo_open=True)
-    out = shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
-    return torch.where((sigmas == 0) | (sigmas == 1), sigmas, out)
-
-
-def flow_match_grid(steps: int, *, shift: float = 1.0, num_train_timesteps: int = 1000) -> torch.Tensor:
-    """The grid of diffusers' ``FlowMatchEulerDiscreteScheduler`` at its defaults.
-
-    Noise levels ``linspace(1, 1/num_train_timesteps, steps)`` (optionally
-    shifted), then 0. The authors' public code runs the Gaussian-mixture
-    experiment on this grid. Its first step (from 1) and last step (into 0) are
-    deterministic.
-
-    Args:
-        steps: number of steps ``1 <= T <=`` :data:`MAX_STEPS`.
-        shift: timestep shift ``kappa`` of eq. (38).
-        num_train_timesteps: the scheduler's training horizon (1000 in diffusers).
-
-    Returns:
-        ``sigmas`` of shape ``(T + 1,)``, float64, decreasing from 1 to 0.
-
-    Raises:
-        ValueError / TypeError: naming ``steps`` or ``shift`` (also a shift so far from 1 that
-        the grid's levels round together).
-    """
-    _check_steps(steps)
-    check_int("num_train_timesteps", num_train_timesteps, 2)
-    s = torch.linspace(1.0, 1.0 / num_train_timesteps, steps, dtype=torch.float64)
-    s = shift_sigmas(s, shift)
-    return _check_grid(torch.cat([s, s.new_zeros(1)]), steps, shift)
-
-
-def uniform_grid(steps: int, *, shift: float = 1.0) -> torch.Tensor:
-    """The paper's uniform grid ``t_n = n / T``, i.e. ``sigma_n = 1 - n / T``.
-
-    Args:
-        steps: number of steps ``1 <= T <=`` :data:`MAX_STEPS`.
-        shift: timestep shift ``kappa`` of eq. (38), applied to the noise levels.
-
-    Returns:
-        ``sigmas`` of shape ``(T + 1,)``, float64, from 1 to 0. The first and
-        last steps are deterministic.
-
-    Raises:
-        ValueError / TypeError: as :func:`flow_match_grid`.
-    """
-    _check_steps(steps)
-    s = 1.0 - torch.arange(steps + 1, dtype=torch.float64) / steps
-    return _check_grid(shift_sigmas(s, shift), steps, shift)
-
-
-def _check_sigmas(s: object, monotone: bool = True) -> torch.Tensor:
-    """``sigmas`` as a float64 CPU tensor if it is a strictly decreasing grid from at most 1 to exactly 0
-    (with ``monotone=False``: levels in ``[0, 1]`` ending in 0, as a churned chain's states are)."""
-    if not isinstance(s, torch.Tensor) or s.ndim != 1 or s.numel() < 2:
-        raise ValueError("sigmas must be a 1-D tensor of T + 1 >= 2 noise levels")
-    s = s.detach().to("cpu", torch.float64)
-    if not torch.isfinite(s).all():
-        raise ValueError("sigmas must be finite")
-    if not monotone:
-        if (s > 1.0).any() or (s[:-1] <= 0.0).any() or s[-1] != 0.0:
-            raise ValueError("a chain's state levels must lie in (0, 1] and end in exactly 0")
-        return s
-    if s[0] > 1.0 or s[-1] != 0.0 or (s[:-1] <= s[1:]).any():
-        raise ValueError(
-            "sigmas must decrease strictly from at most 1 to exactly 0, "
-            f"got first {s[0].item():.6g} and last {s[-1].item():.6g}"
-        )
-    return s
 
 
 def _run_ends(stochastic: torch.Tensor) -> torch.Tensor:
@@ -169,18 +64,18 @@ def _run_ends(stochastic: torch.Tensor) -> torch.Tensor:
 class GaussianChain:
     """A Gaussian Markov chain on the linear path, tabulated per step: what the engine samples.
 
-    Step ``n`` moves a state ``y`` at level ``sigmas[n]`` to
+    Step ``n`` moves a state ``y`` at level ``t_n = sigmas[n]`` to
 
-        ``y' ~ N(a[n] y + c[n] v(y, sigmas[n]), scale[n]^2 I)``
+        ``y' ~ N(a[n] y + c[n] v(y, t_n), scale[n]^2 I)``
 
-    with ``v`` the model's velocity, so ``y - sigmas[n] v`` is its clean-image prediction. Every
+    with ``v`` the model's velocity, so ``y - t_n v`` is its clean-image prediction. Every
     sampler :mod:`specforest.chains` registers is such a chain once written in the linear path's
     coordinates; a step with ``scale[n] = 0`` is deterministic (a point mass, never speculated).
     ``init_a``, ``init_scale``: the state the chain starts from is ``init_a x + init_scale z`` for the
     caller's ``x`` at ``sigmas[0]`` (EDM's churned Euler starts from the churned ``x-hat``).
 
     Attributes:
-        sigmas: ``(T + 1,)`` float64 noise levels of the states, decreasing to 0.
+        sigmas: ``(T + 1,)`` float64 levels ``t_n`` of the states, decreasing to 0.
         name: the chain's name; ``params``: its parameters (what a run's record says).
 
     A multistep sampler also reads the clean-image predictions ``p_0, ..., p_{h - 1}`` the model gave
@@ -213,14 +108,14 @@ class GaussianChain:
         stages: Optional[Stages] = None,
         carry: Optional[torch.Tensor] = None,
     ) -> None:
-        s = _check_sigmas(sigmas, monotone)
-        T = s.numel() - 1
+        t = check_sigmas(sigmas, monotone)
+        T = t.numel() - 1
         tabs = {}
-        for key, t in (("a", a), ("c", c), ("scale", scale)):
-            t = torch.as_tensor(t, dtype=torch.float64).reshape(-1)
-            if t.numel() != T or not bool(torch.isfinite(t).all()):
+        for key, given in (("a", a), ("c", c), ("scale", scale)):
+            tab = torch.as_tensor(given, dtype=torch.float64).reshape(-1)
+            if tab.numel() != T or not bool(torch.isfinite(tab).all()):
                 raise ValueError(f"the chain's {key} must be {T} finite numbers, one per step")
-            tabs[key] = t
+            tabs[key] = tab
         past = torch.zeros(T, 0, dtype=torch.float64) if past is None else torch.as_tensor(past, dtype=torch.float64)
         if past.dim() != 2 or past.shape[0] != T or not bool(torch.isfinite(past).all()):
             raise ValueError(f"the chain's past coefficients must be (T, history) = ({T}, h) finite numbers")
@@ -230,14 +125,14 @@ class GaussianChain:
                 raise ValueError(f"the chain's carry coefficients must be (T, 2) = ({T}, 2) finite numbers")
         if bool((tabs["scale"] < 0).any()):
             raise ValueError("the chain's scale must be >= 0 at every step")
-        gamma = s[:-1] - s[1:]
+        gamma = t[:-1] - t[1:]
         if drift_f is None:
             # mean = y + gamma b with b = -drift_f v - drift_k y (none between equal levels)
             g = torch.where(gamma == 0, torch.ones_like(gamma), gamma)
             drift_f, drift_k = -tabs["c"] / g, (1.0 - tabs["a"]) / g
         stochastic = tabs["scale"] > 0
         for key, val in (
-            ("sigmas", s),
+            ("sigmas", t),
             ("_a", tabs["a"]),
             ("_c", tabs["c"]),
             ("_scale", tabs["scale"]),
@@ -375,12 +270,12 @@ class ReverseSDE(GaussianChain):
     """Euler-Maruyama discretization of the churned reverse SDE on a grid: the ``em`` chain.
 
     Attributes:
-        sigmas: ``(T + 1,)`` float64 noise levels, decreasing, ``sigmas[T] = 0``.
+        sigmas: ``(T + 1,)`` float64 levels ``t_n``, decreasing, ``t_T = 0``.
         churn: ``eps`` in (0, 1]; 0 would make every transition a point mass.
 
-    ``mean = y - gamma [(1 + eps^2) v + eps^2 y / t]`` and
-    ``scale = eps sqrt(2 gamma sigma / t)`` on stochastic steps (``t = 1 - sigma``), the Euler step
-    ``y - gamma v`` with scale 0 on the deterministic ones (from ``sigma = 1``, into ``sigma = 0``).
+    ``mean = y - gamma [(1 + eps^2) v + eps^2 y / (1 - t)]`` and
+    ``scale = eps sqrt(2 gamma t / (1 - t))`` on stochastic steps, the Euler step ``y - gamma v`` with
+    scale 0 on the deterministic ones (from ``t = 1``, into ``t = 0``).
     """
 
     sigmas: torch.Tensor
@@ -389,19 +284,19 @@ class ReverseSDE(GaussianChain):
     name = "em"
 
     def __post_init__(self) -> None:
-        s = _check_sigmas(self.sigmas)
+        t = check_sigmas(self.sigmas)
         churn = check_churn(self.churn)
         object.__setattr__(self, "churn", churn)
         eps2 = churn**2
-        gamma = s[:-1] - s[1:]
-        stochastic = (s[:-1] < 1.0) & (s[1:] > 0.0)
-        t = (1.0 - s[:-1]).clamp_min(1e-300)
-        scale = torch.where(stochastic, churn * torch.sqrt(2.0 * gamma * s[:-1] / t), torch.zeros_like(gamma))
-        a = torch.where(stochastic, 1.0 - gamma * eps2 / t, torch.ones_like(gamma))
+        gamma = t[:-1] - t[1:]
+        stochastic = (t[:-1] < 1.0) & (t[1:] > 0.0)
+        rev = (1.0 - t[:-1]).clamp_min(1e-300)  # the paper's reverse time 1 - t
+        scale = torch.where(stochastic, churn * torch.sqrt(2.0 * gamma * t[:-1] / rev), torch.zeros_like(gamma))
+        a = torch.where(stochastic, 1.0 - gamma * eps2 / rev, torch.ones_like(gamma))
         c = torch.where(stochastic, -gamma * (1.0 + eps2), -gamma)
-        f = torch.where(stochastic, torch.full_like(t, 1.0 + eps2), torch.ones_like(t))
-        k = torch.where(stochastic, eps2 / t, torch.zeros_like(t))
-        self._set_tables(s, a, c, scale, f, k)
+        f = torch.where(stochastic, torch.full_like(rev, 1.0 + eps2), torch.ones_like(rev))
+        k = torch.where(stochastic, eps2 / rev, torch.zeros_like(rev))
+        self._set_tables(t, a, c, scale, f, k)
 
     @property
     def params(self) -> dict:

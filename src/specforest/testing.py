@@ -459,14 +459,14 @@ def check_chain_law(
     """
     from .models import GaussianMixture
     from .sampler import sample
-    from .sde import flow_match_grid, uniform_grid
+    from .schedules import named_grid
 
     trajectories = check_int("trajectories", trajectories, 100)
     mu0, s0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 0.3
     gauss = GaussianMixture(mu0[None], torch.tensor([s0]))
     x = torch.randn(trajectories, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     if sigmas is None:
-        sigmas = uniform_grid(steps) if grid == "uniform" else flow_match_grid(steps)
+        sigmas = named_grid(grid, steps)
     run = {"chain": chain} if chain is not None else {"churn": churn}
     out = sample(
         gauss,

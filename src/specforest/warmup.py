@@ -44,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from .options import RUN_INPUTS, SamplerOptions
-from .sampler import _check_cond, prepare
+from .sampler import check_cond, prepare
 from .target import Target
 from .trees import TreeTables
 from .validation import check_int, check_ints, check_states
@@ -246,7 +246,7 @@ def warm_up(
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
     n = x.shape[0]
-    cond = _check_cond(cond, n)
+    cond = check_cond(cond, n)
     rows = network_rows(n if batch is None else batch, **options)
     if len(rows) > max_shapes:
         raise ValueError(

@@ -14,14 +14,15 @@ chain of a command's options (:func:`run_chain`) are here too.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import click
 import torch
 
-from ..chains import EM, Chain, available_chains, get_chain
+from ..chains import EM, PARAMETERS, Chain, available_chains, get_chain
 from ..options import Option, declared_options, option_default
-from ..schedules import SCHEDULE_SIGMA_RANGE, SCHEDULES, schedule_grid
+from ..schedules import SCHEDULE_SIGMA_RANGE, SCHEDULES, named_grid, schedule_grid
 
 __all__ = [
     "CHAIN_FLAGS",
@@ -186,16 +187,23 @@ def grid_option():
     return sampler_option("grid")
 
 
-CHAIN_FLAGS = {"eta": "--eta", "s_noise": "--s-noise", "s_churn": "--s-churn", "solver_type": "--solver-type"}
-"""The chains' parameters the command line sets, by their flags (each chain takes some of them; ``--churn``
-is the ``em`` chain's)."""
+def _chain_parameters() -> dict:
+    """``{parameter: (its type, the chains that take it)}`` of the registered chains' declared parameters
+    (their dataclass fields, :data:`specforest.chains.PARAMETERS`), in the order the chains list them."""
+    out: dict = {}
+    for name in available_chains():
+        try:
+            chain = get_chain(name)
+        except (TypeError, ValueError):
+            continue
+        for field in dataclasses.fields(chain):
+            out.setdefault(field.name, (type(getattr(chain, field.name)), []))[1].append(name)
+    return out
 
-_CHAIN_HELP = {
-    "eta": "The chain's eta: the share of the ancestral noise, >= 0 (0: no noise, no speculation).",
-    "s_noise": "The chain's s_noise: the scale of the noise it adds, > 0.",
-    "s_churn": "The chain's s_churn: EDM's churn, >= 0 (0: no noise, no speculation).",
-    "solver_type": "The chain's solver_type (DPM++ 2M SDE's second-order step: midpoint or heun).",
-}
+
+CHAIN_FLAGS = {p: "--" + p.replace("_", "-") for p in _chain_parameters() if p != "churn"}
+"""The chains' parameters the command line sets, by their flags: every parameter a registered chain declares
+(its name with dashes; each chain takes some of them; ``--churn``, each command's own, is the ``em`` chain's)."""
 
 
 def _chain_flags(name: str) -> list:
@@ -207,16 +215,11 @@ def _chain_flags(name: str) -> list:
     return [("--churn" if p == "churn" else CHAIN_FLAGS[p]) for p in params if p == "churn" or p in CHAIN_FLAGS]
 
 
-def _takers(param: str) -> str:
-    """The registered chains that take ``param``, for its flag's help."""
-    return ", ".join(n for n in available_chains() if CHAIN_FLAGS[param] in _chain_flags(n))
-
-
 def chain_options(f=None, *, extra: tuple = ()):
     """``--chain`` (the registered chains, :func:`specforest.chains.available_chains`, offered as registered when
     the command runs) and the chains' own
-    options ``--eta``, ``--s-noise``, ``--s-churn``, ``--solver-type`` (:data:`CHAIN_FLAGS`), all unset by
-    default: :func:`run_chain` makes the chain of a command's options. ``chain_options(extra=(...))``
+    options, one for each parameter a registered chain declares (:data:`CHAIN_FLAGS`: ``--eta``,
+    ``--s-noise``, ``--s-tmin``, ``--path``, ...), all unset by default: :func:`run_chain` makes the chain of a command's options. ``chain_options(extra=(...))``
     offers more ``--chain`` values (``scheduler`` on a pipeline command: its own scheduler's chain)."""
     if f is None:
         return lambda g: chain_options(g, extra=extra)
@@ -236,15 +239,18 @@ def chain_options(f=None, *, extra: tuple = ()):
     else:
         chain_opt = sampler_option("chain", default=None, show_default="em", help=help_)
     opts = [chain_opt]
+    declared = _chain_parameters()
     for param, flag in CHAIN_FLAGS.items():
+        kind, takers = declared[param]
+        described = PARAMETERS.get(param, f"The chain's {param}.")
         opts.append(
             click.option(
                 flag,
                 param,
-                type=str if param == "solver_type" else float,
+                type=kind,
                 default=None,
                 show_default="the chain's",
-                help=f"{_CHAIN_HELP[param]} Chains: {_takers(param)}.",
+                help=f"{described} Chains: {', '.join(takers)}.",
             )
         )
     for opt in reversed(opts):
@@ -293,11 +299,8 @@ def check_named_grid(chain: Chain, steps: int, grid: str, where: "str | None" = 
     Raises:
         click.UsageError: naming ``--chain`` and the grid, and ``--schedule``, which gives such a chain a grid.
     """
-    from ..sde import flow_match_grid, uniform_grid
-
-    make = flow_match_grid if grid == "flow_match" else uniform_grid
     try:
-        sigmas = make(steps, shift=NAMED_GRID_SHIFT).to(torch.float64)
+        sigmas = named_grid(grid, steps, shift=NAMED_GRID_SHIFT).to(torch.float64)
     except ValueError as e:
         raise click.UsageError(
             f"--chain {chain.name} does not run on {where or f'--grid {grid}'}, which starts at t = 1 "

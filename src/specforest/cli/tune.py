@@ -18,7 +18,7 @@ from ..devices import default_dtype
 from ..experiments.common import chain_kwargs
 from ..experiments.further_options import options_record
 from ..experiments.pixel.models import PIXEL_MODELS, pixel_model, refuse_undeclared_learned, tune_target
-from ..sde import MAX_STEPS
+from ..schedules import MAX_STEPS
 from .common import (
     CHAIN_FLAGS,
     CONTEXT,

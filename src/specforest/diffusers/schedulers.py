@@ -54,7 +54,7 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 
 from ..chains import DPMPP2MSDE, LCM, Chain, EulerAncestral, check_ddim_eta, from_ve, stage_from_ve
-from ..sde import _check_sigmas
+from ..schedules import check_sigmas
 
 __all__ = [
     "ETA_SCHEDULERS",
@@ -168,7 +168,7 @@ class SchedulerChain(Chain):
         return self.remake(steps)
 
     def coefficients(self, sigmas: torch.Tensor) -> tuple:
-        s = _check_sigmas(sigmas)
+        s = check_sigmas(sigmas)
         if s.shape != self.grid.shape and self.remake is not None:
             return self._on(s[:-1]).coefficients(s)
         if s.shape != self.grid.shape or not torch.allclose(s, self.grid, rtol=1e-12, atol=0.0):
@@ -210,7 +210,7 @@ class StagedSchedulerChain(SchedulerChain):
     stages: ClassVar[int] = 2
 
     def stage_points(self, sigmas: torch.Tensor) -> tuple:
-        s = _check_sigmas(sigmas)
+        s = check_sigmas(sigmas)
         if s.shape != self.grid.shape and self.remake is not None:
             return self._on(s[:-1]).stage_points(s)
         # the grid itself is checked by coefficients, which build reads first
@@ -664,7 +664,7 @@ def _dpm_sde_third(s: torch.Tensor, solver_type: str, lower_order_final: bool) -
     """
     grid = torch.cat([s / (1.0 + s), s.new_zeros(1)])
     t, t_next = grid[:-1], grid[1:]
-    P, Q0, k, R, h = DPMPP2MSDE(eta=1.0, solver_type=solver_type)._terms(t, t_next)
+    P, Q0, k, R, h = DPMPP2MSDE(eta=1.0, solver_type=solver_type).ve_terms(t, t_next)
     T = s.numel()
     n = torch.arange(T)
     last = n == T - 1
@@ -731,7 +731,7 @@ class _DPMSolverMultistep(Followed):
         threshold = _clip({k: v for k, v in sch.config.items() if k != "clip_sample"}, None)
         order = sch.config.get("solver_order", 2)
         if order == 1:
-            Pv, Q0, _, Rv, _ = chain._terms(t, t_next)
+            Pv, Q0, _, Rv, _ = chain.ve_terms(t, t_next)
             return Tables(grid, *from_ve(t, t_next, Pv, Q0, Rv), prediction=threshold, noise_scale=scale)
         if order == 2:
             return Tables(

@@ -49,6 +49,7 @@ from typing import Any, Optional
 import torch
 
 from ..models.edm import EDMDenoiserVelocity, VPDenoiser
+from ..schedules import vp_sigmas
 from ..validation import check_int, check_number
 from .flow_matching import guide, module_dtype_device
 
@@ -104,15 +105,6 @@ class VPSchedule:
     def latent_scale(self) -> float:
         """Standard deviation of the initial linear-path state: ``init_noise_sigma / (1 + s_0)``."""
         return self.init_noise_sigma / (1.0 + float(self.edm_sigmas[0]))
-
-
-def _interp_log_sigma(timesteps: torch.Tensor, log_sigmas: torch.Tensor) -> torch.Tensor:
-    """``exp`` of ``log s`` interpolated linearly at fractional ``timesteps`` (the inverse of ``VPDenoiser.timestep``)."""
-    n = log_sigmas.numel()
-    k = timesteps.clamp(0, n - 1)
-    i = k.floor().long().clamp(0, n - 2)
-    w = k - i.to(k.dtype)
-    return ((1.0 - w) * log_sigmas[i] + w * log_sigmas[i + 1]).exp()
 
 
 def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
@@ -187,8 +179,7 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
             f"{name}'s alphas_cumprod leave (0, 1) (zero terminal SNR gives an infinite noise level); "
             "use EulerDiscreteScheduler, which clamps it"
         )
-    log_sigmas = ((1.0 - ac) / ac).sqrt().log()
-    s = _interp_log_sigma(ts, log_sigmas)
+    s = vp_sigmas(ac, ts)
     # Euler-type schedulers keep the VE state x_VE and divide it by sqrt(1 + s^2) for the UNet;
     # the others keep the VP state x_k itself. Which one: what scale_model_input does to a one.
     probe = float(fresh.scale_model_input(torch.ones(1, dtype=torch.float64), fresh.timesteps[0]).reshape(-1)[0])

@@ -8,7 +8,7 @@ from ..sde import StepTables
 from ..validation import check_int
 from .base import AUTO_KINDS
 from .chain_memory import RemembersChain
-from .memory import _memory_at, _secant_at
+from .memory import memory_at, secant_at
 
 __all__ = ["AutoDraft"]
 
@@ -114,7 +114,7 @@ class AutoDraft(RemembersChain):
         r = torch.where(ok, (sig - sig_src) / torch.where(ok, gap, torch.ones_like(gap)), torch.zeros_like(gap))
         k0r = k0 * (1.0 + r)
         zero = torch.zeros_like(c)
-        x0_mem, use = _memory_at(steps, pre, memory)
+        x0_mem, use = memory_at(steps, pre, memory)
         # the memory kind: mu x0_mem where it reads a node, the x0 kind (times keep = 1) where not
         reads = zero if use is None else use.to(c.dtype)
         keep = 1.0 - reads
@@ -123,7 +123,7 @@ class AutoDraft(RemembersChain):
         # at the parent's own step
         y_mem, kg = None, zero
         if x0_mem is not None and memory.y is not None:
-            g, y_mem = _secant_at(steps, pre, memory)
+            g, y_mem = secant_at(steps, pre, memory)
             kg = k0 * g.to(c.dtype)
         # A, alpha, beta, eps, mu, nu of velocity, drift, x0, eps, x0_extrap, memory, secant
         coef = torch.stack(

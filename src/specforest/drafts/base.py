@@ -301,11 +301,11 @@ class Proposal:
         return state
 
 
-_DRAFTS: Registry[Proposal] = Registry("draft", {})
+DRAFTS: Registry[Proposal] = Registry("draft", {})
 """The registered drafts, by name: the shipped ones (:mod:`specforest.drafts.registry`) and those
 of :func:`~specforest.drafts.registry.register_draft`."""
 
 
 def available_drafts() -> tuple[str, ...]:
     """The registered draft names."""
-    return tuple(_DRAFTS.names())
+    return tuple(DRAFTS.names())

@@ -47,7 +47,7 @@ class MemoryDraft(RemembersChain):
         a, c = ac[..., :1], ac[..., 1:]
         k = c / tab.sig[steps][..., None]
         x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]  # (G, 1, D)
-        mem, use = _memory_at(steps, pre, memory)
+        mem, use = memory_at(steps, pre, memory)
         if mem is not None:
             x0 = torch.where(use[..., None], mem, x0)
         return a + k, -k * x0
@@ -93,7 +93,7 @@ class SecantDraft(MemoryDraft):
         if memory is None or memory.y is None:
             return A, C
         # the memory draft's mean plus (c / sigma) g (y_j - y)
-        g, ym = _secant_at(steps, pre, memory)
+        g, ym = secant_at(steps, pre, memory)
         kg = tab.ac[steps][..., 1:] / tab.sig[steps][..., None] * g.to(C.dtype)[..., None]
         return A - kg, torch.addcmul(C, kg, ym)
 
@@ -101,7 +101,7 @@ class SecantDraft(MemoryDraft):
         return "SecantDraft()"
 
 
-def _memory_at(
+def memory_at(
     steps: torch.Tensor, pre: Prefetch, memory: Optional[ChainMemory]
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The memory node a parent at ``steps (G, n)`` reads (:class:`MemoryDraft`'s rule):
@@ -109,11 +109,11 @@ def _memory_at(
     ``(None, None)`` when the run keeps no memory."""
     if memory is None:
         return None, None
-    j, use = _memory_node(steps, pre, memory)
+    j, use = memory_node(steps, pre, memory)
     return memory.x0.gather(1, j[..., None].expand(-1, -1, memory.x0.shape[2])), use
 
 
-def _memory_node(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tuple[torch.Tensor, torch.Tensor]:
+def memory_node(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`MemoryDraft`'s node index ``j (G, n)`` long for parents of ``steps (G, n)``: the
     remembered node at the parent's step, or the last one past the remembered chain; and ``use
     (G, n)`` bool, False where there is none not older than the prefetch."""
@@ -123,7 +123,7 @@ def _memory_node(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tup
     return j, (n > 0) & (t >= 0) & (s0 + j >= pre.step[:, None])
 
 
-def _same_step(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tuple[torch.Tensor, torch.Tensor]:
+def same_step(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tuple[torch.Tensor, torch.Tensor]:
     """Where parents of ``steps (G, n)`` have a remembered node at their own step (not older than
     the prefetch), for the drafts that read the remembered states (:attr:`Proposal.uses_states`):
     ``same (G, n)`` bool and the node's index ``(G, n, D)`` into the memory's ``y`` / ``x0``
@@ -134,11 +134,11 @@ def _same_step(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tuple
     return same, t.clamp(0, memory.y.shape[1] - 1)[..., None].expand(-1, -1, memory.y.shape[2])
 
 
-def _secant_at(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tuple[torch.Tensor, torch.Tensor]:
+def secant_at(steps: torch.Tensor, pre: Prefetch, memory: ChainMemory) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`SecantDraft`'s gain ``g (G, n)`` float64 and remembered state ``y_j (G, n, D)`` at
     parents of ``steps (G, n)``: ``g`` is 0 where the parent does not read a memory node at its
     own step or the trajectory has no pair at or before it."""
-    same, j = _same_step(steps, pre, memory)
+    same, j = same_step(steps, pre, memory)
     ym = memory.y.gather(1, j)
     num, den = memory.gain_num, memory.gain_den  # (G, S)
     S = num.shape[1]

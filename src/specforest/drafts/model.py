@@ -12,7 +12,7 @@ import torch
 from ..target import model_name, outside_inference
 from .base import Proposal, VelocityFn
 from .chain_memory import RemembersChain
-from .memory import _memory_node, _same_step
+from .memory import memory_node, same_step
 
 __all__ = ["CachedDraft", "DraftModel", "LearnedDraft", "declared_draft"]
 
@@ -179,11 +179,11 @@ class LearnedDraft(RemembersChain, DraftModel):
             TypeError: if ``denoiser`` is not callable.
             ValueError: on an invalid clipping range.
         """
-        from ..models.edm import EDMDenoiserVelocity, _check_range
+        from ..models.edm import EDMDenoiserVelocity, check_sigma_range
 
         if not callable(denoiser):
             raise TypeError(f"denoiser must be callable as denoiser(x, sigma, **cond), got {type(denoiser).__name__}")
-        lo, hi = _check_range(sigma_min, sigma_max)
+        lo, hi = check_sigma_range(sigma_min, sigma_max)
         net = _Net(denoiser, lazy_load)
         draft = cls(lambda: EDMDenoiserVelocity(net(), lo, hi), shape=shape, label=label, lazy_load=True)
         draft.denoiser = net
@@ -266,7 +266,7 @@ class LearnedDraft(RemembersChain, DraftModel):
         xa = (pre.y - sig_p[:, None] * pre.v)[:, None].expand(G, n, D)
         sa = sig_p[:, None].expand(G, n)
         if memory is not None and memory.y is not None:
-            same, j = _same_step(steps, pre, memory)
+            same, j = same_step(steps, pre, memory)
             ya = torch.where(same[..., None], memory.y.gather(1, j), ya)
             xa = torch.where(same[..., None], memory.x0.gather(1, j), xa)
             sa = torch.where(same, sig, sa)
@@ -386,7 +386,7 @@ class CachedDraft(RemembersChain):
             F = feats.shape[2]
             if self.model is None:
                 raise ValueError(f"draft={self.name!r} was not bound to the run's model")
-            j, use = _memory_node(steps, pre, memory)
+            j, use = memory_node(steps, pre, memory)
             feat = feats.gather(1, j[..., None].expand(-1, -1, F))
             kw = {k: t.repeat_interleave(n, dim=0) for k, t in cond.items()}
             with outside_inference():

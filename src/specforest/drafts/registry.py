@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .auto import AutoDraft
-from .base import _DRAFTS, FROZEN_KINDS, Proposal, VelocityFn, available_drafts
+from .base import DRAFTS, FROZEN_KINDS, Proposal, VelocityFn, available_drafts
 from .frozen import FrozenPrediction
 from .memory import MemoryDraft, SecantDraft
 from .model import CachedDraft, DraftModel, LearnedDraft
@@ -30,7 +30,7 @@ _SHIPPED: dict[str, Callable[[], Proposal]] = {
 """The shipped drafts, in the order :func:`available_drafts` lists them."""
 
 for _name, _factory in _SHIPPED.items():
-    _DRAFTS.register(_name, _factory, replace=True)
+    DRAFTS.register(_name, _factory, replace=True)
 del _name, _factory
 
 
@@ -41,7 +41,7 @@ def register_draft(name: str, factory: Callable[[], Proposal], *, replace: bool 
         ValueError: if ``name`` is taken and ``replace`` is False.
         TypeError: if ``factory`` is not callable.
     """
-    _DRAFTS.register(name, factory, replace=replace)
+    DRAFTS.register(name, factory, replace=replace)
 
 
 def unregister_draft(name: str) -> None:
@@ -50,7 +50,7 @@ def unregister_draft(name: str) -> None:
     Raises:
         ValueError: if ``name`` is not registered.
     """
-    _DRAFTS.unregister(name)
+    DRAFTS.unregister(name)
 
 
 def drafts_serving(
@@ -86,9 +86,9 @@ def get_proposal(draft: "str | Proposal | VelocityFn") -> Proposal:
     if isinstance(draft, Proposal):
         return draft
     if isinstance(draft, str):
-        if draft not in _DRAFTS:
+        if draft not in DRAFTS:
             raise ValueError(f"draft must be one of {available_drafts()}, a Proposal or a callable, got {draft!r}")
-        return _DRAFTS.make(draft)
+        return DRAFTS.make(draft)
     if callable(draft):
         return DraftModel(draft)
     raise TypeError(f"draft must be one of {available_drafts()}, a Proposal or a callable, got {draft!r}")

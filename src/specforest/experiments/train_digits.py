@@ -122,7 +122,9 @@ def optimizer_step(
     return loss.item()
 
 
-def _sample_sigma(n: int, cfg: TrainConfig, g: torch.Generator) -> torch.Tensor:
+def sample_sigma(n: int, cfg: TrainConfig, g: torch.Generator) -> torch.Tensor:
+    """``(n,)`` training noise levels: EDM's log-normal (``cfg.p_mean``, ``cfg.p_std``), mixed with
+    probability ``cfg.p_uniform`` with log-uniform levels in ``[1e-3, 80]``; drawn from ``g``."""
     normal = (torch.randn(n, generator=g) * cfg.p_std + cfg.p_mean).exp()
     lo, hi = math.log(1e-3), math.log(80.0)
     unif = (torch.rand(n, generator=g) * (hi - lo) + lo).exp()
@@ -172,7 +174,7 @@ def train_denoiser(
         idx = torch.randint(0, x.shape[0], (cfg.batch,), generator=g)
         x0, c = x[idx], labels[idx].clone()
         c[torch.rand(cfg.batch, generator=g) < cfg.label_dropout] = null
-        s = _sample_sigma(cfg.batch, cfg, g)
+        s = sample_sigma(cfg.batch, cfg, g)
         n = torch.randn(x0.shape, generator=g)
         d = model(x0 + s[:, None, None, None] * n, s, c)
         w = (s * s + sd2) / (s * s * sd2)
@@ -254,14 +256,16 @@ def train_classifier(
     return clf, info
 
 
-def _safetensors_bytes(module: torch.nn.Module, metadata: dict[str, str]) -> bytes:
+def safetensors_bytes(module: torch.nn.Module, metadata: dict[str, str]) -> bytes:
+    """The safetensors file of ``module``'s state dict (on the CPU) with the string ``metadata``."""
     from safetensors.torch import save
 
     state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
     return save(state, metadata=metadata)
 
 
-def _loss_figure(losses: list[float], path: Path, *, title: str = "digits denoiser training") -> None:
+def loss_figure(losses: list[float], path: Path, *, title: str = "digits denoiser training") -> None:
+    """Write the plot of the per-batch ``losses`` and their running mean to ``path`` (``title`` on top)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -354,8 +358,8 @@ def main_train(
     }
     meta_common = {"train": json.dumps(summary)}
     files = {
-        UNET_FILE: _safetensors_bytes(den.net, {"config": json.dumps(ucfg.to_dict()), **meta_common}),
-        CLASSIFIER_FILE: _safetensors_bytes(
+        UNET_FILE: safetensors_bytes(den.net, {"config": json.dumps(ucfg.to_dict()), **meta_common}),
+        CLASSIFIER_FILE: safetensors_bytes(
             clf, {"width": str(clf.width), "feature_dim": str(clf.feature_dim), **meta_common}
         ),
     }
@@ -368,7 +372,7 @@ def main_train(
     entries[UNET_FILE]["sample_accuracy"] = acc
     entries[CLASSIFIER_FILE]["classifier"] = cinfo
     atomic_write_text(weights_dir / MANIFEST, json.dumps(entries, indent=2) + "\n")
-    _loss_figure(dinfo["loss"], out_dir / "loss.png")
+    loss_figure(dinfo["loss"], out_dir / "loss.png")
     atomic_write_text(out_dir / "train_log.json", json.dumps(summary, indent=2) + "\n")
     log(f"wrote {', '.join(str(weights_dir / n) for n in files)}, {weights_dir / MANIFEST}")
     log(f"wrote {out_dir / 'loss.png'}, {out_dir / 'train_log.json'}")

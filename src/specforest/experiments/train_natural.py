@@ -44,7 +44,7 @@ from ..models.natural import check_name, load_images, random_crops
 from ..models.unet import EDMPrecond, UNet, UNetConfig
 from ..plots import pyplot
 from .io import atomic_write, atomic_write_text
-from .train_digits import _loss_figure, _safetensors_bytes, _sample_sigma, lr_at, optimizer_step
+from .train_digits import loss_figure, lr_at, optimizer_step, safetensors_bytes, sample_sigma
 
 __all__ = [
     "CHECKPOINT",
@@ -346,7 +346,7 @@ def _train(
         if time.perf_counter() - t0 > 60.0 * cfg.max_minutes:
             break
         x0 = random_crops(pyramids, cfg.batch, res, g)
-        s = _sample_sigma(cfg.batch, cfg, g)
+        s = sample_sigma(cfg.batch, cfg, g)
         n = torch.randn(x0.shape, generator=g)
         d = model(x0 + s[:, None, None, None] * n, s)
         w = (s * s + sd2) / (s * s * sd2)
@@ -437,7 +437,7 @@ def main_train_natural(
         "parameters": sum(p.numel() for p in den.net.parameters()),
         "torch": torch.__version__,
     }
-    data = _safetensors_bytes(den.net, {"config": json.dumps(unet_config.to_dict()), "train": json.dumps(summary)})
+    data = safetensors_bytes(den.net, {"config": json.dumps(unet_config.to_dict()), "train": json.dumps(summary)})
     entries = manifest(weights_dir) if (weights_dir / MANIFEST).exists() else {}
     atomic_write(weights_dir / spec.file, lambda f: f.write(data), binary=True)
     entries[spec.file] = {
@@ -451,7 +451,7 @@ def main_train_natural(
         "torch": torch.__version__,
     }
     atomic_write_text(weights_dir / MANIFEST, json.dumps(entries, indent=2) + "\n")
-    _loss_figure(info["loss"], out_dir / "loss.png", title=f"{name} denoiser training")
+    loss_figure(info["loss"], out_dir / "loss.png", title=f"{name} denoiser training")
     written = [str(weights_dir / spec.file), str(weights_dir / MANIFEST), str(out_dir / "loss.png")]
     if config.figure_samples:
         samples_figure(den, name, out_dir / "samples.png", n=config.figure_samples, seed=config.seed)

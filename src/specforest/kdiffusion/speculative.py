@@ -72,11 +72,11 @@ from typing import Any, Optional
 
 import torch
 
-from .. import sampler
-from ..chains import PATHS
+from .. import sampler, schedules
 from ..drafts import DraftModel, LearnedDraft, Proposal, get_proposal
 from ..models.edm import EDMDenoiserVelocity
 from ..options import RUN_INPUTS, SamplerOptions, make_sde
+from ..schedules import PATHS, linear_grid
 from ..target import model_name
 from ..validation import check_states, working_dtype
 
@@ -102,52 +102,6 @@ _PASSED = tuple(
     if name not in _GIVEN_OTHERWISE and name not in ("callback", "tuned_for")
 )
 _ROW = "_specforest_row"  # the trajectory of each row, given to the denoiser wrapper only when a callback records
-
-
-def _ve_scale(sigma: torch.Tensor) -> torch.Tensor:
-    """``1 + sigma``: the VE state is ``x = (1 + sigma) x_lin`` and ``t = sigma / (1 + sigma)``."""
-    return 1.0 + sigma
-
-
-def _check_sigmas(sigmas: Any, path: str) -> torch.Tensor:
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    if not isinstance(sigmas, torch.Tensor):
-        raise TypeError(f"sigmas must be a 1-D torch.Tensor (a k-diffusion schedule), got {type(sigmas).__name__}")
-    if sigmas.ndim != 1 or sigmas.numel() < 2:
-        raise ValueError(f"sigmas must be a 1-D tensor of T + 1 >= 2 noise levels, got shape {tuple(sigmas.shape)}")
-    s = sigmas.detach().to("cpu", torch.float64)
-    if not torch.isfinite(s).all():
-        raise ValueError("sigmas must be finite")
-    if s[-1] != 0.0:
-        raise ValueError(f"sigmas must end in 0 (a k-diffusion schedule), got last {s[-1].item():.6g}")
-    if (s[:-1] <= s[1:]).any():
-        n = int(torch.nonzero(s[:-1] <= s[1:])[0, 0])
-        raise ValueError(
-            f"sigmas must decrease strictly, got sigmas[{n}] = {s[n].item():.6g} <= sigmas[{n + 1}] = {s[n + 1].item():.6g}"
-        )
-    if path == "linear" and s[0] > 1.0:
-        raise ValueError(
-            f"with path='linear' sigmas are linear-path levels in [0, 1], got sigmas[0] = {s[0].item():.6g}"
-        )
-    return s
-
-
-def linear_grid(sigmas: torch.Tensor, path: str = "ve") -> torch.Tensor:
-    """The library's grid of a k-diffusion schedule: ``t_i = sigma_i / (1 + sigma_i)`` (``path="ve"``).
-
-    Args:
-        sigmas: ``(T + 1,)`` k-diffusion schedule, strictly decreasing, ending in 0.
-        path: ``"ve"`` or ``"linear"`` (the levels are already linear-path levels, returned as they are).
-
-    Returns:
-        ``(T + 1,)`` float64 CPU tensor, decreasing from ``t_0 < 1`` (``<= 1`` for ``linear``) to 0.
-
-    Raises:
-        TypeError / ValueError: naming ``sigmas`` or ``path``.
-    """
-    s = _check_sigmas(sigmas, path)
-    return s / _ve_scale(s) if path == "ve" else s
 
 
 class _Roots:
@@ -430,7 +384,7 @@ def sample(
     if "draft" in options:
         options["draft"] = _draft(options["draft"], model, shared, s, path)
     work = working_dtype(x.dtype)
-    x_lin = x.to(work) / float(_ve_scale(s[0])) if path == "ve" else x
+    x_lin = x.to(work) / float(schedules.ve_scale(s[0])) if path == "ve" else x
     hook = None
     if callback is not None:
         chain, churn = options.get("chain", "em"), options.get("churn")

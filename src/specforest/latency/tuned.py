@@ -11,7 +11,7 @@ from typing import Any, Optional
 from ..chains import EM, Chain, get_chain
 from ..options import SamplerOptions, check_option
 from ..sampler import TunedFor
-from ..sde import MAX_STEPS
+from ..schedules import MAX_STEPS
 from ..trees import DraftTree, from_parents
 from ..validation import check_churn, check_int, check_ints, check_number
 from .curve import CostCurve

@@ -229,7 +229,7 @@ def read_safetensors(path: PathLike, sha256: Optional[str]) -> tuple[dict[str, t
     return tensors, meta
 
 
-def _resolve(file: str, path: Optional[PathLike], sha256: Optional[str]) -> tuple[Path, str]:
+def resolve_weights(file: str, path: Optional[PathLike], sha256: Optional[str]) -> tuple[Path, str]:
     """The weights file to read and its expected digest: ``path`` (default the shipped ``file``),
     ``sha256`` (default the one recorded in the manifest next to the file)."""
     sha256 = _check_sha256(sha256)
@@ -282,7 +282,7 @@ def load_denoiser(
         ChecksumError: if the file's digest differs from the recorded one, or none is recorded.
     """
     shipped = path is None
-    path, sha256 = _resolve(UNET_FILE, path, sha256)
+    path, sha256 = resolve_weights(UNET_FILE, path, sha256)
     tensors, meta = read_safetensors(path, sha256)
     _check_kind(path, meta, _UNET_KIND)
     try:
@@ -342,7 +342,7 @@ def load_draft_denoiser(
         WeightsFileError: if ``path`` is not a digits U-Net's safetensors file.
         ChecksumError: if the file's digest differs from the recorded one.
     """
-    path, sha256 = _resolve(DRAFT_FILE, path, sha256)
+    path, sha256 = resolve_weights(DRAFT_FILE, path, sha256)
     return load_denoiser(path, sha256=sha256, device=device, dtype=dtype)
 
 
@@ -362,7 +362,7 @@ def load_draft_velocity(
         FileNotFoundError: if the file or its manifest entry is missing (``specforest train digits-draft``).
         ChecksumError: if the file's digest differs from the recorded one.
     """
-    path, sha256 = _resolve(DRAFT_FILE, path, sha256)
+    path, sha256 = resolve_weights(DRAFT_FILE, path, sha256)
     return load_velocity(path, sha256=sha256, device=device, dtype=dtype)
 
 
@@ -449,7 +449,7 @@ def load_classifier(
             classifier (a U-Net's, say).
         ChecksumError: if the file's digest differs from the recorded one, or none is recorded.
     """
-    path, sha256 = _resolve(CLASSIFIER_FILE, path, sha256)
+    path, sha256 = resolve_weights(CLASSIFIER_FILE, path, sha256)
     tensors, meta = read_safetensors(path, sha256)
     _check_kind(path, meta, _CLASSIFIER_KIND)
     try:

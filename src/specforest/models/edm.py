@@ -86,7 +86,12 @@ def linear_to_edm_sigma(sigma: torch.Tensor) -> torch.Tensor:
     return sigma / (1.0 - sigma)
 
 
-def _check_range(sigma_min: float, sigma_max: float) -> tuple[float, float]:
+def check_sigma_range(sigma_min: float, sigma_max: float) -> tuple[float, float]:
+    """``(sigma_min, sigma_max)`` as floats if ``0 < sigma_min < sigma_max`` (an EDM denoiser's range).
+
+    Raises:
+        TypeError / ValueError: naming ``sigma_min`` or ``sigma_max``.
+    """
     sigma_min = check_number("sigma_min", sigma_min, 0, lo_open=True)
     sigma_max = check_number("sigma_max", sigma_max, 0, lo_open=True)
     if sigma_min >= sigma_max:
@@ -140,7 +145,7 @@ class EDMDenoiserVelocity:
             raise TypeError("denoiser must be callable as denoiser(y, s, **cond)")
         self.denoiser = denoiser
         self.row_bytes = check_optional_int("row_bytes", row_bytes, 0)
-        self.sigma_min, self.sigma_max = _check_range(sigma_min, sigma_max)
+        self.sigma_min, self.sigma_max = check_sigma_range(sigma_min, sigma_max)
 
     def _denoise(self, y: torch.Tensor, s: torch.Tensor, **cond: Any) -> torch.Tensor:
         return _unwrap(self.denoiser(y, s, **cond))

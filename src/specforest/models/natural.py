@@ -48,9 +48,9 @@ from .digits import (
     WEIGHTS_DIR,
     PathLike,
     WeightsFileError,
-    _resolve,
     manifest,
     read_safetensors,
+    resolve_weights,
 )
 from .edm import EDMDenoiserVelocity
 from .unet import EDMPrecond, UNet, UNetConfig
@@ -305,7 +305,7 @@ def load_denoiser(
         raise FileNotFoundError(
             f"{name}'s weights {model.file} are not in {WEIGHTS_DIR} or its {MANIFEST}; run `specforest train {name}`"
         )
-    path, sha256 = _resolve(model.file, path, sha256)
+    path, sha256 = resolve_weights(model.file, path, sha256)
     tensors, meta = read_safetensors(path, sha256)
     if "config" not in meta:
         raise WeightsFileError(f"{path} is not {_KIND}: its metadata record no U-Net architecture")

@@ -11,7 +11,8 @@ import torch
 from ...chains import EM, Chain
 from ...models import GaussianMixture
 from ...options import check_option
-from ...sde import GaussianChain, flow_match_grid, uniform_grid
+from ...schedules import named_grid
+from ...sde import GaussianChain
 from ..common import check_int, derive_seed, run_chain
 
 __all__ = ["KEY_FIELDS", "GMMSetting", "initial_states", "mixture_fingerprint"]
@@ -100,7 +101,7 @@ class GMMSetting:
     def sde(self) -> GaussianChain:
         """The chain's tables the sampler runs (same grid as :func:`specforest.sample`): the discretized
         reverse SDE (:class:`~specforest.sde.ReverseSDE`) of the em chain."""
-        sig = flow_match_grid(self.steps) if self.grid == "flow_match" else uniform_grid(self.steps)
+        sig = named_grid(self.grid, self.steps)
         return self.run_chain.build(sig.to(torch.float64))
 
     @property
