@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/chains.py [--images 32] [--trajectories 16] [--big-trajectories 4]
     .venv/bin/python benchmarks/chains.py --dry-run   # 2 trajectories, short grids; prints, writes nothing
+    .venv/bin/python benchmarks/chains.py --samplers heun,dpm_2,dpm_2_ancestral,dpmpp_2s_ancestral,dpmpp_3m_sde,dpmpp_sde
 
 Every registered chain but ``em`` at its usual settings: ``euler_ancestral`` at 50 Karras steps,
 ``euler`` (EDM's churn: ``s_churn`` 40, ``s_tmin`` 0.05, ``s_tmax`` 50, ``s_noise`` 1.003) at 50,
@@ -18,6 +19,20 @@ has the chain's law exactly (``tests/test_kdiffusion_samplers.py``, ``tests/test
 the choice among them is only about calls. Then one digits image at DDPM's 1000 steps in seconds,
 warm, on one thread, for the standard sampler and a few exact configurations. Regenerates the
 ``chains`` section of ``benchmarks/RESULTS.md``.
+
+The samplers of two calls a step or two past predictions, with the goals of issue 47 on digits
+(:data:`GOALS`: ``heun`` with ``s_churn`` 40 at 40 Karras steps, with EDM's own window ``S_min`` 0.05,
+``S_max`` 50, ``S_noise`` 1.003 and with k-diffusion's defaults; ``dpm_2`` with EDM's churn at 25;
+``dpm_2_ancestral`` and ``dpmpp_2s_ancestral`` at 25; ``dpmpp_3m_sde`` at 50; ``dpmpp_sde`` at 20 where
+this build registers it), on digits and the mixture at d = 500: calls counted at the model
+(:class:`Counted`, checked against the runs' statistics), the best of RMC chains of depth 8 to 64 with
+the ``secant``, ``cached``, ``x0`` and ``velocity`` drafts, the oracle at that depth (:class:`Oracle`),
+and one digits image in seconds with :func:`specforest.latency.tune`'s choice for ``dpmpp_3m_sde`` and
+``dpmpp_sde``. Regenerates the ``chains_goals`` section, after ``chains``.
+
+``--samplers`` measures the chains of the registry names given; a section is written only when every
+one of its samplers is measured, so ``--samplers`` with the names above rewrites ``chains_goals`` alone
+and the older rows stay.
 """
 
 from __future__ import annotations
@@ -385,8 +400,9 @@ def per_depth(acc: list, depths=(1, 2, 4, 8, 16)) -> str:
     return " / ".join(out)
 
 
-def goal_rows(models: dict, goals: tuple, dry: bool, seed: int, problems: list) -> tuple[list, dict]:
-    """The goals' table rows for ``models`` (digits and the mixture), and the digits cells by key."""
+def goal_rows(models: dict, goals: tuple, dry: bool, seed: int, problems: list, notes: list) -> tuple[list, dict]:
+    """The goals' table rows for ``models`` (digits and the mixture), and the digits cells by key; the
+    settings with deterministic steps before the last go to ``notes``."""
     rows, digits = [], {}
     for mkey, (label, model, x, cond) in models.items():
         drafts = tuple(drafts_serving(list(GOAL_DRAFTS), tuple(x.shape[1:]), model))
@@ -403,7 +419,7 @@ def goal_rows(models: dict, goals: tuple, dry: bool, seed: int, problems: list) 
             b, o = cell["best"], cell["oracle"]
             if chain.history:
                 ceil_ = ceiling(cell["T"], steps, b["L"], chain.stages)
-                orc = f"{ceil_:.2f}† (target as draft {o['speed'][0]:.2f})"
+                orc = f"{ceil_:.2f}† (target as draft {o['speed'][0]:.2f}, acceptance {per_depth(o['acc'], (1, 2, 3, 4))})"
             else:
                 ceil_ = o["speed"][0]
                 orc = f"{ceil_:.2f}" + (
@@ -414,7 +430,7 @@ def goal_rows(models: dict, goals: tuple, dry: bool, seed: int, problems: list) 
                 met = f">= {g.goal:g}: " + (
                     "met" if b["speed"][0] >= g.goal else f"missed ({100 * b['speed'][0] / g.goal:.0f}%)"
                 )
-                met += "" if ceil_ >= g.goal else ", above the ceiling"
+                met += "" if ceil_ >= g.goal else "; unreachable: the oracle is below it"
             rows.append(
                 f"{head} {cell['T']} | RMC chain depth {b['L']}, {b['draft']} | {b['speed'][0]:.2f} ± {b['speed'][1]:.2f} "
                 f"| {per_depth(b['acc'])} | {orc} | {100 * b['speed'][0] / ceil_:.0f}% | {met} |"
@@ -422,6 +438,10 @@ def goal_rows(models: dict, goals: tuple, dry: bool, seed: int, problems: list) 
             print(rows[-1], file=sys.stderr, flush=True)
             if mkey == "digits":
                 digits[g.key] = (g, chain, steps, b)
+            still = int((~chain.build(grid).stochastic[:-1]).sum())
+            note = f"{g.label}: {still} of its {steps - 1} steps before the last add no noise"
+            if still and note not in notes:
+                notes.append(note)
     return rows, digits
 
 
@@ -485,10 +505,12 @@ def goals_section(args, models: dict, goals: tuple, command: str) -> str:
     t0 = time.perf_counter()
     problems: list = []
     missing = [g.key for g in goals if not registered(g.key)]
-    rows, digits = goal_rows(models, goals, args.dry_run, args.seed, problems)
+    notes: list = []
+    rows, digits = goal_rows(models, goals, args.dry_run, args.seed, problems, notes)
+    threads = torch.get_num_threads()
     seeds = 1 if args.dry_run else args.wall_seeds
     lines = [
-        f"Measured with `{command}` on {machine_line()}, {torch.get_num_threads()} thread(s).",
+        f"Measured with `{command}` on {machine_line()}, " + ("one thread." if threads == 1 else f"{threads} threads."),
         "",
         "The samplers of two model calls a step (`stages = 2`) and of two past predictions (`history = 2`), "
         "with the issue's goals on digits. Calls are counted at the model: a counting wrapper around the "
@@ -513,8 +535,17 @@ def goals_section(args, models: dict, goals: tuple, command: str) -> str:
         "carried predictions (`specforest.drafting.carried_term`), so no draft, the target included, is exact "
         "beyond depth 1; the ceiling shown is that of a chain accepting every step, T / (ceil(N / depth) + 1) "
         "(what the oracle measures on chains of history 0 without deterministic steps), and the target as "
-        "the draft is measured beside it.",
+        "the draft is measured beside it, with its acceptance at depth 1 / 2 / 3 / 4: exact at depth 1, "
+        "the loss at depth 2 is the stale carried prediction's, not the draft's.",
     ]
+    if notes:
+        lines += [
+            "",
+            "Deterministic steps: a step that adds no noise cannot be drafted exactly, so it ends a round and "
+            "lowers the oracle's ceiling (EDM's churn adds noise only at levels in [S_min, S_max]): "
+            + "; ".join(notes)
+            + ".",
+        ]
     if missing:
         lines += ["", "Not available in this build: " + ", ".join(f"`{k}`" for k in missing) + "."]
     lines += [
@@ -533,6 +564,9 @@ def goals_section(args, models: dict, goals: tuple, command: str) -> str:
             "| sampler | standard calls | standard s | tune's choice | its s | best T/NFE configuration: s | tune s |",
             "| --- | --- | --- | --- | --- | --- | --- |",
             *goals_wall_clock(digits, seeds, args.dry_run),
+            "",
+            "Where tune chooses the standard sampler, its column times the same configuration as the standard "
+            "one: their ratio is this machine's timing noise.",
         ]
     lines += ["", f"Total wall time {(time.perf_counter() - t0) / 60:.1f} min."]
     return "\n".join(lines)
