@@ -644,7 +644,9 @@ def test_corrected_drafts_as_cached_until_a_node_has_a_pair():
     first = draft.init_memory(1, 3, 4, 20, 3, torch.float64, torch.device("cpu"))
     v, f = model.with_features(y1.reshape(4, 3), tab.sig[4 + torch.arange(4)])
     steps = 4 + torch.arange(4)[None]
-    chain = EvaluatedChain(y=y1, v=v.view(1, 4, 3), steps=steps, s0=torch.tensor([4]), n=torch.tensor([4]), features=f.view(1, 4, 3))
+    chain = EvaluatedChain(
+        y=y1, v=v.view(1, 4, 3), steps=steps, s0=torch.tensor([4]), n=torch.tensor([4]), features=f.view(1, 4, 3)
+    )
     one = draft.remember(first, tab, chain)
     assert not bool(one.paired.any())
     pre = Prefetch.empty(1, 3, torch.float64, torch.device("cpu")).replaced(y1[:, 0], y1[:, 0], torch.tensor([4]))
