@@ -171,7 +171,7 @@ def test_gmm_lazy_run_holds():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["memory", "secant", "picard", "cached"])
+@pytest.mark.parametrize("draft", ["memory", "secant", "picard", "cached", "corrected"])
 def test_gmm_memory_draft_run_holds_and_the_lazy_estimate_does_not(draft):
     """``--lazy`` with a draft that remembers its chain runs full (it remembers every node of its
     chain) and keeps a state per node (``secant``: two, the state beside its prediction); so does
