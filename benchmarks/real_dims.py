@@ -10,7 +10,7 @@ Karras steps, ``ddpm`` 1000, ``dpmpp_2m_sde`` 25 and 50, ``ddim`` eta 1 at 100, 
 
 * the standard sampler's calls (``T``);
 * the best exact configuration's T/NFE over a small search (RMC chains of depth 4 and 8; the frozen
-  ``velocity`` and ``x0`` drafts and, for the networks, ``cached``);
+  ``velocity`` and ``x0`` drafts and, for the networks, ``cached`` and ``corrected``);
 * the **oracle** at that tree: the target itself as the draft (a callable draft that calls the
   target, so every drafted step has the target's law: acceptance 1, the ceiling of that tree);
 * acceptance per depth, and the per-dimension error of the draft's mean against the step's noise
@@ -109,10 +109,14 @@ def run(target: Target, sampler: str, n: int, *, tree=None, draft: Any = "veloci
     return kd_sample(target.fn, x, sigmas, extra, row_args=target.row_args, disable=True, **opts)
 
 
+FEATURE_DRAFTS = ["cached", "corrected"]
+"""The drafts that reuse a network's deep features: searched for the networks that keep them."""
+
+
 def drafts_for(target: Target) -> list[str]:
     out = ["velocity", "x0"]
     if target.kind == "denoiser" and has_features(target.fn):
-        out.append("cached")
+        out += FEATURE_DRAFTS
     return out
 
 
@@ -157,28 +161,29 @@ def time_one_image(target: Target, sampler: str, L: int, draft: str, repeats: in
 
 
 def deep_section(tgts: list, n: int) -> list[str]:
-    """The ``real_dims_deep`` section: deeper RMC chains for the goals' samplers (:data:`DEEP`), each
-    model's best draft of the main grid (cached for the networks, x0 for the mixture), natural64 at one
-    trajectory, and the oracle at the best depth."""
+    """The ``real_dims_deep`` section: deeper RMC chains for the goals' samplers (:data:`DEEP`), the
+    networks' feature drafts (:data:`FEATURE_DRAFTS`, the best shown) and the mixture's x0, natural64 at
+    one trajectory, and the oracle at the best depth."""
     t0 = time.perf_counter()
     lines = [
         f"Measured with `benchmarks/real_dims.py --deep-only --samples {n}` (also run by the full command) on "
         f"{machine_line()}, one thread.",
         "",
         "Depth 8 caps T/NFE near T / ceil(T / 8): the goals' long grids need deeper chains. RMC chains of the "
-        "depths shown, the draft that won the main grid (cached for the networks, x0 for the mixture), "
-        f"{n} trajectories per run (natural64: 1); the oracle at the best depth.",
+        f"depths shown; drafts: {' and '.join(FEATURE_DRAFTS)} for the networks (the best shown, the other's "
+        f"T/NFE beside it), x0 for the mixture; {n} trajectories per run (natural64: 1); the oracle at the best "
+        "depth.",
         "",
-        "| model | d | sampler | best T/NFE (depth) | T/NFE per depth tried | oracle T/NFE | best / oracle | "
-        "acceptance at depth 1 / 2 / 4 / 8 / 16 |",
+        "| model | d | sampler | best T/NFE (depth, draft) | T/NFE per depth and draft tried | oracle T/NFE | "
+        "best / oracle | acceptance at depth 1 / 2 / 4 / 8 / 16 |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for sampler, depths in DEEP.items():
         for tgt in tgts:
-            drafts = ["x0"] if tgt.kind == "velocity" else ["cached" if has_features(tgt.fn) else "velocity"]
+            drafts = ["x0"] if tgt.kind == "velocity" else (FEATURE_DRAFTS if has_features(tgt.fn) else ["velocity"])
             cell = measure_cell(tgt, sampler, 1 if tgt.name == "natural64" else n, depths, drafts)
             b, o = cell["best"], cell["oracle"]
-            tried = ", ".join(f"{s['L']}: {s['speedup']:.2f}" for s in cell["tried"])
+            tried = ", ".join(f"{s['L']} {s['draft']}: {s['speedup']:.2f}" for s in cell["tried"])
             acc = [b["acc"][i] for i in (0, 1, 3, 7, 15) if i < len(b["acc"])]
             lines.append(
                 f"| {tgt.name} | {tgt.d} | {sampler} | {b['speedup']:.2f} ({b['L']}, {b['draft']}) | {tried} | "
@@ -325,7 +330,7 @@ def main() -> None:
         "",
         "Trajectories per run: "
         f"{n}. Trees: RMC chains of depth {' and '.join(map(str, DEPTHS))}; drafts: velocity, x0 and (networks "
-        "with deep features) cached; the best by T/NFE is shown. Oracle: the target itself as the draft at the "
+        f"with deep features) {' and '.join(FEATURE_DRAFTS)}; the best by T/NFE is shown. Oracle: the target itself as the draft at the "
         "best tree's depth (a callable draft that calls the target; its own calls, not counted in NFE, are "
         "the price of a perfect draft): the ceiling of that tree. Acceptance and the per-dimension mean error "
         "`delta / sqrt(d)` (delta = |mu_draft - mu_target| / noise scale of the step) per depth 1 / 2 / 3 "

@@ -9,7 +9,7 @@ import torch
 
 import specforest
 from specforest import engine, streams, trees
-from specforest.drafts import ChainMemory, DraftMemory, Prefetch, Proposal
+from specforest.drafts import ChainMemory, DraftMemory, PairedChainMemory, Prefetch, Proposal
 from specforest.models import GaussianMixture
 from specforest.sampler import prepare
 
@@ -166,3 +166,31 @@ def test_a_draft_that_keeps_a_memory_must_say_how_it_remembers():
         specforest.sample(
             GaussianMixture.paper(dim=6, seed=0), x, steps=10, churn=0.3, tree=trees.chain(3), draft=Forgets()
         )
+
+
+def test_a_runs_restart_clears_the_corrected_drafts_pairs():
+    """The corrected draft's memory (the chain, states, gains and deep features, and each node's pair:
+    its features, the offset and whether it has one) is cleared for the restarted rows and kept for the
+    others, field by field, as :meth:`DraftMemory.restart` does for any memory."""
+    spec = prepare(
+        specforest.SamplerOptions(steps=12, churn=0.5, tree=trees.chain(4), coupling="rmc", draft="corrected")
+    )
+    gmm = GaussianMixture.paper(dim=4, components=3, seed=0)
+    batch, rows, other = 5, torch.tensor([2, 3]), torch.tensor([0, 1, 4])
+    ctx = spec.context(gmm, (4,), torch.float64, CPU, batch, {})
+    x0, keys = (
+        streams.randn(1, torch.arange(batch), (4,), dtype=torch.float64),
+        streams.sample_keys(1, torch.arange(batch)),
+    )
+    with torch.inference_mode():
+        old = engine.init_state(ctx, x0, keys)
+        for _ in range(5):
+            old = engine.run_round(ctx, old)
+        new = old.restart(rows, x0[rows], keys[rows])
+        fresh = engine.init_state(ctx, x0, keys)
+    assert isinstance(old.memory, PairedChainMemory)
+    assert bool(old.memory.paired[rows].any(1).all())  # the restarted rows have pairs to clear
+    for f in fields(PairedChainMemory):
+        got, was, init = (getattr(m.memory, f.name) for m in (new, old, fresh))
+        assert got is not None, f.name
+        assert torch.equal(got[rows], init[rows]) and torch.equal(got[other], was[other]), f.name

@@ -9,7 +9,7 @@ import torch
 import specforest
 from specforest import testing, trees
 from specforest.drafting import runs_full
-from specforest.drafts import ChainMemory
+from specforest.drafts import ChainMemory, CorrectedDraft, EvaluatedChain
 from specforest.models import GaussianMixture
 from specforest.proposals import (
     CachedDraft,
@@ -566,3 +566,113 @@ def test_the_eps_draft_on_a_grid_from_pure_noise_drafts_the_velocity_there_and_k
         trees.chain(4), "rmc", "eps", sigmas=flow_match_grid(8), chain="euler_ancestral", trajectories=4000
     )
     assert not report.failures, report.failures
+
+
+# -- the corrected self-draft: cached plus a secant of its own error from the last two rounds -----
+
+
+class PeekCorrected(CorrectedDraft):
+    """The corrected draft off by one as :class:`PeekCached`: it reads the remembered node (features,
+    state, prediction and pair) one step ahead of the parent, a state drawn with the drafted child's noise."""
+
+    name = "peek_corrected"
+
+    def mean(self, tab, y, steps, pre, cond, shape, state, memory=None):
+        return super().mean(tab, y, steps, pre, cond, shape, state, memory=_a_step_early(memory))
+
+
+@pytest.mark.parametrize("coupling", ["rmc", "grs"])
+def test_a_corrected_draft_that_peeks_fails_the_law_test_the_real_one_passes(coupling):
+    """With the clean-data prediction as the features (:class:`~specforest.testing.X0Features`) the
+    cached draft is the memory draft and the correction a rank-one secant of the Gaussian's
+    prediction: the real draft keeps the law, its peek one step ahead is caught."""
+    model = testing.X0Features(GAUSS)
+    assert not _law_failures("corrected", coupling, model)
+    assert _law_failures(PeekCorrected(), coupling, model)
+
+
+def test_the_correction_acts_in_the_law_tests_runs():
+    """The law test above sees the correction: the same run with ``cached`` (no correction) draws other
+    samples and makes other calls, so the corrected draft's means are not the cached ones there."""
+    x = torch.randn(400, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    kw = dict(steps=STEPS, churn=CHURN, tree=trees.chain(6), coupling="rmc", seed=2)
+    model = testing.X0Features(GAUSS)
+    got, ref = (specforest.sample(model, x, draft=d, **kw) for d in ("corrected", "cached"))
+    assert not torch.equal(got.samples, ref.samples)
+    assert got.stats.draft_calls == ref.stats.draft_calls  # the residual rows ride in the same calls
+
+
+def _two_rounds(draft, tab, s0=4, seed=3):
+    """The memory of one trajectory after two chain rounds of 4 nodes from step ``s0`` (the second
+    round's nodes paired with the first's), evaluated by ``X0Features(GAUSS)``; and the two chains' states."""
+    model = testing.X0Features(GAUSS)
+    g = torch.Generator().manual_seed(seed)
+    steps = s0 + torch.arange(4)[None]
+    mem = draft.init_memory(1, 3, 4, 20, 3, torch.float64, torch.device("cpu"))
+    ys = []
+    for _ in range(2):
+        y = torch.randn(1, 4, 3, generator=g, dtype=torch.float64)
+        v, f = model.with_features(y.reshape(4, 3), tab.sig[steps].reshape(-1))
+        chain = EvaluatedChain(
+            y=y, v=v.view(1, 4, 3), steps=steps, s0=torch.tensor([s0]), n=torch.tensor([4]), features=f.view(1, 4, 3)
+        )
+        mem = draft.remember(mem, tab, chain)
+        ys.append(y)
+    return mem, ys
+
+
+def test_corrected_mean_is_the_targets_transition_along_the_last_offset_for_one_gaussian():
+    """Closed form: one isotropic Gaussian's clean-data prediction is affine in the state with a scalar
+    Jacobian ``a I``, and with ``X0Features`` the cached draft freezes it at the remembered node, so its
+    error at ``y`` is ``a (y - y_j)`` and its residual at node ``j`` (read with its pair's features) is
+    ``a dy_j``. The correction ``c a dy_j`` makes the mean the target's transition exactly where
+    ``y - y_j = c dy_j`` with ``|c| <= 1``, adds nothing where ``y - y_j`` is orthogonal to ``dy_j``
+    (the cached mean), and is cut at ``c = 1`` past the pair's own offset."""
+    tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
+    draft, cached = CorrectedDraft(), CachedDraft()
+    model = testing.X0Features(GAUSS)
+    draft.bind(model, (3,))
+    cached.bind(model, (3,))
+    mem, (y1, y2) = _two_rounds(draft, tab)
+    assert bool(mem.paired.all()) and torch.equal(mem.pair_dy, y2 - y1)
+    pre = Prefetch.empty(1, 3, torch.float64, torch.device("cpu")).replaced(y1[:, 0], y1[:, 0], torch.tensor([4]))
+    steps = 4 + torch.arange(4)[None]
+    dy = y2 - y1
+    ortho = torch.linalg.cross(dy[0, 3], torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    y = torch.stack([y2[0, 0] + 0.5 * dy[0, 0], y2[0, 1] - 0.7 * dy[0, 1], y2[0, 2] + 3.0 * dy[0, 2], y2[0, 3] + ortho])
+    y = y[None]
+    got = draft.mean(tab, y, steps, pre, {}, (3,), None, memory=mem)
+    exact = tab.mean(y, GAUSS(y.reshape(-1, 3), tab.sig[steps].reshape(-1)).view(1, 4, 3), steps)
+    plain = cached.mean(tab, y, steps, pre, {}, (3,), None, memory=mem)
+    torch.testing.assert_close(got[:, :2], exact[:, :2], rtol=0, atol=1e-12)
+    assert (got[:, :2] - plain[:, :2]).abs().amax() > 1e-4  # the cached mean is not it
+    # c = 3 is cut at 1: the target's transition as if the parent were y_j + dy_j
+    cut = y2[:, 2] + dy[:, 2]
+    v_cut = GAUSS(cut, tab.sig[steps[:, 2]]) + (y[:, 2] - cut) / tab.sig[steps[:, 2]]
+    torch.testing.assert_close(got[:, 2], tab.mean(y[:, 2:3], v_cut[:, None], steps[:, 2:3])[:, 0], rtol=0, atol=1e-12)
+    assert not torch.allclose(got[:, 2], exact[:, 2])
+    torch.testing.assert_close(got[:, 3], plain[:, 3], rtol=0, atol=1e-12)
+
+
+def test_corrected_drafts_as_cached_until_a_node_has_a_pair():
+    """After one remembered round no node has a pair (and on a model without the pairs' features, or
+    with no memory, there is nothing to correct): the corrected mean is the cached one."""
+    tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
+    draft, cached = CorrectedDraft(), CachedDraft()
+    model = testing.X0Features(GAUSS)
+    draft.bind(model, (3,))
+    cached.bind(model, (3,))
+    mem, (y1, _) = _two_rounds(draft, tab)
+    first = draft.init_memory(1, 3, 4, 20, 3, torch.float64, torch.device("cpu"))
+    v, f = model.with_features(y1.reshape(4, 3), tab.sig[4 + torch.arange(4)])
+    steps = 4 + torch.arange(4)[None]
+    chain = EvaluatedChain(
+        y=y1, v=v.view(1, 4, 3), steps=steps, s0=torch.tensor([4]), n=torch.tensor([4]), features=f.view(1, 4, 3)
+    )
+    one = draft.remember(first, tab, chain)
+    assert not bool(one.paired.any())
+    pre = Prefetch.empty(1, 3, torch.float64, torch.device("cpu")).replaced(y1[:, 0], y1[:, 0], torch.tensor([4]))
+    y = y1 + 0.3
+    for memory in (one, None):
+        got = draft.mean(tab, y, steps, pre, {}, (3,), None, memory=memory)
+        torch.testing.assert_close(got, cached.mean(tab, y, steps, pre, {}, (3,), None, memory=memory), rtol=0, atol=0)

@@ -57,6 +57,9 @@ CONFIGS = {
     # the mixture's responsibilities kept by the verification call, per node
     "cached_chain": dict(tree=trees.chain(6), coupling="rmc", draft="cached"),
     "cached_chain_drafted": dict(tree=trees.chain(4), draft="cached", verify="drafted", prefetch="parent"),
+    # the same plus the secant correction from each node's pair of the round before
+    "corrected_chain": dict(tree=trees.chain(6), coupling="rmc", draft="corrected"),
+    "corrected_chain_drafted": dict(tree=trees.chain(4), draft="corrected", verify="drafted", prefetch="parent"),
 }
 
 

@@ -86,6 +86,48 @@ def test_the_cached_draft_runs_through_the_drop_ins_cuts_calls_and_is_the_librar
     assert torch.equal(lib.samples, out.samples) and torch.equal(lib.stats.nfe, out.stats.nfe)
 
 
+def test_the_corrected_draft_runs_through_a_drop_in_and_is_the_library_run(den):
+    """The corrected draft (cached plus the secant correction, its residual rows in the same calls,
+    each trajectory's class label given to both its rows) through ``sample_euler_ancestral``: fewer
+    calls than the standard sampler, and bitwise ``specforest.sample``'s run with the same adapter."""
+    sig = _karras(30)
+    x, labels = _digits_start(8, sig)
+    run = dict(tree=trees.chain(8), coupling="rmc", seed=3)
+    out = kdiffusion.sample(
+        den,
+        x,
+        sig,
+        {"class_labels": labels},
+        row_args=("class_labels",),
+        chain=chains.EulerAncestral(),
+        draft="corrected",
+        disable=True,
+        **run,
+    )
+    assert out.config["draft"] == "corrected" and out.stats.draft_calls > 0 and out.stats.calls < 30
+    lib = specforest.sample(
+        EDMDenoiserVelocity(den, sigma_min=0.5 * float(sig[-2]), sigma_max=2.0 * float(sig[0])),
+        x / (1.0 + float(sig[0])),
+        sigmas=linear_grid(sig),
+        cond={"class_labels": labels},
+        chain=chains.EulerAncestral(),
+        draft="corrected",
+        **run,
+    )
+    assert torch.equal(lib.samples, out.samples) and torch.equal(lib.stats.nfe, out.stats.nfe)
+    # not the cached run: the correction moved the draft's means
+    cached = specforest.sample(
+        EDMDenoiserVelocity(den, sigma_min=0.5 * float(sig[-2]), sigma_max=2.0 * float(sig[0])),
+        x / (1.0 + float(sig[0])),
+        sigmas=linear_grid(sig),
+        cond={"class_labels": labels},
+        chain=chains.EulerAncestral(),
+        draft="cached",
+        **run,
+    )
+    assert not torch.equal(cached.samples, lib.samples)
+
+
 def test_the_cached_draft_through_a_drop_in_reports_its_roots_to_the_callback(den):
     """A callback's ``denoised`` is the model at the reported ``x`` and ``row_sigma``: the target's calls
     that keep features are recorded as the plain ones are, the outer blocks' calls are not."""

@@ -171,7 +171,7 @@ def test_gmm_lazy_run_holds():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["memory", "secant", "picard", "cached"])
+@pytest.mark.parametrize("draft", ["memory", "secant", "picard", "cached", "corrected"])
 def test_gmm_memory_draft_run_holds_and_the_lazy_estimate_does_not(draft):
     """``--lazy`` with a draft that remembers its chain runs full (it remembers every node of its
     chain) and keeps a state per node (``secant``: two, the state beside its prediction); so does
@@ -365,3 +365,16 @@ def test_run_shape_reads_what_the_options_decide():
     assert memory.estimate(**kw, **shape) == by_hand
     # the carried prediction is counted: the same run of the em chain holds less
     assert memory.estimate(**kw, **{**shape, "history": 0}).total_bytes < by_hand.total_bytes
+
+
+def test_the_corrected_draft_counts_its_pairs():
+    """``draft="corrected"`` keeps, per remembered chain node, the cached draft's prediction and deep
+    features, the node's state with the secant draft's gains (it reads the remembered states), and its
+    pair's: one more state (the offset) and one more row of deep features a node."""
+    from specforest.models import GaussianMixture
+
+    gmm = GaussianMixture.paper(dim=1000, components=5, seed=0)  # 5 features a row: the responsibilities
+    kw = dict(trajectories=4, state_numel=1000, tree=trees.chain(6), steps=20, limit_bytes=10**12, model=gmm)
+    cached, corrected = (memory.estimate(**kw, draft=d).trajectory_bytes for d in ("cached", "corrected"))
+    gains = 2 * 8 * 20  # two float64 sums a step
+    assert corrected - cached == 6 * (2 * 1000 + 5) * 4 + gains

@@ -115,6 +115,11 @@ CONFIGS = {
     "cached_prediction_antithetic_tree": dict(
         tree=trees.uniform(2, 2), coupling="antithetic", draft="cached", model=X0
     ),
+    # the cached draft plus the secant correction of its own error (the Gaussian's and the memory draft's)
+    "corrected_rmc_chain": dict(tree=trees.chain(5), coupling="rmc", draft="corrected"),
+    "corrected_prediction_rank_chain_lazy": dict(
+        tree=trees.chain(6), coupling="rank", lazy=True, draft="corrected", model=X0
+    ),
 }
 
 

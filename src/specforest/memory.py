@@ -476,9 +476,10 @@ def estimate(
         draft: the run's draft (a name or a proposal; default: one that keeps nothing between
             rounds). One that remembers the last chain round
             (:func:`~specforest.drafting.remembers_chain`) runs full and keeps one state per
-            chain node and trajectory (two where it :attr:`~specforest.drafts.Proposal.uses_states`),
-            and the deep features of those nodes and of every evaluated row where it
-            :attr:`~specforest.drafts.Proposal.uses_features` (``model.feature_numel`` of them).
+            chain node and trajectory (two where it :attr:`~specforest.drafts.Proposal.uses_states`,
+            one more where it :attr:`~specforest.drafts.Proposal.keeps_pairs`),
+            and the deep features of those nodes (twice where it keeps pairs) and of every evaluated
+            row where it :attr:`~specforest.drafts.Proposal.uses_features` (``model.feature_numel`` of them).
         history: how many past predictions the chain's mean reads (its declaration,
             :attr:`~specforest.sde.GaussianChain.history`): the run
             keeps that many more states per trajectory, and a full round the predictions and carried
@@ -511,7 +512,7 @@ def estimate(
         # the run goes full and keeps a state per node of its deepest chain (and the node's
         # state beside its prediction where the draft reads it, plus two float64 gains per step)
         lazy = False
-        remembered = _depth(tree, steps) * (2 if prop.uses_states else 1)
+        remembered = _depth(tree, steps) * ((2 if prop.uses_states else 1) + (1 if prop.keeps_pairs else 0))
         gains = 2 * 8 * int(steps or 0) if prop.uses_states else 0
     elif draft is not None and runs_full(prop, tree):
         # Picard sweeps: the run goes full, and a sweep holds the parents' evaluations and the
@@ -542,8 +543,9 @@ def estimate(
     if remembered and prop.uses_features and callable(getattr(model, "feature_numel", None)):
         # the cached self-draft: every evaluated row's deep features come back beside its velocity
         # (the call's output and the round's per-node copy), and each remembered node keeps its own
+        # (and its pair's, for a draft that keeps pairs)
         F = int(model.feature_numel(tuple(x_row.shape[1:]) if x_row is not None else (D,)))
-        per += (_depth(tree, steps) + 2 * rows) * F * w
+        per += (_depth(tree, steps) * (2 if prop.keeps_pairs else 1) + 2 * rows) * F * w
     tables = _TABLE_BYTES * size if tree is not None else 0
     fixed_bytes = int(fixed_bytes) + kept + tables
     room = _dynamic_room(int(limit_bytes) - fixed_bytes, device)

@@ -325,9 +325,11 @@ class SamplerOptions:
         "gain (secant), auto (chosen online among those per draft offset and half of the grid), picard / "
         "picard2 (the x0 chain refined by 1 / 2 Picard sweeps, each one more target call a round), learned "
         "(the draft network the model declares, the digits model's distilled U-Net, anchored at those "
-        "evaluations), or cached "
+        "evaluations), cached "
         "(the target's own outer blocks with its deep features from the previous round's node at that step, "
-        "DeepCache-style; a model that keeps them: digits, the mixture); the exactly known rest is "
+        "DeepCache-style; a model that keeps them: digits, the natural models, the mixture), or corrected "
+        "(cached plus a rank-one secant of its own error, measured at that node with the features of the "
+        "node the round before evaluated at the same step); the exactly known rest is "
         "recomputed at each drafted state.",
         choices=available_drafts,
         tune="constraint",

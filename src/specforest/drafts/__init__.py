@@ -30,6 +30,8 @@ One module a draft family, and the registry:
 * :mod:`~specforest.drafts.picard` -- :class:`PicardDraft` (``picard``, ``picard2``);
 * :mod:`~specforest.drafts.model` -- :class:`DraftModel`, :class:`LearnedDraft` (``learned``,
   the network a model declares, :func:`declared_draft`) and :class:`CachedDraft` (``cached``);
+* :mod:`~specforest.drafts.corrected` -- :class:`CorrectedDraft` (``corrected``), the cached draft
+  plus a secant correction of its own error, with :class:`PairedChainMemory`;
 * :mod:`~specforest.drafts.registry` -- :func:`get_proposal`, :func:`register_draft`,
   :func:`unregister_draft`, :func:`available_drafts`, :func:`drafts_serving`.
 
@@ -48,6 +50,7 @@ from .base import (
     Proposal,
 )
 from .chain_memory import ChainMemory, RemembersChain
+from .corrected import CorrectedDraft, PairedChainMemory
 from .frozen import FrozenPrediction
 from .memory import MemoryDraft, SecantDraft
 from .model import CachedDraft, DraftModel, LearnedDraft, declared_draft
@@ -62,6 +65,7 @@ __all__ = [
     "AutoDraft",
     "CachedDraft",
     "ChainMemory",
+    "CorrectedDraft",
     "DraftMemory",
     "DraftModel",
     "EvaluatedChain",
@@ -69,6 +73,7 @@ __all__ = [
     "MODEL_DRAFTS",
     "FrozenPrediction",
     "MemoryDraft",
+    "PairedChainMemory",
     "PicardDraft",
     "PICARD_DRAFTS",
     "Prefetch",

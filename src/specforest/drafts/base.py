@@ -34,11 +34,12 @@ drafts each step from the previous round's evaluation at that step (:class:`Memo
 ``secant`` moves that evaluation to the drafted state by a fitted gain (:class:`SecantDraft`)."""
 
 FROZEN_KINDS = DRAFT_KINDS[:5]
-MODEL_DRAFTS = ("learned", "cached")
+MODEL_DRAFTS = ("learned", "cached", "corrected")
 """Registered drafts that make network calls of their own while drafting (counted in
 ``draft_calls``) and serve only the models that have what they need: ``learned``, the draft
-network the model declares, else the digits model's distilled U-Net (:class:`LearnedDraft`), and ``cached``, the target's own outer blocks
-with its deep features reused (:class:`CachedDraft`, for a model that keeps them)."""
+network the model declares, else the digits model's distilled U-Net (:class:`LearnedDraft`), ``cached``, the target's own outer blocks
+with its deep features reused (:class:`CachedDraft`, for a model that keeps them), and ``corrected``,
+the cached draft plus a secant correction of its own error from the last rounds (:class:`CorrectedDraft`)."""
 
 PICARD_DRAFTS = ("picard", "picard2")
 """Registered drafts that refine each chain round with Picard sweeps of the target (``J = 1, 2``;
@@ -135,6 +136,10 @@ class Proposal:
         uses_features: with :attr:`uses_memory`, the round's verification call also keeps the
             target's deep features of every row (the model's ``with_features``), handed to
             :meth:`remember` (:class:`CachedDraft`).
+        keeps_pairs: with :attr:`uses_memory`, each remembered node also keeps the node the round
+            before evaluated at its step: a state (the offset of the two) and, with
+            :attr:`uses_features`, its deep features (:class:`CorrectedDraft`); the memory estimate
+            counts them.
         name: short name recorded in results.
 
     A proposal's learnt state (if any) is an explicit value: :meth:`init_state`
@@ -170,6 +175,7 @@ class Proposal:
     uses_states: bool = False
     picard_sweeps: int = 0
     uses_features: bool = False
+    keeps_pairs: bool = False
     name: str = "proposal"
 
     def init_state(self, device: torch.device) -> Any:

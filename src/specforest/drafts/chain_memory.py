@@ -98,13 +98,13 @@ class ChainMemory(DraftMemory):
             ValueError: if the memory keeps states or features and they are not given.
         """
         W = self.width
-        x0 = _fit_width(x0, W)
+        x0 = fit_width(x0, W)
         n = n.clamp(max=W)
         new = dict(x0=x0, s0=s0, n=n)
         if self.y is not None:
             if y is None:
                 raise ValueError("this memory keeps the remembered states: replaced needs y")
-            y = _fit_width(y, W)
+            y = fit_width(y, W)
             at, num, den = _secant_pairs(x0, y, s0, n, self.x0, self.y, self.s0, self.n, self.gain_num.shape[1])
             new.update(
                 y=y, gain_num=self.gain_num.scatter_add(1, at, num), gain_den=self.gain_den.scatter_add(1, at, den)
@@ -112,7 +112,7 @@ class ChainMemory(DraftMemory):
         if self.features is not None:
             if features is None:
                 raise ValueError("this memory keeps the nodes' deep features: replaced needs features")
-            new.update(features=_fit_width(features.to(self.features.dtype), W))
+            new.update(features=fit_width(features.to(self.features.dtype), W))
         return replace(self, **new)
 
 
@@ -136,7 +136,7 @@ class RemembersChain(Proposal):
         return memory.replaced(x0, chain.s0, chain.n, y=chain.y, features=chain.features)
 
 
-def _fit_width(t: torch.Tensor, W: int) -> torch.Tensor:
+def fit_width(t: torch.Tensor, W: int) -> torch.Tensor:
     """``t (G, W', D)`` cut or zero-padded to ``(G, W, D)``."""
     if t.shape[1] < W:
         t = torch.cat([t, t.new_zeros(t.shape[0], W - t.shape[1], t.shape[2])], 1)

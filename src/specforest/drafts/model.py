@@ -377,26 +377,37 @@ class CachedDraft(RemembersChain):
     def mean(self, tab, y, steps, pre, cond, shape, state, memory=None):
         if pre is None:
             raise ValueError(f"draft={self.name!r} needs a prefetched evaluation")
-        G, n, D = y.shape
         sig = tab.sig[steps]  # (G, n)
         x0 = (pre.y - tab.sig[pre.step][:, None] * pre.v)[:, None]  # (G, 1, D)
         v = (y - x0) / sig[..., None]
         feats = None if memory is None else memory.features
         if feats is not None:
-            F = feats.shape[2]
-            if self.model is None:
-                raise ValueError(f"draft={self.name!r} was not bound to the run's model")
             j, use = memory_node(steps, pre, memory)
-            feat = feats.gather(1, j[..., None].expand(-1, -1, F))
-            kw = {k: t.repeat_interleave(n, dim=0) for k, t in cond.items()}
-            with outside_inference():
-                vc = self.model.from_features(
-                    y.reshape(G * n, *shape), sig.reshape(-1), feat.reshape(G * n, F), **self.model_kwargs, **kw
-                )
-            if not isinstance(vc, torch.Tensor) or vc.numel() != y.numel():
-                raise ValueError(f"draft={self.name!r}: from_features must return a tensor of shape {(G * n, *shape)}")
-            v = torch.where(use[..., None], vc.reshape(G, n, D).to(y.dtype), v)
+            feat = feats.gather(1, j[..., None].expand(-1, -1, feats.shape[2]))
+            v = torch.where(use[..., None], self.cheap_velocity(y, sig, feat, cond, shape), v)
         return tab.mean(y, v, steps)
+
+    def cheap_velocity(
+        self, y: torch.Tensor, sig: torch.Tensor, feat: torch.Tensor, cond: dict, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The model's cheap evaluation ``from_features`` in one batched call (counted with the drafted
+        level's): velocities ``(G, n, D)`` at states ``y (G, n, D)`` of levels ``sig (G, n)`` with the deep
+        features ``feat (G, n, F)``, the ``G`` trajectories' conditioning ``cond`` given to their rows.
+
+        Raises:
+            ValueError: if the draft was not bound to a model, or ``from_features`` returns another shape.
+        """
+        if self.model is None:
+            raise ValueError(f"draft={self.name!r} was not bound to the run's model")
+        G, n, D = y.shape
+        kw = {k: t.repeat_interleave(n, dim=0) for k, t in cond.items()}
+        with outside_inference():
+            vc = self.model.from_features(
+                y.reshape(G * n, *shape), sig.reshape(-1), feat.reshape(G * n, -1), **self.model_kwargs, **kw
+            )
+        if not isinstance(vc, torch.Tensor) or vc.numel() != y.numel():
+            raise ValueError(f"draft={self.name!r}: from_features must return a tensor of shape {(G * n, *shape)}")
+        return vc.reshape(G, n, D).to(y.dtype)
 
     def __repr__(self) -> str:
         return "CachedDraft()"

@@ -10,6 +10,7 @@ import torch
 
 from .auto import AutoDraft
 from .base import DRAFTS, FROZEN_KINDS, Proposal, VelocityFn, available_drafts
+from .corrected import CorrectedDraft
 from .frozen import FrozenPrediction
 from .memory import MemoryDraft, SecantDraft
 from .model import CachedDraft, DraftModel, LearnedDraft
@@ -24,6 +25,7 @@ _SHIPPED: dict[str, Callable[[], Proposal]] = {
     "secant": SecantDraft,
     "learned": LearnedDraft.of_model,
     "cached": CachedDraft,
+    "corrected": CorrectedDraft,
     "picard": lambda: PicardDraft(1),
     "picard2": lambda: PicardDraft(2),
 }
