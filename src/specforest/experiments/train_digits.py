@@ -49,7 +49,17 @@ from ..models.edm import EDMDenoiserVelocity
 from ..models.unet import EDMPrecond, UNet, UNetConfig
 from .io import atomic_write, atomic_write_text
 
-__all__ = ["TrainConfig", "lr_at", "main_train", "optimizer_step", "train_classifier", "train_denoiser"]
+__all__ = [
+    "TrainConfig",
+    "loss_figure",
+    "lr_at",
+    "main_train",
+    "optimizer_step",
+    "safetensors_bytes",
+    "sample_sigma",
+    "train_classifier",
+    "train_denoiser",
+]
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,9 @@ def optimizer_step(
     return loss.item()
 
 
-def _sample_sigma(n: int, cfg: TrainConfig, g: torch.Generator) -> torch.Tensor:
+def sample_sigma(n: int, cfg: TrainConfig, g: torch.Generator) -> torch.Tensor:
+    """``(n,)`` EDM training noise levels: ``ln s ~ N(cfg.p_mean, cfg.p_std^2)``, a share ``cfg.p_uniform``
+    drawn log-uniformly on ``[1e-3, 80]`` instead, every draw from ``g``."""
     normal = (torch.randn(n, generator=g) * cfg.p_std + cfg.p_mean).exp()
     lo, hi = math.log(1e-3), math.log(80.0)
     unif = (torch.rand(n, generator=g) * (hi - lo) + lo).exp()
@@ -172,7 +184,7 @@ def train_denoiser(
         idx = torch.randint(0, x.shape[0], (cfg.batch,), generator=g)
         x0, c = x[idx], labels[idx].clone()
         c[torch.rand(cfg.batch, generator=g) < cfg.label_dropout] = null
-        s = _sample_sigma(cfg.batch, cfg, g)
+        s = sample_sigma(cfg.batch, cfg, g)
         n = torch.randn(x0.shape, generator=g)
         d = model(x0 + s[:, None, None, None] * n, s, c)
         w = (s * s + sd2) / (s * s * sd2)
@@ -254,14 +266,16 @@ def train_classifier(
     return clf, info
 
 
-def _safetensors_bytes(module: torch.nn.Module, metadata: dict[str, str]) -> bytes:
+def safetensors_bytes(module: torch.nn.Module, metadata: dict[str, str]) -> bytes:
+    """``module``'s weights as safetensors bytes (contiguous CPU tensors) with ``metadata``."""
     from safetensors.torch import save
 
     state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
     return save(state, metadata=metadata)
 
 
-def _loss_figure(losses: list[float], path: Path, *, title: str = "digits denoiser training") -> None:
+def loss_figure(losses: list[float], path: Path, *, title: str = "digits denoiser training") -> None:
+    """A PNG of a training's loss curve (batch losses and their running mean) at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -354,8 +368,8 @@ def main_train(
     }
     meta_common = {"train": json.dumps(summary)}
     files = {
-        UNET_FILE: _safetensors_bytes(den.net, {"config": json.dumps(ucfg.to_dict()), **meta_common}),
-        CLASSIFIER_FILE: _safetensors_bytes(
+        UNET_FILE: safetensors_bytes(den.net, {"config": json.dumps(ucfg.to_dict()), **meta_common}),
+        CLASSIFIER_FILE: safetensors_bytes(
             clf, {"width": str(clf.width), "feature_dim": str(clf.feature_dim), **meta_common}
         ),
     }
@@ -368,7 +382,7 @@ def main_train(
     entries[UNET_FILE]["sample_accuracy"] = acc
     entries[CLASSIFIER_FILE]["classifier"] = cinfo
     atomic_write_text(weights_dir / MANIFEST, json.dumps(entries, indent=2) + "\n")
-    _loss_figure(dinfo["loss"], out_dir / "loss.png")
+    loss_figure(dinfo["loss"], out_dir / "loss.png")
     atomic_write_text(out_dir / "train_log.json", json.dumps(summary, indent=2) + "\n")
     log(f"wrote {', '.join(str(weights_dir / n) for n in files)}, {weights_dir / MANIFEST}")
     log(f"wrote {out_dir / 'loss.png'}, {out_dir / 'train_log.json'}")

@@ -98,6 +98,11 @@ class NaturalModel:
         unet: the network's architecture (what training builds; the shipped file records its own).
         steps: optimizer steps of the shipped run (``specforest train NAME``'s default).
         batch: crops per step of the shipped run.
+        draft_file: its learned draft's weights file (``specforest train NAME-draft``).
+        draft_unet: the draft's architecture: the target's, narrower
+            (:func:`specforest.models.digits.multiply_adds` counts a call's cost against the target's).
+        draft_steps: optimizer steps of the shipped draft's run.
+        draft_batch: states per step of the shipped draft's run.
     """
 
     name: str
@@ -105,6 +110,10 @@ class NaturalModel:
     unet: UNetConfig
     steps: int
     batch: int
+    draft_file: str
+    draft_unet: UNetConfig
+    draft_steps: int
+    draft_batch: int
 
     @property
     def resolution(self) -> int:
@@ -124,6 +133,10 @@ MODELS: dict[str, NaturalModel] = {
         UNetConfig(img_channels=3, img_resolution=32, channels=(32, 64, 96), emb_dim=128, num_classes=0),
         steps=2000,
         batch=32,
+        draft_file="natural32_draft_unet.safetensors",
+        draft_unet=UNetConfig(img_channels=3, img_resolution=32, channels=(16, 32, 48), emb_dim=64, num_classes=0),
+        draft_steps=2500,
+        draft_batch=16,
     ),
     "natural64": NaturalModel(
         "natural64",
@@ -131,6 +144,10 @@ MODELS: dict[str, NaturalModel] = {
         UNetConfig(img_channels=3, img_resolution=64, channels=(16, 32, 64), emb_dim=128, num_classes=0),
         steps=2500,
         batch=16,
+        draft_file="natural64_draft_unet.safetensors",
+        draft_unet=UNetConfig(img_channels=3, img_resolution=64, channels=(8, 16, 32), emb_dim=64, num_classes=0),
+        draft_steps=2000,
+        draft_batch=8,
     ),
 }
 """The models by name, with the architecture and the run ``specforest train NAME`` makes by default
