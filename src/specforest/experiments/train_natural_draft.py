@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from ..models.digits import MANIFEST, WEIGHTS_DIR, manifest, multiply_adds
-from ..models.natural import check_name, load_denoiser, load_images, random_crops
+from ..models.natural import check_name, load_denoiser, load_draft_denoiser, load_images, random_crops
 from ..models.unet import EDMPrecond, UNetConfig
 from ..validation import check_int, check_number
 from .io import atomic_write_text
@@ -44,10 +44,13 @@ from .training import LoopConfig, ship_weights, train_loop
 __all__ = [
     "BANDS",
     "NaturalDraftConfig",
+    "acceptance_run",
+    "compare_drafts",
     "delta_squared",
     "delta_table",
     "held_out_deltas",
     "main_train_natural_draft",
+    "trajectory_deltas",
     "verified_levels",
 ]
 
@@ -170,13 +173,111 @@ def held_out_deltas(
                 x = x0 + s * torch.randn(x0.shape, generator=g)
                 d2.append(delta_squared(draft, target(x, sv), x, sv, torch.full_like(sv, ws)))
             per_level.append(float(torch.cat(d2).mean()))
+    return _bands(sig.tolist(), per_level)
+
+
+def _bands(sig: list[float], d2: list[float]) -> list[dict]:
+    """Root-mean of ``d2`` (a ``delta^2`` per level ``sig``) per band of :data:`BANDS`."""
     out = []
     for lo, hi in BANDS:
-        sel = [
-            d for s, d in zip(sig.tolist(), per_level, strict=True) if lo <= s < hi or (hi == BANDS[-1][1] and s == hi)
-        ]
-        out.append({"lo": lo, "hi": hi, "steps": len(sel), "rms_delta": float(sum(sel) / len(sel)) ** 0.5})
+        sel = [d for s, d in zip(sig, d2, strict=True) if lo <= s < hi or (hi == BANDS[-1][1] and s == hi)]
+        out.append({"lo": lo, "hi": hi, "steps": len(sel), "rms_delta": (sum(sel) / len(sel)) ** 0.5})
     return out
+
+
+@torch.no_grad()
+def compare_drafts(name: str, *, trajectories: int = 2, sampler_steps: int = 50, depth: int = 8, seed: int = 0) -> dict:
+    """The shipped draft of ``name`` beside the frozen ``velocity`` draft and the ``cached`` self-draft,
+    on ``euler_ancestral`` with ``sampler_steps`` Karras levels over ``[0.002, 80]``.
+
+    Two measurements:
+
+    * ``deltas``: on the standard sampler's own trajectories (``trajectories`` of them, seeded), at each
+      verified step ``s + 1`` the mismatch of each draft of the target's prediction there, drafted from
+      the target's evaluation at step ``s`` (a depth-2 problem of a round anchored at step ``s``): the
+      velocity draft's ``y_{s+1} - t_{s+1} v_s`` (linear-path units), the cached draft's target with its
+      deep features from step ``s`` (its ``shallow`` call), and the learned draft anchored as
+      :class:`~specforest.drafts.LearnedDraft` anchors it, ``D_s + f(x_{s+1}) - f(x_s)``; root-mean
+      ``delta^2`` per band of :data:`BANDS`, the same states for every draft;
+    * ``runs``: the RMC chain of ``depth`` with each draft through the drop-in (``seed``), its pooled
+      acceptance rate, steps per target call (``T / NFE``) and target and draft calls.
+    """
+    target = load_denoiser(name)
+    return {
+        **trajectory_deltas(target, load_draft_denoiser(name), trajectories, sampler_steps, seed),
+        "runs": {
+            d: acceptance_run(target, d, trajectories, sampler_steps, depth, seed)
+            for d in ("velocity", "cached", "learned")
+        },
+        "trajectories": trajectories,
+        "depth": depth,
+        "steps": sampler_steps,
+    }
+
+
+@torch.no_grad()
+def trajectory_deltas(
+    target: EDMPrecond, draft: EDMPrecond, trajectories: int, sampler_steps: int, seed: int
+) -> dict[str, dict[str, list[dict]]]:
+    """``{"deltas": {draft: bands}}``: the first measurement of :func:`compare_drafts`, of the draft
+    network ``draft`` of the target ``target``."""
+    from ..chains import EulerAncestral
+    from ..kdiffusion import linear_grid, sample_euler_ancestral
+    from ..schedules import get_sigmas_karras
+    from ..streams import randn
+
+    sigmas = get_sigmas_karras(sampler_steps, 0.002, 80.0).double()
+    tab = EulerAncestral().build(linear_grid(sigmas)).tables("cpu", torch.float64)
+    x0 = randn(seed, torch.arange(trajectories), target.net.state_shape) * float(sigmas[0])
+    states: list[torch.Tensor] = []
+    sample_euler_ancestral(
+        target, x0, sigmas, callback=lambda d: states.append(d["x"].clone()), disable=True, seed=seed
+    )
+    errs: dict[str, list[float]] = {"velocity": [], "cached": [], "learned": []}
+    levels = []
+    for s in range(sampler_steps - 1):
+        if not bool(tab.stochastic[s + 1]):
+            continue
+        sa, sb = float(sigmas[s]), float(sigmas[s + 1])
+        xa, xb = states[s], states[s + 1]
+        da, feat = target.deep(xa, torch.full((trajectories,), sa))
+        db = target(xb, torch.full((trajectories,), sb))
+        ta, tb = sa / (1 + sa), sb / (1 + sb)
+        ya, yb = xa / (1 + sa), xb / (1 + sb)
+        guesses = {
+            "velocity": yb - tb * (ya - da) / ta,
+            "cached": target.shallow(xb, torch.full((trajectories,), sb), feat),
+            "learned": da + draft(xb, torch.full((trajectories,), sb)) - draft(xa, torch.full((trajectories,), sa)),
+        }
+        w = float((tab.c[s + 1] / (tab.sig[s + 1] * tab.scale[s + 1])).square())
+        for k, guess in guesses.items():
+            errs[k].append(w * float((guess - db).square().mean()))
+        levels.append(sb)
+    return {"deltas": {k: _bands(levels, v) for k, v in errs.items()}}
+
+
+@torch.no_grad()
+def acceptance_run(
+    target: EDMPrecond, draft: str, trajectories: int, sampler_steps: int, depth: int, seed: int
+) -> dict:
+    """The second measurement of :func:`compare_drafts` for one ``draft`` name: ``{"acceptance",
+    "steps_per_call", "calls", "draft_calls"}``."""
+    from ..kdiffusion import sample
+    from ..schedules import get_sigmas_karras
+    from ..streams import randn
+    from ..trees import chain
+
+    sigmas = get_sigmas_karras(sampler_steps, 0.002, 80.0).double()
+    x0 = randn(seed, torch.arange(trajectories), target.net.state_shape) * float(sigmas[0])
+    out = sample(target, x0, sigmas, chain="euler_ancestral", tree=chain(depth), coupling="rmc", draft=draft,
+                 seed=seed, disable=True)  # fmt: skip
+    st = out.stats
+    return {
+        "acceptance": float(st.accepts.sum() / st.attempts.sum()),
+        "steps_per_call": float(st.speedup.mean()),
+        "calls": int(st.calls),
+        "draft_calls": int(st.draft_calls),
+    }
 
 
 def delta_table(rows: dict[str, list[dict]]) -> str:
