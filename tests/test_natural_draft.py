@@ -19,7 +19,7 @@ import specforest
 from specforest import kdiffusion, streams, trees
 from specforest.cli.train import train
 from specforest.couplings import Coupling
-from specforest.drafts import LearnedDraft, declared_draft, drafts_serving
+from specforest.drafts import declared_draft, drafts_serving
 from specforest.experiments import train_natural_draft
 from specforest.experiments.train_natural_draft import NaturalDraftConfig
 from specforest.models import digits, natural
