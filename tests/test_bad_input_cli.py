@@ -223,6 +223,8 @@ def _output_cases(tmp_path: Path) -> list:
         (["train", "digits-draft", "--weights-dir", "OUT"], "--weights-dir", True),
         (["train", "natural32", "--out", "OUT"], "--out", True),
         (["train", "natural64", "--weights-dir", "OUT"], "--weights-dir", True),
+        (["train", "natural32-draft", "--out", "OUT"], "--out", True),
+        (["train", "natural64-draft", "--weights-dir", "OUT"], "--weights-dir", True),
     ]
 
 

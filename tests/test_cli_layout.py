@@ -68,6 +68,10 @@ COMMANDS = {
     "--figure-samples --max-minutes --seed --threads --progress/--no-progress",
     "train natural64": "--out --weights-dir --steps --batch --channels --checkpoint-every --eval-crops "
     "--figure-samples --max-minutes --seed --threads --progress/--no-progress",
+    "train natural32-draft": "--out --weights-dir --steps --batch --checkpoint-every --eval-crops --max-minutes --seed "
+    "--threads --progress/--no-progress",
+    "train natural64-draft": "--out --weights-dir --steps --batch --checkpoint-every --eval-crops --max-minutes --seed "
+    "--threads --progress/--no-progress",
     "tune": "--model --steps --churn --chain --eta --s-noise --path --s-churn --s-tmin --s-tmax --variance --solver-type --r --scheduler --batch --device --dim --components --mixture-seed --drafts --budget-max --out "
     "--pipeline --prompts --num-prompts --guidance --shift --height --width --max-sequence-length --dtype "
     "--true-cfg-scale --negative-prompt --max-memory-gb --threads --progress/--no-progress --schedule --sigma-min "

@@ -557,6 +557,8 @@ OUTPUTS = {
     "train digits-draft --weights-dir": (["train", "digits-draft", "--weights-dir"], "", True),
     "train natural32 --out": (["train", "natural32", "--out"], "", True),
     "train natural64 --weights-dir": (["train", "natural64", "--weights-dir"], "", True),
+    "train natural32-draft --out": (["train", "natural32-draft", "--out"], "", True),
+    "train natural64-draft --weights-dir": (["train", "natural64-draft", "--weights-dir"], "", True),
 }
 UNWRITABLE = ("under-a-file", "a-folder-for-a-file") + (("proc",) if Path("/proc/self").is_dir() else ())
 

@@ -266,3 +266,91 @@ def _natural_command(name: str):
 
 train_natural32 = _natural_command("natural32")
 train_natural64 = _natural_command("natural64")
+
+
+def _natural_draft_command(name: str):
+    """``specforest train NAME-draft`` for one of the natural-image models (its defaults: the shipped run's)."""
+    from ..models.natural import MODELS
+
+    spec = MODELS[name]
+
+    @train.command(f"{name}-draft", context_settings=CONTEXT)
+    @click.option(
+        "--out",
+        "out_dir",
+        type=click.Path(file_okay=False),
+        default=f"results/train_{name}-draft",
+        show_default=True,
+        callback=output_path(what="the checkpoint and the training log", folder=True),
+        help="Folder of checkpoint.safetensors (a rerun resumes from it) and train_log.json.",
+    )
+    @_weights_dir_option(f"Where {spec.draft_file} goes and whose manifest.json gets its entry (atomically).")
+    @click.option(
+        "--steps", type=click.IntRange(1), default=spec.draft_steps, show_default=True, help="Optimizer steps."
+    )
+    @click.option(
+        "--batch", type=click.IntRange(1), default=spec.draft_batch, show_default=True, help="Noised crops per step."
+    )
+    @click.option(
+        "--checkpoint-every", type=click.IntRange(1), default=100, show_default=True, help="Steps between checkpoints."
+    )
+    @click.option(
+        "--eval-crops",
+        type=click.IntRange(0),
+        default=64,
+        show_default=True,
+        help="Held-out crops noised at every verified level to measure the draft's mismatch (0: no evaluation).",
+    )
+    @_max_minutes_seed_options(
+        15.0, "Stop this run's training after this many minutes (checkpointed: rerun to resume)."
+    )
+    @_threads_progress_options
+    def command(
+        out_dir: str,
+        weights_dir: "str | None",
+        steps: int,
+        batch: int,
+        checkpoint_every: int,
+        eval_crops: int,
+        max_minutes: float,
+        seed: int,
+        threads: int,
+        progress: bool,
+    ) -> None:
+        import torch
+
+        from ..experiments.train_natural_draft import NaturalDraftConfig, main_train_natural_draft
+        from ..models.digits import WEIGHTS_DIR
+
+        weights = _weights_dir(weights_dir, WEIGHTS_DIR)
+        torch.set_num_threads(threads)
+        cfg = NaturalDraftConfig(
+            steps=steps,
+            batch=batch,
+            seed=seed,
+            max_minutes=max_minutes,
+            checkpoint_every=checkpoint_every,
+            eval_crops=eval_crops,
+        )
+        library_errors(
+            lambda: main_train_natural_draft(
+                name,
+                out_dir,
+                weights_dir=weights,
+                config=cfg,
+                progress=progress,
+                log=lambda line: click.echo(line, err=True),
+            )
+        )
+
+    command.__doc__ = (
+        f"Distill {name}'s learned draft (draft=\"learned\"): a narrower U-Net trained to minimise the sampler's "
+        "mismatch delta against the shipped target on noised training crops at the verified levels of "
+        "euler_ancestral's 50 Karras steps; resumable from its checkpoint."
+    )
+    command.help = command.__doc__
+    return command
+
+
+train_natural32_draft = _natural_draft_command("natural32")
+train_natural64_draft = _natural_draft_command("natural64")

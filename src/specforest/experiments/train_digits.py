@@ -49,7 +49,17 @@ from ..models.edm import EDMDenoiserVelocity
 from ..models.unet import EDMPrecond, UNet, UNetConfig
 from .io import atomic_write, atomic_write_text
 
-__all__ = ["TrainConfig", "lr_at", "main_train", "optimizer_step", "train_classifier", "train_denoiser"]
+__all__ = [
+    "TrainConfig",
+    "loss_figure",
+    "lr_at",
+    "main_train",
+    "optimizer_step",
+    "safetensors_bytes",
+    "sample_sigma",
+    "train_classifier",
+    "train_denoiser",
+]
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,8 @@ def optimizer_step(
 
 
 def sample_sigma(n: int, cfg: TrainConfig, g: torch.Generator) -> torch.Tensor:
-    """``(n,)`` training noise levels: EDM's log-normal (``cfg.p_mean``, ``cfg.p_std``), mixed with
-    probability ``cfg.p_uniform`` with log-uniform levels in ``[1e-3, 80]``; drawn from ``g``."""
+    """``(n,)`` EDM training noise levels: ``ln s ~ N(cfg.p_mean, cfg.p_std^2)``, a share ``cfg.p_uniform``
+    drawn log-uniformly on ``[1e-3, 80]`` instead, every draw from ``g``."""
     normal = (torch.randn(n, generator=g) * cfg.p_std + cfg.p_mean).exp()
     lo, hi = math.log(1e-3), math.log(80.0)
     unif = (torch.rand(n, generator=g) * (hi - lo) + lo).exp()
@@ -257,7 +267,7 @@ def train_classifier(
 
 
 def safetensors_bytes(module: torch.nn.Module, metadata: dict[str, str]) -> bytes:
-    """The safetensors file of ``module``'s state dict (on the CPU) with the string ``metadata``."""
+    """``module``'s weights as safetensors bytes (contiguous CPU tensors) with ``metadata``."""
     from safetensors.torch import save
 
     state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
@@ -265,7 +275,7 @@ def safetensors_bytes(module: torch.nn.Module, metadata: dict[str, str]) -> byte
 
 
 def loss_figure(losses: list[float], path: Path, *, title: str = "digits denoiser training") -> None:
-    """Write the plot of the per-batch ``losses`` and their running mean to ``path`` (``title`` on top)."""
+    """A PNG of a training's loss curve (batch losses and their running mean) at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")

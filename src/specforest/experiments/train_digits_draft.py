@@ -25,15 +25,10 @@ time.
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..models.digits import (
@@ -48,11 +43,10 @@ from ..models.digits import (
     multiply_adds,
 )
 from ..models.edm import EDMDenoiserVelocity
-from ..models.unet import EDMPrecond, UNet, UNetConfig
+from ..models.unet import EDMPrecond, UNetConfig
 from ..options import make_sde
 from ..validation import check_churn, check_int, check_number
-from .io import atomic_write, atomic_write_text
-from .train_digits import lr_at, optimizer_step
+from .training import LoopConfig, ship_weights, train_loop
 
 __all__ = ["DraftTrainConfig", "main_train_draft", "train_draft"]
 
@@ -127,26 +121,9 @@ def train_draft(
         The EMA denoiser (eval mode, gradients off) and ``{"loss": [...], ...}``; the loss is the
         mean ``delta^2`` of a batch.
     """
-    g = torch.Generator().manual_seed(cfg.seed)
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.seed)
-        net = UNet(unet_config)
-    model = EDMPrecond(net, sigma_data=unet_config.sigma_data)
-    student = EDMDenoiserVelocity(model)
-    ema = copy.deepcopy(model).eval()
-    ema.requires_grad_(False)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     t_grid, w_grid = grid_weights(cfg)
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.steps, desc="draft", unit="step")
-    for step in range(cfg.steps):
-        if time.perf_counter() - t0 > 60.0 * cfg.max_minutes:
-            break
+    def loss_of(model: EDMPrecond, g: torch.Generator) -> torch.Tensor:
         idx = torch.randint(0, x.shape[0], (cfg.batch,), generator=g)
         k = torch.randint(0, t_grid.numel(), (cfg.batch,), generator=g)
         t, w = t_grid[k], w_grid[k]
@@ -155,23 +132,21 @@ def train_draft(
         y = (1.0 - tb) * x0 + tb * torch.randn(x0.shape, generator=g)
         with torch.no_grad():
             v_target = teacher(y, t, class_labels=c)
-        v = student(y, t, class_labels=c)
-        loss = (w * (v - v_target).square().flatten(1).mean(1)).mean()
-        lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
-        losses.append(optimizer_step(model, ema, opt, loss, step, lr, cfg.ema_decay))
-        if bar is not None:
-            bar.update(1)
-            if step % 50 == 0:
-                bar.set_postfix(delta2=f"{np.mean(losses[-100:]):.4f}")
-    if bar is not None:
-        bar.close()
-    info = {
-        "loss": losses,
-        "steps_done": len(losses),
-        "stopped_early": len(losses) < cfg.steps,
-        "seconds": time.perf_counter() - t0,
-        "final_delta2": float(np.mean(losses[-100:])) if losses else float("nan"),
-    }
+        v = EDMDenoiserVelocity(model)(y, t, class_labels=c)
+        return (w * (v - v_target).square().flatten(1).mean(1)).mean()
+
+    loop = LoopConfig(
+        steps=cfg.steps,
+        lr=cfg.lr,
+        warmup=cfg.warmup,
+        ema_decay=cfg.ema_decay,
+        seed=cfg.seed,
+        max_minutes=cfg.max_minutes,
+    )
+    ema, info = train_loop(
+        loss_of, unet_config, loop, desc="draft", postfix="delta2", postfix_window=100, progress=progress
+    )
+    info["final_delta2"] = info.pop("final_loss")
     return ema, info
 
 
@@ -212,8 +187,6 @@ def main_train_draft(
     Returns:
         The training summary recorded in the manifest (without the loss curve).
     """
-    from safetensors.torch import save
-
     weights_dir = Path(weights_dir)
     teacher = load_velocity()
     x, labels = load_digits_data()
@@ -233,11 +206,6 @@ def main_train_draft(
         "target_sha256": manifest()[UNET_FILE]["sha256"],
         "torch": torch.__version__,
     }
-    state = {k: v.detach().contiguous().cpu() for k, v in den.net.state_dict().items()}
-    data = save(state, metadata={"config": json.dumps(DRAFT_CONFIG.to_dict()), "train": json.dumps(summary)})
-    atomic_write(weights_dir / DRAFT_FILE, lambda f: f.write(data), binary=True)
-    entries = manifest(weights_dir) if (weights_dir / MANIFEST).exists() else {}
-    entries[DRAFT_FILE] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), **summary}
-    atomic_write_text(weights_dir / MANIFEST, json.dumps(entries, indent=2) + "\n")
+    ship_weights(den, weights_dir, DRAFT_FILE, summary)
     log(f"wrote {weights_dir / DRAFT_FILE}, {weights_dir / MANIFEST}")
     return summary

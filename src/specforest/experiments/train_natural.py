@@ -26,7 +26,6 @@ output folder. Nothing here runs at import or at test time.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -44,7 +43,8 @@ from ..models.natural import check_name, load_images, random_crops
 from ..models.unet import EDMPrecond, UNet, UNetConfig
 from ..plots import pyplot
 from .io import atomic_write, atomic_write_text
-from .train_digits import loss_figure, lr_at, optimizer_step, safetensors_bytes, sample_sigma
+from .train_digits import loss_figure, safetensors_bytes, sample_sigma
+from .training import CHECKPOINT, LoopConfig, train_loop
 
 __all__ = [
     "CHECKPOINT",
@@ -59,7 +59,6 @@ __all__ = [
     "samples_figure",
 ]
 
-CHECKPOINT = "checkpoint.safetensors"
 EVAL_SIGMAS = (0.002, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 80.0)
 """The VE noise levels of the evaluation: the sampler's whole range ``[0.002, 80]``."""
 
@@ -258,42 +257,6 @@ def samples_figure(
     return Path(path)
 
 
-def _checkpoint_bytes(
-    model: EDMPrecond, ema: EDMPrecond, opt: torch.optim.Optimizer, g: torch.Generator, meta: dict
-) -> bytes:
-    from safetensors.torch import save
-
-    tensors = {f"model.{k}": v for k, v in model.net.state_dict().items()}
-    tensors.update({f"ema.{k}": v for k, v in ema.net.state_dict().items()})
-    for i, st in opt.state_dict()["state"].items():
-        tensors.update({f"opt.{i}.{k}": torch.as_tensor(v) for k, v in st.items()})
-    tensors["rng"] = g.get_state()
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    return save(tensors, metadata={k: json.dumps(v) for k, v in meta.items()})
-
-
-def _load_checkpoint(
-    path: Path, model: EDMPrecond, ema: EDMPrecond, opt: torch.optim.Optimizer, g: torch.Generator
-) -> dict:
-    """Restore a checkpoint into the run's objects; returns its metadata."""
-    from safetensors.torch import load
-
-    tensors = load(path.read_bytes())
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        meta = {k: json.loads(v) for k, v in json.loads(f.read(n))["__metadata__"].items()}
-    model.net.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-    ema.net.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("ema.")})
-    state: dict[int, dict] = {}
-    for k, v in tensors.items():
-        if k.startswith("opt."):
-            _, i, key = k.split(".", 2)
-            state.setdefault(int(i), {})[key] = v
-    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
-    g.set_state(tensors["rng"])
-    return meta
-
-
 def _train(
     name: str,
     cfg: NaturalTrainConfig,
@@ -303,73 +266,32 @@ def _train(
     progress: bool,
     log: Callable[[str], None],
 ) -> tuple[EDMPrecond, dict]:
-    """The training loop, from the checkpoint in ``out_dir`` when there is one (of ``cfg``)."""
-    model_spec = check_name(name)
-    res = model_spec.resolution
-    g = torch.Generator().manual_seed(cfg.seed)
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.seed)
-        net = UNet(unet_config)
-    model = EDMPrecond(net, sigma_data=unet_config.sigma_data)
-    ema = copy.deepcopy(model).eval()
-    ema.requires_grad_(False)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    ident = {"name": name, "config": cfg.resumable_dict(), "unet_config": unet_config.to_dict()}
-    ckpt = out_dir / CHECKPOINT
-    start, losses, seconds = 0, [], 0.0
-    if ckpt.is_file():
-        meta = _load_checkpoint(ckpt, model, ema, opt, g)
-        if meta["run"] != ident:
-            raise ValueError(
-                f"{ckpt} was made by another configuration ({meta['run']}), not this one ({ident}): "
-                "remove it to start afresh, or give another --out"
-            )
-        start, losses, seconds = meta["step"], meta["losses"], meta["seconds"]
-        log(f"resuming {name} from {ckpt} at step {start} of {cfg.steps}")
+    """The training loop (:func:`~specforest.experiments.training.train_loop`), from the checkpoint in
+    ``out_dir`` when there is one (of ``cfg``)."""
+    res = check_name(name).resolution
     pyramids = load_images(res, "train")
     sd2 = unet_config.sigma_data**2
-    t0 = time.perf_counter()
 
-    def save(step: int) -> None:
-        meta = {"run": ident, "step": step, "losses": losses, "seconds": seconds + time.perf_counter() - t0}
-        data = _checkpoint_bytes(model, ema, opt, g, meta)
-        atomic_write(ckpt, lambda f: f.write(data), binary=True)
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start, desc=name, unit="step")
-    step = start
-    model.train()
-    while step < cfg.steps:
-        if time.perf_counter() - t0 > 60.0 * cfg.max_minutes:
-            break
+    def loss_of(model: EDMPrecond, g: torch.Generator) -> torch.Tensor:
+        # (the crops come through the module's name, which the interruption test replaces)
         x0 = random_crops(pyramids, cfg.batch, res, g)
         s = sample_sigma(cfg.batch, cfg, g)
         n = torch.randn(x0.shape, generator=g)
         d = model(x0 + s[:, None, None, None] * n, s)
         w = (s * s + sd2) / (s * s * sd2)
-        loss = (w[:, None, None, None] * (d - x0).square()).mean()
-        lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
-        losses.append(optimizer_step(model, ema, opt, loss, step, lr, cfg.ema_decay))
-        step += 1
-        if bar is not None:
-            bar.update(1)
-            if step % 20 == 0:
-                bar.set_postfix(loss=f"{np.mean(losses[-200:]):.4f}")
-        if step % cfg.checkpoint_every == 0 and step < cfg.steps:
-            save(step)
-    if bar is not None:
-        bar.close()
-    save(step)
-    info = {
-        "steps_done": step,
-        "stopped_early": step < cfg.steps,
-        "seconds": seconds + time.perf_counter() - t0,
-        "final_loss": float(np.mean(losses[-200:])) if losses else None,
-    }
-    return ema, {**info, "loss": losses}
+        return (w[:, None, None, None] * (d - x0).square()).mean()
+
+    loop = LoopConfig(
+        steps=cfg.steps,
+        lr=cfg.lr,
+        warmup=cfg.warmup,
+        ema_decay=cfg.ema_decay,
+        seed=cfg.seed,
+        max_minutes=cfg.max_minutes,
+        checkpoint_every=cfg.checkpoint_every,
+    )
+    ident = {"name": name, "config": cfg.resumable_dict(), "unet_config": unet_config.to_dict()}
+    return train_loop(loss_of, unet_config, loop, out_dir=out_dir, ident=ident, desc=name, progress=progress, log=log)
 
 
 def main_train_natural(

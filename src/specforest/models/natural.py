@@ -27,7 +27,11 @@ Their weights ship as safetensors files beside the digits model's, with their SH
 
 * :func:`load_denoiser` -- ``D(x: (M, 3, H, W), sigma: (M,)) -> (M, 3, H, W)`` on VE noise levels
   ``x = x_0 + sigma n``: what the k-diffusion drop-ins (:mod:`specforest.kdiffusion`) take;
-* :func:`load_velocity` -- the same as a linear-path velocity for :func:`specforest.sample`.
+* :func:`load_velocity` -- the same as a linear-path velocity for :func:`specforest.sample`;
+* :func:`load_draft_denoiser` -- a model's learned draft: a narrower U-Net
+  (:attr:`NaturalModel.draft_unet`) distilled from the target by ``specforest train NAME-draft``
+  (:mod:`specforest.experiments.train_natural_draft`), which the shipped target declares for
+  ``draft="learned"`` (:class:`specforest.drafts.LearnedDraft`).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ __all__ = [
     "activation_numel",
     "check_name",
     "load_denoiser",
+    "load_draft_denoiser",
     "load_images",
     "load_velocity",
     "random_crops",
@@ -98,6 +103,11 @@ class NaturalModel:
         unet: the network's architecture (what training builds; the shipped file records its own).
         steps: optimizer steps of the shipped run (``specforest train NAME``'s default).
         batch: crops per step of the shipped run.
+        draft_file: its learned draft's weights file (``specforest train NAME-draft``).
+        draft_unet: the draft's architecture: the target's, narrower
+            (:func:`specforest.models.digits.multiply_adds` counts a call's cost against the target's).
+        draft_steps: optimizer steps of the shipped draft's run.
+        draft_batch: states per step of the shipped draft's run.
     """
 
     name: str
@@ -105,6 +115,10 @@ class NaturalModel:
     unet: UNetConfig
     steps: int
     batch: int
+    draft_file: str
+    draft_unet: UNetConfig
+    draft_steps: int
+    draft_batch: int
 
     @property
     def resolution(self) -> int:
@@ -124,6 +138,10 @@ MODELS: dict[str, NaturalModel] = {
         UNetConfig(img_channels=3, img_resolution=32, channels=(32, 64, 96), emb_dim=128, num_classes=0),
         steps=2000,
         batch=32,
+        draft_file="natural32_draft_unet.safetensors",
+        draft_unet=UNetConfig(img_channels=3, img_resolution=32, channels=(16, 32, 48), emb_dim=64, num_classes=0),
+        draft_steps=1800,
+        draft_batch=16,
     ),
     "natural64": NaturalModel(
         "natural64",
@@ -131,6 +149,10 @@ MODELS: dict[str, NaturalModel] = {
         UNetConfig(img_channels=3, img_resolution=64, channels=(16, 32, 64), emb_dim=128, num_classes=0),
         steps=2500,
         batch=16,
+        draft_file="natural64_draft_unet.safetensors",
+        draft_unet=UNetConfig(img_channels=3, img_resolution=64, channels=(8, 16, 32), emb_dim=64, num_classes=0),
+        draft_steps=1600,
+        draft_batch=8,
     ),
 }
 """The models by name, with the architecture and the run ``specforest train NAME`` makes by default
@@ -288,7 +310,11 @@ def load_denoiser(
         dtype: the network's dtype (its preconditioning and the sampler stay in float32).
 
     Returns:
-        An :class:`~specforest.models.unet.EDMPrecond` in eval mode, gradients off.
+        An :class:`~specforest.models.unet.EDMPrecond` in eval mode, gradients off. The shipped
+        weights' denoiser declares the draft distilled from it where that draft ships (its file and
+        its manifest entry beside the target's), ``learned_draft``: a callable of no arguments giving
+        :func:`load_draft_denoiser` of ``name`` on the same device and dtype, which ``draft="learned"``
+        reads (:func:`specforest.drafts.declared_draft`).
 
     Raises:
         ValueError: naming ``name`` and the accepted names.
@@ -297,6 +323,7 @@ def load_denoiser(
         ChecksumError: if the file's digest differs from the recorded one, or none is recorded.
     """
     model = check_name(name)
+    shipped = path is None
     if path is None and (
         not (WEIGHTS_DIR / model.file).is_file()
         or (WEIGHTS_DIR / MANIFEST).is_file()
@@ -323,7 +350,47 @@ def load_denoiser(
         raise WeightsFileError(f"{path} is not valid as {_KIND} of {name}: {e}") from None
     den = EDMPrecond(net.to(dtype), sigma_data=cfg.sigma_data).to(device).eval()
     den.requires_grad_(False)
+    if shipped and _ships(model.draft_file):
+        # the shipped target declares the draft distilled from it (draft="learned"), on its device
+        den.learned_draft = functools.partial(load_draft_denoiser, name, device=device, dtype=dtype)
     return den
+
+
+def _ships(file: str) -> bool:
+    """Whether ``file`` is in the package's weights folder and listed in its manifest."""
+    return (WEIGHTS_DIR / file).is_file() and (WEIGHTS_DIR / MANIFEST).is_file() and file in manifest(WEIGHTS_DIR)
+
+
+def load_draft_denoiser(
+    name: str,
+    *,
+    path: Optional[PathLike] = None,
+    sha256: Optional[str] = None,
+    device: "str | torch.device" = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> EDMPrecond:
+    """Model ``name``'s learned draft, an EDM denoiser ``D(x: (M, 3, H, W), sigma: (M,)) -> (M, 3, H, W)``
+    with the target's signature: what ``draft="learned"`` evaluates
+    (:meth:`specforest.drafts.LearnedDraft.from_denoiser`), through the EDM adapter in
+    :func:`specforest.sample` and as the model is called in the k-diffusion drop-ins.
+
+    The weights default to the shipped ``NAME_draft_unet.safetensors`` (checked against the manifest);
+    see :func:`load_denoiser` for the arguments.
+
+    Raises:
+        ValueError: naming ``name`` and the accepted names.
+        FileNotFoundError: if the file or its manifest entry is missing (``specforest train NAME-draft``).
+        WeightsFileError: if the file is not a natural-image U-Net of ``name``'s shape.
+        ChecksumError: if the file's digest differs from the recorded one, or none is recorded.
+    """
+    model = check_name(name)
+    if path is None and not _ships(model.draft_file):
+        raise FileNotFoundError(
+            f"{name}'s draft weights {model.draft_file} are not in {WEIGHTS_DIR} or its {MANIFEST}; "
+            f"run `specforest train {name}-draft`"
+        )
+    path, sha256 = resolve_weights(model.draft_file, path, sha256)
+    return load_denoiser(name, path=path, sha256=sha256, device=device, dtype=dtype)
 
 
 def load_velocity(
