@@ -113,11 +113,17 @@ FEATURE_DRAFTS = ["cached", "corrected"]
 """The drafts that reuse a network's deep features: searched for the networks that keep them."""
 
 
+def network_drafts(target: Target) -> list[str]:
+    """The drafts a network serves beyond the frozen ones: its feature drafts (:data:`FEATURE_DRAFTS`) where
+    it keeps its deep features, ``learned`` where it declares a distilled draft network (``learned_draft``)."""
+    if target.kind != "denoiser":
+        return []
+    out = list(FEATURE_DRAFTS) if has_features(target.fn) else []
+    return out + (["learned"] if getattr(target.fn, "learned_draft", None) is not None else [])
+
+
 def drafts_for(target: Target) -> list[str]:
-    out = ["velocity", "x0"]
-    if target.kind == "denoiser" and has_features(target.fn):
-        out += FEATURE_DRAFTS
-    return out
+    return ["velocity", "x0", *network_drafts(target)]
 
 
 def summarize(res, d: int) -> dict:
@@ -170,8 +176,8 @@ def deep_section(tgts: list, n: int) -> list[str]:
         f"{machine_line()}, one thread.",
         "",
         "Depth 8 caps T/NFE near T / ceil(T / 8): the goals' long grids need deeper chains. RMC chains of the "
-        f"depths shown; drafts: {' and '.join(FEATURE_DRAFTS)} for the networks (the best shown, the other's "
-        f"T/NFE beside it), x0 for the mixture; {n} trajectories per run (natural64: 1); the oracle at the best "
+        f"depths shown; drafts: {', '.join(FEATURE_DRAFTS)} and learned (where the model declares its distilled "
+        "draft) for the networks (the best shown, the others' T/NFE beside it), x0 for the mixture; {n} trajectories per run (natural64: 1); the oracle at the best "
         "depth.",
         "",
         "| model | d | sampler | best T/NFE (depth, draft) | T/NFE per depth and draft tried | oracle T/NFE | "
@@ -180,7 +186,7 @@ def deep_section(tgts: list, n: int) -> list[str]:
     ]
     for sampler, depths in DEEP.items():
         for tgt in tgts:
-            drafts = ["x0"] if tgt.kind == "velocity" else (FEATURE_DRAFTS if has_features(tgt.fn) else ["velocity"])
+            drafts = ["x0"] if tgt.kind == "velocity" else (network_drafts(tgt) or ["velocity"])
             cell = measure_cell(tgt, sampler, 1 if tgt.name == "natural64" else n, depths, drafts)
             b, o = cell["best"], cell["oracle"]
             tried = ", ".join(f"{s['L']} {s['draft']}: {s['speedup']:.2f}" for s in cell["tried"])
@@ -196,7 +202,8 @@ def deep_section(tgts: list, n: int) -> list[str]:
 
 def tune_timing(repeats: int) -> list[str]:
     """The ``real_dims_tune`` section: :func:`specforest.latency.tune`'s choice for one image of
-    ``natural32``, ``euler_ancestral`` 50 Karras steps (drafts velocity and x0, budgets up to 16),
+    ``natural32``, ``euler_ancestral`` 50 Karras steps (drafts velocity, x0, cached, corrected and learned,
+    budgets up to 16),
     timed against the standard sampler (warm, one thread, in turns, median of ``repeats``)."""
     from specforest.latency import tune
     from specforest.models.natural import load_velocity
@@ -220,7 +227,7 @@ def tune_timing(repeats: int) -> list[str]:
         sigmas_for=sigmas_for,
         batch=1,
         budget_max=16,
-        drafts=("velocity", "x0"),
+        drafts=("velocity", "x0", "cached", "corrected", "learned"),
         calibration_trajectories=2,
         race=2,
         race_repeats=2,
@@ -241,8 +248,8 @@ def tune_timing(repeats: int) -> list[str]:
         f"Measured with `benchmarks/real_dims.py --tune-only --repeats {repeats}` (also run by the full "
         f"command) on {machine_line()}, one thread.",
         "",
-        "One image of natural32, euler_ancestral 50 Karras steps: `specforest.latency.tune` (drafts velocity and "
-        f"x0, budgets up to 16, 2 calibration trajectories, a race of 2) chose **{tuned.label}** "
+        "One image of natural32, euler_ancestral 50 Karras steps: `specforest.latency.tune` (drafts velocity, "
+        f"x0, cached, corrected and learned, budgets up to 16, 2 calibration trajectories, a race of 2) chose **{tuned.label}** "
         f"(draft {tuned.draft}; predicted {tuned.predicted_speedup:.2f}x; tuning took {tune_s:.0f} s). Warm, "
         f"one thread, run in turns with the standard sampler, median of {repeats}: standard {t_std:.2f} s, "
         f"tune's choice {t_spec:.2f} s (T/NFE {nfe:.2f}): **{t_std / t_spec:.2f}x**.",
