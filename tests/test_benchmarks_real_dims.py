@@ -58,11 +58,16 @@ def test_bad_input_is_refused_naming_the_flag_before_any_work(tmp_path, argv, fl
 
 def test_the_search_tries_the_feature_drafts_on_a_network_that_keeps_its_features(real_dims):
     """A denoiser with ``deep`` and ``shallow`` methods (the digits model's) is searched with ``cached``
-    and ``corrected`` beside the frozen drafts; the mixture, a velocity, with the frozen ones only."""
+    and ``corrected`` beside the frozen drafts, and ``learned`` where it declares its draft network (digits
+    does; the same network without the declaration is not); the mixture, a velocity, with the frozen ones only."""
     from specforest.models import GaussianMixture
     from specforest.models.digits import load_denoiser
 
     net = real_dims.Target("digits", 64, (1, 8, 8), "denoiser", load_denoiser())
-    assert real_dims.drafts_for(net) == ["velocity", "x0", "cached", "corrected"]
+    assert real_dims.drafts_for(net) == ["velocity", "x0", "cached", "corrected", "learned"]
+    bare = load_denoiser()
+    del bare.learned_draft
+    plain = real_dims.Target("digits", 64, (1, 8, 8), "denoiser", bare)
+    assert real_dims.drafts_for(plain) == ["velocity", "x0", "cached", "corrected"]
     mix = real_dims.Target("mixture", 16, (16,), "velocity", GaussianMixture.paper(dim=16, components=3))
     assert real_dims.drafts_for(mix) == ["velocity", "x0"]
