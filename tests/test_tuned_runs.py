@@ -475,3 +475,20 @@ def test_pixel_runs_a_tuned_tree(tmp_path):
     rec = json.loads(res.stdout)
     assert rec["method"] == "dgrs" and rec["tree"] == "custom" and rec["budget"] == 4 and rec["draft"] == "x0"
     assert rec["steps"] == 10 and rec["samples"] == 1
+
+
+def test_a_ve_chain_is_tuned_on_its_schedule_from_the_first_check(gmm, monkeypatch):
+    # the check that a tree can pay (before the cost curve) built the chain on the named grid, which starts at
+    # t = 1, so a VE chain given its schedule was refused there; every run is on the schedule
+    calls: list = []
+    real = measure.sample
+    monkeypatch.setattr(measure, "sample", lambda m, x, **kw: (calls.append(kw), real(m, x, **kw))[1])
+    monkeypatch.setattr(measure, "TIMING_RUNS", 1)
+    x = streams.randn(0, torch.arange(4), (4,))
+    kw = dict(steps=8, batch=2, budget_max=3, calibration_trajectories=4, race=0, drafts=("velocity",))
+    tuned = latency.tune(
+        gmm, x, chain=get_chain("euler", s_churn=5.0), schedule="karras", curve=CostCurve((1, 4096), (1e-4, 1e-1)), **kw
+    )
+    assert isinstance(tuned, Tuned) and calls and all(c.get("schedule") == "karras" for c in calls)
+    with pytest.raises(ValueError, match="not defined on this grid at step 0"):
+        latency.tune(gmm, x, chain=get_chain("euler", s_churn=5.0), curve=CostCurve((1,), (1.0,)), **kw)

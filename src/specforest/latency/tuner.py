@@ -12,7 +12,7 @@ import torch
 
 from .. import trees
 from ..chains import Chain
-from ..options import check_stochastic, make_sde, resolve
+from ..options import check_stochastic, options_sde, resolve
 from ..proposals import get_proposal
 from ..trees import optimal, uniform
 from ..validation import check_int
@@ -235,7 +235,7 @@ def tune(
     grid = {"sigmas": sigmas_for(steps)} if callable(sigmas_for) else {"steps": steps}
     run = resolve(None, dict(churn=churn, chain=chain, **grid, **constraints, **sample_kwargs))
     # before the cost curve is measured (minutes): on a chain without noise no tree can pay
-    sde = make_sde(run.steps, run.sigmas, run.grid, run.shift, run.churn, run.chain)
+    sde = options_sde(run)  # (its schedule too: a VE chain is refused on the named grids)
     check_stochastic(sde, "There is nothing to tune: run the standard sampler (tree=None)")
     verify = constraints.get("verify")
     draft = constraints.get("draft")
