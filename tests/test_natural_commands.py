@@ -316,7 +316,7 @@ def standard_natural32() -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["velocity", "x0", "cached"])
+@pytest.mark.parametrize("draft", ["velocity", "x0", "cached", "corrected", "learned"])
 def test_natural32_tree_runs_keep_the_standard_law(standard_natural32, draft):
     """A chain of 3 (RMC) with each draft: every statistic within ``Z_TOL`` of the standard run's."""
     z = _two_sample_z(_run(10 + len(draft), tree=trees.chain(3), coupling="rmc", draft=draft), standard_natural32)
