@@ -97,3 +97,53 @@ def test_a_chain_of_a_new_history_runs_through_the_engine_as_written():
         testing.check_chain_law(
             tree, coupling, "x0", chain=AveragedLCM(), sigmas=grid, churn=None, trajectories=3000, lazy=lazy
         ).assert_exact()
+
+
+@pytest.mark.parametrize("name", ["dpmpp_2m_sde", "dpmpp_3m_sde", "dpmpp_sde"])
+def test_a_prefetched_root_drafts_its_grandchildren_with_the_target_mean(name):
+    """The target as its own draft, the root prefetched: the draft means at depth 1 and 2 of a chain of history
+    ``h`` are the target's transition means, in closed form on a single Gaussian (``v = alpha y + beta``,
+    :mod:`specforest.testing`). A depth-2 parent's last prediction is the root's own; before, the draft read the
+    root's older one there (``dpmpp_sde``'s end half-step: its start's quantity, the root's own hand-on)."""
+    from dataclasses import replace
+
+    from specforest import SamplerOptions, engine, streams
+    from specforest.drafting import draft
+    from specforest.drafts import Prefetch
+    from specforest.drafts.model import DraftModel
+    from specforest.models.gmm import GaussianMixture
+    from specforest.sampler import prepare
+
+    mu0, s0, D, G = torch.tensor([0.7, -0.4, 1.1], dtype=torch.float64), 0.6, 3, 4
+    gauss = GaussianMixture(mu0[None], torch.tensor([s0], dtype=torch.float64))
+    chain = chains.get_chain(name)
+    grid = chains.karras_linear_grid(8)
+    tr = chain.build(grid)
+    spec = prepare(SamplerOptions(chain=chain, sigmas=grid, tree=trees.chain(3), draft=DraftModel(gauss)))
+    ctx = spec.context(gauss, (D,), torch.float64, torch.device("cpu"), G, {})
+    state = engine.init_state(ctx, streams.randn(0, torch.arange(G), (D,), dtype=torch.float64), torch.arange(G))
+    r = torch.Generator().manual_seed(3)
+    x = torch.randn(G, D, dtype=torch.float64, generator=r)
+    n0 = 2  # a step start of dpmpp_sde: its midpoint's mean reads nothing, its end's what the start hands on
+    step = torch.full((G,), n0, dtype=torch.long)
+    t = tr.sigmas
+
+    def velocity(y, n):
+        alpha, beta = testing._gaussian_velocity(float(t[n]), mu0, s0)
+        return alpha * y + beta
+
+    pre = Prefetch.empty(G, D, torch.float64, torch.device("cpu")).replaced(x, velocity(x, n0), step)
+    old = torch.randn(G, chain.history, D, dtype=torch.float64, generator=r)
+    state = replace(state, x=x, step=step, pre=pre, carried=Carried(old))
+    d = draft(ctx, state, engine.schedule(ctx, state).groups[0])
+    # the chain by hand: what the root hands on, from its own velocity
+    k = tr.carries[n0]
+    handed = k[0] * x + k[1] * velocity(x, n0)
+    y1 = d.Y[:, 1]
+    want1 = tr.a[n0] * x + tr.c[n0] * velocity(x, n0) + sum(tr.past[n0, j] * old[:, j] for j in range(chain.history))
+    p1 = torch.cat([handed[:, None], old[:, :-1]], 1)
+    want2 = tr.a[n0 + 1] * y1 + tr.c[n0 + 1] * velocity(y1, n0 + 1)
+    want2 = want2 + sum(tr.past[n0 + 1, j] * p1[:, j] for j in range(chain.history))
+    assert bool(tr.past[n0 + 1, 0] != 0)
+    torch.testing.assert_close(d.Mp[:, 0], want1, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(d.Mp[:, 1], want2, rtol=1e-12, atol=1e-12)

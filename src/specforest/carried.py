@@ -112,6 +112,33 @@ class Carried:
             level = level[:, up]  # p_{j + 1} of a node is its parent's p_j
         return Carried(out)
 
+    def term_below(self, x0: torch.Tensor, past: torch.Tensor, depth: torch.Tensor) -> Optional[torch.Tensor]:
+        """The carried term ``sum_j past[..., j] p_j`` of the states ``depth`` steps below these ones, when
+        every state from these down to the descendants' parents hands on ``x0``: ``p_j`` is ``x0`` for
+        ``j < depth`` (this state or one between, not known yet), this state's own ``p_{j - depth}`` beyond.
+        What a draft's mean reads below a root (:func:`specforest.drafting.carried_term`): exact at depth 0,
+        and at depth 1 where ``x0`` is what the root hands on.
+
+        Args:
+            x0: ``(G, D)`` what each of these ``G`` states (and the states below it) hands on.
+            past: ``(G, n, h)`` the mean's coefficients at the descendants' steps.
+            depth: ``(n,)`` long, how far below these states each descendant's parent is (``>= 0``).
+
+        Returns:
+            ``(G, n, D)``, or ``None`` for history 0.
+        """
+        if self.p is None:
+            return None
+        h = self.history
+        # lag j of a parent at depth k reads source max(0, 1 + j - k): 0 is x0, s >= 1 this state's p_{s - 1}
+        src = (1 + torch.arange(h, device=depth.device)[None] - depth[:, None]).clamp(min=0)  # (n, h)
+        pick = (src[..., None] == torch.arange(h + 1, device=depth.device)).to(past.dtype)  # (n, h, h + 1)
+        coef = (past[..., None] * pick).sum(-2)  # (G, n, h + 1): the lags reading each source, summed
+        m = coef[..., 0:1] * x0[:, None]
+        for s in range(1, h + 1):
+            m = torch.addcmul(m, coef[..., s : s + 1], self.p[:, None, s - 1])
+        return m
+
     def term(self, past: torch.Tensor) -> Optional[torch.Tensor]:
         """``sum_j past[..., j] p_j``, ``(..., D)``, with coefficients ``past (..., h)`` (``None`` for history 0)."""
         if self.p is None:

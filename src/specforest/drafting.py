@@ -26,20 +26,43 @@ __all__ = [
     "draft",
     "is_chain",
     "remembers_chain",
+    "root_hand_on",
     "runs_full",
     "sibling_noise",
     "tree_draws",
 ]
 
 
-def carried_term(ctx: RunContext, steps: torch.Tensor, carried: Carried) -> Optional[torch.Tensor]:
-    """``(G, n, D)`` the multistep term of the draft means at parent steps ``steps (G, n)``, from the
-    roots' carried predictions ``carried`` (``(G, h, D)``); ``None`` for a chain that carries none.
+def root_hand_on(ctx: RunContext, x: torch.Tensor, s0: torch.Tensor, pre, carried: Carried) -> Optional[torch.Tensor]:
+    """``(G, D)`` what each root ``x (G, D)`` at step ``s0 (G,)`` hands its children (:meth:`~specforest.sde.StepTables.carry`),
+    as well as it is known before the round: with the prediction of the prefetched evaluation ``pre``
+    (:meth:`~specforest.sde.StepTables.hand_on`), exact where that is the root's own; the root's last carried
+    prediction where ``pre`` holds none. ``None`` for a chain that carries nothing.
 
-    Exact for a root's children; deeper, the parent's own predictions are not known while drafting,
-    so every level reuses the root's (a draft is any mean: the coupling keeps the law).
+    It reads only what was evaluated before the round, so a draft mean made from it keeps the law.
     """
-    return ctx.tab.past_term(steps, carried[:, None])
+    if not carried.history:
+        return None
+    tab = ctx.tab
+    est = tab.hand_on(x, tab.prediction(pre.y, pre.v, pre.step), s0.clamp(max=ctx.T - 1))
+    return torch.where(pre.valid[:, None], est, carried.p[:, 0])
+
+
+def carried_term(
+    ctx: RunContext, steps: torch.Tensor, depth: torch.Tensor, carried: Carried, handed: Optional[torch.Tensor]
+) -> Optional[torch.Tensor]:
+    """``(G, n, D)`` the multistep term of the draft means at parents ``depth (n,)`` steps below the roots, at
+    steps ``steps (G, n)``; ``None`` for a chain that carries none.
+
+    A parent's past predictions are the roots' carried ones ``carried`` (``(G, h, D)``) where they were made
+    at or above the root's parent, and what the root hands on, ``handed`` (``(G, D)``, :func:`root_hand_on`),
+    from the root down to the parent's parent (:meth:`~specforest.carried.Carried.term_below`): exact for a
+    root's children, and for its grandchildren where the root was prefetched. The nodes between are not
+    evaluated while drafting; a draft is any mean (the coupling keeps the law).
+    """
+    if not carried.history:
+        return None
+    return carried.term_below(handed, ctx.tab.past[steps], depth)
 
 
 def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
@@ -219,6 +242,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
         keys=keys,
         pre=pre,
         carried=carried,
+        handed=root_hand_on(ctx, x0, s0, pre, carried),
         memory=memory,
     )
     if ctx.lazy:
@@ -242,7 +266,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             A, C = prop.coefficients(tab, steps, pre, state.draft_state, **mem)
         else:
             A, C = prop.coefficients(tab, steps, pre, state.draft_state, terms, **mem)
-        extra = carried_term(ctx, steps, carried)
+        extra = carried_term(ctx, steps, ctx.depth_cols[:Lr], carried, known["handed"])
         if extra is not None:
             C = C + extra
     if chain_draft(prop, tt, Lr):
@@ -272,7 +296,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             Al, Cl = A.split_with_sizes((1,) * Lr, 1), C.split_with_sizes((1,) * Lr, 1)
         else:
             cond = ctx.target.cond_rows(ids, ALL_ROWS if group.everyone else None)
-            extra = carried_term(ctx, steps, carried)
+            extra = carried_term(ctx, steps, ctx.depth_cols[:Lr], carried, known["handed"])
         for level in range(1, Lr + 1):
             p0, p1, k = tt.layers[level - 1]
             c0, c1, _ = tt.layers[level]

@@ -330,8 +330,9 @@ class OnDemand:
         pre = d.pre.take(a)
         mem = {} if d.memory is None else {"memory": d.memory.take(a)}
         prop = ctx.proposal
-        # the draft's multistep term, as the full draft makes it (the root's carried predictions)
-        extra = carried_term(ctx, sa[:, None], d.carried.take(a))
+        # the draft's multistep term, as the full draft makes it (from the root's carried predictions and hand-on)
+        handed = None if d.handed is None else d.handed[a]
+        extra = carried_term(ctx, sa[:, None], ctx.depth_cols[level - 1 : level], d.carried.take(a), handed)
         if prop.affine:
             A, C = prop.coefficients(ctx.tab, sa[:, None], pre, self.draft_state, **mem)
             if extra is not None:
