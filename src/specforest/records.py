@@ -374,8 +374,8 @@ class Draft:
         sweeps: Picard sweeps made drafting it (:class:`~specforest.drafts.PicardDraft`):
             sequential target calls before the verification's, each of ``Lr`` rows a trajectory.
         carried: the roots' carried predictions (:attr:`RunState.carried`).
-        handed: ``(G, D)`` what each root hands its children as known before the round
-            (:func:`~specforest.drafting.root_hand_on`), the draft means' multistep term below the
+        predicted: ``(G, D)`` the prediction the round drafts its states' hand-ons with
+            (:func:`~specforest.drafting.root_prediction`), the draft means' multistep term below the
             root's children; ``None`` for a chain that carries nothing.
     """
 
@@ -396,7 +396,7 @@ class Draft:
     terms: Any = None
     draft_calls: int = 0
     carried: Carried = NOTHING
-    handed: Optional[torch.Tensor] = None
+    predicted: Optional[torch.Tensor] = None
     sweeps: int = 0
     memory: Optional[DraftMemory] = None
 

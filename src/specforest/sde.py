@@ -424,13 +424,19 @@ class StepTables:
         """:meth:`carry` of states ``y (M, ..., D)`` at steps ``step (M, ...)`` (``< T``) whose prediction is
         ``x0`` (``(M, ..., D)``) rather than given by a velocity: ``u y + w x0`` with the chain's declared
         ``(u, w)`` (:meth:`specforest.chains.Chain.carries`), ``x0`` itself by default. What a draft hands on
-        from a state it has not evaluated, with another state's prediction (:func:`specforest.drafting.root_hand_on`)."""
+        from a state it has not evaluated, with another state's prediction (:func:`specforest.drafting.carried_term`)."""
         if self.keep is None:
             return x0
         k = self.keep[step]
         # keep = (u + w, -w sig): w = -keep_v / sig
         w = -k[..., 1:] / self.sig[step][..., None]
         return torch.addcmul(w * x0, k[..., :1] - w, y)
+
+    @property
+    def hands_on_prediction(self) -> bool:
+        """Whether what a state hands on is its prediction alone (:meth:`hand_on` of any state is ``x0``),
+        not a combination with the state itself (``dpmpp_sde``'s step start)."""
+        return self.keep is None
 
     def carry(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """What the states' children carry (:meth:`Carried.pushed`), ``(M, ..., D)``, from states ``y (M, ..., D)``
