@@ -10,6 +10,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+import specforest
 from specforest import chains, kdiffusion, testing, trees
 from specforest.carried import NOTHING, Carried
 from specforest.kdiffusion import linear_grid
@@ -99,12 +100,17 @@ def test_a_chain_of_a_new_history_runs_through_the_engine_as_written():
         ).assert_exact()
 
 
-@pytest.mark.parametrize("name", ["dpmpp_2m_sde", "dpmpp_3m_sde", "dpmpp_sde"])
+HISTORY_CHAINS = ["dpmpp_2m_sde", "dpmpp_3m_sde", "dpmpp_sde"]
+
+
+@pytest.mark.parametrize("name", HISTORY_CHAINS)
 def test_a_prefetched_root_drafts_its_grandchildren_with_the_target_mean(name):
     """The target as its own draft, the root prefetched: the draft means at depth 1 and 2 of a chain of history
     ``h`` are the target's transition means, in closed form on a single Gaussian (``v = alpha y + beta``,
     :mod:`specforest.testing`). A depth-2 parent's last prediction is the root's own; before, the draft read the
-    root's older one there (``dpmpp_sde``'s end half-step: its start's quantity, the root's own hand-on)."""
+    root's older one there (``dpmpp_sde``'s end half-step: its start's quantity, the root's own hand-on). At
+    depth 3 the depth-2 state's hand-on is drafted: the chain's carried quantity of that state with the
+    root's prediction (``u y + w D``)."""
     from dataclasses import replace
 
     from specforest import SamplerOptions, engine, streams
@@ -136,14 +142,36 @@ def test_a_prefetched_root_drafts_its_grandchildren_with_the_target_mean(name):
     old = torch.randn(G, chain.history, D, dtype=torch.float64, generator=r)
     state = replace(state, x=x, step=step, pre=pre, carried=Carried(old))
     d = draft(ctx, state, engine.schedule(ctx, state).groups[0])
-    # the chain by hand: what the root hands on, from its own velocity
-    k = tr.carries[n0]
-    handed = k[0] * x + k[1] * velocity(x, n0)
-    y1 = d.Y[:, 1]
-    want1 = tr.a[n0] * x + tr.c[n0] * velocity(x, n0) + sum(tr.past[n0, j] * old[:, j] for j in range(chain.history))
-    p1 = torch.cat([handed[:, None], old[:, :-1]], 1)
-    want2 = tr.a[n0 + 1] * y1 + tr.c[n0 + 1] * velocity(y1, n0 + 1)
-    want2 = want2 + sum(tr.past[n0 + 1, j] * p1[:, j] for j in range(chain.history))
-    assert bool(tr.past[n0 + 1, 0] != 0)
-    torch.testing.assert_close(d.Mp[:, 0], want1, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(d.Mp[:, 1], want2, rtol=1e-12, atol=1e-12)
+    # the chain by hand: what a state hands on from its velocity, k_y y + k_v v (tr.carries)
+    pred = x - t[n0] * velocity(x, n0)
+    carried, want = old, []
+    for depth in range(3):
+        n, y = n0 + depth, d.Y[:, depth]
+        mean = tr.a[n] * y + tr.c[n] * velocity(y, n) + sum(tr.past[n, j] * carried[:, j] for j in range(chain.history))
+        want.append(mean)
+        # the root's own hand-on is exact; below it, the state's with the root's prediction, v = (y - pred) / t
+        v = velocity(y, n) if depth == 0 else (y - pred) / t[n]
+        handed = tr.carries[n, 0] * y + tr.carries[n, 1] * v
+        carried = torch.cat([handed[:, None], carried[:, :-1]], 1)
+    assert bool(tr.past[n0 + 1, 0] != 0) and bool(tr.past[n0 + 2 + (name == "dpmpp_sde"), 0] != 0)
+    for depth in range(3):
+        torch.testing.assert_close(d.Mp[:, depth], want[depth], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", HISTORY_CHAINS)
+def test_the_lazy_walk_drafts_the_carried_term_as_the_full_round(name):
+    """The lazy walk pushes each drafted state's hand-on along its path as the full draft does, one depth at a
+    time or all at once: the same numbers on a chain (an affine draft) and a tree (a draft model)."""
+    from specforest.models.gmm import GaussianMixture
+
+    gmm = GaussianMixture.paper(dim=4, components=3, seed=0)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    kw = dict(chain=name, sigmas=chains.karras_linear_grid(12, 0.03, 20.0), seed=5)
+    for opts in (
+        dict(tree=trees.chain(5), coupling="rmc", draft="x0"),
+        dict(tree=trees.uniform(2, 3), draft=lambda y, s: 0.9 * gmm(y, s)),
+    ):
+        full = specforest.sample(gmm, x, **kw, **opts)
+        lazy = specforest.sample(gmm, x, lazy=True, **kw, **opts)
+        assert torch.equal(lazy.samples, full.samples) and torch.equal(lazy.stats.nfe, full.stats.nfe)
+        assert full.stats.accept_rate_per_depth[1] > 0
