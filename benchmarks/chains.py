@@ -305,8 +305,9 @@ class Oracle(DraftModel):
     target's own (``v_eff`` from the chain's stage tableau, :meth:`specforest.stages.Stages.velocity`), so a
     chain of history 0 accepts every drafted step and its T/NFE is the tree's ceiling. Its calls are the
     price of a perfect draft and are not counted in NFE. A chain of history ``h > 0`` is drafted with the
-    root's carried predictions at every depth (:func:`specforest.drafting.carried_term`), so even this
-    draft is exact at depth 1 only: the table gives that chain's ceiling as :func:`ceiling`."""
+    predictions known before the round (:func:`specforest.drafting.carried_term`): exact at depth 1, at
+    depth 2 where the root was prefetched, and estimated deeper, so even this draft is not exact there:
+    the table gives that chain's ceiling as :func:`ceiling`."""
 
     name = "oracle"
 
@@ -531,12 +532,13 @@ def goals_section(args, models: dict, goals: tuple, command: str) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
-        "† A chain of history 2: the engine drafts a node deeper than the root's children with the root's "
-        "carried predictions (`specforest.drafting.carried_term`), so no draft, the target included, is exact "
-        "beyond depth 1; the ceiling shown is that of a chain accepting every step, T / (ceil(N / depth) + 1) "
-        "(what the oracle measures on chains of history 0 without deterministic steps), and the target as "
-        "the draft is measured beside it, with its acceptance at depth 1 / 2 / 3 / 4: exact at depth 1, "
-        "the loss at depth 2 is the stale carried prediction's, not the draft's.",
+        "† A chain of history 2: the engine drafts a node deeper than the root's children with the predictions "
+        "known before the round (`specforest.drafting.carried_term`: the prefetched evaluation's for the root "
+        "and the states below it), so no draft, the target included, is exact beyond depth 1 unless the root "
+        "was prefetched (then at depth 2 too); the ceiling shown is that of a chain accepting every step, "
+        "T / (ceil(N / depth) + 1) (what the oracle measures on chains of history 0 without deterministic "
+        "steps), and the target as the draft is measured beside it, with its acceptance at depth 1 / 2 / 3 / 4: "
+        "exact at depth 1, the loss deeper is the estimated carried predictions', not the draft's.",
     ]
     if notes:
         lines += [

@@ -10,6 +10,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+import specforest
 from specforest import chains, kdiffusion, testing, trees
 from specforest.carried import NOTHING, Carried
 from specforest.kdiffusion import linear_grid
@@ -97,3 +98,80 @@ def test_a_chain_of_a_new_history_runs_through_the_engine_as_written():
         testing.check_chain_law(
             tree, coupling, "x0", chain=AveragedLCM(), sigmas=grid, churn=None, trajectories=3000, lazy=lazy
         ).assert_exact()
+
+
+HISTORY_CHAINS = ["dpmpp_2m_sde", "dpmpp_3m_sde", "dpmpp_sde"]
+
+
+@pytest.mark.parametrize("name", HISTORY_CHAINS)
+def test_a_prefetched_root_drafts_its_grandchildren_with_the_target_mean(name):
+    """The target as its own draft, the root prefetched: the draft means at depth 1 and 2 of a chain of history
+    ``h`` are the target's transition means, in closed form on a single Gaussian (``v = alpha y + beta``,
+    :mod:`specforest.testing`). A depth-2 parent's last prediction is the root's own; before, the draft read the
+    root's older one there (``dpmpp_sde``'s end half-step: its start's quantity, the root's own hand-on). At
+    depth 3 the depth-2 state's hand-on is drafted: the chain's carried quantity of that state with the
+    root's prediction (``u y + w D``)."""
+    from dataclasses import replace
+
+    from specforest import SamplerOptions, engine, streams
+    from specforest.drafting import draft
+    from specforest.drafts import Prefetch
+    from specforest.drafts.model import DraftModel
+    from specforest.models.gmm import GaussianMixture
+    from specforest.sampler import prepare
+
+    mu0, s0, D, G = torch.tensor([0.7, -0.4, 1.1], dtype=torch.float64), 0.6, 3, 4
+    gauss = GaussianMixture(mu0[None], torch.tensor([s0], dtype=torch.float64))
+    chain = chains.get_chain(name)
+    grid = chains.karras_linear_grid(8)
+    tr = chain.build(grid)
+    spec = prepare(SamplerOptions(chain=chain, sigmas=grid, tree=trees.chain(3), draft=DraftModel(gauss)))
+    ctx = spec.context(gauss, (D,), torch.float64, torch.device("cpu"), G, {})
+    state = engine.init_state(ctx, streams.randn(0, torch.arange(G), (D,), dtype=torch.float64), torch.arange(G))
+    r = torch.Generator().manual_seed(3)
+    x = torch.randn(G, D, dtype=torch.float64, generator=r)
+    n0 = 2  # a step start of dpmpp_sde: its midpoint's mean reads nothing, its end's what the start hands on
+    step = torch.full((G,), n0, dtype=torch.long)
+    t = tr.sigmas
+
+    def velocity(y, n):
+        alpha, beta = testing._gaussian_velocity(float(t[n]), mu0, s0)
+        return alpha * y + beta
+
+    pre = Prefetch.empty(G, D, torch.float64, torch.device("cpu")).replaced(x, velocity(x, n0), step)
+    old = torch.randn(G, chain.history, D, dtype=torch.float64, generator=r)
+    state = replace(state, x=x, step=step, pre=pre, carried=Carried(old))
+    d = draft(ctx, state, engine.schedule(ctx, state).groups[0])
+    # the chain by hand: what a state hands on from its velocity, k_y y + k_v v (tr.carries)
+    pred = x - t[n0] * velocity(x, n0)
+    carried, want = old, []
+    for depth in range(3):
+        n, y = n0 + depth, d.Y[:, depth]
+        mean = tr.a[n] * y + tr.c[n] * velocity(y, n) + sum(tr.past[n, j] * carried[:, j] for j in range(chain.history))
+        want.append(mean)
+        # the root's own hand-on is exact; below it, the state's with the root's prediction, v = (y - pred) / t
+        v = velocity(y, n) if depth == 0 else (y - pred) / t[n]
+        handed = tr.carries[n, 0] * y + tr.carries[n, 1] * v
+        carried = torch.cat([handed[:, None], carried[:, :-1]], 1)
+    assert bool(tr.past[n0 + 1, 0] != 0) and bool(tr.past[n0 + 2 + (name == "dpmpp_sde"), 0] != 0)
+    for depth in range(3):
+        torch.testing.assert_close(d.Mp[:, depth], want[depth], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", HISTORY_CHAINS)
+def test_the_lazy_walk_drafts_the_carried_term_as_the_full_round(name):
+    """The lazy walk pushes each drafted state's hand-on along its path as the full draft does, one depth at a
+    time or all at once: the same numbers on a chain (an affine draft) and a tree (a draft model)."""
+    from specforest.models.gmm import GaussianMixture
+
+    gmm = GaussianMixture.paper(dim=4, components=3, seed=0)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    kw = dict(chain=name, sigmas=chains.karras_linear_grid(12, 0.03, 20.0), seed=5)
+    for opts in (
+        dict(tree=trees.chain(5), coupling="rmc", draft="x0"),
+        dict(tree=trees.uniform(2, 3), draft=lambda y, s: 0.9 * gmm(y, s)),
+    ):
+        full = specforest.sample(gmm, x, **kw, **opts)
+        lazy = specforest.sample(gmm, x, lazy=True, **kw, **opts)
+        assert torch.equal(lazy.samples, full.samples) and torch.equal(lazy.stats.nfe, full.stats.nfe)
+        assert full.stats.accept_rate_per_depth[1] > 0

@@ -112,6 +112,31 @@ class Carried:
             level = level[:, up]  # p_{j + 1} of a node is its parent's p_j
         return Carried(out)
 
+    def term_below(self, handed: torch.Tensor, past: torch.Tensor) -> Optional[torch.Tensor]:
+        """The carried term ``sum_j past[..., j] p_j`` of the states ``0 .. n - 1`` steps below these ones on a
+        path whose state ``k`` steps below hands on ``handed[:, k]``: a state's ``p_j`` is what the state
+        ``j + 1`` steps above it handed on, this state's own ``p_{j - k}`` for one ``k`` steps below it with
+        ``j >= k``. What a draft's mean reads below a root (:func:`specforest.drafting.carried_term`), in the
+        ops of :meth:`term` on the path's states pushed one by one (:meth:`pushed`), number for number.
+
+        Args:
+            handed: ``(G, m, D)``, ``m >= n - 1``: what the path's state at each depth (0: this one) hands on.
+            past: ``(G, n, h)`` the mean's coefficients at the steps of the states ``0 .. n - 1`` below.
+
+        Returns:
+            ``(G, n, D)``, or ``None`` for history 0.
+        """
+        if self.p is None:
+            return None
+        h, n = self.history, past.shape[1]
+        # the path's hand-ons, oldest first: this state's p_{h-1} .. p_0, then depths 0, 1, ...; the state
+        # at depth k reads p_j at position h - 1 - j + k, so each j is one slice over every depth
+        ext = torch.cat([self.p.flip(1), handed[:, : max(n - 1, 0)]], 1)
+        m = past[..., 0:1] * ext[:, h - 1 : h - 1 + n]
+        for j in range(1, h):
+            m = torch.addcmul(m, past[..., j : j + 1], ext[:, h - 1 - j : h - 1 - j + n])
+        return m
+
     def term(self, past: torch.Tensor) -> Optional[torch.Tensor]:
         """``sum_j past[..., j] p_j``, ``(..., D)``, with coefficients ``past (..., h)`` (``None`` for history 0)."""
         if self.p is None:

@@ -26,20 +26,53 @@ __all__ = [
     "draft",
     "is_chain",
     "remembers_chain",
+    "hand_on",
+    "root_prediction",
     "runs_full",
     "sibling_noise",
     "tree_draws",
 ]
 
 
-def carried_term(ctx: RunContext, steps: torch.Tensor, carried: Carried) -> Optional[torch.Tensor]:
-    """``(G, n, D)`` the multistep term of the draft means at parent steps ``steps (G, n)``, from the
-    roots' carried predictions ``carried`` (``(G, h, D)``); ``None`` for a chain that carries none.
+def root_prediction(ctx: RunContext, pre, carried: Carried) -> Optional[torch.Tensor]:
+    """``(G, D)`` the clean-image prediction a round drafts its states' hand-ons with (:func:`carried_term`):
+    that of the prefetched evaluation ``pre`` (the root's own where it was evaluated at the root), the root's
+    last carried prediction where ``pre`` holds none; ``None`` for a chain that carries nothing.
 
-    Exact for a root's children; deeper, the parent's own predictions are not known while drafting,
-    so every level reuses the root's (a draft is any mean: the coupling keeps the law).
+    It reads only what was evaluated before the round, so draft means made from it keep the law.
     """
-    return ctx.tab.past_term(steps, carried[:, None])
+    if not carried.history:
+        return None
+    return torch.where(pre.valid[:, None], ctx.tab.prediction(pre.y, pre.v, pre.step), carried.p[:, 0])
+
+
+def hand_on(ctx: RunContext, y: torch.Tensor, steps: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """``(G, n, D)`` or ``(G, D)``: what drafted states ``y`` (that shape) at steps ``steps`` (``(G, n)`` or
+    ``(G,)``) hand on, their velocities not known yet: the chain's carried quantity with the round's
+    prediction ``predicted (G, D)`` (:meth:`~specforest.sde.StepTables.hand_on`), exact at a prefetched root."""
+    x0 = predicted if y.dim() == 2 else predicted[:, None]
+    return ctx.tab.hand_on(y, x0, steps)
+
+
+def carried_term(
+    ctx: RunContext, steps: torch.Tensor, carried: Carried, predicted: Optional[torch.Tensor]
+) -> Optional[torch.Tensor]:
+    """``(G, Lr, D)`` the multistep term of the draft means at the parents of every depth ``0 .. Lr - 1`` of
+    a chain whose states hand on the prediction alone (:attr:`~specforest.sde.StepTables.hands_on_prediction`),
+    at steps ``steps (G, Lr)``; ``None`` for a chain that carries none.
+
+    A parent's past predictions are the roots' carried ones ``carried`` (``(G, h, D)``) where they were made
+    at or above the root's parent, and ``predicted`` (``(G, D)``, :func:`root_prediction`) from the root down
+    to the parent's parent (:meth:`~specforest.carried.Carried.term_below`): exact for a root's children, and
+    for its grandchildren where the root was prefetched. The states between are not evaluated while drafting;
+    a draft is any mean (the coupling keeps the law). A chain whose states hand on a combination with their
+    own state (``dpmpp_sde``) drafts that combination of each drafted state and ``predicted`` one depth at
+    a time instead (:func:`hand_on`, in :func:`draft` and the lazy walk), through the same ops.
+    """
+    if not carried.history:
+        return None
+    G, Lr = steps.shape
+    return carried.term_below(predicted[:, None].expand(G, Lr, -1), ctx.tab.past[steps])
 
 
 def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
@@ -219,6 +252,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
         keys=keys,
         pre=pre,
         carried=carried,
+        predicted=root_prediction(ctx, pre, carried),
         memory=memory,
     )
     if ctx.lazy:
@@ -242,10 +276,27 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             A, C = prop.coefficients(tab, steps, pre, state.draft_state, **mem)
         else:
             A, C = prop.coefficients(tab, steps, pre, state.draft_state, terms, **mem)
-        extra = carried_term(ctx, steps, carried)
-        if extra is not None:
-            C = C + extra
-    if chain_draft(prop, tt, Lr):
+    # the draft means' multistep term: at once where the states hand on the prediction alone, else one
+    # depth at a time below (a state's hand-on reads the drafted state itself)
+    predicted = known["predicted"]
+    stepwise = carried.history > 0 and not tab.hands_on_prediction
+    extra = None if stepwise else carried_term(ctx, steps, carried, predicted)
+    if prop.affine and extra is not None:
+        C = C + extra
+    if chain_draft(prop, tt, Lr) and stepwise:
+        # as the lazy walk: each depth's term from the carried state pushed along the drafted chain
+        C = C.expand(G, Lr, D).clone()
+        drafted = carried
+        for level in range(Lr):
+            at = steps[:, level]
+            C[:, level] += tab.past_term(at, drafted)
+            torch.addcmul(C[:, level] + SZ[:, level], A[:, level], Y[:, level], out=Y[:, level + 1])
+            drafted = drafted.pushed(hand_on(ctx, Y[:, level], at, predicted))
+        torch.addcmul(C, A, Y[:, :Lr], out=Mp)
+        if prop.picard_sweeps:
+            Y, Mp = _picard(ctx, group, Y, SZ, steps, prop.picard_sweeps, carried)
+            sweeps = prop.picard_sweeps
+    elif chain_draft(prop, tt, Lr):
         # one op a depth, and the draft means after it in one op
         # (split_with_sizes: Tensor.split's Python wrapper costs more than the op, docs/engine.md)
         ones = (1,) * Lr
@@ -272,12 +323,20 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             Al, Cl = A.split_with_sizes((1,) * Lr, 1), C.split_with_sizes((1,) * Lr, 1)
         else:
             cond = ctx.target.cond_rows(ids, ALL_ROWS if group.everyone else None)
-            extra = carried_term(ctx, steps, carried)
+        if stepwise:
+            # what each drafted state hands on, and the node's carried state from its ancestors' (as the lazy walk)
+            handed = torch.empty(G, Vi, D, dtype=ctx.work, device=ctx.device)
         for level in range(1, Lr + 1):
             p0, p1, k = tt.layers[level - 1]
             c0, c1, _ = tt.layers[level]
+            term = None
+            if stepwise:
+                at = steps[:, level - 1 : level]
+                handed[:, p0:p1] = hand_on(ctx, Yl[level - 1], at, predicted)
+                term = tab.past_term(at, carried.at_nodes(handed[:, :p1], tt.up[:p1])[:, p0:p1])
             if prop.affine:
-                m = torch.addcmul(Cl[level - 1], Al[level - 1], Yl[level - 1], out=Mpl[level - 1])
+                c = Cl[level - 1] if term is None else Cl[level - 1] + term
+                m = torch.addcmul(c, Al[level - 1], Yl[level - 1], out=Mpl[level - 1])
             else:
                 m = Mpl[level - 1]
                 m.copy_(
@@ -294,6 +353,8 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
                 )
                 if extra is not None:
                     m.add_(extra[:, level - 1 : level])
+                elif term is not None:
+                    m.add_(term)
                 calls += 1
             if k == 1:
                 torch.add(m, SZl[level - 1], out=Yl[level])

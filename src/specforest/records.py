@@ -374,6 +374,9 @@ class Draft:
         sweeps: Picard sweeps made drafting it (:class:`~specforest.drafts.PicardDraft`):
             sequential target calls before the verification's, each of ``Lr`` rows a trajectory.
         carried: the roots' carried predictions (:attr:`RunState.carried`).
+        predicted: ``(G, D)`` the prediction the round drafts its states' hand-ons with
+            (:func:`~specforest.drafting.root_prediction`), the draft means' multistep term below the
+            root's children; ``None`` for a chain that carries nothing.
     """
 
     steps: TreeSteps
@@ -393,6 +396,7 @@ class Draft:
     terms: Any = None
     draft_calls: int = 0
     carried: Carried = NOTHING
+    predicted: Optional[torch.Tensor] = None
     sweeps: int = 0
     memory: Optional[DraftMemory] = None
 

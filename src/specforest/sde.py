@@ -415,11 +415,34 @@ class StepTables:
         states carrying ``carried`` (``(M, ..., h, D)``), or ``None`` for a chain of history 0."""
         return None if carried.p is None else carried.term(self.past[step])
 
+    def prediction(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """The clean-image prediction ``y - sig[step] v`` of states ``y (M, ..., D)`` with velocities ``v`` at
+        steps ``step (M, ...)`` (``0 <= step <= T``)."""
+        return torch.addcmul(y, self.sig[step][..., None], v, value=-1.0)
+
+    def hand_on(self, y: torch.Tensor, x0: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """:meth:`carry` of states ``y (M, ..., D)`` at steps ``step (M, ...)`` (``< T``) whose prediction is
+        ``x0`` (``(M, ..., D)``) rather than given by a velocity: ``u y + w x0`` with the chain's declared
+        ``(u, w)`` (:meth:`specforest.chains.Chain.carries`), ``x0`` itself by default. What a draft hands on
+        from a state it has not evaluated, with another state's prediction (:func:`specforest.drafting.carried_term`)."""
+        if self.keep is None:
+            return x0
+        k = self.keep[step]
+        # keep = (u + w, -w sig): w = -keep_v / sig
+        w = -k[..., 1:] / self.sig[step][..., None]
+        return torch.addcmul(w * x0, k[..., :1] - w, y)
+
+    @property
+    def hands_on_prediction(self) -> bool:
+        """Whether what a state hands on is its prediction alone (:meth:`hand_on` of any state is ``x0``),
+        not a combination with the state itself (``dpmpp_sde``'s step start)."""
+        return self.keep is None
+
     def carry(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """What the states' children carry (:meth:`Carried.pushed`), ``(M, ..., D)``, from states ``y (M, ..., D)``
         with velocities ``v`` at steps ``step (M, ...)``: the chain's declared ``keep[step, 0] y + keep[step, 1] v``
         (:attr:`GaussianChain.carries`), by default the clean-image prediction ``y - sig[step] v``."""
         if self.keep is None:
-            return torch.addcmul(y, self.sig[step][..., None], v, value=-1.0)
+            return self.prediction(y, v, step)
         k = self.keep[step]
         return torch.addcmul(k[..., 1:] * v, k[..., :1], y)

@@ -51,7 +51,7 @@ import torch
 from . import streams
 from .carried import Carried
 from .couplings import project
-from .drafting import carried_term, chain_draft, sibling_noise
+from .drafting import chain_draft, hand_on, sibling_noise
 from .records import Draft, Observed, RunContext, RunState, WalkResult
 
 __all__ = ["Descent", "FullTree", "Level", "OnDemand", "Problem", "Realizer", "coupling_stream", "walk"]
@@ -307,6 +307,8 @@ class OnDemand:
         self.par_y, self.par_v = self.cur_y.clone(), torch.zeros_like(self.cur_y)
         # a multistep chain: the carried predictions of each walk's current node and of its parent
         self.cur_carried = self.par_carried = d.carried
+        # ... and the one the draft reads there, pushed with what each drafted state hands on (drafting.hand_on)
+        self.drafted = d.carried
         K = d.tt.children.shape[1]
         self.kids = torch.zeros(G, K, D, dtype=ctx.work, device=ctx.device)
         self.kid_nodes = torch.full((G, K), -1, dtype=torch.long, device=ctx.device)
@@ -330,8 +332,9 @@ class OnDemand:
         pre = d.pre.take(a)
         mem = {} if d.memory is None else {"memory": d.memory.take(a)}
         prop = ctx.proposal
-        # the draft's multistep term, as the full draft makes it (the root's carried predictions)
-        extra = carried_term(ctx, sa[:, None], d.carried.take(a))
+        # the draft's multistep term, as the full draft makes it: the carried state the draft pushed along the path
+        drafted = self.drafted.take(a)
+        extra = ctx.tab.past_term(sa[:, None], drafted[:, None])
         if prop.affine:
             A, C = prop.coefficients(ctx.tab, sa[:, None], pre, self.draft_state, **mem)
             if extra is not None:
@@ -370,6 +373,8 @@ class OnDemand:
             moved = carried.take(acc)
             self.par_carried = self.par_carried.put(take, moved)
             self.cur_carried = self.cur_carried.put(take, moved.pushed(ctx.tab.carry(yu[acc], vu[acc], sa[acc])))
+            handed = hand_on(ctx, yu[acc], sa[acc], d.predicted[take])
+            self.drafted = self.drafted.put(take, drafted.take(acc).pushed(handed))
         self.cur_y[take] = kids[acc, idx[acc]]
         self.cur[take] = ch[acc, idx[acc]]
         self.cur_evaluated[take] = False
