@@ -87,14 +87,17 @@ def test_a_draft_network_equal_to_the_target_is_accepted_at_every_depth_of_a_sta
 
 
 @pytest.mark.parametrize("chain", list(STAGED))
-def test_a_cached_draft_whose_cheap_evaluation_is_the_target_rejects_only_in_its_first_round(chain):
+@pytest.mark.parametrize("draft", ["cached", "corrected"])
+def test_a_cached_draft_whose_cheap_evaluation_is_the_target_rejects_only_in_its_first_round(chain, draft):
     """The cached draft drafts its first round with the ``x0`` kind (no remembered node), every later
     one with the cheap evaluation at the remembered node, here the target itself through both stages:
-    a chain as deep as the grid rejects at most once per trajectory, in that first round."""
+    a chain as deep as the grid rejects at most once per trajectory, in that first round. The corrected
+    draft's residual, the target's prediction at the node less the cheap one through the same stages,
+    is then zero: it drafts as the cached one."""
     model = NetworkFeatures(GAUSS, GAUSS)
     out = specforest.sample(
         model, _x(32), sigmas=GRID, chain=STAGED[chain], tree=trees.chain(GRID.numel()), coupling="rmc",
-        draft="cached", seed=3,
+        draft=draft, seed=3,
     )  # fmt: skip
     st = out.stats
     rejected = (st.attempts - st.accepts).sum(1)
