@@ -14,8 +14,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specforest
-from specforest import chains, engine, residuals, trees
+from specforest import chains, engine, residuals, testing, trees
 from specforest.couplings import GRS
+from specforest.drafts import LearnedDraft
 from specforest.models import GaussianMixture
 
 GMM = GaussianMixture.paper(dim=8, components=3, seed=0)
@@ -50,7 +51,7 @@ def _syncs_per_round(monkeypatch, **kw):
     monkeypatch.setattr(engine, "host_read", lambda t: reads.append(1) or real_read(t))
     monkeypatch.setattr(engine, "run_round", counted_round)
     run = kw.pop("run", {"steps": 20, "churn": 0.4})
-    specforest.sample(GMM, X, seed=0, **run, **kw)
+    specforest.sample(kw.pop("model", GMM), X, seed=0, **run, **kw)
     return (sum(spy.count.values()) + len(reads)) / len(rounds), spy.count
 
 
@@ -83,6 +84,19 @@ def test_a_chain_of_two_stages_adds_no_synchronization(monkeypatch, tree):
     run = {"sigmas": chains.karras_linear_grid(20, 0.03, 20.0), "chain": chains.HeunChurn(s_churn=5.0)}
     per_round, seen = _syncs_per_round(monkeypatch, tree=tree, run=run)
     assert per_round <= (0 if tree is None else 2), (per_round, seen)
+
+
+@pytest.mark.parametrize("draft", ["learned", "cached"])
+def test_a_network_draft_through_a_chains_two_stages_adds_no_synchronization(monkeypatch, draft):
+    """A network draft runs its network through both stages of each drafted level (its stage points,
+    the anchors' steps, the remembered nodes' features) without reading anything on the host."""
+    model = testing.X0Features(GMM) if draft == "cached" else GMM
+    prop = "cached" if draft == "cached" else LearnedDraft(GaussianMixture.paper(dim=8, components=2, seed=1))
+    run = {"sigmas": chains.karras_linear_grid(20, 0.03, 20.0), "chain": chains.HeunChurn(s_churn=5.0)}
+    per_round, seen = _syncs_per_round(
+        monkeypatch, model=model, tree=trees.chain(5), coupling="rmc", draft=prop, run=run
+    )
+    assert per_round <= 2, (per_round, seen)
 
 
 def test_the_counter_sees_an_extra_synchronization(monkeypatch):

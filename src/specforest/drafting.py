@@ -25,6 +25,7 @@ __all__ = [
     "chain_draft",
     "draft",
     "is_chain",
+    "level_calls",
     "remembers_chain",
     "hand_on",
     "root_prediction",
@@ -73,6 +74,14 @@ def carried_term(
         return None
     G, Lr = steps.shape
     return carried.term_below(predicted[:, None].expand(G, Lr, -1), ctx.tab.past[steps])
+
+
+def level_calls(proposal, tab) -> int:
+    """The draft's network calls of one drafted level of a proposal that is not affine: ``s`` for a
+    :attr:`~specforest.drafts.Proposal.staged` draft on a chain of ``s`` stages (step tables ``tab``), which
+    runs its network through the chain's stage tableau, else one. The full draft and the lazy walk both
+    count with it."""
+    return tab.stages if proposal.staged else 1
 
 
 def sibling_noise(ctx: RunContext, keys: torch.Tensor, K: int, D: int) -> torch.Tensor:
@@ -355,7 +364,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
                     m.add_(extra[:, level - 1 : level])
                 elif term is not None:
                     m.add_(term)
-                calls += 1
+                calls += level_calls(prop, tab)
             if k == 1:
                 torch.add(m, SZl[level - 1], out=Yl[level])
             elif k:

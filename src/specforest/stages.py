@@ -10,13 +10,15 @@ further points, each linear in the state and the earlier stages' clean-image pre
 and its mean is ``a[n] y + c[n] v_eff`` with the effective velocity ``v_eff = (y - D_eff) / t`` of the
 prediction ``D_eff = sum_k weight[n, k] D_k`` (weights summing to 1): EDM's Heun step, DPM-Solver-2,
 DPM++ 2S. Given the state the step is still Gaussian with a covariance free of the network, so the
-chain is speculated exactly: a verified node's mean comes from its ``s`` stage calls; a draft
+chain is speculated exactly: a verified node's mean comes from its ``s`` stage calls; a frozen draft
 predicts ``v_eff`` as it predicts a one-stage chain's velocity (the ``x0`` draft freezes ``D_eff``,
-the prediction it reuses for every stage).
+the prediction it reuses for every stage), and a draft with a network of its own runs that network
+through this tableau (:meth:`specforest.drafts.Proposal.stage_velocity` calls :meth:`Stages.velocity`
+with the network as the target).
 
 :class:`Stages` is that tableau on one device, with :meth:`Stages.velocity`, the one place the
-engine, the walk, drafting and the lockstep round call the model: a round's one batched call
-becomes ``s`` sequential batched calls over the same rows. A one-stage chain has no
+engine, the walk, drafting, the lockstep round and the network drafts run a step's stages: a round's
+one batched call becomes ``s`` sequential batched calls over the same rows. A one-stage chain has no
 :class:`Stages` (``None``) and calls the model once, as if the concept did not exist.
 """
 

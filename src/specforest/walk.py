@@ -51,7 +51,7 @@ import torch
 from . import streams
 from .carried import Carried
 from .couplings import project
-from .drafting import chain_draft, hand_on, sibling_noise
+from .drafting import chain_draft, hand_on, level_calls, sibling_noise
 from .records import Draft, Observed, RunContext, RunState, WalkResult
 
 __all__ = ["Descent", "FullTree", "Level", "OnDemand", "Problem", "Realizer", "coupling_stream", "walk"]
@@ -345,7 +345,7 @@ class OnDemand:
             mu_p = prop.mean(ctx.tab, yu[:, None], sa[:, None], pre, cond, ctx.shape, self.draft_state, **mem)[:, 0]
             if extra is not None:
                 mu_p = mu_p + extra[:, 0]
-            self.draft_calls += 1
+            self.draft_calls += level_calls(prop, ctx.tab)
         ch = tt.children[u]  # (P, K)
         K = ch.shape[1]
         keys = d.keys[a[:, None], tt.kids[u]]

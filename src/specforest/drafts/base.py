@@ -50,6 +50,10 @@ AUTO_KINDS = (*FROZEN_KINDS, "memory", "secant")
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+NetworkFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""A draft's network at other points of its rows (:meth:`Proposal.stage_velocity`): velocities ``(G, m, D)``
+at states ``(G, m, D)`` of levels ``(G, m)``, the ``G m`` rows' conditioning bound."""
+
 M = TypeVar("M", bound="DraftMemory")
 
 
@@ -140,6 +144,12 @@ class Proposal:
             before evaluated at its step: a state (the offset of the two) and, with
             :attr:`uses_features`, its deep features (:class:`CorrectedDraft`); the memory estimate
             counts them.
+        staged: the mean evaluates a network of the draft's own at the drafted parents (a draft model,
+            :class:`LearnedDraft`, :class:`CachedDraft`) and runs it through the chain's stage tableau
+            as the target's velocity is run (:meth:`stage_velocity`): on a chain of ``s`` stages a drafted
+            level makes ``s`` sequential network calls, and the engine counts ``s`` in ``draft_calls``
+            (one for a chain of one stage). A frozen prediction (the affine drafts) is the same at every
+            stage, so its ``v_eff`` needs no call.
         name: short name recorded in results.
 
     A proposal's learnt state (if any) is an explicit value: :meth:`init_state`
@@ -176,6 +186,7 @@ class Proposal:
     picard_sweeps: int = 0
     uses_features: bool = False
     keeps_pairs: bool = False
+    staged: bool = False
     name: str = "proposal"
 
     def init_state(self, device: torch.device) -> Any:
@@ -281,6 +292,32 @@ class Proposal:
         else:
             A, C = self.coefficients(tab, steps, pre, state, memory=memory)
         return torch.addcmul(C, A, y)
+
+    def stage_velocity(
+        self, tab: StepTables, network: NetworkFn, y: torch.Tensor, steps: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The effective velocity ``v_eff (G, m, D)`` the chain's mean reads, of the draft's own network at
+        states ``y (G, m, D)`` at ``steps (G, m)``, given its velocity ``v (G, m, D)`` there.
+
+        For a :attr:`staged` draft on a chain of ``s > 1`` stages, :meth:`specforest.stages.Stages.velocity`
+        with ``network`` as the target: each later stage is one batched call
+        ``network(points (G, m, D), levels (G, m)) -> (G, m, D)`` at the point the draft's own earlier
+        predictions give, and ``v_eff`` weighs the predictions as the tableau does; so a network equal to
+        the target gives the target's ``v_eff``. Otherwise (one stage, or a draft that is not
+        :attr:`staged`) ``v`` itself, and ``network`` is not called. Any network keeps the law: it reads
+        only the drafted parents and what earlier rounds evaluated.
+        """
+        stages = tab.tableau
+        if not self.staged or stages is None:
+            return v
+        G, m, D = y.shape
+
+        def target(points: torch.Tensor, levels: torch.Tensor, traj: Any, rows_key: Any = None) -> torch.Tensor:
+            return network(points.view(G, m, D), levels.view(G, m)).reshape(G * m, D)
+
+        flat = lambda t: t.reshape(G * m, D)  # noqa: E731
+        out = stages.velocity(target, flat(y), steps.reshape(-1), None, flat(v), tab.sig[steps].reshape(-1))
+        return out.view(G, m, D)
 
     def observe(
         self,

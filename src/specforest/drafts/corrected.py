@@ -69,6 +69,10 @@ class CorrectedDraft(CachedDraft):
     drafts as :class:`CachedDraft` does (a node without a pair, a parent past the remembered chain,
     a tree, the first rounds).
 
+    On a chain of several stages each cheap evaluation, at the parent and at the node with its
+    pair's features, is run through the stages (:meth:`~specforest.drafts.Proposal.stage_velocity`),
+    as the target's ``x0_j`` was.
+
     Cost: the residuals are evaluated in the same batched call as the drafted level's cheap
     evaluations (twice its rows, no more calls, counted in ``draft_calls``); the memory keeps, per
     remembered node, a second row of deep features and a second state (the offset) beside the
@@ -123,13 +127,13 @@ class CorrectedDraft(CachedDraft):
         j, use = memory_node(steps, pre, memory)
         at = lambda t: t.gather(1, j[..., None].expand(-1, -1, t.shape[2]))  # noqa: E731 (node j's rows)
         y_j, dy = at(memory.y), at(memory.pair_dy)
-        # one call: the parents with their node's features, then the nodes with their pairs'
-        v = self.cheap_velocity(
-            torch.cat([y, y_j], 1),
-            torch.cat([sig, sig], 1),
-            torch.cat([at(memory.features), at(memory.pair_features)], 1),
-            cond,
-            shape,
+        # one call a stage: the parents with their node's features, then the nodes with their pairs'
+        # (x0_j is the target's prediction from its stages at the node's step, the parent's)
+        feat = torch.cat([at(memory.features), at(memory.pair_features)], 1)
+        network = lambda p, lv: self.cheap_velocity(p, lv, feat, cond, shape)  # noqa: E731
+        rows = torch.cat([y, y_j], 1)
+        v = self.stage_velocity(
+            tab, network, rows, torch.cat([steps, steps], 1), network(rows, torch.cat([sig, sig], 1))
         )
         v_c, v_pair = v[:, :n], v[:, n:]
         # r_j = x0_j - x0_c(y_j; f'_j), as a velocity: (r_j / sigma) = v_c(y_j; f'_j) - (y_j - x0_j) / sigma

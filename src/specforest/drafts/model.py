@@ -20,8 +20,9 @@ __all__ = ["CachedDraft", "DraftModel", "LearnedDraft", "declared_draft"]
 class DraftModel(Proposal):
     """An independent draft model ``v_draft(x, sigma, **cond)`` with the target's signature.
 
-    It is evaluated once per drafted parent (its calls are counted apart from
-    the target's NFE) and receives the same arguments as the target: the run's
+    It is evaluated once per drafted parent, and on a chain of several stages at the stage points its
+    own predictions give (:attr:`~specforest.drafts.Proposal.staged`: one batched call a stage; its calls
+    are counted apart from the target's NFE), and receives the same arguments as the target: the run's
     ``model_kwargs`` and its per-trajectory conditioning, indexed per row; no
     prefetching is needed.
 
@@ -30,6 +31,7 @@ class DraftModel(Proposal):
     """
 
     needs_prefetch = False
+    staged = True
     name = "model"
     _load: Optional[Callable[[], VelocityFn]] = None  # a network loaded at the first call (LearnedDraft)
 
@@ -57,14 +59,18 @@ class DraftModel(Proposal):
 
     def mean(self, tab, y, steps, pre, cond, shape, state):
         G, n, D = y.shape
-        sig = tab.sig[steps].reshape(-1)
         # trajectory-major rows: row b * n + i belongs to trajectory b
         kw = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
-        with outside_inference():
-            v = self.fn(y.reshape(G * n, *shape), sig, **self.model_kwargs, **kw)
-        if not isinstance(v, torch.Tensor) or v.numel() != y.numel():
-            raise ValueError(f"the draft model must return a tensor of shape {(G * n, *shape)}")
-        v = v.reshape(G, n, D).to(y.dtype)
+
+        def network(points: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+            with outside_inference():
+                out = self.fn(points.reshape(G * n, *shape), levels.reshape(-1), **self.model_kwargs, **kw)
+            if not isinstance(out, torch.Tensor) or out.numel() != points.numel():
+                raise ValueError(f"the draft model must return a tensor of shape {(G * n, *shape)}")
+            return out.reshape(G, n, D).to(y.dtype)
+
+        v = self.stage_velocity(tab, network, y, steps, network(y, tab.sig[steps]))
+        # one check of the stages' velocities together: a non-finite stage makes v_eff non-finite
         bad = ~torch.isfinite(v).all(-1)
         if bad.any():
             at = sorted(set(steps[bad].tolist()))
@@ -84,8 +90,8 @@ class LearnedDraft(RemembersChain, DraftModel):
     What it reads, all made before the round's verification call:
 
     * the draft network ``f`` (a velocity with the target's signature), called at the drafted
-      parents and at their anchors: one batched call per drafted level (counted in
-      ``draft_calls``, never in the target's NFE);
+      parents and at their anchors: one batched call per drafted level, ``s`` on a chain of ``s``
+      stages (counted in ``draft_calls``, never in the target's NFE);
     * the anchor of each parent: the remembered chain node at the parent's own step
       (its memory's ``y`` and ``x0``, :class:`~specforest.drafts.chain_memory.ChainMemory`: the
       previous round's evaluation there, as :class:`SecantDraft` reads it), else the prefetched
@@ -100,6 +106,9 @@ class LearnedDraft(RemembersChain, DraftModel):
     memory anchor its error is ``(J - J_f)(y - y_a)`` to first order (the Jacobians of the
     target's and the network's predictions), which :class:`SecantDraft` approximates with a
     scalar gain. Chains draw their noise by step (:attr:`aligned_noise`), so ``y - y_a`` is small.
+    On a chain of several stages ``f_x0`` is the network's prediction from those stages
+    (:meth:`~specforest.drafts.Proposal.stage_velocity`), at the parent's step and at the anchor's
+    own, as ``x0_a`` is the target's: the target as the network is still the target.
 
     The draft is exact for any network: it only moves the acceptance. A network whose output
     is NaN or inf makes a non-finite mismatch, which stops the run with the step and the draft
@@ -265,22 +274,32 @@ class LearnedDraft(RemembersChain, DraftModel):
         ya = pre.y[:, None].expand(G, n, D)
         xa = (pre.y - sig_p[:, None] * pre.v)[:, None].expand(G, n, D)
         sa = sig_p[:, None].expand(G, n)
+        step_a = pre.step[:, None].expand(G, n)
         if memory is not None and memory.y is not None:
             same, j = same_step(steps, pre, memory)
             ya = torch.where(same[..., None], memory.y.gather(1, j), ya)
             xa = torch.where(same[..., None], memory.x0.gather(1, j), xa)
             sa = torch.where(same, sig, sa)
-        # one call: the parents' rows, then their anchors' (trajectory-major within each half)
+            step_a = torch.where(same, steps, step_a)
+        # one call a stage: the parents' rows, then their anchors' (trajectory-major within each half)
         kw = {k: v.repeat_interleave(n, dim=0).repeat(2, *(1,) * (v.ndim - 1)) for k, v in cond.items()}
-        X = torch.cat([y.reshape(G * n, D), ya.reshape(G * n, D)])
-        S = torch.cat([sig.reshape(-1), sa.reshape(-1)])
-        with outside_inference():
-            f = self.fn(X.reshape(2 * G * n, *shape), S, **self.model_kwargs, **kw)
-        if not isinstance(f, torch.Tensor) or f.numel() != X.numel():
-            raise ValueError(f"draft={self.name!r}: {self.label} must return a tensor of shape {(2 * G * n, *shape)}")
-        f = f.reshape(2, G, n, D).to(y.dtype)
+
+        def network(points: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+            with outside_inference():
+                out = self.fn(points.reshape(2 * G * n, *shape), levels.reshape(-1), **self.model_kwargs, **kw)
+            if not isinstance(out, torch.Tensor) or out.numel() != points.numel():
+                raise ValueError(
+                    f"draft={self.name!r}: {self.label} must return a tensor of shape {(2 * G * n, *shape)}"
+                )
+            return out.reshape(2 * G, n, D).to(y.dtype)
+
+        # the anchor's x0_a is the target's prediction from its stages at the anchor's step (the run's
+        # evaluations), so the network's there goes through the same stages: for a network equal to the
+        # target the anchor's terms cancel
+        X = torch.cat([y, ya])
+        f = self.stage_velocity(tab, network, X, torch.cat([steps, step_a]), network(X, torch.cat([sig, sa])))
         # v = (y - x0_a - f_x0(y) + f_x0(y_a)) / sigma = f(y) + (f_x0(y_a) - x0_a) / sigma
-        v = f[0] + (ya - sa[..., None] * f[1] - xa) / sig[..., None]
+        v = f[:G] + (ya - sa[..., None] * f[G:] - xa) / sig[..., None]
         return tab.mean(y, v, steps)
 
     def __repr__(self) -> str:
@@ -336,7 +355,9 @@ class CachedDraft(RemembersChain):
     lies near the node whose features it reuses.
 
     One batched call of the outer blocks a drafted level (``G n`` rows, counted in
-    ``draft_calls``, its time the draft phase's), never the target's NFE. The draft is exact for
+    ``draft_calls``, its time the draft phase's), never the target's NFE; on a chain of ``s``
+    stages ``s`` calls, the later ones at the stage points the cheap predictions give, with node
+    ``j``'s features (:meth:`~specforest.drafts.Proposal.stage_velocity`). The draft is exact for
     any features: it only moves the acceptance. A model without the protocol
     (``feature_numel``, ``with_features``, ``from_features``:
     :class:`~specforest.models.edm.EDMDenoiserVelocity` around a denoiser with ``deep`` and
@@ -344,6 +365,7 @@ class CachedDraft(RemembersChain):
     """
 
     uses_features = True
+    staged = True
     name = "cached"
 
     def __init__(self) -> None:
@@ -384,7 +406,8 @@ class CachedDraft(RemembersChain):
         if feats is not None:
             j, use = memory_node(steps, pre, memory)
             feat = feats.gather(1, j[..., None].expand(-1, -1, feats.shape[2]))
-            v = torch.where(use[..., None], self.cheap_velocity(y, sig, feat, cond, shape), v)
+            network = lambda p, lv: self.cheap_velocity(p, lv, feat, cond, shape)  # noqa: E731
+            v = torch.where(use[..., None], self.stage_velocity(tab, network, y, steps, network(y, sig)), v)
         return tab.mean(y, v, steps)
 
     def cheap_velocity(
