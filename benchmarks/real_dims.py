@@ -177,7 +177,7 @@ def deep_section(tgts: list, n: int) -> list[str]:
         "",
         "Depth 8 caps T/NFE near T / ceil(T / 8): the goals' long grids need deeper chains. RMC chains of the "
         f"depths shown; drafts: {', '.join(FEATURE_DRAFTS)} and learned (where the model declares its distilled "
-        "draft) for the networks (the best shown, the others' T/NFE beside it), x0 for the mixture; {n} trajectories per run (natural64: 1); the oracle at the best "
+        f"draft) for the networks (the best shown, the others' T/NFE beside it), x0 for the mixture; {n} trajectories per run (natural64: 1); the oracle at the best "
         "depth.",
         "",
         "| model | d | sampler | best T/NFE (depth, draft) | T/NFE per depth and draft tried | oracle T/NFE | "
