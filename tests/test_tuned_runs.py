@@ -492,3 +492,26 @@ def test_a_ve_chain_is_tuned_on_its_schedule_from_the_first_check(gmm, monkeypat
     assert isinstance(tuned, Tuned) and calls and all(c.get("schedule") == "karras" for c in calls)
     with pytest.raises(ValueError, match="not defined on this grid at step 0"):
         latency.tune(gmm, x, chain=get_chain("euler", s_churn=5.0), curve=CostCurve((1,), (1.0,)), **kw)
+
+
+def test_a_chain_of_half_steps_is_calibrated_and_predicted_on_its_own_steps(gmm, monkeypatch):
+    # dpmpp_sde walks 2 T - 1 half-steps on a grid of T: the calibration counted the grid's T, so its
+    # stochastic steps (2 T - 2) were refused as more than the steps and tune stopped before any choice
+    monkeypatch.setattr(measure, "TIMING_RUNS", 1)
+    x = streams.randn(0, torch.arange(4), (4,))
+    tuned = latency.tune(
+        gmm,
+        x,
+        steps=6,
+        chain=get_chain("dpmpp_sde"),
+        schedule="karras",
+        batch=2,
+        budget_max=8,
+        calibration_trajectories=4,
+        race=0,
+        drafts=("velocity",),
+        curve=CostCurve((1, 4096), (1e-4, 1e-1)),
+    )
+    assert isinstance(tuned, Tuned) and tuned.steps == 6
+    # chains as long as the 11 half-steps are candidates (the grid's 6 would cap them)
+    assert "RMC chain B=8, draft velocity" in [c["label"] for c in tuned.candidates]

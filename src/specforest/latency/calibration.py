@@ -227,7 +227,9 @@ class Calibration:
         prefetch: the sampler's prefetch policy of the runs.
         chain: the chain of the runs: ``"em"`` (the paper's, at ``churn``; the default) or a
             :class:`~specforest.chains.Chain` with its parameters.
-        first_stochastic, stochastic_steps: the first step with noise and how many there are, on the
+        chain_steps: the chain's steps on the run's grid (``None``: ``steps``; a chain of half-steps,
+            ``dpmpp_sde``, has ``2 steps - 1``): what a trajectory walks and a tree drafts.
+        first_stochastic, stochastic_steps: the first chain step with noise and how many there are, on the
             run's grid (``None``: the ``em`` chain's, from step 1, ``steps -``
             :data:`~specforest.latency.law.DETERMINISTIC_STEPS`); the rest no round verifies.
 
@@ -249,13 +251,17 @@ class Calibration:
     chain: "str | Chain" = "em"
     first_stochastic: int = 1
     stochastic_steps: Optional[int] = None
+    chain_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps, 1)
-        check_int("first_stochastic", self.first_stochastic, 0, self.steps)
+        if self.chain_steps is None:
+            object.__setattr__(self, "chain_steps", self.steps)
+        n = check_int("chain_steps", self.chain_steps, 1)
+        check_int("first_stochastic", self.first_stochastic, 0, n)
         if self.stochastic_steps is None:
-            object.__setattr__(self, "stochastic_steps", max(self.steps - DETERMINISTIC_STEPS, 0))
-        check_int("stochastic_steps", self.stochastic_steps, 0, self.steps - self.first_stochastic)
+            object.__setattr__(self, "stochastic_steps", max(n - DETERMINISTIC_STEPS, 0))
+        check_int("stochastic_steps", self.stochastic_steps, 0, n - self.first_stochastic)
         churn, chain = tuned_chain(self.churn, self.chain)
         object.__setattr__(self, "churn", churn)
         object.__setattr__(self, "chain", chain)

@@ -64,7 +64,7 @@ def _grid(sigmas_for: Optional[Callable[[int], torch.Tensor]], steps: int) -> di
 
 
 def _stochastic_steps(grid: dict, options: dict, churn: Any, chain: Any) -> dict:
-    """:class:`Calibration`'s ``first_stochastic`` and ``stochastic_steps``: the run's chain on its grid
+    """:class:`Calibration`'s ``first_stochastic``, ``stochastic_steps`` and ``chain_steps``: the run's chain on its grid
     (``grid``: :func:`_grid`'s; ``options``: the run's, with ``grid`` and ``shift`` where given)."""
     sde = make_sde(
         grid.get("steps"),
@@ -79,6 +79,7 @@ def _stochastic_steps(grid: dict, options: dict, churn: Any, chain: Any) -> dict
     return {
         "first_stochastic": int(noisy[0]) if noisy.numel() else 0,
         "stochastic_steps": int(noisy.numel()),
+        "chain_steps": int(sde.stochastic.numel()),
     }
 
 
@@ -189,6 +190,7 @@ class Calibrator:
             )
         n_cal = min(calibration_trajectories, len(x))
         acceptance: dict = {}
+        shape = _stochastic_steps(_grid(sigmas_for, steps), sample_kwargs, churn, chain)
         # one calibration chain per draft and per coupling family: after a rejection RMC commits the
         # reflected draft and GRS a residual draw, so the next rounds' mismatches differ
         for draft, family in [(d, c) for d in drafts for c in ("grs", "rmc")]:
@@ -198,7 +200,7 @@ class Calibrator:
                 **_grid(sigmas_for, steps),
                 churn=churn,
                 chain=chain,
-                tree=trees.chain(min(budget_max, steps)),
+                tree=trees.chain(min(budget_max, shape["chain_steps"])),
                 coupling=family,
                 draft=draft,
                 cond=_rows(cond, n_cal),
@@ -219,7 +221,7 @@ class Calibrator:
             max_rows=sample_kwargs.get("max_rows"),
             prefetch=sample_kwargs.get("prefetch", "nearest"),
             chain=chain,
-            **_stochastic_steps(_grid(sigmas_for, steps), sample_kwargs, churn, chain),
+            **shape,
         )
         return cls(
             model, x, calibration=calibration, cond=cond, sigmas_for=sigmas_for, seed=seed, options=sample_kwargs

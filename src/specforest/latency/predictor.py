@@ -71,7 +71,7 @@ class Predictor:
         one per stochastic step), as :meth:`AcceptanceRecords.by_stretch` gives them."""
         records = self.calibration.records(coupling, self._draft(draft))
         cal = self.calibration
-        return records.by_stretch(coupling, cal.steps, bins, cal.first_stochastic, cal.stochastic_steps)
+        return records.by_stretch(coupling, cal.chain_steps, bins, cal.first_stochastic, cal.stochastic_steps)
 
     def network_factor(self, config: Optional[Config] = None) -> float:
         """A network call's cost inside a run over its cost on the curve.
@@ -183,7 +183,7 @@ class Predictor:
         bins = None if tree is None else self.acceptance_bins(config.coupling, config.draft)
         seconds, calls = predict_seconds(
             self.call_seconds if cal.pad_rows else cal.curve,
-            cal.steps,
+            cal.chain_steps,
             cal.batch,
             tree,
             config.verify,
@@ -193,7 +193,7 @@ class Predictor:
             setup,
             cal.prefetch,
             sweeps=get_proposal(self._draft(config.draft)).picard_sweeps if tree is not None else 0,
-            deterministic=cal.steps - cal.stochastic_steps,
+            deterministic=cal.chain_steps - cal.stochastic_steps,
             stages=getattr(cal.chain, "stages", 1),  # the chain's declaration: its calls a step
         )
         return seconds / cal.batch, calls

@@ -83,7 +83,7 @@ def candidates(
     Args:
         acceptance: ``a(l, k)`` the budget-optimal trees are planned with.
         budget_max: the largest budget ``B`` considered.
-        steps: grid steps (a chain is no longer than the grid).
+        steps: the chain's steps on the grid (an RMC chain is no longer; a chain of half-steps has more than the grid).
         drafts: the draft kinds; every tree is considered with each (a draft that remembers the last
             chain round, :attr:`~specforest.proposals.Proposal.uses_memory`, with chains only), the
             standard sampler with the first.
@@ -292,7 +292,14 @@ def tune(
         **sample_kwargs,
     )
     drafts = meter.drafts if draft is None else [draft]
-    cands = candidates(meter.predictor.acceptance("grs", drafts[0]), budget_max, meter.steps, drafts, verify, couplings)
+    cands = candidates(
+        meter.predictor.acceptance("grs", drafts[0]),
+        budget_max,
+        meter.calibration.chain_steps,
+        drafts,
+        verify,
+        couplings,
+    )
     timed, pruned = _search(meter, cands, progress)
     # every prediction from the final calibration, with every timing run in it
     pred = meter.predictor
