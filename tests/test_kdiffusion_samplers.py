@@ -534,8 +534,8 @@ class IndependentHalves(chains.DPMPPSDE):
 def test_speculated_dpmpp_sde_on_the_linear_path_matches_comfys_samples_and_rejects_the_ve_correlation():
     """Against ComfyUI's ``sample_dpmpp_sde`` for a ``CONST`` model (``comfy_reference``) with its default Brownian-tree
     noise (torchsde, queried at the linear levels), 4 steps from ``t = 1`` (its offset first level), where the
-    correlation shows most: its samples pass the linear chain's closed form; a GRS tree and an RMC chain, full and
-    lazy, agree with its samples and with that closed form. The closed form rejects the chain with k-diffusion's VE
+    correlation shows most: its samples pass the linear chain's closed form; a GRS tree and an RMC chain, each full
+    and lazy, agree with its samples and with that closed form. The closed form rejects the chain with k-diffusion's VE
     correlation on these levels and with independent noises, and the two-sample comparison the latter."""
     pytest.importorskip("torchsde")
     t = torch.linspace(1.0, 0.0, 5, dtype=torch.float64)
@@ -544,7 +544,8 @@ def test_speculated_dpmpp_sde_on_the_linear_path_matches_comfys_samples_and_reje
     right = chains.DPMPPSDE(path="linear")
     testing.check_law(real, _offset(t), None, MU, S0, chain=right).assert_exact()
     run = dict(path="linear", seed=9, disable=True)
-    for tree, coupling, lazy in ((trees.uniform(2, 3), "grs", False), (trees.chain(4), "rmc", True)):
+    cases = ((trees.uniform(2, 3), "grs", False), (trees.uniform(2, 3), "grs", True), (trees.chain(4), "rmc", True))
+    for tree, coupling, lazy in (*cases, (trees.chain(4), "rmc", False)):
         ours = kdiffusion.sample_dpmpp_sde(
             const_denoiser, x, _offset(t), tree=tree, coupling=coupling, lazy=lazy, draft="x0", **run
         )
