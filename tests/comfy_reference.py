@@ -2,10 +2,12 @@
 
 ComfyUI is not on the package registries, so these are transcriptions of its
 ``comfy/k_diffusion/sampling.py`` (``sample_ddpm`` / ``DDPMSampler_step``, ``sample_lcm``,
-``sample_euler_ancestral_RF``, ``sample_dpm_2_ancestral_RF``, ``sample_dpmpp_2s_ancestral_RF``) at the commit
+``sample_euler_ancestral_RF``, ``sample_dpm_2_ancestral_RF``, ``sample_dpmpp_2s_ancestral_RF``, and
+``sample_dpmpp_sde``'s ``CONST`` branch, read at 02159d814dee609acc27994c1bf25fc5b40e2aaa) at the commit
 ``../shared/research/samplers.md`` names (02159d8), step for step:
 the chains' linear-path tables are checked against them, not derived from them. Each takes a
-k-diffusion-style ``denoiser(x, sigma)`` and a list ``z`` of per-step standard normal draws.
+k-diffusion-style ``denoiser(x, sigma)`` and a list ``z`` of per-step standard normal draws (``sample_dpmpp_sde``,
+whose two draws a step come from one Brownian motion, a noise sampler as ComfyUI's).
 """
 
 from __future__ import annotations
@@ -150,4 +152,58 @@ def comfy_dpmpp_2s_ancestral_rf(model, x, sig, z, eta=1.0, s_noise=1.0):
             x = (down / s) * x + (1 - down / s) * D_i
         if s1 > 0 and eta > 0:
             x = ratio * x + z[i] * s_noise * renoise
+    return x
+
+
+def _ancestral_step(sigma_from, sigma_to, eta):
+    """ComfyUI's ``get_ancestral_step``: ``(sigma_down, sigma_up)``, per its code."""
+    if not eta:
+        return sigma_to, 0.0
+    sigma_up = min(sigma_to, eta * (sigma_to**2 * (sigma_from**2 - sigma_to**2) / sigma_from**2) ** 0.5)
+    return (sigma_to**2 - sigma_up**2) ** 0.5, sigma_up
+
+
+def comfy_dpmpp_sde_const(
+    model, x, sig, noise_sampler=None, eta=1.0, s_noise=1.0, r=0.5, seed=None, percent_to_sigma=None
+):
+    """ComfyUI's ``sample_dpmpp_sde`` for a CONST model, per its code: ``model(x, sigma)`` is the CONST denoiser at the
+    linear-path level; half-log-SNR ``lambda = -logit(sigma)``, ``sigma_fn(lambda) = sigmoid(-lambda)``, ``alpha =
+    sigma e^lambda``; ``get_ancestral_step`` of ``e^(-lambda)``. Without a ``noise_sampler`` its default: a Brownian
+    tree (torchsde, through k-diffusion's ``BrownianTreeNoiseSampler``, as ComfyUI's) over ``[min sigma > 0, max
+    sigma]`` of the levels before the offset, queried at the linear levels. ``offset_first_sigma_for_snr``: a first
+    level ``>= 1`` becomes ``percent_to_sigma(1e-4)`` (default the shift-1 flow's ``1 - percent``)."""
+    from kdiff_reference import sampling
+
+    if noise_sampler is None:
+        noise_sampler = sampling().BrownianTreeNoiseSampler(x, sig[sig > 0].min(), sig.max(), seed=seed)
+    sigma_fn = lambda lam: lam.neg().sigmoid()  # noqa: E731
+    lambda_fn = lambda sigma: sigma.logit().neg()  # noqa: E731
+    if len(sig) > 1 and sig[0] >= 1:
+        sig = sig.clone()
+        sig[0] = (percent_to_sigma or (lambda p: 1.0 - p))(1e-4)
+    for i in range(len(sig) - 1):
+        D = model(x, sig[i])
+        if sig[i + 1] == 0:
+            x = D
+            continue
+        lambda_s, lambda_t = lambda_fn(sig[i]), lambda_fn(sig[i + 1])
+        h = lambda_t - lambda_s
+        lambda_s_1 = lambda_s + r * h
+        fac = 1 / (2 * r)
+        sigma_s_1 = sigma_fn(lambda_s_1)
+        alpha_s = sig[i] * lambda_s.exp()
+        alpha_s_1 = sigma_s_1 * lambda_s_1.exp()
+        alpha_t = sig[i + 1] * lambda_t.exp()
+        sd, su = _ancestral_step(lambda_s.neg().exp(), lambda_s_1.neg().exp(), eta)
+        h_ = sd.log().neg() - lambda_s
+        x_2 = (alpha_s_1 / alpha_s) * (-h_).exp() * x - alpha_s_1 * (-h_).expm1() * D
+        if eta > 0 and s_noise > 0:
+            x_2 = x_2 + alpha_s_1 * noise_sampler(sig[i], sigma_s_1) * s_noise * su
+        D_2 = model(x_2, sigma_s_1)
+        sd, su = _ancestral_step(lambda_s.neg().exp(), lambda_t.neg().exp(), eta)
+        h_ = sd.log().neg() - lambda_s
+        D_d = (1 - fac) * D + fac * D_2
+        x = (alpha_t / alpha_s) * (-h_).exp() * x - alpha_t * (-h_).expm1() * D_d
+        if eta > 0 and s_noise > 0:
+            x = x + alpha_t * noise_sampler(sig[i], sig[i + 1]) * s_noise * su
     return x

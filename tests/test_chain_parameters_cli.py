@@ -101,6 +101,7 @@ RUNS = {
     "euler": (["--s-churn", "5", "--s-tmin", "0.05", "--s-tmax", "30"], {"s_tmin": 0.05, "s_tmax": 30.0}),
     "ddpm": (["--variance", "fixed_large"], {"variance": "fixed_large"}),
     "euler_ancestral": (["--path", "linear", "--eta", "0.5"], {"path": "linear", "eta": 0.5}),
+    "dpmpp_sde": (["--path", "linear", "--r", "0.4"], {"path": "linear", "r": 0.4}),
 }
 
 

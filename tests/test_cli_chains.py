@@ -155,7 +155,7 @@ def test_dpmpp_sde_runs_from_the_command_line_and_is_recorded(job, tmp_path):
     else:
         _ok(invoke(*args, "--out", out))
         rec = json.loads(out.with_suffix(".json").read_text())["options"]["sampler"]
-    assert rec["chain"] == "dpmpp_sde" and rec["chain_params"] == {"eta": 0.8, "s_noise": 1.05, "r": 0.5}
+    assert rec["chain"] == "dpmpp_sde" and rec["chain_params"] == {"eta": 0.8, "s_noise": 1.05, "r": 0.5, "path": "ve"}
     assert np.isfinite(_samples(out)).all()
 
 
@@ -205,6 +205,10 @@ REFUSALS = [
     (["--chain", "euler_ancestral", "--s-noise", "0"], ["--s-noise", "s_noise must be"]),
     (["--chain", "dpmpp_2m_sde", "--solver-type", "euler"], ["--solver-type", "solver_type must be one of"]),
     (["--chain", "euler", "--s-churn", "5"], ["--chain euler does not run on", "starts at t = 1"]),
+    (
+        ["--chain", "dpmpp_sde", "--path", "linear"],
+        ["--chain dpmpp_sde does not run on", "starts at t = 1", "percent_to_sigma(1e-4)", "--schedule"],
+    ),
     (["--chain", "nope"], ["--chain", "nope"]),
 ]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import comfy_vendored
 import pytest
 import torch
-from comfy_reference import comfy_dpm_2_ancestral_rf, comfy_dpmpp_2s_ancestral_rf
+from comfy_reference import comfy_dpm_2_ancestral_rf, comfy_dpmpp_2s_ancestral_rf, comfy_dpmpp_sde_const
 
 from specforest import chains
 from specforest.testing import Z_TOL
@@ -297,23 +297,39 @@ class _Draws:
         return self.noise_sampler(None, None)
 
 
-RF = {"dpm_2_ancestral": comfy_dpm_2_ancestral_rf, "dpmpp_2s_ancestral": comfy_dpmpp_2s_ancestral_rf}
-"""The two-call samplers ComfyUI runs as their ``_RF`` forms for a ``CONST`` model (their transcriptions, which
-call the CONST model itself; ``euler_ancestral``'s takes a VE denoiser)."""
+def _shifted_percent_to_sigma(percent: float) -> float:
+    """A shift-3 flow model's ``percent_to_sigma`` (ComfyUI's ``time_snr_shift(3, 1 - percent)``)."""
+    t = 1.0 - percent
+    return 3.0 * t / (1.0 + 2.0 * t)
+
+
+RF = {
+    "dpm_2_ancestral": lambda m, x, s, ns, **kw: comfy_dpm_2_ancestral_rf(m, x, s, _Draws(ns), **kw),
+    "dpmpp_2s_ancestral": lambda m, x, s, ns, **kw: comfy_dpmpp_2s_ancestral_rf(m, x, s, _Draws(ns), **kw),
+    "dpmpp_sde": lambda m, x, s, ns, **kw: comfy_dpmpp_sde_const(
+        m, x, s, ns, percent_to_sigma=_shifted_percent_to_sigma, **kw
+    ),
+}
+"""The two-call samplers whose ComfyUI code for a ``CONST`` model is its own: the ``_RF`` forms it runs for them and
+``sample_dpmpp_sde``'s ``CONST`` branch (their transcriptions, which call the CONST model itself;
+``euler_ancestral``'s takes a VE denoiser), each ``(model, x, sigmas, noise_sampler, **options)``."""
 
 
 @pytest.mark.parametrize("name", sorted(RF))
 def test_a_const_model_gets_comfyuis_rf_sampler(package, name):
     """A ``CONST`` model (its ``model_sampling`` of a class named ``CONST``, which the vendored ComfyUI predates)
     on linear-path levels from 1: ``specforest_<name>`` with ``tree=None`` is ComfyUI's ``sample_<name>_RF``
-    (``comfy_reference``, driven by the same guided model and noise sampler), to float32 rounding."""
+    (``sample_dpmpp_sde``'s CONST branch, from its model's offset first level ``percent_to_sigma(1e-4)``;
+    ``comfy_reference``, driven by the same guided model and noise sampler), to float32 rounding."""
     patcher, _ = tiny_model()
 
     class CONST:  # later ComfyUI's class of that name
         pass
 
     sampling = patcher.model.model_sampling
-    sampling.__class__ = type("ModelSampling", (type(sampling), CONST), {})
+    # a shift-3 flow model's percent_to_sigma, which ComfyUI's sample_dpmpp_sde reads for its first level
+    offset = {"percent_to_sigma": lambda self, percent: _shifted_percent_to_sigma(percent)}
+    sampling.__class__ = type("ModelSampling", (type(sampling), CONST), offset)
     latent = torch.zeros(2, 4, 8, 8)
     levels = torch.linspace(1.0, 0.0, 9)
     options = {"eta": 0.8, "s_noise": 1.02}
@@ -321,7 +337,7 @@ def test_a_const_model_gets_comfyuis_rf_sampler(package, name):
     def reference(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, **kw):
         s_in = x.new_ones([x.shape[0]])
         with torch.no_grad():
-            return RF[name](lambda y, s: model(y, s * s_in, **extra_args), x, sigmas, _Draws(noise_sampler), **kw)
+            return RF[name](lambda y, s: model(y, s * s_in, **extra_args), x, sigmas, noise_sampler, **kw)
 
     outs = []
     for sampler in (

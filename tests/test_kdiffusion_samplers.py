@@ -20,6 +20,7 @@ from comfy_reference import (
     comfy_dpm_2_ancestral_rf,
     comfy_dpmpp_2s_ancestral_rf,
     comfy_dpmpp_3m_sde_const,
+    comfy_dpmpp_sde_const,
     comfy_euler_ancestral_rf,
     comfy_lcm,
 )
@@ -481,6 +482,82 @@ def test_an_eta_that_steps_below_zero_on_the_linear_path_is_refused(chain):
         chain(path="const")
 
 
+def _offset(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with ComfyUI's ``offset_first_sigma_for_snr`` of a shift-1 flow model: a first level 1 becomes ``1 - 1e-4``."""
+    if float(t[0]) < 1.0:
+        return t
+    t = t.clone()
+    t[0] = 1.0 - 1e-4
+    return t
+
+
+@pytest.mark.parametrize("t0", [0.98, 1.0])
+@pytest.mark.parametrize("eta, s_noise, r", DPMPP_SDE)
+def test_dpmpp_sde_on_the_linear_path_is_comfys_const_sampler(eta, s_noise, r, t0):
+    """``path="linear"`` against ComfyUI's ``sample_dpmpp_sde`` for a ``CONST`` model (``comfy_reference``): fed the
+    correlated pair the chain's own draws make (:class:`BrownianPair`, its ``rho`` computed from the levels ComfyUI
+    passes, the linear ones), the chain at ``tree=None`` fed those draws by half-step, and the drop-in called with
+    that noise sampler, are ComfyUI's output: float64 to 1e-12 of the scale, ``2 N - 1`` calls. From ``t = 1``
+    ComfyUI moves the first level to ``percent_to_sigma(1e-4)``, the grid specforest is given."""
+    t = torch.linspace(t0, 0.0, 13, dtype=torch.float64)
+    x, z = draws(32, 1, seed=5)[0], draws(32, 2 * 12)
+    kw = dict(eta=eta, s_noise=s_noise, r=r)
+    real, ours_m, drop_m = Counted(const_bent), Counted(const_bent), Counted(const_bent)
+    ref = comfy_dpmpp_sde_const(real, x, t, BrownianPair(z), **kw)
+    chain = chains.DPMPPSDE(**kw, path="linear")
+    out = kdiffusion.sample(ours_m, x, _offset(t), chain=chain, path="linear", noise=lambda n: z[n], disable=True)
+    drop = kdiffusion.sample_dpmpp_sde(drop_m, x, _offset(t), noise_sampler=BrownianPair(z), path="linear", **kw)
+    assert torch.isfinite(ref).all()
+    for ours in (out.samples, drop):
+        assert float((ours - ref).abs().max()) <= 1e-12 * float(ref.abs().max())
+    assert ours_m.calls == drop_m.calls == real.calls == out.stats.calls == 2 * 12 - 1
+
+
+class VECorrelation(chains.DPMPPSDE):
+    """A wrong ComfyUI DPM++ SDE for a ``CONST`` model: the two noises' correlation k-diffusion's, of the VE levels
+    ``sigma = t / (1 - t)``, where ComfyUI queries its Brownian tree at the linear levels ``t``."""
+
+    def noise_correlation(self, s, s_mid, s_next):
+        ve = [v / (1.0 - v) for v in (s, s_mid, s_next)]
+        return super().noise_correlation(*ve)
+
+
+class IndependentHalves(chains.DPMPPSDE):
+    """A wrong DPM++ SDE: the two noises of a step independent (``rho = 0``), as a noise sampler that draws afresh
+    at each call would make them."""
+
+    def noise_correlation(self, s, s_mid, s_next):
+        return torch.zeros_like(s)
+
+
+@pytest.mark.filterwarnings("ignore:Should have ta>=t0")
+def test_speculated_dpmpp_sde_on_the_linear_path_matches_comfys_samples_and_rejects_the_ve_correlation():
+    """Against ComfyUI's ``sample_dpmpp_sde`` for a ``CONST`` model (``comfy_reference``) with its default Brownian-tree
+    noise (torchsde, queried at the linear levels), 4 steps from ``t = 1`` (its offset first level), where the
+    correlation shows most: its samples pass the linear chain's closed form; a GRS tree and an RMC chain, each full
+    and lazy, agree with its samples and with that closed form. The closed form rejects the chain with k-diffusion's VE
+    correlation on these levels and with independent noises, and the two-sample comparison the latter."""
+    pytest.importorskip("torchsde")
+    t = torch.linspace(1.0, 0.0, 5, dtype=torch.float64)
+    x = torch.randn(N_LAW, D, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    real = comfy_dpmpp_sde_const(const_denoiser, x, t, seed=7)
+    right = chains.DPMPPSDE(path="linear")
+    testing.check_law(real, _offset(t), None, MU, S0, chain=right).assert_exact()
+    run = dict(path="linear", seed=9, disable=True)
+    cases = ((trees.uniform(2, 3), "grs", False), (trees.uniform(2, 3), "grs", True), (trees.chain(4), "rmc", True))
+    for tree, coupling, lazy in (*cases, (trees.chain(4), "rmc", False)):
+        ours = kdiffusion.sample_dpmpp_sde(
+            const_denoiser, x, _offset(t), tree=tree, coupling=coupling, lazy=lazy, draft="x0", **run
+        )
+        assert min(_two_sample_p(ours, real)) > 1e-4, (tree, coupling, lazy)
+        testing.check_law(ours, _offset(t), None, MU, S0, chain=right).assert_exact()
+    for wrong in (VECorrelation(path="linear"), IndependentHalves(path="linear")):
+        out = kdiffusion.sample(const_denoiser, x, _offset(t), chain=wrong, tree=trees.uniform(2, 3), draft="x0", **run)
+        assert not testing.check_law(out.samples, _offset(t), None, MU, S0, chain=right).passed, wrong
+        if isinstance(wrong, IndependentHalves):
+            assert min(_two_sample_p(out.samples, real)) < 1e-6
+
+
 N_RF = 3000
 
 
@@ -625,14 +702,6 @@ def test_speculated_dpmpp_3m_sde_matches_the_real_functions_samples():
     assert min(_two_sample_p(wrong, real)) < 1e-6
 
 
-class IndependentHalves(chains.DPMPPSDE):
-    """A wrong DPM++ SDE: the two noises of a step independent (``rho = 0``), as a noise sampler that draws afresh
-    at each call would make them."""
-
-    def noise_correlation(self, s, s_mid, s_next):
-        return torch.zeros_like(s)
-
-
 @pytest.mark.filterwarnings("ignore:Should have ta>=t0")
 def test_speculated_dpmpp_sde_matches_the_real_functions_samples_and_rejects_independent_noises():
     """Against k-diffusion's own ``sample_dpmpp_sde`` with its default Brownian-tree noise (torchsde: its two draws a
@@ -746,8 +815,8 @@ def test_refusals_name_the_reason():
         kdiffusion.sample_dpmpp_sde(denoiser, x, sig, eta=0.0, tree=trees.chain(2), seed=0, disable=True)
     with pytest.raises(ValueError, match="r must be in"):
         kdiffusion.sample_dpmpp_sde(denoiser, x, sig, r=1.0, disable=True)
-    with pytest.raises(ValueError, match="sample_dpmpp_sde is defined on VE noise levels"):
-        kdiffusion.sample_dpmpp_sde(denoiser, x, sig / (1 + sig), path="linear", disable=True)
+    with pytest.raises(ValueError, match=r"sigmas must start below 1 .*percent_to_sigma\(1e-4\)"):
+        kdiffusion.sample_dpmpp_sde(const_denoiser, x, torch.linspace(1.0, 0.0, 5, dtype=x.dtype), path="linear")
     assert chains.get_chain("dpmpp_sde") == chains.DPMPPSDE()  # no longer refused
     with pytest.raises(ValueError, match="sample_ddpm is defined on VE noise levels"):
         kdiffusion.sample_ddpm(denoiser, x, sig / (1 + sig), path="linear", disable=True)

@@ -35,6 +35,11 @@ from theirs only in where ComfyUI draws its Brownian tree's noise; specforest dr
 ``None`` for a name that is another sampler than specforest's chain of that name (ComfyUI's ``ddim`` is
 Euler with DDIM's inpainting noise, not DDIM with ``eta``)."""
 
+SNR_OFFSET = ("dpmpp_sde",)
+"""The chains whose ComfyUI function moves a ``CONST`` model's first level of 1 (where its half-log-SNR is
+infinite) to ``model_sampling.percent_to_sigma(1e-4)`` (``offset_first_sigma_for_snr``): specforest refuses a first
+level of 1 for them on the linear path, so the sampler list hands them the level ComfyUI samples from."""
+
 DEFAULT_TREE = {"tree": trees.chain(8), "coupling": "rmc", "draft": "x0"}
 """The tree the sampler list's entries use: ``tune``'s pick for one image at a time (an RMC chain of 8
 to 20 states with the x0 draft, docs/latency.md), at its cheapest size."""
@@ -42,10 +47,8 @@ to 20 states with the x0 draft, docs/latency.md), at its cheapest size."""
 _SPECULATION = ("tree", "coupling", "draft")
 
 
-def model_path(model: Any) -> str:
-    """``"linear"`` for a ``CONST`` model (SD3, Flux: ``x = (1 - sigma) x0 + sigma noise``), ``"ve"`` for
-    EPS and V_PREDICTION models, read from the ComfyUI model's ``model_sampling`` (found through the
-    ``inner_model`` chain ComfyUI hands a sampler).
+def model_sampling(model: Any) -> Any:
+    """The ComfyUI model's ``model_sampling``, found through the ``inner_model`` chain ComfyUI hands a sampler.
 
     Raises:
         TypeError: if no ``model_sampling`` is reachable.
@@ -54,12 +57,32 @@ def model_path(model: Any) -> str:
     for _ in range(8):
         sampling = getattr(inner, "model_sampling", None)
         if sampling is not None:
-            const = next((c for c in type(sampling).__mro__ if c.__name__ == "CONST"), None)
-            return "linear" if const is not None else "ve"
+            return sampling
         inner = getattr(inner, "inner_model", None)
         if inner is None:
             break
     raise TypeError(f"model must be ComfyUI's model (with a model_sampling), got {type(model).__name__}")
+
+
+def model_path(model: Any) -> str:
+    """``"linear"`` for a ``CONST`` model (SD3, Flux: ``x = (1 - sigma) x0 + sigma noise``), ``"ve"`` for
+    EPS and V_PREDICTION models, read from the ComfyUI model's ``model_sampling`` (:func:`model_sampling`).
+
+    Raises:
+        TypeError: if no ``model_sampling`` is reachable.
+    """
+    const = next((c for c in type(model_sampling(model)).__mro__ if c.__name__ == "CONST"), None)
+    return "linear" if const is not None else "ve"
+
+
+def first_level(model: Any, chain: str, sigmas: torch.Tensor, path: str) -> torch.Tensor:
+    """``sigmas (T + 1,)`` as ComfyUI's function of ``chain`` samples them: for a chain of :data:`SNR_OFFSET` on a
+    ``CONST`` model (``path="linear"``) a first level ``>= 1`` becomes ``model_sampling.percent_to_sigma(1e-4)``."""
+    if path != "linear" or chain not in SNR_OFFSET or sigmas.shape[0] < 2 or float(sigmas[0]) < 1.0:
+        return sigmas
+    sigmas = sigmas.clone()
+    sigmas[0] = model_sampling(model).percent_to_sigma(1e-4)
+    return sigmas
 
 
 def available(comfy_names: "list[str]") -> dict:
@@ -131,7 +154,9 @@ def sampler_function(comfy_name: str, chain: str) -> Callable[..., torch.Tensor]
         call = SpeculativeCall(model, extra, x.shape[0], speculative=options["tree"] is not None)
         rows = {ROWS: torch.arange(x.shape[0], device=x.device)}
         seed = extra.get("seed")
-        kwargs = dict(row_args=(ROWS,), path=model_path(model), seed=seed, **options)
+        path = model_path(model)
+        sigmas = first_level(model, chain, sigmas, path)
+        kwargs = dict(row_args=(ROWS,), path=path, seed=seed, **options)
         last = [-1]
 
         def report(info: dict) -> None:

@@ -37,7 +37,8 @@ Registered (:func:`available_chains`; :func:`register_chain` adds one):
 * ``dpm_2_ancestral``, ``dpmpp_2s_ancestral``: k-diffusion's ``sample_dpm_2_ancestral`` and
   ``sample_dpmpp_2s_ancestral`` (``eta``, ``s_noise``), two calls a step;
 * ``dpmpp_sde``: k-diffusion's ``sample_dpmpp_sde`` (``eta``, ``s_noise``, ``r``), whose two noises a step are
-  correlated: a chain of half-steps, the end's mean reading what the step's start carries (``history = 1``).
+  correlated: a chain of half-steps, the end's mean reading what the step's start carries (``history = 1``); with
+  ``path="linear"`` ComfyUI's ``sample_dpmpp_sde`` for ``CONST`` models.
 
 ``../shared/research/samplers.md`` (in the project's notes) and ``docs/chains.md`` give
 each update as its code does it.
@@ -983,17 +984,26 @@ class DPMPPSDE(Chain):
     run of ``N`` steps is ``2 N - 1`` half-steps and calls, as k-diffusion's: the step into 0 is Euler's,
     ``x' = D``. ``r`` must lie in ``(0, 1)``: at 1 the two noises are one draw, above it ``sigma_s`` falls below
     ``sigma'`` (outside the Brownian tree's interval at the last step). ``eta = 0`` is deterministic.
+
+    ``path="linear"``: ComfyUI's ``sample_dpmpp_sde`` for a ``CONST`` model, which works in half-log-SNR ``lambda =
+    log((1 - t) / t)`` with ``alpha_t = 1 - t`` factors: its midpoint is ``sigmoid(-lambda_s)``, ``lambda_s = lambda +
+    r (lambda' - lambda)``, and its means and noise scales are the VE step's above on the mapped levels ``sigma = t / (1
+    - t)`` (``get_ancestral_step`` of them, in ``y = (1 - t) x``). Its Brownian tree is queried at the linear levels,
+    so the correlation is ``rho = sqrt((t - t_s) / (t - t'))``. A first level of 1 is refused: ComfyUI moves it to its
+    model's ``model_sampling.percent_to_sigma(1e-4)`` (``offset_first_sigma_for_snr``), which a grid must then start at.
     """
 
     eta: float = 1.0
     s_noise: float = 1.0
     r: float = 0.5
+    path: str = "ve"
     name: ClassVar[str] = "dpmpp_sde"
     history: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eta", check_number("eta", self.eta, 0.0))
         object.__setattr__(self, "s_noise", _check_s_noise(self.s_noise))
+        check_choice("path", self.path, PATHS)
         r = check_number("r", self.r, 0.0, 1.0, lo_open=True)
         if r == 1.0:
             raise ValueError(
@@ -1006,9 +1016,15 @@ class DPMPPSDE(Chain):
         ``sigma_fn(s)``), each ``(N,)`` VE."""
         return torch.lerp(s.log(), s_next.log(), self.r).exp()
 
+    def linear_midpoints(self, t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
+        """``t_s = sigmoid(-(lambda + r (lambda' - lambda)))`` with ``lambda = -logit(t)`` (ComfyUI's
+        ``sigma_fn(lambda_s_1)`` for a ``CONST`` model), each ``(N,)`` on the linear path."""
+        return torch.sigmoid(-torch.lerp(torch.logit(t).neg(), torch.logit(t_next).neg(), self.r))
+
     def noise_correlation(self, s: torch.Tensor, s_mid: torch.Tensor, s_next: torch.Tensor) -> torch.Tensor:
         """``rho (N,)``: the correlation of a step's two noises, the Brownian increments over ``[sigma_s, sigma]``
-        and ``[sigma', sigma]`` normalized (VE levels, each ``(N,)``)."""
+        and ``[sigma', sigma]`` normalized, each ``(N,)`` on the levels the Brownian tree is queried at (VE, or the
+        linear path's with ``path="linear"``)."""
         return ((s - s_mid) / (s - s_next)).sqrt()
 
     def _halves(self, t: torch.Tensor, t_next: torch.Tensor) -> dict:
@@ -1018,17 +1034,29 @@ class DPMPPSDE(Chain):
         s, s_mid, s_next = _ve(ta), _ve(tb), _ve(tb_next)
         d1, u1 = _ancestral_ve(s, s_mid, self.eta)
         d2, u2 = _ancestral_ve(s, s_next, self.eta)
-        rho = self.noise_correlation(s, s_mid, s_next)
+        # ComfyUI queries its Brownian tree of a CONST model at the linear levels, k-diffusion at the VE ones
+        rho = self.noise_correlation(*((ta, tb, tb_next) if self.path == "linear" else (s, s_mid, s_next)))
         k = torch.where(u1 > 0, rho * u2 / torch.where(u1 > 0, u1, torch.ones_like(u1)), torch.zeros_like(u1))
         fac = 1.0 / (2.0 * self.r)
         return dict(ta=ta, tb=tb, tb_next=tb_next, s=s, d1=d1, u1=u1, d2=d2, u2=u2, rho=rho, k=k, fac=fac)
 
     def coefficients(self, sigmas):
-        s = _ve(sigmas)
-        mid = self.midpoints(s[:-2], s[1:-1])
         states = torch.empty(2 * (sigmas.numel() - 1), dtype=torch.float64)
         states[0::2] = sigmas[:-1]
-        states[1:-1:2] = torch.where(torch.isinf(mid), torch.ones_like(mid), mid / (1.0 + mid))  # (refused at t = 1)
+        if self.path == "linear":
+            if float(sigmas[0]) >= 1.0:
+                raise ValueError(
+                    "sigmas must start below 1 for dpmpp_sde with path='linear' (got a first level "
+                    f"{float(sigmas[0]):.6g}): ComfyUI's sample_dpmpp_sde moves a first level of 1 to its model's "
+                    "model_sampling.percent_to_sigma(1e-4) (1 - 1e-4 at shift 1), where lambda is finite; pass that level"
+                )
+            states[1:-1:2] = self.linear_midpoints(sigmas[:-2], sigmas[1:-1])
+        else:
+            s = _ve(sigmas)
+            mid = self.midpoints(s[:-2], s[1:-1])
+            states[1:-1:2] = torch.where(
+                torch.isinf(mid), torch.ones_like(mid), mid / (1.0 + mid)
+            )  # (refused at t = 1)
         states[-1] = 0.0
         P, Q, R = self.step(states[:-1], states[1:])
         return states, P, Q, R, 1.0, 0.0

@@ -308,10 +308,16 @@ def check_named_grid(chain: Chain, steps: int, grid: str, where: "str | None" = 
         ) from None
     try:
         chain.build(sigmas)
-    except ValueError:
+    except ValueError as e:
+        # a linear-path chain refuses t = 1 for its own reason (dpmpp_sde's half-log-SNR there), which it names
+        why = (
+            f"({e})"
+            if getattr(chain, "path", "ve") == "linear"
+            else "where a sampler on VE noise levels is not defined"
+        )
         raise click.UsageError(
             f"--chain {chain.name} does not run on {where or f'--grid {grid}'}, which starts at t = 1 "
-            f"(sigma = inf), where a sampler on VE noise levels is not defined: give a noise schedule, "
+            f"(sigma = inf), {why}: give a noise schedule, "
             f"--schedule {'|'.join(SCHEDULES)} (with --sigma-min/--sigma-max for karras and exponential)"
         ) from None
 

@@ -102,7 +102,7 @@ def _ve_only(name: str, path: str) -> None:
         raise ValueError(
             f"{name} is defined on VE noise levels (x = x_0 + sigma xi) only, path='ve'; got path={path!r} "
             "(for a CONST model use sample_euler_ancestral, sample_dpm_2_ancestral, sample_dpmpp_2s_ancestral, "
-            "sample_dpmpp_3m_sde or sample_lcm with path='linear')"
+            "sample_dpmpp_sde, sample_dpmpp_3m_sde or sample_lcm with path='linear')"
         )
 
 
@@ -571,11 +571,14 @@ def _dpmpp_sde_noise(
     ``2 i + 1`` the part of ``n_2 = noise_sampler(sigma_fn(t), sigma_fn(t_next))`` that ``n_1`` does not give,
     ``z = (n_2 - rho n_1) / sqrt(1 - rho^2)``, so the chain's end draws exactly ``n_2`` whatever the sampler's pair;
     the step into 0 draws nothing. The levels passed are k-diffusion's own (``sigma_fn(t_fn(sigma))``, in
-    ``sigmas``' dtype). Without a noise sampler each half-step draws ``torch.randn_like(x)`` (the pair then has
-    the Brownian tree's law)."""
+    ``sigmas``' dtype), or with ``path="linear"`` ComfyUI's for a ``CONST`` model (``sigmas[i]`` and
+    ``sigma_fn(lambda_s_1)``, ``sigmas[i + 1]``). Without a noise sampler each half-step draws
+    ``torch.randn_like(x)`` (the pair then has the Brownian tree's law)."""
     s = sigmas.detach().to("cpu", torch.float64)
     N = s.numel() - 1
-    rho = chain.noise_correlation(s[:-2], chain.midpoints(s[:-2], s[1:-1]), s[1:-1]).tolist()
+    linear = chain.path == "linear"
+    mid = chain.linear_midpoints(s[:-2], s[1:-1]) if linear else chain.midpoints(s[:-2], s[1:-1])
+    rho = chain.noise_correlation(s[:-2], mid, s[1:-1]).tolist()
     first: list = [None]
 
     def noise(n: int) -> torch.Tensor:
@@ -584,12 +587,18 @@ def _dpmpp_sde_noise(
             return torch.zeros_like(x)
         if noise_sampler is None:
             return torch.randn_like(x)
-        # k-diffusion's t = -log sigma, s = t + r h: the levels its noise sampler is given
-        t, t_next = sigmas[i].log().neg(), sigmas[i + 1].log().neg()
+        if linear:
+            # ComfyUI's lambda = -logit(sigma), lambda_s_1 = lambda_s + r h, sigma_s_1 = sigmoid(-lambda_s_1)
+            lam, lam_next = sigmas[i].logit().neg(), sigmas[i + 1].logit().neg()
+            level, level_mid, level_next = sigmas[i], (lam + chain.r * (lam_next - lam)).neg().sigmoid(), sigmas[i + 1]
+        else:
+            # k-diffusion's t = -log sigma, s = t + r h: the levels its noise sampler is given
+            t, t_next = sigmas[i].log().neg(), sigmas[i + 1].log().neg()
+            level, level_mid, level_next = t.neg().exp(), (t + (t_next - t) * chain.r).neg().exp(), t_next.neg().exp()
         if n % 2 == 0:
-            first[0] = noise_sampler(t.neg().exp(), (t + (t_next - t) * chain.r).neg().exp())
+            first[0] = noise_sampler(level, level_mid)
             return first[0]
-        n2 = noise_sampler(t.neg().exp(), t_next.neg().exp())
+        n2 = noise_sampler(level, level_next)
         return (n2 - rho[i] * first[0]) / math.sqrt(1.0 - rho[i] ** 2)
 
     return noise
@@ -627,12 +636,15 @@ def sample_dpmpp_sde(
     ``[sigma_min, sigma_max]``, whose two draws a step have correlation ``rho = sqrt((sigma - sigma_s) / (sigma -
     sigma'))``; without a ``noise_sampler`` (or with a tree) the run draws pairs of that law (``docs/chains.md``).
     ``r`` in ``(0, 1)`` (k-diffusion's default 1/2). ``eta = 0`` runs with ``tree=None`` and is refused with a tree.
-    VE levels only.
+
+    With ``path="linear"`` (ComfyUI's ``CONST`` models: SD3, Flux) it is ComfyUI's ``sample_dpmpp_sde``, which
+    works in half-log-SNR for them and queries its Brownian tree at the linear levels (``rho = sqrt((t - t_s) / (t -
+    t'))``); the noise sampler is called at those levels. A first level of 1 is refused: ComfyUI moves it to its
+    model's ``model_sampling.percent_to_sigma(1e-4)``; pass that level (the ComfyUI integration does).
     """
     from ..chains import DPMPPSDE
 
-    _ve_only("sample_dpmpp_sde", path)
-    chain = DPMPPSDE(eta=eta, s_noise=s_noise, r=r)
+    chain = DPMPPSDE(eta=eta, s_noise=s_noise, r=r, path=path)
     linear_grid(sigmas, path)  # refuse a bad schedule by name before the noise reads it
     noise = _dpmpp_sde_noise(chain, x, sigmas, noise_sampler) if tree is None else None
     return _drop_in(
