@@ -21,7 +21,7 @@ Karras steps, ``ddpm`` 1000, ``dpmpp_2m_sde`` 25 and 50, ``ddim`` eta 1 at 100, 
 
 Then deeper chains for the goals' samplers (the ``real_dims_deep`` section; ``--deep-only``), and
 :func:`specforest.latency.tune`'s choice for that image, timed the same way (the
-``real_dims_tune`` section; ``--tune-only`` regenerates that alone).
+``real_dims_tune`` section; ``--tune-only`` regenerates that alone; ``--main-only`` the main grid alone).
 
 Regenerates the ``real_dims`` section of ``benchmarks/RESULTS.md``. Cells are measured cheapest
 first; a cell that would start after ``--budget-minutes`` is listed as not measured. One thread.
@@ -269,6 +269,7 @@ def main() -> None:
     ap.add_argument("--samplers", default=",".join(SAMPLERS), help="comma list among: " + ", ".join(SAMPLERS))
     ap.add_argument("--deep-only", action="store_true", help="only the deep-chains section")
     ap.add_argument("--tune-only", action="store_true", help="only the tune section (natural32, one image)")
+    ap.add_argument("--main-only", action="store_true", help="only the main grid's section (real_dims)")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = ap.parse_args()
     n = args.samples if args.samples is not None else (2 if args.quick else 4)
@@ -332,7 +333,7 @@ def main() -> None:
             )
 
     lines = [
-        f"Measured with `benchmarks/real_dims.py{' --quick' if args.quick else ''} --samples {n}` on "
+        f"Measured with `benchmarks/real_dims.py{' --quick' if args.quick else ''}{' --main-only' if args.main_only else ''} --samples {n}` on "
         f"{machine_line()}, one thread.",
         "",
         "Trajectories per run: "
@@ -367,6 +368,8 @@ def main() -> None:
     lines += ["", f"Total wall time {(time.perf_counter() - t_start) / 60:.1f} min."]
     replace_section(args.out, "real_dims", "## Real dimensions: trained networks against the mixture", "\n".join(lines))
     print("\n".join(lines))
+    if args.main_only:
+        return
     deep = deep_section(tgts, n)
     replace_section(args.out, "real_dims_deep", deep_heading, "\n".join(deep))
     print("\n".join(deep))
