@@ -348,7 +348,7 @@ def main() -> None:
         "",
         "Trajectories per run: "
         f"{n}. Trees: RMC chains of depth {' and '.join(map(str, DEPTHS))}; drafts: velocity, x0 and (networks "
-        f"with deep features) {' and '.join(FEATURE_DRAFTS)}; the best by T/NFE is shown. Oracle: the target itself as the draft at the "
+        f"with deep features) {' and '.join(FEATURE_DRAFTS)}, and learned where the model declares its distilled draft; the best by T/NFE is shown. Oracle: the target itself as the draft at the "
         "best tree's depth (a callable draft that calls the target; its own calls, not counted in NFE, are "
         "the price of a perfect draft): the ceiling of that tree. Acceptance and the per-dimension mean error "
         "`delta / sqrt(d)` (delta = |mu_draft - mu_target| / noise scale of the step) per depth 1 / 2 / 3 "
