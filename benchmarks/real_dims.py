@@ -62,8 +62,6 @@ DEPTHS = (4, 8)
 DEEP = {"euler_ancestral 50": (16,), "ddpm 1000": (16, 32, 64, 128)}
 """The deep section's chains: depth 8 caps T/NFE near T / ceil(T / 8) (the oracle's 7.9 at T = 1000)."""
 ORACLE = "oracle"
-CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-"""The cost curve's row counts the tune section reports."""
 
 
 @dataclass
@@ -204,8 +202,7 @@ def deep_section(tgts: list, n: int) -> list[str]:
 
 def tune_timing(repeats: int) -> list[str]:
     """The ``real_dims_tune`` section: :func:`specforest.latency.tune`'s choice for one image of
-    ``natural32``, ``euler_ancestral`` 50 Karras steps (drafts velocity, x0, cached, corrected and learned,
-    budgets up to 16),
+    ``natural32``, ``euler_ancestral`` 50 Karras steps (drafts velocity and x0, budgets up to 16),
     timed against the standard sampler (warm, one thread, in turns, median of ``repeats``)."""
     from specforest.latency import tune
     from specforest.models.natural import load_velocity
@@ -229,7 +226,7 @@ def tune_timing(repeats: int) -> list[str]:
         sigmas_for=sigmas_for,
         batch=1,
         budget_max=16,
-        drafts=("velocity", "x0", "cached", "corrected", "learned"),
+        drafts=("velocity", "x0"),
         calibration_trajectories=2,
         race=2,
         race_repeats=2,
@@ -250,19 +247,11 @@ def tune_timing(repeats: int) -> list[str]:
         f"Measured with `benchmarks/real_dims.py --tune-only --repeats {repeats}` (also run by the full "
         f"command) on {machine_line()}, one thread.",
         "",
-        "One image of natural32, euler_ancestral 50 Karras steps: `specforest.latency.tune` (drafts velocity, "
-        f"x0, cached, corrected and learned, budgets up to 16, 2 calibration trajectories, a race of 2) chose **{tuned.label}** "
+        "One image of natural32, euler_ancestral 50 Karras steps: `specforest.latency.tune` (drafts velocity and "
+        f"x0, budgets up to 16, 2 calibration trajectories, a race of 2) chose **{tuned.label}** "
         f"(draft {tuned.draft}; predicted {tuned.predicted_speedup:.2f}x; tuning took {tune_s:.0f} s). Warm, "
         f"one thread, run in turns with the standard sampler, median of {repeats}: standard {t_std:.2f} s, "
         f"tune's choice {t_spec:.2f} s (T/NFE {nfe:.2f}): **{t_std / t_spec:.2f}x**.",
-        "",
-        "The cost curve tune measured (one call of n rows over one call of 1 row, one thread): "
-        + ", ".join(
-            f"{n}: {r:.1f}" for n, r in zip(tuned.curve.sizes, tuned.curve.relative(), strict=True) if n in CURVE_ROWS
-        )
-        + ". A call's cost grows about in proportion to its rows, so a tree's rows cost what its saved calls "
-        "would have: every accepted step is a row some call evaluated, so no tree evaluates fewer rows than the "
-        "standard sampler's T, and on such a curve none can be much faster in seconds, the oracle included.",
     ]
 
 
