@@ -18,6 +18,19 @@ from .common import CONTEXT, check_output, library_errors, output_path, progress
 __all__ = ["train"]
 
 
+def _out_dir_option(default: str, what: str, help: str):
+    """``--out`` (``out_dir``): the folder a training writes ``what`` to (checked before any work)."""
+    return click.option(
+        "--out",
+        "out_dir",
+        type=click.Path(file_okay=False),
+        default=default,
+        show_default=True,
+        callback=output_path(what=what, folder=True),
+        help=help,
+    )
+
+
 def _weights_dir_option(help: str):
     return click.option(
         "--weights-dir",
@@ -69,14 +82,8 @@ def train() -> None:
 
 
 @train.command("digits", context_settings=CONTEXT)
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False),
-    default="results/train_digits",
-    show_default=True,
-    callback=output_path(what="the loss plot and the training log", folder=True),
-    help="Directory of loss.png and train_log.json.",
+@_out_dir_option(
+    "results/train_digits", "the loss plot and the training log", "Directory of loss.png and train_log.json."
 )
 @_weights_dir_option("Where the safetensors files and manifest.json are written (atomically).")
 @click.option("--steps", type=click.IntRange(1), default=3000, show_default=True, help="Denoiser optimizer steps.")
@@ -159,14 +166,10 @@ def _natural_command(name: str):
     steps, batch = MODELS[name].steps, MODELS[name].batch
 
     @train.command(name, context_settings=CONTEXT)
-    @click.option(
-        "--out",
-        "out_dir",
-        type=click.Path(file_okay=False),
-        default=f"results/train_{name}",
-        show_default=True,
-        callback=output_path(what="the checkpoint, the training log and the figures", folder=True),
-        help="Folder of checkpoint.safetensors (a rerun resumes from it), train_log.json, loss.png, samples.png.",
+    @_out_dir_option(
+        f"results/train_{name}",
+        "the checkpoint, the training log and the figures",
+        "Folder of checkpoint.safetensors (a rerun resumes from it), train_log.json, loss.png, samples.png.",
     )
     @_weights_dir_option(f"Where {name}_unet.safetensors goes and whose manifest.json gets its entry (atomically).")
     @click.option("--steps", type=click.IntRange(1), default=steps, show_default=True, help="Optimizer steps.")
@@ -275,14 +278,10 @@ def _natural_draft_command(name: str):
     spec = MODELS[name]
 
     @train.command(f"{name}-draft", context_settings=CONTEXT)
-    @click.option(
-        "--out",
-        "out_dir",
-        type=click.Path(file_okay=False),
-        default=f"results/train_{name}-draft",
-        show_default=True,
-        callback=output_path(what="the checkpoint and the training log", folder=True),
-        help="Folder of checkpoint.safetensors (a rerun resumes from it) and train_log.json.",
+    @_out_dir_option(
+        f"results/train_{name}-draft",
+        "the checkpoint and the training log",
+        "Folder of checkpoint.safetensors (a rerun resumes from it) and train_log.json.",
     )
     @_weights_dir_option(f"Where {spec.draft_file} goes and whose manifest.json gets its entry (atomically).")
     @click.option(
