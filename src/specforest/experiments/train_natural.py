@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..models.digits import MANIFEST, WEIGHTS_DIR, manifest
-from ..models.natural import check_name, load_images, random_crops
+from ..models.natural import check_architecture, check_name, load_images, random_crops
 from ..models.unet import EDMPrecond, UNet, UNetConfig
 from ..plots import pyplot
 from .io import atomic_write, atomic_write_text
@@ -328,12 +328,7 @@ def main_train_natural(
     spec = check_name(name)
     config = NaturalTrainConfig(steps=spec.steps, batch=spec.batch) if config is None else config
     unet_config = spec.unet if unet_config is None else unet_config
-    if (unet_config.img_channels, unet_config.img_resolution, unet_config.num_classes) != (3, spec.resolution, 0):
-        raise ValueError(
-            f"unet_config must serve unconditional 3 x {spec.resolution} x {spec.resolution} images for {name}, "
-            f"got {unet_config.img_channels} channels, side {unet_config.img_resolution}, "
-            f"{unet_config.num_classes} classes"
-        )
+    check_architecture(name, unet_config)
     out_dir = Path(f"results/train_{name}" if out_dir is None else out_dir)
     weights_dir = Path(weights_dir)
     log(

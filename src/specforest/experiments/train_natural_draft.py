@@ -34,7 +34,14 @@ from typing import Optional
 import torch
 
 from ..models.digits import MANIFEST, WEIGHTS_DIR, manifest, multiply_adds
-from ..models.natural import check_name, load_denoiser, load_draft_denoiser, load_images, random_crops
+from ..models.natural import (
+    check_architecture,
+    check_name,
+    load_denoiser,
+    load_draft_denoiser,
+    load_images,
+    random_crops,
+)
 from ..models.unet import EDMPrecond, UNetConfig
 from ..validation import check_int, check_number
 from .io import atomic_write_text
@@ -328,12 +335,7 @@ def main_train_natural_draft(
     spec = check_name(name)
     config = NaturalDraftConfig(steps=spec.draft_steps, batch=spec.draft_batch) if config is None else config
     unet_config = spec.draft_unet if unet_config is None else unet_config
-    if (unet_config.img_channels, unet_config.img_resolution, unet_config.num_classes) != (3, spec.resolution, 0):
-        raise ValueError(
-            f"unet_config must serve unconditional 3 x {spec.resolution} x {spec.resolution} images for {name}, "
-            f"got {unet_config.img_channels} channels, side {unet_config.img_resolution}, "
-            f"{unet_config.num_classes} classes"
-        )
+    check_architecture(name, unet_config)
     out_dir = Path(f"results/train_{name}-draft" if out_dir is None else out_dir)
     weights_dir = Path(weights_dir)
     target = load_denoiser(name)

@@ -178,6 +178,21 @@ def check_name(name: str) -> NaturalModel:
     return MODELS[name]
 
 
+def check_architecture(name: str, unet_config: UNetConfig) -> None:
+    """Refuse a U-Net configuration that does not serve model ``name``'s images (unconditional 3 x side x side).
+
+    Raises:
+        ValueError: naming ``unet_config``, the model and what the configuration serves instead.
+    """
+    spec = check_name(name)
+    if (unet_config.img_channels, unet_config.img_resolution, unet_config.num_classes) != (3, spec.resolution, 0):
+        raise ValueError(
+            f"unet_config must serve unconditional 3 x {spec.resolution} x {spec.resolution} images for {name}, "
+            f"got {unet_config.img_channels} channels, side {unet_config.img_resolution}, "
+            f"{unet_config.num_classes} classes"
+        )
+
+
 def _skimage() -> tuple[Any, Any]:
     """scikit-image's ``data`` module and its ``rescale``."""
     try:
