@@ -28,6 +28,8 @@ __all__ = [
     "level_calls",
     "remembers_chain",
     "hand_on",
+    "own_hand_on",
+    "root_known",
     "root_prediction",
     "runs_full",
     "sibling_noise",
@@ -53,6 +55,40 @@ def hand_on(ctx: RunContext, y: torch.Tensor, steps: torch.Tensor, predicted: to
     prediction ``predicted (G, D)`` (:meth:`~specforest.sde.StepTables.hand_on`), exact at a prefetched root."""
     x0 = predicted if y.dim() == 2 else predicted[:, None]
     return ctx.tab.hand_on(y, x0, steps)
+
+
+def own_hand_on(
+    ctx: RunContext,
+    y: torch.Tensor,
+    steps: torch.Tensor,
+    m: torch.Tensor,
+    predicted: torch.Tensor,
+    exact: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``(G, n, D)``: what drafted states ``y (G, n, D)`` at steps ``steps (G, n)`` hand on, read from the draft's
+    own one-step mean there, ``m = a y + c v^`` (``(G, n, D)``, before its carried term): the chain's carried
+    quantity (:meth:`~specforest.sde.StepTables.carry`) of ``y`` with the draft's velocity ``v^ = (m - a y) / c``.
+
+    A draft that evaluates a network at each drafted parent (one that is not affine) so drafts a node's past
+    predictions from its own evaluations at the node's drafted ancestors, as the target reads its own: the
+    target itself as the draft is then exact at every depth. :func:`hand_on` with the round's prediction
+    ``predicted (G, D)`` stands in where ``c`` is 0 (no velocity to read) and in the rows ``exact (G,)`` (the
+    roots the target was evaluated at before the round, whose prediction is known). Any draft mean keeps the
+    law: these read only the drafted states and the draft's means, made before the verification call.
+    """
+    ac = ctx.tab.ac[steps]
+    a, c = ac[..., :1], ac[..., 1:]
+    zero = c == 0
+    v = (m - a * y) / torch.where(zero, torch.ones_like(c), c)
+    out = torch.where(zero, hand_on(ctx, y, steps, predicted), ctx.tab.carry(y, v, steps))
+    if exact is not None:
+        out = torch.where(exact[:, None, None], hand_on(ctx, y, steps, predicted), out)
+    return out
+
+
+def root_known(pre, s0: torch.Tensor) -> torch.Tensor:
+    """``(G,)`` bool: the roots at steps ``s0 (G,)`` whose own evaluation the round's prefetch ``pre`` holds."""
+    return pre.valid & (pre.step == s0)
 
 
 def carried_term(
@@ -288,7 +324,9 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
     # the draft means' multistep term: at once where the states hand on the prediction alone, else one
     # depth at a time below (a state's hand-on reads the drafted state itself)
     predicted = known["predicted"]
-    stepwise = carried.history > 0 and not tab.hands_on_prediction
+    # a draft evaluating each drafted parent hands on its own prediction there (own_hand_on), one depth at a time
+    own = carried.history > 0 and not prop.affine
+    stepwise = carried.history > 0 and (own or not tab.hands_on_prediction)
     extra = None if stepwise else carried_term(ctx, steps, carried, predicted)
     if prop.affine and extra is not None:
         C = C + extra
@@ -341,7 +379,8 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
             term = None
             if stepwise:
                 at = steps[:, level - 1 : level]
-                handed[:, p0:p1] = hand_on(ctx, Yl[level - 1], at, predicted)
+                if not own:
+                    handed[:, p0:p1] = hand_on(ctx, Yl[level - 1], at, predicted)
                 term = tab.past_term(at, carried.at_nodes(handed[:, :p1], tt.up[:p1])[:, p0:p1])
             if prop.affine:
                 c = Cl[level - 1] if term is None else Cl[level - 1] + term
@@ -360,6 +399,10 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
                         **mem,
                     )
                 )
+                if own:
+                    # these parents' hand-ons, read by the next depths (a node's past predictions are its ancestors')
+                    exact = root_known(pre, s0) if level == 1 else None
+                    handed[:, p0:p1] = own_hand_on(ctx, Yl[level - 1], at, m, predicted, exact)
                 if extra is not None:
                     m.add_(extra[:, level - 1 : level])
                 elif term is not None:

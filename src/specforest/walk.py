@@ -51,7 +51,7 @@ import torch
 from . import streams
 from .carried import Carried
 from .couplings import project
-from .drafting import chain_draft, hand_on, level_calls, sibling_noise
+from .drafting import chain_draft, hand_on, level_calls, own_hand_on, root_known, sibling_noise
 from .records import Draft, Observed, RunContext, RunState, WalkResult
 
 __all__ = ["Descent", "FullTree", "Level", "OnDemand", "Problem", "Realizer", "coupling_stream", "walk"]
@@ -335,6 +335,7 @@ class OnDemand:
         # the draft's multistep term, as the full draft makes it: the carried state the draft pushed along the path
         drafted = self.drafted.take(a)
         extra = ctx.tab.past_term(sa[:, None], drafted[:, None])
+        own = None
         if prop.affine:
             A, C = prop.coefficients(ctx.tab, sa[:, None], pre, self.draft_state, **mem)
             if extra is not None:
@@ -344,6 +345,9 @@ class OnDemand:
             cond = ctx.target.cond_rows(d.ids[a])
             mu_p = prop.mean(ctx.tab, yu[:, None], sa[:, None], pre, cond, ctx.shape, self.draft_state, **mem)[:, 0]
             if extra is not None:
+                # what this node hands on to its drafted descendants: the draft's own prediction, as the full draft
+                exact = root_known(pre, d.s0[a]) if level == 1 else None
+                own = own_hand_on(ctx, yu[:, None], sa[:, None], mu_p[:, None], d.predicted[a], exact)[:, 0]
                 mu_p = mu_p + extra[:, 0]
             self.draft_calls += level_calls(prop, ctx.tab)
         ch = tt.children[u]  # (P, K)
@@ -373,7 +377,7 @@ class OnDemand:
             moved = carried.take(acc)
             self.par_carried = self.par_carried.put(take, moved)
             self.cur_carried = self.cur_carried.put(take, moved.pushed(ctx.tab.carry(yu[acc], vu[acc], sa[acc])))
-            handed = hand_on(ctx, yu[acc], sa[acc], d.predicted[take])
+            handed = own[acc] if own is not None else hand_on(ctx, yu[acc], sa[acc], d.predicted[take])
             self.drafted = self.drafted.put(take, drafted.take(acc).pushed(handed))
         self.cur_y[take] = kids[acc, idx[acc]]
         self.cur[take] = ch[acc, idx[acc]]
