@@ -26,7 +26,8 @@ The samplers of two calls a step or two past predictions, with the goals of issu
 ``dpm_2_ancestral`` and ``dpmpp_2s_ancestral`` at 25; ``dpmpp_3m_sde`` at 50; ``dpmpp_sde`` at 20 where
 this build registers it), on digits and the mixture at d = 500: calls counted at the model
 (:class:`Counted`, checked against the runs' statistics), the best of RMC chains of depth 8 to 64 with
-the ``secant``, ``cached``, ``x0`` and ``velocity`` drafts, the oracle at that depth (:class:`Oracle`),
+the ``secant``, ``cached``, ``x0`` and ``velocity`` drafts, the oracle at that depth (the target itself as a
+callable draft, which runs through every stage of a step and hands on its own predictions),
 and one digits image in seconds with :func:`specforest.latency.tune`'s choice for ``dpmpp_3m_sde`` and
 ``dpmpp_sde``. Regenerates the ``chains_goals`` section, after ``chains``.
 
@@ -50,13 +51,11 @@ import torch
 import specforest
 from specforest import chains
 from specforest.drafts import drafts_serving
-from specforest.drafts.model import DraftModel
 from specforest.experiments import gmm as gmm_exp
 from specforest.experiments import pixel as pixel_exp
 from specforest.experiments.io import atomic_write_text
 from specforest.experiments.results import machine_line, replace_section
 from specforest.models.digits import load_velocity
-from specforest.target import outside_inference
 
 BUDGETS = (14, 62, 155)
 DRAFTS = ("secant", "cached")
@@ -300,42 +299,6 @@ class Counted:
         return counted
 
 
-class Oracle(DraftModel):
-    """The target itself as the draft, every stage of a step included: the drafted mean of a node is the
-    target's own (``v_eff`` from the chain's stage tableau, :meth:`specforest.stages.Stages.velocity`), so a
-    chain of history 0 accepts every drafted step and its T/NFE is the tree's ceiling. Its calls are the
-    price of a perfect draft and are not counted in NFE. A chain of history ``h > 0`` is drafted with the
-    predictions known before the round (:func:`specforest.drafting.carried_term`): exact at depth 1, at
-    depth 2 where the root was prefetched, and estimated deeper, so even this draft is not exact there:
-    the table gives that chain's ceiling as :func:`ceiling`."""
-
-    name = "oracle"
-
-    def mean(self, tab, y, steps, pre, cond, shape, state):
-        G, n, D = y.shape
-        at = steps.reshape(-1)
-        sig = tab.sig[at]
-        kw = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
-
-        def call(points: torch.Tensor, level: torch.Tensor, traj: Any = None, rows_key: Any = None) -> torch.Tensor:
-            with outside_inference():
-                v = self.fn(points.reshape(-1, *shape), level, **self.model_kwargs, **kw)
-            return v.reshape(-1, D).to(y.dtype)
-
-        flat = y.reshape(G * n, D)
-        v = call(flat, sig)
-        if tab.tableau is not None:
-            v = tab.tableau.velocity(call, flat, at, None, v, sig.to(y.dtype))
-        return tab.mean(y, v.reshape(G, n, D), steps)
-
-
-def ceiling(calls: int, steps: int, depth: int, stages: int) -> float:
-    """T/NFE of a chain of ``depth`` whose every drafted step is accepted, on a grid of ``steps`` steps
-    with no deterministic step but the last: ``ceil(steps / depth) + 1`` rounds of ``stages`` calls
-    (what the oracle measures on such chains of history 0)."""
-    return calls / (stages * (math.ceil(steps / depth) + 1))
-
-
 def goal_run(model, x, cond, chain, grid, seed: int, tree=None, draft: Any = None) -> dict:
     """One run of every trajectory of ``x`` with the target's calls counted (:class:`Counted`): T/NFE
     with its standard error, the counted and reported calls, acceptance per depth."""
@@ -387,7 +350,8 @@ def goal_cell(model, x, cond, chain, grid, seed: int, drafts: tuple, problems: l
     one = goal_run(model, x[:1], {k: v[:1] for k, v in cond.items()}, chain, grid, seed, tree, best["draft"])
     if not (one["counted"] == one["calls"] == int(one["nfe"][0])):
         problems.append(f"{where}, one trajectory: counted {one['counted']}, stats.nfe {int(one['nfe'][0])}")
-    oracle = goal_run(model, x, cond, chain, grid, seed, tree, Oracle(model))
+    # the target as a plain callable draft: every stage of a step drafted, its own predictions handed on
+    oracle = goal_run(model, x, cond, chain, grid, seed, tree, model)
     oracle["speed"] = speedup(T, oracle["nfe"])
     return {"T": T, "best": best, "oracle": oracle}
 
@@ -418,14 +382,8 @@ def goal_rows(models: dict, goals: tuple, dry: bool, seed: int, problems: list, 
             grid = chains.karras_linear_grid(steps)
             cell = goal_cell(model, x * float(grid[0]), cond, chain, grid, seed, drafts, problems, f"{label} {g.label}")
             b, o = cell["best"], cell["oracle"]
-            if chain.history:
-                ceil_ = ceiling(cell["T"], steps, b["L"], chain.stages)
-                orc = f"{ceil_:.2f}† (target as draft {o['speed'][0]:.2f}, acceptance {per_depth(o['acc'], (1, 2, 3, 4))})"
-            else:
-                ceil_ = o["speed"][0]
-                orc = f"{ceil_:.2f}" + (
-                    "" if all(math.isnan(a) or a == 1.0 for a in o["acc"]) else " (acceptance < 1!)"
-                )
+            ceil_ = o["speed"][0]
+            orc = f"{ceil_:.2f}" + ("" if all(math.isnan(a) or a == 1.0 for a in o["acc"]) else " (acceptance < 1!)")
             met = ""
             if g.goal is not None and mkey == "digits":
                 met = f">= {g.goal:g}: " + (
@@ -531,14 +489,6 @@ def goals_section(args, models: dict, goals: tuple, command: str) -> str:
         "/ 16 | oracle T/NFE | best / oracle | goal (digits) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
-        "",
-        "† A chain of history 2: the engine drafts a node deeper than the root's children with the predictions "
-        "known before the round (`specforest.drafting.carried_term`: the prefetched evaluation's for the root "
-        "and the states below it), so no draft, the target included, is exact beyond depth 1 unless the root "
-        "was prefetched (then at depth 2 too); the ceiling shown is that of a chain accepting every step, "
-        "T / (ceil(N / depth) + 1) (what the oracle measures on chains of history 0 without deterministic "
-        "steps), and the target as the draft is measured beside it, with its acceptance at depth 1 / 2 / 3 / 4: "
-        "exact at depth 1, the loss deeper is the estimated carried predictions', not the draft's.",
     ]
     if notes:
         lines += [

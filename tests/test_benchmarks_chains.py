@@ -5,6 +5,7 @@ and ``--samplers`` refuses an unknown name before any work."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,8 @@ def bench():
     return module
 
 
-@pytest.mark.parametrize("key", ["heun", "dpm_2_ancestral"])
-def test_the_oracle_accepts_every_step_of_a_two_call_sampler_and_the_calls_are_counted(bench, key):
+@pytest.mark.parametrize("key", ["heun", "dpm_2_ancestral", "dpmpp_3m_sde", "dpmpp_sde"])
+def test_the_oracle_accepts_every_step_of_a_two_call_or_multistep_sampler_and_the_calls_are_counted(bench, key):
     from specforest import chains, trees
     from specforest.models import GaussianMixture
 
@@ -36,16 +37,18 @@ def test_the_oracle_accepts_every_step_of_a_two_call_sampler_and_the_calls_are_c
     grid = chains.karras_linear_grid(steps)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)) * float(grid[0])
     std = bench.goal_run(model, x, {}, chain, grid, 0)
-    # two calls a step, one into 0: counted at the model, as the run reports them
-    assert std["counted"] == std["calls"] == std["standard"] == 2 * steps - 1
-    oracle = bench.goal_run(model, x, {}, chain, grid, 0, trees.chain(4), bench.Oracle(model))
+    tab = chain.build(grid)
+    # two calls a step (or two half-steps), one into 0: counted at the model, as the run reports them
+    assert std["counted"] == std["calls"] == std["standard"] == tab.standard_calls
+    assert tab.standard_calls == (steps if key == "dpmpp_3m_sde" else 2 * steps - 1)
+    # the target as a plain callable draft runs through the chain's stages (a staged draft) and hands on its
+    # own predictions (a multistep chain): the oracle
+    oracle = bench.goal_run(model, x, {}, chain, grid, 0, trees.chain(4), model)
     assert all(a == pytest.approx(1.0) for a in oracle["acc"] if a == a)  # NaN: a depth never reached
     assert oracle["counted"] == oracle["calls"]
-    # acceptance 1 at depth 4: ceil(6 / 4) + 1 rounds of two calls
-    assert bench.speedup(std["counted"], oracle["nfe"])[0] == pytest.approx(bench.ceiling(11, steps, 4, 2))
-    # the target as a plain callable draft runs through the chain's stages too (a staged draft): an oracle
-    plain = bench.goal_run(model, x, {}, chain, grid, 0, trees.chain(4), model)
-    assert all(a == pytest.approx(1.0) for a in plain["acc"] if a == a)
+    # acceptance 1 at depth 4: ceil(M / 4) + 1 rounds of s calls, M the chain's steps
+    rounds = math.ceil(tab.steps / 4) + 1
+    assert bench.speedup(std["counted"], oracle["nfe"])[0] == pytest.approx(tab.standard_calls / (tab.stages * rounds))
 
 
 def test_the_goals_section_goes_after_the_chains_section_and_leaves_the_others(bench, tmp_path):
