@@ -103,12 +103,13 @@ def test_a_chain_of_a_new_history_runs_through_the_engine_as_written():
 HISTORY_CHAINS = ["dpmpp_2m_sde", "dpmpp_3m_sde", "dpmpp_sde"]
 
 
-@pytest.mark.parametrize("prefetched", [True, False])
+@pytest.mark.parametrize("prefetched", ["root", "sibling", "none"])
 @pytest.mark.parametrize("name", HISTORY_CHAINS)
 def test_the_target_as_its_own_draft_drafts_every_depth_with_the_target_mean(name, prefetched):
     """The target as its own draft: the draft means at depths 1, 2 and 3 of a chain of history ``h`` are the
     target's transition means, in closed form on a single Gaussian (``v = alpha y + beta``,
-    :mod:`specforest.testing`), whether or not the root was prefetched. A drafted parent's past predictions are
+    :mod:`specforest.testing`), whether the root was prefetched, a state at its step that is not the root (what
+    ``prefetch="nearest"`` reuses after a rejection: the rejected sibling), or nothing. A drafted parent's past predictions are
     what its drafted ancestors hand on from the draft's own velocities there
     (:func:`specforest.drafting.own_hand_on`), so a perfect draft is exact at every depth; before, they were
     the root's prediction (or its older one), and even this draft was wrong below depth 1 or 2."""
@@ -140,8 +141,9 @@ def test_the_target_as_its_own_draft_drafts_every_depth_with_the_target_mean(nam
         return alpha * y + beta
 
     pre = Prefetch.empty(G, D, torch.float64, torch.device("cpu"))
-    if prefetched:
-        pre = pre.replaced(x, velocity(x, n0), step)
+    if prefetched != "none":
+        at = x if prefetched == "root" else x + 0.3
+        pre = pre.replaced(at, velocity(at, n0), step)
     old = torch.randn(G, chain.history, D, dtype=torch.float64, generator=r)
     state = replace(state, x=x, step=step, pre=pre, carried=Carried(old))
     d = draft(ctx, state, engine.schedule(ctx, state).groups[0])

@@ -106,6 +106,39 @@ def test_a_cached_draft_whose_cheap_evaluation_is_the_target_rejects_only_in_its
     assert st.draft_calls > 0 and st.draft_calls % 2 == 0
 
 
+class LevelFeatures(NetworkFeatures):
+    """Deep features that remember the level they were made at (one number a row): the cheap evaluation
+    is the target at the features' level, so it is the target only with the features of a call at the
+    same level, as a remembered node's call at the same stage is."""
+
+    def with_features(self, x: torch.Tensor, sigma: torch.Tensor, **cond) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(x, sigma, **cond), torch.as_tensor(sigma, dtype=x.dtype).expand(x.shape[0])[:, None]
+
+    def from_features(self, x: torch.Tensor, sigma: torch.Tensor, f: torch.Tensor, **cond) -> torch.Tensor:
+        self.cheap_calls += 1
+        return self.fn(x, f[:, 0], **cond)
+
+
+@pytest.mark.parametrize("chain", list(STAGED))
+@pytest.mark.parametrize("draft", ["cached", "corrected"])
+def test_a_cached_draft_reads_each_stage_with_the_remembered_nodes_features_of_that_stage(chain, draft):
+    """A verified row keeps the deep features of each of its stages' calls (:func:`specforest.stages.evaluate`),
+    and the cached draft's stage ``k`` reads the remembered node's stage ``k`` features: with features that
+    hold their call's level, the cheap evaluation is the target at every stage from the second round on,
+    so a chain as deep as the grid rejects at most once per trajectory. With the first stage's features at
+    the second stage (before), the second stage is evaluated at the step's level and drafts are rejected."""
+    model = LevelFeatures(GAUSS, None)
+    out = specforest.sample(
+        model, _x(32), sigmas=GRID, chain=STAGED[chain], tree=trees.chain(GRID.numel()), coupling="rmc",
+        draft=draft, seed=3,
+    )  # fmt: skip
+    st = out.stats
+    rejected = (st.attempts - st.accepts).sum(1)
+    assert int(rejected.sum()) > 0
+    assert int(rejected.max()) <= 1, rejected
+    assert model.cheap_calls > 0
+
+
 def _law(out, chain) -> None:
     testing.check_law(out.samples, GRID, None, MU, S0, chain=chain).assert_exact()
 

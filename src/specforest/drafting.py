@@ -86,9 +86,10 @@ def own_hand_on(
     return out
 
 
-def root_known(pre, s0: torch.Tensor) -> torch.Tensor:
-    """``(G,)`` bool: the roots at steps ``s0 (G,)`` whose own evaluation the round's prefetch ``pre`` holds."""
-    return pre.valid & (pre.step == s0)
+def root_known(pre, s0: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+    """``(G,)`` bool: the roots ``root (G, D)`` at steps ``s0 (G,)`` whose own evaluation the round's prefetch
+    ``pre`` holds (not a sibling's at the same step, which ``prefetch="nearest"`` reuses after a rejection)."""
+    return pre.valid & (pre.step == s0) & (pre.y == root).all(-1)
 
 
 def carried_term(
@@ -401,7 +402,7 @@ def draft(ctx: RunContext, state: RunState, group: Group) -> Draft:
                 )
                 if own:
                     # these parents' hand-ons, read by the next depths (a node's past predictions are its ancestors')
-                    exact = root_known(pre, s0) if level == 1 else None
+                    exact = root_known(pre, s0, x0) if level == 1 else None
                     handed[:, p0:p1] = own_hand_on(ctx, Yl[level - 1], at, m, predicted, exact)
                 if extra is not None:
                     m.add_(extra[:, level - 1 : level])

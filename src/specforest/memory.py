@@ -543,8 +543,8 @@ def estimate(
     if remembered and prop.uses_features and callable(getattr(model, "feature_numel", None)):
         # the cached self-draft: every evaluated row's deep features come back beside its velocity
         # (the call's output and the round's per-node copy), and each remembered node keeps its own
-        # (and its pair's, for a draft that keeps pairs)
-        F = int(model.feature_numel(tuple(x_row.shape[1:]) if x_row is not None else (D,)))
+        # (and its pair's, for a draft that keeps pairs), one set a stage
+        F = int(model.feature_numel(tuple(x_row.shape[1:]) if x_row is not None else (D,))) * stages
         per += (_depth(tree, steps) * (2 if prop.keeps_pairs else 1) + 2 * rows) * F * w
     tables = _TABLE_BYTES * size if tree is not None else 0
     fixed_bytes = int(fixed_bytes) + kept + tables

@@ -135,8 +135,9 @@ class RunSpec:
                 (:meth:`Proposal.check`).
         """
         self.proposal.check(tuple(shape), work, model)
-        features = self.proposal.bind(model, tuple(shape), self.model_kwargs)
         tab = self.sde.tables(device, work)
+        # a row's evaluation keeps the deep features of each of its stages' calls (stages.evaluate)
+        features = self.proposal.bind(model, tuple(shape), self.model_kwargs) * tab.stages
         target = Target(
             model,
             shape,

@@ -113,14 +113,19 @@ class Stages:
         sig: torch.Tensor,
         upto: Optional[int] = None,
         rows_key: Hashable = None,
-    ) -> torch.Tensor:
+        features: bool = False,
+    ) -> Any:
         """``v_eff (M, D)`` at states ``y (M, D)`` at steps ``step (M,)`` of trajectories ``traj (M,)``,
         given the first stage's velocity ``v0`` at ``y`` and the states' levels ``sig (M,)``: the
-        calls of stages ``1 .. upto - 1`` (default all), each one batched call of the ``M`` rows.
+        calls of stages ``1 .. upto - 1`` (default all), each one batched call of the ``M`` rows, in that
+        order (a network draft's stage callable may count its calls to know the stage).
 
         A row whose step does not use a stage evaluates it at its own state (``alpha = 1``, ``beta = 0``
-        there, a finite call) with weight 0."""
+        there, a finite call) with weight 0. With ``features`` (a ``target`` returning ``(v, features)``
+        then), ``(v_eff, [features (M, F)])``: the deep features of each later stage's call, zeros for a
+        stage ``upto`` skips."""
         s = self.count if upto is None else upto
+        feats: list = []
         lv, al, be, w = self.level[step], self.alpha[step], self.beta[step], self.weight[step]
         preds = [torch.addcmul(y, sig[:, None], v0, value=-1.0)]
         # D_eff - D_0 = sum_{k >= 1} w_k (D_k - D_0): exact where the stages agree
@@ -129,10 +134,25 @@ class Stages:
             point = al[:, k : k + 1] * y
             for i in range(k):
                 point = torch.addcmul(point, be[:, k, i : i + 1], preds[i])
-            vk = target(point, lv[:, k], traj, rows_key=rows_key).to(y.dtype)
+            if features:
+                vk, fk = target(point, lv[:, k], traj, rows_key=rows_key, features=True)
+                feats.append(fk)
+                vk = vk.to(y.dtype)
+            else:
+                vk = target(point, lv[:, k], traj, rows_key=rows_key).to(y.dtype)
             preds.append(torch.addcmul(point, lv[:, k : k + 1], vk, value=-1.0))
             shift = torch.addcmul(shift, w[:, k : k + 1], preds[k] - preds[0])
-        return torch.addcdiv(v0, shift, sig[:, None], value=-1.0)
+        v = torch.addcdiv(v0, shift, sig[:, None], value=-1.0)
+        if not features:
+            return v
+        return v, feats
+
+
+def _pad_stages(feats: list, first: torch.Tensor, count: int) -> torch.Tensor:
+    """``(M, count F)``: the first stage's features ``first (M, F)`` then the later stages' ``feats``,
+    zeros for the stages not evaluated."""
+    missing = count - 1 - len(feats)
+    return torch.cat([first, *feats, *([torch.zeros_like(first)] * missing)], 1)
 
 
 def evaluate(
@@ -151,10 +171,16 @@ def evaluate(
     ``step (M,)`` of trajectories ``traj (M,)``: the model's (one call) for a one-stage chain
     (``stages`` ``None``), else ``v_eff`` from ``s`` sequential calls (:meth:`Stages.velocity`; ``upto``
     stages only, where the caller knows every row's step skips the rest). With ``features``,
-    ``(v, features (M, F))``, the features of the first stage (the state's own)."""
+    ``(v, features (M, s F))``: the deep features of each stage's call, the first stage's (the state's
+    own) first, zeros for a stage ``upto`` skips; a network draft reads a remembered node's stage ``k``
+    with stage ``k``'s (:class:`~specforest.drafts.model.CachedDraft`)."""
     out = target(y, sig, traj, rows_key=rows_key, features=features) if features else None
     v0 = out[0] if features else target(y, sig, traj, rows_key=rows_key)
-    if stages is None or (upto is not None and upto <= 1):
+    if stages is None:
         return out if features else v0
-    v = stages.velocity(target, y, step, traj, v0.to(y.dtype), sig.to(y.dtype), upto, rows_key)
-    return (v, out[1]) if features else v
+    if upto is not None and upto <= 1:
+        return (v0, _pad_stages([], out[1], stages.count)) if features else v0
+    v = stages.velocity(target, y, step, traj, v0.to(y.dtype), sig.to(y.dtype), upto, rows_key, features)
+    if not features:
+        return v
+    return v[0], _pad_stages(v[1], out[1], stages.count)

@@ -346,7 +346,7 @@ class OnDemand:
             mu_p = prop.mean(ctx.tab, yu[:, None], sa[:, None], pre, cond, ctx.shape, self.draft_state, **mem)[:, 0]
             if extra is not None:
                 # what this node hands on to its drafted descendants: the draft's own prediction, as the full draft
-                exact = root_known(pre, d.s0[a]) if level == 1 else None
+                exact = root_known(pre, d.s0[a], yu) if level == 1 else None
                 own = own_hand_on(ctx, yu[:, None], sa[:, None], mu_p[:, None], d.predicted[a], exact)[:, 0]
                 mu_p = mu_p + extra[:, 0]
             self.draft_calls += level_calls(prop, ctx.tab)

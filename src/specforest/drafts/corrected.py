@@ -130,7 +130,7 @@ class CorrectedDraft(CachedDraft):
         # one call a stage: the parents with their node's features, then the nodes with their pairs'
         # (x0_j is the target's prediction from its stages at the node's step, the parent's)
         feat = torch.cat([at(memory.features), at(memory.pair_features)], 1)
-        network = lambda p, lv: self.cheap_velocity(p, lv, feat, cond, shape)  # noqa: E731
+        network = self.stage_network(tab, feat, cond, shape)
         rows = torch.cat([y, y_j], 1)
         v = self.stage_velocity(
             tab, network, rows, torch.cat([steps, steps], 1), network(rows, torch.cat([sig, sig], 1))

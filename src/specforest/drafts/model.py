@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..target import model_name, outside_inference
-from .base import Proposal, VelocityFn
+from .base import Proposal, StepTables, VelocityFn
 from .chain_memory import RemembersChain
 from .memory import memory_node, same_step
 
@@ -406,9 +406,21 @@ class CachedDraft(RemembersChain):
         if feats is not None:
             j, use = memory_node(steps, pre, memory)
             feat = feats.gather(1, j[..., None].expand(-1, -1, feats.shape[2]))
-            network = lambda p, lv: self.cheap_velocity(p, lv, feat, cond, shape)  # noqa: E731
+            network = self.stage_network(tab, feat, cond, shape)
             v = torch.where(use[..., None], self.stage_velocity(tab, network, y, steps, network(y, sig)), v)
         return tab.mean(y, v, steps)
+
+    def stage_network(
+        self, tab: StepTables, feat: torch.Tensor, cond: dict, shape: tuple[int, ...]
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The cheap evaluation as a network of points and levels, ``(G, n, D), (G, n) -> (G, n, D)``, for the
+        draft's own first call and then :meth:`~specforest.drafts.Proposal.stage_velocity`'s: its ``k``-th call
+        reads stage ``k``'s deep features of ``feat (G, n, s F)`` (the remembered node's call at the same stage,
+        at that stage's level: :func:`specforest.stages.evaluate` keeps one set a stage). The stages are called
+        in order (:meth:`specforest.stages.Stages.velocity`), so the calls count the stage."""
+        parts = feat.chunk(tab.stages, -1)
+        stage = iter(range(len(parts)))
+        return lambda p, lv: self.cheap_velocity(p, lv, parts[next(stage)], cond, shape)
 
     def cheap_velocity(
         self, y: torch.Tensor, sig: torch.Tensor, feat: torch.Tensor, cond: dict, shape: tuple[int, ...]
