@@ -847,7 +847,8 @@ class DPMPP2MSDE(Chain):
     term at the first step, and ``x' = D`` into 0. The state is ``(x, D_prev)``: given the
     previous prediction the step is Gaussian with a covariance free of the network, so the chain
     declares ``history = 1`` and the engine carries each node's parent prediction
-    (:class:`~specforest.carried.Carried`).
+    (:class:`~specforest.carried.Carried`). On the linear path (ComfyUI's ``CONST`` models, ``lambda = log((1 -
+    sigma) / sigma)``, its ``alpha_t`` factors) the same step is this chain on the same linear grid.
     ``eta = 0`` is the deterministic DPM++ 2M: no tree can speculate it.
     """
 
