@@ -2,12 +2,13 @@
 
 ComfyUI is not on the package registries, so these are transcriptions of its
 ``comfy/k_diffusion/sampling.py`` (``sample_ddpm`` / ``DDPMSampler_step``, ``sample_lcm``,
-``sample_euler_ancestral_RF``, ``sample_dpm_2_ancestral_RF``, ``sample_dpmpp_2s_ancestral_RF``, and
-``sample_dpmpp_sde``'s ``CONST`` branch, read at 02159d814dee609acc27994c1bf25fc5b40e2aaa) at the commit
+``sample_euler_ancestral_RF``, ``sample_dpm_2_ancestral_RF``, ``sample_dpmpp_2s_ancestral_RF``, and the ``CONST`` branches of
+``sample_dpmpp_sde``, ``sample_dpmpp_2m_sde`` and ``sample_dpmpp_3m_sde`` with their
+``offset_first_sigma_for_snr``, read at 02159d814dee609acc27994c1bf25fc5b40e2aaa) at the commit
 ``../shared/research/samplers.md`` names (02159d8), step for step:
 the chains' linear-path tables are checked against them, not derived from them. Each takes a
-k-diffusion-style ``denoiser(x, sigma)`` and a list ``z`` of per-step standard normal draws (``sample_dpmpp_sde``,
-whose two draws a step come from one Brownian motion, a noise sampler as ComfyUI's).
+k-diffusion-style ``denoiser(x, sigma)`` and a list ``z`` of per-step standard normal draws (the ``CONST`` branches
+of the DPM++ SDE samplers a noise sampler as ComfyUI's, called where their code calls it).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def vp_ddim(denoiser, x_vp, ab_list, z, eta):
     return x_vp
 
 
-def comfy_euler_ancestral_rf(denoiser, x, sig, z, eta=1.0, s_noise=1.0):
+def comfy_euler_ancestral_rf(denoiser, x, sig, z, eta=1.0, s_noise=1.0, noise_scale=1.0):
     """ComfyUI's ``sample_euler_ancestral_RF`` for CONST (linear-path) models, per its code."""
+    s_noise = s_noise * noise_scale  # ComfyUI's _RF forms: times the model's model_sampling.noise_scale
     for i in range(len(sig) - 1):
         s, s1 = sig[i], sig[i + 1]
         D = denoiser(x / (1 - s), s / (1 - s))  # the linear-path denoiser is the VE one at the mapped level
@@ -72,14 +74,60 @@ def comfy_euler_ancestral_rf(denoiser, x, sig, z, eta=1.0, s_noise=1.0):
     return x
 
 
-def comfy_dpmpp_3m_sde_const(denoiser, x, sig, z, eta=1.0, s_noise=1.0):
-    """ComfyUI's ``sample_dpmpp_3m_sde`` for CONST (linear-path) models, per its code: half-log-SNR
-    ``lambda = -logit(sigma)``, ``alpha_t = sigma' e^lambda' = 1 - sigma'`` on the prediction's terms, the
-    noise ``sigma' sqrt(1 - e^(-2 eta h))`` (``sig[0] < 1``: Comfy's offset of a first level 1 not needed)."""
+def offset_first_sigma_for_snr(sig, percent_to_sigma=None):
+    """ComfyUI's ``offset_first_sigma_for_snr`` of a ``CONST`` model, per its code: a first level ``>= 1`` (infinite
+    half-log-SNR) becomes ``percent_to_sigma(1e-4)`` (default the shift-1 flow's ``1 - percent``)."""
+    if len(sig) > 1 and sig[0] >= 1:
+        sig = sig.clone()
+        sig[0] = (percent_to_sigma or (lambda p: 1.0 - p))(1e-4)
+    return sig
+
+
+def comfy_dpmpp_2m_sde_const(
+    model, x, sig, noise_sampler, eta=1.0, s_noise=1.0, solver_type="midpoint", percent_to_sigma=None, noise_scale=1.0
+):
+    """ComfyUI's ``sample_dpmpp_2m_sde`` for a CONST model, per its code: ``model(x, sigma)`` is the CONST denoiser at
+    the linear-path level; half-log-SNR ``lambda = -logit(sigma)``, ``alpha_t = sigma' e^lambda'``; the first level
+    offset (:func:`offset_first_sigma_for_snr`) and ``s_noise`` times the model's ``noise_scale``."""
+    lambda_fn = lambda sigma: sigma.logit().neg()  # noqa: E731
+    sig = offset_first_sigma_for_snr(sig, percent_to_sigma)
+    s_noise = s_noise * noise_scale
+    old = h = h_last = None
+    for i in range(len(sig) - 1):
+        D = model(x, sig[i])
+        if sig[i + 1] == 0:
+            x = D
+        else:
+            lambda_s, lambda_t = lambda_fn(sig[i]), lambda_fn(sig[i + 1])
+            h = lambda_t - lambda_s
+            h_eta = h * (eta + 1)
+            alpha_t = sig[i + 1] * lambda_t.exp()
+            x = sig[i + 1] / sig[i] * (-h * eta).exp() * x + alpha_t * (-h_eta).expm1().neg() * D
+            if old is not None:
+                r = h_last / h
+                if solver_type == "heun":
+                    x = x + alpha_t * ((-h_eta).expm1().neg() / (-h_eta) + 1) * (1 / r) * (D - old)
+                else:
+                    x = x + 0.5 * alpha_t * (-h_eta).expm1().neg() * (1 / r) * (D - old)
+            if eta > 0 and s_noise > 0:
+                x = x + noise_sampler(sig[i], sig[i + 1]) * sig[i + 1] * (-2 * h * eta).expm1().neg().sqrt() * s_noise
+        old, h_last = D, h
+    return x
+
+
+def comfy_dpmpp_3m_sde_const(
+    model, x, sig, noise_sampler, eta=1.0, s_noise=1.0, percent_to_sigma=None, noise_scale=1.0
+):
+    """ComfyUI's ``sample_dpmpp_3m_sde`` for a CONST model, per its code: ``model(x, sigma)`` is the CONST denoiser at
+    the linear-path level; half-log-SNR ``lambda = -logit(sigma)``, ``alpha_t = sigma' e^lambda' = 1 - sigma'`` on the
+    prediction's terms, the noise ``sigma' sqrt(1 - e^(-2 eta h))``; the first level offset
+    (:func:`offset_first_sigma_for_snr`) and ``s_noise`` times the model's ``noise_scale``."""
+    sig = offset_first_sigma_for_snr(sig, percent_to_sigma)
+    s_noise = s_noise * noise_scale
     d_1 = d_2 = h = h_1 = h_2 = None
     for i in range(len(sig) - 1):
         s, s1 = sig[i], sig[i + 1]
-        D = denoiser(x / (1 - s), s / (1 - s))  # the linear-path denoiser is the VE one at the mapped level
+        D = model(x, s)
         if s1 == 0:
             x = D
         else:
@@ -100,7 +148,7 @@ def comfy_dpmpp_3m_sde_const(denoiser, x, sig, z, eta=1.0, s_noise=1.0):
             elif h_1 is not None:
                 x = x + (alpha * phi2) * (D - d_1) / (h_1 / h)
             if eta > 0 and s_noise > 0:
-                x = x + z[i] * s1 * (-2 * h * eta).expm1().neg().sqrt() * s_noise
+                x = x + noise_sampler(s, s1) * s1 * (-2 * h * eta).expm1().neg().sqrt() * s_noise
         d_1, d_2 = D, d_1
         h_1, h_2 = h, h_1
     return x
@@ -113,9 +161,10 @@ def _rf_down(s, s1, eta):
     return down, a1 / ad, (s1**2 - down**2 * a1**2 / ad**2) ** 0.5
 
 
-def comfy_dpm_2_ancestral_rf(model, x, sig, z, eta=1.0, s_noise=1.0):
+def comfy_dpm_2_ancestral_rf(model, x, sig, z, eta=1.0, s_noise=1.0, noise_scale=1.0):
     """ComfyUI's ``sample_dpm_2_ancestral_RF`` for CONST models, per its code: ``model(x, sigma)`` is the CONST
     denoiser at the linear-path level; ``z[i]`` the draw of step ``i`` (taken in its two-call branch only)."""
+    s_noise = s_noise * noise_scale  # ComfyUI's _RF forms: times the model's model_sampling.noise_scale
     for i in range(len(sig) - 1):
         s, s1 = sig[i], sig[i + 1]
         D = model(x, s)
@@ -132,9 +181,10 @@ def comfy_dpm_2_ancestral_rf(model, x, sig, z, eta=1.0, s_noise=1.0):
     return x
 
 
-def comfy_dpmpp_2s_ancestral_rf(model, x, sig, z, eta=1.0, s_noise=1.0):
+def comfy_dpmpp_2s_ancestral_rf(model, x, sig, z, eta=1.0, s_noise=1.0, noise_scale=1.0):
     """ComfyUI's ``sample_dpmpp_2s_ancestral_RF`` for CONST models, per its code (the second call at the
     half-log-SNR midpoint ``lambda = log((1 - sigma) / sigma)``, at 0.9999 from a level of 1)."""
+    s_noise = s_noise * noise_scale  # ComfyUI's _RF forms: times the model's model_sampling.noise_scale
     for i in range(len(sig) - 1):
         s, s1 = sig[i], sig[i + 1]
         D = model(x, s)
@@ -164,23 +214,23 @@ def _ancestral_step(sigma_from, sigma_to, eta):
 
 
 def comfy_dpmpp_sde_const(
-    model, x, sig, noise_sampler=None, eta=1.0, s_noise=1.0, r=0.5, seed=None, percent_to_sigma=None
+    model, x, sig, noise_sampler=None, eta=1.0, s_noise=1.0, r=0.5, seed=None, percent_to_sigma=None, noise_scale=1.0
 ):
     """ComfyUI's ``sample_dpmpp_sde`` for a CONST model, per its code: ``model(x, sigma)`` is the CONST denoiser at the
     linear-path level; half-log-SNR ``lambda = -logit(sigma)``, ``sigma_fn(lambda) = sigmoid(-lambda)``, ``alpha =
     sigma e^lambda``; ``get_ancestral_step`` of ``e^(-lambda)``. Without a ``noise_sampler`` its default: a Brownian
     tree (torchsde, through k-diffusion's ``BrownianTreeNoiseSampler``, as ComfyUI's) over ``[min sigma > 0, max
     sigma]`` of the levels before the offset, queried at the linear levels. ``offset_first_sigma_for_snr``: a first
-    level ``>= 1`` becomes ``percent_to_sigma(1e-4)`` (default the shift-1 flow's ``1 - percent``)."""
+    level ``>= 1`` becomes ``percent_to_sigma(1e-4)`` (default the shift-1 flow's ``1 - percent``); ``s_noise`` is
+    multiplied by the model's ``noise_scale``."""
     from kdiff_reference import sampling
 
     if noise_sampler is None:
         noise_sampler = sampling().BrownianTreeNoiseSampler(x, sig[sig > 0].min(), sig.max(), seed=seed)
     sigma_fn = lambda lam: lam.neg().sigmoid()  # noqa: E731
     lambda_fn = lambda sigma: sigma.logit().neg()  # noqa: E731
-    if len(sig) > 1 and sig[0] >= 1:
-        sig = sig.clone()
-        sig[0] = (percent_to_sigma or (lambda p: 1.0 - p))(1e-4)
+    sig = offset_first_sigma_for_snr(sig, percent_to_sigma)
+    s_noise = s_noise * noise_scale
     for i in range(len(sig) - 1):
         D = model(x, sig[i])
         if sig[i + 1] == 0:

@@ -19,7 +19,15 @@ from pathlib import Path
 import comfy_vendored
 import pytest
 import torch
-from comfy_reference import comfy_dpm_2_ancestral_rf, comfy_dpmpp_2s_ancestral_rf, comfy_dpmpp_sde_const
+from comfy_reference import (
+    comfy_dpm_2_ancestral_rf,
+    comfy_dpmpp_2m_sde_const,
+    comfy_dpmpp_2s_ancestral_rf,
+    comfy_dpmpp_3m_sde_const,
+    comfy_dpmpp_sde_const,
+    comfy_euler_ancestral_rf,
+    comfy_lcm,
+)
 
 from specforest import chains
 from specforest.testing import Z_TOL
@@ -377,6 +385,201 @@ def test_comfyuis_callback_is_fed(package):
     # rounds jump; the bar ends at the last step, as the standard sampler's does
     assert steps == sorted(steps) and 2 <= len(steps) < 10 and steps[0] == 0 and steps[-1] == 9
     assert all(s[1:] == ((1, 4, 8, 8), (1, 4, 8, 8), 10) for s in seen)
+
+
+# --- ComfyUI's first level and noise scale of a model's model_sampling, in float64 ------------------------
+
+
+class CONST:
+    """Later ComfyUI's ``comfy.model_sampling.CONST`` (flow models: SD3, Flux), which the vendored ComfyUI predates:
+    the node reads the path from a class of that name in the model sampling's bases."""
+
+
+class FlowSampling(CONST):
+    """A shift-3 flow model's ``model_sampling``: its ``percent_to_sigma`` and, given one, its ``noise_scale``."""
+
+    def __init__(self, noise_scale: "float | None" = None) -> None:
+        if noise_scale is not None:
+            self.noise_scale = noise_scale
+
+    def percent_to_sigma(self, percent: float) -> float:
+        return _shifted_percent_to_sigma(percent)
+
+
+class EpsSampling:
+    """An EPS model's ``model_sampling`` (VE levels), given one, with a ``noise_scale``."""
+
+    def __init__(self, noise_scale: "float | None" = None) -> None:
+        if noise_scale is not None:
+            self.noise_scale = noise_scale
+
+
+class Guided:
+    """What the node calls: ComfyUI's ``KSamplerX0Inpaint``'s ``inner_model`` (the CFG predictor) as a float64
+    ``denoiser(x, sigma)``, its ``inner_model.model_sampling`` the model's."""
+
+    def __init__(self, denoiser, sampling) -> None:
+        self.denoiser = denoiser
+        self.inner_model = type("Model", (), {"model_sampling": sampling})()
+
+    def __call__(self, x, sigma, **_):
+        return self.denoiser(x, sigma)
+
+
+def flow_denoiser(y: torch.Tensor, t) -> torch.Tensor:
+    """A CONST model's denoiser at the linear-path level ``t``, float64: the exact one of ``N(0, 0.5^2)`` data, bent
+    by a ``tanh`` so that a multistep or second-stage term shows; finite at ``t = 1``."""
+    t = torch.as_tensor(t, dtype=torch.float64).reshape(-1, *[1] * (y.ndim - 1))
+    a = 1 - t
+    return 0.25 * a / (0.25 * a**2 + t**2) * y + 0.3 * torch.tanh(y)
+
+
+def eps_denoiser(x: torch.Tensor, sigma) -> torch.Tensor:
+    """The same model's denoiser on VE levels ``sigma = t / (1 - t)`` (``x = y / (1 - t)``)."""
+    s = torch.as_tensor(sigma, dtype=torch.float64)
+    return flow_denoiser(x / (1 + s.reshape(-1, *[1] * (x.ndim - 1))), s / (1 + s))
+
+
+def draws64(shape, seed: int):
+    """A float64 noise sampler both sides take: the same draws in the order of the calls."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda sigma, sigma_next: torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+def node(name: str, sampling, x: torch.Tensor, sigmas: torch.Tensor, denoiser, **options) -> torch.Tensor:
+    """``specforest_<name>`` as ComfyUI calls it (``KSAMPLER``: ``model_k, noise, sigmas, extra_args, callback,
+    disable, **extra_options``), with ``tree=None``, on a model of this ``model_sampling``."""
+    model = type("KSamplerX0Inpaint", (), {"inner_model": Guided(denoiser, sampling)})()
+    return getattr(C.k_sampling, f"sample_specforest_{name}")(
+        model, x, sigmas, {"seed": 3}, None, True, tree=None, **options
+    )
+
+
+def _const_reference(name: str):
+    """ComfyUI's function of ``name`` for a CONST model (``comfy_reference``), ``(model, x, sigmas, noise_sampler,
+    noise_scale, **options)``, with the shift-3 model's ``percent_to_sigma``."""
+    p2s = dict(percent_to_sigma=_shifted_percent_to_sigma)
+    return {
+        "dpmpp_sde": lambda m, x, s, ns, **kw: comfy_dpmpp_sde_const(m, x, s, ns, **p2s, **kw),
+        "dpmpp_2m_sde": lambda m, x, s, ns, **kw: comfy_dpmpp_2m_sde_const(m, x, s, ns, **p2s, **kw),
+        "dpmpp_3m_sde": lambda m, x, s, ns, **kw: comfy_dpmpp_3m_sde_const(m, x, s, ns, **p2s, **kw),
+        "euler_ancestral": lambda m, x, s, ns, **kw: comfy_euler_ancestral_rf(eps_denoiser, x, s, _Draws(ns), **kw),
+        "dpm_2_ancestral": lambda m, x, s, ns, **kw: comfy_dpm_2_ancestral_rf(m, x, s, _Draws(ns), **kw),
+        "dpmpp_2s_ancestral": lambda m, x, s, ns, **kw: comfy_dpmpp_2s_ancestral_rf(m, x, s, _Draws(ns), **kw),
+    }[name]
+
+
+SNR_CASES = [
+    ("dpmpp_sde", {"eta": 0.8, "s_noise": 1.02, "r": 0.4}),
+    ("dpmpp_sde_gpu", {}),
+    ("dpmpp_2m_sde", {"eta": 0.8, "s_noise": 1.02, "solver_type": "heun"}),
+    ("dpmpp_2m_sde_gpu", {}),
+    ("dpmpp_3m_sde", {"eta": 0.8, "s_noise": 1.02}),
+    ("dpmpp_3m_sde_gpu", {}),
+]
+"""ComfyUI's samplers whose function calls ``offset_first_sigma_for_snr`` (02159d8) and whose chain specforest
+registers, with options (the ``_gpu`` forms, which call them, at their defaults)."""
+
+
+def _const_run(package, name: str, options: dict, noise_scale: "float | None", start: float = 1.0) -> tuple:
+    """``specforest_<name>`` and ComfyUI's function (``comfy_reference``) on the float64 CONST model from ``t = start``,
+    fed the same noise: ``(ours, reference)``."""
+    chain = package.samplers.COMFY_CHAINS.get(name, name)
+    sampling = FlowSampling(noise_scale)
+    x = torch.randn(2, 4, 2, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    levels = torch.linspace(start, 0.0, 9, dtype=torch.float64)
+    ours = node(name, sampling, x, levels, flow_denoiser, noise_sampler=draws64(x.shape, 5), **options)
+    scale = {} if noise_scale is None else {"noise_scale": noise_scale}
+    with torch.no_grad():
+        ref = _const_reference(chain)(flow_denoiser, x, levels, draws64(x.shape, 5), **options, **scale)
+    return ours, ref
+
+
+@pytest.mark.parametrize("name, options", SNR_CASES, ids=[c[0] for c in SNR_CASES])
+def test_a_const_model_samples_from_comfyuis_offset_first_level(package, name, options):
+    """A CONST model (a shift-3 flow model's ``percent_to_sigma``) on linear-path levels from 1: ``specforest_<name>``
+    with ``tree=None`` moves the first level to ``percent_to_sigma(1e-4)``, as ComfyUI's ``offset_first_sigma_for_snr``
+    does, and is ComfyUI's function (its transcription in ``comfy_reference``) fed the same noise: float64 to 1e-12 of
+    the scale. Without the offset the run starts at 1, where these samplers are not defined (refused), or from
+    another level than ComfyUI's."""
+    ours, ref = _const_run(package, name, options, None)
+    assert torch.isfinite(ref).all()
+    assert float((ours - ref).abs().max()) <= 1e-12 * max(float(ref.abs().max()), 1.0)
+
+
+@pytest.mark.parametrize("name", ["sample_dpmpp_2m_sde", "sample_dpmpp_3m_sde"])
+def test_a_first_level_of_1_on_the_linear_path_is_refused_naming_sigmas(name):
+    """Where ComfyUI offsets the first level (half-log-SNR is infinite at 1), the drop-ins refuse ``sigmas`` from 1 on
+    the linear path and name the level to pass; just below 1 they run."""
+    from specforest import kdiffusion
+
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    fn = getattr(kdiffusion, name)
+    with pytest.raises(ValueError, match=r"sigmas must start below 1 .*percent_to_sigma\(1e-4\)"):
+        fn(flow_denoiser, x, torch.linspace(1.0, 0.0, 5, dtype=torch.float64), path="linear", disable=True)
+    near = torch.linspace(1.0 - 1e-12, 0.0, 5, dtype=torch.float64)
+    assert torch.isfinite(fn(flow_denoiser, x, near, path="linear", disable=True)).all()
+
+
+NOISE_SCALED = ["dpmpp_sde", "dpmpp_2m_sde", "dpmpp_3m_sde", "euler_ancestral", "dpm_2_ancestral", "dpmpp_2s_ancestral"]
+"""The chains whose ComfyUI function (or its ``_RF`` form for a CONST model) multiplies ``s_noise`` by the model's
+``model_sampling.noise_scale``."""
+
+
+@pytest.mark.parametrize("name", NOISE_SCALED)
+def test_a_const_models_noise_scale_multiplies_s_noise_as_comfyuis(package, name):
+    """A CONST model whose ``model_sampling.noise_scale`` is 0.9: ``specforest_<name>`` is ComfyUI's function (or its
+    ``_RF`` form), which multiplies ``s_noise`` by it: float64 to 1e-12 (from 0.98, where the transcription of
+    ``euler_ancestral``'s, which calls a VE denoiser, is finite). A node that dropped it would add 10 % more noise a
+    step."""
+    options = {"eta": 0.8, "s_noise": 1.02}
+    ours, ref = _const_run(package, name, options, 0.9, start=0.98)
+    assert torch.isfinite(ref).all()
+    assert float((ours - ref).abs().max()) <= 1e-12 * max(float(ref.abs().max()), 1.0)
+
+
+@pytest.mark.parametrize("name", NOISE_SCALED)
+def test_an_eps_models_noise_scale_is_read_where_comfyui_reads_it(package, name):
+    """An EPS model (VE levels) whose ``model_sampling.noise_scale`` is 0.9: ComfyUI's ``sample_dpmpp_sde``,
+    ``sample_dpmpp_2m_sde`` and ``sample_dpmpp_3m_sde`` multiply ``s_noise`` by it, its ``sample_euler_ancestral``,
+    ``sample_dpm_2_ancestral`` and ``sample_dpmpp_2s_ancestral`` (k-diffusion's arithmetic) do not: ``specforest_<name>``
+    is k-diffusion's function with the ``s_noise`` ComfyUI's uses, fed the same noise (float64, 1e-12)."""
+    from kdiff_reference import sampling
+
+    sig = C.k_sampling.get_sigmas_karras(n=8, sigma_min=0.03, sigma_max=14.6).to(torch.float64)
+    x = sig[0] * torch.randn(2, 4, 2, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ours = node(name, EpsSampling(0.9), x, sig, eps_denoiser, noise_sampler=draws64(x.shape, 5), eta=0.8, s_noise=1.02)
+    s_noise = 1.02 * (0.9 if name in package.samplers.NOISE_SCALE else 1.0)
+    ref = getattr(sampling(), f"sample_{name}")(
+        eps_denoiser, x, sig, eta=0.8, s_noise=s_noise, noise_sampler=draws64(x.shape, 5), disable=True
+    )
+    assert float((ours - ref).abs().max()) <= 1e-12 * float(ref.abs().max())
+
+
+def test_lcm_takes_comfyuis_s_noise_and_refuses_what_it_cannot_sample(package):
+    """ComfyUI's ``sample_lcm`` takes ``s_noise`` (and ``s_noise_end``, ``noise_clip_std``): ``specforest_lcm`` with
+    ``s_noise = 1.3`` is its transcription (``comfy_lcm``) fed the same noise, float64 to 1e-12; a per-step multiplier
+    and a clamped noise are refused, each named."""
+    sig = C.k_sampling.get_sigmas_karras(n=8, sigma_min=0.03, sigma_max=14.6).to(torch.float64)
+    x = sig[0] * torch.randn(2, 4, 2, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ours = node("lcm", EpsSampling(), x, sig, eps_denoiser, noise_sampler=draws64(x.shape, 5), s_noise=1.3)
+    ref = comfy_lcm(eps_denoiser, x, sig, _Draws(draws64(x.shape, 5)), s_noise=1.3)
+    assert float((ours - ref).abs().max()) <= 1e-12 * float(ref.abs().max())
+    with pytest.raises(ValueError, match="s_noise_end must be None or s_noise"):
+        node("lcm", EpsSampling(), x, sig, eps_denoiser, s_noise=1.3, s_noise_end=0.5)
+    with pytest.raises(ValueError, match="noise_clip_std must be 0"):
+        node("lcm", EpsSampling(), x, sig, eps_denoiser, noise_clip_std=2.0)
+
+
+def test_the_ksampler_node_schedules_specforest_dpm_2_as_dpm_2(package):
+    """ComfyUI's ``KSampler`` node makes ``dpm_2``'s and ``dpm_2_ancestral``'s schedule one step longer and drops its
+    next-to-last level (``DISCARD_PENULTIMATE_SIGMA_SAMPLERS``): ``specforest_dpm_2`` and ``specforest_dpm_2_ancestral``
+    get the same levels."""
+    patcher, _ = tiny_model()
+    for name in ("dpm_2", "dpm_2_ancestral"):
+        own = C.samplers.KSampler(patcher.model, 10, "cpu", sampler=name, scheduler="karras").sigmas
+        ours = C.samplers.KSampler(patcher.model, 10, "cpu", sampler=f"specforest_{name}", scheduler="karras").sigmas
+        assert torch.equal(ours, own) and own.shape == (11,)
 
 
 # --- the law with a tree, and the calls ---------------------------------------------------------------------

@@ -414,7 +414,8 @@ def test_dpmpp_3m_sde_on_the_linear_path_is_comfys_const_sampler():
         s = s.reshape(-1, 1).to(torch.float64) if torch.is_tensor(s) else s
         return bent(y / (1 - s), s / (1 - s))
 
-    ref = comfy_dpmpp_3m_sde_const(bent, x, t, z, eta=0.8, s_noise=1.02)
+    it = iter(z)
+    ref = comfy_dpmpp_3m_sde_const(linear_bent, x, t, lambda a, b: next(it), eta=0.8, s_noise=1.02)
     it = iter(z)
     ours = kdiffusion.sample_dpmpp_3m_sde(
         linear_bent, x, t, eta=0.8, s_noise=1.02, noise_sampler=lambda a, b: next(it), path="linear", disable=True

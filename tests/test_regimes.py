@@ -324,10 +324,10 @@ def test_drop_ins_at_their_boundaries_equal_the_samplers_own_code(case):
         assert_close(ours(model, x, sig, disable=True, **kw), ref)
         return
     z = draws(32, len(sig))
-    if name == "lcm":  # ComfyUI's sample_lcm takes no s_noise: the chain's own, as the drop-in runs it
+    if name == "lcm":  # ComfyUI's sample_lcm (k-diffusion has none), its s_noise through the drop-in
         ref = comfy_lcm(model, x, sig, z, **kw)
-        ours = kdiffusion.sample(model, x, sig, chain=chains.LCM(**kw), noise=lambda n: z[n], disable=True).samples
-        assert_close(ours, ref)
+        it = iter(z)
+        assert_close(ours(model, x, sig, noise_sampler=lambda a, b: next(it), disable=True, **kw), ref)
         return
     it = iter(z)
     ref = getattr(sampling(), f"sample_{name}")(model, x, sig, noise_sampler=lambda a, b: next(it), disable=True, **kw)

@@ -35,10 +35,21 @@ from theirs only in where ComfyUI draws its Brownian tree's noise; specforest dr
 ``None`` for a name that is another sampler than specforest's chain of that name (ComfyUI's ``ddim`` is
 Euler with DDIM's inpainting noise, not DDIM with ``eta``)."""
 
-SNR_OFFSET = ("dpmpp_sde",)
+SNR_OFFSET = ("dpmpp_sde", "dpmpp_2m_sde", "dpmpp_3m_sde")
 """The chains whose ComfyUI function moves a ``CONST`` model's first level of 1 (where its half-log-SNR is
-infinite) to ``model_sampling.percent_to_sigma(1e-4)`` (``offset_first_sigma_for_snr``): specforest refuses a first
-level of 1 for them on the linear path, so the sampler list hands them the level ComfyUI samples from."""
+infinite) to ``model_sampling.percent_to_sigma(1e-4)`` (``offset_first_sigma_for_snr``): ``sample_dpmpp_sde``,
+``sample_dpmpp_2m_sde`` and ``sample_dpmpp_3m_sde`` (their ``_gpu`` forms call them) of ComfyUI 02159d8; its
+``sample_er_sde``, ``sample_seeds_2``, ``sample_seeds_3`` and ``sample_sa_solver`` do too, whose chains specforest
+does not register. specforest refuses a first level of 1 for these on the linear path, so the sampler list hands
+them the level ComfyUI samples from."""
+
+NOISE_SCALE = ("dpmpp_sde", "dpmpp_2m_sde", "dpmpp_3m_sde")
+"""The chains whose ComfyUI function multiplies ``s_noise`` by the model's ``model_sampling.noise_scale`` (1 where a
+model has none) on every model (ComfyUI 02159d8's ``sample_dpmpp_sde``, ``sample_dpmpp_2m_sde``, ``sample_dpmpp_3m_sde``)."""
+
+NOISE_SCALE_CONST = ("euler_ancestral", "dpm_2_ancestral", "dpmpp_2s_ancestral")
+"""The chains whose ComfyUI function multiplies ``s_noise`` by ``model_sampling.noise_scale`` on a ``CONST`` model
+only: the ``_RF`` forms it runs for them there (its ``sample_euler_ancestral`` and the others on EPS models do not)."""
 
 DEFAULT_TREE = {"tree": trees.chain(8), "coupling": "rmc", "draft": "x0"}
 """The tree the sampler list's entries use: ``tune``'s pick for one image at a time (an RMC chain of 8
@@ -83,6 +94,15 @@ def first_level(model: Any, chain: str, sigmas: torch.Tensor, path: str) -> torc
     sigmas = sigmas.clone()
     sigmas[0] = model_sampling(model).percent_to_sigma(1e-4)
     return sigmas
+
+
+def noise_scaled(model: Any, chain: str, path: str, options: dict) -> dict:
+    """``options`` with ``s_noise`` times the model's ``model_sampling.noise_scale`` where ComfyUI's function of ``chain``
+    takes it (:data:`NOISE_SCALE`, :data:`NOISE_SCALE_CONST` on a ``CONST`` model, ``path="linear"``), as it is."""
+    scale = getattr(model_sampling(model), "noise_scale", 1.0)
+    if scale == 1.0 or not (chain in NOISE_SCALE or (path == "linear" and chain in NOISE_SCALE_CONST)):
+        return options
+    return {**options, "s_noise": options.get("s_noise", 1.0) * scale}
 
 
 def available(comfy_names: "list[str]") -> dict:
@@ -132,7 +152,8 @@ def sampler_function(comfy_name: str, chain: str) -> Callable[..., torch.Tensor]
     ``options`` are ComfyUI's options of that sampler (``eta``, ``s_noise``, ``solver_type``,
     ``noise_sampler``, ...) and ``tree``, ``coupling``, ``draft`` (default :data:`DEFAULT_TREE`) and
     the other options of :func:`specforest.sample`. The path is read from the model, the seed from
-    ``extra_args["seed"]``; ComfyUI's callback (its progress bar and preview) gets each round's
+    ``extra_args["seed"]``, the first level and ``s_noise`` are those ComfyUI's function samples with
+    (:func:`first_level`, :func:`noise_scaled`); ComfyUI's callback (its progress bar and preview) gets each round's
     ``i``, ``denoised`` and ``x``, and then the sample at step ``T - 1`` if the last round reported an
     earlier step. A setting without a stochastic step (ComfyUI's ``euler`` at its
     default ``s_churn = 0``) runs as the standard sampler, which it then is.
@@ -156,7 +177,7 @@ def sampler_function(comfy_name: str, chain: str) -> Callable[..., torch.Tensor]
         seed = extra.get("seed")
         path = model_path(model)
         sigmas = first_level(model, chain, sigmas, path)
-        kwargs = dict(row_args=(ROWS,), path=path, seed=seed, **options)
+        kwargs = dict(row_args=(ROWS,), path=path, seed=seed, **noise_scaled(model, chain, path, options))
         last = [-1]
 
         def report(info: dict) -> None:
@@ -197,18 +218,24 @@ def register(samplers_module: Any, k_sampling: Any) -> list:
     """Put ``specforest_<name>`` for each sampler of :func:`available` in ComfyUI's sampler list, the way custom
     samplers are added: the function as ``comfy.k_diffusion.sampling.sample_<name>`` (where
     ``comfy.samplers.ksampler`` looks it up) and the name in ``KSAMPLER_NAMES`` and ``SAMPLER_NAMES``
-    (the list the ``KSampler`` node and ``KSamplerSelect`` offer, ``KSampler.SAMPLERS``).
+    (the list the ``KSampler`` node and ``KSamplerSelect`` offer, ``KSampler.SAMPLERS``). Where the ``KSampler`` node
+    makes its schedule for ``<name>`` one step longer and drops the next-to-last level
+    (``KSampler.DISCARD_PENULTIMATE_SIGMA_SAMPLERS``: ``dpm_2``, ``dpm_2_ancestral``), it does so for
+    ``specforest_<name>`` too, so the two sample the same levels.
 
     Returns:
         The names added (those already there are kept as they are).
     """
     added = []
+    discard = getattr(getattr(samplers_module, "KSampler", None), "DISCARD_PENULTIMATE_SIGMA_SAMPLERS", None)
     for comfy_name, chain in available(list(samplers_module.KSAMPLER_NAMES)).items():
         name = PREFIX + comfy_name
         setattr(k_sampling, f"sample_{name}", sampler_function(comfy_name, chain))
         for names in (samplers_module.KSAMPLER_NAMES, samplers_module.SAMPLER_NAMES):
             if name not in names:
                 names.append(name)
+        if discard is not None and comfy_name in discard:
+            discard.add(name)
         added.append(name)
     return added
 

@@ -14,9 +14,9 @@ from .couplings import GRS, RMC, Coupling, register_coupling
 from .drafts import DraftModel, FrozenPrediction, MemoryDraft, SecantDraft, register_draft
 from .generation import Finished, Generation, generate
 from .options import SamplerOptions
+from .reverse_sde import ReverseSDE
 from .sampler import SampleResult, SampleStats, sample, standard_sample
 from .schedules import flow_match_grid, uniform_grid
-from .sde import ReverseSDE
 
 __version__ = "0.1.0"
 

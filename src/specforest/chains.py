@@ -19,7 +19,7 @@ finite (``t_0 < 1``), except where its step has a finite limit there.
 
 Registered (:func:`available_chains`; :func:`register_chain` adds one):
 
-* ``em``: the paper's Euler-Maruyama step with churn (:class:`~specforest.sde.ReverseSDE`);
+* ``em``: the paper's Euler-Maruyama step with churn (:class:`~specforest.reverse_sde.ReverseSDE`);
 * ``euler_ancestral``: k-diffusion's ``sample_euler_ancestral`` (``eta``, ``s_noise``) on VE
   levels, or ComfyUI's ``sample_euler_ancestral_RF`` with ``path="linear"``;
 * ``euler``: EDM's churned Euler (k-diffusion's ``sample_euler`` with ``s_churn``), as a chain on
@@ -53,8 +53,9 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .registry import Registry
+from .reverse_sde import ReverseSDE
 from .schedules import PATHS, check_sigmas, ddpm_linear_grid, karras_linear_grid
-from .sde import GaussianChain, ReverseSDE
+from .sde import GaussianChain
 from .stages import Stages
 from .validation import check_choice, check_number
 
@@ -847,7 +848,8 @@ class DPMPP2MSDE(Chain):
     term at the first step, and ``x' = D`` into 0. The state is ``(x, D_prev)``: given the
     previous prediction the step is Gaussian with a covariance free of the network, so the chain
     declares ``history = 1`` and the engine carries each node's parent prediction
-    (:class:`~specforest.carried.Carried`).
+    (:class:`~specforest.carried.Carried`). On the linear path (ComfyUI's ``CONST`` models, ``lambda = log((1 -
+    sigma) / sigma)``, its ``alpha_t`` factors) the same step is this chain on the same linear grid.
     ``eta = 0`` is the deterministic DPM++ 2M: no tree can speculate it.
     """
 

@@ -1,6 +1,6 @@
 """Gaussian chains tabulated per step: what the engine samples (:class:`GaussianChain`, with its tables
-on a device, :class:`StepTables`), and the paper's own chain, the discretized reverse SDE on the
-linear (rectified-flow) path (:class:`ReverseSDE`). The grids are :mod:`specforest.schedules`'.
+on a device, :class:`StepTables`). The paper's own chain, the discretized reverse SDE, is
+:mod:`specforest.reverse_sde`'s (importable from here as before); the grids are :mod:`specforest.schedules`'.
 
 Conventions
 -----------
@@ -10,15 +10,11 @@ Conventions
 * A *time grid* is a decreasing tensor of levels ``t_0 > ... > t_T`` of shape ``(T + 1,)`` with
   ``t_0 <= 1`` and ``t_T = 0``, passed as ``sigmas`` (the name every signature gives it, as
   k-diffusion's do). Step ``n`` moves the state from ``t_n`` to ``t_{n + 1}``.
-* The paper's reverse time is ``1 - t`` and its step size is ``gamma_n = t_n - t_{n + 1}``. With churn
-  ``eps`` the reverse drift (paper eq. 35) and the Euler-Maruyama transition (eqs. 36-37) are::
-
-      b(y)    = -(1 + eps^2) v(y, t_n) - eps^2 y / (1 - t_n)
-      m(y)    = y + gamma_n b(y)
-      scale_n = eps * sqrt(2 gamma_n t_n / (1 - t_n))
-
-  ``b`` is the reverse drift only; a multistep chain's coefficients of its past predictions are its
-  ``past`` table.
+* A step's transition is Gaussian given the state and the model's velocity ``v`` at it:
+  ``mean = a y + c v`` (plus the past predictions' terms of a multistep chain, its ``past`` table), standard
+  deviation ``scale``. Its *reverse drift* ``b = (mean - y) / gamma_n`` with ``gamma_n = t_n - t_{n + 1}``
+  is ``-f v - k y`` (:meth:`GaussianChain.drift`; the paper's eq. 35 for its own chain,
+  :mod:`specforest.reverse_sde`).
 * A step whose transition would carry no noise is *deterministic*: the step from ``t = 1`` (where
   ``g`` diverges and ``b`` contains ``y / 0``) and the step into ``t = 0``. It is a plain Euler step of
   the probability-flow ODE, ``y + (t_{n + 1} - t_n) v(y, t_n)``, which every sampler takes, counts as
@@ -38,17 +34,25 @@ from .carried import NOTHING, Carried
 # the grids lived here; they are the schedules module's now, and stay importable from here
 from .schedules import MAX_STEPS, check_sigmas, flow_match_grid, shift_sigmas, uniform_grid
 from .stages import Stages, evaluate
-from .validation import check_churn
 
 __all__ = [
     "MAX_STEPS",
     "GaussianChain",
-    "ReverseSDE",
+    "ReverseSDE",  # noqa: F822 (its own module's, re-exported by __getattr__ below)
     "StepTables",
     "flow_match_grid",
     "shift_sigmas",
     "uniform_grid",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ReverseSDE lived here: importable from here as before, from its own module (which imports this one)
+    if name == "ReverseSDE":
+        from .reverse_sde import ReverseSDE
+
+        return ReverseSDE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _run_ends(stochastic: torch.Tensor) -> torch.Tensor:
@@ -263,44 +267,6 @@ class GaussianChain:
         """Reverse drift ``b`` (``(mean - y) / gamma``); shapes as :meth:`mean_from_velocity`."""
         tab = self.tables(y.device, y.dtype)
         return -tab.drift_f[step][..., None] * v - tab.drift_k[step][..., None] * y
-
-
-@dataclass(frozen=True)
-class ReverseSDE(GaussianChain):
-    """Euler-Maruyama discretization of the churned reverse SDE on a grid: the ``em`` chain.
-
-    Attributes:
-        sigmas: ``(T + 1,)`` float64 levels ``t_n``, decreasing, ``t_T = 0``.
-        churn: ``eps`` in (0, 1]; 0 would make every transition a point mass.
-
-    ``mean = y - gamma [(1 + eps^2) v + eps^2 y / (1 - t)]`` and
-    ``scale = eps sqrt(2 gamma t / (1 - t))`` on stochastic steps, the Euler step ``y - gamma v`` with
-    scale 0 on the deterministic ones (from ``t = 1``, into ``t = 0``).
-    """
-
-    sigmas: torch.Tensor
-    churn: float
-
-    name = "em"
-
-    def __post_init__(self) -> None:
-        t = check_sigmas(self.sigmas)
-        churn = check_churn(self.churn)
-        object.__setattr__(self, "churn", churn)
-        eps2 = churn**2
-        gamma = t[:-1] - t[1:]
-        stochastic = (t[:-1] < 1.0) & (t[1:] > 0.0)
-        rev = (1.0 - t[:-1]).clamp_min(1e-300)  # the paper's reverse time 1 - t
-        scale = torch.where(stochastic, churn * torch.sqrt(2.0 * gamma * t[:-1] / rev), torch.zeros_like(gamma))
-        a = torch.where(stochastic, 1.0 - gamma * eps2 / rev, torch.ones_like(gamma))
-        c = torch.where(stochastic, -gamma * (1.0 + eps2), -gamma)
-        f = torch.where(stochastic, torch.full_like(rev, 1.0 + eps2), torch.ones_like(rev))
-        k = torch.where(stochastic, eps2 / rev, torch.zeros_like(rev))
-        self._set_tables(t, a, c, scale, f, k)
-
-    @property
-    def params(self) -> dict:
-        return {"churn": self.churn}
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,26 @@ def _ve_only(name: str, path: str) -> None:
         raise ValueError(
             f"{name} is defined on VE noise levels (x = x_0 + sigma xi) only, path='ve'; got path={path!r} "
             "(for a CONST model use sample_euler_ancestral, sample_dpm_2_ancestral, sample_dpmpp_2s_ancestral, "
-            "sample_dpmpp_sde, sample_dpmpp_3m_sde or sample_lcm with path='linear')"
+            "sample_dpmpp_sde, sample_dpmpp_2m_sde, sample_dpmpp_3m_sde or sample_lcm with path='linear')"
+        )
+
+
+def _snr_start(name: str, sigmas: torch.Tensor, path: str) -> None:
+    """Refuse ``sigmas (T + 1,)`` from 1 on the linear path for a sampler written in half-log-SNR ``lambda = log((1 -
+    t) / t)``, infinite at ``t = 1``, where the first step's coefficients are not numbers (``dpmpp_2m_sde``,
+    ``dpmpp_3m_sde``; ``dpmpp_sde``'s chain refuses it itself). ComfyUI's function moves such a first level of a
+    ``CONST`` model to ``model_sampling.percent_to_sigma(1e-4)`` (``offset_first_sigma_for_snr``).
+
+    Raises:
+        ValueError: naming ``sigmas`` and the level to pass.
+    """
+    linear_grid(sigmas, path)  # a bad schedule is refused by name first
+    if path == "linear" and float(sigmas[0]) >= 1.0:
+        raise ValueError(
+            f"sigmas must start below 1 for {name} with path='linear' (got a first level {float(sigmas[0]):.6g}): "
+            "its step is written in half-log-SNR lambda = log((1 - t) / t), infinite at t = 1; ComfyUI's "
+            f"{name} moves a first level of 1 to its model's model_sampling.percent_to_sigma(1e-4) "
+            "(1 - 1e-4 at shift 1), where lambda is finite; pass that level"
         )
 
 
@@ -459,6 +478,9 @@ def sample_lcm(
     callback: Optional[Callable[[dict], None]] = None,
     disable: Optional[bool] = None,
     noise_sampler: Optional[Callable] = None,
+    s_noise: float = 1.0,
+    s_noise_end: Optional[float] = None,
+    noise_clip_std: float = 0.0,
     *,
     tree: Any = None,
     coupling: Any = "grs",
@@ -469,13 +491,30 @@ def sample_lcm(
     path: str = "ve",
     **options: Any,
 ) -> torch.Tensor:
-    """ComfyUI's ``sample_lcm`` (``x = D``, then re-noised to the next level), exactly; with a ``tree``,
-    speculated in law. ``path="linear"`` for ``CONST`` models (the same chain on the linear path).
-    Arguments and randomness as :func:`sample_euler_ancestral`."""
+    """ComfyUI's ``sample_lcm`` (``x = D``, then re-noised to the next level with ``s_noise`` times the noise),
+    exactly; with a ``tree``, speculated in law. ``path="linear"`` for ``CONST`` models (the same chain on the
+    linear path). Arguments and randomness as :func:`sample_euler_ancestral`.
+
+    Raises:
+        ValueError: ``s_noise_end`` other than ``None`` or ``s_noise`` (ComfyUI's per-step multiplier, interpolated
+            from ``s_noise`` to it: the chain's ``s_noise`` is one number), or ``noise_clip_std > 0`` (ComfyUI clamps
+            each noise to that many of its standard deviations: a step that is no longer Gaussian), each named.
+    """
     from ..chains import LCM
 
+    if s_noise_end is not None and s_noise_end != s_noise:
+        raise ValueError(
+            f"s_noise_end must be None or s_noise (got {s_noise_end!r} with s_noise {s_noise!r}): ComfyUI's per-step "
+            "noise multiplier, interpolated from s_noise to s_noise_end, is not a parameter of the lcm chain, whose "
+            "s_noise is one number for every step"
+        )
+    if noise_clip_std > 0:
+        raise ValueError(
+            f"noise_clip_std must be 0 (got {noise_clip_std!r}): ComfyUI clamps each step's noise to that many of its "
+            "standard deviations, which makes the step non-Gaussian; the lcm chain samples the Gaussian step only"
+        )
     return _drop_in(
-        LCM(), model, x, sigmas, extra_args, callback, disable, noise_sampler,
+        LCM(s_noise=s_noise), model, x, sigmas, extra_args, callback, disable, noise_sampler,
         tree=tree, seed=seed, path=path, row_args=row_args, shared_args=shared_args,
         options={"coupling": coupling, "draft": draft, **options},
     )  # fmt: skip
@@ -510,11 +549,14 @@ def sample_dpmpp_2m_sde(
     over ``[sigma_min, sigma_max]``; its steps' intervals are disjoint, so its draws are independent
     standard normals (up to torchsde's rounding of the query times, ``docs/chains.md``), the law
     this sampler draws without a ``noise_sampler``. ``eta = 0`` (DPM++ 2M) runs with ``tree=None``
-    and is refused with a tree.
+    and is refused with a tree. ``path="linear"`` for ComfyUI's ``CONST`` models (its
+    ``sample_dpmpp_2m_sde`` in half-log-SNR ``lambda = log((1 - sigma) / sigma)`` with ``alpha_t = 1 - sigma'``
+    factors: the same chain on the linear path), with a first level below 1 (ComfyUI moves a first level of 1
+    to its model's ``percent_to_sigma(1e-4)``: pass that level).
     """
     from ..chains import DPMPP2MSDE
 
-    _ve_only("sample_dpmpp_2m_sde", path)
+    _snr_start("sample_dpmpp_2m_sde", sigmas, path)
     chain = DPMPP2MSDE(eta=eta, s_noise=s_noise, solver_type=solver_type)
     return _drop_in(
         chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,
@@ -555,6 +597,7 @@ def sample_dpmpp_3m_sde(
     """
     from ..chains import DPMPP3MSDE
 
+    _snr_start("sample_dpmpp_3m_sde", sigmas, path)
     chain = DPMPP3MSDE(eta=eta, s_noise=s_noise)
     return _drop_in(
         chain, model, x, sigmas, extra_args, callback, disable, noise_sampler,

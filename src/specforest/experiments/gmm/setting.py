@@ -100,7 +100,7 @@ class GMMSetting:
 
     def sde(self) -> GaussianChain:
         """The chain's tables the sampler runs (same grid as :func:`specforest.sample`): the discretized
-        reverse SDE (:class:`~specforest.sde.ReverseSDE`) of the em chain."""
+        reverse SDE (:class:`~specforest.reverse_sde.ReverseSDE`) of the em chain."""
         sig = named_grid(self.grid, self.steps)
         return self.run_chain.build(sig.to(torch.float64))
 
