@@ -26,7 +26,7 @@ The samplers of two calls a step or two past predictions, with the goals of issu
 ``dpm_2_ancestral`` and ``dpmpp_2s_ancestral`` at 25; ``dpmpp_3m_sde`` at 50; ``dpmpp_sde`` at 20 where
 this build registers it), on digits and the mixture at d = 500: calls counted at the model
 (:class:`Counted`, checked against the runs' statistics), the best of RMC chains of depth 8 to 64 with
-the ``secant``, ``cached``, ``x0`` and ``velocity`` drafts, the oracle at that depth (the target itself as a
+the ``secant``, ``cached``, ``corrected``, ``x0`` and ``velocity`` drafts, the oracle at that depth (the target itself as a
 callable draft, which runs through every stage of a step and hands on its own predictions),
 and one digits image in seconds with :func:`specforest.latency.tune`'s choice for ``dpmpp_3m_sde`` and
 ``dpmpp_sde``. Regenerates the ``chains_goals`` section, after ``chains``.
@@ -236,7 +236,7 @@ def tuned_one_image(seeds: int, dry: bool) -> list:
 GOAL_SECTION = "chains_goals"
 GOAL_HEADING = "### Two calls a step, two past predictions: against the oracle and the goals"
 GOAL_DEPTHS = (8, 16, 32, 64)
-GOAL_DRAFTS = ("secant", "cached", "x0", "velocity")
+GOAL_DRAFTS = ("secant", "cached", "corrected", "x0", "velocity")
 EDM_CHURN = dict(s_churn=40.0, s_tmin=0.05, s_tmax=50.0, s_noise=1.003)
 """EDM's own stochastic setting with ``S_churn`` 40 (its README's ImageNet-64 command: ``--S_churn=40
 --S_min=0.05 --S_max=50 --S_noise=1.003``); its ``generate.py`` defaults are ``S_min`` 0, ``S_max`` inf,
