@@ -123,6 +123,8 @@ class SchedulerChain(Chain):
             its prediction.
         halves: the grid holds each step's start and midpoint (``DPMSolverSDEScheduler``): ``N`` inference steps
             are ``2 N - 1`` chain steps, each one model call.
+        times: ``(T, s)`` float64 the network's timestep at each step's calls, where the scheduler's levels do not
+            give them (:meth:`call_times`), or ``None``.
     """
 
     scheduler: str = ""
@@ -144,6 +146,7 @@ class SchedulerChain(Chain):
     noise_promoted: bool = field(default=False, repr=False, compare=False)
     remake: Optional[Callable[[int], "SchedulerChain"]] = field(default=None, repr=False, compare=False)
     halves: bool = field(default=False, repr=False, compare=False)
+    times: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     name: ClassVar[str] = "scheduler"
 
     @property
@@ -188,6 +191,11 @@ class SchedulerChain(Chain):
 
     def carries(self, t: torch.Tensor, t_next: torch.Tensor) -> Optional[torch.Tensor]:
         return self._on(t).K
+
+    def call_times(self, sigmas: torch.Tensor) -> Optional[torch.Tensor]:
+        """The scheduler's own timestep at each call (:attr:`times`), where its step declares them
+        (:meth:`Followed.call_timesteps`); ``None``: the network's adapter maps the level."""
+        return self._on(check_sigmas(sigmas)[:-1]).times
 
     def _on(self, t: torch.Tensor) -> "SchedulerChain":
         """This chain, or the same scheduler's on the grid of the states ``t (T,)`` (a tuner's shorter runs)."""
@@ -252,6 +260,9 @@ class Tables:
     """``(T, 2)`` what a state hands on to carry (:meth:`specforest.chains.Chain.carries`), else ``None``."""
     halves: bool = False
     """Whether ``grid`` holds each step's start and midpoint (:attr:`SchedulerChain.halves`)."""
+    times: Optional[torch.Tensor] = None
+    """``(T, s)`` float64 the timestep the network gets at each step's calls, where the levels do not give it
+    (:meth:`Followed.call_timesteps`), else ``None``."""
 
 
 class Followed:
@@ -297,6 +308,19 @@ class Followed:
     def model_timesteps(cls, sch: Any) -> torch.Tensor:
         """``(T,)`` the timesteps the model sees, one a step (the default: the scheduler's ``timesteps``)."""
         return sch.timesteps
+
+    @classmethod
+    def first_calls(cls, sch: Any) -> torch.Tensor:
+        """``(N,)`` the timesteps of each inference step's first call, the UNet families' grid
+        (:func:`~specforest.diffusers.unet.vp_schedule`; the default: :meth:`model_timesteps`)."""
+        return cls.model_timesteps(sch)
+
+    @classmethod
+    def call_timesteps(cls, sch: Any) -> Optional[torch.Tensor]:
+        """``(T, s)`` the timestep the pipeline passes the network at each of the chain's step's ``s`` calls, declared
+        where the levels do not give it (two calls at one level with two timesteps); the engine hands each call its
+        own (:meth:`specforest.chains.Chain.call_times`). ``None`` (the default): the adapter maps the level."""
+        return None
 
     @classmethod
     def on_grid(cls, grid: torch.Tensor) -> Tables:
@@ -878,6 +902,15 @@ class _KDPM2Ancestral(Followed):
         return sch.timesteps[0::2]
 
     @classmethod
+    def call_timesteps(cls, sch):
+        # its second call's level is the next step's first's (sigma_interpol = sigma' at eta 1), where it passes
+        # sigma_to_t of the level, and the next step's first call the spacing's own timestep: a level gives neither
+        ts = torch.as_tensor(sch.timesteps).detach().to("cpu", torch.float64)
+        first = ts[0::2]
+        # (the last step makes one call: its unused second stage reads the first's timestep)
+        return torch.stack([first, torch.cat([ts[1::2], first[-1:]])], 1)
+
+    @classmethod
     def tables(cls, sch, eta, **options):
         T = int(sch.num_inference_steps)
         # its arrays repeat each step's value twice after the first: step n's are at 0, 1, 3, ..., 2 T - 3
@@ -905,7 +938,7 @@ class _KDPM2Ancestral(Followed):
         )
         grid = torch.cat([t, t.new_zeros(1)])
         scale = float(sch.init_noise_sigma) / (1.0 + float(s[0]))
-        return Tables(grid, P, Q, R, noise_scale=scale, draws=~one, stages=stages)
+        return Tables(grid, P, Q, R, noise_scale=scale, draws=~one, stages=stages, times=cls.call_timesteps(sch))
 
 
 @register_scheduler
@@ -933,6 +966,16 @@ class _DPMSolverSDE(Followed):
         return _unimplemented_prediction(cls.name, cfg)
 
     @classmethod
+    def first_calls(cls, sch):
+        # its timesteps interleave each step's start and its midpoint: the steps' starts are every other one
+        return sch.timesteps[0::2]
+
+    @classmethod
+    def call_timesteps(cls, sch):
+        # one call a half-step, at its own timestep (the midpoint's is sigma_to_t of the midpoint in float64)
+        return torch.as_tensor(sch.timesteps).detach().to("cpu", torch.float64)[:, None]
+
+    @classmethod
     def tables(cls, sch, eta, **options):
         from ..chains import DPMPPSDE
 
@@ -953,8 +996,9 @@ class _DPMSolverSDE(Followed):
         draws = torch.ones(a.numel(), dtype=torch.bool)
         draws[-1] = False  # into 0: its Euler step draws nothing
         return Tables(
-            levels, P, Q, R, B=chain.past(a, b), K=chain.carries(a, b), noise_scale=scale, draws=draws, halves=True
-        )
+            levels, P, Q, R, B=chain.past(a, b), K=chain.carries(a, b), noise_scale=scale, draws=draws, halves=True,
+            times=cls.call_timesteps(sch),
+        )  # fmt: skip
 
 
 @register_scheduler
@@ -1240,6 +1284,7 @@ def _made(
         B=tables.B,
         K=tables.K,
         halves=tables.halves,
+        times=tables.times,
         prediction=tables.prediction,
         draws=cls.draws(timesteps, float(eta)) if tables.draws is None else tables.draws,
         noise_dtype=cls.noise_dtype,

@@ -165,7 +165,7 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
         follows = FOLLOWED.get(name)
         if follows is not None:
             ts = torch.unique_consecutive(
-                torch.as_tensor(follows.model_timesteps(fresh)).detach().to("cpu", torch.float64).reshape(-1)
+                torch.as_tensor(follows.first_calls(fresh)).detach().to("cpu", torch.float64).reshape(-1)
             )
     if ts.numel() != steps or (ts[1:] >= ts[:-1]).any():
         raise ValueError(
@@ -394,11 +394,16 @@ class UNetVelocity(EDMDenoiserVelocity):
 
     Calling it: ``x (M, C, h, w)`` linear-path states, ``sigma (M,)`` their levels
     ``t`` in ``[0, 1]``, ``cond`` the keyword tensors of
-    :meth:`UNetPrediction.__call__` (one row per state) -> ``(M, C, h, w)``.
+    :meth:`UNetPrediction.__call__` (one row per state) -> ``(M, C, h, w)``; ``timestep (M,)``, where given,
+    the UNet's timestep itself instead of the level's (:attr:`takes_timestep`).
 
     Raises:
         ValueError: on an unsupported ``prediction_type`` or invalid table.
     """
+
+    takes_timestep = True
+    """It takes the scheduler's own timestep of a call (``timestep=``) where the run's chain declares one
+    (:meth:`specforest.chains.Chain.call_times`: a scheduler whose two calls at one level pass two timesteps)."""
 
     def __init__(
         self,
@@ -496,6 +501,9 @@ class EDMUNetVelocity(UNetVelocity):
         prediction_type: ``epsilon`` or ``v_prediction`` (the scheduler config's).
         guidance_scale, device, cross_attention_kwargs: as :class:`UNetVelocity`.
     """
+
+    # its time input is log(sigma) / 4 of the level: no chain declares another
+    takes_timestep = False
 
     def __init__(
         self,
