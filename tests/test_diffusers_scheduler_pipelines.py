@@ -53,8 +53,7 @@ SCHEDULERS = {
 CALLS = {"kdpm2_a": 15, "kdpm2_a_leading": 15, "dpm_solver_sde": 15}
 """The UNet calls of a standard run of 8 steps where a step makes more than one (else 8)."""
 BROWNIAN = ("dpm_solver_sde",)
-"""The schedulers whose noise is their Brownian tree's, not the generator's: their no-tree runs are compared fed
-the same noise (:func:`brownian_fed`)."""
+"""The schedulers whose noise is their Brownian tree's, not the generator's (their own no-tree test)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,60 +94,26 @@ def test_no_tree_gives_the_pipelines_own_latents(pipes, family, case):
     assert ours.config["chain"] == "scheduler" and ours.config["scheduler"] == name
 
 
-class BrownianPair:
-    """A ``DPMSolverSDEScheduler`` noise sampler built from the chain's own draws ``z`` (one a half-step): a step's
-    first call ``(sigma, sigma_mid)`` returns ``z[2 i]``, its second ``(sigma, sigma')``
-    ``rho z[2 i] + sqrt(1 - rho^2) z[2 i + 1]`` with ``rho = sqrt((sigma - sigma_mid) / (sigma - sigma'))``, its
-    Brownian tree's correlation, from the levels the scheduler passes."""
-
-    def __init__(self, z: list) -> None:
-        self.z, self.calls, self.mid = z, 0, None
-
-    def __call__(self, sigma, sigma_to):
-        i, second = divmod(self.calls, 2)
-        self.calls += 1
-        if not second:
-            self.mid = float(sigma_to)
-            return self.z[2 * i]
-        s, nxt = float(sigma), float(sigma_to)
-        rho = (s - self.mid) ** 0.5 / (s - nxt) ** 0.5
-        return rho * self.z[2 * i] + (1.0 - rho * rho) ** 0.5 * self.z[2 * i + 1]
-
-
-def brownian_fed(pipe, z):
-    """``pipe`` with its scheduler's Brownian noise sampler replaced by :class:`BrownianPair` of ``z`` at each
-    ``set_timesteps`` (which ``pipe(...)`` calls, and which resets the sampler)."""
-    sch = pipe.scheduler
-    own = sch.set_timesteps
-
-    def set_timesteps(*args, **kwargs):
-        own(*args, **kwargs)
-        sch.noise_sampler = BrownianPair(z)
-
-    sch.set_timesteps = set_timesteps
-    return pipe
-
-
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("family", ["sd", "sdxl"])
-def test_dpm_solver_sde_with_no_tree_gives_the_pipelines_own_latents_fed_the_same_noise(pipes, family):
-    """``DPMSolverSDEScheduler`` through ``pipe(...)`` with no tree: its half-steps draw one normal each from torch's
-    global generator (its noise is never the pipeline's generator's); the pipeline's own run fed the Brownian pairs
-    those draws make (:class:`BrownianPair`) gives the same latents, in ``2 T - 1`` UNet calls."""
-    name, cfg, _ = SCHEDULERS["dpm_solver_sde"]
-    pipe = swapped(pipes[family], name, cfg)
-    shape = (len(PROMPTS), 4, 4, 4)
+@pytest.mark.parametrize("seed", [5, None], ids=["noise_sampler_seed", "global"])
+def test_dpm_solver_sde_with_no_tree_gives_the_pipelines_own_latents_from_its_brownian_tree(pipes, family, seed):
+    """``DPMSolverSDEScheduler`` through ``pipe(...)`` with no tree: its noise is its own Brownian tree's, queried as
+    its step queries it (seeded by ``noise_sampler_seed``, else by torch's global generator), never the pipeline's
+    generator; the pipeline's own latents, in ``2 T - 1`` UNet calls. Another tree seed gives other latents."""
+    name, cfg, _ = SCHEDULERS[BROWNIAN[0]]
+    pipe = swapped(pipes[family], name, {**cfg, "noise_sampler_seed": seed})
     torch.manual_seed(7)
-    z = [torch.randn(shape) for _ in range(2 * KW["num_inference_steps"] - 2)]  # (the last half-step draws none)
-    ref = brownian_fed(swapped(pipes[family], name, cfg), z)(PROMPTS, generator=gen(1), **KW).images
+    ref = pipe(PROMPTS, generator=gen(1), **KW).images
     torch.manual_seed(7)
     ours = px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW)
     torch.testing.assert_close(ours.latents, ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
-    assert ours.stats.nfe.tolist() == [CALLS["dpm_solver_sde"]] * 2
+    assert ours.stats.nfe.tolist() == [CALLS[BROWNIAN[0]]] * 2
     assert ours.config["scheduler"] == name and ours.config["chain"] == "scheduler"
-    # other noise, other latents: the comparison sees the noise
-    other = px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW)
-    assert float((other.latents - ref).abs().max()) > 1e-2 * float(ref.abs().max())
+    torch.manual_seed(8)
+    other = swapped(pipes[family], name, {**cfg, "noise_sampler_seed": None if seed else 6})
+    moved = px.sample(other, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW).latents
+    assert float((moved - ref).abs().max()) > 1e-2 * float(ref.abs().max())
 
 
 def test_refusals_name_the_scheduler_and_the_swap(pipes):

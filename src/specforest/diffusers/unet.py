@@ -114,9 +114,10 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
     ``set_timesteps(steps)`` gives the timesteps (spacing ``leading`` /
     ``trailing`` / ``linspace``, ``steps_offset``, Karras sigmas and the like
     all as the pipeline would use them); consecutive repeats (PNDM's PLMS
-    warm-up, Heun's second evaluations) are dropped, and so are the interpolated
-    second calls of a scheduler that ``chain="scheduler"`` follows with two calls
-    a step (KDPM2 ancestral: its first calls' timesteps are the grid's). The Karras level of a
+    warm-up, Heun's second evaluations) are dropped, and so are the second calls
+    of a scheduler that ``chain="scheduler"`` follows with two calls a step
+    (KDPM2 ancestral's interpolated levels, DPM-Solver SDE's midpoints: each
+    step's first call's timestep is the grid's). The Karras level of a
     timestep ``k`` is ``s_k = sqrt((1 - abar_k) / abar_k)`` from
     ``alphas_cumprod`` (the scheduler's ``.sigmas`` are not needed, and PNDM or
     DDIM have none), with ``log s`` interpolated linearly at fractional
@@ -157,9 +158,9 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
     raw = torch.as_tensor(fresh.timesteps).detach().to("cpu", torch.float64).reshape(-1)
     ts = torch.unique_consecutive(raw)
     if ts.numel() != steps:
-        # a scheduler chain="scheduler" follows with two calls a step (KDPM2 ancestral) interleaves each step's
-        # call at the state with one at its interpolated level: the grid is the first calls' levels (the
-        # scheduler's chain makes the second calls at its own levels)
+        # a scheduler chain="scheduler" follows with two calls a step (KDPM2 ancestral, DPM-Solver SDE) interleaves
+        # each step's call at the state with one at its own second level: the grid is the first calls' levels (the
+        # scheduler's chain makes the second calls at its own levels and timesteps)
         from .schedulers import FOLLOWED
 
         follows = FOLLOWED.get(name)
