@@ -440,6 +440,49 @@ def test_a_model_that_takes_timesteps_gets_each_rows_own_chunked_padded_and_spli
     assert torch.equal(plain(x, sig, traj, timestep=k), x)
 
 
+class _Labelled(chains.DPM2Ancestral):
+    """``dpm_2_ancestral`` declaring each call's time input ``1000 n + k`` (stage ``k`` of step ``n``)."""
+
+    def call_times(self, sigmas):
+        T = sigmas.numel() - 1
+        return 1000.0 * torch.arange(T, dtype=torch.float64)[:, None] + torch.arange(2, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        dict(tree=None),
+        dict(tree=trees.uniform(2, 2)),
+        dict(tree=trees.chain(4), coupling="rmc", lazy=True),
+        dict(tree=trees.chain(3), coupling="rmc", draft="picard"),
+    ],
+    ids=["standard", "full", "lazy", "picard"],
+)
+def test_each_call_gets_the_time_input_its_chain_declares_for_its_step_and_stage(mode):
+    """A chain's declared time inputs (:meth:`~specforest.chains.Chain.call_times`) reach a model that takes them
+    with every call, in every mode: each call's level is its declared (step, stage)'s tableau level; and the
+    declaration changes nothing else (the same samples and calls as the chain without it)."""
+    grid = chains.karras_linear_grid(10, 0.03, 20.0)
+    chain = _Labelled()
+    level = chain.build(grid).stage_tables.level
+    seen = []
+
+    class Timed:
+        takes_timestep = True
+
+        def __call__(self, x, sigma, timestep):
+            seen.append((sigma.clone(), timestep.clone()))
+            return GMM(x, sigma)
+
+    kw = dict(sigmas=grid, churn=None, seed=3, **mode)
+    run = specforest.sample(Timed(), X, chain=chain, **kw)
+    plain = specforest.sample(GMM, X, chain=chains.DPM2Ancestral(), **kw)
+    assert torch.equal(run.samples, plain.samples) and torch.equal(run.stats.nfe, plain.stats.nfe)
+    sigma, k = (torch.cat(c) for c in zip(*seen, strict=True))
+    n, stage = (k // 1000).long(), (k % 1000).long()
+    assert torch.equal(sigma, level[n, stage]) and set(stage.tolist()) == {0, 1}
+
+
 # -- every registered chain -----------------------------------------------------------------------
 
 CHAIN_GRID = chains.karras_linear_grid(16, 0.03, 20.0)  # VE chains need a first level below t = 1
