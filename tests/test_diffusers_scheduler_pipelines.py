@@ -9,6 +9,8 @@ Gaussian data law (``GaussianUNet``) gives the closed form, which the same test 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import diffusers
 import pytest
 import torch
@@ -42,12 +44,16 @@ SCHEDULERS = {
     # linspace spacing gives fractional first-call timesteps, whose sigmas it interpolates linearly
     "kdpm2_a": ("KDPM2AncestralDiscreteScheduler", {}, 0.0),
     "kdpm2_a_leading": ("KDPM2AncestralDiscreteScheduler", {"timestep_spacing": "leading"}, 0.0),
+    # two UNet calls a step with correlated noises from its Brownian tree (a chain of half-steps, 2 T - 1 calls)
+    "dpm_solver_sde": ("DPMSolverSDEScheduler", {}, 0.0),
     # EDM's preconditioning (Playground v2.5's SDXL pipeline): the UNet takes c_in x at c_noise = log(sigma) / 4
     "edm_dpm_sde": ("EDMDPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}, 0.0),
     "edm_euler": ("EDMEulerScheduler", {}, 0.0),
 }
-CALLS = {"kdpm2_a": 15, "kdpm2_a_leading": 15}
+CALLS = {"kdpm2_a": 15, "kdpm2_a_leading": 15, "dpm_solver_sde": 15}
 """The UNet calls of a standard run of 8 steps where a step makes more than one (else 8)."""
+BROWNIAN = ("dpm_solver_sde",)
+"""The schedulers whose noise is their Brownian tree's, not the generator's (their own no-tree test)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,7 +76,7 @@ def swapped(pipe, name, cfg):
 
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("family", ["sd", "sdxl"])
-@pytest.mark.parametrize("case", list(SCHEDULERS))
+@pytest.mark.parametrize("case", [c for c in SCHEDULERS if c not in BROWNIAN])
 def test_no_tree_gives_the_pipelines_own_latents(pipes, family, case):
     name, cfg, eta = SCHEDULERS[case]
     pipe = swapped(pipes[family], name, cfg)
@@ -88,6 +94,28 @@ def test_no_tree_gives_the_pipelines_own_latents(pipes, family, case):
     assert ours.config["chain"] == "scheduler" and ours.config["scheduler"] == name
 
 
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+@pytest.mark.parametrize("seed", [5, None], ids=["noise_sampler_seed", "global"])
+def test_dpm_solver_sde_with_no_tree_gives_the_pipelines_own_latents_from_its_brownian_tree(pipes, family, seed):
+    """``DPMSolverSDEScheduler`` through ``pipe(...)`` with no tree: its noise is its own Brownian tree's, queried as
+    its step queries it (seeded by ``noise_sampler_seed``, else by torch's global generator), never the pipeline's
+    generator; the pipeline's own latents, in ``2 T - 1`` UNet calls. Another tree seed gives other latents."""
+    name, cfg, _ = SCHEDULERS[BROWNIAN[0]]
+    pipe = swapped(pipes[family], name, {**cfg, "noise_sampler_seed": seed})
+    torch.manual_seed(7)
+    ref = pipe(PROMPTS, generator=gen(1), **KW).images
+    torch.manual_seed(7)
+    ours = px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW)
+    torch.testing.assert_close(ours.latents, ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
+    assert ours.stats.nfe.tolist() == [CALLS[BROWNIAN[0]]] * 2
+    assert ours.config["scheduler"] == name and ours.config["chain"] == "scheduler"
+    torch.manual_seed(8)
+    other = swapped(pipes[family], name, {**cfg, "noise_sampler_seed": None if seed else 6})
+    moved = px.sample(other, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW).latents
+    assert float((moved - ref).abs().max()) > 1e-2 * float(ref.abs().max())
+
+
 def test_refusals_name_the_scheduler_and_the_swap(pipes):
     pipe = pipes["sd"]  # PNDM: deterministic
     with pytest.raises(ValueError, match="EulerAncestralDiscreteScheduler.from_config"):
@@ -95,12 +123,6 @@ def test_refusals_name_the_scheduler_and_the_swap(pipes):
     learned = swapped(pipe, "DDPMScheduler", {"variance_type": "learned_range"})
     with pytest.raises(ValueError, match="comes from the network"):
         px.sample(learned, PROMPTS, chain="scheduler", generator=gen(0), progress=False, **KW)
-    # KDPM2 ancestral (two stages) and DPM-Solver SDE (half-steps) are followed by scheduler_chain; the UNet
-    # adapters map one timestep a step, and their timesteps interleave two a step
-    with pytest.raises(ValueError, match=r"DPMSolverSDEScheduler.set_timesteps\(8\) gives the timesteps"):
-        px.sample(
-            swapped(pipe, "DPMSolverSDEScheduler", {}), PROMPTS, chain="scheduler", progress=False, **KW
-        )  # fmt: skip
     with pytest.raises(ValueError, match="eta=0.5 is the scheduler's step argument"):
         px.sample(pipe, PROMPTS, eta=0.5, generator=gen(0), progress=False, **KW)
     # a deterministic scheduler with no tree is its own chain's standard sampler: not refused here,
@@ -149,21 +171,26 @@ def gaussian(pipes):
     return make
 
 
-def law(gaussian, case, N=1500, tree=None, coupling="grs", eta=None, chain="scheduler", seed=3):
+def law(gaussian, case, N=1500, tree=None, coupling="grs", eta=None, chain="scheduler", seed=3, followed=None):
+    """The closed-form law test of ``case``'s scheduler through ``sample(pipe, ...)``; ``followed``: a wrong
+    :class:`~specforest.diffusers.schedulers.Followed` the run follows the scheduler with instead of its own."""
+    from specforest.diffusers import schedulers
+
     name, cfg, eta0 = SCHEDULERS[case]
     pipe = gaussian(name, {**cfg, "clip_sample": False})  # (clipping: a law without a closed form)
+    plan = schedulers.for_pipeline(pipe, 8, eta0, None, None)
     eta = eta0 if eta is None else eta
     extra = {"eta": eta} if chain == "scheduler" and eta else {}
-    out = px.sample(
-        pipe, PROMPTS[:1], num_images_per_prompt=N, num_inference_steps=8, guidance_scale=1.0, height=8, width=8,
-        output_type="latent", chain=chain, tree=tree, coupling=coupling, generator=gen(seed), progress=False,
-        **extra,
-    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        if followed is not None:
+            mp.setitem(schedulers.FOLLOWED, name, followed)
+        out = px.sample(
+            pipe, PROMPTS[:1], num_images_per_prompt=N, num_inference_steps=8, guidance_scale=1.0, height=8,
+            width=8, output_type="latent", chain=chain, tree=tree, coupling=coupling, generator=gen(seed),
+            progress=False, **extra,
+        )  # fmt: skip
     with torch.no_grad():
         pe, _ = pipe.encode_prompt(PROMPTS[:1], "cpu", 1, False)
-    from specforest.diffusers.schedulers import for_pipeline
-
-    plan = for_pipeline(pipe, 8, eta0, None, None)
     mu = (MU + text_shift(pe)[0]).reshape(-1)
     rep = testing.check_law(
         out.latents.reshape(N, -1).double(), plan.chain.grid, None, mu, TAU, chain=plan.chain,
@@ -183,6 +210,7 @@ def law(gaussian, case, N=1500, tree=None, coupling="grs", eta=None, chain="sche
         ("tcd", trees.chain(3), "rmc"),
         ("kdpm2_a", trees.uniform(2, 2), "grs"),
         ("kdpm2_a_leading", trees.chain(4), "rmc"),
+        ("dpm_solver_sde", trees.chain(4), "rmc"),
         ("edm_dpm_sde", trees.uniform(2, 2), "grs"),
     ],
 )
@@ -192,27 +220,71 @@ def test_speculated_pipelines_have_the_schedulers_law(gaussian, case, tree, coup
     assert float(stats.nfe.double().mean()) < CALLS.get(case, 8)
 
 
+def test_the_pipeline_law_test_rejects_dpm_solver_sde_with_independent_noises(gaussian):
+    """DPM-Solver SDE's two noises a step are correlated (one Brownian motion): the same tables with independent
+    noises, run through ``sample(pipe, ...)`` on the same RMC chain, fail the law test its own chain passes."""
+    from specforest.chains import DPMPPSDE
+    from specforest.diffusers.schedulers import FOLLOWED
+
+    own = FOLLOWED["DPMSolverSDEScheduler"]
+
+    class Independent(DPMPPSDE):
+        def noise_correlation(self, s, s_mid, s_next):
+            return torch.zeros_like(s)
+
+    class IndependentNoises(own):
+        @classmethod
+        def tables(cls, sch, eta, **options):
+            right = own.tables(sch, eta, **options)
+            wrong, a, b = Independent(eta=1.0, r=0.5), right.grid[:-1], right.grid[1:]
+            P, Q, R = wrong.step(a, b)
+            return replace(right, P=P, Q=Q, R=R, B=wrong.past(a, b), K=wrong.carries(a, b))
+
+    rep, _ = law(gaussian, "dpm_solver_sde", tree=trees.chain(4), coupling="rmc", followed=IndependentNoises)
+    assert not rep.passed
+
+
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("case", ["kdpm2_a", "kdpm2_a_leading"])
-def test_the_unet_sees_the_two_call_schedulers_own_timesteps(pipes, case):
-    """KDPM2 ancestral through ``pipe(...)``: with no tree the UNet is called ``2 T - 1`` times, at the timesteps
-    the pipeline's own loop passes it (each step's first call and its interpolated one, in that order), to
-    1e-3 of a timestep. (Its second call's level is the next step's first, ``sigma_interpol = sigma'`` at its
-    ``eta = 1``, where it passes ``sigma_to_t`` of the level and the spacing's own timestep: a map of the level
-    gives the first to float32 rounding and the second to the difference of its linear and log-linear
-    interpolations of the sigmas.)"""
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+@pytest.mark.parametrize("case", ["kdpm2_a", "kdpm2_a_leading", "dpm_solver_sde"])
+def test_the_unet_gets_the_two_call_schedulers_own_timesteps_exactly(pipes, family, case):
+    """KDPM2 ancestral and DPM-Solver SDE through ``pipe(...)``: with no tree the UNet is called ``2 T - 1`` times, at
+    the very timesteps the pipeline's own loop passes it (each step's first call and its second, in that order), as
+    its time embedding reads them (float32). (KDPM2 ancestral's second call is at the next step's first call's
+    level, ``sigma_interpol = sigma'`` at its ``eta = 1``, with another timestep: the chain declares each call's.)"""
+    from test_diffusers_sdxl import _Calls
+
+    pipe = swapped(pipes[family], *SCHEDULERS[case][:2])
+    with _Calls(pipe.unet) as calls:
+        pipe(PROMPTS, generator=gen(1), **KW)
+    own = [c["timestep"].reshape(-1)[0].float() for c in calls]
+    with _Calls(pipe.unet) as calls:
+        px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW)
+    ours = [c["timestep"].reshape(-1).float() for c in calls]
+    assert len(own) == len(ours) == CALLS[case]
+    for i, (k, t) in enumerate(zip(ours, own, strict=True)):
+        assert torch.equal(k, t.expand_as(k)), (i, t.item(), k.tolist())
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("lazy", [False, True], ids=["full", "lazy"])
+@pytest.mark.parametrize("case", ["kdpm2_a", "dpm_solver_sde"])
+def test_with_a_tree_every_unet_call_is_at_one_of_the_schedulers_own_timesteps(pipes, case, lazy):
+    """With a tree (drafted nodes verified in full, or on demand), each UNet call is at one of the timesteps the
+    pipeline's own loop passes, exactly: each call's declared one, never a map of its level."""
     from test_diffusers_sdxl import _Calls
 
     pipe = swapped(pipes["sd"], *SCHEDULERS[case][:2])
     with _Calls(pipe.unet) as calls:
         pipe(PROMPTS, generator=gen(1), **KW)
-    own = torch.stack([c["timestep"].reshape(-1)[0] for c in calls]).double()
+    own = {c["timestep"].reshape(-1)[0].float().item() for c in calls}
     with _Calls(pipe.unet) as calls:
-        px.sample(pipe, PROMPTS, chain="scheduler", generator=gen(1), progress=False, **KW)
-    ours = [c["timestep"].reshape(-1).double() for c in calls]
-    assert own.numel() == len(ours) == 15
-    gap = max(float((k - t).abs().max()) for k, t in zip(ours, own, strict=True))
-    assert gap <= 1e-3, (gap, own.tolist(), [float(k[0]) for k in ours])
+        px.sample(
+            pipe, PROMPTS, chain="scheduler", tree=trees.uniform(2, 2), lazy=lazy, generator=gen(1), progress=False,
+            **KW,
+        )  # fmt: skip
+    seen = {v for c in calls for v in c["timestep"].reshape(-1).float().tolist()}
+    assert seen <= own and len(seen) > 1, sorted(seen - own)
 
 
 def test_the_vp_grid_of_kdpm2_ancestral_is_its_first_calls():

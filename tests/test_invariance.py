@@ -396,6 +396,93 @@ def test_the_target_reuses_conditioning_rows_only_for_the_same_index_tensor():
     assert seen == [[10, 12], [11, 11], [10, 12], [10, 12], [10, 12], [10, 42]]
 
 
+def test_a_model_that_takes_timesteps_gets_each_rows_own_chunked_padded_and_split():
+    """A chain's declared time input (``timestep``) reaches a model that declares ``takes_timestep`` row for row
+    with its state, through chunks (``max_rows``), padding (``pad_rows``) and a process group's split (one process
+    here); a model that does not declare it is called without it."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from specforest.target import Target
+
+    class Timed:
+        takes_timestep = True
+
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, x, sigma, timestep):
+            self.seen.append(timestep.clone())
+            assert torch.equal(timestep, 1000.0 * x[:, 0])  # each row's own
+            return x
+
+    x = torch.arange(7, dtype=torch.float64)[:, None] / 8
+    sig, traj, k = torch.full((7,), 0.5, dtype=torch.float64), torch.arange(7), 1000.0 * x[:, 0]
+    for kw in ({}, {"max_rows": 3}, {"max_rows": 3, "pad_rows": (2, 4)}):
+        model = Timed()
+        target = Target(model, (1,), torch.float64, kw.get("max_rows"), {}, {}, pad_rows=kw.get("pad_rows"))
+        assert torch.equal(target(x, sig, traj, timestep=k), x)
+        # (padding repeats a chunk's last row)
+        assert torch.equal(torch.cat(model.seen).unique(), k), kw
+    with tempfile.NamedTemporaryFile() as f:
+        own = not dist.is_initialized()
+        if own:
+            dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
+        try:
+            model = Timed()
+            split = Target(model, (1,), torch.float64, None, {}, {}, group=dist.group.WORLD)
+            assert torch.equal(split(x, sig, traj, timestep=k), x) and torch.equal(model.seen[0], k)
+        finally:
+            if own:
+                dist.destroy_process_group()
+    plain = Target(lambda x, sigma: x, (1,), torch.float64, None, {}, {})  # (a keyword it does not take would raise)
+    assert torch.equal(plain(x, sig, traj, timestep=k), x)
+
+
+class _Labelled(chains.DPM2Ancestral):
+    """``dpm_2_ancestral`` declaring each call's time input ``1000 n + k`` (stage ``k`` of step ``n``)."""
+
+    def call_times(self, sigmas):
+        T = sigmas.numel() - 1
+        return 1000.0 * torch.arange(T, dtype=torch.float64)[:, None] + torch.arange(2, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        dict(tree=None),
+        dict(tree=trees.uniform(2, 2)),
+        dict(tree=trees.chain(4), coupling="rmc", lazy=True),
+        dict(tree=trees.chain(3), coupling="rmc", draft="picard"),
+    ],
+    ids=["standard", "full", "lazy", "picard"],
+)
+def test_each_call_gets_the_time_input_its_chain_declares_for_its_step_and_stage(mode):
+    """A chain's declared time inputs (:meth:`~specforest.chains.Chain.call_times`) reach a model that takes them
+    with every call, in every mode: each call's level is its declared (step, stage)'s tableau level; and the
+    declaration changes nothing else (the same samples and calls as the chain without it)."""
+    grid = chains.karras_linear_grid(10, 0.03, 20.0)
+    chain = _Labelled()
+    level = chain.build(grid).stage_tables.level
+    seen = []
+
+    class Timed:
+        takes_timestep = True
+
+        def __call__(self, x, sigma, timestep):
+            seen.append((sigma.clone(), timestep.clone()))
+            return GMM(x, sigma)
+
+    kw = dict(sigmas=grid, churn=None, seed=3, **mode)
+    run = specforest.sample(Timed(), X, chain=chain, **kw)
+    plain = specforest.sample(GMM, X, chain=chains.DPM2Ancestral(), **kw)
+    assert torch.equal(run.samples, plain.samples) and torch.equal(run.stats.nfe, plain.stats.nfe)
+    sigma, k = (torch.cat(c) for c in zip(*seen, strict=True))
+    n, stage = (k // 1000).long(), (k % 1000).long()
+    assert torch.equal(sigma, level[n, stage]) and set(stage.tolist()) == {0, 1}
+
+
 # -- every registered chain -----------------------------------------------------------------------
 
 CHAIN_GRID = chains.karras_linear_grid(16, 0.03, 20.0)  # VE chains need a first level below t = 1

@@ -102,6 +102,8 @@ class Transitions(GaussianChain):
         carry: ``(T, 2)`` float64 ``(k_y, k_v)``, what a state hands its children to carry, ``k_y y + k_v v``
             (:attr:`~specforest.sde.GaussianChain.carries`), or ``None``: its prediction.
         init_a, init_scale: the start ``init_a x + init_scale z`` (see :class:`~specforest.sde.GaussianChain`).
+        times: ``(T, s)`` float64, the model's own time input at each step's calls (:meth:`Chain.call_times`), or
+            ``None``: the model maps the level.
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class Transitions(GaussianChain):
         past: "torch.Tensor | None" = None,
         stages: "Stages | None" = None,
         carry: "torch.Tensor | None" = None,
+        times: "torch.Tensor | None" = None,
     ) -> None:
         self.chain = chain
         self.name = chain.name
@@ -131,6 +134,7 @@ class Transitions(GaussianChain):
             past=past,
             stages=stages,
             carry=carry,
+            times=times,
         )
 
     @property
@@ -159,6 +163,10 @@ class Chain:
     earlier stages' predictions, and each prediction's weight in the mean); the engine makes ``s``
     sequential batched calls a round (:mod:`specforest.stages`). ``P, Q, R`` of :meth:`step` are then
     the step's with ``D`` the weighted prediction ``D_eff = sum_k w_k D_k``.
+
+    A model maps a call's level to its own time input. Where the level does not give it, :meth:`call_times`
+    declares the time input of each step's calls, and the engine hands it to the model with the call (a
+    diffusers scheduler whose two calls at one level pass the network two timesteps).
     """
 
     name: ClassVar[str] = "chain"
@@ -195,6 +203,13 @@ class Chain:
         beta (T, s, s), weight (T, s))`` float64 (:class:`~specforest.stages.Stages`; stage 0 is the
         state itself: ``level[:, 0]`` its level, ``alpha[:, 0] = 1``). ``None`` (the default) for one stage.
         :func:`stage_from_ve` writes a VE sampler's stage in these coordinates."""
+        return None
+
+    def call_times(self, sigmas: torch.Tensor) -> "torch.Tensor | None":
+        """``(T, s)`` float64, the model's own time input at each step's :attr:`stages` calls on the grid ``sigmas``
+        (stage ``k`` of step ``n`` at ``[n, k]``), for a chain whose model is called at times its levels do not
+        give; the engine passes it with each call (:class:`~specforest.target.Target`: as ``timestep`` to a
+        model that declares ``takes_timestep``). ``None`` (the default): the model maps each call's level."""
         return None
 
     def coefficients(self, sigmas: torch.Tensor) -> tuple:
@@ -244,6 +259,15 @@ class Chain:
                     f"chain {self.name!r} declares stages={self.stages}: stage_points must give (T, s) tables"
                 )
             stages = Stages.build(*(x.to(torch.float64) for x in tab), self.name)
+        with torch.no_grad():
+            times = self.call_times(sig)
+        if times is not None:
+            times = torch.as_tensor(times, dtype=torch.float64).reshape(t.numel(), -1)
+            if times.shape[1] != self.stages or not bool(torch.isfinite(times).all()):
+                raise ValueError(
+                    f"chain {self.name!r}: call_times must give (T, stages) = ({t.numel()}, {self.stages}) finite "
+                    "numbers"
+                )
         bad = ~(torch.isfinite(a) & torch.isfinite(c) & torch.isfinite(scale))
         if past is not None:
             bad |= ~torch.isfinite(past).all(1)
@@ -258,7 +282,7 @@ class Chain:
                 "(specforest.kdiffusion.linear_grid of a k-diffusion schedule such as "
                 "specforest.kdiffusion.get_sigmas_karras, or chains.karras_linear_grid / chains.ddpm_linear_grid)"
             )
-        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, past, stages, carry)
+        return Transitions(self, states, a, c, scale.clamp_min(0.0), init_a, init_scale, past, stages, carry, times)
 
     def grid_step(self, steps: int) -> torch.Tensor:
         """``(T,)`` long: the step of a grid of ``steps`` steps each of the chain's ``T`` steps belongs to (a

@@ -111,6 +111,7 @@ class GaussianChain:
         past: Optional[torch.Tensor] = None,
         stages: Optional[Stages] = None,
         carry: Optional[torch.Tensor] = None,
+        times: Optional[torch.Tensor] = None,
     ) -> None:
         t = check_sigmas(sigmas, monotone)
         T = t.numel() - 1
@@ -143,6 +144,7 @@ class GaussianChain:
             ("_past", past),
             ("_carry", carry),
             ("_stages", stages),
+            ("_times", times),
             ("_gamma", gamma),
             ("_drift_f", drift_f),
             ("_drift_k", drift_k),
@@ -207,6 +209,12 @@ class GaussianChain:
     def stage_tables(self) -> Optional[Stages]:
         """The stage tableau (float64, CPU), or ``None`` for a one-stage chain."""
         return self._stages
+
+    @property
+    def call_times(self) -> Optional[torch.Tensor]:
+        """``(T, s)`` float64, the model's own time input at each step's calls where the chain declares it
+        (:meth:`specforest.chains.Chain.call_times`), or ``None``: the model maps the level."""
+        return getattr(self, "_times", None)
 
     @property
     def gamma(self) -> torch.Tensor:
@@ -296,6 +304,7 @@ class StepTables:
     init_scale: float = 0.0
     tableau: Optional[Stages] = None  # the stage tableau (specforest.stages), or None (one call a step)
     keep: Optional[torch.Tensor] = None  # (T, 2): what a state hands on, k_y y + k_v v; None: its prediction
+    times: Optional[torch.Tensor] = None  # (T, s) float64: each call's time input for the model, or None (its level)
 
     def __post_init__(self) -> None:
         if self.ac is None:
@@ -322,6 +331,8 @@ class StepTables:
             init_a=chain.init_a,
             init_scale=chain.init_scale,
             keep=None if chain._carry is None else to(chain._carry),
+            # (float64 whatever the run's dtype: a time input is the model's, passed as the chain declares it)
+            times=None if chain.call_times is None else chain.call_times.to(device, torch.float64),
         )
 
     @property
@@ -352,10 +363,14 @@ class StepTables:
     ) -> Any:
         """The velocity the mean reads at states ``y (M, D)`` at steps ``step (M,)`` of trajectories
         ``traj (M,)``: one call of ``target`` for a one-stage chain, ``s`` sequential calls for a chain
-        of ``s`` stages (:func:`specforest.stages.evaluate`). ``sig``: the states' levels ``(M,)`` where
-        the caller has them (default ``sig[step]``); ``rows_key``, ``features``, ``upto`` as there."""
+        of ``s`` stages (:func:`specforest.stages.evaluate`), each call given its declared time input where the
+        chain declares them (:attr:`times`). ``sig``: the states' levels ``(M,)`` where the caller has them
+        (default ``sig[step]``); ``rows_key``, ``features``, ``upto`` as there."""
         sig = self.sig[step] if sig is None else sig
-        return evaluate(self.tableau, target, y, sig, step, traj, rows_key=rows_key, features=features, upto=upto)
+        times = None if self.times is None else self.times[step]
+        return evaluate(
+            self.tableau, target, y, sig, step, traj, rows_key=rows_key, features=features, upto=upto, times=times
+        )
 
     def mean(self, y: torch.Tensor, v: torch.Tensor, step: torch.Tensor, carried: Carried = NOTHING) -> torch.Tensor:
         """``a[step] * y + c[step] * v (+ sum_j past[step, j] p_j)``: ``y, v (M, ..., D)``, ``step (M, ...)``,

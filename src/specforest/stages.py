@@ -20,6 +20,10 @@ with the network as the target).
 engine, the walk, drafting, the lockstep round and the network drafts run a step's stages: a round's
 one batched call becomes ``s`` sequential batched calls over the same rows. A one-stage chain has no
 :class:`Stages` (``None``) and calls the model once, as if the concept did not exist.
+
+A call's level is all the model reads of its time, unless the chain declares each call's own time input
+(:meth:`specforest.chains.Chain.call_times`, a ``(T, s)`` table): then :func:`evaluate` hands stage ``k`` of
+step ``n`` its entry ``[n, k]`` with the call, whatever the chain is.
 """
 
 from __future__ import annotations
@@ -114,11 +118,14 @@ class Stages:
         upto: Optional[int] = None,
         rows_key: Hashable = None,
         features: bool = False,
+        times: Optional[torch.Tensor] = None,
     ) -> Any:
         """``v_eff (M, D)`` at states ``y (M, D)`` at steps ``step (M,)`` of trajectories ``traj (M,)``,
         given the first stage's velocity ``v0`` at ``y`` and the states' levels ``sig (M,)``: the
         calls of stages ``1 .. upto - 1`` (default all), each one batched call of the ``M`` rows, in that
         order (a network draft's stage callable may count its calls to know the stage).
+        ``times``: ``(M, s)`` each row's time input at each stage where the chain declares them
+        (:meth:`specforest.chains.Chain.call_times`), given to the target with stage ``k``'s call as ``timestep``.
 
         A row whose step does not use a stage evaluates it at its own state (``alpha = 1``, ``beta = 0``
         there, a finite call) with weight 0. With ``features`` (a ``target`` returning ``(v, features)``
@@ -134,12 +141,13 @@ class Stages:
             point = al[:, k : k + 1] * y
             for i in range(k):
                 point = torch.addcmul(point, be[:, k, i : i + 1], preds[i])
+            timed = {} if times is None else {"timestep": times[:, k]}
             if features:
-                vk, fk = target(point, lv[:, k], traj, rows_key=rows_key, features=True)
+                vk, fk = target(point, lv[:, k], traj, rows_key=rows_key, features=True, **timed)
                 feats.append(fk)
                 vk = vk.to(y.dtype)
             else:
-                vk = target(point, lv[:, k], traj, rows_key=rows_key).to(y.dtype)
+                vk = target(point, lv[:, k], traj, rows_key=rows_key, **timed).to(y.dtype)
             preds.append(torch.addcmul(point, lv[:, k : k + 1], vk, value=-1.0))
             shift = torch.addcmul(shift, w[:, k : k + 1], preds[k] - preds[0])
         v = torch.addcdiv(v0, shift, sig[:, None], value=-1.0)
@@ -166,6 +174,7 @@ def evaluate(
     rows_key: Hashable = None,
     features: bool = False,
     upto: Optional[int] = None,
+    times: Optional[torch.Tensor] = None,
 ) -> Any:
     """The velocity a chain's mean reads at states ``y (M, D)`` at levels ``sig (M,)`` and steps
     ``step (M,)`` of trajectories ``traj (M,)``: the model's (one call) for a one-stage chain
@@ -173,14 +182,16 @@ def evaluate(
     stages only, where the caller knows every row's step skips the rest). With ``features``,
     ``(v, features (M, s F))``: the deep features of each stage's call, the first stage's (the state's
     own) first, zeros for a stage ``upto`` skips; a network draft reads a remembered node's stage ``k``
-    with stage ``k``'s (:class:`~specforest.drafts.model.CachedDraft`)."""
-    out = target(y, sig, traj, rows_key=rows_key, features=features) if features else None
-    v0 = out[0] if features else target(y, sig, traj, rows_key=rows_key)
+    with stage ``k``'s (:class:`~specforest.drafts.model.CachedDraft`). ``times``: ``(M, s)`` the rows' time
+    input at each call where the chain declares them, each call given its column as ``timestep``."""
+    timed = {} if times is None else {"timestep": times[:, 0]}
+    out = target(y, sig, traj, rows_key=rows_key, features=features, **timed) if features else None
+    v0 = out[0] if features else target(y, sig, traj, rows_key=rows_key, **timed)
     if stages is None:
         return out if features else v0
     if upto is not None and upto <= 1:
         return (v0, _pad_stages([], out[1], stages.count)) if features else v0
-    v = stages.velocity(target, y, step, traj, v0.to(y.dtype), sig.to(y.dtype), upto, rows_key, features)
+    v = stages.velocity(target, y, step, traj, v0.to(y.dtype), sig.to(y.dtype), upto, rows_key, features, times)
     if not features:
         return v
     return v[0], _pad_stages(v[1], out[1], stages.count)

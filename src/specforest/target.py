@@ -13,6 +13,11 @@ themselves (CUDA events on a GPU, read once at the end of the run). With
 that a ``torch.compile(mode="reduce-overhead")`` or CUDA-graph model does not
 recompile for every new row count.
 
+A chain that declares its calls' own time inputs (:meth:`specforest.chains.Chain.call_times`) has each
+call's rows given theirs (``timestep``): a model that declares ``takes_timestep = True`` receives them as the
+keyword ``timestep`` ``(M,)`` (the diffusers UNet adapters: a scheduler's own timesteps), any other maps the
+level as always.
+
 Tree-parallel verification: with a ``torch.distributed`` process group, the
 rows of each call are split into one equal share per process (padded with
 copies of the last row), every process evaluates its own share, and the
@@ -97,6 +102,8 @@ class Target:
     ) -> None:
         self.fn, self.shape, self.dtype = fn, shape, dtype
         self.name = model_name(fn)
+        # the model's declaration: it reads the time input a chain declares per call (else it maps the level)
+        self.takes_timestep = bool(getattr(fn, "takes_timestep", False))
         self.batch, self.grid = batch, grid
         self.group, self.pad_rows = group, pad_rows
         if pad_rows:
@@ -154,33 +161,46 @@ class Target:
         traj: torch.Tensor,
         rows_key: Hashable = None,
         features: bool = False,
+        timestep: Optional[torch.Tensor] = None,
     ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
         """Velocities ``(M, D)`` at flattened states ``x (M, D)``, noise levels ``(M,)``, trajectories
-        ``(M,)``; ``rows_key`` names the pattern of ``traj`` as in :meth:`cond_rows`.
+        ``(M,)``; ``rows_key`` names the pattern of ``traj`` as in :meth:`cond_rows`; ``timestep``: ``(M,)`` the
+        rows' time input where the chain declares it, given to a model that takes it as ``timestep``.
 
         With ``features``, the model's ``with_features`` is called instead (the protocol of
         ``draft="cached"``, :class:`specforest.drafts.CachedDraft`), and ``(v (M, D), feat
         (M, F))`` is returned: the features travel as extra columns of each row, so chunking,
         padding and the gather of tree-parallel verification treat them as the velocities."""
+        timestep = timestep if self.takes_timestep else None
         if self.group is not None:
-            v = self._split(x, sigma, traj, features)
+            v = self._split(x, sigma, traj, features, timestep)
         else:
-            v = self._local(x, sigma, traj, rows_key=rows_key, features=features)
+            v = self._local(x, sigma, traj, rows_key=rows_key, features=features, timestep=timestep)
         if features:
             D = x.shape[1]
             return v[:, :D], v[:, D:]
         return v
 
-    def _split(self, x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, features: bool = False) -> torch.Tensor:
+    def _split(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        traj: torch.Tensor,
+        features: bool = False,
+        timestep: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Tree-parallel: this process evaluates its share of the rows; the shares are gathered."""
         import torch.distributed as dist
 
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         M = x.shape[0]
         share = -(-M // world)
-        x, sigma, traj = _pad(x, sigma, traj, share * world)
+        x, sigma, traj, timestep = _pad(x, sigma, traj, share * world, timestep)
         mine = slice(rank * share, (rank + 1) * share)
-        v = self._local(x[mine].contiguous(), sigma[mine], traj[mine], flag=False, features=features)
+        v = self._local(
+            x[mine].contiguous(), sigma[mine], traj[mine], flag=False, features=features,
+            timestep=None if timestep is None else timestep[mine],
+        )  # fmt: skip
         parts = [torch.empty_like(v) for _ in range(world)]
         dist.all_gather(parts, v.contiguous(), group=self.group)
         v = torch.cat(parts)[:M]
@@ -196,6 +216,7 @@ class Target:
         flag: bool = True,
         rows_key: Hashable = None,
         features: bool = False,
+        timestep: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         M, D = x.shape
         chunk = self.max_rows or M
@@ -206,12 +227,15 @@ class Target:
             xc, sc, tc = (
                 (x, sigma, traj) if chunk >= M else (x[i : i + chunk], sigma[i : i + chunk], traj[i : i + chunk])
             )
+            kc = timestep if timestep is None or chunk >= M else timestep[i : i + chunk]
             m = xc.shape[0]
             if self.pad_rows:
-                xc, sc, tc = _pad(xc, sc, tc, next(p for p in self.pad_rows if p >= m))
+                xc, sc, tc, kc = _pad(xc, sc, tc, next(p for p in self.pad_rows if p >= m), kc)
             xi = xc.reshape(-1, *self.shape)
             si = sc if sc.dtype == x.dtype else sc.to(x.dtype)
             rows = self.cond_rows(tc, key)
+            if kc is not None:
+                rows = {**rows, "timestep": kc}
             # only the network call itself is timed: the rest is the sampler's own time
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -348,14 +372,17 @@ def _not_finite_rows(v: torch.Tensor) -> torch.Tensor:
     return (v * 0).sum(1).isnan()
 
 
-def _pad(x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, size: int) -> tuple:
-    """Rows ``x (m, D)``, ``sigma (m,)``, ``traj (m,)`` padded to ``size`` with copies of the last row
-    (finite inputs whose results are dropped)."""
+def _pad(
+    x: torch.Tensor, sigma: torch.Tensor, traj: torch.Tensor, size: int, timestep: Optional[torch.Tensor] = None
+) -> tuple:
+    """Rows ``x (m, D)``, ``sigma (m,)``, ``traj (m,)`` and their ``timestep (m,)`` (or ``None``) padded to ``size``
+    with copies of the last row (finite inputs whose results are dropped)."""
     pad = size - x.shape[0]
     if pad <= 0:
-        return x, sigma, traj
+        return x, sigma, traj, timestep
     return (
         torch.cat([x, x[-1:].expand(pad, -1)]),
         torch.cat([sigma, sigma[-1:].expand(pad)]),
         torch.cat([traj, traj[-1:].expand(pad)]),
+        None if timestep is None else torch.cat([timestep, timestep[-1:].expand(pad)]),
     )

@@ -24,9 +24,10 @@ the library's linear path as ``y = x / n(s_k)``, where ``s_k = sqrt((1 - abar_k)
 DDIM, LCM, TCD, DPM-Solver), ``n(s) = 1 + s`` for the ones that keep ``x = x_0 + s xi``
 (Euler ancestral, the EDM schedulers, consistency models), and ``n = 1`` on the flow-matching path. The
 velocity adapters of :mod:`specforest.diffusers.unet` feed the network exactly these latents at exactly the
-scheduler's timestep (VP schedulers; KDPM2 ancestral's to 1e-3 of a timestep, whose second call is at the next
-step's first call's level with another timestep; the EDM ones are followed at the scheduler's level,
-``scheduler_chain``),
+scheduler's timestep (VP schedulers: a map of the level; KDPM2 ancestral and DPM-Solver SDE, whose two calls a step
+pass timesteps a level does not give, the second of KDPM2 ancestral's at the next step's first call's level, declare
+each call's own, :meth:`Followed.call_timesteps`, which the engine hands the adapter with the call; the EDM ones are
+followed at the scheduler's level, ``scheduler_chain``),
 so a step ``x' = P x + Q D + R z`` of the scheduler (``D`` its predicted clean latents) is
 ``y' = (P n / n') y + (Q / n') D + (R / n') z``: tables, whatever the scheduler.
 
@@ -123,6 +124,8 @@ class SchedulerChain(Chain):
             its prediction.
         halves: the grid holds each step's start and midpoint (``DPMSolverSDEScheduler``): ``N`` inference steps
             are ``2 N - 1`` chain steps, each one model call.
+        times: ``(T, s)`` float64 the network's timestep at each step's calls, where the scheduler's levels do not
+            give them (:meth:`call_times`), or ``None``.
     """
 
     scheduler: str = ""
@@ -144,11 +147,18 @@ class SchedulerChain(Chain):
     noise_promoted: bool = field(default=False, repr=False, compare=False)
     remake: Optional[Callable[[int], "SchedulerChain"]] = field(default=None, repr=False, compare=False)
     halves: bool = field(default=False, repr=False, compare=False)
+    times: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     name: ClassVar[str] = "scheduler"
 
     @property
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "eta": self.eta, **dict(self.options)}
+
+    @property
+    def inference_steps(self) -> int:
+        """The scheduler's ``num_inference_steps`` ``N``: the chain's steps, or ``(T + 1) / 2`` of a chain of
+        half-steps."""
+        return self.grid.numel() // 2 if self.halves else self.grid.numel() - 1
 
     def for_steps(self, steps: int) -> "SchedulerChain":
         """The same scheduler's chain at ``steps`` inference steps, on its own grid of that many steps
@@ -158,7 +168,7 @@ class SchedulerChain(Chain):
         Raises:
             ValueError: if the chain was made without ``remake`` and ``steps`` is not its own.
         """
-        if steps == (self.grid.numel() // 2 if self.halves else self.grid.numel() - 1):
+        if steps == self.inference_steps:
             return self
         if self.remake is None:
             raise ValueError(
@@ -188,6 +198,11 @@ class SchedulerChain(Chain):
 
     def carries(self, t: torch.Tensor, t_next: torch.Tensor) -> Optional[torch.Tensor]:
         return self._on(t).K
+
+    def call_times(self, sigmas: torch.Tensor) -> Optional[torch.Tensor]:
+        """The scheduler's own timestep at each call (:attr:`times`), where its step declares them
+        (:meth:`Followed.call_timesteps`); ``None``: the network's adapter maps the level."""
+        return self._on(check_sigmas(sigmas)[:-1]).times
 
     def _on(self, t: torch.Tensor) -> "SchedulerChain":
         """This chain, or the same scheduler's on the grid of the states ``t (T,)`` (a tuner's shorter runs)."""
@@ -252,6 +267,9 @@ class Tables:
     """``(T, 2)`` what a state hands on to carry (:meth:`specforest.chains.Chain.carries`), else ``None``."""
     halves: bool = False
     """Whether ``grid`` holds each step's start and midpoint (:attr:`SchedulerChain.halves`)."""
+    times: Optional[torch.Tensor] = None
+    """``(T, s)`` float64 the timestep the network gets at each step's calls, where the levels do not give it
+    (:meth:`Followed.call_timesteps`), else ``None``."""
 
 
 class Followed:
@@ -299,6 +317,19 @@ class Followed:
         return sch.timesteps
 
     @classmethod
+    def first_calls(cls, sch: Any) -> torch.Tensor:
+        """``(N,)`` the timesteps of each inference step's first call, the UNet families' grid
+        (:func:`~specforest.diffusers.unet.vp_schedule`; the default: :meth:`model_timesteps`)."""
+        return cls.model_timesteps(sch)
+
+    @classmethod
+    def call_timesteps(cls, sch: Any) -> Optional[torch.Tensor]:
+        """``(T, s)`` the timestep the pipeline passes the network at each of the chain's step's ``s`` calls, declared
+        where the levels do not give it (two calls at one level with two timesteps); the engine hands each call its
+        own (:meth:`specforest.chains.Chain.call_times`). ``None`` (the default): the adapter maps the level."""
+        return None
+
+    @classmethod
     def on_grid(cls, grid: torch.Tensor) -> Tables:
         """The tables on a family's grid ``grid (T + 1,)`` (for :attr:`family_grid` schedulers)."""
         raise NotImplementedError
@@ -308,6 +339,16 @@ class Followed:
         """``(T,)`` bool: where the scheduler's ``step`` draws its noise (whether or not it weighs it); the
         default: at every step."""
         return torch.ones(timesteps.numel(), dtype=torch.bool)
+
+    @classmethod
+    def own_noise(
+        cls, sch: Any, steps: int, shape: tuple, device: torch.device, dtype: torch.dtype
+    ) -> Optional[Callable[[int], torch.Tensor]]:
+        """The standard run's noise where the scheduler's ``step`` does not draw one ``randn_tensor`` a step:
+        ``noise(n) -> (shape) float32``, the chain's draw at its step ``n``, for the pipeline's scheduler ``sch``
+        (read, not changed) at ``steps`` inference steps and latents of ``shape``, ``dtype`` on ``device``.
+        ``None`` (the default): the draws of :meth:`PipelinePlan.noise_from`."""
+        return None
 
 
 FOLLOWED: "dict[str, type[Followed]]" = {}
@@ -878,6 +919,15 @@ class _KDPM2Ancestral(Followed):
         return sch.timesteps[0::2]
 
     @classmethod
+    def call_timesteps(cls, sch):
+        # its second call's level is the next step's first's (sigma_interpol = sigma' at eta 1), where it passes
+        # sigma_to_t of the level, and the next step's first call the spacing's own timestep: a level gives neither
+        ts = torch.as_tensor(sch.timesteps).detach().to("cpu", torch.float64)
+        first = ts[0::2]
+        # (the last step makes one call: its unused second stage reads the first's timestep)
+        return torch.stack([first, torch.cat([ts[1::2], first[-1:]])], 1)
+
+    @classmethod
     def tables(cls, sch, eta, **options):
         T = int(sch.num_inference_steps)
         # its arrays repeat each step's value twice after the first: step n's are at 0, 1, 3, ..., 2 T - 3
@@ -905,7 +955,7 @@ class _KDPM2Ancestral(Followed):
         )
         grid = torch.cat([t, t.new_zeros(1)])
         scale = float(sch.init_noise_sigma) / (1.0 + float(s[0]))
-        return Tables(grid, P, Q, R, noise_scale=scale, draws=~one, stages=stages)
+        return Tables(grid, P, Q, R, noise_scale=scale, draws=~one, stages=stages, times=cls.call_timesteps(sch))
 
 
 @register_scheduler
@@ -919,9 +969,10 @@ class _DPMSolverSDE(Followed):
     reads only the midpoint's prediction (``fac = 1``) and draws the whole step's noise, correlated with the first's:
     the chain of half-steps :class:`~specforest.chains.DPMPPSDE` on its own (float32) levels, the midpoints computed
     as its step computes them. Its last step (into 0) makes one call: a run of ``T`` steps makes ``2 T - 1`` calls,
-    one a chain step. Its ``step``'s ``s_noise`` is followed (:attr:`Followed.options`). Its noise is its
-    Brownian tree's (seeded by ``noise_sampler_seed``, else torch's global generator), never a pipeline's
-    generator: a run draws pairs of that law.
+    one a chain step, each at its own timestep (:meth:`call_timesteps`). Its ``step``'s ``s_noise`` is followed
+    (:attr:`Followed.options`). Its noise is its Brownian tree's (seeded by ``noise_sampler_seed``, else torch's
+    global generator), never a pipeline's generator: a run draws pairs of that law, and a standard run through a
+    pipeline queries the tree as its step does (:meth:`own_noise`), the pipeline's own latents.
     """
 
     name = "DPMSolverSDEScheduler"
@@ -931,6 +982,16 @@ class _DPMSolverSDE(Followed):
     @classmethod
     def refusal(cls, cfg):
         return _unimplemented_prediction(cls.name, cfg)
+
+    @classmethod
+    def first_calls(cls, sch):
+        # its timesteps interleave each step's start and its midpoint: the steps' starts are every other one
+        return sch.timesteps[0::2]
+
+    @classmethod
+    def call_timesteps(cls, sch):
+        # one call a half-step, at its own timestep (the midpoint's is sigma_to_t of the midpoint in float64)
+        return torch.as_tensor(sch.timesteps).detach().to("cpu", torch.float64)[:, None]
 
     @classmethod
     def tables(cls, sch, eta, **options):
@@ -953,8 +1014,46 @@ class _DPMSolverSDE(Followed):
         draws = torch.ones(a.numel(), dtype=torch.bool)
         draws[-1] = False  # into 0: its Euler step draws nothing
         return Tables(
-            levels, P, Q, R, B=chain.past(a, b), K=chain.carries(a, b), noise_scale=scale, draws=draws, halves=True
-        )
+            levels, P, Q, R, B=chain.past(a, b), K=chain.carries(a, b), noise_scale=scale, draws=draws, halves=True,
+            times=cls.call_timesteps(sch),
+        )  # fmt: skip
+
+    @classmethod
+    def own_noise(cls, sch, steps, shape, device, dtype):
+        """Its own Brownian tree's noise, as its ``step`` queries it: made at the first draw as the step makes it
+        (diffusers' ``BrownianTreeNoiseSampler`` over its sigmas, seeded by ``noise_sampler_seed``, else by torch's
+        global generator then), then at each step the increment to its midpoint ``n_1`` and over the whole step
+        ``n_2``, at the float32 levels its step computes. The chain's half-steps read independent draws: ``n_1``,
+        then ``(n_2 - rho n_1) / sqrt(1 - rho^2)`` with ``rho = sqrt((s - s_mid) / (s - s'))``, which its second
+        half-step combines back into ``n_2``. So a standard run gives the pipeline's own latents."""
+        from diffusers.schedulers.scheduling_dpmsolver_sde import BrownianTreeNoiseSampler
+
+        sig = _fresh(sch, steps).sigmas.to(device)  # (2 N,) float32: s_0, s_1, s_1, ..., s_{N-1}, s_{N-1}, 0
+        seed = getattr(sch, "noise_sampler_seed", None)
+        made: dict = {}
+
+        def pair(i: int) -> "tuple[torch.Tensor, torch.Tensor]":
+            if "sampler" not in made:
+                # (as its step does on its first call: a seed of None draws one from torch's global generator)
+                lo, hi = sig[sig > 0].min(), sig.max()
+                x = torch.zeros(shape, device=device, dtype=dtype)
+                made["sampler"] = BrownianTreeNoiseSampler(x, lo.item(), hi.item(), seed)
+            if made.get("step") != i:
+                # its step's arithmetic on its float32 sigmas: sigma_fn(t), sigma_fn(t + h / 2), sigma_fn(t_next)
+                t, t_next = sig[2 * i].log().neg(), sig[2 * i + 1].log().neg()
+                s, mid, nxt = t.neg().exp(), (t + (t_next - t) * 0.5).neg().exp(), t_next.neg().exp()
+                n1, n2 = made["sampler"](s, mid), made["sampler"](s, nxt)
+                rho = math.sqrt((float(s) - float(mid)) / (float(s) - float(nxt)))
+                second = (n2.double() - rho * n1.double()) / math.sqrt(1.0 - rho * rho)
+                made.update(step=i, draws=(n1.float().reshape(shape), second.float().reshape(shape)))
+            return made["draws"]
+
+        def noise(n: int) -> torch.Tensor:
+            if n < 0 or n >= 2 * steps - 2:  # (the last step, into 0, draws nothing)
+                return torch.zeros(shape, device=device)
+            return pair(n // 2)[n % 2]
+
+        return noise
 
 
 @register_scheduler
@@ -1240,6 +1339,7 @@ def _made(
         B=tables.B,
         K=tables.K,
         halves=tables.halves,
+        times=tables.times,
         prediction=tables.prediction,
         draws=cls.draws(timesteps, float(eta)) if tables.draws is None else tables.draws,
         noise_dtype=cls.noise_dtype,
@@ -1278,6 +1378,9 @@ class PipelinePlan:
 
     chain: SchedulerChain
     velocity: Any
+    scheduler: Any = None
+    """The pipeline's scheduler (read, never changed), for a scheduler whose step draws its own noise
+    (:meth:`Followed.own_noise`), or ``None``."""
 
     @property
     def noise_scale(self) -> float:
@@ -1296,15 +1399,22 @@ class PipelinePlan:
         ``randn_tensor(shape, generator)`` at each step where the scheduler's ``step`` draws one
         (``shape`` the batch of latents; ``dtype`` the network output's unless the scheduler fixes it).
         SD3's and Flux's pipelines pass no generator to ``step``: their scheduler's noise comes from
-        torch's global generator, and so does this. ``layout``: ``(shape drawn, to_states)`` where the
-        pipeline's latents are laid out otherwise (Flux's packed latents), ``to_states`` mapping a draw
+        torch's global generator, and so does this. A scheduler whose step draws otherwise (DPM-Solver SDE's
+        Brownian tree) gives its own (:meth:`Followed.own_noise`). ``layout``: ``(shape drawn, to_states)`` where
+        the pipeline's latents are laid out otherwise (Flux's packed latents), ``to_states`` mapping a draw
         to ``shape``."""
         from diffusers.utils.torch_utils import randn_tensor
 
         draws, noise_dtype = self.chain.draws.tolist(), self.chain.noise_dtype or dtype
+        followed = FOLLOWED[self.chain.scheduler]
+        own = None
+        if self.scheduler is not None and layout is None:
+            own = followed.own_noise(self.scheduler, self.chain.inference_steps, shape, device, noise_dtype)
+        if own is not None:
+            return own
         if self.chain.noise_promoted:
             noise_dtype = torch.promote_types(dtype, torch.float32)
-        if not FOLLOWED[self.chain.scheduler].own_generator:
+        if not followed.own_generator:
             generator = None
 
         def noise(step: int) -> torch.Tensor:
@@ -1354,4 +1464,4 @@ def for_pipeline(
         return PipelinePlan(chain=chain, velocity=velocity)
     chain = scheduler_chain(scheduler, steps, eta=eta)
     wrapped = velocity if chain.prediction is None else _Predicted(velocity, chain)
-    return PipelinePlan(chain=chain, velocity=wrapped)
+    return PipelinePlan(chain=chain, velocity=wrapped, scheduler=scheduler)

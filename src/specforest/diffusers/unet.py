@@ -114,9 +114,10 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
     ``set_timesteps(steps)`` gives the timesteps (spacing ``leading`` /
     ``trailing`` / ``linspace``, ``steps_offset``, Karras sigmas and the like
     all as the pipeline would use them); consecutive repeats (PNDM's PLMS
-    warm-up, Heun's second evaluations) are dropped, and so are the interpolated
-    second calls of a scheduler that ``chain="scheduler"`` follows with two calls
-    a step (KDPM2 ancestral: its first calls' timesteps are the grid's). The Karras level of a
+    warm-up, Heun's second evaluations) are dropped, and so are the second calls
+    of a scheduler that ``chain="scheduler"`` follows with two calls a step
+    (KDPM2 ancestral's interpolated levels, DPM-Solver SDE's midpoints: each
+    step's first call's timestep is the grid's). The Karras level of a
     timestep ``k`` is ``s_k = sqrt((1 - abar_k) / abar_k)`` from
     ``alphas_cumprod`` (the scheduler's ``.sigmas`` are not needed, and PNDM or
     DDIM have none), with ``log s`` interpolated linearly at fractional
@@ -157,15 +158,15 @@ def vp_schedule(scheduler: Any, steps: int) -> VPSchedule:
     raw = torch.as_tensor(fresh.timesteps).detach().to("cpu", torch.float64).reshape(-1)
     ts = torch.unique_consecutive(raw)
     if ts.numel() != steps:
-        # a scheduler chain="scheduler" follows with two calls a step (KDPM2 ancestral) interleaves each step's
-        # call at the state with one at its interpolated level: the grid is the first calls' levels (the
-        # scheduler's chain makes the second calls at its own levels)
+        # a scheduler chain="scheduler" follows with two calls a step (KDPM2 ancestral, DPM-Solver SDE) interleaves
+        # each step's call at the state with one at its own second level: the grid is the first calls' levels (the
+        # scheduler's chain makes the second calls at its own levels and timesteps)
         from .schedulers import FOLLOWED
 
         follows = FOLLOWED.get(name)
         if follows is not None:
             ts = torch.unique_consecutive(
-                torch.as_tensor(follows.model_timesteps(fresh)).detach().to("cpu", torch.float64).reshape(-1)
+                torch.as_tensor(follows.first_calls(fresh)).detach().to("cpu", torch.float64).reshape(-1)
             )
     if ts.numel() != steps or (ts[1:] >= ts[:-1]).any():
         raise ValueError(
@@ -394,11 +395,16 @@ class UNetVelocity(EDMDenoiserVelocity):
 
     Calling it: ``x (M, C, h, w)`` linear-path states, ``sigma (M,)`` their levels
     ``t`` in ``[0, 1]``, ``cond`` the keyword tensors of
-    :meth:`UNetPrediction.__call__` (one row per state) -> ``(M, C, h, w)``.
+    :meth:`UNetPrediction.__call__` (one row per state) -> ``(M, C, h, w)``; ``timestep (M,)``, where given,
+    the UNet's timestep itself instead of the level's (:attr:`takes_timestep`).
 
     Raises:
         ValueError: on an unsupported ``prediction_type`` or invalid table.
     """
+
+    takes_timestep = True
+    """It takes the scheduler's own timestep of a call (``timestep=``) where the run's chain declares one
+    (:meth:`specforest.chains.Chain.call_times`: a scheduler whose two calls at one level pass two timesteps)."""
 
     def __init__(
         self,
@@ -496,6 +502,9 @@ class EDMUNetVelocity(UNetVelocity):
         prediction_type: ``epsilon`` or ``v_prediction`` (the scheduler config's).
         guidance_scale, device, cross_attention_kwargs: as :class:`UNetVelocity`.
     """
+
+    # its time input is log(sigma) / 4 of the level: no chain declares another
+    takes_timestep = False
 
     def __init__(
         self,

@@ -309,11 +309,16 @@ class VPDenoiser:
         k = (i - 1).to(torch.float64) + (x - lo) / (hi - lo)
         return k.round() if self.quantize else k
 
-    def __call__(self, y: torch.Tensor, s: torch.Tensor, **cond: Any) -> torch.Tensor:
+    def __call__(
+        self, y: torch.Tensor, s: torch.Tensor, *, timestep: Optional[torch.Tensor] = None, **cond: Any
+    ) -> torch.Tensor:
+        """``D (M, *shape)`` of VE states ``y (M, *shape)`` at levels ``s (M,)``; the network is called at
+        ``timestep (M,)`` where the caller has the scheduler's own (a chain's declared time input), else at
+        :meth:`timestep` of ``s``."""
         work = torch.float64 if y.dtype == torch.float64 else torch.float32
         s_b = s.to(work).reshape((-1,) + (1,) * (y.ndim - 1))
         x_k = y.to(work) / (1.0 + s_b * s_b).sqrt()
-        k = self.timestep(s).to(work)
+        k = (self.timestep(s) if timestep is None else timestep.to(s.device)).to(work)
         out = _unwrap(self.net(x_k, k, **cond)).to(work)
         if out.shape != y.shape:
             raise ValueError(f"the network must return shape {tuple(y.shape)}, got {tuple(out.shape)}")
