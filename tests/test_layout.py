@@ -277,15 +277,17 @@ def test_the_chain_layer_has_one_word_for_the_level_and_one_name_per_coefficient
 
 def test_the_reverse_sde_is_its_own_modules_and_sde_holds_the_tables_only():
     """``sde.py`` is one concept, the tabulated Gaussian chain (``GaussianChain``, ``StepTables``); the paper's chain
-    (``ReverseSDE``) is made in ``specforest.reverse_sde``, and ``specforest.sde.ReverseSDE`` and
-    ``specforest.ReverseSDE`` are it."""
+    (``ReverseSDE``) is made in ``specforest.reverse_sde`` and exported as ``specforest.ReverseSDE``. ``sde``
+    does not re-export it: ``reverse_sde`` imports ``sde``, and the package has no import cycle
+    (``tests/test_imports.py``)."""
     import inspect
 
     import specforest
     from specforest import reverse_sde, sde
-    from specforest.sde import ReverseSDE
+    from specforest.reverse_sde import ReverseSDE
 
     assert ReverseSDE.__module__ == "specforest.reverse_sde"
-    assert ReverseSDE is reverse_sde.ReverseSDE is sde.ReverseSDE is specforest.ReverseSDE
+    assert ReverseSDE is reverse_sde.ReverseSDE is specforest.ReverseSDE
+    assert not hasattr(sde, "ReverseSDE")
     made = {n for n, obj in vars(sde).items() if inspect.isclass(obj) and obj.__module__ == "specforest.sde"}
     assert made == {"GaussianChain", "StepTables"}

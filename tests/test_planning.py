@@ -158,7 +158,8 @@ def test_auto_draft_tells_stretches_of_the_grid_apart():
     best kind; one with fewer takes the offset's best over the whole grid; a verified parent's
     mismatch counts in its own stretch (steps ``0 .. T/2 - 1`` the first, the rest the second)."""
     from specforest.proposals import AUTO_KINDS, AutoDraft
-    from specforest.sde import ReverseSDE, flow_match_grid
+    from specforest.reverse_sde import ReverseSDE
+    from specforest.sde import flow_match_grid
 
     auto = AutoDraft(max_offset=3, stretches=2, min_count=4)
     total, count = auto.init_state(torch.device("cpu"))
@@ -213,7 +214,8 @@ def test_auto_draft_means_are_the_kinds_means(memory):
     FrozenPrediction's, MemoryDraft's or SecantDraft's to rounding, and the velocity kind (the
     choice before anything is seen) bit for bit."""
     from specforest.proposals import AUTO_KINDS, AutoDraft, FrozenPrediction, MemoryDraft, SecantDraft
-    from specforest.sde import ReverseSDE, flow_match_grid
+    from specforest.reverse_sde import ReverseSDE
+    from specforest.sde import flow_match_grid
 
     tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
     g = torch.Generator().manual_seed(0)
@@ -255,7 +257,8 @@ def test_auto_draft_shared_round_terms_change_nothing(memory):
     """A drafted round computes the kinds' coefficients once (``round_terms``) for the draft and the
     observation; the means and the next state are bit for bit those computed from scratch."""
     from specforest.proposals import AUTO_KINDS, AutoDraft
-    from specforest.sde import ReverseSDE, flow_match_grid
+    from specforest.reverse_sde import ReverseSDE
+    from specforest.sde import flow_match_grid
 
     tab = ReverseSDE(flow_match_grid(20, shift=3.0), 0.5).tables("cpu", torch.float64)
     g = torch.Generator().manual_seed(1)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specforest import trees
-from specforest.sde import ReverseSDE, flow_match_grid, shift_sigmas, uniform_grid
+from specforest.reverse_sde import ReverseSDE
+from specforest.sde import flow_match_grid, shift_sigmas, uniform_grid
 
 
 @pytest.mark.parametrize("K,L", [(1, 1), (1, 5), (2, 3), (3, 4), (4, 4), (5, 3), (7, 2), (6, 6)])

@@ -38,21 +38,11 @@ from .stages import Stages, evaluate
 __all__ = [
     "MAX_STEPS",
     "GaussianChain",
-    "ReverseSDE",  # noqa: F822 (its own module's, re-exported by __getattr__ below)
     "StepTables",
     "flow_match_grid",
     "shift_sigmas",
     "uniform_grid",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # ReverseSDE lived here: importable from here as before, from its own module (which imports this one)
-    if name == "ReverseSDE":
-        from .reverse_sde import ReverseSDE
-
-        return ReverseSDE
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _run_ends(stochastic: torch.Tensor) -> torch.Tensor:
