@@ -161,7 +161,8 @@ def test_euler_ancestral_linear_path_equals_comfys_rf_sampler(eta):
 
 
 def test_em_chain_is_the_reverse_sde():
-    from specforest.sde import ReverseSDE, flow_match_grid
+    from specforest.reverse_sde import ReverseSDE
+    from specforest.sde import flow_match_grid
 
     g = flow_match_grid(12)
     built, ref = chains.EM(churn=0.4).build(g), ReverseSDE(g, 0.4)

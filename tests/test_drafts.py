@@ -21,7 +21,8 @@ from specforest.proposals import (
     SecantDraft,
     get_proposal,
 )
-from specforest.sde import ReverseSDE, flow_match_grid
+from specforest.reverse_sde import ReverseSDE
+from specforest.sde import flow_match_grid
 
 MU0 = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
 S0 = 0.3
