@@ -38,7 +38,8 @@ __all__ = [
 
 
 def root_prediction(ctx: RunContext, pre, carried: Carried) -> Optional[torch.Tensor]:
-    """``(G, D)`` the clean-image prediction a round drafts its states' hand-ons with (:func:`carried_term`):
+    """``(G, D)`` the clean-image prediction a frozen draft's round drafts its states' hand-ons with
+    (:func:`carried_term`), and any draft's at a root whose own evaluation was prefetched (:func:`root_known`):
     that of the prefetched evaluation ``pre`` (the root's own where it was evaluated at the root), the root's
     last carried prediction where ``pre`` holds none; ``None`` for a chain that carries nothing.
 
@@ -95,8 +96,8 @@ def root_known(pre, s0: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
 def carried_term(
     ctx: RunContext, steps: torch.Tensor, carried: Carried, predicted: Optional[torch.Tensor]
 ) -> Optional[torch.Tensor]:
-    """``(G, Lr, D)`` the multistep term of the draft means at the parents of every depth ``0 .. Lr - 1`` of
-    a chain whose states hand on the prediction alone (:attr:`~specforest.sde.StepTables.hands_on_prediction`),
+    """``(G, Lr, D)`` the multistep term of a frozen (affine) draft's means at the parents of every depth
+    ``0 .. Lr - 1`` of a chain whose states hand on the prediction alone (:attr:`~specforest.sde.StepTables.hands_on_prediction`),
     at steps ``steps (G, Lr)``; ``None`` for a chain that carries none.
 
     A parent's past predictions are the roots' carried ones ``carried`` (``(G, h, D)``) where they were made
@@ -105,7 +106,8 @@ def carried_term(
     for its grandchildren where the root was prefetched. The states between are not evaluated while drafting;
     a draft is any mean (the coupling keeps the law). A chain whose states hand on a combination with their
     own state (``dpmpp_sde``) drafts that combination of each drafted state and ``predicted`` one depth at
-    a time instead (:func:`hand_on`, in :func:`draft` and the lazy walk), through the same ops.
+    a time instead (:func:`hand_on`, in :func:`draft` and the lazy walk), through the same ops. A draft that
+    evaluates each drafted parent hands on its own predictions instead (:func:`own_hand_on`).
     """
     if not carried.history:
         return None
