@@ -42,6 +42,7 @@ import torch
 from specforest import sample as lib_sample
 from specforest import trees
 from specforest.chains import DDIM, DDPM, DPMPP2MSDE, LCM, EulerAncestral, EulerChurn
+from specforest.drafts import drafts_serving
 from specforest.experiments.results import machine_line, replace_section
 from specforest.kdiffusion import get_sigmas_karras, has_features, linear_grid
 from specforest.kdiffusion import sample as kd_sample
@@ -202,7 +203,7 @@ def deep_section(tgts: list, n: int) -> list[str]:
 
 def tune_timing(repeats: int) -> list[str]:
     """The ``real_dims_tune`` section: :func:`specforest.latency.tune`'s choice for one image of
-    ``natural32``, ``euler_ancestral`` 50 Karras steps (drafts velocity and x0, budgets up to 16),
+    ``natural32``, ``euler_ancestral`` 50 Karras steps (every draft it serves: velocity, x0, cached, corrected, learned; budgets up to 16),
     timed against the standard sampler (warm, one thread, in turns, median of ``repeats``)."""
     from specforest.latency import tune
     from specforest.models.natural import load_velocity
@@ -217,6 +218,8 @@ def tune_timing(repeats: int) -> list[str]:
         g = torch.Generator().manual_seed(seed)
         return torch.randn(n, 3, 32, 32, generator=g) * float(sigmas[0]) / (1.0 + float(sigmas[0]))
 
+    # every draft natural32 serves (tune --drafts all's search there)
+    drafts = tuple(drafts_serving(["velocity", "x0", "cached", "corrected", "learned"], (3, 32, 32), model))
     t0 = time.perf_counter()
     tuned = tune(
         model,
@@ -226,7 +229,7 @@ def tune_timing(repeats: int) -> list[str]:
         sigmas_for=sigmas_for,
         batch=1,
         budget_max=16,
-        drafts=("velocity", "x0"),
+        drafts=drafts,
         calibration_trajectories=2,
         race=2,
         race_repeats=2,
@@ -247,8 +250,8 @@ def tune_timing(repeats: int) -> list[str]:
         f"Measured with `benchmarks/real_dims.py --tune-only --repeats {repeats}` (also run by the full "
         f"command) on {machine_line()}, one thread.",
         "",
-        "One image of natural32, euler_ancestral 50 Karras steps: `specforest.latency.tune` (drafts velocity and "
-        f"x0, budgets up to 16, 2 calibration trajectories, a race of 2) chose **{tuned.label}** "
+        "One image of natural32, euler_ancestral 50 Karras steps: `specforest.latency.tune` (drafts "
+        f"{', '.join(drafts)}, budgets up to 16, 2 calibration trajectories, a race of 2) chose **{tuned.label}** "
         f"(draft {tuned.draft}; predicted {tuned.predicted_speedup:.2f}x; tuning took {tune_s:.0f} s). Warm, "
         f"one thread, run in turns with the standard sampler, median of {repeats}: standard {t_std:.2f} s, "
         f"tune's choice {t_spec:.2f} s (T/NFE {nfe:.2f}): **{t_std / t_spec:.2f}x**.",
