@@ -420,6 +420,28 @@ def test_tune_with_the_schedulers_chain_records_it_and_its_choice_runs_checked(p
         Tuned.from_json(bad)
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_tune_with_a_scheduler_that_reads_no_eta_records_eta_null_and_its_choice_runs(pipes, monkeypatch):
+    """A scheduler whose step takes no ``eta`` (Euler ancestral): the run records ``eta: null``
+    (``chain="scheduler"`` refuses an eta it would drop), and so does tune_sdxl's choice, through JSON too;
+    its choice runs. Before, the tuner stopped building its record (``chain_params.eta`` must be a number)."""
+    import specforest.memory
+    from specforest.diffusers import tune_sdxl
+    from specforest.latency import Tuned
+
+    monkeypatch.setattr(specforest.memory, "held_bytes", lambda device="cpu": 0)
+    euler_a = swapped(pipes["sd"], "EulerAncestralDiscreteScheduler", {})
+    kw = dict(num_inference_steps=10, height=8, width=8, budget_max=3, drafts=("velocity",), calibration_images=1)
+    tuned = tune_sdxl(euler_a, PROMPTS[0], chain="scheduler", max_memory_gb=1.0, **kw)
+    assert tuned.chain_params == {"scheduler": "EulerAncestralDiscreteScheduler", "eta": None}
+    assert "eta" not in dict(tuned)
+    back = Tuned.from_json(tuned.to_json())
+    assert (back.chain_params, back.tuned_for) == (tuned.chain_params, tuned.tuned_for)
+    run = dict(num_inference_steps=10, height=8, width=8, progress=False, output_type="latent")
+    res = px.sample(euler_a, PROMPTS[0], generator=gen(0), **run, **tuned)
+    assert res.config["scheduler"] == "EulerAncestralDiscreteScheduler"
+
+
 def test_a_schedulers_chain_at_another_step_count_is_its_own_there():
     """SchedulerChain.for_steps(n) is scheduler_chain(scheduler, n): the same tables, and the chain of T
     steps built on that grid takes them (what a tuner's shorter timing runs do); one made for an

@@ -27,10 +27,11 @@ with that ``eta``; the pipeline's sample checks its scheduler against them."""
 
 @dataclass(frozen=True)
 class _SchedulerRecord:
-    """What a tuned configuration keeps of a pipeline scheduler's chain: its class name and ``eta``."""
+    """What a tuned configuration keeps of a pipeline scheduler's chain: its class name and ``eta`` (``None``
+    for a scheduler whose step takes none)."""
 
     scheduler: str
-    eta: float
+    eta: Optional[float]
     name = SCHEDULER
 
     @property
@@ -140,7 +141,7 @@ class Tuned(Mapping):
     def _mapping(self) -> dict:
         # the em chain is sample's default: a Tuned for it unpacks into a pipeline's sample as before
         chain = {} if self.chain == "em" else {"chain": self.run_chain()}
-        if self.chain == SCHEDULER:
+        if self.chain == SCHEDULER and self.chain_params["eta"] is not None:
             chain["eta"] = self.chain_params["eta"]  # (the scheduler's step argument: a pipeline's sample takes it)
         return {**self.options(), **chain, "tuned_for": self.tuned_for}
 
@@ -298,7 +299,8 @@ def _scheduler_record(params: Mapping, churn: Optional[float]) -> _SchedulerReco
     """The record of a pipeline scheduler's chain (:data:`SCHEDULER`) from its ``chain_params``.
 
     Raises:
-        ValueError / TypeError: naming the parameter: ``scheduler`` (a class name) and ``eta`` (>= 0) only.
+        ValueError / TypeError: naming the parameter: ``scheduler`` (a class name) and ``eta`` (>= 0, or
+            null for a scheduler whose step takes none) only.
     """
     if set(params) != {"scheduler", "eta"}:
         raise ValueError(
@@ -311,7 +313,8 @@ def _scheduler_record(params: Mapping, churn: Optional[float]) -> _SchedulerReco
         raise ValueError(
             "churn is the em chain's parameter; a configuration tuned for chain 'scheduler' has churn null"
         )
-    return _SchedulerRecord(name, check_number("chain_params.eta", params["eta"], 0.0))
+    eta = params["eta"]
+    return _SchedulerRecord(name, None if eta is None else check_number("chain_params.eta", eta, 0.0))
 
 
 _FIELDS = (
