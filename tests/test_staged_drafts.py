@@ -86,6 +86,19 @@ def test_a_draft_network_equal_to_the_target_is_accepted_at_every_depth_of_a_sta
     assert st.draft_calls == net.calls and net.calls % 2 == 0 and net.calls > 0
 
 
+def _rejects_in_the_first_round_only(model, chain: str, draft: str):
+    """``stats`` of a run of ``draft`` on an RMC chain as deep as the grid, 32 trajectories, asserting that some
+    trajectory rejects (the first rounds, drafted by the ``x0`` kind, do) and none more than once."""
+    out = specforest.sample(
+        model, _x(32), sigmas=GRID, chain=STAGED[chain], tree=trees.chain(GRID.numel()), coupling="rmc",
+        draft=draft, seed=3,
+    )  # fmt: skip
+    rejected = (out.stats.attempts - out.stats.accepts).sum(1)
+    assert int(rejected.sum()) > 0  # the first rounds do reject: the test sees a rejection
+    assert int(rejected.max()) <= 1, rejected
+    return out.stats
+
+
 @pytest.mark.parametrize("chain", list(STAGED))
 @pytest.mark.parametrize("draft", ["cached", "corrected"])
 def test_a_cached_draft_whose_cheap_evaluation_is_the_target_rejects_only_in_its_first_round(chain, draft):
@@ -94,15 +107,7 @@ def test_a_cached_draft_whose_cheap_evaluation_is_the_target_rejects_only_in_its
     a chain as deep as the grid rejects at most once per trajectory, in that first round. The corrected
     draft's residual, the target's prediction at the node less the cheap one through the same stages,
     is then zero: it drafts as the cached one."""
-    model = NetworkFeatures(GAUSS, GAUSS)
-    out = specforest.sample(
-        model, _x(32), sigmas=GRID, chain=STAGED[chain], tree=trees.chain(GRID.numel()), coupling="rmc",
-        draft=draft, seed=3,
-    )  # fmt: skip
-    st = out.stats
-    rejected = (st.attempts - st.accepts).sum(1)
-    assert int(rejected.sum()) > 0  # the first rounds do reject: the test sees a rejection
-    assert int(rejected.max()) <= 1, rejected
+    st = _rejects_in_the_first_round_only(NetworkFeatures(GAUSS, GAUSS), chain, draft)
     assert st.draft_calls > 0 and st.draft_calls % 2 == 0
 
 
@@ -128,14 +133,7 @@ def test_a_cached_draft_reads_each_stage_with_the_remembered_nodes_features_of_t
     so a chain as deep as the grid rejects at most once per trajectory. With the first stage's features at
     the second stage (before), the second stage is evaluated at the step's level and drafts are rejected."""
     model = LevelFeatures(GAUSS, None)
-    out = specforest.sample(
-        model, _x(32), sigmas=GRID, chain=STAGED[chain], tree=trees.chain(GRID.numel()), coupling="rmc",
-        draft=draft, seed=3,
-    )  # fmt: skip
-    st = out.stats
-    rejected = (st.attempts - st.accepts).sum(1)
-    assert int(rejected.sum()) > 0
-    assert int(rejected.max()) <= 1, rejected
+    _rejects_in_the_first_round_only(model, chain, draft)
     assert model.cheap_calls > 0
 
 

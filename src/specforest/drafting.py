@@ -81,10 +81,8 @@ def own_hand_on(
     a, c = ac[..., :1], ac[..., 1:]
     zero = c == 0
     v = (m - a * y) / torch.where(zero, torch.ones_like(c), c)
-    out = torch.where(zero, hand_on(ctx, y, steps, predicted), ctx.tab.carry(y, v, steps))
-    if exact is not None:
-        out = torch.where(exact[:, None, None], hand_on(ctx, y, steps, predicted), out)
-    return out
+    known = zero if exact is None else zero | exact[:, None, None]
+    return torch.where(known, hand_on(ctx, y, steps, predicted), ctx.tab.carry(y, v, steps))
 
 
 def root_known(pre, s0: torch.Tensor, root: torch.Tensor) -> torch.Tensor:

@@ -204,7 +204,7 @@ class GaussianChain:
     def call_times(self) -> Optional[torch.Tensor]:
         """``(T, s)`` float64, the model's own time input at each step's calls where the chain declares it
         (:meth:`specforest.chains.Chain.call_times`), or ``None``: the model maps the level."""
-        return getattr(self, "_times", None)
+        return self._times
 
     @property
     def gamma(self) -> torch.Tensor:
