@@ -188,11 +188,14 @@ def test_gmm_memory_draft_run_holds_and_the_lazy_estimate_does_not(draft):
 
 
 @pytest.mark.slow
-def test_pixel_cached_draft_run_holds():
+@pytest.mark.parametrize("chain", [[], ["--chain", "dpm_2_ancestral", "--schedule", "karras"]], ids=["em", "two_calls"])
+def test_pixel_cached_draft_run_holds(chain):
     """The cached self-draft on digits keeps 2048 feature numbers a row (32 times the state): every
-    evaluated row's in the call and in the round, and each remembered node's. Sized with them, a
-    chain run that the limit splits into chunks stays under its estimate and the limit."""
-    argv = [*PIXEL, "--method", "rmc", "--L", "10", "--draft", "cached", "--samples", "256", "--memory-gb", "0.5"]
+    evaluated row's in the call and in the round, and each remembered node's; on a chain of two calls a
+    step, one set a call. Sized with them, a chain run that the limit splits into chunks stays under its
+    estimate and the limit."""
+    argv = [*PIXEL, *chain, "--method", "rmc", "--L", "10", "--draft", "cached", "--samples", "256"]
+    argv += ["--memory-gb", "0.5"]
     run = _cli(argv)
     _holds(run, 0.5)
     assert run["record"]["mode"] == "full"
