@@ -326,6 +326,23 @@ def _commands(tmp: Path) -> list:
                 "0.6",
             ],
         ),
+        *(
+            (
+                f"pixel, RMC chain 10, cached draft, 256 images, {name}",
+                limit,
+                [
+                    *SPECFOREST,
+                    *pixel,
+                    *chain,
+                    *("--method", "rmc", "--L", "10", "--draft", "cached", "--samples", "256", "--steps", "6"),
+                    *("--verify", "drafted", "--memory-gb", str(limit)),
+                ],
+            )
+            for name, chain, limit in (
+                ("em", [], 0.5),
+                ("dpm_2_ancestral (two calls a step)", ["--chain", "dpm_2_ancestral", "--schedule", "karras"], 0.6),
+            )
+        ),
         (
             "generate gmm, D-GRS (4, 4), 128 samples, batch 64",
             0.6,

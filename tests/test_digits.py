@@ -208,7 +208,14 @@ def test_simulate_sizes_the_run_with_the_one_memory_estimator(velocity, classifi
     rec = pixel_exp.simulate(**kw).record
     assert velocity.row_bytes == digits.ROW_BYTES_FLOAT32  # the shipped model declares its measured figure
     est = memory.estimate(
-        trajectories=4, state_numel=64, tree=trees.uniform(2, 2), steps=6, row_bytes=velocity.row_bytes, chunked=False
+        trajectories=4,
+        state_numel=64,
+        tree=trees.uniform(2, 2),
+        steps=6,
+        row_bytes=velocity.row_bytes,
+        chunked=False,
+        history=0,
+        stages=1,
     )
     assert rec["max_rows"] == est.max_rows and rec["memory_peak_gb"] == est.total_bytes / 1e9
     # a limit that holds the states and 5 rows splits the calls into sub-batches of 5

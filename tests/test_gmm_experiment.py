@@ -202,7 +202,14 @@ def test_chunked_run_is_valid_and_equals_the_unchunked_run(monkeypatch):
     setting = gmm_exp.GMMSetting(dim=8, steps=10, trajectories=7)
     tree = gmm_exp.method_tree("dgrs", 2, 2, 10)
     one = memory.estimate(
-        trajectories=1, state_numel=8, tree=tree, steps=10, model=setting.mixture(), limit_bytes=10**12
+        trajectories=1,
+        state_numel=8,
+        tree=tree,
+        steps=10,
+        model=setting.mixture(),
+        limit_bytes=10**12,
+        history=0,
+        stages=1,
     )
     whole_call = one.trajectory_bytes + one.rows * one.row_bytes
     # two trajectories fit with their whole calls, three do not

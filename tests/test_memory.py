@@ -188,16 +188,21 @@ def test_gmm_memory_draft_run_holds_and_the_lazy_estimate_does_not(draft):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chain", [[], ["--chain", "dpm_2_ancestral", "--schedule", "karras"]], ids=["em", "two_calls"])
-def test_pixel_cached_draft_run_holds(chain):
+@pytest.mark.parametrize(
+    "chain, limit_gb",
+    [([], 0.5), (["--chain", "dpm_2_ancestral", "--schedule", "karras"], 0.6)],
+    ids=["em", "two_calls"],
+)
+def test_pixel_cached_draft_run_holds(chain, limit_gb):
     """The cached self-draft on digits keeps 2048 feature numbers a row (32 times the state): every
-    evaluated row's in the call and in the round, and each remembered node's; on a chain of two calls a
-    step, one set a call. Sized with them, a chain run that the limit splits into chunks stays under its
-    estimate and the limit."""
+    evaluated row's in the call and in the round, and each remembered node's (three copies at the
+    round's commit); on a chain of two calls a step, one set a call. Sized with them, a chain run whose
+    calls the limit splits stays under its estimate and the limit."""
     argv = [*PIXEL, *chain, "--method", "rmc", "--L", "10", "--draft", "cached", "--samples", "256"]
-    argv += ["--memory-gb", "0.5"]
+    argv += ["--memory-gb", str(limit_gb)]
     run = _cli(argv)
-    _holds(run, 0.5)
+    _holds(run, limit_gb)
+    assert run["record"]["max_rows"] is not None  # the limit splits the calls
     assert run["record"]["mode"] == "full"
 
 
@@ -253,6 +258,8 @@ def test_the_issues_run_fits_its_default_limit_or_is_refused():
             tree=tree,
             verify="drafted",
             steps=30,
+            history=0,
+            stages=1,
             model=setting.mixture(),
             fixed_bytes=fixed,
             limit_bytes=limit,
@@ -328,12 +335,12 @@ def test_keep_freed_memory_keeps_freed_heap_blocks_resident():
 def test_a_multistep_chain_counts_the_predictions_it_carries(history):
     """A chain of history h (DPM++ 2M SDE: 1, 3M SDE: 2) keeps h predictions per state, and a full
     round each inner node's prediction and its h carried ones."""
-    kw = dict(trajectories=4, state_numel=1000, tree=trees.uniform(2, 3), steps=20, limit_bytes=10**12)
-    plain, carried = memory.estimate(**kw), memory.estimate(**kw, history=history)
+    kw = dict(trajectories=4, state_numel=1000, tree=trees.uniform(2, 3), steps=20, limit_bytes=10**12, stages=1)
+    plain, carried = memory.estimate(**kw, history=0), memory.estimate(**kw, history=history)
     inner = trees.uniform(2, 3).size_at_depth(2)
     assert carried.trajectory_bytes - plain.trajectory_bytes == 1000 * 4 * (history + (1 + history) * inner)
     lazy = memory.estimate(**kw, lazy=True, history=history).trajectory_bytes
-    assert lazy - memory.estimate(**kw, lazy=True).trajectory_bytes == 1000 * 4 * history
+    assert lazy - memory.estimate(**kw, lazy=True, history=0).trajectory_bytes == 1000 * 4 * history
     with pytest.raises(ValueError, match="history"):
         memory.estimate(**kw, history=-1)
 
@@ -341,8 +348,8 @@ def test_a_multistep_chain_counts_the_predictions_it_carries(history):
 def test_a_chain_of_two_stages_counts_what_its_later_call_holds():
     """A chain of s stages (Heun: 2) holds, per evaluated row, its earlier stages' predictions, the stage
     point, the weighted sum and the call's output while the later calls run: ``s + 2`` states a row."""
-    kw = dict(trajectories=4, state_numel=1000, tree=trees.uniform(2, 3), steps=20, limit_bytes=10**12)
-    plain, staged = memory.estimate(**kw), memory.estimate(**kw, stages=2)
+    kw = dict(trajectories=4, state_numel=1000, tree=trees.uniform(2, 3), steps=20, limit_bytes=10**12, history=0)
+    plain, staged = memory.estimate(**kw, stages=1), memory.estimate(**kw, stages=2)
     rows = trees.uniform(2, 3).size_at_depth(2)  # verify="internal": the inner nodes are evaluated
     assert staged.trajectory_bytes - plain.trajectory_bytes == 1000 * 4 * 4 * rows
     with pytest.raises(ValueError, match="stages"):
@@ -364,7 +371,7 @@ def test_run_shape_reads_what_the_options_decide():
     em = memory.run_shape(SamplerOptions(sigmas=torch.linspace(1, 0, 6), churn=0.5))
     assert em["steps"] == 5 and em["history"] == 0 and em["tree"] is None
     kw = dict(trajectories=4, state_numel=64, limit_bytes=10**9, fixed_bytes=0)
-    by_hand = memory.estimate(**kw, tree=tree, verify="drafted", lazy=True, steps=12, history=1)
+    by_hand = memory.estimate(**kw, tree=tree, verify="drafted", lazy=True, steps=12, history=1, stages=1)
     assert memory.estimate(**kw, **shape) == by_hand
     # the carried prediction is counted: the same run of the em chain holds less
     assert memory.estimate(**kw, **{**shape, "history": 0}).total_bytes < by_hand.total_bytes
@@ -378,6 +385,85 @@ def test_the_corrected_draft_counts_its_pairs():
 
     gmm = GaussianMixture.paper(dim=1000, components=5, seed=0)  # 5 features a row: the responsibilities
     kw = dict(trajectories=4, state_numel=1000, tree=trees.chain(6), steps=20, limit_bytes=10**12, model=gmm)
+    kw.update(history=0, stages=1)
     cached, corrected = (memory.estimate(**kw, draft=d).trajectory_bytes for d in ("cached", "corrected"))
     gains = 2 * 8 * 20  # two float64 sums a step
-    assert corrected - cached == 6 * (2 * 1000 + 5) * 4 + gains
+    assert corrected - cached == 3 * 6 * (2 * 1000 + 5) * 4 + gains  # (three copies at the round's commit)
+
+
+@pytest.mark.parametrize(
+    "chain, options, shape",
+    [
+        ("dpm_2_ancestral", {"schedule": "karras"}, dict(history=0, stages=2)),
+        ("dpmpp_3m_sde", {"schedule": "karras"}, dict(history=2, stages=1)),
+        ("em", {}, dict(history=0, stages=1)),
+    ],
+)
+@pytest.mark.parametrize("command", ["pixel", "gmm"])
+def test_the_experiments_size_their_runs_with_the_chains_history_and_stages(
+    command, chain, options, shape, monkeypatch
+):
+    """``specforest pixel`` and ``specforest gmm`` size a run with its chain's declarations: a chain of two
+    calls a step or two carried predictions holds more a row than the em chain (the estimate was once
+    made as if every chain were em, and a two-call run reached 1.11 x its estimate)."""
+    from specforest.experiments import pixel as pixel_exp
+
+    seen = []
+    estimate = memory.estimate
+    monkeypatch.setattr(memory, "estimate", lambda **kw: seen.append(kw) or estimate(**kw))
+    kw = dict(method="rmc", K=1, L=3, seed=0, chain=chain, churn=0.1 if chain == "em" else None, options=options)
+    if command == "pixel":
+        rec = pixel_exp.simulate(samples=2, steps=6, **kw).record
+    else:
+        setting = gmm_exp.GMMSetting(dim=4, steps=6, trajectories=2, chain=kw.pop("chain"), churn=kw.pop("churn"))
+        rec = gmm_exp.run_config(setting, **kw)
+    assert rec["chain"] == chain and seen
+    assert all({k: s[k] for k in shape} == shape for s in seen), [{k: s[k] for k in shape} for s in seen]
+
+
+def _live_peak_and_estimate(chain: str, options: dict) -> tuple:
+    """A cached-draft chain run of digits with its calls split at 100 rows: the peak of its live tensor
+    bytes (the profiler's allocation records: deterministic, unlike the resident set) and what its
+    estimate holds for the sampler and those rows, beyond the allocator's slack."""
+    import dataclasses
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from specforest.experiments import pixel as pixel_exp
+
+    seen = []
+    estimate = memory.estimate
+
+    def split(**kw):
+        seen.append(dataclasses.replace(estimate(**kw), max_rows=100))
+        return seen[-1]
+
+    kw = dict(method="rmc", K=1, L=10, samples=128, steps=6, seed=0, draft="cached", verify="drafted")
+    with pytest.MonkeyPatch.context() as mp, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        mp.setattr(memory, "estimate", split)
+        pixel_exp.simulate(**kw, chain=chain, churn=0.1 if chain == "em" else None, options=options)
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    (m,) = seen
+    return peak, m.sampler_bytes + 100 * m.row_bytes
+
+
+@pytest.mark.parametrize(
+    "chain, options",
+    [("em", {}), ("dpm_2_ancestral", {"schedule": "karras"}), ("dpmpp_3m_sde", {"schedule": "karras"})],
+)
+def test_a_cached_draft_runs_live_tensors_stay_within_its_estimate(chain, options, monkeypatch):
+    """The tensors a cached-draft run holds at once (one set of deep features a call, the draft's memory
+    in three copies at the round's commit) are within its estimate before the allocator's slack; the
+    estimate that keeps one copy of the memory is below what a two-call run holds."""
+    peak, est = _live_peak_and_estimate(chain, options)
+    assert peak <= est, (peak, est)
+    if chain == "dpm_2_ancestral":
+        monkeypatch.setattr(memory, "_MEMORY_COPIES", 1)
+        peak_wrong, est_wrong = _live_peak_and_estimate(chain, options)
+        assert peak_wrong > est_wrong, (peak_wrong, est_wrong)

@@ -382,11 +382,12 @@ def test_make_tree_is_the_one_tree_of_every_command():
 def test_memory_estimate_chunks_trajectories_and_rows_to_fit():
     from specforest import memory
 
+    EM = dict(history=0, stages=1)  # the em chain's declarations: no carried prediction, one call a step
     tree = trees.uniform(2, 2)
     D = 8
     nodes, rows = memory.tree_footprint(tree)
     assert (nodes, rows) == (tree.size, tree.verification_budget("internal"))
-    m1 = memory.estimate(trajectories=1, state_numel=D, tree=tree, limit_bytes=10**12)
+    m1 = memory.estimate(**EM, trajectories=1, state_numel=D, tree=tree, limit_bytes=10**12)
     per, row, tables = m1.trajectory_bytes, m1.row_bytes, m1.fixed_bytes
     # measured states of a full round: 6 per node, 5 per verified node, 1 per row, 8 of scratch; int64 keys
     assert per == D * 4 * (6 * 7 + 5 * 3 + 1 * 3 + 8) + 8 * 7
@@ -396,31 +397,33 @@ def test_memory_estimate_chunks_trajectories_and_rows_to_fit():
         return tables + dynamic + memory.allocator_slack(dynamic)
 
     # everything fits: one chunk, whole calls
-    m = memory.estimate(trajectories=10, state_numel=D, tree=tree, limit_bytes=limit(10 * (per + rows * row)))
+    m = memory.estimate(**EM, trajectories=10, state_numel=D, tree=tree, limit_bytes=limit(10 * (per + rows * row)))
     assert (m.chunk, m.chunks, m.max_rows) == (10, 1, None)
     assert m.total_bytes <= m.limit_bytes
     # 4 trajectories fit with their whole calls: 3 balanced chunks of <= 4, not 4 + 4 + 2
-    m = memory.estimate(trajectories=10, state_numel=D, tree=tree, limit_bytes=limit(4 * (per + rows * row)))
+    m = memory.estimate(**EM, trajectories=10, state_numel=D, tree=tree, limit_bytes=limit(4 * (per + rows * row)))
     assert (m.chunk, m.chunks, m.max_rows) == (4, 3, None) and m.total_bytes <= m.limit_bytes
     # one trajectory and one row fit, its whole call does not: one at a time, calls split
-    m = memory.estimate(trajectories=10, state_numel=D, tree=tree, limit_bytes=limit(per + 2 * row))
+    m = memory.estimate(**EM, trajectories=10, state_numel=D, tree=tree, limit_bytes=limit(per + 2 * row))
     assert (m.chunk, m.max_rows) == (1, 2) and m.total_bytes <= m.limit_bytes
     # without chunking the rows of a call are split instead
     lim = limit(10 * per + 5 * row)
-    m = memory.estimate(trajectories=10, state_numel=D, tree=tree, limit_bytes=lim, chunked=False)
+    m = memory.estimate(**EM, trajectories=10, state_numel=D, tree=tree, limit_bytes=lim, chunked=False)
     assert (m.chunk, m.max_rows) == (10, 5) and m.total_bytes <= m.limit_bytes
     with pytest.raises(MemoryError, match=r"does not fit the memory limit of .* needs about .*lazy=True"):
-        memory.estimate(trajectories=10, state_numel=D, tree=tree, limit_bytes=limit(9 * per + row), chunked=False)
+        memory.estimate(
+            **EM, trajectories=10, state_numel=D, tree=tree, limit_bytes=limit(9 * per + row), chunked=False
+        )
     with pytest.raises(MemoryError, match="already holds 0.001 GB"):
-        memory.estimate(trajectories=1, state_numel=D, tree=tree, limit_bytes=limit(per), fixed_bytes=10**6)
+        memory.estimate(**EM, trajectories=1, state_numel=D, tree=tree, limit_bytes=limit(per), fixed_bytes=10**6)
     # a model's declaration is read; a given row_bytes wins over it
     gmm = GaussianMixture.paper(dim=D, components=3)
-    declared = memory.estimate(trajectories=1, state_numel=D, tree=tree, limit_bytes=10**12, model=gmm)
+    declared = memory.estimate(**EM, trajectories=1, state_numel=D, tree=tree, limit_bytes=10**12, model=gmm)
     assert declared.row_bytes == (2 * D + 7 * 3) * 4 and "GaussianMixture" in declared.row_source
-    given = memory.estimate(trajectories=1, state_numel=D, tree=tree, limit_bytes=10**12, model=gmm, row_bytes=5)
+    given = memory.estimate(**EM, trajectories=1, state_numel=D, tree=tree, limit_bytes=10**12, model=gmm, row_bytes=5)
     assert given.row_bytes == 5
     # tree-parallel: each process's call holds its share of the rows, every process the gathered rows
-    tp = memory.estimate(trajectories=10, state_numel=D, tree=tree, limit_bytes=10**12, world=2)
+    tp = memory.estimate(**EM, trajectories=10, state_numel=D, tree=tree, limit_bytes=10**12, world=2)
     assert tp.call_rows == 15 and tp.trajectory_bytes == per + 3 * rows * D * 4
     # lazy runs hold the children of one node per depth and call with one row
     assert memory.tree_footprint(tree, lazy=True) == (1 + 2 * 2, 1)

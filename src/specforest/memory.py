@@ -84,6 +84,7 @@ __all__ = [
     "Held",
     "MemoryEstimate",
     "allocator_slack",
+    "chain_shape",
     "check_held",
     "default_memory_limit",
     "estimate",
@@ -109,6 +110,9 @@ _KEY_BYTES = 8
 # per run and tree node: the tree's tables (node steps, noise levels, scales, masks per lookahead),
 # measured at 140 bytes a node on a (6, 6) tree
 _TABLE_BYTES = 160
+# a draft's memory at the round's commit: the memory the round drafted with (its observe reads it),
+# the group's new part, and the copy DraftMemory.put makes of the whole with that part in place
+_MEMORY_COPIES = 3
 # tree-parallel: the padded rows, the gathered shares and their concatenation
 _SPLIT_ROW_STATES = 3
 DEFAULT_ROW_STATES = 4
@@ -414,9 +418,17 @@ def run_shape(options: Any) -> dict:
         "lazy": o.lazy,
         "draft": o.draft,
         "steps": len(chain.sigmas) - 1,
-        "history": chain.history,
-        "stages": chain.stages,
+        **chain_shape(chain),
     }
+
+
+def chain_shape(chain: Any) -> dict:
+    """What a chain declares of a run's memory, as :func:`estimate`'s keywords ``history`` and ``stages``.
+
+    ``chain``: the run's :class:`~specforest.sde.GaussianChain` (its tables, e.g.
+    :func:`~specforest.options.options_sde` of the run's options).
+    """
+    return {"history": chain.history, "stages": chain.stages}
 
 
 def estimate(
@@ -441,8 +453,8 @@ def estimate(
     world: int = 1,
     draft: Any = None,
     held: Sequence[Held] = (),
-    history: int = 0,
-    stages: int = 1,
+    history: int,
+    stages: int,
 ) -> MemoryEstimate:
     """Estimate a run's memory and choose ``chunk`` and ``max_rows`` so it fits.
 
@@ -480,11 +492,15 @@ def estimate(
             one more where it :attr:`~specforest.drafts.Proposal.keeps_pairs`),
             and the deep features of those nodes (twice where it keeps pairs) and of every evaluated
             row where it :attr:`~specforest.drafts.Proposal.uses_features` (``model.feature_numel`` of them).
-        history: how many past predictions the chain's mean reads (its declaration,
+            What it keeps is counted three times: at the round's commit the memory the round drafted
+            with (its ``observe`` reads it), the group's new part and the copy
+            :meth:`~specforest.drafts.DraftMemory.put` makes are held together.
+        history: how many past predictions the chain's mean reads (its declaration, required: a
+            caller that sizes a run reads it from the run's chain, :func:`chain_shape`;
             :attr:`~specforest.sde.GaussianChain.history`): the run
             keeps that many more states per trajectory, and a full round the predictions and carried
             predictions of its inner nodes (:meth:`~specforest.carried.Carried.held_states`).
-        stages: how many model calls a step makes (its chain's declaration,
+        stages: how many model calls a step makes (its chain's declaration, required as ``history``;
             :attr:`~specforest.sde.GaussianChain.stages`): while a call's later stages run, each row
             holds its earlier stages' predictions and its stage point (:meth:`~specforest.stages.Stages.held_states`).
         held: what the run holds whole whatever its chunking (:class:`Held`), counted with
@@ -513,6 +529,7 @@ def estimate(
         # state beside its prediction where the draft reads it, plus two float64 gains per step)
         lazy = False
         remembered = _depth(tree, steps) * ((2 if prop.uses_states else 1) + (1 if prop.keeps_pairs else 0))
+        remembered *= _MEMORY_COPIES
         gains = 2 * 8 * int(steps or 0) if prop.uses_states else 0
     elif draft is not None and runs_full(prop, tree):
         # Picard sweeps: the run goes full, and a sweep holds the parents' evaluations and the
@@ -543,9 +560,10 @@ def estimate(
     if remembered and prop.uses_features and callable(getattr(model, "feature_numel", None)):
         # the cached self-draft: every evaluated row's deep features come back beside its velocity
         # (the call's output and the round's per-node copy), and each remembered node keeps its own
-        # (and its pair's, for a draft that keeps pairs), one set a stage
+        # (and its pair's, for a draft that keeps pairs), one set a stage, in _MEMORY_COPIES copies
         F = int(model.feature_numel(tuple(x_row.shape[1:]) if x_row is not None else (D,))) * stages
-        per += (_depth(tree, steps) * (2 if prop.keeps_pairs else 1) + 2 * rows) * F * w
+        kept = _MEMORY_COPIES * _depth(tree, steps) * (2 if prop.keeps_pairs else 1)
+        per += (kept + 2 * rows) * F * w
     tables = _TABLE_BYTES * size if tree is not None else 0
     fixed_bytes = int(fixed_bytes) + kept + tables
     room = _dynamic_room(int(limit_bytes) - fixed_bytes, device)

@@ -472,7 +472,7 @@ def tune_family(
         limit_source=source,
         device=x.device,
         chunked=False,
-        **_chain_shape(make_sde(None, sigmas, "flow_match", 1.0, churn, options.get("chain", "em"))),
+        **_memory.chain_shape(make_sde(None, sigmas, "flow_match", 1.0, churn, options.get("chain", "em"))),
     )
     return latency_tune(
         velocity,
@@ -490,11 +490,6 @@ def tune_family(
         max_rows=sized.max_rows or sized.rows_per_call,
         **options,
     )
-
-
-def _chain_shape(sde: Any) -> dict:
-    """What the run's chain declares of its memory, as :func:`specforest.memory.estimate`'s keywords."""
-    return {"history": sde.history, "stages": sde.stages}
 
 
 def _memory_draft(drafts: Sequence[str]) -> Optional[str]:

@@ -223,26 +223,6 @@ def simulate(
     lazy = bool(lazy) and tree is not None and not runs_full(get_proposal(draft), tree)
     # the limit bounds the whole process: what it holds now (the networks) counts as fixed
     limit, source, fixed = memory.resolve_limit(memory_gb, x_T.device, "memory_gb")
-    cond_row = pm.cond(None if labels is None else labels[:1])
-    declared = memory.row_bytes_of(model, x_T[:1], cond_row)
-    mem = memory.estimate(
-        trajectories=n,
-        state_numel=math.prod(pm.shape),
-        tree=tree,
-        verify=verify,
-        lazy=lazy,
-        steps=T,
-        draft=draft,
-        model=model,  # read for the deep features a cached draft keeps (its row bytes are given)
-        x_row=x_T[:1],
-        row_bytes=ROW_BYTES if declared is None else declared,
-        fixed_bytes=fixed,
-        limit_bytes=limit,
-        limit_source=source,
-        device=x_T.device,
-        chunked=False,
-    )
-
     g = torch.Generator().manual_seed(derive_seed(seed, STREAM_NOISE))
     target, pad_rows = compiled(model, compile)
     opts = SamplerOptions(
@@ -255,9 +235,24 @@ def simulate(
         prefetch=prefetch,
         verify=verify,
         lazy=lazy,
-        max_rows=mem.max_rows,
         **further,
     )
+    cond_row = pm.cond(None if labels is None else labels[:1])
+    declared = memory.row_bytes_of(model, x_T[:1], cond_row)
+    mem = memory.estimate(
+        trajectories=n,
+        state_numel=math.prod(pm.shape),
+        **memory.run_shape(opts),  # the tree, verification, draft and the chain's history and stages
+        model=model,  # read for the deep features a cached draft keeps (its row bytes are given)
+        x_row=x_T[:1],
+        row_bytes=ROW_BYTES if declared is None else declared,
+        fixed_bytes=fixed,
+        limit_bytes=limit,
+        limit_source=source,
+        device=x_T.device,
+        chunked=False,
+    )
+    opts = replace(opts, max_rows=mem.max_rows)
     cond = pm.cond(labels)
     warmup_seconds = 0.0
     if warmup:
