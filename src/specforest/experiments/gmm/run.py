@@ -124,7 +124,7 @@ def simulate(
     # the limit bounds the whole process: what it holds now counts as fixed
     limit, source, fixed = memory.resolve_limit(memory_gb, "cpu", "memory_gb")
     # the chain's history and stages, from its tables on the run's grid
-    run_chain = options_sde(SamplerOptions(steps=T, **chain_kwargs(setting.run_chain), grid=setting.grid, **further))
+    tables = options_sde(SamplerOptions(steps=T, **chain_kwargs(setting.run_chain), grid=setting.grid, **further))
 
     def sized(tree: "DraftTree | TreePolicy | None", lazy: bool, calibration: bool = False) -> memory.MemoryEstimate:
         # made before the mixture is drawn (its size declares what it costs, a meta row its dtype):
@@ -144,7 +144,7 @@ def simulate(
             limit_source=source,
             chunked=not calibration,  # the calibration runs its trajectories at once
             held=_held(setting, tree, calibration),
-            **memory.chain_shape(run_chain),
+            **memory.chain_shape(tables),
         )
 
     if isinstance(tree, DraftTree):
