@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chains_generate_setup import COUNT, config, make_x, model
+from chains_generate_setup import COUNT, TIMED, TimedMixture, config, make_x, model, timed_config
 
 from specforest import chains, generate, sample
 
@@ -23,10 +23,19 @@ HERE = Path(__file__).parent
 
 
 def one_process(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    finished = list(generate(model(), count=COUNT, make_x=make_x, **config(name)))
+    kw, velocity = (timed_config(), TimedMixture()) if name == TIMED else (config(name), model())
+    finished = list(generate(velocity, count=COUNT, make_x=make_x, **kw))
     idx = torch.cat([f.index for f in finished])
     order = idx.argsort()
     return torch.cat([f.samples for f in finished])[order], torch.cat([f.stats.nfe for f in finished])[order].double()
+
+
+def test_the_timed_job_reads_its_time_inputs():
+    """The two-process job's chain with declared time inputs gives other samples than the same chain without
+    them (a process that dropped or misplaced its rows' time inputs would not equal one process)."""
+    x, _ = one_process(TIMED)
+    plain = list(generate(TimedMixture(), count=COUNT, make_x=make_x, **config("dpm_2_ancestral")))
+    assert not torch.equal(x, torch.cat([f.samples for f in plain])[torch.cat([f.index for f in plain]).argsort()])
 
 
 @pytest.mark.parametrize("name", chains.available_chains())
@@ -42,6 +51,8 @@ def test_generate_equals_sample_for_every_chain(name):
 
 
 def test_two_processes_equal_one_for_every_chain(tmp_path):
+    """Every chain, and a chain whose calls carry their own time inputs (each process's share of a split
+    call gets its rows' own), give on two processes what one gives."""
     out = tmp_path / "two.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     # (the package the test imports, where PYTHONPATH names it, not only an installed one)
@@ -52,7 +63,7 @@ def test_two_processes_equal_one_for_every_chain(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     two = torch.load(out, weights_only=True)
-    for name in chains.available_chains():
+    for name in (*chains.available_chains(), TIMED):
         x, nfe = one_process(name)
         for mode in ("data", "tree"):
             x2, nfe2 = two[f"{name}/{mode}"]
