@@ -157,6 +157,17 @@ def test_diffusers_command_takes_every_chain_option(saved, tmp_path):
     assert not (tmp_path / "bad").exists() and not (tmp_path / "em").exists()
 
 
+def test_diffusers_speedup_is_over_the_chains_standard_calls(saved, tmp_path):
+    """A chain of two calls a step (heun: 2 T - 1 in its standard run): run.json's speedup is over those calls,
+    so the standard run's is 1 (not T / NFE); its s_tmax of no bound (inf) is written as null."""
+    out = tmp_path / "heun"
+    res = run_diffusers(saved, "sdxl", out, "--chain", "heun", "--s-churn", 1.0, "--method", "standard")
+    assert res.exit_code == 0, res.output
+    rec = json.loads((out / "run.json").read_text())
+    assert set(rec["nfe"]) == {2 * STEPS - 1} and rec["standard_calls"] == 2 * STEPS - 1 and rec["speedup"] == 1
+    assert rec["config"]["s_tmax"] is None and rec["options"]["chain_params"]["s_tmax"] is None
+
+
 def test_images_depend_on_the_seed_and_index_not_on_the_batch_size(saved, tmp_path):
     a, b, c = tmp_path / "all", tmp_path / "one", tmp_path / "other"
     assert run_diffusers(saved, "sd3", a).exit_code == 0

@@ -19,6 +19,7 @@ from scipy import stats as sps
 
 import specforest
 from specforest import memory, trees
+from specforest.chains import get_chain
 from specforest.cli.pixel import pixel
 from specforest.cli.train import train
 from specforest.couplings import Coupling
@@ -227,6 +228,16 @@ def test_simulate_sizes_the_run_with_the_one_memory_estimator(velocity, classifi
     assert {k: v for k, v in again.record.items() if not k.endswith("_seconds")} == {
         k: v for k, v in rec.items() if not k.endswith("_seconds")
     }
+
+
+def test_speedup_is_over_the_chains_standard_calls(velocity, classifier):
+    # heun at T = 5 on karras: 2 T - 1 = 9 standard calls, its last step the only one without noise; the
+    # standard run's speedups are 1 in both accountings (not T / NFE = 5 / 9)
+    chain = get_chain("heun", s_churn=1.0)
+    kw = dict(samples=2, steps=5, model=velocity, classifier=classifier, chain=chain, churn=None)
+    rec = pixel_exp.simulate(method="standard", K=0, L=0, options={"schedule": "karras"}, **kw).record
+    assert rec["nfe_mean"] == rec["standard_calls"] == 9
+    assert rec["speedup_mean"] == rec["speedup_paper_mean"] == 1 and rec["speedup_std"] == 0
 
 
 # -- CLI ---------------------------------------------------------------------------------

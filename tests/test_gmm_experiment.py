@@ -432,3 +432,17 @@ def test_sweep_runs_the_new_couplings_as_methods(tmp_path):
     assert "rank T/NFE" in res.stdout and "antithetic T/NFE" in res.stdout
     res = invoke("gmm", "sweep", "--methods", "rank,nope", "--out", str(tmp_path))
     assert res.exit_code != 0 and "methods" in res.output
+
+
+@pytest.mark.parametrize("method,extra", [("standard", []), ("dgrs", ["--K", "2", "--L", "2"])])
+def test_speedup_is_over_the_chains_standard_calls(method, extra):
+    # heun makes two calls a step and one into 0 (2 T - 1 = 19 at T = 10), and its last step is its only
+    # deterministic one: a record's speedups count those calls (one trajectory: its own ratios)
+    chain = ["--chain", "heun", "--s-churn", "1", "--schedule", "karras", "--trajectories", "1"]
+    rec = run_json("--method", method, *extra, *chain)
+    assert rec["standard_calls"] == 19 and rec["deterministic_steps"] == 1
+    nfe = rec["nfe_mean"]
+    if method == "standard":
+        assert nfe == 19
+    assert rec["speedup_mean"] == pytest.approx(19 / nfe)
+    assert rec["speedup_paper_mean"] == pytest.approx(18 / (nfe - 1))

@@ -26,6 +26,7 @@ import torch
 from ..chains import EM, Chain, get_chain
 from ..planning import TREE_MODES, AdaptiveTree, make_tree
 from ..plots import pyplot, save_figure
+from ..sde import GaussianChain
 from ..trees import DraftTree
 from ..validation import check_choice, check_churn, check_int, check_number
 from .io import atomic_write_text, records_csv
@@ -37,6 +38,7 @@ __all__ = [
     "SWEEP_METHODS",
     "SweepResult",
     "budget_of",
+    "call_counts",
     "chain_kwargs",
     "chain_of_record",
     "chain_record",
@@ -254,6 +256,16 @@ def pm(mean: Optional[float], sem: Optional[float], digits: int = 3) -> str:
     return f"{mean:.{digits}f}" + ("" if sem is None else f" ± {sem:.{digits}f}")
 
 
+def call_counts(sde: GaussianChain) -> dict:
+    """``standard_calls`` and ``deterministic_calls`` of :func:`summarize` for a run of the chain's tables
+    ``sde``: the standard run's model calls (:attr:`~specforest.sde.GaussianChain.standard_calls`, ``T`` for
+    one call a step, Heun's ``2 T - 1``) and those it makes on the steps without noise."""
+    used = torch.ones(sde.steps, dtype=torch.long)
+    if sde.stage_tables is not None:
+        used = torch.tensor(sde.stage_tables.used, dtype=torch.long)
+    return {"standard_calls": sde.standard_calls, "deterministic_calls": int(used[~sde.stochastic.cpu()].sum())}
+
+
 def summarize(
     *,
     nfe: torch.Tensor,
@@ -263,32 +275,35 @@ def summarize(
     spec_steps: torch.Tensor,
     rounds: torch.Tensor,
     rows: torch.Tensor,
-    steps: int,
-    deterministic_steps: int,
+    standard_calls: int,
+    deterministic_calls: int,
 ) -> dict:
     """The statistics every experiment records, from per-trajectory counters.
 
     Args:
         nfe, spec_steps, rounds, rows: ``(n,)`` per trajectory (see :class:`specforest.SampleStats`).
         attempts, accepts, delta_sum: ``(n, L)`` per trajectory and depth.
-        steps: grid steps ``T``.
-        deterministic_steps: steps taken as plain Euler steps ``T_det``.
+        standard_calls: the standard run's model calls ``N`` on the run's grid (``T`` for a chain of one
+            call a step; a chain of several stages makes more, :func:`call_counts`).
+        deterministic_calls: those it makes on the steps without noise ``N_det`` (``T_det`` for one call
+            a step).
 
     Returns:
-        ``nfe_mean``/``nfe_sem``, ``speedup_mean``/``speedup_sem`` (``T / NFE``),
-        ``speedup_paper_mean``/``speedup_paper_sem`` (``(T - T_det) / (NFE - T_det)``,
-        the paper's accounting), ``accept_rate`` (accepts / verification problems),
+        ``standard_calls``, ``nfe_mean``/``nfe_sem``, ``speedup_mean``/``speedup_sem`` (``N / NFE``,
+        ``T / NFE`` for one call a step), ``speedup_paper_mean``/``speedup_paper_sem``
+        (``(N - N_det) / (NFE - N_det)``, the paper's accounting ``(T - T_det) / (NFE - T_det)``),
+        ``accept_rate`` (accepts / verification problems),
         ``accept_rate_per_depth``, ``delta_per_depth``, ``steps_per_round``, ``rows_mean``.
     """
     nfe = nfe.double()
     att, acc = attempts.sum(0).double(), accepts.sum(0).double()
     n_att = att.sum().item()
     n_rounds = rounds.sum().item()
-    out = {}
+    out: dict = {"standard_calls": int(standard_calls)}
     out["nfe_mean"], out["nfe_sem"] = mean_sem(nfe)
-    out["speedup_mean"], out["speedup_sem"] = mean_sem(steps / nfe)
+    out["speedup_mean"], out["speedup_sem"] = mean_sem(standard_calls / nfe)
     out["speedup_paper_mean"], out["speedup_paper_sem"] = mean_sem(
-        (steps - deterministic_steps) / (nfe - deterministic_steps)
+        (standard_calls - deterministic_calls) / (nfe - deterministic_calls)
     )
     out["accept_rate"] = finite(acc.sum().item() / n_att) if n_att else None
     out["accept_rate_per_depth"] = [finite(a) for a in (acc / att).tolist()]

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from ..diffusers.families import Family, family_of_directory, pipeline_class_name
-from .common import check_choice, check_int, derive_seed
+from .common import check_choice, check_int, derive_seed, json_params
 from .sd3.loading import DTYPES
 
 __all__ = ["DTYPES", "family_options", "load_pipeline", "sample_images", "signature_defaults"]
@@ -125,7 +125,8 @@ def sample_images(
     Image ``i`` is sampled with its own generator seeded from ``(seed, i)`` (latents and sampling noise),
     so it does not depend on ``batch_size``. ``out`` holds ``000000.png, ...`` and ``run.json``:
     ``record``'s fields, then ``config`` (the family's, of the first call), ``images`` (file, prompt,
-    NFE of each), ``nfe``, ``nfe_mean``, ``steps``, ``speedup`` (steps / mean NFE) and ``wall_seconds``
+    NFE of each), ``nfe``, ``nfe_mean``, ``steps``, ``standard_calls`` (the standard run's model calls, ``steps`` for one call a
+    step; Heun's ``2 T - 1``), ``speedup`` (``standard_calls`` / mean NFE) and ``wall_seconds``
     (sampling, decoding and writing the PNGs). The folder is filled under a temporary name and renamed:
     it appears complete or not at all.
 
@@ -159,6 +160,7 @@ def sample_images(
     tmp.mkdir(parents=True)
     try:
         nfe: list = []
+        standard_calls = 0
         config: Optional[dict] = None
         t0 = time.perf_counter()
         for start in range(0, len(prompts), batch):
@@ -168,7 +170,9 @@ def sample_images(
             for i, im in zip(idx, res.images, strict=True):
                 im.save(tmp / f"{i:06d}.png", format="PNG")
             nfe += [int(v) for v in res.stats.nfe.tolist()]
-            config = config or dict(res.config)
+            standard_calls = res.stats.standard_calls or steps  # the chain's: Heun's 2 T - 1, not T
+            # (EDM's s_tmax = inf, no bound, as null: JSON has no infinity)
+            config = config or json_params(dict(res.config))
         wall = time.perf_counter() - t0
         nfe_mean = sum(nfe) / len(nfe)
         data = {
@@ -181,7 +185,8 @@ def sample_images(
             "nfe": nfe,
             "nfe_mean": nfe_mean,
             "steps": steps,
-            "speedup": steps / nfe_mean,
+            "standard_calls": standard_calls,
+            "speedup": standard_calls / nfe_mean,
             "wall_seconds": wall,
         }
         (tmp / "run.json").write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")

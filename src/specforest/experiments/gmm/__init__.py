@@ -17,6 +17,9 @@ Speedups are reported in two accountings:
   stochastic-phase call, with ``T_det`` the deterministic steps of the grid
   (2 on both grids); this is the paper's accounting.
 
+For a chain of several calls a step, ``T`` and ``T_det`` are the standard run's calls
+(``standard_calls``, Heun's ``2 T - 1``) and those of its steps without noise.
+
 Modules: :mod:`.setting` (the fixed setting and initial states), :mod:`.run`
 (one configuration), :mod:`.sweep` (the resumable ``(K, L)`` sweep) and
 :mod:`.report` (figures and text).

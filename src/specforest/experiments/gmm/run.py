@@ -28,6 +28,7 @@ from ..common import (
     COUPLING_OF,
     METHODS,
     budget_of,
+    call_counts,
     chain_kwargs,
     chain_record,
     check_choice,
@@ -229,8 +230,9 @@ def simulate(
     cat = {k: torch.cat(v) for k, v in parts.items()}
 
     # on the run's own grid: a schedule (a further option) starts below t = 1, where the em chain's first step is noisy
-    t_det = T - int(options_sde(opts).stochastic.sum())
-    summary = summarize(**{k: cat[k] for k in names}, steps=T, deterministic_steps=t_det)
+    sde = options_sde(opts)
+    t_det = T - int(sde.stochastic.sum())
+    summary = summarize(**{k: cat[k] for k in names}, **call_counts(sde))
     record = {
         "method": method,
         "K": K,
@@ -311,9 +313,10 @@ def run_config(setting: GMMSetting, **options) -> dict:
     Returns:
         A JSON-serializable dict (NaN written as ``None``) with the options (the setting's chain as
         ``chain``, its name, and ``chain_params``, its parameters; ``churn`` null with a chain other than em) and
-        ``budget``, ``nfe_mean``/``nfe_sem``, ``speedup_mean``/``speedup_sem``
-        (``T / NFE``), ``speedup_paper_mean``/``speedup_paper_sem``
-        (``(T - 2) / (NFE - 2)``), ``accept_rate`` (pooled per-step acceptance:
+        ``budget``, ``standard_calls`` (``N``: the chain's standard run's model calls, ``T`` for one call a step),
+        ``nfe_mean``/``nfe_sem``, ``speedup_mean``/``speedup_sem`` (``N / NFE``),
+        ``speedup_paper_mean``/``speedup_paper_sem`` (``(N - N_det) / (NFE - N_det)``, ``(T - 2) / (NFE - 2)``
+        for the em chain), ``accept_rate`` (pooled per-step acceptance:
         accepts / verification problems), ``accept_rate_per_depth``,
         ``delta_per_depth``, ``wall_seconds``, ``warmup_seconds`` (0 without ``warmup``; not in
         ``wall_seconds``), ``mode``, ``chunk_size``, ``memory_estimate_gb`` (the estimated peak

@@ -22,7 +22,7 @@ from ... import __version__, memory, sample
 from ...chains import Chain
 from ...drafting import runs_full
 from ...models.digits import DigitsClassifier
-from ...options import SamplerOptions, check_option
+from ...options import SamplerOptions, check_option, options_sde
 from ...planning import plan_tree
 from ...proposals import get_proposal
 from ...trees import DraftTree
@@ -31,6 +31,7 @@ from ..common import (
     COUPLING_OF,
     METHODS,
     budget_of,
+    call_counts,
     chain_kwargs,
     chain_record,
     check_choice,
@@ -47,7 +48,6 @@ from ..common import (
 from ..further_options import further_options, with_options
 from .models import DEFAULT_MODEL, pixel_model, refuse_undeclared_learned
 from .setting import (
-    DETERMINISTIC_STEPS,
     STREAM_CALIBRATION_NOISE,
     STREAM_CALIBRATION_X,
     STREAM_NOISE,
@@ -156,9 +156,9 @@ def simulate(
     Returns:
         A :class:`PixelRun`; its record holds the options and ``budget``, the
         statistics of :func:`specforest.experiments.common.summarize`
-        (``nfe_mean``/``nfe_sem``, ``speedup_mean``/``speedup_sem`` (``T / NFE``
-        per image), ``speedup_paper_mean``/``speedup_paper_sem``
-        (``(T - 2) / (NFE - 2)``), ``accept_rate``, ``accept_rate_per_depth``,
+        (``standard_calls`` ``N``, ``nfe_mean``/``nfe_sem``, ``speedup_mean``/``speedup_sem`` (``N / NFE``
+        per image, ``T / NFE`` for one call a step), ``speedup_paper_mean``/``speedup_paper_sem``
+        (``(N - N_det) / (NFE - N_det)``, ``(T - 2) / (NFE - 2)`` for the em chain), ``accept_rate``, ``accept_rate_per_depth``,
         ``delta_per_depth`` (``None`` where a depth was never reached), ...),
         ``speedup_std``, ``wall_seconds``, ``warmup_seconds`` (0 without ``warmup``; not in
         ``wall_seconds``), ``max_rows``, ``memory_peak_gb`` (the estimated peak of the process),
@@ -262,7 +262,8 @@ def simulate(
         warmup_seconds = warm_up(target, x_T, cond=cond, repeats=3 if compile else 1, **opts.as_dict())
     out = sample(target, x_T, opts, generator=g, progress=progress, cond=cond)
     s = out.stats
-    speedup = T / s.nfe.double()
+    counts = call_counts(options_sde(opts))  # the run's chain on its grid: its standard calls, its steps of no noise
+    speedup = counts["standard_calls"] / s.nfe.double()
     accuracy = None
     if labels is not None and classifier is not None:
         with torch.no_grad():
@@ -285,8 +286,7 @@ def simulate(
             spec_steps=s.spec_steps,
             rounds=s.rounds,
             rows=s.rows,
-            steps=T,
-            deterministic_steps=DETERMINISTIC_STEPS,
+            **counts,
         ),
         "speedup_std": finite(speedup.std().item()) if n > 1 else None,
         "wall_seconds": float(s.wall_seconds),

@@ -144,7 +144,7 @@ def run_config(
         "L": L,
         "budget": budget_of(method, K, L) if tuned is None else (0 if tree is None else tree.budget),
         "images": n,
-        **summarize(**cat, steps=setting.steps, deterministic_steps=DETERMINISTIC_STEPS),
+        **summarize(**cat, standard_calls=setting.steps, deterministic_calls=DETERMINISTIC_STEPS),  # em: a call a step
         "nfe_per_image": [int(v) for v in cat["nfe"].tolist()],
         "calls": calls,
         "max_rows": [m.max_rows for m in estimates],
