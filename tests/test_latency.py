@@ -352,3 +352,20 @@ def test_a_chain_of_two_stages_costs_and_counts_two_calls_a_call():
         pytest.approx(19 + 10 * 0.5),
         19.0,
     )
+
+
+def test_a_calibrated_chain_of_two_stages_prices_the_standard_run_at_its_own_calls():
+    """The tuner's standard run on Heun (two calls a step, one into 0): the calibration records the chain's
+    standard calls, 2 T - 1 = 19 at T = 10, and the predictor prices that many (not 2 T), as the run makes."""
+    from specforest import chains
+    from specforest.latency import Calibrator, Config
+
+    grid = torch.linspace(0.9, 0.0, 11, dtype=torch.float64)
+    model = lambda x, t, **kw: (x - 0.3) / t[:, None]  # noqa: E731
+    x = torch.randn(2, 4, dtype=torch.float64)
+    cal = Calibrator.calibrate(
+        model, x, steps=10, chain=chains.HeunChurn(s_churn=5.0), batch=1, budget_max=3,
+        curve=CostCurve((1, 1024), (1.0, 1.0)), calibration_trajectories=2, sigmas_for=lambda n: grid,
+    )  # fmt: skip
+    assert cal.calibration.standard_calls == 19
+    assert cal.predictor.network_seconds(Config()) == pytest.approx(19.0)

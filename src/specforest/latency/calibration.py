@@ -232,6 +232,9 @@ class Calibration:
         first_stochastic, stochastic_steps: the first chain step with noise and how many there are, on the
             run's grid (``None``: the ``em`` chain's, from step 1, ``steps -``
             :data:`~specforest.latency.law.DETERMINISTIC_STEPS`); the rest no round verifies.
+        standard_calls: the model calls of the standard run on the run's grid
+            (:attr:`~specforest.sde.GaussianChain.standard_calls`: Heun's ``2 T - 1``; ``None``: ``chain_steps``
+            times the chain's stages).
 
     Raises:
         TypeError / ValueError: a field of the wrong type or out of range, naming it.
@@ -252,9 +255,12 @@ class Calibration:
     first_stochastic: int = 1
     stochastic_steps: Optional[int] = None
     chain_steps: Optional[int] = None
+    standard_calls: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps, 1)
+        if self.standard_calls is not None:
+            check_int("standard_calls", self.standard_calls, 1)
         if self.chain_steps is None:
             object.__setattr__(self, "chain_steps", self.steps)
         n = check_int("chain_steps", self.chain_steps, 1)

@@ -64,7 +64,7 @@ def _grid(sigmas_for: Optional[Callable[[int], torch.Tensor]], steps: int) -> di
 
 
 def _stochastic_steps(grid: dict, options: dict, churn: Any, chain: Any) -> dict:
-    """:class:`Calibration`'s ``first_stochastic``, ``stochastic_steps`` and ``chain_steps``: the run's chain on its grid
+    """:class:`Calibration`'s ``first_stochastic``, ``stochastic_steps``, ``chain_steps`` and ``standard_calls``: the run's chain on its grid
     (``grid``: :func:`_grid`'s; ``options``: the run's, with ``grid`` and ``shift`` where given)."""
     sde = make_sde(
         grid.get("steps"),
@@ -80,6 +80,7 @@ def _stochastic_steps(grid: dict, options: dict, churn: Any, chain: Any) -> dict
         "first_stochastic": int(noisy[0]) if noisy.numel() else 0,
         "stochastic_steps": int(noisy.numel()),
         "chain_steps": int(sde.stochastic.numel()),
+        "standard_calls": sde.standard_calls,
     }
 
 

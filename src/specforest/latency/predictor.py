@@ -195,5 +195,6 @@ class Predictor:
             sweeps=get_proposal(self._draft(config.draft)).picard_sweeps if tree is not None else 0,
             deterministic=cal.chain_steps - cal.stochastic_steps,
             stages=getattr(cal.chain, "stages", 1),  # the chain's declaration: its calls a step
+            standard_calls=cal.standard_calls,  # (Heun's last step makes one)
         )
         return seconds / cal.batch, calls
