@@ -70,6 +70,21 @@ def test_generate_refuses_a_tree_on_a_chain_without_a_stochastic_step_in_flags(t
     assert not any(tmp_path.iterdir())
 
 
+def test_the_refusal_lists_every_chain_an_option_makes_stochastic():
+    """The advice names the chains that take --eta and --s-churn from their declarations: heun's default
+    (s_churn 0) is refused with heun among the --s-churn chains, dpmpp_sde among the --eta ones."""
+    res = invoke(
+        "gmm", "--dim", 2, "--trajectories", 2, "--chain", "heun", "--steps", 6, "--schedule", "karras", *QUIET
+    )
+    msg = " ".join(_in_flags(refused(res, "--chain heun", "--method standard")).split())
+    churned = re.search(r"--s-churn > 0 with --chain ([^;]*);", msg)
+    ancestral = re.search(r"--eta > 0 with --chain ([^;]*);", msg)
+    assert churned and {"euler", "heun", "dpm_2"} <= set(re.split(r", | or ", churned.group(1)))
+    assert ancestral and {"dpm_2_ancestral", "dpmpp_2s_ancestral", "dpmpp_sde"} <= set(
+        re.split(r", | or ", ancestral.group(1))
+    )
+
+
 def test_the_standard_sampler_still_runs_a_deterministic_chain():
     res = invoke("gmm", "--dim", 2, "--trajectories", 2, *DETERMINISTIC, *QUIET, "--method", "standard", "--json")
     assert res.exit_code == 0, res.output

@@ -26,7 +26,7 @@ from typing import Callable, TypeVar
 
 import click
 
-from ..chains import Chain
+from ..chains import Chain, available_chains
 from ..devices import set_threads
 from ..experiments.pixel.models import DEFAULT_MODEL, PIXEL_MODELS
 from ..options import NoStochasticStep, check_stochastic, make_sde
@@ -37,6 +37,7 @@ from .sampler_options import (
     NAMED_GRID_SHIFT,
     chain_options,
     chain_settings,
+    chains_taking,
     check_grid,
     check_named_grid,
     churn_option,
@@ -504,6 +505,24 @@ def chain_given(name: str, params: dict) -> str:
     return " ".join(flags) + (f" ({', '.join(other)})" if other else "")
 
 
+def _listed(names: list) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def stochastic_settings() -> str:
+    """The settings that give a chain noise, from the registered chains' declarations: ``--eta > 0`` with a
+    chain that takes ``eta``, ``--s-churn > 0`` with one that takes ``s_churn``, and the chains that take
+    neither (noisy at their defaults)."""
+    eta, churn = chains_taking("eta"), chains_taking("s_churn")
+    rest = [n for n in available_chains() if n not in eta and n not in churn]
+    parts = [
+        f"{flag} > 0 with --chain {_listed(names)}" for flag, names in (("--eta", eta), ("--s-churn", churn)) if names
+    ]
+    if rest:
+        parts.append(f"--chain {_listed(rest)}")
+    return f"({'; '.join(parts)})"
+
+
 def no_stochastic_step(err: NoStochasticStep, where: str = "this grid", *, tune: "bool | None" = None) -> str:
     """The command line's words for the library's :class:`~specforest.options.NoStochasticStep` (whose own
     advice is Python's ``tree=None``), on ``where``; ``tune``: worded for ``specforest tune`` (``None``: when
@@ -515,10 +534,7 @@ def no_stochastic_step(err: NoStochasticStep, where: str = "this grid", *, tune:
         f"{chain_given(err.chain, err.params)} has no stochastic step on {where}: every transition is a point "
         "mass, so no draft can be accepted and a tree only costs calls"
     )
-    settings = (
-        "(--eta > 0 with --chain euler_ancestral, dpmpp_2m_sde, dpmpp_3m_sde or ddim; --s-churn > 0 with --chain euler; "
-        "--chain em, ddpm or lcm)"
-    )
+    settings = stochastic_settings()
     if tune:
         return (
             f"{head}; there is nothing to tune: run it with --method standard (no --tune file), or tune a "

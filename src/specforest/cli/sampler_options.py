@@ -31,6 +31,7 @@ __all__ = [
     "PLACED",
     "RegistryChoice",
     "chain_options",
+    "chains_taking",
     "chain_settings",
     "check_grid",
     "check_named_grid",
@@ -204,6 +205,11 @@ def _chain_parameters() -> dict:
 CHAIN_FLAGS = {p: "--" + p.replace("_", "-") for p in _chain_parameters() if p != "churn"}
 """The chains' parameters the command line sets, by their flags: every parameter a registered chain declares
 (its name with dashes; each chain takes some of them; ``--churn``, each command's own, is the ``em`` chain's)."""
+
+
+def chains_taking(param: str) -> list:
+    """The registered chains that declare the parameter ``param`` (e.g. ``"eta"``), in registration order."""
+    return list(_chain_parameters().get(param, (None, []))[1])
 
 
 def _chain_flags(name: str) -> list:
