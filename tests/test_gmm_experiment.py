@@ -446,3 +446,10 @@ def test_speedup_is_over_the_chains_standard_calls(method, extra):
         assert nfe == 19
     assert rec["speedup_mean"] == pytest.approx(19 / nfe)
     assert rec["speedup_paper_mean"] == pytest.approx(18 / (nfe - 1))
+
+
+def test_a_chain_of_half_steps_records_its_deterministic_steps():
+    # dpmpp_sde walks 2 T - 1 half-steps (11 at T = 6), the last into 0 without noise: one deterministic
+    # step, not T minus its 10 noisy half-steps (-4)
+    rec = run_json("--chain", "dpmpp_sde", "--steps", "6", "--schedule", "karras", "--method", "standard")
+    assert rec["deterministic_steps"] == 1 and rec["standard_calls"] == rec["nfe_mean"] == 11

@@ -107,7 +107,8 @@ class GMMSetting:
     @property
     def deterministic_steps(self) -> int:
         """Steps of the grid taken as plain Euler steps, without noise (2 on both grids for the em chain)."""
-        return self.steps - int(self.sde().stochastic.sum())
+        sde = self.sde()
+        return sde.steps - int(sde.stochastic.sum())  # (the chain's steps, which a chain of half-steps doubles)
 
 
 def mixture_fingerprint(gmm: GaussianMixture) -> str:
