@@ -168,6 +168,16 @@ def test_diffusers_speedup_is_over_the_chains_standard_calls(saved, tmp_path):
     assert rec["config"]["s_tmax"] is None and rec["options"]["chain_params"]["s_tmax"] is None
 
 
+def test_diffusers_chain_of_half_steps_keeps_the_length_asked_for(saved, tmp_path):
+    """dpmpp_sde walks 2 T - 1 half-steps (19 at T = 10): --method rmc --L 15 drafts a chain of 15, not one
+    cut to the grid's T = 10."""
+    out = tmp_path / "sde"
+    res = run_diffusers(saved, "sdxl", out, "--chain", "dpmpp_sde", "--method", "rmc", "--L", 15)
+    assert res.exit_code == 0, res.output
+    rec = json.loads((out / "run.json").read_text())
+    assert rec["config"]["tree"].startswith("DraftTree(L=15, budget=15") and rec["standard_calls"] == 19
+
+
 def test_images_depend_on_the_seed_and_index_not_on_the_batch_size(saved, tmp_path):
     a, b, c = tmp_path / "all", tmp_path / "one", tmp_path / "other"
     assert run_diffusers(saved, "sd3", a).exit_code == 0

@@ -240,6 +240,13 @@ def test_speedup_is_over_the_chains_standard_calls(velocity, classifier):
     assert rec["speedup_mean"] == rec["speedup_paper_mean"] == 1 and rec["speedup_std"] == 0
 
 
+def test_a_chain_of_half_steps_keeps_the_length_asked_for(velocity, classifier):
+    # dpmpp_sde at T = 5 walks 9 half-steps: an RMC chain of 8 is drafted as asked, not cut to T = 5
+    kw = dict(samples=1, steps=5, model=velocity, classifier=classifier, chain="dpmpp_sde", churn=None)
+    rec = pixel_exp.simulate(method="rmc", K=1, L=8, options={"schedule": "karras"}, **kw).record
+    assert rec["standard_calls"] == 9 and rec["tree_layers"].startswith("DraftTree(L=8, budget=8")
+
+
 # -- CLI ---------------------------------------------------------------------------------
 
 TINY = ["--samples", "4", "--steps", "6", "--no-progress", "--json"]

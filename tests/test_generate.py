@@ -765,3 +765,13 @@ def test_a_merge_that_finds_samples_missing_names_the_folder_and_resume(tmp_path
     res = CliRunner().invoke(main, [*job, "--resume"])
     assert res.exit_code == 0, res.output
     assert out.exists() and not parts.exists()
+
+
+def test_a_jobs_chain_of_half_steps_keeps_the_length_asked_for(tmp_path):
+    """dpmpp_sde at T = 6 walks 11 half-steps: a job's --method rmc --L 10 drafts a chain of 10, not one cut
+    to the grid's 6 steps (the job records L = 10)."""
+    from specforest.experiments.generate_model import _tree_kwargs
+
+    sampler = {"method": "rmc", "K": 1, "L": 10, "steps": 6, "chain": "dpmpp_sde", "chain_params": {}}
+    assert _tree_kwargs(sampler)["tree"].L == 10
+    assert _tree_kwargs({**sampler, "chain": "em", "churn": 0.1, "chain_params": None})["tree"].L == 6

@@ -453,3 +453,9 @@ def test_a_chain_of_half_steps_records_its_deterministic_steps():
     # step, not T minus its 10 noisy half-steps (-4)
     rec = run_json("--chain", "dpmpp_sde", "--steps", "6", "--schedule", "karras", "--method", "standard")
     assert rec["deterministic_steps"] == 1 and rec["standard_calls"] == rec["nfe_mean"] == 11
+
+
+def test_a_chain_of_half_steps_keeps_the_length_asked_for():
+    # dpmpp_sde at T = 6 walks 11 half-steps: --method rmc --L 10 drafts a chain of 10, not one cut to T = 6
+    rec = run_json("--chain", "dpmpp_sde", "--steps", "6", "--schedule", "karras", "--method", "rmc", "--L", "10")
+    assert rec["L"] == rec["budget"] == 10 and "DraftTree(L=10, budget=10" in rec["tree_layers"]

@@ -308,15 +308,16 @@ def checked_chain(o: dict, steps: int, ctx: "click.Context | None" = None) -> "t
     return chain, scheduler_eta(type(sch).__name__, chain["eta"])
 
 
-def _tree_and_coupling(o: dict, steps: int) -> "tuple[Any, str]":
-    """The draft tree and coupling of the command's method, or of its ``--tune`` file."""
-    from ..experiments.common import COUPLING_OF, method_tree
+def _tree_and_coupling(o: dict, steps: int, chain: Any = None) -> "tuple[Any, str]":
+    """The draft tree and coupling of the command's method, or of its ``--tune`` file; ``chain``: the run's
+    (a tree no deeper than its steps, dpmpp_sde's ``2 T - 1`` half-steps)."""
+    from ..experiments.common import COUPLING_OF, chain_steps, method_tree
     from ..trees import DraftTree
 
     coupling = COUPLING_OF.get(o["method"], "grs")
     if isinstance(o.get("tree_mode"), DraftTree):
         return o["tree_mode"], coupling
-    return method_tree(o["method"], o["K"], o["L"], steps), coupling
+    return method_tree(o["method"], o["K"], o["L"], chain_steps(chain, steps)), coupling
 
 
 @click.command("diffusers", context_settings=CONTEXT)
@@ -399,9 +400,11 @@ def diffusers_command(**o) -> None:
     device = o["device"] or default_device()
     dtype = o["dtype"] or default_dtype(device)
     captions = library_errors(lambda: load_prompts(o["prompts_file"], o["num_prompts"]))
-    tree, coupling = library_errors(lambda: _tree_and_coupling(o, options["num_inference_steps"]))
     # every option is checked before the pipeline is loaded
     chain, eta = checked_chain(o, options["num_inference_steps"], ctx)
+    tree, coupling = library_errors(
+        lambda: _tree_and_coupling(o, options["num_inference_steps"], chain.get("chain") if chain else None)
+    )
     if chain:
         options["churn"] = None  # (the em chain's; the run's record says it did not apply)
     click.echo(f"loading {o['pipeline_path']} ({family.name}, {dtype} on {device})", err=True)

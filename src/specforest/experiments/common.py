@@ -39,6 +39,7 @@ __all__ = [
     "SweepResult",
     "budget_of",
     "call_counts",
+    "chain_steps",
     "chain_kwargs",
     "chain_of_record",
     "chain_record",
@@ -183,8 +184,16 @@ def budget_of(method: str, K: int, L: int) -> int:
     return sum(K**level for level in range(1, L + 1))
 
 
+def chain_steps(chain: "str | Chain | None", steps: int) -> int:
+    """The steps a run of ``chain`` walks on a grid of ``steps`` steps (:meth:`~specforest.chains.Chain.grid_step`):
+    ``steps``, or ``dpmpp_sde``'s ``2 steps - 1`` half-steps; ``steps`` for a chain named by a string
+    (``"em"``, a pipeline's ``"scheduler"``)."""
+    return steps if not isinstance(chain, Chain) else int(chain.grid_step(steps).numel())
+
+
 def method_tree(method: str, K: int, L: int, steps: int) -> Optional[DraftTree]:
-    """The tree of a method: ``None``, the chain of ``L`` (``rmc``) or the uniform ``(K, L)`` tree.
+    """The tree of a method: ``None``, the chain of ``L`` (``rmc``) or the uniform ``(K, L)`` tree, no deeper
+    than ``steps``: the run's chain's steps on its grid (``T``, or ``dpmpp_sde``'s ``2 T - 1`` half-steps).
 
     One call of :func:`specforest.planning.make_tree`, the tree of every command.
     """

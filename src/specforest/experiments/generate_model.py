@@ -19,7 +19,7 @@ from .. import memory, streams
 from ..atomic import atomic_write
 from ..options import SamplerOptions
 from ..trees import from_parents
-from .common import COUPLING_OF, method_tree
+from .common import COUPLING_OF, chain_steps, method_tree
 from .generate_job import JobSpec, pixel_model_of, prompts_digest, sampler_chain, sampler_further
 
 __all__ = ["JobModel", "gmm_model", "image_model", "pixel_model", "size_slots"]
@@ -56,8 +56,13 @@ def _tree_kwargs(o: dict) -> dict:
     with its further options (:func:`~.generate_job.sampler_further`)."""
     method = o["method"]
     # a tuned tree comes as its parent list; otherwise the method's (K, L) tree
-    tree = from_parents(o["tree"]) if o.get("tree") is not None else method_tree(method, o["K"], o["L"], o["steps"])
-    kwargs = dict(tree=tree, coupling=COUPLING_OF.get(method, "grs"), **sampler_chain(o))
+    chained = sampler_chain(o)
+    if o.get("tree") is not None:
+        tree = from_parents(o["tree"])
+    else:
+        # no deeper than the chain's steps (dpmpp_sde's 2 T - 1 half-steps), not the grid's
+        tree = method_tree(method, o["K"], o["L"], chain_steps(chained["chain"], o["steps"]))
+    kwargs = dict(tree=tree, coupling=COUPLING_OF.get(method, "grs"), **chained)
     # a standard job records none of the draft's options (it uses none; a job started before recorded the defaults)
     kwargs.update({k: o[k] for k in ("draft", "prefetch", "verify") if o.get(k) is not None})
     return {**kwargs, **sampler_further(o)}

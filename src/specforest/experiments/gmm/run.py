@@ -126,6 +126,8 @@ def simulate(
     limit, source, fixed = memory.resolve_limit(memory_gb, "cpu", "memory_gb")
     # the chain's history and stages, from its tables on the run's grid
     tables = options_sde(SamplerOptions(steps=T, **chain_kwargs(setting.run_chain), grid=setting.grid, **further))
+    # what a trajectory walks and a round drafts: the chain's steps (dpmpp_sde's 2 T - 1 half-steps)
+    chain_T = tables.steps
 
     def sized(tree: "DraftTree | TreePolicy | None", lazy: bool, calibration: bool = False) -> memory.MemoryEstimate:
         # made before the mixture is drawn (its size declares what it costs, a meta row its dtype):
@@ -136,7 +138,7 @@ def simulate(
             tree=tree,
             verify=verify,
             lazy=lazy,
-            steps=T,
+            steps=chain_T,
             model=MixtureSize(setting.dim, setting.components),
             x_row=torch.empty(1, setting.dim, device="meta"),
             draft=draft,
@@ -158,7 +160,7 @@ def simulate(
 
         def plan(b: int) -> DraftTree:
             # the calibration draws the mixture too, and runs a lazy chain (plan_tree's)
-            sized(chain(min(b, T)), lazy=True, calibration=True)
+            sized(chain(min(b, chain_T)), lazy=True, calibration=True)
             return plan_tree(
                 setting.mixture(),
                 initial_states(_CALIBRATION_TRAJECTORIES, setting.dim, derive_seed(seed, STREAM_CALIBRATION_X)),
@@ -174,7 +176,7 @@ def simulate(
                 **further,
             )
 
-        tree, budget = choose_tree(method, K, L, setting.steps, tree_mode, budget, plan)
+        tree, budget = choose_tree(method, K, L, chain_T, tree_mode, budget, plan)
     # a tree-less run has nothing to realize lazily; a draft that remembers its chain runs chains full
     lazy = bool(lazy) and tree is not None and not runs_full(get_proposal(draft), tree)
     if method == "antithetic" and tree_mode != "custom" and K % 2:

@@ -218,7 +218,9 @@ def simulate(
         tree_mode, budget = "custom", tree.budget
         K, L = tree.max_children, tree.L
     else:
-        tree, budget = choose_tree(method, K, L, T, tree_mode, budget, plan)
+        # a round drafts the chain's steps (dpmpp_sde's 2 T - 1 half-steps), not the grid's
+        chain_T = options_sde(SamplerOptions(steps=T, **chain_kwargs(ch), grid=grid, **further)).steps
+        tree, budget = choose_tree(method, K, L, chain_T, tree_mode, budget, plan)
     # a tree-less run has nothing to realize lazily; a draft that remembers its chain runs chains full
     lazy = bool(lazy) and tree is not None and not runs_full(get_proposal(draft), tree)
     # the limit bounds the whole process: what it holds now (the networks) counts as fixed
