@@ -327,9 +327,9 @@ def test_the_predicted_calls_count_the_chains_own_deterministic_steps(chain, det
 
 def test_a_chain_of_two_stages_costs_and_counts_two_calls_a_call():
     """Heun (two model calls a step, one into 0) with a constant clean prediction (the ``x0`` draft is exact,
-    so every draft is accepted): a run of 10 steps on a chain of 3 makes two calls for each of the last step,
-    the fetch and ceil(9 / 3) rounds; the prediction with the chain's ``stages`` is the run's, and costs each
-    call twice. The standard run makes 2 T - 1."""
+    so every draft is accepted): a run of 10 steps on a chain of 3 makes two calls for each of the fetch and
+    ceil(9 / 3) rounds, and one for the last step (into 0), as the standard run's 2 T - 1 do; the prediction
+    with the chain's ``stages`` and standard calls is the run's, and costs each call of two stages twice."""
     import math
 
     from specforest import chains, sample
@@ -339,15 +339,16 @@ def test_a_chain_of_two_stages_costs_and_counts_two_calls_a_call():
     model = lambda x, t, **kw: (x - 0.3) / t[:, None]  # noqa: E731
     x = torch.randn(1, 4, dtype=torch.float64)
     run = sample(model, x, sigmas=grid, chain=heun, tree=trees.chain(3), coupling="rmc", draft="x0", seed=0)
-    assert int(run.stats.calls) == 2 * (1 + 1 + math.ceil(9 / 3))
-    curve = CostCurve((1, 1024), (1.0, 1.0))
-    always = lambda level, k: 1.0  # noqa: E731
-    one = predict_seconds(curve, 10, 1, trees.chain(3), "internal", always, 0.0, deterministic=1)
-    two = predict_seconds(curve, 10, 1, trees.chain(3), "internal", always, 0.0, deterministic=1, stages=2)
-    assert two == (pytest.approx(2 * one[0]), int(run.stats.calls))
+    assert int(run.stats.calls) == 2 * (1 + math.ceil(9 / 3)) + 1
     standard = sample(model, x, sigmas=grid, chain=heun, seed=0)
     calls = heun.build(grid).standard_calls
     assert standard.stats.calls == calls == 19
+    curve = CostCurve((1, 1024), (1.0, 1.0))
+    always = lambda level, k: 1.0  # noqa: E731
+    one = predict_seconds(curve, 10, 1, trees.chain(3), "internal", always, 0.0, deterministic=1)
+    kw = dict(deterministic=1, stages=2, standard_calls=calls)
+    two = predict_seconds(curve, 10, 1, trees.chain(3), "internal", always, 0.0, **kw)
+    assert two == (pytest.approx(2 * one[0] - 1), int(run.stats.calls))
     assert predict_seconds(curve, 10, 1, None, "internal", None, 0.5, stages=2, standard_calls=calls) == (
         pytest.approx(19 + 10 * 0.5),
         19.0,

@@ -232,12 +232,15 @@ def _schedule_table(ctx: RunContext, tt: TreeTables, la: torch.Tensor) -> torch.
     """:attr:`RunContext.schedule_table` of tree ``tt`` with lookaheads ``la (T + 1,)``. A proposal
     that needs no prefetch speculates either way; one that needs it takes a single step to fetch one first."""
     active = torch.arange(ctx.T + 1, device=ctx.device) < ctx.T
+    # the calls a single row's step makes (a chain of several stages: its last step into 0 makes one)
+    used = torch.tensor([ctx.tab.calls_at(s) for s in range(ctx.T)] + [0], device=ctx.device)
     rows = []
     for valid in (False, True):
         Ls = la if valid or not ctx.proposal.needs_prefetch else torch.zeros_like(la)
         spec = Ls > 0
         fetch = (la > 0) & ~spec
-        rows.append(torch.stack([active, active & ~spec, spec, fetch, tt.rows_spec[Ls], Ls], 1).long())
+        calls = torch.where(spec, ctx.tab.stages, used)
+        rows.append(torch.stack([active, active & ~spec, spec, fetch, tt.rows_spec[Ls], Ls, calls], 1).long())
     return torch.cat(rows)
 
 
@@ -323,14 +326,19 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         ids1 = single.nonzero()[:, 0]
         ids = spec.nonzero()[:, 0]
         groups = _tree_groups(ctx, state, ids) if ids.numel() else ()
-        return Schedule(single=ids1, fetch=fetch[ids1], groups=groups, active=active, n_fetch=int(fetch.sum()))
+        calls = ctx.tab.stages if groups else max(ctx.tab.calls_at(s) for s in step[ids1].tolist())
+        return Schedule(
+            single=ids1, fetch=fetch[ids1], groups=groups, active=active, n_fetch=int(fetch.sum()), calls=calls
+        )
     # each trajectory's row of the table: what it does at its step, with or without a prefetch
     table = ctx.schedule_table
     at = table[torch.add(step, state.pre.valid, alpha=T + 1) if ctx.proposal.needs_prefetch else step]
-    active, single, spec, fetch, _, Ls = at.unbind(1)
+    active, single, spec, fetch, _, Ls, calls = at.unbind(1)
     Lmin, Lmax = Ls.aminmax()
-    counts = host_read(torch.cat([at.sum(0), torch.stack([Lmax, Lmin, ctx.target.bad, state.draft_bad])]))
-    n_active, n1, ns, nf, rows, _, Lr, Lmin, bad, bad_draft = counts
+    # (the round's calls: every stage where a tree speculates, else what its single rows' steps make)
+    reads = torch.stack([Lmax, Lmin, ctx.target.bad, state.draft_bad, calls.amax()])
+    counts = host_read(torch.cat([at[:, :6].sum(0), reads]))
+    n_active, n1, ns, nf, rows, _, Lr, Lmin, bad, bad_draft, calls = counts
     if bad or bad_draft >= 0:
         ctx.stop_if_not_finite(bool(bad), bad_draft)
     ctx.target.read_clear()
@@ -341,10 +349,10 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
     if ns == len(ctx.rows_all):
         # every trajectory speculates (one image, or a batch in step): no row selection at all
         group = Group(ids=ctx.rows_all, steps=ctx.fixed, Ls=Ls, Lr=Lr, rows=rows, everyone=True, even=Lmin == Lr)
-        return Schedule(single=ids1, fetch=ctx.no_fetch[:0], groups=(group,), active=active, n_fetch=nf)
+        return Schedule(single=ids1, fetch=ctx.no_fetch[:0], groups=(group,), active=active, n_fetch=nf, calls=calls)
     ids = torch.nonzero_static(spec, size=ns)[:, 0]
     groups = (Group(ids=ids, steps=ctx.fixed, Ls=Ls[ids], Lr=Lr, rows=rows),) if ns else ()
-    return Schedule(single=ids1, fetch=fetch[ids1] > 0, groups=groups, active=active, n_fetch=nf)
+    return Schedule(single=ids1, fetch=fetch[ids1] > 0, groups=groups, active=active, n_fetch=nf, calls=calls)
 
 
 def _tree_groups(ctx: RunContext, state: RunState, ids: torch.Tensor) -> tuple:
@@ -407,11 +415,13 @@ def evaluate(ctx: RunContext, state: RunState, sched: Schedule, drafts: list) ->
     keep = ctx.features > 0 and bool(drafts)
     # (a chain of several stages makes that many sequential calls of these rows: ``tab.velocity``)
     rows = (ctx.target, cat(xs), cat(steps), cat(traj))
+    # a round of single rows only at steps of fewer calls (Heun's last, into 0) makes only those
+    upto = sched.calls if sched.calls < ctx.tab.stages else None
     if keep:
         # the deep features of every row come back beside its velocity (the cached self-draft)
-        v, f = ctx.tab.velocity(*rows, sig=cat(sig), rows_key=rows_key, features=True)
+        v, f = ctx.tab.velocity(*rows, sig=cat(sig), rows_key=rows_key, features=True, upto=upto)
     else:
-        v = ctx.tab.velocity(*rows, sig=cat(sig), rows_key=rows_key)
+        v = ctx.tab.velocity(*rows, sig=cat(sig), rows_key=rows_key, upto=upto)
     n1 = ids1.numel()
     if ctx.lazy:
         return Evaluations(single=v[:n1], trees=[None] * len(drafts))
@@ -502,7 +512,7 @@ def commit(
             else:
                 terms = ctx.proposal.take_terms(d.terms, o.rows, o.steps - d.s0[o.rows])
                 dstate = ctx.proposal.observe(*args, terms, **kw)
-    stages = ctx.tab.stages  # a round's (and a sweep's) calls: one per stage
+    stages = sched.calls  # a round's (and a sweep's) calls: one per stage it makes
     entry = RoundEntry(active=sched.active, single=single, outcomes=tuple(outcomes), calls=stages)
     counters = state.counters.with_round(entry)
     sweeps = sum(d.sweeps for d in drafts)

@@ -132,10 +132,11 @@ class RunContext:
             tree takes at each step: to the end of its stochastic run, at most ``L``; 0 on
             deterministic steps and at ``T``.
         fixed: the fixed tree's :class:`TreeSteps`, or ``None``.
-        schedule_table: with a fixed tree, ``(2 (T + 1), 6)`` long: what a trajectory at step ``s``
+        schedule_table: with a fixed tree, ``(2 (T + 1), 7)`` long: what a trajectory at step ``s``
             does in a round, at row ``s`` without a prefetched evaluation and ``T + 1 + s`` with
             one. Columns: unfinished, takes a single row, speculates, only fetches its root's
-            evaluation, the rows its tree evaluates, its lookahead.
+            evaluation, the rows its tree evaluates, its lookahead, the model calls its rows need
+            (every stage where it speculates; its step's where it takes a single row).
         tree_rows: with a fixed tree, per lookahead ``Lr``: ``(batch n,)`` every trajectory ``n``
             times in a row, the trajectories of the target rows of a round where every trajectory
             evaluates the first ``n`` nodes (``None`` where no round does).
@@ -338,12 +339,15 @@ class Schedule:
         active: ``(batch,)`` unfinished trajectories, bool or 0/1 long (a column of
             :attr:`RunContext.schedule_table`).
         n_fetch: how many fetch.
+        calls: the sequential model calls of the round's batched evaluation: the chain's stages, or
+            fewer where every row is a single row at a step of fewer (Heun's last step, into 0, makes one).
     """
 
     single: torch.Tensor
     fetch: torch.Tensor
     groups: tuple
     active: torch.Tensor
+    calls: int
     n_fetch: int = 0
 
 

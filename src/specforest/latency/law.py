@@ -113,7 +113,9 @@ def predict_seconds(
             :data:`DETERMINISTIC_STEPS` for ``em``), one call each.
         stages: the model calls a step of the run's chain makes (:attr:`~specforest.sde.GaussianChain.stages`):
             every call of a speculative run is that many sequential calls of its rows (costed and counted
-            so); the standard run makes ``standard_calls`` (default ``steps * stages``), each of the batch.
+            so); the standard run makes ``standard_calls`` (default ``steps * stages``), each of the batch,
+            and the speculative run saves as many of its deterministic steps' calls as the standard run does
+            (Heun's last step, into 0, makes one call).
 
     The run is simulated: ``batch`` trajectories step through the grid in
     lockstep calls (the first step, the first root's fetch, speculative rounds
@@ -153,7 +155,10 @@ def predict_seconds(
             curve, steps, batch, tree, verify, acceptance, sampler_seconds_per_round, 1.0, setup_seconds,
             prefetch, sweeps, deterministic,
         )  # fmt: skip
-        return seconds, stages * calls
+        # the calls a step of fewer calls saves (Heun's last, into 0: one), on steps no round verifies,
+        # which the speculative run takes as the standard run does
+        saved = 0 if standard_calls is None else steps * stages - standard_calls
+        return seconds - saved * one(batch), stages * calls - saved
     deterministic = min(int(deterministic), steps)
     stoch = steps - deterministic
     bins = [(1.0, acceptance)] if callable(acceptance) else list(acceptance)
