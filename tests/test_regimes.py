@@ -78,14 +78,15 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 def _run_unit(fn, x: torch.Tensor, sig: torch.Tensor, unit: int, kw: dict) -> tuple[torch.Tensor, int]:
     """``fn``'s final state from ``x (1, D)`` with every draw 0 but draw ``unit`` (all ones); and the
-    number of draws. ``sample_euler`` draws ``torch.randn_like`` itself: it is patched for the call."""
+    number of draws. ``sample_euler`` and ``sample_heun`` draw ``torch.randn_like`` themselves: it is
+    patched for the call."""
     count = [0]
 
     def draw(*_, **__) -> torch.Tensor:
         count[0] += 1
         return torch.full((1, D), 1.0 if count[0] - 1 == unit else 0.0, dtype=torch.float64)
 
-    if fn is sampling().sample_euler:
+    if fn in (sampling().sample_euler, sampling().sample_heun):
         with mock.patch.object(torch, "randn_like", draw):
             out = fn(denoiser, x, sig, disable=True, **kw)
     else:
@@ -191,6 +192,21 @@ def test_speculated_euler_below_the_clip_in_a_window_has_k_diffusions_law(tree, 
     mean, var = reference_law(sampling().sample_euler, sig, **CHURN)
     out = kdiffusion.sample_euler(
         denoiser, ve_start(N_LAW, sig), sig, **CHURN, tree=tree, coupling=coupling, draft="x0", seed=5, disable=True
+    )
+    assert not law_failures(out, mean, var), law_failures(out, mean, var)
+
+
+@pytest.mark.parametrize("tree, coupling", LAW_TREES, ids=["grs", "rmc"])
+def test_speculated_heun_in_a_window_has_k_diffusions_law(tree, coupling):
+    """Heun's steps outside EDM's window add no noise: each is a round of single rows, which makes both of
+    its calls (only the last step, into 0, makes one), between the rounds its trees speculate."""
+    sig = karras()
+    window = dict(CHURN, s_tmax=1.0)  # (the large steps above it without noise: Euler's error there is seen)
+    churned = ((sig[:-1] >= window["s_tmin"]) & (sig[:-1] <= window["s_tmax"])).tolist()
+    assert not churned[0] and churned[-4] and not churned[-2]  # noise-free steps around the window
+    mean, var = reference_law(sampling().sample_heun, sig, **window)
+    out = kdiffusion.sample_heun(
+        denoiser, ve_start(N_LAW, sig), sig, **window, tree=tree, coupling=coupling, draft="x0", seed=5, disable=True
     )
     assert not law_failures(out, mean, var), law_failures(out, mean, var)
 
