@@ -251,7 +251,9 @@ def test_every_draft_keeps_a_staged_chains_law(chain, draft):
 
 def test_a_staged_chain_declares_its_tableau_and_counts_its_calls():
     """``heun``: two stages; the second at ``sigma'`` from the Euler point; one call into 0; a standard
-    run of ``T`` steps makes ``2 T - 1`` calls (NFE and ``stats.calls``), a speculative round two."""
+    run of ``T`` steps makes ``2 T - 1`` calls (NFE and ``stats.calls``), a speculative round two, and its
+    last step into 0 one, so each trajectory's NFE is odd as the standard run's; the batch's last round,
+    single rows into 0 only, makes one call."""
     assert chains.get_chain("heun").stages == 2 and chains.get_chain("euler").stages == 1
     tr = chains.HeunChurn(s_churn=5.0).build(LAW_GRID)
     T = tr.steps
@@ -274,7 +276,8 @@ def test_a_staged_chain_declares_its_tableau_and_counts_its_calls():
     out = specforest.sample(
         counted, x, sigmas=LAW_GRID, chain=chains.HeunChurn(s_churn=5.0), tree=trees.chain(4), seed=1
     )
-    assert calls[0] == out.stats.calls and out.stats.calls % 2 == 0 and out.stats.calls < 2 * T - 1
+    assert calls[0] == out.stats.calls and out.stats.calls % 2 == 1 and out.stats.calls < 2 * T - 1
+    assert bool((out.stats.nfe % 2 == 1).all()) and int(out.stats.nfe.max()) <= out.stats.calls
 
 
 @pytest.mark.parametrize("chain", MULTISTEP)

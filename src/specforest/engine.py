@@ -326,17 +326,20 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         ids1 = single.nonzero()[:, 0]
         ids = spec.nonzero()[:, 0]
         groups = _tree_groups(ctx, state, ids) if ids.numel() else ()
+        used = torch.tensor([ctx.tab.calls_at(s) for s in range(T)] + [0], device=step.device)
+        needs = torch.where(spec, ctx.tab.stages, used[step]) * active
         calls = ctx.tab.stages if groups else max(ctx.tab.calls_at(s) for s in step[ids1].tolist())
         return Schedule(
-            single=ids1, fetch=fetch[ids1], groups=groups, active=active, n_fetch=int(fetch.sum()), calls=calls
-        )
+            single=ids1, fetch=fetch[ids1], groups=groups, active=active, n_fetch=int(fetch.sum()), calls=calls,
+            needs=needs,
+        )  # fmt: skip
     # each trajectory's row of the table: what it does at its step, with or without a prefetch
     table = ctx.schedule_table
     at = table[torch.add(step, state.pre.valid, alpha=T + 1) if ctx.proposal.needs_prefetch else step]
-    active, single, spec, fetch, _, Ls, calls = at.unbind(1)
+    active, single, spec, fetch, _, Ls, needs = at.unbind(1)
     Lmin, Lmax = Ls.aminmax()
     # (the round's calls: every stage where a tree speculates, else what its single rows' steps make)
-    reads = torch.stack([Lmax, Lmin, ctx.target.bad, state.draft_bad, calls.amax()])
+    reads = torch.stack([Lmax, Lmin, ctx.target.bad, state.draft_bad, needs.amax()])
     counts = host_read(torch.cat([at[:, :6].sum(0), reads]))
     n_active, n1, ns, nf, rows, _, Lr, Lmin, bad, bad_draft, calls = counts
     if bad or bad_draft >= 0:
@@ -349,10 +352,14 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
     if ns == len(ctx.rows_all):
         # every trajectory speculates (one image, or a batch in step): no row selection at all
         group = Group(ids=ctx.rows_all, steps=ctx.fixed, Ls=Ls, Lr=Lr, rows=rows, everyone=True, even=Lmin == Lr)
-        return Schedule(single=ids1, fetch=ctx.no_fetch[:0], groups=(group,), active=active, n_fetch=nf, calls=calls)
+        return Schedule(
+            single=ids1, fetch=ctx.no_fetch[:0], groups=(group,), active=active, n_fetch=nf, calls=calls, needs=needs
+        )
     ids = torch.nonzero_static(spec, size=ns)[:, 0]
     groups = (Group(ids=ids, steps=ctx.fixed, Ls=Ls[ids], Lr=Lr, rows=rows),) if ns else ()
-    return Schedule(single=ids1, fetch=fetch[ids1] > 0, groups=groups, active=active, n_fetch=nf, calls=calls)
+    return Schedule(
+        single=ids1, fetch=fetch[ids1] > 0, groups=groups, active=active, n_fetch=nf, calls=calls, needs=needs
+    )
 
 
 def _tree_groups(ctx: RunContext, state: RunState, ids: torch.Tensor) -> tuple:
@@ -513,7 +520,8 @@ def commit(
                 terms = ctx.proposal.take_terms(d.terms, o.rows, o.steps - d.s0[o.rows])
                 dstate = ctx.proposal.observe(*args, terms, **kw)
     stages = sched.calls  # a round's (and a sweep's) calls: one per stage it makes
-    entry = RoundEntry(active=sched.active, single=single, outcomes=tuple(outcomes), calls=stages)
+    # (each trajectory's NFE counts the calls its own rows need: the same whatever the batch)
+    entry = RoundEntry(active=sched.active, single=single, outcomes=tuple(outcomes), calls=stages, needs=sched.needs)
     counters = state.counters.with_round(entry)
     sweeps = sum(d.sweeps for d in drafts)
     calls = sum(d.draft_calls for d in drafts) + sum(w.draft_calls for w in walks)

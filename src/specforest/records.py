@@ -341,6 +341,8 @@ class Schedule:
         n_fetch: how many fetch.
         calls: the sequential model calls of the round's batched evaluation: the chain's stages, or
             fewer where every row is a single row at a step of fewer (Heun's last step, into 0, makes one).
+        needs: ``(batch,)`` long, the calls each trajectory's rows need this round (0 where it takes no
+            part): the chain's stages where it speculates, its step's where it takes a single row.
     """
 
     single: torch.Tensor
@@ -348,6 +350,7 @@ class Schedule:
     groups: tuple
     active: torch.Tensor
     calls: int
+    needs: torch.Tensor
     n_fetch: int = 0
 
 
