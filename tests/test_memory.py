@@ -421,6 +421,10 @@ def test_the_experiments_size_their_runs_with_the_chains_history_and_stages(
     assert all({k: s[k] for k in shape} == shape for s in seen), [{k: s[k] for k in shape} for s in seen]
 
 
+STEPS = 12
+"""Steps of the live-bytes runs: a chain of 10 nodes, its memory a large share of what they hold."""
+
+
 def _live_peak_and_estimate(chain: str, options: dict) -> tuple:
     """A cached-draft chain run of digits with its calls split at 100 rows: the peak of its live tensor
     bytes (the profiler's allocation records: deterministic, unlike the resident set) and what its
@@ -438,7 +442,7 @@ def _live_peak_and_estimate(chain: str, options: dict) -> tuple:
         seen.append(dataclasses.replace(estimate(**kw), max_rows=100))
         return seen[-1]
 
-    kw = dict(method="rmc", K=1, L=10, samples=128, steps=6, seed=0, draft="cached", verify="drafted")
+    kw = dict(method="rmc", K=1, L=10, samples=128, steps=STEPS, seed=0, draft="cached", verify="drafted")
     with pytest.MonkeyPatch.context() as mp, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         mp.setattr(memory, "estimate", split)
         pixel_exp.simulate(**kw, chain=chain, churn=0.1 if chain == "em" else None, options=options)
