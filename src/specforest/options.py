@@ -247,7 +247,7 @@ class SamplerOptions:
 
     steps: Optional[int] = option(
         None,
-        help=f"Grid steps T (3 to {MAX_STEPS}; the first and last are deterministic Euler steps).",
+        help=f"Grid steps T (3 to {MAX_STEPS}; on the em chain the first and last are deterministic Euler steps).",
         kind=int,
         low=3,
         high=MAX_STEPS,
