@@ -340,7 +340,7 @@ def _commands(tmp: Path) -> list:
             )
             for name, chain, limit in (
                 ("em", [], 0.5),
-                ("dpm_2_ancestral (two calls a step)", ["--chain", "dpm_2_ancestral", "--schedule", "karras"], 0.6),
+                ("dpm_2_ancestral (two calls a step)", ["--chain", "dpm_2_ancestral", "--schedule", "karras"], 0.7),
             )
         ),
         (
