@@ -44,23 +44,20 @@ class RoundEntry:
     """A speculative round's outcome, pending in :class:`Counters`.
 
     Attributes:
-        active: ``(batch,)`` bool or 0/1 long, the trajectories that took part.
+        needs: ``(batch,)`` long, the calls each trajectory's rows needed (0 for one that took no part):
+            the chain's stages where it speculated, its step's where it took a single row (Heun's last
+            step, into 0, needs one, whatever else the batch did). Its NFE counts these.
         single: ``(n1,)`` trajectories that took a single row (one evaluated row each, not a
             speculative round), or ``None``.
         outcomes: the speculating groups'.
         calls: sequential target calls the round (and each of its Picard sweeps) made: the chain's
             stages (:mod:`specforest.stages`), fewer where every row was a single row at a step of fewer.
-        needs: ``(batch,)`` long, the calls each trajectory's rows needed (0 for one that took no part):
-            the chain's stages where it speculated, its step's where it took a single row (Heun's last
-            step, into 0, needs one, whatever else the batch did). Its NFE counts these; ``None``:
-            ``calls`` each active trajectory.
     """
 
-    active: torch.Tensor
+    needs: torch.Tensor
     single: Optional[torch.Tensor]
     outcomes: tuple
     calls: int = 1
-    needs: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -147,10 +144,8 @@ class Counters:
             return out.flushed()
         if not self.pending:
             return self
-        actives = [
-            e.needs if e.needs is not None else e.active * e.calls if e.calls != 1 else e.active for e in self.pending
-        ]
-        nfe = self.nfe + (torch.stack(actives).sum(0) if len(actives) > 1 else actives[0])
+        needs = [e.needs for e in self.pending]
+        nfe = self.nfe + (torch.stack(needs).sum(0) if len(needs) > 1 else needs[0])
         per_traj, per_depth, commits = self.per_traj, self.per_depth, self.commits
         single = [e.single for e in self.pending if e.single is not None]
         if single:

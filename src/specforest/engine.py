@@ -232,14 +232,13 @@ def _schedule_table(ctx: RunContext, tt: TreeTables, la: torch.Tensor) -> torch.
     """:attr:`RunContext.schedule_table` of tree ``tt`` with lookaheads ``la (T + 1,)``. A proposal
     that needs no prefetch speculates either way; one that needs it takes a single step to fetch one first."""
     active = torch.arange(ctx.T + 1, device=ctx.device) < ctx.T
-    # the calls a single row's step makes (a chain of several stages: its last step into 0 makes one)
-    used = torch.tensor([ctx.tab.calls_at(s) for s in range(ctx.T)] + [0], device=ctx.device)
     rows = []
     for valid in (False, True):
         Ls = la if valid or not ctx.proposal.needs_prefetch else torch.zeros_like(la)
         spec = Ls > 0
         fetch = (la > 0) & ~spec
-        calls = torch.where(spec, ctx.tab.stages, used)
+        # a single row's step's calls (a chain of several stages: its last step into 0 makes one)
+        calls = torch.where(spec, ctx.tab.stages, ctx.tab.calls)
         rows.append(torch.stack([active, active & ~spec, spec, fetch, tt.rows_spec[Ls], Ls, calls], 1).long())
     return torch.cat(rows)
 
@@ -326,17 +325,14 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
         ids1 = single.nonzero()[:, 0]
         ids = spec.nonzero()[:, 0]
         groups = _tree_groups(ctx, state, ids) if ids.numel() else ()
-        used = torch.tensor([ctx.tab.calls_at(s) for s in range(T)] + [0], device=step.device)
-        needs = torch.where(spec, ctx.tab.stages, used[step]) * active
-        calls = ctx.tab.stages if groups else max(ctx.tab.calls_at(s) for s in step[ids1].tolist())
+        needs = torch.where(spec, ctx.tab.stages, ctx.tab.calls[step]) * active
         return Schedule(
-            single=ids1, fetch=fetch[ids1], groups=groups, active=active, n_fetch=int(fetch.sum()), calls=calls,
-            needs=needs,
-        )  # fmt: skip
+            single=ids1, fetch=fetch[ids1], groups=groups, n_fetch=int(fetch.sum()), calls=int(needs.max()), needs=needs
+        )
     # each trajectory's row of the table: what it does at its step, with or without a prefetch
     table = ctx.schedule_table
     at = table[torch.add(step, state.pre.valid, alpha=T + 1) if ctx.proposal.needs_prefetch else step]
-    active, single, spec, fetch, _, Ls, needs = at.unbind(1)
+    _, single, spec, fetch, _, Ls, needs = at.unbind(1)
     Lmin, Lmax = Ls.aminmax()
     # (the round's calls: every stage where a tree speculates, else what its single rows' steps make)
     reads = torch.stack([Lmax, Lmin, ctx.target.bad, state.draft_bad, needs.amax()])
@@ -352,14 +348,10 @@ def schedule(ctx: RunContext, state: RunState) -> Optional[Schedule]:
     if ns == len(ctx.rows_all):
         # every trajectory speculates (one image, or a batch in step): no row selection at all
         group = Group(ids=ctx.rows_all, steps=ctx.fixed, Ls=Ls, Lr=Lr, rows=rows, everyone=True, even=Lmin == Lr)
-        return Schedule(
-            single=ids1, fetch=ctx.no_fetch[:0], groups=(group,), active=active, n_fetch=nf, calls=calls, needs=needs
-        )
+        return Schedule(single=ids1, fetch=ctx.no_fetch[:0], groups=(group,), n_fetch=nf, calls=calls, needs=needs)
     ids = torch.nonzero_static(spec, size=ns)[:, 0]
     groups = (Group(ids=ids, steps=ctx.fixed, Ls=Ls[ids], Lr=Lr, rows=rows),) if ns else ()
-    return Schedule(
-        single=ids1, fetch=fetch[ids1] > 0, groups=groups, active=active, n_fetch=nf, calls=calls, needs=needs
-    )
+    return Schedule(single=ids1, fetch=fetch[ids1] > 0, groups=groups, n_fetch=nf, calls=calls, needs=needs)
 
 
 def _tree_groups(ctx: RunContext, state: RunState, ids: torch.Tensor) -> tuple:
@@ -521,7 +513,7 @@ def commit(
                 dstate = ctx.proposal.observe(*args, terms, **kw)
     stages = sched.calls  # a round's (and a sweep's) calls: one per stage it makes
     # (each trajectory's NFE counts the calls its own rows need: the same whatever the batch)
-    entry = RoundEntry(active=sched.active, single=single, outcomes=tuple(outcomes), calls=stages, needs=sched.needs)
+    entry = RoundEntry(needs=sched.needs, single=single, outcomes=tuple(outcomes), calls=stages)
     counters = state.counters.with_round(entry)
     sweeps = sum(d.sweeps for d in drafts)
     calls = sum(d.draft_calls for d in drafts) + sum(w.draft_calls for w in walks)

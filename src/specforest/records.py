@@ -336,19 +336,17 @@ class Schedule:
         single: ``(n1,)`` trajectories with one row: a deterministic step or the first root fetch.
         fetch: ``(n1,)`` bool, which of them only fetch their root's evaluation.
         groups: the speculating trajectories, one :class:`Group` per tree.
-        active: ``(batch,)`` unfinished trajectories, bool or 0/1 long (a column of
-            :attr:`RunContext.schedule_table`).
         n_fetch: how many fetch.
         calls: the sequential model calls of the round's batched evaluation: the chain's stages, or
             fewer where every row is a single row at a step of fewer (Heun's last step, into 0, makes one).
-        needs: ``(batch,)`` long, the calls each trajectory's rows need this round (0 where it takes no
-            part): the chain's stages where it speculates, its step's where it takes a single row.
+        needs: ``(batch,)`` long, the calls each trajectory's rows need this round, 0 where it has finished
+            (a column of :attr:`RunContext.schedule_table`): the chain's stages where it speculates, its
+            step's where it takes a single row.
     """
 
     single: torch.Tensor
     fetch: torch.Tensor
     groups: tuple
-    active: torch.Tensor
     calls: int
     needs: torch.Tensor
     n_fetch: int = 0

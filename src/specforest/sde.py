@@ -295,10 +295,15 @@ class StepTables:
     tableau: Optional[Stages] = None  # the stage tableau (specforest.stages), or None (one call a step)
     keep: Optional[torch.Tensor] = None  # (T, 2): what a state hands on, k_y y + k_v v; None: its prediction
     times: Optional[torch.Tensor] = None  # (T, s) float64: each call's time input for the model, or None (its level)
+    calls: Optional[torch.Tensor] = None  # (T + 1,) long: the model calls each step makes (0 at T: finished)
 
     def __post_init__(self) -> None:
         if self.ac is None:
             object.__setattr__(self, "ac", torch.stack([self.a, self.c], -1))
+        if self.calls is None:
+            T = self.sig.numel() - 1
+            used = [1] * T if self.tableau is None else list(self.tableau.used)
+            object.__setattr__(self, "calls", torch.tensor([*used, 0], device=self.sig.device))
 
     @classmethod
     def build(cls, chain: GaussianChain, device: torch.device, dtype: torch.dtype) -> "StepTables":
