@@ -232,9 +232,8 @@ def simulate(
     cat = {k: torch.cat(v) for k, v in parts.items()}
 
     # on the run's own grid: a schedule (a further option) starts below t = 1, where the em chain's first step is noisy
-    sde = options_sde(opts)
-    t_det = sde.steps - int(sde.stochastic.sum())  # (the chain's steps: dpmpp_sde walks 2 T - 1 half-steps)
-    summary = summarize(**{k: cat[k] for k in names}, **call_counts(sde))
+    t_det = chain_T - int(tables.stochastic.sum())  # (the chain's steps: dpmpp_sde walks 2 T - 1 half-steps)
+    summary = summarize(**{k: cat[k] for k in names}, **call_counts(tables))
     record = {
         "method": method,
         "K": K,

@@ -211,6 +211,9 @@ def simulate(
             **further,
         )
 
+    # the chain's tables on the run's grid: the steps a round drafts (dpmpp_sde's 2 T - 1 half-steps, not
+    # the grid's), the standard run's calls and its calls without noise
+    tables = options_sde(SamplerOptions(steps=T, **chain_kwargs(ch), grid=grid, **further))
     if isinstance(tree, DraftTree):
         # a tree given as it is (e.g. a tuned one): recorded as custom, K and L its widest node and depth
         if method in ("standard", "rmc"):
@@ -218,9 +221,7 @@ def simulate(
         tree_mode, budget = "custom", tree.budget
         K, L = tree.max_children, tree.L
     else:
-        # a round drafts the chain's steps (dpmpp_sde's 2 T - 1 half-steps), not the grid's
-        chain_T = options_sde(SamplerOptions(steps=T, **chain_kwargs(ch), grid=grid, **further)).steps
-        tree, budget = choose_tree(method, K, L, chain_T, tree_mode, budget, plan)
+        tree, budget = choose_tree(method, K, L, tables.steps, tree_mode, budget, plan)
     # a tree-less run has nothing to realize lazily; a draft that remembers its chain runs chains full
     lazy = bool(lazy) and tree is not None and not runs_full(get_proposal(draft), tree)
     # the limit bounds the whole process: what it holds now (the networks) counts as fixed
@@ -264,7 +265,7 @@ def simulate(
         warmup_seconds = warm_up(target, x_T, cond=cond, repeats=3 if compile else 1, **opts.as_dict())
     out = sample(target, x_T, opts, generator=g, progress=progress, cond=cond)
     s = out.stats
-    counts = call_counts(options_sde(opts))  # the run's chain on its grid: its standard calls, its steps of no noise
+    counts = call_counts(tables)
     speedup = counts["standard_calls"] / s.nfe.double()
     accuracy = None
     if labels is not None and classifier is not None:
